@@ -1,0 +1,17 @@
+/* Scalar float conversions (IEEE 754 binary16 and bfloat16), round to nearest even.
+ * The kernels issue adds SIMD variants; these are the reference every variant must match. */
+#ifndef MCF_FPCONV_H
+#define MCF_FPCONV_H
+#include <stddef.h>
+#include <stdint.h>
+
+void mcf_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
+void mcf_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
+void mcf_f16_to_f32(const uint16_t *src, float *dst, size_t n);
+void mcf_f32_to_f16(const float *src, uint16_t *dst, size_t n);
+
+uint16_t mcf_f32_to_f16_one(float f);
+float mcf_f16_to_f32_one(uint16_t h);
+uint16_t mcf_f32_to_bf16_one(float f);
+
+#endif

@@ -1,0 +1,28 @@
+# The I/O core's C-level surface, for other compiled modules of mcf (batch gathers, kernels) that
+# copy straight from a mapping without going through Python.
+from libc.stdint cimport uint8_t, uint64_t
+
+
+cdef class _Mapping:
+    cdef void* addr
+    cdef size_t length
+
+
+cdef class Source:
+    cdef readonly object name        # path as str, or repr of the wrapped object
+    cdef readonly object path        # the path when opened from one, else None
+    cdef readonly str mode           # "mmap", "pread", "fileobj" or "memory"
+    cdef uint64_t _size
+    cdef int _fd
+    cdef bint _closed
+    cdef const uint8_t* base         # start of the bytes when mapped or in memory, else NULL
+    cdef object _mapping             # _Mapping or memoryview that owns `base`
+    cdef object _whole               # uint8 ndarray over all bytes (mapped/memory modes)
+    cdef object _fileobj
+    cdef object _lock
+    cdef bint _owns_fileobj
+
+    cdef int check_range(self, object offset, object size) except -1
+    cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1
+    cdef _set_mapping(self, _Mapping m)
+    cdef _fileobj_read(self, uint64_t offset, mv)

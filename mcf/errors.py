@@ -1,0 +1,150 @@
+"""The exceptions of mcf.
+
+Every error the library raises on purpose derives from :class:`MCFError`, so a tool that wraps mcf can
+catch one class.  Each concrete class also derives from the builtin a Python user would reach for first
+(``ValueError`` for a malformed file, ``KeyError`` for a missing tensor, ``IndexError`` for a read past
+the end, ``OSError`` for I/O), so code written against the builtins keeps working.
+
+Format errors carry structured context (file, field, offset, expected, got) and render it into the
+message, because "corrupt file" alone is useless to someone holding a 70 GB checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "MCFError",
+    "FormatError",
+    "TruncatedError",
+    "UnsupportedVersionError",
+    "ChecksumError",
+    "OutOfBoundsError",
+    "TensorNotFoundError",
+    "DTypeError",
+    "ClosedError",
+    "MCFIOError",
+    "InvalidArgumentError",
+    "MissingFileError",
+    "AccessError",
+]
+
+
+class MCFError(Exception):
+    """Base class of every exception raised by mcf."""
+
+
+class FormatError(MCFError, ValueError):
+    """The bytes of a file do not follow its format.
+
+    ``path``, ``field``, ``offset``, ``expected`` and ``got`` are kept as attributes (``None`` when not
+    known) and rendered as ``<path>: <field> at offset <offset>: <reason> (expected <expected>, got
+    <got>)``.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        path: Any = None,
+        field: str | None = None,
+        offset: int | None = None,
+        expected: Any = None,
+        got: Any = None,
+    ) -> None:
+        self.reason = reason
+        self.path = None if path is None else str(path)
+        self.field = field
+        self.offset = offset
+        self.expected = expected
+        self.got = got
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        loc = self.field or ""
+        if self.offset is not None:
+            loc = f"{loc} at offset {self.offset}" if loc else f"offset {self.offset}"
+        if loc:
+            where.append(loc)
+        msg = ": ".join(where + [self.reason]) if where else self.reason
+        extra = []
+        if self.expected is not None:
+            extra.append(f"expected {self.expected}")
+        if self.got is not None:
+            extra.append(f"got {self.got}")
+        if extra:
+            msg += " (" + ", ".join(extra) + ")"
+        return msg
+
+    def __reduce__(self):  # keep the structured fields across pickling (multiprocessing workers)
+        return (
+            _rebuild_format_error,
+            (type(self), self.reason, self.path, self.field, self.offset, self.expected, self.got),
+        )
+
+
+def _rebuild_format_error(cls, reason, path, field, offset, expected, got):
+    return cls(reason, path=path, field=field, offset=offset, expected=expected, got=got)
+
+
+class TruncatedError(FormatError):
+    """A structure extends past the end of the file (or of its section)."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The file declares a major version (or a section version) this library cannot read."""
+
+
+class ChecksumError(FormatError):
+    """Stored and computed checksums disagree."""
+
+
+class OutOfBoundsError(MCFError, IndexError):
+    """A caller asked for bytes, rows or items outside what exists."""
+
+
+class TensorNotFoundError(MCFError, KeyError):
+    """No tensor with that name exists in the container."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message, quoting it
+        return str(self.args[0]) if self.args else ""
+
+
+class DTypeError(MCFError, TypeError):
+    """The operation does not apply to the dtype (e.g. a raw view of a quantized tensor)."""
+
+
+class ClosedError(MCFError, ValueError):
+    """The file was closed; views handed out earlier stay valid, new reads are refused."""
+
+
+class MCFIOError(MCFError, OSError):
+    """An operating-system level I/O failure, with the file named."""
+
+
+class InvalidArgumentError(MCFError, ValueError):
+    """A caller passed a value the writer or reader cannot accept (bad name, shape, dtype, option)."""
+
+
+class MissingFileError(MCFIOError, FileNotFoundError):
+    """The file does not exist."""
+
+
+class AccessError(MCFIOError, PermissionError):
+    """The operating system refused access to the file."""
+
+
+def os_error(exc: OSError, path: Any) -> MCFIOError:
+    """Wrap an ``OSError`` so it is also an :class:`MCFError` and names the file."""
+    import errno as _errno
+
+    cls = MCFIOError
+    if exc.errno == _errno.ENOENT:
+        cls = MissingFileError
+    elif exc.errno in (_errno.EACCES, _errno.EPERM):
+        cls = AccessError
+    err = cls(exc.errno, exc.strerror or str(exc), str(path) if path is not None else None)
+    return err
