@@ -1,1 +1,27 @@
-"""mcf: fast, validated readers and writers for the on-disk formats ML infrastructure lives on."""
+"""mcf: fast, validated readers and writers for the on-disk formats ML infrastructure lives on.
+
+- MCF model containers: :func:`mcf.open`, :class:`mcf.Writer`, :func:`mcf.pack`.
+- The I/O core every format reads through: :func:`mcf.io.open_source`.
+- Errors: everything raised on purpose derives from :class:`mcf.MCFError`.
+"""
+
+from mcf import io
+from mcf.container import Container, Header, Section, open
+from mcf.dtypes import DType
+from mcf.errors import (AccessError, ChecksumError, ClosedError, DTypeError, FormatError, InvalidArgumentError,
+                        MCFError, MCFIOError, MissingFileError, OutOfBoundsError, TensorNotFoundError,
+                        TruncatedError, UnsupportedVersionError)
+from mcf.layout import SectionType, quant_layout
+from mcf.modelinfo import Arch, ModelInfo, RopeType
+from mcf.quantinfo import QuantRecord
+from mcf.tensor_index import TensorInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
+    "DType", "SectionType", "quant_layout", "io",
+    "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
+    "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
+    "MissingFileError", "AccessError", "InvalidArgumentError",
+]

@@ -1,0 +1,413 @@
+"""Reading MCF containers: header, section directory, resources, ModelInfo, QuantInfo and tensors.
+
+Everything the file says is validated when it is opened (sizes, offsets, overlaps, dtype x shape),
+with overflow-free Python integers, so that later reads can trust the index: a bad file raises a
+:class:`mcf.FormatError` naming the field and offset, never a crash or a wrong array.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from mcf._io import Source, open_source
+from mcf.dtypes import DType
+from mcf.errors import DTypeError, FormatError, TruncatedError, UnsupportedVersionError
+from mcf.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
+                        MAJOR, MAX_SECTIONS, RESOURCE_BY_FILE, RESOURCE_FILES, SECTION_ALIGN, Domain,
+                        SectionType, section_name)
+from mcf.modelinfo import ModelInfo, decode_model_info
+from mcf.quantinfo import QuantRecord, decode_quant_info
+from mcf.tensor_index import TensorIndex, TensorInfo, _cached_layout
+
+__all__ = ["Container", "Header", "Section", "open"]
+
+_UNIQUE = {SectionType.MODEL_INFO, SectionType.QUANT_INFO, SectionType.TENSOR_INDEX,
+           SectionType.TENSOR_DATA, *RESOURCE_FILES}
+
+try:  # optional: a real bfloat16 numpy dtype
+    import ml_dtypes as _ml_dtypes
+
+    _BF16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    _BF16 = None
+
+
+@dataclass(frozen=True)
+class Header:
+    magic: bytes
+    major: int
+    minor: int
+    header_size: int
+    section_count: int
+    section_dir_offset: int
+    file_size: int
+    flags: int
+
+    @property
+    def aligned64(self) -> bool:
+        return bool(self.flags & FLAG_TENSOR_DATA_ALIGNED64)
+
+
+@dataclass(frozen=True)
+class Section:
+    type: int
+    version: int
+    offset: int
+    size: int
+
+    @property
+    def name(self) -> str:
+        return section_name(self.type)
+
+
+def _parse_header(src: Source) -> Header:
+    path = src.name
+    size = src.size
+    if size < HEADER_SIZE:
+        raise TruncatedError("file shorter than the MCF header", path=path, field="header", offset=0,
+                             expected=f">= {HEADER_SIZE} bytes", got=f"{size} bytes")
+    h = Header(*HEADER.unpack(src.read(0, HEADER_SIZE)))
+    if h.magic != MAGIC:
+        raise FormatError("not an MCF file (bad magic)", path=path, field="magic", offset=0,
+                          expected=MAGIC.hex(), got=h.magic.hex())
+    if h.major != MAJOR:
+        raise UnsupportedVersionError("unsupported major version", path=path, field="major", offset=4,
+                                      expected=MAJOR, got=h.major)
+    if h.file_size != size:
+        raise TruncatedError("file_size does not match the real length (truncated or appended to?)",
+                             path=path, field="file_size", offset=24, expected=size, got=h.file_size)
+    if h.header_size < HEADER_SIZE or h.header_size > size:
+        raise FormatError("bad header_size", path=path, field="header_size", offset=8,
+                          expected=f"{HEADER_SIZE}..{size}", got=h.header_size)
+    if h.section_count == 0 or h.section_count > MAX_SECTIONS:
+        raise FormatError("bad section_count", path=path, field="section_count", offset=12,
+                          expected=f"1..{MAX_SECTIONS}", got=h.section_count)
+    dir_end = h.section_dir_offset + DIR_ENTRY_SIZE * h.section_count
+    if h.section_dir_offset < h.header_size or dir_end > size:
+        raise TruncatedError("section directory outside the file", path=path,
+                             field="section_dir_offset", offset=16,
+                             expected=f"{h.header_size} <= offset and offset + {DIR_ENTRY_SIZE}*"
+                                      f"{h.section_count} <= {size}", got=h.section_dir_offset)
+    return h
+
+
+def _parse_directory(src: Source, h: Header) -> list:
+    path = src.name
+    raw = src.read(h.section_dir_offset, DIR_ENTRY_SIZE * h.section_count)
+    dir_lo, dir_hi = h.section_dir_offset, h.section_dir_offset + DIR_ENTRY_SIZE * h.section_count
+    sections = []
+    seen = set()
+    for i in range(h.section_count):
+        at = h.section_dir_offset + i * DIR_ENTRY_SIZE
+        typ, ver, off, sz = DIR_ENTRY.unpack_from(raw, i * DIR_ENTRY_SIZE)
+        field = f"section[{i}]({section_name(typ)})"
+        if off % SECTION_ALIGN:
+            raise FormatError("section offset is not 8-byte aligned", path=path, field=field + ".offset",
+                              offset=at + 8, expected="multiple of 8", got=off)
+        if off < h.header_size or off > h.file_size or sz > h.file_size - off:
+            raise TruncatedError("section outside the file", path=path, field=field + ".offset",
+                                 offset=at + 8, expected=f"[{h.header_size}, {h.file_size}]",
+                                 got=f"[{off}, {off + sz})")
+        if sz and off < dir_hi and dir_lo < off + sz:
+            raise FormatError("section overlaps the section directory", path=path,
+                              field=field + ".offset", offset=at + 8,
+                              expected=f"outside [{dir_lo}, {dir_hi})", got=f"[{off}, {off + sz})")
+        if typ in _UNIQUE:
+            if typ in seen:
+                raise FormatError("section type appears twice", path=path, field=field + ".type",
+                                  offset=at, got=hex(typ))
+            seen.add(typ)
+            if ver != 1:
+                raise UnsupportedVersionError("unsupported section version", path=path,
+                                              field=field + ".version", offset=at + 4, expected=1, got=ver)
+        sections.append(Section(typ, ver, off, sz))
+    ordered = sorted((s for s in sections if s.size), key=lambda s: s.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if b.offset < a.offset + a.size:
+            raise FormatError(f"sections {a.name} and {b.name} overlap", path=path,
+                              field=f"section({b.name}).offset", offset=b.offset,
+                              expected=f">= {a.offset + a.size}", got=b.offset)
+    return sections
+
+
+class Container:
+    """An open MCF file.  Use :func:`mcf.open`; close it (or use ``with``) when done.
+
+    Arrays returned by :meth:`tensor` are zero-copy views when the file is mapped and stay valid after
+    :meth:`close`.
+    """
+
+    def __init__(self, source: Source, *, owns_source: bool = True):
+        self._src = source
+        self._owns = owns_source
+        self.path = source.name
+        try:
+            self.header = _parse_header(source)
+            self.sections = tuple(_parse_directory(source, self.header))
+            self._by_type = {s.type: s for s in self.sections}
+            self._quant_records = None
+            records = self._read_quant_info()
+            domains = {r.tensor_index: r.domain for r in records} if records else None
+            self.index = self._read_index(domains)
+            if records:
+                self._check_quant_records(records)
+            self._mapped = source.is_mapped
+        except BaseException:
+            if owns_source:
+                source.close()
+            raise
+
+    # -- sections ---------------------------------------------------------------------------------
+    def section(self, type_: int) -> Section | None:
+        """The directory entry of section ``type_`` (first one for repeated unknown types)."""
+        return self._by_type.get(int(type_))
+
+    def section_bytes(self, type_: int) -> bytes | None:
+        s = self.section(type_)
+        return None if s is None else self._src.read(s.offset, s.size)
+
+    def _read_index(self, domains) -> TensorIndex:
+        s = self.section(SectionType.TENSOR_INDEX)
+        if s is None:
+            return TensorIndex([], [], 0)
+        td = self.section(SectionType.TENSOR_DATA)
+        if td is None:
+            raise FormatError("file has a TensorIndex but no TensorData section", path=self.path,
+                              field="section(TensorData)", offset=self.header.section_dir_offset)
+        data = self._src.view(s.offset, s.size)
+        return TensorIndex.parse(data, path=self.path, base_offset=s.offset,
+                                 data_range=(td.offset, td.size), domains=domains,
+                                 aligned64=self.header.aligned64)
+
+    def _read_quant_info(self):
+        s = self.section(SectionType.QUANT_INFO)
+        if s is None:
+            return None
+        return decode_quant_info(self._src.read(s.offset, s.size), path=self.path, base_offset=s.offset)
+
+    def _check_quant_records(self, records):
+        out = []
+        seen = set()
+        s = self.section(SectionType.QUANT_INFO)
+        for i, r in enumerate(records):
+            at = s.offset + 8 + 24 * i
+            field = f"QuantInfo.record[{i}]"
+            if r.tensor_index >= len(self.index):
+                raise FormatError("record points at a tensor that does not exist", path=self.path,
+                                  field=field + ".tensor_index", offset=at,
+                                  expected=f"< {len(self.index)}", got=r.tensor_index)
+            if r.tensor_index in seen:
+                raise FormatError("two records for one tensor", path=self.path,
+                                  field=field + ".tensor_index", offset=at, got=r.tensor_index)
+            seen.add(r.tensor_index)
+            t = self.index.position(r.tensor_index)
+            if r.method != t.dtype.code:
+                raise FormatError(f"method does not match the dtype of tensor {t.name!r}",
+                                  path=self.path, field=field + ".method", offset=at + 4,
+                                  expected=t.dtype.code, got=r.method)
+            fam = t.dtype.family
+            want = {"block": (0, 32, 0), "super": (0, 32, 256)}.get(fam)
+            if want is not None and (r.domain, r.block_size, r.super_size) != want:
+                raise FormatError(f"block geometry of {t.name!r} differs from the spec", path=self.path,
+                                  field=field, offset=at + 5,
+                                  expected="domain=%d block=%d super=%d" % want,
+                                  got=f"domain={r.domain} block={r.block_size} super={r.super_size}")
+            if fam == "raw" and r.domain not in (Domain.WEIGHTS, Domain.ACTIVATIONS):
+                raise FormatError("unknown domain", path=self.path, field=field + ".domain",
+                                  offset=at + 5, expected="0 or 1", got=r.domain)
+            out.append(QuantRecord(r.tensor_index, r.method, r.domain, r.block_size, r.super_size,
+                                   r.min_clip, r.max_clip, t.name))
+        self._quant_records = out
+
+    @property
+    def flags(self) -> int:
+        return self.header.flags
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        s = self.section(SectionType.MODEL_INFO)
+        if s is None:
+            return None
+        return decode_model_info(self._src.read(s.offset, s.size), path=self.path, base_offset=s.offset)
+
+    @property
+    def quant_info(self) -> list:
+        """QuantInfo records, cross-checked against the tensor index, with tensor names filled in."""
+        return list(self._quant_records or [])
+
+    def quant_record(self, name: str) -> QuantRecord | None:
+        t = self.index[name]
+        for r in self._quant_records or ():
+            if r.tensor_index == t.index:
+                return r
+        return None
+
+    # -- resources ------------------------------------------------------------------------------
+    def _resource_type(self, name) -> int:
+        if isinstance(name, int):
+            return name
+        try:
+            return RESOURCE_BY_FILE[name]
+        except KeyError:
+            raise KeyError(f"unknown resource {name!r}; expected one of {sorted(RESOURCE_BY_FILE)}") from None
+
+    def resource(self, name) -> bytes | None:
+        """Raw bytes of a resource section ("config.json", "tokenizer.json", ... or a type code)."""
+        return self.section_bytes(self._resource_type(name))
+
+    def resource_text(self, name) -> str | None:
+        b = self.resource(name)
+        return None if b is None else b.decode("utf-8")
+
+    def resource_json(self, name):
+        """A resource section parsed as JSON (``None`` when absent)."""
+        b = self.resource(name)
+        if b is None:
+            return None
+        s = self.section(self._resource_type(name))
+        try:
+            return json.loads(b)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"resource is not valid JSON: {exc}", path=self.path,
+                              field=f"section({s.name})", offset=s.offset) from None
+
+    @property
+    def resources(self) -> dict:
+        """Every resource section present, file name -> bytes."""
+        return {fname: self.section_bytes(t) for t, fname in RESOURCE_FILES.items() if t in self._by_type}
+
+    # -- tensors --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def __contains__(self, name) -> bool:
+        return name in self.index
+
+    def keys(self):
+        return self.index.keys()
+
+    def info(self, name: str) -> TensorInfo:
+        """Metadata of one tensor (dtype, shape, offset, size)."""
+        return self.index[name]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor as a numpy array of its dtype: zero-copy and read-only when mapped.
+
+        BF16 comes back as ``ml_dtypes.bfloat16`` when that package is installed, else as the raw
+        ``uint16`` bit patterns (see :meth:`to_float32`).  Quantized tensors have no plain array; use
+        :meth:`quant_regions` for their raw regions.
+        """
+        t = self.index[name]
+        if t.dtype.quantized:
+            raise DTypeError(f"{self.path}: tensor {name!r} is {t.dtype.name}-quantized; "
+                             "use quant_regions() for its raw regions")
+        dt = t.dtype.numpy
+        if t.dtype.code == DType.BF16 and _BF16 is not None:
+            dt = _BF16
+        return self._src.array(t.offset, dt, t.shape)
+
+    def to_float32(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array (or ``out``)."""
+        from mcf import _fpconv
+
+        t = self.index[name]
+        code = t.dtype.code
+        if code == DType.BF16:
+            return _fpconv.bf16_to_f32(self._src.array(t.offset, np.uint16, t.shape), out)
+        if code == DType.F16:
+            return _fpconv.f16_to_f32(self._src.array(t.offset, np.uint16, t.shape), out)
+        if code in (DType.F32, DType.F64):
+            a = self._src.array(t.offset, t.dtype.numpy, t.shape)
+            if out is None:
+                return a.astype(np.float32)
+            np.copyto(out, a.reshape(out.shape), casting="same_kind")
+            return out
+        raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's payload bytes as a uint8 array (zero-copy when mapped)."""
+        t = self.index[name]
+        return self._src.view(t.offset, t.nbytes)
+
+    def quant_layout(self, name: str):
+        t = self.index[name]
+        if not t.dtype.quantized:
+            raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not quantized")
+        rec = self.quant_record(name)
+        return _cached_layout(t.dtype.code, t.shape, rec.domain if rec else 0)
+
+    def quant_regions(self, name: str) -> dict:
+        """The raw regions of a quantized tensor as arrays, keyed by region name:
+        q*: ``scales`` (f16), ``data``; k*: ``super_scales`` (f16), ``sub_scales`` (u8), ``data``;
+        int*: ``scale`` (f32), [``zero``], ``data``.  Codes stay packed."""
+        t = self.index[name]
+        lay = self.quant_layout(name)
+        return {r.name: self._src.array(t.offset + r.offset, r.dtype, (r.count,)) for r in lay.regions}
+
+    # -- whole-file checks ---------------------------------------------------------------------
+    def verify(self) -> list:
+        """Checks beyond what opening does; returns a list of problems (empty when clean).
+
+        Opening already validated the structure; this adds: resource JSON parses, ModelInfo decodes,
+        tensor ranges overlap only when identical (dedup), quantized sub-scales use 6 bits."""
+        problems = []
+        for t, fname in RESOURCE_FILES.items():
+            if t in self._by_type and fname.endswith(".json"):
+                try:
+                    self.resource_json(fname)
+                except FormatError as exc:
+                    problems.append(str(exc))
+        try:
+            self.model_info
+        except FormatError as exc:
+            problems.append(str(exc))
+        ranges = sorted({(t.offset, t.nbytes) for t in self.index.values() if t.nbytes})
+        for (o1, n1), (o2, n2) in zip(ranges, ranges[1:]):
+            if o2 < o1 + n1:
+                problems.append(f"{self.path}: tensor data ranges [{o1}, {o1 + n1}) and [{o2}, {o2 + n2}) "
+                                "partially overlap")
+        for t in self.index.values():
+            if t.dtype.family == "super":
+                sub = self.quant_regions(t.name)["sub_scales"]
+                if sub.size and int(sub.max()) > 63:
+                    problems.append(f"{self.path}: tensor {t.name!r}: sub-scale above 63 (top bits set)")
+        return problems
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def source(self) -> Source:
+        return self._src
+
+    @property
+    def closed(self) -> bool:
+        return self._src.closed
+
+    def close(self) -> None:
+        if self._owns:
+            self._src.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        return (Container, (self._src,))
+
+    def __repr__(self) -> str:
+        return f"<mcf.Container {self.path!r} {len(self)} tensors, {len(self.sections)} sections>"
+
+
+def open(path_or_file, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open
+    """Open an MCF container from a path, a binary file-like object or an in-memory buffer.
+
+    ``mmap=False`` reads with positional reads instead of mapping (parallel file systems)."""
+    src = open_source(path_or_file, mmap=mmap)
+    return Container(src, owns_source=not isinstance(path_or_file, Source))

@@ -1,0 +1,141 @@
+"""The MCF dtype table: the one place that knows every tensor dtype code, its name and its size.
+
+Codes are those of the MCF spec and of the Go reference (``pkg/mcf/tensor_index.go``): plain dtypes
+1..12, the quantization registry 0x10..0x33.  Quantized dtypes have no numpy equivalent; their payload
+layout comes from :func:`mcf.layout.quant_layout`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DType", "DTypeInfo", "dtype_info", "parse_dtype", "PLAIN", "QUANTIZED"]
+
+
+class DType(enum.IntEnum):
+    F32 = 0x01
+    F16 = 0x02
+    BF16 = 0x03
+    F64 = 0x04
+    I8 = 0x05
+    U8 = 0x06
+    I16 = 0x07
+    U16 = 0x08
+    I32 = 0x09
+    U32 = 0x0A
+    I64 = 0x0B
+    U64 = 0x0C
+    INT8 = 0x10
+    INT4 = 0x11
+    Q8 = 0x20
+    Q4 = 0x21
+    K6 = 0x30
+    K4 = 0x31
+    K3 = 0x32
+    K2 = 0x33
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    code: DType
+    name: str            # lower-case user-facing name ("f32", "k4")
+    family: str          # "float", "int", "raw" (int8/int4), "block" (q*), "super" (k*)
+    itemsize: int        # bytes per element for plain dtypes, 0 for quantized
+    bits: int            # bits per element (for quantized: bits per code)
+    numpy: np.dtype | None  # storage dtype of a plain tensor (BF16 is stored as uint16 bits)
+
+    @property
+    def quantized(self) -> bool:
+        return self.itemsize == 0
+
+
+def _p(code, name, family, np_dtype):
+    dt = np.dtype(np_dtype).newbyteorder("<")
+    return DTypeInfo(code, name, family, dt.itemsize, dt.itemsize * 8, dt)
+
+
+def _q(code, name, family, bits):
+    return DTypeInfo(code, name, family, 0, bits, None)
+
+
+_TABLE = [
+    _p(DType.F32, "f32", "float", np.float32),
+    _p(DType.F16, "f16", "float", np.float16),
+    _p(DType.BF16, "bf16", "float", np.uint16),
+    _p(DType.F64, "f64", "float", np.float64),
+    _p(DType.I8, "i8", "int", np.int8),
+    _p(DType.U8, "u8", "int", np.uint8),
+    _p(DType.I16, "i16", "int", np.int16),
+    _p(DType.U16, "u16", "int", np.uint16),
+    _p(DType.I32, "i32", "int", np.int32),
+    _p(DType.U32, "u32", "int", np.uint32),
+    _p(DType.I64, "i64", "int", np.int64),
+    _p(DType.U64, "u64", "int", np.uint64),
+    _q(DType.INT8, "int8", "raw", 8),
+    _q(DType.INT4, "int4", "raw", 4),
+    _q(DType.Q8, "q8", "block", 8),
+    _q(DType.Q4, "q4", "block", 4),
+    _q(DType.K6, "k6", "super", 6),
+    _q(DType.K4, "k4", "super", 4),
+    _q(DType.K3, "k3", "super", 3),
+    _q(DType.K2, "k2", "super", 2),
+]
+
+_BY_CODE = {info.code: info for info in _TABLE}
+_BY_NAME = {info.name: info for info in _TABLE}
+# aliases users type: numpy names and the Go tool's upper-case names
+_ALIASES = {
+    "float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "half": "f16",
+    "int8_t": "i8", "uint8": "u8", "int16": "i16", "uint16": "u16", "int32": "i32", "uint32": "u32",
+    "int64": "i64", "uint64": "u64",
+}
+
+PLAIN = frozenset(info.code for info in _TABLE if not info.quantized)
+QUANTIZED = frozenset(info.code for info in _TABLE if info.quantized)
+
+
+def dtype_info(code: int) -> DTypeInfo:
+    """Look up a dtype by its on-disk code; ``KeyError`` if unknown (callers turn it into a
+    FormatError with the file context)."""
+    return _BY_CODE[code]
+
+
+def is_known(code: int) -> bool:
+    return code in _BY_CODE
+
+
+def parse_dtype(value) -> DTypeInfo:
+    """Accept a DType, a code, a name ("f16", "K4", "bfloat16") or a numpy dtype."""
+    if isinstance(value, DTypeInfo):
+        return value
+    if isinstance(value, (int, DType)) and not isinstance(value, bool):
+        try:
+            return _BY_CODE[value]
+        except KeyError:
+            raise ValueError(f"unknown MCF dtype code {value!r}") from None
+    if isinstance(value, str):
+        key = value.strip().lower()
+        key = _ALIASES.get(key, key)
+        if key in _BY_NAME:
+            return _BY_NAME[key]
+        raise ValueError(f"unknown MCF dtype {value!r}; expected one of {sorted(_BY_NAME)}")
+    try:
+        npdt = np.dtype(value)
+    except TypeError:
+        raise ValueError(f"cannot interpret {value!r} as an MCF dtype") from None
+    return from_numpy(npdt)
+
+
+def from_numpy(npdt: np.dtype) -> DTypeInfo:
+    """The MCF dtype storing a numpy dtype (``ml_dtypes.bfloat16`` maps to BF16)."""
+    if npdt.name == "bfloat16":
+        return _BY_CODE[DType.BF16]
+    if npdt.byteorder == ">":
+        raise ValueError("MCF stores little-endian data; convert big-endian arrays first")
+    for info in _TABLE:
+        if info.numpy is not None and info.code != DType.BF16 and info.numpy == npdt.newbyteorder("<"):
+            return info
+    raise ValueError(f"numpy dtype {npdt} has no MCF equivalent")

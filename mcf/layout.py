@@ -1,0 +1,204 @@
+"""MCF byte layouts: header, section directory, section types and quantized payload regions.
+
+Reader and writer both take every offset and size from here, so they cannot disagree.  The numbers
+are those of the MCF spec (seed 002) and of the Go reference writer (samcharles93/mantle ``pkg/mcf``);
+see docs/mcf.md for the decisions where the spec is silent.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from mcf.dtypes import DType, DTypeInfo, parse_dtype
+
+__all__ = [
+    "MAGIC", "MAJOR", "MINOR", "HEADER", "HEADER_SIZE", "DIR_ENTRY", "DIR_ENTRY_SIZE",
+    "FLAG_TENSOR_DATA_ALIGNED64", "SectionType", "RESOURCE_FILES", "align", "align64",
+    "QuantLayout", "Region", "quant_layout", "tensor_nbytes", "MAX_RANK", "Domain",
+]
+
+MAGIC = b"MCF\x00"
+MAJOR = 1
+MINOR = 1
+
+# magic, major, minor, header_size, section_count, section_dir_offset, file_size, flags
+HEADER = struct.Struct("<4sHHIIQQQ")
+HEADER_SIZE = HEADER.size  # 40
+assert HEADER_SIZE == 40
+
+# type, version, offset, size
+DIR_ENTRY = struct.Struct("<IIQQ")
+DIR_ENTRY_SIZE = DIR_ENTRY.size  # 24
+
+FLAG_TENSOR_DATA_ALIGNED64 = 1 << 0
+
+SECTION_ALIGN = 8        # every section starts on an 8-byte boundary
+TENSOR_ALIGN = 64        # default alignment of each tensor's data (absolute file offset)
+MAX_RANK = 16            # readers refuse more; no model format in use needs more than 8
+MAX_SECTIONS = 1 << 16   # a directory larger than this is treated as corrupt
+
+
+class SectionType(enum.IntEnum):
+    MODEL_INFO = 0x0001
+    QUANT_INFO = 0x0002
+    TENSOR_INDEX = 0x0003
+    TENSOR_DATA = 0x0004
+    HF_CONFIG_JSON = 0x0100
+    HF_GENERATION_CONFIG_JSON = 0x0101
+    TOKENIZER_JSON = 0x0102
+    TOKENIZER_CONFIG_JSON = 0x0103
+    VOCAB_JSON = 0x0104
+    MERGES_TXT = 0x0105
+
+
+# Resource sections and the checkpoint file each one holds, in the order the Go packer writes them
+# (vocab.json before tokenizer_config.json).
+RESOURCE_FILES = {
+    SectionType.HF_CONFIG_JSON: "config.json",
+    SectionType.HF_GENERATION_CONFIG_JSON: "generation_config.json",
+    SectionType.TOKENIZER_JSON: "tokenizer.json",
+    SectionType.VOCAB_JSON: "vocab.json",
+    SectionType.TOKENIZER_CONFIG_JSON: "tokenizer_config.json",
+    SectionType.MERGES_TXT: "merges.txt",
+}
+RESOURCE_BY_FILE = {v: k for k, v in RESOURCE_FILES.items()}
+
+SECTION_NAMES = {
+    SectionType.MODEL_INFO: "ModelInfo",
+    SectionType.QUANT_INFO: "QuantInfo",
+    SectionType.TENSOR_INDEX: "TensorIndex",
+    SectionType.TENSOR_DATA: "TensorData",
+    **{k: v for k, v in RESOURCE_FILES.items()},
+}
+
+
+def section_name(code: int) -> str:
+    try:
+        return SECTION_NAMES[SectionType(code)]
+    except ValueError:
+        return f"unknown(0x{code:04x})"
+
+
+class Domain(enum.IntEnum):
+    WEIGHTS = 0       # symmetric, zero point 0
+    ACTIVATIONS = 1   # asymmetric, zero point stored (int* only)
+
+
+def align(x: int, a: int) -> int:
+    if a <= 1:
+        return x
+    return (x + a - 1) // a * a
+
+
+def align64(x: int) -> int:
+    return (x + 63) & ~63
+
+
+def shape_elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+@dataclass(frozen=True)
+class Region:
+    """One sub-region of a quantized payload, relative to the tensor's data offset."""
+
+    name: str      # "scale", "zero", "scales", "super_scales", "sub_scales", "data"
+    offset: int
+    size: int
+    dtype: str     # numpy dtype string of its items ("<f2", "u1", "<f4")
+    count: int     # number of items
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    dtype: DTypeInfo
+    rows: int
+    cols: int
+    blocks_per_row: int
+    supers_per_row: int
+    block_bytes: int        # bytes of packed codes per 32-value block (0 for int*)
+    row_bytes: int          # bytes of packed codes per row
+    regions: tuple[Region, ...]
+    nbytes: int             # total payload size
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+BLOCK = 32          # values per block (q* and k*)
+SUPER_BLOCKS = 8    # blocks per super-block (k*: 256 values)
+
+
+def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
+    """Regions of a quantized rank-2 tensor's payload (the spec's structure-of-arrays layout).
+
+    q*: ``f16 scales[TB]`` -> align64 -> ``codes[TB * block_bytes]``
+    k*: ``f16 super[TS]`` -> align64 -> [``f16 super_mins[TS]`` -> align64, activations only]
+        -> ``u8 sub[TB]`` -> align64 -> codes
+    int*: ``f32 scale`` -> align64 -> [``f32 zero`` -> align64, activations only] -> codes, each row
+        packed separately (``cols`` bytes for int8, ``ceil(cols/2)`` for int4) so row ranges can be read.
+    """
+    info = parse_dtype(dtype)
+    if not info.quantized:
+        raise ValueError(f"{info.name} is not a quantized dtype")
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 2:
+        raise ValueError(f"quantized tensors are rank 2; got shape {shape}")
+    rows, cols = shape
+    if rows < 0 or cols < 0:
+        raise ValueError(f"negative dimension in {shape}")
+    domain = int(domain)
+    regions = []
+    if info.family == "raw":
+        row_bytes = cols if info.bits == 8 else (cols + 1) // 2
+        off = 0
+        regions.append(Region("scale", 0, 4, "<f4", 1))
+        off = align64(4)
+        if domain == Domain.ACTIVATIONS:
+            regions.append(Region("zero", off, 4, "<f4", 1))
+            off = align64(off + 4)
+        data = rows * row_bytes
+        regions.append(Region("data", off, data, "u1", data))
+        return QuantLayout(info, rows, cols, 0, 0, 0, row_bytes, tuple(regions), off + data)
+    if domain != Domain.WEIGHTS:
+        raise ValueError(f"{info.name} supports only the weights domain")
+    bpr = (cols + BLOCK - 1) // BLOCK
+    spr = (bpr + SUPER_BLOCKS - 1) // SUPER_BLOCKS
+    tb = rows * bpr
+    ts = rows * spr
+    block_bytes = BLOCK * info.bits // 8
+    data = tb * block_bytes
+    if info.family == "block":
+        regions.append(Region("scales", 0, 2 * tb, "<f2", tb))
+        off = align64(2 * tb)
+    else:
+        regions.append(Region("super_scales", 0, 2 * ts, "<f2", ts))
+        off = align64(2 * ts)
+        regions.append(Region("sub_scales", off, tb, "u1", tb))
+        off = align64(off + tb)
+    regions.append(Region("data", off, data, "u1", data))
+    return QuantLayout(info, rows, cols, bpr, spr, block_bytes, bpr * block_bytes, tuple(regions),
+                       off + data)
+
+
+def tensor_nbytes(dtype, shape, domain: int = Domain.WEIGHTS) -> int:
+    """Exact payload size of a tensor of ``dtype`` and ``shape`` (Python ints: no overflow)."""
+    info = parse_dtype(dtype)
+    if info.quantized:
+        return quant_layout(info, shape, domain).nbytes
+    return shape_elements(shape) * info.itemsize
+
+
+def is_quantized(code: int) -> bool:
+    return parse_dtype(code).quantized
+
+
+_ = DType  # re-exported for convenience
