@@ -1,0 +1,383 @@
+"""Writing MCF containers, streaming and atomically.
+
+Sections are written in the order they are added, each on an 8-byte boundary; tensors stream into one
+TensorData section (each aligned to ``align`` bytes by absolute file offset); :meth:`Writer.close`
+appends the TensorIndex, the QuantInfo (when there are records) and the section directory sorted by
+type, then writes the header.  This is the Go reference writer's order, which is what lets
+:func:`mcf.pack` reproduce its files byte for byte.
+
+Nothing is visible at the destination until :meth:`Writer.close` succeeds: data goes to a temporary
+file next to it, which is fsynced and renamed over the destination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from mcf import _fpconv
+from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
+from mcf.errors import InvalidArgumentError, MCFError, os_error
+from mcf.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
+                        RESOURCE_BY_FILE, SECTION_ALIGN, TENSOR_ALIGN, Domain, SectionType, align,
+                        tensor_nbytes)
+from mcf.modelinfo import ModelInfo, encode_model_info
+from mcf.quantinfo import QuantRecord, encode_quant_info
+from mcf.tensor_index import encode_tensor_index
+
+__all__ = ["Writer"]
+
+_CHUNK_ELEMS = 1 << 22  # elements converted per step when casting: bounded memory for any tensor
+
+
+@dataclass
+class _Rec:
+    name: str
+    dtype: int
+    shape: tuple
+    offset: int
+    nbytes: int
+    quant: dict | None = None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Writer:
+    """Write an MCF file.
+
+    ``align`` is the alignment of each tensor's data (64 by default; 1 turns padding off like the Go
+    packer's ``--tensor-align 1``).  ``dedup=True`` stores byte-identical tensors (same dtype, shape and
+    bytes) once and points every index entry at the same range.  Use as a context manager: leaving the
+    block with an exception removes the temporary file and leaves the destination untouched.
+    """
+
+    def __init__(self, path, *, align: int = TENSOR_ALIGN, dedup: bool = False, atomic: bool = True):
+        if int(align) < 1:
+            raise InvalidArgumentError(f"align must be >= 1, got {align}")
+        self.path = os.fspath(path)
+        self.align = int(align)
+        self.dedup = bool(dedup)
+        self._atomic = atomic
+        self._sections: list[tuple[int, int, int, int]] = []
+        self._tensors: list[_Rec] = []
+        self._names: set[str] = set()
+        self._flags = 0
+        self._td_start: int | None = None   # offset of the open TensorData section
+        self._td_done = False
+        self._dedup_table: dict = {}
+        self._closed = False
+        d = os.path.dirname(os.path.abspath(self.path))
+        try:
+            if atomic:
+                fd, self._tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".", suffix=".tmp",
+                                                 dir=d)
+                self._f = os.fdopen(fd, "w+b")
+            else:
+                self._tmp = self.path
+                self._f = open(self.path, "w+b")  # noqa: SIM115
+        except OSError as exc:
+            raise os_error(exc, self.path) from None
+        self._f.write(b"\0" * HEADER_SIZE)
+        self._pos = HEADER_SIZE
+
+    # -- low level --------------------------------------------------------------------------
+    def _write(self, data) -> None:
+        mv = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
+        self._f.write(mv)
+        self._pos += len(mv)
+
+    def _pad_to(self, a: int) -> None:
+        pad = align(self._pos, a) - self._pos
+        if pad:
+            self._write(b"\0" * pad)
+
+    def _check_open(self):
+        if self._closed:
+            raise MCFError(f"{self.path}: writer is closed")
+
+    def _end_tensor_data(self):
+        if self._td_start is not None and not self._td_done:
+            self._sections.append((SectionType.TENSOR_DATA, 1, self._td_start, self._pos - self._td_start))
+            self._td_done = True
+
+    # -- sections ---------------------------------------------------------------------------
+    def add_section(self, type_: int, payload, version: int = 1) -> None:
+        """Append a section with the given type code and payload bytes."""
+        self._check_open()
+        type_ = int(type_)
+        if type_ in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
+            raise InvalidArgumentError(f"section 0x{type_:04x} is written by the writer itself")
+        if any(t == type_ for t, *_ in self._sections) and type_ in (
+                SectionType.MODEL_INFO, *RESOURCE_BY_FILE.values()):
+            raise InvalidArgumentError(f"section 0x{type_:04x} was already written")
+        if not 0 <= type_ <= 0xFFFFFFFF:
+            raise InvalidArgumentError(f"section type {type_} outside uint32")
+        self._end_tensor_data()
+        self._pad_to(SECTION_ALIGN)
+        start = self._pos
+        self._write(payload)
+        self._sections.append((type_, int(version), start, self._pos - start))
+
+    def add_resource(self, name, data) -> None:
+        """Store a resource file ("config.json", "tokenizer.json", ...; or a section type code).
+        ``data`` is bytes, str (UTF-8) or a JSON-able object (encoded compactly)."""
+        if isinstance(name, str):
+            if name not in RESOURCE_BY_FILE:
+                raise InvalidArgumentError(f"unknown resource {name!r}; expected one of {sorted(RESOURCE_BY_FILE)}")
+            type_ = RESOURCE_BY_FILE[name]
+        else:
+            type_ = int(name)
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        elif not isinstance(data, (bytes, bytearray, memoryview)):
+            import json
+
+            data = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        self.add_section(type_, data)
+
+    def add_model_info(self, mi: ModelInfo) -> None:
+        self.add_section(SectionType.MODEL_INFO, encode_model_info(mi))
+
+    # -- tensors ----------------------------------------------------------------------------
+    def _begin_tensor(self, name: str, info: DTypeInfo, shape: tuple) -> int:
+        self._check_open()
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"tensor names must be non-empty strings, got {name!r}")
+        if name in self._names:
+            raise InvalidArgumentError(f"tensor {name!r} was already added")
+        if self._td_done:
+            raise InvalidArgumentError("tensors must be added together: a section was written after "
+                                       "the tensor data")
+        for d in shape:
+            if d < 0:
+                raise InvalidArgumentError(f"tensor {name!r}: negative dimension in {shape}")
+        if self._td_start is None:
+            self._pad_to(SECTION_ALIGN)
+            self._td_start = self._pos
+            if self.align % 64 == 0:
+                self._flags |= FLAG_TENSOR_DATA_ALIGNED64
+        a = self.align
+        if info.quantized:
+            a = max(a, 64) if a % 64 == 0 else 64 * a // np.gcd(64, a)
+            self._flags |= FLAG_TENSOR_DATA_ALIGNED64
+        self._pad_to(a)
+        return self._pos
+
+    def _finish_tensor(self, name, info, shape, start, hasher, quant=None):
+        nbytes = self._pos - start
+        offset = start
+        if self.dedup and hasher is not None:
+            key = (info.code, shape, nbytes, hasher.digest())
+            prev = self._dedup_table.get(key)
+            if prev is not None and self._same_bytes(prev, start, nbytes):
+                self._f.truncate(start)
+                self._f.seek(start)
+                self._pos = start
+                offset = prev
+            else:
+                self._dedup_table[key] = start
+        self._tensors.append(_Rec(name, info.code, shape, offset, nbytes, quant))
+        self._names.add(name)
+
+    def _same_bytes(self, a: int, b: int, n: int) -> bool:
+        self._f.flush()
+        step = 1 << 20
+        for o in range(0, n, step):
+            k = min(step, n - o)
+            if os.pread(self._f.fileno(), k, a + o) != os.pread(self._f.fileno(), k, b + o):
+                return False
+        return True
+
+    def add_tensor(self, name: str, array, *, dtype=None) -> None:
+        """Add a plain tensor from an array.
+
+        ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; round to nearest even);
+        non-float tensors are stored as they are.  An ``ml_dtypes.bfloat16`` array is stored as BF16.
+        """
+        a = np.asarray(array)
+        src = from_numpy(a.dtype)
+        target = src if dtype is None else parse_dtype(dtype)
+        if target.quantized:
+            raise InvalidArgumentError(
+                f"tensor {name!r}: quantized dtypes need add_tensor_bytes() with a ready payload")
+        if src.family != "float" or target.family != "float":
+            target = src
+        shape = tuple(int(d) for d in a.shape)
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        start = self._begin_tensor(name, target, shape)
+        hasher = hashlib.sha256() if self.dedup else None
+        flat = a.reshape(-1)
+        if target.code == src.code:
+            data = flat.view(np.uint8)
+            self._write(data)
+            if hasher:
+                hasher.update(data)
+        else:
+            for i in range(0, flat.size, _CHUNK_ELEMS):
+                chunk = _cast_chunk(flat[i:i + _CHUNK_ELEMS], src, target)
+                self._write(chunk)
+                if hasher:
+                    hasher.update(chunk)
+        self._finish_tensor(name, target, shape, start, hasher)
+
+    def add_tensor_bytes(self, name: str, dtype, shape, data, *, quant: dict | None = None) -> None:
+        """Add a tensor from its finished payload (any buffer, or an iterable of buffers to stream).
+
+        For quantized dtypes ``data`` is the payload laid out as :func:`mcf.quant_layout` describes and
+        ``quant`` may give the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
+        """
+        info = parse_dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        domain = int((quant or {}).get("domain", Domain.WEIGHTS))
+        try:
+            want = tensor_nbytes(info, shape, domain)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
+        start = self._begin_tensor(name, info, shape)
+        hasher = hashlib.sha256() if self.dedup else None
+        chunks = [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data
+        try:
+            for c in chunks:
+                mv = memoryview(c).cast("B") if not isinstance(c, np.ndarray) else \
+                    memoryview(np.ascontiguousarray(c).reshape(-1).view(np.uint8))
+                self._write(mv)
+                if hasher:
+                    hasher.update(mv)
+                if self._pos - start > want:
+                    break
+        finally:
+            got = self._pos - start
+        if got != want:
+            self._f.truncate(start)
+            self._f.seek(start)
+            self._pos = start
+            raise InvalidArgumentError(f"tensor {name!r}: payload is {got} bytes, {info.name} "
+                                       f"{list(shape)} needs {want}")
+        q = None
+        if info.quantized:
+            q = {"domain": domain, "min_clip": 0.0, "max_clip": 0.0, **(quant or {})}
+        self._finish_tensor(name, info, shape, start, hasher, q)
+
+    def alias(self, name: str, existing: str) -> None:
+        """Add ``name`` as another index entry for the data of tensor ``existing``."""
+        for r in self._tensors:
+            if r.name == existing:
+                break
+        else:
+            raise InvalidArgumentError(f"no tensor {existing!r} to alias")
+        if name in self._names:
+            raise InvalidArgumentError(f"tensor {name!r} was already added")
+        self._tensors.append(_Rec(name, r.dtype, r.shape, r.offset, r.nbytes, r.quant))
+        self._names.add(name)
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self._tensors)
+
+    # -- finishing --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Write index, QuantInfo and directory, then publish the file atomically."""
+        if self._closed:
+            return
+        try:
+            self._end_tensor_data()
+            if self._tensors:
+                if self._td_start is None:  # pragma: no cover - tensors imply tensor data
+                    raise AssertionError
+                idx = encode_tensor_index(self._tensors)
+                self._pad_to(SECTION_ALIGN)
+                start = self._pos
+                self._write(idx)
+                self._sections.append((SectionType.TENSOR_INDEX, 1, start, self._pos - start))
+                order = sorted(self._tensors, key=lambda r: r.name.encode("utf-8"))
+                recs = [
+                    QuantRecord(i, r.dtype, r.quant["domain"],
+                                32 if parse_dtype(r.dtype).family in ("block", "super") else 0,
+                                256 if parse_dtype(r.dtype).family == "super" else 0,
+                                float(r.quant["min_clip"]), float(r.quant["max_clip"]))
+                    for i, r in enumerate(order) if r.quant is not None
+                ]
+                if recs:
+                    self._pad_to(SECTION_ALIGN)
+                    start = self._pos
+                    self._write(encode_quant_info(recs))
+                    self._sections.append((SectionType.QUANT_INFO, 1, start, self._pos - start))
+            if not self._sections:
+                raise InvalidArgumentError("an MCF file needs at least one section")
+            self._pad_to(SECTION_ALIGN)
+            dir_off = self._pos
+            for t, v, o, s in sorted(self._sections, key=lambda x: x[0]):
+                self._write(DIR_ENTRY.pack(t, v, o, s))
+            size = self._pos
+            self._f.seek(0)
+            self._f.write(HEADER.pack(MAGIC, MAJOR, MINOR, HEADER_SIZE, len(self._sections), dir_off, size,
+                                      self._flags))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            if self._atomic:
+                os.replace(self._tmp, self.path)
+                _fsync_dir(self.path)
+            self._closed = True
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Discard everything written; the destination is left as it was."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._f.close()
+        finally:
+            if os.path.exists(self._tmp):
+                os.unlink(self._tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
+    """Convert a 1-D chunk between float dtypes with round-to-nearest-even."""
+    if src.code == DType.BF16:
+        x32 = _fpconv.bf16_to_f32(x.view(np.uint16))
+    elif src.code == DType.F16:
+        x32 = _fpconv.f16_to_f32(x.view(np.uint16))
+    elif src.code == DType.F64:
+        x32 = x.astype(np.float32) if dst.code != DType.F64 else x
+    else:
+        x32 = x
+    if dst.code == DType.F16:
+        if src.code == DType.F64:
+            return x.astype("<f2")  # one rounding, from the exact value
+        return _fpconv.f32_to_f16(x32)
+    if dst.code == DType.BF16:
+        return _fpconv.f32_to_bf16(x32)
+    if dst.code == DType.F32:
+        return np.ascontiguousarray(x32, dtype="<f4")
+    if dst.code == DType.F64:
+        return np.asarray(x32, dtype="<f8")
+    raise InvalidArgumentError(f"cannot cast {src.name} to {dst.name}")
