@@ -59,9 +59,9 @@ def tokenizer_config_with_template(model_dir: str) -> bytes | None:
     return go_marshal(cfg)
 
 
-def model_info_for_dir(model_dir: str) -> ModelInfo:
+def model_info_for_dir(model_dir: str, model_name: str | None = None) -> ModelInfo:
     """ModelInfo from config.json as the Go packer builds it (name = the directory's base name)."""
-    name = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
+    name = model_name or os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     raw = _read(os.path.join(model_dir, "config.json"))
     if raw is not None:
         try:
@@ -74,13 +74,14 @@ def model_info_for_dir(model_dir: str) -> ModelInfo:
 
 
 def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool = False,
-         resources: bool = True, mmap: bool = True,
+         resources: bool = True, mmap: bool = True, model_name: str | None = None,
          progress: Callable[[int, int, str], None] | None = None) -> str:
     """Pack a checkpoint directory (``model.safetensors`` or sharded) into ``output``.
 
     ``cast``: "keep", "f16" or "bf16" (float tensors only, round to nearest even).  ``align``: tensor
     alignment (1 disables padding).  ``dedup``: store byte-identical tensors once.  ``resources``:
-    include config/tokenizer/vocab/merges files.  ``progress(done, total, name)`` is called per tensor.
+    include config/tokenizer/vocab/merges files.  ``model_name``: ModelInfo name (default: the
+    directory's base name, as the Go packer does).  ``progress(done, total, name)`` is called per tensor.
     Peak memory stays near one conversion chunk: tensors are streamed from the mapped input.
     """
     cast = cast.strip().lower()
@@ -97,7 +98,7 @@ def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool 
                     data = _read(os.path.join(model_dir, fname))
                 if data is not None:
                     w.add_section(typ, data)
-        w.add_model_info(model_info_for_dir(model_dir))
+        w.add_model_info(model_info_for_dir(model_dir, model_name))
         names = ckpt.sorted_names()
         target = None if cast == "keep" else cast
         for i, name in enumerate(names):

