@@ -13,6 +13,12 @@ cdef extern from "fpconv.h" nogil:
     void mcf_f32_to_f16(const float *src, uint16_t *dst, size_t n)
 
 
+cdef _contig(src, dtype=None):
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one
+    a = np.asarray(src, dtype=dtype)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
 cdef _prep_out(src, out, dtype):
     if out is None:
         return np.empty(src.shape, dtype=dtype)
@@ -27,7 +33,7 @@ cdef _prep_out(src, out, dtype):
 
 def bf16_to_f32(src, out=None):
     """Widen bfloat16 bit patterns (uint16, or ml_dtypes.bfloat16) to float32.  Exact."""
-    a = np.ascontiguousarray(src)
+    a = _contig(src)
     if a.dtype.itemsize != 2 or a.dtype.kind not in "uV" and a.dtype.name != "bfloat16":
         raise TypeError(f"expected uint16 bfloat16 bits, got {a.dtype}")
     a = a.view(np.uint16)
@@ -43,7 +49,7 @@ def bf16_to_f32(src, out=None):
 
 def f32_to_bf16(src, out=None):
     """Narrow float32 to bfloat16 bit patterns (uint16), round to nearest even."""
-    a = np.ascontiguousarray(src, dtype=np.float32)
+    a = _contig(src, np.float32)
     res = _prep_out(a, out, np.uint16)
     cdef const float[::1] s = a.reshape(-1)
     cdef uint16_t[::1] d = res.reshape(-1)
@@ -56,7 +62,7 @@ def f32_to_bf16(src, out=None):
 
 def f16_to_f32(src, out=None):
     """Widen float16 (or its uint16 bit patterns) to float32.  Exact, subnormals kept."""
-    a = np.ascontiguousarray(src)
+    a = _contig(src)
     if a.dtype.itemsize != 2:
         raise TypeError(f"expected float16 or uint16, got {a.dtype}")
     a = a.view(np.uint16)
@@ -72,7 +78,7 @@ def f16_to_f32(src, out=None):
 
 def f32_to_f16(src, out=None):
     """Narrow float32 to float16 bit patterns (uint16), round to nearest even."""
-    a = np.ascontiguousarray(src, dtype=np.float32)
+    a = _contig(src, np.float32)
     res = _prep_out(a, out, np.uint16)
     cdef const float[::1] s = a.reshape(-1)
     cdef uint16_t[::1] d = res.reshape(-1)
