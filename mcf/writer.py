@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +42,19 @@ class _Rec:
     offset: int
     nbytes: int
     quant: dict | None = None
+
+
+def _create_temp(directory: str, base: str):
+    """A new temporary file next to the destination, with the permissions a plain ``open`` would
+    give (mkstemp's 0600 would leak into the published file)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        name = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(name, flags, 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary file in {directory}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -84,8 +97,7 @@ class Writer:
         d = os.path.dirname(os.path.abspath(self.path))
         try:
             if atomic:
-                fd, self._tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".", suffix=".tmp",
-                                                 dir=d)
+                fd, self._tmp = _create_temp(d, os.path.basename(self.path))
                 self._f = os.fdopen(fd, "w+b")
             else:
                 self._tmp = self.path
@@ -251,11 +263,11 @@ class Writer:
             raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
         start = self._begin_tensor(name, info, shape)
         hasher = hashlib.sha256() if self.dedup else None
-        chunks = [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data
+        single = isinstance(data, (bytes, bytearray, memoryview, np.ndarray, np.generic))
+        chunks = [data] if single else data
         try:
             for c in chunks:
-                mv = memoryview(c).cast("B") if not isinstance(c, np.ndarray) else \
-                    memoryview(np.ascontiguousarray(c).reshape(-1).view(np.uint8))
+                mv = _as_bytes(c)
                 self._write(mv)
                 if hasher:
                     hasher.update(mv)
@@ -358,6 +370,16 @@ class Writer:
             self.close()
         else:
             self.abort()
+
+
+def _as_bytes(c) -> memoryview:
+    """A flat byte view of a buffer or array chunk (numpy scalars and 0-d arrays included)."""
+    if isinstance(c, (np.ndarray, np.generic)):
+        a = np.asarray(c)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
+        return memoryview(a.reshape(-1).view(np.uint8))
+    return memoryview(c).cast("B")
 
 
 def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
