@@ -61,7 +61,8 @@ def info_dict(c) -> dict:
     }
 
 
-def print_info(c, out=sys.stdout) -> None:
+def print_info(c, out=None) -> None:
+    out = out or sys.stdout
     d = info_dict(c)
     h = d["header"]
     w = out.write

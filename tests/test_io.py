@@ -1,0 +1,253 @@
+"""The I/O core: four source modes, bounds checks, lifetime of views, pickling, growth, threads."""
+
+import gc
+import io
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+
+import mcf
+from mcf.io import PAGE_SIZE, aligned_empty, open_source
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = np.random.default_rng(1).integers(0, 256, 3 * PAGE_SIZE + 123, dtype=np.uint8).tobytes()
+    p = tmp_path / "data.bin"
+    p.write_bytes(data)
+    return p, data
+
+
+def sources(p, data, files):
+    f = open(p, "rb")  # noqa: SIM115
+    files.append(f)
+    return {
+        "mmap": open_source(p),
+        "pread": open_source(p, mmap=False),
+        "fileobj": open_source(f),
+        "bytesio": open_source(io.BytesIO(data)),
+        "memory": open_source(memoryview(data)),
+        "bytearray": open_source(bytearray(data)),
+    }
+
+
+@pytest.fixture
+def all_sources(data_file):
+    p, data = data_file
+    files = []
+    srcs = sources(p, data, files)
+    yield srcs, data
+    for s in srcs.values():
+        s.close()
+    for f in files:
+        f.close()
+
+
+def test_reads_agree_in_every_mode(all_sources):
+    srcs, data = all_sources
+    for mode, s in srcs.items():
+        assert s.size == len(data) == len(s), mode
+        for off, n in [(0, 0), (0, 10), (5, 4096), (PAGE_SIZE - 1, 2), (len(data) - 7, 7), (len(data), 0)]:
+            assert s.read(off, n) == data[off:off + n], (mode, off, n)
+            assert s.view(off, n).tobytes() == data[off:off + n], (mode, off, n)
+            buf = bytearray(n)
+            assert s.readinto(off, buf) == n
+            assert bytes(buf) == data[off:off + n]
+        a = s.array(3, "<u4", (2, 5))
+        assert a.shape == (2, 5)
+        assert a.tobytes() == data[3:43]
+
+
+def test_zero_copy_only_when_mapped(all_sources):
+    srcs, _ = all_sources
+    assert srcs["mmap"].is_mapped and srcs["memory"].is_mapped
+    assert not srcs["pread"].is_mapped and not srcs["fileobj"].is_mapped
+    v1 = srcs["mmap"].view(0, 16)
+    v2 = srcs["mmap"].view(0, 16)
+    assert np.shares_memory(v1, v2)
+    assert not v1.flags.writeable
+    with pytest.raises(ValueError):
+        v1[0] = 1
+
+
+def test_pread_views_are_page_aligned(all_sources):
+    v = all_sources[0]["pread"].view(1, 5000)
+    assert v.ctypes.data % 4096 == 0
+    assert aligned_empty(10).ctypes.data % 4096 == 0
+
+
+@pytest.mark.parametrize("off,n", [(-1, 1), (0, -1), (0, 10**9), (2**70, 1), (1, 2**64 - 1), (10**6, 0)])
+def test_out_of_bounds_reads_raise(all_sources, off, n):
+    for mode, s in all_sources[0].items():
+        with pytest.raises(mcf.OutOfBoundsError) as ei:
+            s.read(off, n)
+        assert isinstance(ei.value, IndexError) and isinstance(ei.value, mcf.MCFError)
+        with pytest.raises(mcf.OutOfBoundsError):
+            s.view(off, n)
+        with pytest.raises((mcf.OutOfBoundsError, ValueError)):
+            s.array(off, "u1", (n,))
+
+
+def test_close_keeps_views_alive(data_file):
+    p, data = data_file
+    s = open_source(p)
+    v = s.view(100, 1000)
+    a = s.array(8, "<f4", (10,))
+    s.close()
+    s.close()  # idempotent
+    gc.collect()
+    assert v.tobytes() == data[100:1100]
+    assert a.tobytes() == data[8:48]
+    with pytest.raises(mcf.ClosedError):
+        s.read(0, 1)
+    assert s.closed
+    del s
+    gc.collect()
+    assert v.tobytes() == data[100:1100]  # the mapping outlives the source
+
+
+def test_container_views_outlive_container(tmp_path):
+    p = tmp_path / "t.mcf"
+    with mcf.Writer(p) as w:
+        w.add_tensor("x", np.arange(1000, dtype=np.float32))
+    c = mcf.open(p)
+    x = c.tensor("x")
+    c.close()
+    del c
+    gc.collect()
+    assert x.sum() == np.arange(1000, dtype=np.float32).sum()
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_pickle_reopens(data_file, use_mmap):
+    p, data = data_file
+    s = open_source(p, mmap=use_mmap)
+    s2 = pickle.loads(pickle.dumps(s))
+    assert s2.mode == s.mode and s2.read(0, 100) == data[:100]
+    s.close()
+    assert s2.read(10, 5) == data[10:15]
+    s2.close()
+
+
+def test_pickle_container(tmp_path):
+    p = tmp_path / "t.mcf"
+    with mcf.Writer(p) as w:
+        w.add_tensor("x", np.arange(10, dtype=np.int64))
+    with mcf.open(p) as c:
+        c2 = pickle.loads(pickle.dumps(c))
+    assert np.array_equal(c2.tensor("x"), np.arange(10))
+    c2.close()
+
+
+def test_refresh_sees_appended_bytes(tmp_path):
+    p = tmp_path / "grow.bin"
+    p.write_bytes(b"a" * 100)
+    for use_mmap in (True, False):
+        s = open_source(p, mmap=use_mmap)
+        v = s.view(0, 100)
+        with open(p, "ab") as f:
+            f.write(b"b" * 50)
+        assert s.size == 100
+        with pytest.raises(mcf.OutOfBoundsError):
+            s.read(100, 1)
+        assert s.refresh() == 150
+        assert s.read(100, 50) == b"b" * 50
+        assert v.tobytes() == b"a" * 100
+        s.close()
+        p.write_bytes(b"a" * 100)
+
+
+def test_advise_and_errors(data_file):
+    p, _ = data_file
+    with open_source(p) as s:
+        for adv in ("random", "sequential", "willneed", "normal"):
+            s.advise(adv)
+            s.advise(adv, 5, 100)
+        with pytest.raises(ValueError):
+            s.advise("bogus")
+        with pytest.raises(mcf.OutOfBoundsError):
+            s.advise("random", 0, 10**9)
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(mcf.MissingFileError) as ei:
+        open_source(tmp_path / "nope")
+    assert isinstance(ei.value, FileNotFoundError) and "nope" in str(ei.value)
+    with pytest.raises(mcf.MCFIOError):
+        open_source(tmp_path)  # a directory
+    with pytest.raises(TypeError):
+        open_source(12.5)
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty"
+    p.write_bytes(b"")
+    for use_mmap in (True, False):
+        with open_source(p, mmap=use_mmap) as s:
+            assert s.size == 0
+            assert s.read(0, 0) == b""
+            assert s.view(0, 0).size == 0
+            with pytest.raises(mcf.OutOfBoundsError):
+                s.read(0, 1)
+
+
+class Truncating(io.RawIOBase):
+    """A file-like object that claims a size and then delivers less (like a dropped connection)."""
+
+    def __init__(self, data, short):
+        self.data, self.short, self.pos = data, short, 0
+
+    def seek(self, off, whence=0):
+        self.pos = off if whence == 0 else len(self.data)
+        return self.pos
+
+    def readinto(self, b):
+        end = min(len(self.data) - self.short, self.pos + len(b))
+        n = max(0, end - self.pos)
+        b[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def readable(self):
+        return True
+
+
+def test_short_fileobj_is_truncated_error():
+    s = open_source(Truncating(b"x" * 100, 10))
+    with pytest.raises(mcf.TruncatedError):
+        s.read(80, 20)
+    assert s.read(0, 50) == b"x" * 50
+
+
+def test_many_threads_read_the_same_source(data_file):
+    p, data = data_file
+    srcs = [open_source(p), open_source(p, mmap=False)]
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                off = int(rng.integers(0, len(data)))
+                n = int(rng.integers(0, len(data) - off + 1))
+                for s in srcs:
+                    assert s.read(off, n) == data[off:off + n]
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    for s in srcs:
+        s.close()
+
+
+def test_source_is_not_constructible_directly():
+    with pytest.raises(TypeError):
+        mcf.io.Source()
