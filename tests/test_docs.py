@@ -1,0 +1,27 @@
+"""The Python examples in docs/guide.md run, in order, in a scratch directory."""
+
+import os
+import re
+
+import pytest
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+
+
+def python_blocks(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", ["guide.md"])
+def test_guide_examples_run(page, tmp_path, monkeypatch, capsys):
+    blocks = python_blocks(os.path.join(DOCS, page))
+    assert len(blocks) >= 5
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"{page}[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
+    out = capsys.readouterr().out
+    assert "broken.mcf: file_size at offset 24" in out
+    assert "missing:" in out
