@@ -13,14 +13,16 @@ from mcf.errors import (AccessError, ChecksumError, ClosedError, DTypeError, For
                         TruncatedError, UnsupportedVersionError)
 from mcf.layout import SectionType, quant_layout
 from mcf.modelinfo import Arch, ModelInfo, RopeType
+from mcf.pack import pack
 from mcf.quantinfo import QuantRecord
 from mcf.tensor_index import TensorInfo
+from mcf.writer import Writer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "open", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
-    "DType", "SectionType", "quant_layout", "io",
+    "Writer", "pack", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError",

@@ -86,7 +86,11 @@ def _parse_header(src: Source) -> Header:
         raise FormatError("bad section_count", path=path, field="section_count", offset=12,
                           expected=f"1..{MAX_SECTIONS}", got=h.section_count)
     dir_end = h.section_dir_offset + DIR_ENTRY_SIZE * h.section_count
-    if h.section_dir_offset < h.header_size or dir_end > size:
+    if h.section_dir_offset < h.header_size:
+        raise FormatError("section directory starts inside the header", path=path,
+                          field="section_dir_offset", offset=16, expected=f">= {h.header_size}",
+                          got=h.section_dir_offset)
+    if dir_end > size:
         raise TruncatedError("section directory outside the file", path=path,
                              field="section_dir_offset", offset=16,
                              expected=f"{h.header_size} <= offset and offset + {DIR_ENTRY_SIZE}*"
@@ -107,7 +111,10 @@ def _parse_directory(src: Source, h: Header) -> list:
         if off % SECTION_ALIGN:
             raise FormatError("section offset is not 8-byte aligned", path=path, field=field + ".offset",
                               offset=at + 8, expected="multiple of 8", got=off)
-        if off < h.header_size or off > h.file_size or sz > h.file_size - off:
+        if off < h.header_size:
+            raise FormatError("section starts inside the header", path=path, field=field + ".offset",
+                              offset=at + 8, expected=f">= {h.header_size}", got=off)
+        if off > h.file_size or sz > h.file_size - off:
             raise TruncatedError("section outside the file", path=path, field=field + ".offset",
                                  offset=at + 8, expected=f"[{h.header_size}, {h.file_size}]",
                                  got=f"[{off}, {off + sz})")
@@ -260,7 +267,14 @@ class Container:
 
     def resource_text(self, name) -> str | None:
         b = self.resource(name)
-        return None if b is None else b.decode("utf-8")
+        if b is None:
+            return None
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            s = self.section(self._resource_type(name))
+            raise FormatError(f"resource is not valid UTF-8: {exc.reason}", path=self.path,
+                              field=f"section({s.name})", offset=s.offset + exc.start) from None
 
     def resource_json(self, name):
         """A resource section parsed as JSON (``None`` when absent)."""
@@ -270,7 +284,7 @@ class Container:
         s = self.section(self._resource_type(name))
         try:
             return json.loads(b)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too many digits, too deep
             raise FormatError(f"resource is not valid JSON: {exc}", path=self.path,
                               field=f"section({s.name})", offset=s.offset) from None
 
@@ -324,9 +338,10 @@ class Container:
             return _fpconv.f16_to_f32(self._src.array(t.offset, np.uint16, t.shape), out)
         if code in (DType.F32, DType.F64):
             a = self._src.array(t.offset, t.dtype.numpy, t.shape)
-            if out is None:
-                return a.astype(np.float32)
-            np.copyto(out, a.reshape(out.shape), casting="same_kind")
+            with np.errstate(over="ignore"):  # F64 beyond the F32 range becomes inf, as a cast should
+                if out is None:
+                    return a.astype(np.float32)
+                np.copyto(out, a.reshape(out.shape), casting="same_kind")
             return out
         raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
 

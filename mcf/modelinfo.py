@@ -215,6 +215,10 @@ def encode_model_info(mi: ModelInfo) -> bytes:
         v = int(getattr(mi, name))
         if not 0 <= v <= 0xFFFFFFFF:
             raise InvalidArgumentError(f"ModelInfo.{name} = {v} is outside uint32")
+    for name in ("rope_freq_base", "rope_scale"):
+        v = float(getattr(mi, name))
+        if math.isfinite(v) and abs(v) > float(np.finfo(np.float32).max):
+            raise InvalidArgumentError(f"ModelInfo.{name} = {v} is outside the float32 range")
     fixed = _FIXED.pack(
         VERSION, 0, int(mi.arch), 0,
         int(mi.vocab_size), int(mi.hidden_size), int(mi.layer_count), int(mi.head_count),

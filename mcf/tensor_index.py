@@ -235,7 +235,9 @@ class TensorIndex:
                 if off % 64:
                     raise ferr(FormatError, f"quantized tensor {name!r} data is not 64-byte aligned",
                                f"entry[{i}].data_off", at + 24, expected="multiple of 64", got=off)
-                want = _cached_layout(code, shape, domains.get(i, 0)).nbytes
+                # only int8/int4 sizes depend on the domain; QuantInfo checks the others' domain
+                domain = domains.get(i, 0) if info.family == "raw" else 0
+                want = _cached_layout(code, shape, domain).nbytes
             else:
                 want = math.prod(shape) * info.itemsize
             if size != want:

@@ -13,6 +13,7 @@ file next to it, which is fsynced and renamed over the destination.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import secrets
 from dataclasses import dataclass
@@ -257,6 +258,10 @@ class Writer:
         info = parse_dtype(dtype)
         shape = tuple(int(d) for d in shape)
         domain = int((quant or {}).get("domain", Domain.WEIGHTS))
+        for key in ("min_clip", "max_clip"):  # stored as f32: refuse what cannot be, before writing
+            v = (quant or {}).get(key, 0.0)
+            if not _f32_storable(v):
+                raise InvalidArgumentError(f"tensor {name!r}: quant[{key!r}] = {v!r} is not a float32 value")
         try:
             want = tensor_nbytes(info, shape, domain)
         except ValueError as exc:
@@ -380,6 +385,17 @@ def _as_bytes(c) -> memoryview:
             a = a.copy(order="C")
         return memoryview(a.reshape(-1).view(np.uint8))
     return memoryview(c).cast("B")
+
+
+def _f32_storable(v) -> bool:
+    """A real number that packs as f32 (infinities and NaN included, finite overflow not)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        return False
+    try:
+        v = float(v)
+    except OverflowError:
+        return False
+    return not math.isfinite(v) or abs(v) <= float(np.finfo(np.float32).max)
 
 
 def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
