@@ -52,6 +52,7 @@ def ext(name, sources):
 extensions = [
     ext("mcf._io", ["mcf/_io.pyx"]),
     ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c"]),
+    ext("mcf._index", ["mcf/_index.pyx"]),
 ]
 
 setup(

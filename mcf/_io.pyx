@@ -30,6 +30,16 @@ from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, PROT_READ, MAP_SHARE
                          MADV_NORMAL, MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED)
 from cpython.buffer cimport PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 
+cimport numpy as cnp
+from cpython.ref cimport Py_INCREF
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    # steals a reference to `descr`
+    object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
+                                cnp.npy_intp* strides, void* data, int flags, object obj)
+
 from mcf.errors import ClosedError, MCFIOError, OutOfBoundsError, TruncatedError, os_error
 
 __all__ = ["Source", "open_source", "aligned_empty", "PAGE_SIZE"]
@@ -369,6 +379,42 @@ cdef class Source:
                 return np.empty(shape, dtype=dt)
             return np.ndarray(shape, dtype=dt, buffer=self._whole, offset=offset)
         return self.view(offset, nbytes).view(dt).reshape(shape)
+
+    def _typed_view(self, uint64_t offset, uint64_t nbytes, cnp.dtype dtype, tuple shape):
+        """Fast path for readers that already validated (offset, nbytes, dtype, shape) against the
+        file: one array of ``dtype`` and ``shape`` at ``offset``.  The range and the size are still
+        checked here; only the error messages are left to the callers' earlier validation."""
+        cdef int nd = len(shape)
+        cdef cnp.npy_intp dims[32]
+        cdef uint64_t count = 1, d
+        cdef Py_ssize_t k
+        if self._closed:
+            raise ClosedError(f"{self.name}: source is closed")
+        if nd > 32:
+            raise ValueError("too many dimensions")
+        for k in range(nd):
+            d = shape[k]
+            if d > <uint64_t>0x7fffffffffffffff or (d and count > 0xffffffffffffffff // d):
+                raise ValueError("shape too large")
+            count *= d
+            dims[k] = <cnp.npy_intp>d
+        if count > 0xffffffffffffffff // <uint64_t>dtype.itemsize or count * dtype.itemsize != nbytes:
+            raise ValueError(f"{nbytes} bytes do not hold {dtype} {shape}")
+        if offset > self._size or nbytes > self._size - offset:
+            raise OutOfBoundsError(
+                f"{self.name}: read of {nbytes} bytes at offset {offset} is outside the file "
+                f"(size {self._size})")
+        if self.base == NULL:
+            if self.mode in ("mmap", "memory"):  # empty file
+                return np.empty(shape, dtype=dtype)
+            return self.view(offset, nbytes).view(dtype).reshape(shape)
+        Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference to the descriptor
+        arr = PyArray_NewFromDescr(<type>np.ndarray, dtype, nd, dims, NULL,
+                                       <void*>(self.base + offset), cnp.NPY_ARRAY_C_CONTIGUOUS, None)
+        Py_INCREF(self._whole)  # PyArray_SetBaseObject steals a reference to the base
+        cnp.PyArray_SetBaseObject(<cnp.ndarray>arr, self._whole)
+        cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_ALIGNED)
+        return arr
 
     def advise(self, advice, offset=0, size=None):
         """Pass a ``madvise`` hint for a range of a mapped file ("random", "sequential", "willneed",

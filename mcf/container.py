@@ -321,10 +321,8 @@ class Container:
         if t.dtype.quantized:
             raise DTypeError(f"{self.path}: tensor {name!r} is {t.dtype.name}-quantized; "
                              "use quant_regions() for its raw regions")
-        dt = t.dtype.numpy
-        if t.dtype.code == DType.BF16 and _BF16 is not None:
-            dt = _BF16
-        return self._src.array(t.offset, dt, t.shape)
+        dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
+        return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
     def to_float32(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
         """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array (or ``out``)."""

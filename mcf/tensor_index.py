@@ -25,6 +25,7 @@ import numpy as np
 
 from mcf.dtypes import DTypeInfo, dtype_info, is_known
 from mcf.errors import FormatError, InvalidArgumentError, TensorNotFoundError, TruncatedError, UnsupportedVersionError
+from mcf._index import scan_entries
 from mcf.layout import MAX_RANK, QuantLayout, quant_layout
 
 __all__ = ["TensorInfo", "TensorIndex", "encode_tensor_index", "HEADER", "ENTRY_DTYPE"]
@@ -59,6 +60,10 @@ class TensorInfo(NamedTuple):
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+_DTINFOS = [dtype_info(c) if is_known(c) else None for c in range(256)]
+_ITEMSIZES = [-1 if t is None else t.itemsize for t in _DTINFOS]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -149,109 +154,47 @@ class TensorIndex:
                 raise ferr(TruncatedError, "table runs past the end of the section", field, at,
                            expected=f"{length} bytes at {off} within {n}", got=off)
 
-        e = np.frombuffer(buf, dtype=ENTRY_DTYPE, count=count, offset=entries_off)
-        name_off = e["name_off"].astype(np.uint64)
-        name_len = e["name_len"].astype(np.uint64)
-        rank = e["rank"]
-        dim_off = e["dim_off"].astype(np.uint64)
-        codes = e["dtype"]
-
-        bad = name_off + name_len > np.uint64(strings_size)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ferr(TruncatedError, "name outside the string blob", f"entry[{i}].name_off",
-                       entries_off + i * 40, expected=f"end <= {strings_size}",
-                       got=int(name_off[i] + name_len[i]))
-        bad = name_len == 0
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ferr(FormatError, "empty tensor name", f"entry[{i}].name_len", entries_off + i * 40 + 4)
-        bad = rank > MAX_RANK
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ferr(FormatError, "rank too large", f"entry[{i}].rank", entries_off + i * 40 + 12,
-                       expected=f"<= {MAX_RANK}", got=int(rank[i]))
-        bad = dim_off + rank.astype(np.uint64) > np.uint64(dims_count)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ferr(TruncatedError, "shape outside the dims table", f"entry[{i}].dim_off",
-                       entries_off + i * 40 + 16, expected=f"dim_off + rank <= {dims_count}",
-                       got=int(dim_off[i]) + int(rank[i]))
-
-        blob = bytes(buf[strings_off:strings_off + strings_size])
-        dims = np.frombuffer(buf, dtype="<u8", count=dims_count, offset=dims_off).tolist()
-        no_l = name_off.tolist()
-        nl_l = name_len.tolist()
-        names_b = [blob[o:o + ln] for o, ln in zip(no_l, nl_l)]
-
-        sorted_flag = bool(flags & FLAG_SORTED)
-        order = None
-        if any(a >= b for a, b in zip(names_b, names_b[1:])):
-            if sorted_flag or len(set(names_b)) != len(names_b):
-                for i in range(1, len(names_b)):
-                    if names_b[i - 1] >= names_b[i]:
-                        break
-                dup = names_b[i - 1] == names_b[i] if sorted_flag else len(set(names_b)) != len(names_b)
-                raise ferr(FormatError, "duplicate tensor names" if dup else
-                           "names not sorted although the sorted flag is set",
-                           f"entry[{i}].name", entries_off + i * 40,
-                           expected="strictly increasing names", got=names_b[i][:80])
-            order = sorted(range(len(names_b)), key=names_b.__getitem__)
-
-        d_lo, d_size = data_range if data_range is not None else (0, 0)
-        d_hi = d_lo + d_size
-        offs = e["data_off"].tolist()
-        sizes = e["data_size"].tolist()
-        codes_l = codes.tolist()
-        ranks_l = rank.tolist()
-        doffs_l = dim_off.tolist()
         domains = domains or {}
-        infos = []
-        for i in range(count):
-            code = codes_l[i]
-            at = entries_off + i * 40
-            if not is_known(code):
-                raise ferr(FormatError, "unknown dtype", f"entry[{i}].dtype", at + 8,
-                           expected="a code of the MCF dtype table", got=code)
-            info = dtype_info(code)
-            r = ranks_l[i]
-            o = doffs_l[i]
-            shape = tuple(dims[o:o + r])
-            off = offs[i]
-            size = sizes[i]
-            raw = names_b[i]
-            try:
-                name = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ferr(FormatError, "tensor name is not valid UTF-8", f"entry[{i}].name", at,
-                           got=raw[:80]) from None
-            if info.quantized:
-                if r != 2:
-                    raise ferr(FormatError, f"quantized tensor {name!r} is not rank 2",
-                               f"entry[{i}].rank", at + 12, expected=2, got=r)
-                if not aligned64:
-                    raise ferr(FormatError, f"quantized tensor {name!r} in a file without the "
-                               "TensorDataAligned64 flag", f"entry[{i}].dtype", at + 8)
-                if off % 64:
-                    raise ferr(FormatError, f"quantized tensor {name!r} data is not 64-byte aligned",
-                               f"entry[{i}].data_off", at + 24, expected="multiple of 64", got=off)
-                # only int8/int4 sizes depend on the domain; QuantInfo checks the others' domain
-                domain = domains.get(i, 0) if info.family == "raw" else 0
-                want = _cached_layout(code, shape, domain).nbytes
-            else:
-                want = math.prod(shape) * info.itemsize
-            if size != want:
+
+        def quant_size(code, shape, i):
+            info = _DTINFOS[code]
+            # only int8/int4 sizes depend on the domain; QuantInfo checks the others' domain
+            domain = domains.get(i, 0) if info.family == "raw" else 0
+            return _cached_layout(code, shape, domain).nbytes
+
+        def scan_error(kind, reason, field, at, expected, got):
+            if kind == "size":
+                want, info, shape = expected
+                if want is None:
+                    want = math.prod(shape) * info.itemsize
                 hint = ""
                 if info.family == "raw":
                     hint = " (the Go tool writes int8/int4 payloads without the spec's scale region)"
-                raise ferr(FormatError, f"data_size of {name!r} does not match its dtype and shape"
-                           + hint, f"entry[{i}].data_size", at + 32,
-                           expected=f"{want} ({info.name} {list(shape)})", got=size)
-            if data_range is not None and (off < d_lo or off > d_hi or size > d_hi - off):
-                raise ferr(TruncatedError, f"data of {name!r} lies outside the TensorData section",
-                           f"entry[{i}].data_off", at + 24,
-                           expected=f"range inside [{d_lo}, {d_hi})", got=f"[{off}, {off + size})")
-            infos.append(TensorInfo(name, info, shape, off, size, i))
+                return ferr(FormatError, f"data_size of {reason!r} does not match its dtype and shape" + hint,
+                            field, at, expected=f"{want} ({info.name} {list(shape)})", got=got)
+            cls_ = TruncatedError if kind == "truncated" else FormatError
+            return ferr(cls_, reason, field, at, expected=expected, got=got)
+
+        d_lo, d_size = data_range if data_range is not None else (0, 0)
+        infos, names_b, in_order = scan_entries(
+            buf if isinstance(buf, memoryview) else memoryview(buf), entries_off, count, dims_off,
+            dims_count, strings_off, strings_size, data_range is not None, d_lo, d_lo + d_size,
+            aligned64, MAX_RANK, _DTINFOS, _ITEMSIZES, TensorInfo, quant_size, scan_error)
+
+        order = None
+        if not in_order:
+            i = next(i for i in range(1, count) if names_b[i - 1] >= names_b[i])
+            dup = len(set(names_b)) != len(names_b)
+            if (flags & FLAG_SORTED) or dup:
+                if dup and not flags & FLAG_SORTED:
+                    seen = set()
+                    i = next(i for i, nb in enumerate(names_b) if nb in seen or seen.add(nb))
+                dup_here = names_b[i] in names_b[:i]
+                raise ferr(FormatError, "duplicate tensor names" if dup_here else
+                           "names not sorted although the sorted flag is set",
+                           f"entry[{i}].name", entries_off + i * 40,
+                           expected="strictly increasing names", got=names_b[i][:80])
+            order = sorted(range(count), key=names_b.__getitem__)
         disk = infos
         if order is not None:
             infos = [infos[i] for i in order]
