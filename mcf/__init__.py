@@ -6,7 +6,7 @@
 """
 
 from mcf import io
-from mcf.container import Container, Header, Section, open
+from mcf.container import Container, Header, Section, load_file, open
 from mcf.dtypes import DType
 from mcf.errors import (AccessError, ChecksumError, ClosedError, DTypeError, FormatError, InvalidArgumentError,
                         MCFError, MCFIOError, MissingFileError, OutOfBoundsError, TensorNotFoundError,
@@ -21,7 +21,7 @@ from mcf.writer import Writer
 __version__ = "0.1.0"
 
 __all__ = [
-    "open", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
+    "open", "load_file", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
     "Writer", "pack", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",

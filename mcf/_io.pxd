@@ -1,11 +1,12 @@
 # The I/O core's C-level surface, for other compiled modules of mcf (batch gathers, kernels) that
 # copy straight from a mapping without going through Python.
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t, uint64_t, int64_t
 
 
 cdef class _Mapping:
     cdef void* addr
     cdef size_t length
+    cdef bint writable
 
 
 cdef class Source:
@@ -26,3 +27,5 @@ cdef class Source:
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1
     cdef _set_mapping(self, _Mapping m)
     cdef _fileobj_read(self, uint64_t offset, mv)
+    cdef _copy_ranges(self, const int64_t[::1] offs, const int64_t[::1] szs, const int64_t[::1] dsts,
+                      uint8_t* out, Py_ssize_t a, Py_ssize_t b)

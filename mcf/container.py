@@ -22,7 +22,7 @@ from mcf.modelinfo import ModelInfo, decode_model_info
 from mcf.quantinfo import QuantRecord, decode_quant_info
 from mcf.tensor_index import TensorIndex, TensorInfo, _cached_layout
 
-__all__ = ["Container", "Header", "Section", "open"]
+__all__ = ["Container", "Header", "Section", "open", "load_file"]
 
 _UNIQUE = {SectionType.MODEL_INFO, SectionType.QUANT_INFO, SectionType.TENSOR_INDEX,
            SectionType.TENSOR_DATA, *RESOURCE_FILES}
@@ -324,6 +324,37 @@ class Container:
         dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
         return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
+    def load(self, names=None, *, threads: int = 1) -> dict:
+        """Materialize tensors into fresh, writable arrays (all of them by default): name -> array.
+
+        This is the fast path for loading weights: one huge-page-backed arena is allocated for all of
+        them and filled by one compiled loop (``pread`` from the page cache, GIL released, optionally
+        on several threads), instead of one allocation and one copy per tensor.  The arrays are views
+        into the arena, which is freed when the last of them is.  Quantized tensors come back as their
+        raw payload bytes (uint8).
+        """
+        from mcf._io import alloc_buffer
+
+        infos = [self.index[n] for n in (self.index.keys() if names is None else names)]
+        offs, sizes, dsts = [], [], []
+        pos = 0
+        for t in infos:
+            offs.append(t.offset)
+            sizes.append(t.nbytes)
+            dsts.append(pos)
+            pos += (t.nbytes + 63) & ~63
+        arena = alloc_buffer(pos)
+        self._src.read_ranges(offs, sizes, arena, dsts, threads=max(1, int(threads)))
+        out = {}
+        for t, d in zip(infos, dsts):
+            raw = arena[d:d + t.nbytes]
+            if t.dtype.quantized:
+                out[t.name] = raw
+            else:
+                dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
+                out[t.name] = raw.view(dt).reshape(t.shape)
+        return out
+
     def to_float32(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
         """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array (or ``out``)."""
         from mcf import _fpconv
@@ -416,6 +447,13 @@ class Container:
 
     def __repr__(self) -> str:
         return f"<mcf.Container {self.path!r} {len(self)} tensors, {len(self.sections)} sections>"
+
+
+def load_file(path_or_file, names=None, *, mmap: bool = True, threads: int = 1) -> dict:
+    """Read tensors of an MCF file into fresh numpy arrays (name -> array), like
+    ``safetensors.numpy.load_file``.  See :meth:`Container.load`."""
+    with open(path_or_file, mmap=mmap) as c:
+        return c.load(names, threads=threads)
 
 
 def open(path_or_file, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open

@@ -250,3 +250,79 @@ def test_many_threads_read_the_same_source(data_file):
 def test_source_is_not_constructible_directly():
     with pytest.raises(TypeError):
         mcf.io.Source()
+
+
+def test_alloc_buffer_is_writable_and_page_aligned():
+    from mcf.io import alloc_buffer
+
+    for n in (0, 1, 4096, 3 << 20):
+        a = alloc_buffer(n)
+        assert a.size == n and a.dtype == np.uint8
+        if n:
+            assert a.flags.writeable and a.ctypes.data % 4096 == 0
+            a[:] = 7
+            assert int(a[-1]) == 7
+    with pytest.raises(ValueError):
+        alloc_buffer(-1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_ranges_in_every_mode(all_sources, threads):
+    srcs, data = all_sources
+    rng = np.random.default_rng(threads)
+    offs = rng.integers(0, len(data) - 600, 40)
+    sizes = rng.integers(0, 600, 40)
+    dsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 3
+    for mode, s in srcs.items():
+        out = np.zeros(int(sizes.sum()) + 3, np.uint8)
+        s.read_ranges(offs, sizes, out, dsts, threads=threads)
+        for o, n, d in zip(offs, sizes, dsts):
+            assert out[d:d + n].tobytes() == data[o:o + n], mode
+
+
+def test_read_ranges_checks_every_range_first(all_sources):
+    srcs, data = all_sources
+    for mode, s in srcs.items():
+        out = np.zeros(100, np.uint8)
+        for offs, sizes, dsts in ([[0, -1], [1, 1], [0, 1]], [[0, len(data)], [1, 1], [0, 1]],
+                                  [[0, 0], [10, 10], [0, 95]], [[0], [2**62], [0]]):
+            with pytest.raises(mcf.OutOfBoundsError):
+                s.read_ranges(offs, sizes, out, dsts)
+            assert not out.any(), mode  # nothing was copied before the checks failed
+        with pytest.raises(ValueError):
+            s.read_ranges([0, 1], [1], out, [0, 1])
+        with pytest.raises(mcf.InvalidArgumentError):
+            s.read_ranges([0], [1], b"readonly", [0])
+        with pytest.raises(mcf.InvalidArgumentError):
+            s.readinto(0, b"readonly")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_container_load_materializes_fresh_arrays(tmp_path, mmap, threads):
+    p = tmp_path / "t.mcf"
+    rng = np.random.default_rng(5)
+    arrays = {"a": rng.standard_normal((33, 17)).astype(np.float32), "b": np.arange(7, dtype=np.int16),
+              "c": np.float64(2.5), "d": np.zeros((0, 3), np.float16)}
+    payload = rng.integers(0, 64, mcf.quant_layout("k4", (3, 40)).nbytes, dtype=np.uint8)
+    with mcf.Writer(p) as w:
+        for n, a in arrays.items():
+            w.add_tensor(n, a)
+        w.add_tensor_bytes("q", "k4", (3, 40), payload)
+    with mcf.open(p, mmap=mmap) as c:
+        out = c.load(threads=threads)
+        assert set(out) == {"a", "b", "c", "d", "q"}
+        for n, a in arrays.items():
+            got = out[n]
+            assert got.dtype == np.asarray(a).dtype and got.shape == np.shape(a)
+            assert got.tobytes() == np.asarray(a).tobytes()
+            assert got.flags.writeable and got.flags.c_contiguous
+            assert not np.shares_memory(got, c.tensor(n)) or got.size == 0
+        assert out["q"].tobytes() == payload.tobytes()
+        out["a"][0, 0] = 1e9  # fresh memory: the file is not touched
+        assert c.tensor("a")[0, 0] == arrays["a"][0, 0]
+        sub = c.load(["b"])
+        assert list(sub) == ["b"]
+    assert mcf.load_file(p)["a"].tobytes() == arrays["a"].tobytes()
+    with pytest.raises(mcf.TensorNotFoundError):
+        mcf.load_file(p, ["nope"])
