@@ -53,6 +53,7 @@ extensions = [
     ext("mcf._io", ["mcf/_io.pyx"]),
     ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c"]),
     ext("mcf._index", ["mcf/_index.pyx"]),
+    ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
 ]
 
 setup(

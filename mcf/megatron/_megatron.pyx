@@ -1,0 +1,515 @@
+# cython: freethreading_compatible = False
+"""Compiled kernels of the Megatron indexed dataset: per-item views, batch gather, index checks, prefix
+sums, token range checks and Megatron's ``build_sample_idx``.
+
+The ``.idx`` arrays start at odd offsets (34 + ...), so every load from them goes through ``memcpy``
+(one unaligned ``mov`` on x86).  Callers (mcf/megatron/*.py) validate counts and sizes with Python
+integers first; each kernel re-checks the buffer lengths it is given before entering a ``nogil`` loop.
+"""
+
+import numpy as np
+
+cimport numpy as cnp
+from cpython.long cimport PyLong_AsSsize_t
+from cpython.ref cimport Py_INCREF
+from libc.math cimport ceilf
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+from mcf._io cimport Source
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    # steals a reference to `descr`
+    object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
+                                cnp.npy_intp* strides, void* data, int flags, object obj)
+
+cdef extern from *:
+    """
+    static inline int mg_add_i64(long long a, long long b, long long *r) { return __builtin_add_overflow(a, b, r); }
+    static inline int mg_mul_i64(long long a, long long b, long long *r) { return __builtin_mul_overflow(a, b, r); }
+    """
+    int mg_add_i64(long long a, long long b, long long* r) nogil
+    int mg_mul_i64(long long a, long long b, long long* r) nogil
+
+from mcf.errors import ClosedError, InvalidArgumentError, OutOfBoundsError
+
+INT32_MAX = 2**31 - 1
+
+
+cdef inline int32_t ld32(const uint8_t* p) noexcept nogil:
+    cdef int32_t v
+    memcpy(&v, p, 4)
+    return v
+
+
+cdef inline int64_t ld64(const uint8_t* p) noexcept nogil:
+    cdef int64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+cdef inline void note(int64_t* bad, Py_ssize_t kmax, int64_t count, int64_t i) noexcept nogil:
+    if count < kmax:
+        bad[count] = i
+
+
+cdef int64_t* _bad_ptr(int64_t[::1] bad):
+    return &bad[0] if bad.shape[0] else NULL
+
+
+# -- index checks: each returns the number of offending positions and records the first len(bad) ------
+def check_lengths(const uint8_t[::1] lens, Py_ssize_t n, int64_t[::1] bad):
+    """Count negative sequence lengths."""
+    if n < 0 or lens.shape[0] < 4 * n:
+        raise ValueError("check_lengths: buffer too small")
+    cdef const uint8_t* p = &lens[0] if n else NULL
+    cdef int64_t* b = _bad_ptr(bad)
+    cdef Py_ssize_t k = bad.shape[0], i
+    cdef int64_t count = 0
+    with nogil:
+        for i in range(n):
+            if ld32(p + 4 * i) < 0:
+                note(b, k, count, i)
+                count += 1
+    return count
+
+
+def check_pointers(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n, int64_t itemsize,
+                   int64_t[::1] bad):
+    """Count sequences whose pointer is not the end of the previous one (0 for the first): the
+    pointers must be the exclusive prefix sums of length * itemsize."""
+    if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
+        raise ValueError("check_pointers: buffer too small")
+    cdef const uint8_t* pl = &lens[0] if n else NULL
+    cdef const uint8_t* pp = &ptrs[0] if n else NULL
+    cdef int64_t* b = _bad_ptr(bad)
+    cdef Py_ssize_t k = bad.shape[0], i
+    cdef int64_t count = 0
+    cdef uint64_t want = 0
+    with nogil:
+        for i in range(n):
+            if <uint64_t>ld64(pp + 8 * i) != want:
+                note(b, k, count, i)
+                count += 1
+            # wrapping arithmetic: any mismatch shows; extents are checked separately
+            want = <uint64_t>ld64(pp + 8 * i) + <uint64_t><int64_t>ld32(pl + 4 * i) * <uint64_t>itemsize
+    return count
+
+
+def check_extents(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n, int64_t itemsize,
+                  uint64_t bin_size, int64_t[::1] bad):
+    """Count sequences whose bytes ``[pointer, pointer + length*itemsize)`` do not lie inside the .bin
+    (negative pointers and lengths included)."""
+    if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n or itemsize < 1 or itemsize > 8:
+        raise ValueError("check_extents: bad arguments")
+    cdef const uint8_t* pl = &lens[0] if n else NULL
+    cdef const uint8_t* pp = &ptrs[0] if n else NULL
+    cdef int64_t* b = _bad_ptr(bad)
+    cdef Py_ssize_t k = bad.shape[0], i
+    cdef int64_t count = 0, ln, pt
+    cdef uint64_t nb
+    with nogil:
+        for i in range(n):
+            ln = ld32(pl + 4 * i)
+            pt = ld64(pp + 8 * i)
+            nb = <uint64_t>ln * <uint64_t>itemsize
+            if ln < 0 or pt < 0 or <uint64_t>pt > bin_size or nb > bin_size - <uint64_t>pt:
+                note(b, k, count, i)
+                count += 1
+    return count
+
+
+def check_documents(const uint8_t[::1] docs, Py_ssize_t d, int64_t n, int64_t[::1] bad):
+    """Count positions of the document index that break ``0 = di[0] <= di[1] <= ... <= di[-1] = N``
+    (a value outside [0, N] counts too)."""
+    if d < 0 or docs.shape[0] < 8 * d:
+        raise ValueError("check_documents: buffer too small")
+    cdef const uint8_t* p = &docs[0] if d else NULL
+    cdef int64_t* b = _bad_ptr(bad)
+    cdef Py_ssize_t k = bad.shape[0], i
+    cdef int64_t count = 0, v, prev = 0
+    with nogil:
+        for i in range(d):
+            v = ld64(p + 8 * i)
+            if (i == 0 and v != 0) or (i == d - 1 and v != n) or v < prev or v < 0 or v > n:
+                note(b, k, count, i)
+                count += 1
+            if v > prev:
+                prev = v
+    return count
+
+
+# -- writer kernels ------------------------------------------------------------------------------------
+def prefix_pointers(const int32_t[::1] lengths, int64_t itemsize, int64_t start, int64_t[::1] out):
+    """Exclusive prefix sums of ``lengths * itemsize`` starting at ``start`` into ``out``; returns the
+    end offset.  Raises ``InvalidArgumentError`` on a negative length or int64 overflow."""
+    cdef Py_ssize_t n = lengths.shape[0], i
+    if out.shape[0] < n:
+        raise ValueError("prefix_pointers: output too small")
+    cdef long long cur = start, nb
+    cdef Py_ssize_t fail = -1
+    with nogil:
+        for i in range(n):
+            out[i] = cur
+            if lengths[i] < 0 or mg_mul_i64(lengths[i], itemsize, &nb) or mg_add_i64(cur, nb, &cur):
+                fail = i
+                break
+    if fail >= 0:
+        raise InvalidArgumentError(
+            f"sequence {fail}: length {lengths[fail]} is negative or the byte offsets overflow int64")
+    return cur
+
+
+ctypedef fused int_in:
+    int8_t
+    int16_t
+    int32_t
+    int64_t
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+
+
+def find_out_of_range(const int_in[::1] a, int64_t lo, int64_t hi):
+    """Index of the first value outside ``[lo, hi]`` (``hi >= 0``), or -1."""
+    cdef Py_ssize_t n = a.shape[0], i, found = -1
+    if hi < 0:
+        raise ValueError("hi must be >= 0")
+    with nogil:
+        if int_in is uint8_t or int_in is uint16_t or int_in is uint32_t or int_in is uint64_t:
+            for i in range(n):
+                if <uint64_t>a[i] > <uint64_t>hi:
+                    found = i
+                    break
+        else:
+            for i in range(n):
+                if <int64_t>a[i] < lo or <int64_t>a[i] > hi:
+                    found = i
+                    break
+    return found
+
+
+def flat_tokens(list ids_lists, cnp.dtype dtype):
+    """Concatenate lists of Python ints (tokenizer output) into one array of ``dtype`` plus their
+    lengths (int32), checking every id against the dtype's range on the way."""
+    cdef Py_ssize_t n = len(ids_lists), i, j, total = 0, m
+    cdef cnp.ndarray lengths = np.empty(n, dtype=np.int32)
+    cdef int32_t* lp = <int32_t*>cnp.PyArray_DATA(lengths)
+    cdef list ids
+    for i in range(n):
+        m = len(<list>ids_lists[i])
+        if m > INT32_MAX:
+            raise InvalidArgumentError(f"document {i} has {m} tokens, more than a sequence can hold")
+        lp[i] = <int32_t>m
+        total += m
+    cdef cnp.ndarray out = np.empty(total, dtype=dtype)
+    cdef int64_t lo, hi, v
+    cdef Py_ssize_t pos = 0
+    cdef int isz = dtype.itemsize
+    cdef uint8_t* o = <uint8_t*>cnp.PyArray_DATA(out)
+    if dtype.kind not in "iu":
+        raise InvalidArgumentError(f"token dtype must be an integer dtype, not {dtype}")
+    info = np.iinfo(dtype)
+    lo = info.min
+    hi = info.max if info.max < 2**63 else 2**63 - 1
+    for i in range(n):
+        ids = <list>ids_lists[i]
+        for j in range(len(ids)):
+            try:
+                v = ids[j]
+            except (OverflowError, TypeError):
+                raise InvalidArgumentError(f"token id {ids[j]!r} (document {i}, position {j}) is not an "
+                                           f"integer that fits {dtype}") from None
+            if v < lo or v > hi:
+                raise InvalidArgumentError(
+                    f"token id {v} (document {i}, position {j}) does not fit {dtype} [{lo}, {hi}]")
+            if isz == 2:
+                (<uint16_t*>o)[pos] = <uint16_t>v
+            elif isz == 4:
+                (<int32_t*>o)[pos] = <int32_t>v
+            elif isz == 1:
+                o[pos] = <uint8_t>v
+            else:
+                (<int64_t*>o)[pos] = v
+            pos += 1
+    return out, lengths
+
+
+# -- Megatron's build_sample_idx -------------------------------------------------------------------
+ctypedef fused sample_t:
+    int32_t
+    int64_t
+
+
+cdef void _sample_loop(const int32_t* sizes, const int32_t* document_idx, Py_ssize_t n_doc_idx,
+                       int32_t seq_length, int64_t num_samples, int add_extra,
+                       sample_t* sample_idx) noexcept nogil:
+    # The loop of Megatron-LM's helpers.cpp build_sample_idx<T>, statement for statement, with the
+    # same variable types (so the same integer conversions).  The caller validated every document id
+    # against len(sizes) and the arithmetic ranges.
+    cdef int64_t sample_idx_index = 0
+    cdef sample_t document_idx_index = 0
+    cdef sample_t doc_offset = 0
+    cdef int32_t remaining_seq_length
+    cdef int32_t document_index
+    cdef sample_t document_length
+    sample_idx[0] = document_idx_index
+    sample_idx[1] = doc_offset
+    sample_idx_index += 1
+    while sample_idx_index <= num_samples:
+        remaining_seq_length = seq_length + add_extra
+        while remaining_seq_length != 0:
+            document_index = document_idx[document_idx_index]
+            document_length = sizes[document_index] - doc_offset
+            remaining_seq_length = <int32_t>(remaining_seq_length - document_length)
+            if remaining_seq_length <= 0:
+                doc_offset += (remaining_seq_length + document_length - add_extra)
+                remaining_seq_length = 0
+            else:
+                if document_idx_index == n_doc_idx - 1:
+                    doc_offset = sizes[document_idx[document_idx_index]] - add_extra
+                    break
+                document_idx_index += 1
+                doc_offset = 0
+        sample_idx[2 * sample_idx_index] = document_idx_index
+        sample_idx[2 * sample_idx_index + 1] = doc_offset
+        sample_idx_index += 1
+
+
+def sum_document_sizes(const int32_t[::1] sizes, const int32_t[::1] document_idx):
+    """``sum(sizes[document_idx])`` as a Python int, or ``(bad_position,)`` for the first document id
+    outside ``[0, len(sizes))`` or the first negative size reached."""
+    cdef Py_ssize_t n = document_idx.shape[0], ns = sizes.shape[0], i, bad = -1
+    cdef int32_t d
+    cdef int64_t total = 0
+    with nogil:
+        for i in range(n):
+            d = document_idx[i]
+            if d < 0 or d >= ns or sizes[d] < 0:
+                bad = i
+                break
+            total += sizes[d]  # < 2**31 * 2**63 / 2**31: cannot overflow for n < 2**32
+    if bad >= 0:
+        return (bad,)
+    return total
+
+
+def num_samples_for(int64_t num_epochs, int64_t tokens_per_epoch, int64_t seq_length,
+                    bint drop_last_partial_sequence, int64_t add_extra):
+    """Megatron's sample count: floor division when dropping the last partial sequence, else the
+    ceiling computed in single precision (``ceil(float(x) / seq_length)``, float rounding included)."""
+    cdef long long x
+    if mg_mul_i64(num_epochs, tokens_per_epoch, &x):
+        raise InvalidArgumentError("num_epochs * tokens_per_epoch overflows int64")
+    x -= add_extra
+    if drop_last_partial_sequence:
+        return x // seq_length if x >= 0 else -((-x) // seq_length)  # C truncation toward zero
+    return <int64_t>ceilf(<float>x / <float><int32_t>seq_length)
+
+
+def build_sample_idx_raw(const int32_t[::1] sizes, const int32_t[::1] document_idx, int32_t seq_length,
+                         int64_t num_samples, int add_extra, bint use_int64):
+    """The sample index, ``[num_samples + 1, 2]``; arguments validated by the caller
+    (mcf/megatron/sample_index.py)."""
+    cdef Py_ssize_t n = document_idx.shape[0]
+    if n == 0 or sizes.shape[0] == 0 or num_samples < 0:
+        raise ValueError("build_sample_idx_raw: empty input")
+    cdef cnp.ndarray out = np.empty((num_samples + 1, 2), dtype=np.int64 if use_int64 else np.int32)
+    cdef const int32_t* ps = &sizes[0]
+    cdef const int32_t* pd = &document_idx[0]
+    cdef void* po = cnp.PyArray_DATA(out)
+    with nogil:
+        if use_int64:
+            _sample_loop[int64_t](ps, pd, n, seq_length, num_samples, add_extra, <int64_t*>po)
+        else:
+            _sample_loop[int32_t](ps, pd, n, seq_length, num_samples, add_extra, <int32_t*>po)
+    return out
+
+
+# -- the reader's hot paths ----------------------------------------------------------------------------
+cdef class SequenceTable:
+    """Per-sequence access over validated index arrays; the base class of ``IndexedDataset``.
+
+    ``_bind`` is called once the Python side has validated the index against the .bin.  Integer
+    indexing, ``get`` and ``gather`` run here; every other key goes to ``self._getitem_other``.
+    """
+
+    cdef const uint8_t* _lens        # int32[n], unaligned
+    cdef const uint8_t* _ptrs        # int64[n], unaligned
+    cdef Py_ssize_t _n
+    cdef object _idx_keep            # owns _lens/_ptrs
+    cdef Source _bin
+    cdef const uint8_t* _bin_base    # mapping of the .bin, or NULL (pread, file-like, empty)
+    cdef object _bin_whole           # owner of the mapping, the base of every view
+    cdef uint64_t _bin_size
+    cdef cnp.dtype _dtype
+    cdef int64_t _itemsize
+    cdef bint _bound
+
+    def _bind(self, const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n, object idx_keep,
+              Source bin_src, cnp.dtype dtype):
+        if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
+            raise ValueError("_bind: index arrays too small")
+        self._lens = &lens[0] if n else NULL
+        self._ptrs = &ptrs[0] if n else NULL
+        self._n = n
+        self._idx_keep = (idx_keep, lens, ptrs)
+        self._bin = bin_src
+        self._bin_base = bin_src.base
+        self._bin_whole = bin_src._whole if bin_src.base != NULL else None
+        self._bin_size = bin_src._size
+        self._dtype = dtype
+        self._itemsize = dtype.itemsize
+        self._bound = True
+
+    def _unbind(self):
+        """Drop the index and the .bin; arrays handed out earlier keep what they reference alive."""
+        self._bound = False
+        self._lens = NULL
+        self._ptrs = NULL
+        self._bin_base = NULL
+        self._bin_whole = None
+        self._idx_keep = None
+        self._bin = None
+
+    cdef inline int _check_open(self) except -1:
+        if not self._bound:
+            raise ClosedError("the dataset is closed")
+        return 0
+
+    cdef Py_ssize_t _norm(self, object idx) except -2:
+        cdef Py_ssize_t i = PyLong_AsSsize_t(idx) if type(idx) is int else PyLong_AsSsize_t(idx.__index__())
+        if i < 0:
+            i += self._n
+        if i < 0 or i >= self._n:
+            raise OutOfBoundsError(f"sequence index {idx} out of range for {self._n} sequences")
+        return i
+
+    cdef object _read(self, int64_t ptr, int64_t count):
+        """``count`` items at byte offset ``ptr`` of the .bin: a view when mapped, else a new array."""
+        cdef cnp.npy_intp dims[1]
+        cdef uint64_t nb = <uint64_t>count * <uint64_t>self._itemsize
+        if count < 0 or ptr < 0 or <uint64_t>ptr > self._bin_size or nb > self._bin_size - <uint64_t>ptr:
+            raise OutOfBoundsError(f"read of {count} items at byte {ptr} lies outside the .bin "
+                                   f"({self._bin_size} bytes)")
+        dims[0] = <cnp.npy_intp>count
+        if self._bin_base != NULL:
+            Py_INCREF(self._dtype)  # stolen by PyArray_NewFromDescr
+            arr = PyArray_NewFromDescr(<type>np.ndarray, self._dtype, 1, dims, NULL,
+                                       <void*>(self._bin_base + ptr), cnp.NPY_ARRAY_C_CONTIGUOUS, None)
+            Py_INCREF(self._bin_whole)  # stolen by PyArray_SetBaseObject
+            cnp.PyArray_SetBaseObject(<cnp.ndarray>arr, self._bin_whole)
+            cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_ALIGNED)
+            return arr
+        out = cnp.PyArray_EMPTY(1, dims, self._dtype.type_num, 0)
+        if nb:
+            self._bin.copy_to(<uint64_t>ptr, <size_t>nb, cnp.PyArray_DATA(<cnp.ndarray>out))
+        return out
+
+    def __len__(self):
+        return self._n
+
+    def __getitem__(self, idx):
+        cdef Py_ssize_t i
+        if type(idx) is int or isinstance(idx, np.integer):
+            self._check_open()
+            i = self._norm(idx)
+            return self._read(ld64(self._ptrs + 8 * i), ld32(self._lens + 4 * i))
+        return self._getitem_other(idx)
+
+    def get(self, idx, offset=0, length=None):
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end when ``length`` is None).
+
+        Unlike Megatron's ``IndexedDataset.get``, a range outside the sequence raises
+        :class:`mcf.OutOfBoundsError` instead of reading into the next sequence or past the file."""
+        self._check_open()
+        cdef Py_ssize_t i = self._norm(idx)
+        cdef int64_t ln = ld32(self._lens + 4 * i)
+        off = int(offset)
+        if off < 0 or off > ln:
+            raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
+        cnt = ln - off if length is None else int(length)
+        if cnt < 0 or cnt > ln - off:
+            raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} "
+                                   f"(length {ln})")
+        return self._read(ld64(self._ptrs + 8 * i) + <int64_t>off * self._itemsize, cnt)
+
+    def _sequence_length(self, idx):
+        self._check_open()
+        cdef Py_ssize_t i = self._norm(idx)
+        return ld32(self._lens + 4 * i)
+
+    def gather(self, indices, out=None):
+        """Read many sequences into one flat array: returns ``(tokens, offsets)`` with sequence ``k`` at
+        ``tokens[offsets[k]:offsets[k+1]]``.  Copies run with the GIL released; ``out`` may be a
+        preallocated 1-D array of the dataset's dtype (a prefix of it is filled and returned)."""
+        self._check_open()
+        idx_arr = np.ascontiguousarray(indices, dtype=np.int64)
+        if idx_arr.ndim != 1:
+            raise InvalidArgumentError("indices must be one-dimensional")
+        cdef const int64_t[::1] ix = idx_arr
+        cdef Py_ssize_t m = ix.shape[0], k, bad = -1
+        cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
+        cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
+        cdef int64_t j, total = 0, n = self._n
+        cdef const uint8_t* lens = self._lens
+        with nogil:
+            po[0] = 0
+            for k in range(m):
+                j = ix[k]
+                if j < 0:
+                    j = j + n
+                if j < 0 or j >= n:
+                    bad = k
+                    break
+                total += ld32(lens + 4 * j)
+                po[k + 1] = total
+        if bad >= 0:
+            raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
+        cdef cnp.ndarray res
+        if out is None:
+            res = np.empty(total, dtype=self._dtype)
+        else:
+            if (not isinstance(out, np.ndarray) or out.dtype != self._dtype or out.ndim != 1
+                    or not out.flags.c_contiguous or not out.flags.writeable):
+                raise InvalidArgumentError(f"out must be a writable contiguous 1-D {self._dtype} array")
+            if out.shape[0] < total:
+                raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
+            res = out[:total]
+        cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
+        cdef const uint8_t* base = self._bin_base
+        cdef const uint8_t* ptrs = self._ptrs
+        cdef int64_t isz = self._itemsize, p, nb
+        cdef uint64_t size = self._bin_size
+        keep = self._bin_whole  # keeps the mapping alive while the GIL is released
+        if base != NULL:
+            with nogil:
+                for k in range(m):
+                    j = ix[k]
+                    if j < 0:
+                        j = j + n
+                    p = ld64(ptrs + 8 * j)
+                    nb = (po[k + 1] - po[k]) * isz
+                    if p < 0 or <uint64_t>p > size or <uint64_t>nb > size - <uint64_t>p:
+                        bad = k
+                        break
+                    memcpy(dst + po[k] * isz, base + p, <size_t>nb)
+        else:
+            for k in range(m):
+                j = ix[k]
+                if j < 0:
+                    j = j + n
+                p = ld64(ptrs + 8 * j)
+                nb = (po[k + 1] - po[k]) * isz
+                if p < 0 or <uint64_t>p > size or <uint64_t>nb > size - <uint64_t>p:
+                    bad = k
+                    break
+                if nb:
+                    self._bin.copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
+        del keep
+        if bad >= 0:
+            raise OutOfBoundsError(f"sequence {ix[bad]} lies outside the .bin")
+        return res, offsets

@@ -1,0 +1,487 @@
+"""Writing Megatron indexed datasets with the semantics of Megatron's ``IndexedDatasetBuilder``.
+
+What differs, on purpose:
+
+- token ids outside the dtype's range raise :class:`mcf.InvalidArgumentError` (Megatron's
+  ``numpy.array(tokens, dtype=...)`` wraps them silently);
+- the per-sequence arrays (lengths, document boundaries, modes) spill to temporary files past a few
+  MB, so memory stays bounded however many sequences are written or merged (Megatron keeps Python
+  lists of everything and has been reported to need hundreds of GB to merge large corpora);
+- the pointers are computed at ``finalize`` by a compiled exclusive prefix sum, with int64 overflow
+  checked;
+- both files are written to temporary names and renamed into place at ``finalize`` (the ``.bin``
+  first, then the ``.idx``), so an interrupted build leaves no half-written dataset;
+- a document left open at ``finalize`` (sequences added after the last ``end_document``) is closed, so
+  the result always has a valid document index.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+import numpy as np
+
+from mcf.errors import InvalidArgumentError, MCFIOError, os_error
+from mcf.megatron import _megatron
+from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MEGATRON_DTYPES, MODE_DTYPE, VERSION,
+                                  dtype_code, dtype_for_vocab)
+from mcf.writer import _create_temp, _fsync_dir
+
+__all__ = ["Writer"]
+
+INT32_MAX = 2**31 - 1
+_CHUNK = 1 << 20            # items per chunk when streaming the index out
+_BIN_BUFFER = 1 << 20       # bytes buffered before a write(2) to the .bin
+
+
+class _Column:
+    """An append-only typed array that keeps at most ``limit`` bytes in memory and spills the rest to
+    an unnamed temporary file."""
+
+    def __init__(self, dtype, directory: str, limit: int = 8 << 20):
+        self.dtype = np.dtype(dtype)
+        self.directory = directory
+        self.limit = limit
+        self.count = 0
+        self._pending: list = []
+        self._chunks: list = []
+        self._mem = 0
+        self._file = None
+        self._spilled = 0
+
+    def append(self, v: int) -> None:
+        self._pending.append(v)
+        self.count += 1
+        if len(self._pending) >= 65536:
+            self._flush_pending()
+
+    def extend(self, arr: np.ndarray) -> None:
+        if len(arr) == 0:
+            return
+        self._flush_pending()
+        a = np.array(arr, dtype=self.dtype, copy=True)
+        self._chunks.append(a)
+        self._mem += a.nbytes
+        self.count += len(a)
+        if self._mem > self.limit:
+            self._spill()
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            a = np.array(self._pending, dtype=self.dtype)
+            self._pending = []
+            self._chunks.append(a)
+            self._mem += a.nbytes
+            if self._mem > self.limit:
+                self._spill()
+
+    def _spill(self) -> None:
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(dir=self.directory, prefix=".mcf-megatron-")
+        for a in self._chunks:
+            self._file.write(memoryview(a).cast("B"))
+            self._spilled += len(a)
+        self._chunks = []
+        self._mem = 0
+
+    def last(self):
+        if self._pending:
+            return self._pending[-1]
+        if self._chunks:
+            return int(self._chunks[-1][-1])
+        if self._spilled:
+            self._file.flush()
+            self._file.seek((self._spilled - 1) * self.dtype.itemsize)
+            v = np.frombuffer(self._file.read(self.dtype.itemsize), self.dtype)[0]
+            self._file.seek(0, os.SEEK_END)
+            return int(v)
+        return None
+
+    def chunks(self, size: int = _CHUNK):
+        """The values in order, in arrays of at most ``size`` items (aligned, freshly allocated)."""
+        self._flush_pending()
+        if self._file is not None:
+            self._file.flush()
+            self._file.seek(0)
+            left = self._spilled
+            while left:
+                k = min(size, left)
+                a = np.empty(k, self.dtype)
+                got = self._file.readinto(memoryview(a).cast("B"))
+                if got != a.nbytes:
+                    raise MCFIOError(errno.EIO, "temporary index spill file is short", self._file.name)
+                yield a
+                left -= k
+            self._file.seek(0, os.SEEK_END)
+        for a in self._chunks:
+            for s in range(0, len(a), size):
+                yield a[s:s + size]
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._chunks = []
+        self._pending = []
+
+
+class _BinOut:
+    """The .bin being written: small writes are buffered, large ones and shard copies go straight to
+    the file descriptor (so ``copy_file_range`` and ``write`` never disagree on the position)."""
+
+    def __init__(self, fd: int, name: str):
+        self.fd = fd
+        self.name = name
+        self.nbytes = 0
+        self._buf = bytearray()
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        if len(self._buf) + len(mv) <= _BIN_BUFFER:
+            self._buf += mv
+        else:
+            self.flush()
+            self._write_all(mv)
+        self.nbytes += len(mv)
+
+    def _write_all(self, mv) -> None:
+        try:
+            while len(mv):
+                k = os.write(self.fd, mv)
+                mv = mv[k:]
+        except OSError as exc:
+            raise os_error(exc, self.name) from None
+
+    def flush(self) -> None:
+        if self._buf:
+            self._write_all(memoryview(self._buf))
+            self._buf = bytearray()
+
+    def copy_from(self, src, nbytes: int) -> None:
+        """Append ``nbytes`` from the start of the Source ``src`` (a shard's .bin)."""
+        self.flush()
+        done = 0
+        if src.mode in ("mmap", "pread") and hasattr(os, "copy_file_range"):
+            try:
+                while done < nbytes:
+                    k = os.copy_file_range(src.fileno(), self.fd, nbytes - done, done)
+                    if k == 0:
+                        break
+                    done += k
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise os_error(exc, self.name) from None
+        step = 8 << 20
+        while done < nbytes:
+            k = min(step, nbytes - done)
+            self._write_all(memoryview(src.view(done, k)))
+            done += k
+        self.nbytes += nbytes
+
+
+class Writer:
+    """Write ``PREFIX.bin`` + ``PREFIX.idx``.
+
+    The token dtype is ``dtype`` if given, else chosen from ``vocab_size`` by ``dtype_rule``
+    (``"megatron"``: uint16 below 65500, else int32; ``"datatrove"``: uint16 up to 65536, else int32),
+    else int32 (Megatron's builder default).  Use as a context manager: leaving the block normally
+    finalizes, an exception discards everything and leaves existing files untouched.
+    """
+
+    def __init__(self, prefix, *, dtype=None, vocab_size: int | None = None, dtype_rule: str = "megatron",
+                 multimodal: bool = False, atomic: bool = True):
+        from mcf.megatron.reader import split_prefix
+
+        if dtype is not None and vocab_size is not None:
+            raise InvalidArgumentError("pass dtype or vocab_size, not both")
+        if dtype is not None:
+            self.dtype = MEGATRON_DTYPES[dtype_code(dtype)]
+        elif vocab_size is not None:
+            self.dtype = dtype_for_vocab(int(vocab_size), dtype_rule)
+        else:
+            self.dtype = MEGATRON_DTYPES[4]
+        self.dtype_code = dtype_code(self.dtype)
+        self.prefix = split_prefix(prefix)
+        self.idx_path = self.prefix + ".idx"
+        self.bin_path = self.prefix + ".bin"
+        self.multimodal = bool(multimodal)
+        self._atomic = bool(atomic)
+        self._closed = False
+        self._int = self.dtype.kind in "iu"
+        if self._int:
+            info = np.iinfo(self.dtype)
+            self._lo, self._hi = int(info.min), int(info.max)
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        self._dir = directory
+        self._lengths = _Column(LENGTH_DTYPE, directory)
+        self._docs = _Column(DOC_DTYPE, directory)
+        self._docs.append(0)
+        self._modes = _Column(MODE_DTYPE, directory) if self.multimodal else None
+        self._idx_tmp = None
+        try:
+            if self._atomic:
+                fd, self._bin_tmp = _create_temp(directory, os.path.basename(self.bin_path))
+            else:
+                self._bin_tmp = self.bin_path
+                fd = os.open(self.bin_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                             0o666)
+        except OSError as exc:
+            raise os_error(exc, self.bin_path) from None
+        self._bin = _BinOut(fd, self._bin_tmp)
+
+    # -- counts ---------------------------------------------------------------------------------------
+    @property
+    def sequence_count(self) -> int:
+        return self._lengths.count
+
+    @property
+    def document_count(self) -> int:
+        """Documents closed so far."""
+        return self._docs.count - 1
+
+    @property
+    def token_count(self) -> int:
+        return self._bin.nbytes // self.dtype.itemsize
+
+    # -- adding ---------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"{self.prefix}: the writer is finalized or aborted")
+
+    def _tokens(self, tokens) -> np.ndarray:
+        """Tokens as a flat contiguous array of the dataset's dtype, range-checked."""
+        a = np.asarray(tokens)
+        if a.ndim != 1:
+            a = a.reshape(-1)
+        if a.size == 0:
+            return np.empty(0, self.dtype)
+        if not self._int:
+            if a.dtype.kind not in "iubf":
+                raise InvalidArgumentError(f"tokens must be numbers, not {a.dtype}")
+            return np.ascontiguousarray(a, dtype=self.dtype)
+        if a.dtype.kind == "b":
+            a = a.view(np.uint8)
+        if a.dtype.kind not in "iu":
+            raise InvalidArgumentError(
+                f"token ids must be integers that fit {self.dtype}; got an array of {a.dtype}")
+        a = np.ascontiguousarray(a)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("="))
+        if not np.can_cast(a.dtype, self.dtype, "safe"):
+            bad = _megatron.find_out_of_range(a, self._lo, self._hi)
+            if bad >= 0:
+                raise InvalidArgumentError(
+                    f"token id {int(a[bad])} at position {bad} does not fit {self.dtype} "
+                    f"[{self._lo}, {self._hi}] (Megatron would wrap it silently)")
+        return a.astype(self.dtype, copy=False)
+
+    def _check_mode(self, mode) -> int:
+        m = int(mode)
+        if not -128 <= m <= 127:
+            raise InvalidArgumentError(f"sequence mode {m} does not fit int8")
+        return m
+
+    def add_item(self, tokens, mode: int = 0) -> None:
+        """Append one sequence (``mode`` is stored for multimodal datasets)."""
+        self._check_open()
+        a = self._tokens(tokens)
+        if a.size > INT32_MAX:
+            raise InvalidArgumentError(f"a sequence holds at most {INT32_MAX} tokens, got {a.size}")
+        m = self._check_mode(mode) if self.multimodal else 0
+        self._bin.write(a)
+        self._lengths.append(int(a.size))
+        if self.multimodal:
+            self._modes.append(m)
+
+    def end_document(self) -> None:
+        """Close the current document: it holds the sequences added since the previous boundary."""
+        self._check_open()
+        self._docs.append(self._lengths.count)
+
+    def add_document(self, tokens, lengths, modes=None) -> None:
+        """Append one document made of ``len(lengths)`` sequences whose tokens are ``tokens``
+        concatenated (``sum(lengths)`` must equal the number of tokens)."""
+        self._check_open()
+        a = self._tokens(tokens)
+        ln = np.asarray(lengths, dtype=np.int64).reshape(-1) if len(lengths) else np.empty(0, np.int64)
+        if ln.size and (int(ln.min()) < 0 or int(ln.max()) > INT32_MAX):
+            raise InvalidArgumentError(f"sequence lengths must lie in [0, {INT32_MAX}]")
+        if int(ln.sum()) != a.size:
+            raise InvalidArgumentError(f"lengths sum to {int(ln.sum())} but {a.size} tokens were given")
+        md = None
+        if self.multimodal:
+            md = np.zeros(ln.size, MODE_DTYPE) if modes is None else np.asarray(modes, dtype=np.int64).reshape(-1)
+            if md.size != ln.size:
+                raise InvalidArgumentError(f"{md.size} modes for {ln.size} sequences")
+            if md.size and (int(md.min()) < -128 or int(md.max()) > 127):
+                raise InvalidArgumentError("sequence modes must fit int8")
+        self._bin.write(a)
+        self._lengths.extend(ln)
+        self._docs.append(self._lengths.count)
+        if md is not None:
+            self._modes.extend(md)
+
+    def add_documents(self, tokens, lengths, *, empty: str = "sequence") -> None:
+        """Append many one-sequence documents at once: document ``k`` is the next ``lengths[k]`` tokens.
+
+        ``empty="sequence"`` stores an empty document as one empty sequence (datatrove);
+        ``empty="skip"`` as a document with no sequence (Megatron's ``preprocess_data.py``)."""
+        self._check_open()
+        if empty not in ("sequence", "skip"):
+            raise InvalidArgumentError(f"empty must be 'sequence' or 'skip', not {empty!r}")
+        a = self._tokens(tokens)
+        ln = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if ln.size == 0:
+            if a.size:
+                raise InvalidArgumentError(f"no lengths for {a.size} tokens")
+            return
+        if int(ln.min()) < 0 or int(ln.max()) > INT32_MAX:
+            raise InvalidArgumentError(f"document lengths must lie in [0, {INT32_MAX}]")
+        if int(ln.sum()) != a.size:
+            raise InvalidArgumentError(f"lengths sum to {int(ln.sum())} but {a.size} tokens were given")
+        start = self._lengths.count
+        if empty == "skip":
+            has = ln > 0
+            seqs = ln[has]
+            ends = start + np.cumsum(has, dtype=np.int64)
+        else:
+            seqs = ln
+            ends = start + np.arange(1, ln.size + 1, dtype=np.int64)
+        self._bin.write(a)
+        self._lengths.extend(seqs)
+        self._docs.extend(ends)
+        if self.multimodal:
+            self._modes.extend(np.zeros(seqs.size, MODE_DTYPE))
+
+    def add_index(self, source, *, mmap: bool = True) -> None:
+        """Append a whole dataset (a prefix or an open :class:`IndexedDataset`), streaming: its .bin is
+        copied with ``copy_file_range`` when possible and its arrays in chunks."""
+        from mcf.megatron.reader import IndexedDataset, open as open_dataset
+
+        self._check_open()
+        own = not isinstance(source, IndexedDataset)
+        ds = open_dataset(source, mmap=mmap) if own else source
+        try:
+            if ds.dtype != self.dtype:
+                raise InvalidArgumentError(f"{ds.idx_path}: dtype {ds.dtype} differs from the writer's {self.dtype}")
+            if self.multimodal and not ds.multimodal:
+                raise InvalidArgumentError(f"{ds.idx_path}: not multimodal, but the writer is")
+            offset = self._lengths.count
+            lens = ds.sequence_lengths
+            for s in range(0, len(lens), _CHUNK):
+                self._lengths.extend(lens[s:s + _CHUNK])
+            di = ds.document_indices
+            for s in range(1, len(di), _CHUNK):
+                self._docs.extend(di[s:s + _CHUNK] + offset)
+            if self.multimodal:
+                md = ds.sequence_modes
+                for s in range(0, len(md), _CHUNK):
+                    self._modes.extend(md[s:s + _CHUNK])
+            self._bin.copy_from(ds._bin_src, ds._bin_src.size)
+        finally:
+            if own:
+                ds.close()
+
+    # -- finishing ------------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Write the .idx (pointers computed from the lengths) and publish both files."""
+        if self._closed:
+            return
+        try:
+            if self._docs.last() != self._lengths.count:
+                self._docs.append(self._lengths.count)
+            self._bin.flush()
+            os.fsync(self._bin.fd)
+            os.close(self._bin.fd)
+            self._bin.fd = -1
+            self._write_index()
+            if self._atomic:
+                os.replace(self._bin_tmp, self.bin_path)
+                os.replace(self._idx_tmp, self.idx_path)
+                _fsync_dir(self.idx_path)
+            self._closed = True
+            self._release()
+        except OSError as exc:
+            self.abort()
+            raise os_error(exc, self.prefix) from None
+        except BaseException:
+            self.abort()
+            raise
+
+    close = finalize
+
+    def _write_index(self) -> None:
+        if self._atomic:
+            fd, self._idx_tmp = _create_temp(self._dir, os.path.basename(self.idx_path))
+        else:
+            self._idx_tmp = self.idx_path
+            fd = os.open(self.idx_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            f.write(HEADER.pack(MAGIC, VERSION, self.dtype_code, self._lengths.count, self._docs.count))
+            for a in self._lengths.chunks():
+                f.write(memoryview(a).cast("B"))
+            cur = 0
+            isz = self.dtype.itemsize
+            for a in self._lengths.chunks():
+                out = np.empty(len(a), np.int64)
+                cur = _megatron.prefix_pointers(a, isz, cur, out)
+                f.write(memoryview(out).cast("B"))
+            if cur != self._bin.nbytes:  # pragma: no cover - an internal invariant
+                raise AssertionError(f"pointers end at {cur}, .bin holds {self._bin.nbytes} bytes")
+            for a in self._docs.chunks():
+                f.write(memoryview(a).cast("B"))
+            if self.multimodal:
+                for a in self._modes.chunks():
+                    f.write(memoryview(a).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _release(self) -> None:
+        for c in (self._lengths, self._docs, self._modes):
+            if c is not None:
+                c.close()
+
+    def abort(self) -> None:
+        """Discard everything written; existing files at the prefix are left as they were."""
+        was = self._closed
+        self._closed = True
+        if self._bin.fd >= 0:
+            os.close(self._bin.fd)
+            self._bin.fd = -1
+        self._release()
+        if was:
+            return
+        for p in (self._bin_tmp, self._idx_tmp):
+            if p is not None and os.path.exists(p):
+                os.unlink(p)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def merge(output_prefix, inputs, *, mmap: bool = True, progress=None) -> Writer:
+    """Concatenate the datasets ``inputs`` (prefixes) into ``output_prefix``, streaming: memory stays
+    bounded however many shards and sequences.  All inputs must share one dtype; the output is
+    multimodal when the first input is.  ``progress(done, total, name)`` is called after each shard."""
+    from mcf.megatron.reader import open as open_dataset
+
+    inputs = list(inputs)
+    if not inputs:
+        raise InvalidArgumentError("merge needs at least one input dataset")
+    with open_dataset(inputs[0], mmap=mmap) as first:
+        dtype, multimodal = first.dtype, first.multimodal
+    w = Writer(output_prefix, dtype=dtype, multimodal=multimodal)
+    with w:
+        for k, p in enumerate(inputs):
+            w.add_index(p, mmap=mmap)
+            if progress is not None:
+                progress(k + 1, len(inputs), os.fspath(p))
+    return w
