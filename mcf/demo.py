@@ -118,7 +118,9 @@ def run_demo(args) -> int:
     with mcf.open(out) as c:
         problems = c.verify()
     print(f"   mcf verify: {'OK' if not problems else problems}")
-    return 1 if bad or problems else 0
+    print()
+    mg = __import__("mcf.megatron", fromlist=["demo_megatron"]).demo_megatron(model_dir, workdir)
+    return 1 if bad or problems or mg["problems"] else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

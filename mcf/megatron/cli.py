@@ -1,0 +1,161 @@
+"""``mcf megatron info|verify|merge|tokenize``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["add_megatron_parser"]
+
+
+def _human(n: float) -> str:
+    from mcf.cli import _human as h
+
+    return h(n)
+
+
+def info_dict(ds) -> dict:
+    lens = ds.sequence_lengths
+    h = ds.header
+    d = {
+        "prefix": ds.path_prefix,
+        "idx": ds.idx_path,
+        "bin": ds.bin_path,
+        "variant": h.variant,
+        "version": h.version,
+        "dtype": str(ds.dtype),
+        "dtype_code": h.dtype_code,
+        "multimodal": h.multimodal,
+        "sequences": len(ds),
+        "documents": ds.num_documents,
+        "tokens": ds.num_tokens,
+        "idx_bytes": h.layout.size,
+        "bin_bytes": ds._bin_src.size,
+    }
+    if len(lens):
+        d["sequence_length"] = {"min": int(lens.min()), "max": int(lens.max()),
+                                "mean": float(lens.mean(dtype=np.float64))}
+    if h.multimodal:
+        modes, counts = np.unique(ds.sequence_modes, return_counts=True)
+        d["modes"] = {int(m): int(c) for m, c in zip(modes, counts)}
+    return d
+
+
+def cmd_info(args) -> int:
+    from mcf.megatron import open as open_dataset
+
+    with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
+        d = info_dict(ds)
+        if args.json:
+            json.dump(d, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            return 0
+        w = sys.stdout.write
+        w(f"{d['prefix']}: Megatron indexed dataset ({d['variant']} index, version {d['version']})\n")
+        w(f"  dtype        {d['dtype']} (code {d['dtype_code']})\n")
+        w(f"  sequences    {d['sequences']:,}\n")
+        w(f"  documents    {d['documents']:,}\n")
+        w(f"  tokens       {d['tokens']:,}\n")
+        if "sequence_length" in d:
+            s = d["sequence_length"]
+            w(f"  seq length   min {s['min']}, mean {s['mean']:.1f}, max {s['max']}\n")
+        w(f"  multimodal   {'yes ' + str(d['modes']) if d['multimodal'] else 'no'}\n")
+        w(f"  .idx         {_human(d['idx_bytes'])} ({d['idx_bytes']} bytes)\n")
+        w(f"  .bin         {_human(d['bin_bytes'])} ({d['bin_bytes']} bytes)\n")
+        if args.show:
+            for i in range(min(args.show, len(ds))):
+                toks = ds[i]
+                w(f"  [{i}] {len(toks)} tokens: {toks[:16].tolist()}{' ...' if len(toks) > 16 else ''}\n")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from mcf.megatron import verify
+
+    problems = verify(args.prefix, mmap=not args.no_mmap)
+    if problems:
+        for p in problems:
+            print(f"FAIL {p}")
+        return 1
+    from mcf.megatron import open as open_dataset
+
+    with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
+        print(f"OK {ds.path_prefix}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
+              f"{ds.num_tokens:,} tokens ({ds.dtype}, {ds.variant})")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from mcf.cli import Progress
+    from mcf.megatron import open as open_dataset
+    from mcf.megatron.writer import merge
+
+    t0 = time.perf_counter()
+    merge(args.output_prefix, args.inputs, mmap=not args.no_mmap,
+          progress=Progress("merge", None if not args.quiet else False))
+    dt = time.perf_counter() - t0
+    with open_dataset(args.output_prefix) as ds:
+        print(f"wrote {ds.path_prefix}: {len(args.inputs)} datasets, {len(ds):,} sequences, "
+              f"{ds.num_documents:,} documents, {ds.num_tokens:,} tokens in {dt:.2f}s")
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from mcf.cli import Progress
+    from mcf.megatron.tokenize import tokenize
+
+    stats = tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
+                     append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
+                     batch_size=args.batch_size, dtype_rule=args.dtype_rule,
+                     add_special_tokens=args.add_special_tokens,
+                     progress=Progress("tokenize", None if not args.quiet else False))
+    rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
+    print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
+          f"sequences, {stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
+    return 0
+
+
+def add_megatron_parser(sub) -> None:
+    """Register ``mcf megatron ...`` on the top-level subparsers."""
+    p = sub.add_parser("megatron", help="Megatron indexed datasets (.idx/.bin): info, verify, merge, tokenize")
+    msub = p.add_subparsers(dest="megatron_cmd", required=True)
+
+    s = msub.add_parser("info", help="header, counts, dtype and sizes of a dataset")
+    s.add_argument("prefix", help="dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--no-mmap", action="store_true", help="read with positional reads")
+    s.add_argument("--show", type=int, default=0, metavar="N", help="print the first N sequences")
+    s.set_defaults(func=cmd_info)
+
+    s = msub.add_parser("verify", help="check a dataset completely; report every problem, exit 1 if any")
+    s.add_argument("prefix")
+    s.add_argument("--no-mmap", action="store_true")
+    s.set_defaults(func=cmd_verify)
+
+    s = msub.add_parser("merge", help="concatenate datasets into one (streaming, bounded memory)")
+    s.add_argument("output_prefix")
+    s.add_argument("inputs", nargs="+", help="input dataset prefixes, in order")
+    s.add_argument("--no-mmap", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_merge)
+
+    s = msub.add_parser("tokenize", help="tokenize jsonl / text (gzip, zstd) into a dataset")
+    s.add_argument("inputs", nargs="+", help="input files (.jsonl[.gz|.zst] or plain text, one document a line)")
+    s.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
+    s.add_argument("--output-prefix", required=True)
+    s.add_argument("--json-key", default="text")
+    s.add_argument("--append-eod", action="store_true", help="end every non-empty document with the EOD token")
+    s.add_argument("--eod-token", help="the EOD token (default: the first of "
+                   "<|endoftext|>, </s>, <eos>, <|end_of_text|>, [SEP], <|im_end|> in the vocabulary)")
+    s.add_argument("--workers", type=int, default=1, help="tokenizing threads")
+    s.add_argument("--batch-size", type=int, default=1000, help="documents per batch")
+    s.add_argument("--dtype-rule", choices=("megatron", "datatrove"), default="megatron",
+                   help="uint16 below 65500 (megatron) or up to 65536 (datatrove) vocabulary entries")
+    s.add_argument("--add-special-tokens", action="store_true",
+                   help="let the tokenizer's post-processor add its special tokens (e.g. [CLS] ... [SEP])")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_tokenize)

@@ -1,0 +1,298 @@
+"""Tokenize text into a Megatron indexed dataset with the Hugging Face ``tokenizers`` library.
+
+Inputs: JSON lines (``*.jsonl``/``*.json``, one document per line, the text under ``json_key``) or
+plain text (any other name: one document per non-empty line), each optionally gzip- or
+zstd-compressed (by extension or magic bytes).  A JSON value that is a list of strings is a document
+of several sequences, as in Megatron's ``preprocess_data.py``.
+
+The output is what Megatron's builder writes for the same token ids: one sequence per text (per
+sentence for list values), one document per line, ``--append-eod`` adding the end-of-document token
+to the last sequence of a non-empty document, and a text without tokens giving a document without
+sequences.  The token dtype follows Megatron's rule (uint16 below 65500 tokens of vocabulary, else
+int32) or datatrove's (``dtype_rule="datatrove"``: uint16 up to 65536).
+
+``workers`` threads tokenize batches in parallel (``tokenizers`` releases the GIL while encoding);
+the main thread reads, parses and writes in input order, so the output does not depend on
+``workers``.  The library's own thread pool is turned off (``TOKENIZERS_PARALLELISM=false``) unless
+the caller set that variable, so that ``workers`` is the parallelism.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from mcf.errors import FormatError, InvalidArgumentError, os_error
+from mcf.megatron import _megatron
+from mcf.megatron.writer import Writer
+
+try:  # faster JSON when available
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+
+__all__ = ["tokenize", "iter_documents", "load_tokenizer", "eod_token_id", "TokenizeStats"]
+
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
+_COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+
+def _open_text(path: str):
+    """A binary stream of the decompressed bytes and the raw file (for progress by compressed bytes)."""
+    try:
+        raw = open(path, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    head = raw.peek(4)[:4] if hasattr(raw, "peek") else b""
+    kind = None
+    if head[:2] == b"\x1f\x8b":
+        kind = "gzip"
+    elif head == b"\x28\xb5\x2f\xfd":
+        kind = "zstd"
+    if kind == "gzip":
+        return gzip.GzipFile(fileobj=raw), raw
+    if kind == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raw.close()
+            raise InvalidArgumentError(f"{path}: zstd input needs the zstandard package "
+                                       "(pip install zstandard)") from None
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+    return raw, raw
+
+
+def _is_json(path: str) -> bool:
+    base = path
+    ext = os.path.splitext(base)[1].lower()
+    if ext in _COMPRESSED:
+        base = base[: -len(ext)]
+    return os.path.splitext(base)[1].lower() in (".jsonl", ".json", ".ndjson")
+
+
+def iter_documents(path: str, json_key: str = "text", *, position=None):
+    """Yield each document of ``path`` as a ``str`` or a list of ``str`` (sentences).
+
+    ``position``, if given, is a one-element list updated with the compressed bytes consumed."""
+    stream, raw = _open_text(path)
+    as_json = _is_json(path)
+    loads = _orjson.loads if _orjson is not None else json.loads
+    try:
+        text = io.TextIOWrapper(io.BufferedReader(stream, 1 << 20) if stream is not raw else stream,
+                                encoding="utf-8", errors="strict", newline="\n")
+        lineno = 0
+        try:
+            for line in text:
+                lineno += 1
+                if position is not None and lineno % 1024 == 0:
+                    position[0] = raw.tell()
+                if as_json:
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = loads(line)
+                    except ValueError as exc:
+                        raise FormatError(f"invalid JSON: {exc}", path=path, field=f"line {lineno}") from None
+                    if not isinstance(obj, dict) or json_key not in obj:
+                        raise FormatError(f"no key {json_key!r}", path=path, field=f"line {lineno}")
+                    v = obj[json_key]
+                    if isinstance(v, str):
+                        yield v
+                    elif isinstance(v, list) and all(isinstance(x, str) for x in v):
+                        yield v
+                    else:
+                        raise FormatError(f"{json_key!r} is not a string or a list of strings", path=path,
+                                          field=f"line {lineno}", got=type(v).__name__)
+                else:
+                    s = line.rstrip("\n").rstrip("\r")
+                    if s.strip():
+                        yield s
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"not UTF-8 text: {exc.reason}", path=path, field=f"line {lineno + 1}") from None
+        except (EOFError, gzip.BadGzipFile) as exc:
+            raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
+        except OSError as exc:
+            if exc.errno is None:  # zlib/zstd errors carry no errno
+                raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
+            raise os_error(exc, path) from None
+        if position is not None:
+            position[0] = raw.tell()
+    finally:
+        raw.close()
+
+
+def load_tokenizer(tokenizer):
+    """A ``tokenizers.Tokenizer`` from a path to ``tokenizer.json`` (or a checkpoint directory holding
+    one) with truncation and padding turned off, or the object itself, as configured."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise InvalidArgumentError("tokenizing needs the tokenizers package (pip install tokenizers)") from None
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    p = os.fspath(tokenizer)
+    if os.path.isdir(p):
+        p = os.path.join(p, "tokenizer.json")
+    if not os.path.isfile(p):
+        raise InvalidArgumentError(f"no tokenizer file at {p}")
+    try:
+        tok = Tokenizer.from_file(p)
+    except Exception as exc:  # the library raises plain Exception subclasses
+        raise InvalidArgumentError(f"{p}: not a tokenizers file: {exc}") from None
+    # Checkpoints ship inference settings (sentence-transformers: truncate and pad to 128 tokens);
+    # pretraining data keeps every token and no padding.
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def eod_token_id(tok, token: str | None = None) -> int:
+    """The id of ``token``, or of the first of the usual end-of-document tokens the vocabulary has."""
+    names = (token,) if token else EOD_CANDIDATES
+    for name in names:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return int(i)
+    raise InvalidArgumentError(f"the tokenizer has no end-of-document token {' or '.join(names)}; "
+                               "name one with --eod-token")
+
+
+class TokenizeStats(dict):
+    """``documents``, ``sequences``, ``tokens``, ``bytes_in``, ``seconds`` of a run."""
+
+
+def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype):
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+
+    def run(batch):
+        """(flat tokens, per-document sequence lengths or None, document count) for one batch."""
+        simple = all(type(d) is str for d in batch)
+        if simple:
+            ids = [e.ids for e in encode(batch, add_special_tokens=add_special_tokens)]
+            if eod is not None:
+                for x in ids:
+                    if x:
+                        x.append(eod)
+            flat, lens = _megatron.flat_tokens(ids, dtype)
+            return flat, lens, None
+        # documents of several sentences: one sequence per non-empty sentence
+        sents, owner = [], []
+        for k, d in enumerate(batch):
+            for s in ([d] if type(d) is str else d):
+                sents.append(s)
+                owner.append(k)
+        ids = [e.ids for e in encode(sents, add_special_tokens=add_special_tokens)] if sents else []
+        per_doc: list = [[] for _ in batch]
+        for k, x in zip(owner, ids):
+            if x:
+                per_doc[k].append(x)
+        if eod is not None:
+            for seqs in per_doc:
+                if seqs:
+                    seqs[-1].append(eod)
+        flat_lists = [x for seqs in per_doc for x in seqs]
+        flat, lens = _megatron.flat_tokens(flat_lists, dtype)
+        return flat, lens, [len(seqs) for seqs in per_doc]
+
+    return run
+
+
+def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
+             eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
+             dtype_rule: str = "megatron", add_special_tokens: bool = False, progress=None) -> TokenizeStats:
+    """Tokenize ``inputs`` (one path or several, concatenated in order) into ``output_prefix``.
+
+    ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes)."""
+    if isinstance(inputs, (str, bytes, os.PathLike)):
+        inputs = [inputs]
+    inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
+    workers = int(workers)
+    if workers < 1:
+        raise InvalidArgumentError(f"workers must be >= 1, got {workers}")
+    if int(batch_size) < 1:
+        raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tok = load_tokenizer(tokenizer)
+    eod = eod_token_id(tok, eod_token) if append_eod else None
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    total_bytes = 0
+    for p in inputs:
+        try:
+            total_bytes += os.path.getsize(p)
+        except OSError as exc:
+            raise os_error(exc, p) from None
+    t0 = time.perf_counter()
+    stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
+    w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule)
+    run = _encoder(tok, add_special_tokens, eod, w.dtype)
+    done_before = 0
+
+    def write(result):
+        flat, lens, nseq = result
+        if nseq is None:
+            w.add_documents(flat, lens, empty="skip")
+            stats["documents"] += len(lens)
+        else:
+            pos = 0
+            s = 0
+            for k in nseq:
+                ln = lens[s:s + k]
+                cnt = int(ln.sum(dtype=np.int64))
+                w.add_document(flat[pos:pos + cnt], ln)
+                pos += cnt
+                s += k
+            stats["documents"] += len(nseq)
+        stats["tokens"] += len(flat)
+
+    def report(pos_bytes):
+        if progress is not None:
+            el = time.perf_counter() - t0
+            rate = stats["tokens"] / el / 1e6 if el > 0 else 0.0
+            progress(min(pos_bytes, total_bytes), total_bytes, f"{stats['tokens']:,} tokens, {rate:.2f}M tok/s")
+
+    try:
+        with w:
+            pool = ThreadPoolExecutor(workers) if workers > 1 else None
+            try:
+                pending: deque = deque()
+                for path in inputs:
+                    pos = [0]
+                    batch: list = []
+                    for doc in iter_documents(path, json_key, position=pos):
+                        batch.append(doc)
+                        if len(batch) >= batch_size:
+                            if pool is None:
+                                write(run(batch))
+                            else:
+                                pending.append(pool.submit(run, batch))
+                                while len(pending) > 2 * workers:
+                                    write(pending.popleft().result())
+                            batch = []
+                            report(done_before + pos[0])
+                    if batch:
+                        if pool is None:
+                            write(run(batch))
+                        else:
+                            pending.append(pool.submit(run, batch))
+                    while pending:
+                        write(pending.popleft().result())
+                    done_before += os.path.getsize(path)
+                    report(done_before)
+            finally:
+                if pool is not None:
+                    for f in pending:
+                        f.cancel()
+                    pool.shutdown(wait=True)
+            stats["sequences"] = w.sequence_count
+    finally:
+        stats["seconds"] = time.perf_counter() - t0
+    if progress is not None and total_bytes == 0:
+        progress(0, 0, "0 tokens")
+    return stats
