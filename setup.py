@@ -54,6 +54,7 @@ extensions = [
     ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c"]),
     ext("mcf._index", ["mcf/_index.pyx"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
+    ext("mcf.megacontext._megacontext", ["mcf/megacontext/_megacontext.pyx", "csrc/megacontext.c", "csrc/fpconv.c"]),
 ]
 
 setup(

@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", help="where to write outputs (default: a temporary directory)")
     s.set_defaults(func=cmd_demo)
     __import__("mcf.megatron.cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
+    __import__("mcf.megacontext.cli", fromlist=["add_ctx_parser"]).add_ctx_parser(sub)
     return p
 
 

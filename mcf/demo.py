@@ -120,7 +120,9 @@ def run_demo(args) -> int:
     print(f"   mcf verify: {'OK' if not problems else problems}")
     print()
     mg = __import__("mcf.megatron", fromlist=["demo_megatron"]).demo_megatron(model_dir, workdir)
-    return 1 if bad or problems or mg["problems"] else 0
+    print()
+    ctx = __import__("mcf.megacontext", fromlist=["demo_megacontext"]).demo_megacontext(model_dir, workdir)
+    return 1 if bad or problems or mg["problems"] or ctx else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,430 @@
+# cython: freethreading_compatible = False
+"""Compiled working-context assembly, row gathers and mean pooling for MegaContext trees.
+
+The Python layer (mcf/megacontext/assembly.py, gist.py) owns the API; this module checks every count,
+index, dtype and buffer size it is handed, then runs the C loops of csrc/megacontext.c with the GIL
+released.  Files are read through the I/O core: straight from the mapping when a Source is mapped,
+else one positional read per plan entry into scratch memory first.
+"""
+
+import threading
+
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t, uintptr_t
+from libc.string cimport memcpy
+
+from mcf._io cimport Source
+
+from mcf.errors import InvalidArgumentError, OutOfBoundsError
+
+cnp.import_array()
+
+cdef extern from "megacontext.h" nogil:
+    ctypedef struct mc_assembly:
+        const uint32_t *tokens
+        const uint8_t *gists[3]
+        int gist_dtype
+        size_t gist_row_bytes
+        uint32_t dim
+        uint32_t block_size
+        const uint8_t *plan_level
+        const int64_t *plan_index
+        const int64_t *src_first
+        const int64_t *rows
+        const int64_t *out_row
+        const int64_t *out_slot
+        uint8_t *levels
+        int64_t *positions
+        uint32_t *token_ids
+        uint8_t *gists_out
+        uint8_t *matrix
+        int out_dtype
+        size_t out_row_bytes
+        const uint8_t *table
+        uint64_t vocab
+        int table_dtype
+        size_t table_row_stride
+    int64_t mc_assemble(const mc_assembly *a, size_t e0, size_t e1)
+    void mc_convert(const void *src, int src_dtype, void *dst, int dst_dtype, size_t n)
+    void mc_pool_rows(const uint8_t *rows, int src_dtype, size_t n_groups, uint32_t group, uint32_t dim,
+                      uint8_t *out, int out_dtype, double *acc)
+    int64_t mc_pool_tokens(const uint32_t *ids, size_t n_groups, uint32_t group, const uint8_t *table,
+                           uint64_t vocab, int table_dtype, size_t table_row_stride, uint32_t dim,
+                           uint8_t *out, int out_dtype, double *acc)
+
+cdef enum:
+    HEADER = 64
+
+try:
+    import ml_dtypes as _ml_dtypes
+    _BF16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    _BF16 = None
+
+_F16 = np.dtype("<f2")
+_F32 = np.dtype("<f4")
+
+
+def float_code(dt):
+    """The .ctx dtype code of a numpy float dtype (1 fp16, 2 bf16, 3 fp32), or -1."""
+    dt = np.dtype(dt)
+    if dt == _F16:
+        return 1
+    if dt == _F32:
+        return 3
+    if _BF16 is not None and dt == _BF16:
+        return 2
+    return -1
+
+
+def numpy_dtype(int code):
+    """The numpy dtype rows of ``code`` are handed out as (bf16 as uint16 bits without ml_dtypes)."""
+    if code == 1:
+        return _F16
+    if code == 3:
+        return _F32
+    if code == 2:
+        return _BF16 if _BF16 is not None else np.dtype("<u2")
+    raise InvalidArgumentError(f"no float dtype with code {code}")
+
+
+cdef inline size_t _itemsize(int code):
+    return 4 if code == 3 or code == 0 else 2
+
+
+cdef int _check_level_source(Source src, uint64_t count, uint64_t entry, str what) except -1:
+    if src is None:
+        raise InvalidArgumentError(f"{what}: no source")
+    # the whole committed range must lie in the file as the source sees it
+    src.check_range(HEADER, count * entry)
+    return 0
+
+
+cdef _table_info(table, uint32_t dim):
+    """(array, code, vocab, row stride in bytes) of an embedding table; rows must be contiguous."""
+    t = table if isinstance(table, np.ndarray) else np.asarray(table)
+    if t.ndim != 2:
+        raise InvalidArgumentError(f"the embedding table must be 2-D [vocab, d], got shape {t.shape}")
+    if t.shape[1] != dim:
+        raise InvalidArgumentError(f"the embedding table is {t.shape[1]} wide, the tree's embedding_dim is {dim}")
+    code = float_code(t.dtype)
+    if code < 0:
+        raise InvalidArgumentError(f"embedding table dtype {t.dtype} is not float16, bfloat16 or float32")
+    if t.shape[0] and (t.strides[1] != t.dtype.itemsize or t.strides[0] < t.dtype.itemsize * dim):
+        t = np.ascontiguousarray(t)
+    return t, code, t.shape[0], t.strides[0]
+
+
+def _run_threads(size_t addr, const int64_t[::1] cuts):
+    """Run mc_assemble over the entry ranges [cuts[i], cuts[i+1]) on one thread each."""
+    cdef Py_ssize_t nt = cuts.shape[0] - 1
+    results = [-1] * nt
+
+    def work(Py_ssize_t t):
+        cdef int64_t r
+        cdef size_t a0 = <size_t>cuts[t], a1 = <size_t>cuts[t + 1]
+        with nogil:
+            r = mc_assemble(<const mc_assembly*><uintptr_t>addr, a0, a1)
+        results[t] = r
+
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(1, nt)]
+    for th in ts:
+        th.start()
+    work(0)
+    for th in ts:
+        th.join()
+    bad = [r for r in results if r >= 0]
+    return min(bad) if bad else -1
+
+
+def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int gist_code,
+             plan_levels, plan_index, table=None, out=None, out_dtype=None, int threads=1):
+    """Gather a working context in one pass.
+
+    ``sources`` = (LOD0, LOD1, LOD2) :class:`mcf.io.Source` (LOD1/LOD2 may be None when the plan has
+    no entry there), ``counts`` = committed (tokens, LOD1 gists, LOD2 gists); the plan is two equal
+    length arrays (levels 0/1/2, index within the level; an LOD0 index is a block).  Returns
+    ``(levels, positions, token_ids, gists, matrix)``: ``gists`` [n_gist_rows, d] when no ``table`` is
+    given, else None and ``matrix`` [n, d] holds token embeddings and gist rows in plan order.
+    """
+    cdef Source s0 = sources[0], s1 = sources[1], s2 = sources[2]
+    cdef uint64_t T = counts[0], n1 = counts[1], n2 = counts[2]
+    cdef size_t grow = dim * _itemsize(gist_code)
+    if gist_code not in (1, 2, 3):
+        raise InvalidArgumentError(f"bad gist dtype code {gist_code}")
+    if block_size == 0 or dim == 0:
+        raise InvalidArgumentError("block_size and dim must be >= 1")
+    lv = np.ascontiguousarray(plan_levels)
+    ix = np.ascontiguousarray(plan_index)
+    if lv.ndim != 1 or ix.ndim != 1 or lv.shape[0] != ix.shape[0]:
+        raise InvalidArgumentError("the plan's levels and indices must be 1-D and of equal length")
+    if lv.shape[0] and (lv.dtype.kind not in "iu" or ix.dtype.kind not in "iu"):
+        raise InvalidArgumentError("the plan's levels and indices must be integers")
+    lv64 = lv.astype(np.int64, copy=False)
+    if lv.dtype == np.uint64 or ix.dtype == np.uint64:
+        if lv.shape[0] and (lv.max() > 2 or ix.max() > 2**62):
+            raise OutOfBoundsError("plan index out of range")
+    ix = ix.astype(np.int64, copy=False)
+    cdef Py_ssize_t m = lv.shape[0]
+    if m and ((lv64 < 0) | (lv64 > 2)).any():
+        k = int(np.flatnonzero((lv64 < 0) | (lv64 > 2))[0])
+        raise InvalidArgumentError(f"plan entry {k}: unknown level {int(lv64[k])} (expected 0, 1 or 2)")
+    nblocks = (T + block_size - 1) // block_size
+    limit = np.where(lv64 == 0, nblocks, np.where(lv64 == 1, n1, n2)).astype(np.int64) if m else lv64
+    if m and ((ix < 0) | (ix >= limit)).any():
+        k = int(np.flatnonzero((ix < 0) | (ix >= limit))[0])
+        what = ("blocks", "LOD1 gists", "LOD2 gists")[int(lv64[k])]
+        raise OutOfBoundsError(f"plan entry {k}: index {int(ix[k])} at level {int(lv64[k])} is outside the "
+                               f"tree ({int(limit[k])} {what})")
+    lv8 = lv64.astype(np.uint8)
+    is_tok = lv8 == 0
+    rows = np.ones(m, dtype=np.int64)
+    if m:
+        rows[is_tok] = np.minimum(block_size, T - ix[is_tok] * block_size)
+    out_row = np.zeros(m, dtype=np.int64)
+    if m > 1:
+        np.cumsum(rows[:-1], out=out_row[1:])
+    n = int(rows.sum()) if m else 0
+    tok_rows = np.where(is_tok, rows, 0)
+    n_tok = int(tok_rows.sum()) if m else 0
+    n_gist = n - n_tok
+    out_slot = np.zeros(m, dtype=np.int64)
+    if m:
+        tslot = np.cumsum(tok_rows) - tok_rows
+        gslot = np.cumsum(~is_tok) - (~is_tok)
+        out_slot = np.where(is_tok, tslot, gslot).astype(np.int64)
+
+    # sources: the mapped files, or scratch copies made with one positional read per entry
+    cdef bint need1 = m and bool((lv8 == 1).any()), need2 = m and bool((lv8 == 2).any())
+    _check_level_source(s0, T, 4, "LOD0")
+    if need1:
+        _check_level_source(s1, n1, grow, "LOD1")
+    if need2:
+        _check_level_source(s2, n2, grow, "LOD2")
+    cdef bint mapped = s0.base != NULL and (not need1 or s1.base != NULL) and (not need2 or s2.base != NULL)
+    cdef mc_assembly a
+    cdef Py_ssize_t e
+    cdef int64_t[::1] ix_v = ix, rows_v = rows, slot_v = out_slot
+    cdef uint8_t[::1] lv_v = lv8
+    cdef uint8_t[:, ::1] tmp_g
+    cdef uint32_t[::1] tmp_t
+    if mapped:
+        src_first = np.where(is_tok, ix * block_size, ix).astype(np.int64) if m else ix
+        a.tokens = <const uint32_t*>(s0.base + HEADER)
+        a.gists[0] = NULL
+        a.gists[1] = (s1.base + HEADER) if need1 else NULL
+        a.gists[2] = (s2.base + HEADER) if need2 else NULL
+    else:
+        src_first = out_slot
+        scratch_t = np.empty(max(n_tok, 1), dtype=np.uint32)
+        scratch_g = np.empty((max(n_gist, 1), grow), dtype=np.uint8)
+        tmp_t = scratch_t
+        tmp_g = scratch_g
+        for e in range(m):
+            if lv_v[e] == 0:
+                s0.copy_to(HEADER + <uint64_t>ix_v[e] * block_size * 4, <size_t>rows_v[e] * 4, &tmp_t[slot_v[e]])
+            elif lv_v[e] == 1:
+                s1.copy_to(HEADER + <uint64_t>ix_v[e] * grow, grow, &tmp_g[slot_v[e], 0])
+            else:
+                s2.copy_to(HEADER + <uint64_t>ix_v[e] * grow, grow, &tmp_g[slot_v[e], 0])
+        a.tokens = &tmp_t[0]
+        a.gists[0] = NULL
+        a.gists[1] = &tmp_g[0, 0]
+        a.gists[2] = &tmp_g[0, 0]
+
+    levels = np.empty(n, dtype=np.uint8)
+    positions = np.empty(n, dtype=np.int64)
+    token_ids = np.empty(n_tok, dtype=np.uint32)
+    gists = None
+    matrix = None
+    cdef int ocode = gist_code
+    if table is not None:
+        t, tcode, vocab, tstride = _table_info(table, dim)
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise InvalidArgumentError("out must be a numpy array")
+            ocode = float_code(out.dtype)
+            if ocode < 0:
+                raise InvalidArgumentError(f"out dtype {out.dtype} is not float16, bfloat16 or float32")
+            if out_dtype is not None and float_code(out_dtype) != ocode:
+                raise InvalidArgumentError(f"out is {out.dtype}, dtype asks for {np.dtype(out_dtype)}")
+            if out.ndim != 2 or out.shape[0] < n or out.shape[1] != dim:
+                raise InvalidArgumentError(f"out must have shape ({n}, {dim}) or more rows, got {out.shape}")
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise InvalidArgumentError("out must be C-contiguous and writeable")
+            matrix = out[:n]
+        else:
+            ocode = tcode if out_dtype is None else float_code(out_dtype)
+            if ocode < 0:
+                raise InvalidArgumentError(f"dtype {out_dtype!r} is not float16, bfloat16 or float32")
+            matrix = np.empty((n, dim), dtype=numpy_dtype(ocode))
+        a.table = <const uint8_t*><uintptr_t>(t.ctypes.data) if t.shape[0] else NULL
+        a.vocab = vocab
+        a.table_dtype = tcode
+        a.table_row_stride = tstride
+        a.matrix = <uint8_t*><uintptr_t>(matrix.ctypes.data) if n else NULL
+        a.gists_out = NULL
+    else:
+        if out is not None:
+            raise InvalidArgumentError("out needs an embedding table")
+        gists = np.empty((n_gist, dim), dtype=numpy_dtype(gist_code))
+        a.gists_out = <uint8_t*><uintptr_t>(gists.ctypes.data) if n_gist else NULL
+        a.matrix = NULL
+        a.table = NULL
+        a.vocab = 0
+        a.table_dtype = 0
+        a.table_row_stride = 0
+    a.gist_dtype = gist_code
+    a.gist_row_bytes = grow
+    a.dim = dim
+    a.block_size = block_size
+    a.out_dtype = ocode
+    a.out_row_bytes = dim * _itemsize(ocode)
+    cdef uint8_t[::1] lv_keep = lv8
+    cdef int64_t[::1] ix_keep = ix
+    cdef int64_t[::1] sf_keep = np.ascontiguousarray(src_first, dtype=np.int64)
+    cdef int64_t[::1] or_keep = out_row
+    cdef int64_t[::1] os_keep = out_slot
+    if m == 0:
+        return levels, positions, token_ids, gists, matrix
+    a.plan_level = &lv_keep[0]
+    a.plan_index = &ix_keep[0]
+    a.src_first = &sf_keep[0]
+    a.rows = &rows_v[0]
+    a.out_row = &or_keep[0]
+    a.out_slot = &os_keep[0]
+    cdef uint8_t[::1] lvo = levels
+    cdef int64_t[::1] poso = positions
+    a.levels = &lvo[0]
+    a.positions = &poso[0]
+    cdef uint32_t[::1] tido
+    a.token_ids = NULL
+    if n_tok:
+        tido = token_ids
+        a.token_ids = &tido[0]
+    cdef int64_t bad
+    cdef Py_ssize_t nt = max(1, min(threads, m))
+    if nt == 1 or n * a.out_row_bytes < (1 << 22):
+        with nogil:
+            bad = mc_assemble(&a, 0, <size_t>m)
+    else:
+        # split by output rows so the threads move similar amounts
+        ends = out_row + rows
+        cuts = np.searchsorted(ends, (n * np.arange(1, nt)) // nt, side="right").astype(np.int64)
+        cuts = np.unique(np.concatenate(([0], cuts, [m]))).astype(np.int64)
+        bad = _run_threads(<size_t><uintptr_t>&a, cuts)
+    if bad >= 0:
+        # find the token behind output row `bad`
+        e = int(np.searchsorted(out_row, bad, side="right")) - 1
+        tok = int(token_ids[out_slot[e] + (bad - out_row[e])])
+        raise OutOfBoundsError(f"token id {tok} at position {int(ix[e]) * block_size + (bad - int(out_row[e]))} "
+                               f"is outside the embedding table ({a.vocab} rows)")
+    return levels, positions, token_ids, gists, matrix
+
+
+def gather_rows(Source src, uint64_t count, size_t row_bytes, indices, out):
+    """Copy rows ``indices`` (int64, each < count) of a file of fixed-size rows after the 64-byte header
+    into ``out`` (a C-contiguous writable array of len(indices) * row_bytes bytes)."""
+    ix = np.ascontiguousarray(indices, dtype=np.int64)
+    if ix.ndim != 1:
+        raise InvalidArgumentError("indices must be 1-D")
+    cdef Py_ssize_t n = ix.shape[0], k
+    if n and (ix.min() < 0 or ix.max() >= <int64_t>count):
+        bad = ix[(ix < 0) | (ix >= <int64_t>count)][0]
+        raise OutOfBoundsError(f"{src.name}: row {int(bad)} is outside the file's {count} committed rows")
+    src.check_range(HEADER, count * row_bytes)
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError("out must be a C-contiguous writeable array")
+    if out.nbytes != n * row_bytes:
+        raise InvalidArgumentError(f"out holds {out.nbytes} bytes, the rows take {n * row_bytes}")
+    if n == 0:
+        return out
+    cdef int64_t[::1] iv = ix
+    cdef uint8_t* dst = <uint8_t*><uintptr_t>out.ctypes.data
+    cdef const uint8_t* base = src.base
+    if base != NULL:
+        with nogil:
+            for k in range(n):
+                memcpy(dst + k * row_bytes, base + HEADER + <uint64_t>iv[k] * row_bytes, row_bytes)
+    else:
+        for k in range(n):
+            src.copy_to(HEADER + <uint64_t>iv[k] * row_bytes, row_bytes, dst + k * row_bytes)
+    return out
+
+
+def convert(src, out):
+    """Convert a float array into ``out`` (same element count; fp16/bf16/fp32 each way), rounding to
+    nearest even."""
+    s = np.ascontiguousarray(src)
+    cdef int sc = float_code(s.dtype), dc = float_code(out.dtype)
+    if sc < 0 or dc < 0:
+        raise InvalidArgumentError(f"cannot convert {s.dtype} to {out.dtype}")
+    if out.size != s.size or not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError("out must be C-contiguous, writeable and of the same size")
+    cdef size_t n = s.size
+    cdef uintptr_t sp = s.ctypes.data, dp = out.ctypes.data
+    if n:
+        with nogil:
+            mc_convert(<const void*>sp, sc, <void*>dp, dc, n)
+    return out
+
+
+def pool_rows(rows, uint32_t group, out_dtype):
+    """Mean of each run of ``group`` rows of a [G*group, d] float array -> [G, d] of ``out_dtype``."""
+    r = np.ascontiguousarray(rows)
+    cdef int sc = float_code(r.dtype), oc = float_code(out_dtype)
+    if sc < 0 or oc < 0:
+        raise InvalidArgumentError(f"pooling needs float16, bfloat16 or float32 (got {r.dtype} -> {out_dtype})")
+    if r.ndim != 2 or group == 0 or r.shape[0] % group:
+        raise InvalidArgumentError(f"rows must be [G*{group}, d], got {r.shape}")
+    cdef size_t ng = r.shape[0] // group
+    cdef uint32_t d = r.shape[1]
+    if <Py_ssize_t>d != r.shape[1]:
+        raise InvalidArgumentError("rows are too wide")
+    out = np.empty((ng, d), dtype=numpy_dtype(oc))
+    if ng == 0 or d == 0:
+        return out
+    acc = np.empty(d, dtype=np.float64)
+    cdef uintptr_t rp = r.ctypes.data, op = out.ctypes.data, ap = acc.ctypes.data
+    with nogil:
+        mc_pool_rows(<const uint8_t*>rp, sc, ng, group, d, <uint8_t*>op, oc, <double*>ap)
+    return out
+
+
+def pool_tokens(ids, uint32_t group, table, out_dtype):
+    """Mean of the embedding-table rows of each run of ``group`` token ids -> [G, d] of ``out_dtype``."""
+    iv = np.ascontiguousarray(ids, dtype=np.uint32) if np.asarray(ids).dtype == np.uint32 else None
+    if iv is None:
+        a = np.asarray(ids)
+        if a.size and (a.dtype.kind not in "iu" or a.min() < 0 or a.max() > 0xFFFFFFFF):
+            raise InvalidArgumentError("token ids must be integers in [0, 2**32)")
+        iv = np.ascontiguousarray(a, dtype=np.uint32)
+    if iv.ndim != 1 or group == 0 or iv.shape[0] % group:
+        raise InvalidArgumentError(f"ids must be 1-D with a multiple of {group} entries, got {iv.shape}")
+    t = table if isinstance(table, np.ndarray) else np.asarray(table)
+    if t.ndim != 2:
+        raise InvalidArgumentError(f"the embedding table must be 2-D [vocab, d], got shape {t.shape}")
+    cdef uint32_t d = t.shape[1]
+    t, tcode, vocab, tstride = _table_info(t, d)
+    cdef int oc = float_code(out_dtype)
+    if oc < 0:
+        raise InvalidArgumentError(f"dtype {out_dtype!r} is not float16, bfloat16 or float32")
+    cdef size_t ng = iv.shape[0] // group
+    out = np.empty((ng, d), dtype=numpy_dtype(oc))
+    if ng == 0 or d == 0:
+        return out
+    acc = np.empty(d, dtype=np.float64)
+    cdef uintptr_t ip = iv.ctypes.data, tp = t.ctypes.data, op = out.ctypes.data, ap = acc.ctypes.data
+    cdef uint64_t voc = vocab
+    cdef size_t ts = tstride
+    cdef int tc = tcode
+    cdef int64_t bad
+    with nogil:
+        bad = mc_pool_tokens(<const uint32_t*>ip, ng, group, <const uint8_t*>tp, voc, tc, ts, d,
+                             <uint8_t*>op, oc, <double*>ap)
+    if bad >= 0:
+        raise OutOfBoundsError(f"token id {int(iv[bad])} at position {bad} is outside the embedding table "
+                               f"({vocab} rows)")
+    return out

@@ -1,0 +1,233 @@
+"""``mcf ctx``: info, verify, ingest, snapshot and restore of MegaContext trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+__all__ = ["add_ctx_parser"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_info(args) -> int:
+    import mcf.megacontext as mc
+
+    with mc.open(args.tree, mmap=not args.no_mmap) as tree:
+        d = tree.info()
+    if args.json:
+        json.dump(d, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    w = sys.stdout.write
+    w(f"{d['path']}: MegaContext tree, model {d['model_name']!r}, d={d['embedding_dim']} {d['gist_dtype']}, "
+      f"K={d['block_size']}" + (f", vocab {d['vocab_size']}" if d["vocab_size"] else "") + "\n")
+    w(f"  {d['num_tokens']} tokens ({d['num_blocks']} full blocks), {d['num_gists']['LOD1']} LOD1 gists, "
+      f"{d['num_gists']['LOD2']} LOD2 gists; ingestion {'complete' if d['ingestion_complete'] else 'open'}\n")
+    w(f"  created {d['created_at']}, modified {d['last_modified']}, gistnet checkpoint "
+      f"{d['gistnet_checkpoint']!r}\n\n")
+    w(f"  {'file':<9} {'layout':<10} {'magic':<9} {'dtype':<6} {'entries':>12} {'entry':>7} {'size':>14} "
+      f"{'uncommitted':>11}\n")
+    for key, f in d["files"].items():
+        w(f"  {key + '.ctx':<9} {f['layout']:<10} {f['magic_order']:<9} {f['dtype']:<6} {f['num_entries']:>12} "
+          f"{f['entry_bytes']:>7} {f['file_size_bytes']:>14,} {f['uncommitted_bytes']:>11}\n")
+    total = sum(f["file_size_bytes"] for f in d["files"].values())
+    w(f"  total {_human(total)}\n")
+    for key, ranges in d["checkpoints"].items():
+        for r in ranges:
+            w(f"  {key} gists [{r['start']}, {r['stop']}): {r['gistnet_checkpoint']!r}"
+              f"{' (rewrite pending)' if r['pending'] else ''}\n")
+    for n in d["notes"]:
+        w(f"  {n}\n")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    import mcf.megacontext as mc
+
+    problems = mc.verify(args.tree, deep=args.deep, mmap=not args.no_mmap)
+    errors = [p for p in problems if p.severity == "error"]
+    for p in problems:
+        print(f"{'FAIL' if p.severity == 'error' else p.severity.upper()} {p.error}")
+    if errors:
+        return 1
+    print(f"OK {args.tree}" + (f" ({len(problems)} warnings/notes)" if problems else ""))
+    return 0
+
+
+def _embedding_table(ckpt, name):
+    if name:
+        if name not in ckpt.tensors:
+            from mcf.errors import TensorNotFoundError
+
+            raise TensorNotFoundError(f"no tensor {name!r} in the checkpoint")
+        return ckpt.tensors[name].array(), name
+    for cand in sorted(ckpt.tensors):
+        if cand.endswith(("word_embeddings.weight", "embed_tokens.weight", "wte.weight")):
+            return ckpt.tensors[cand].array(), cand
+    from mcf.errors import TensorNotFoundError
+
+    raise TensorNotFoundError("no input-embedding tensor found (pass --embedding-tensor)")
+
+
+def _text_chunks(f, chunk_bytes):
+    """Pieces of a text stream, cut at line ends, about ``chunk_bytes`` long."""
+    buf = []
+    size = 0
+    for line in f:
+        buf.append(line)
+        size += len(line)
+        if size >= chunk_bytes:
+            yield "".join(buf), size
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf), size
+
+
+def cmd_ingest(args) -> int:
+    import numpy as np
+
+    import mcf.megacontext as mc
+    from mcf.cli import Progress
+    from mcf.errors import InvalidArgumentError
+
+    table = pool = tok = None
+    ckpt = None
+    if args.model_dir:
+        from mcf._safetensors import open_checkpoint
+        from mcf.megacontext.demo import load_tokenizer
+
+        ckpt = open_checkpoint(args.model_dir)
+        table, tname = _embedding_table(ckpt, args.embedding_tensor)
+        if not args.ids:
+            tok = load_tokenizer(args.model_dir)
+        if not args.no_gists:
+            pool = mc.MeanPool(table, checkpoint=f"mean-pooling:{tname}")
+    elif not args.ids:
+        raise InvalidArgumentError("text input needs --model-dir (its tokenizer.json); or pass --ids")
+    try:
+        if os.path.exists(os.path.join(args.tree, "metadata.json")):
+            tree = mc.open(args.tree, "r+")
+        else:
+            d = table.shape[1] if table is not None else args.embedding_dim
+            if not d:
+                raise InvalidArgumentError("a new tree needs --model-dir or --embedding-dim")
+            name = args.model_name or (os.path.basename(os.path.normpath(args.model_dir)) if args.model_dir else "")
+            tree = mc.create(args.tree, embedding_dim=int(d), model_name=name, block_size=args.block_size,
+                             gist_dtype=args.dtype, vocab_size=None if table is None else table.shape[0])
+        with tree:
+            for n in tree.notes:
+                print(f"  {n}")
+            t0 = time.perf_counter()
+            start = tree.num_tokens
+            total = os.path.getsize(args.input) if args.input != "-" else 0
+            prog = Progress("ingest", None if not args.quiet else False)
+            done = 0
+            if args.ids:
+                src = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
+                with src:
+                    while True:
+                        raw = src.read(args.chunk_bytes // 4 * 4 or 4)
+                        if not raw:
+                            break
+                        if len(raw) % 4:
+                            raise InvalidArgumentError(f"{args.input}: not a whole number of uint32 ids")
+                        tree.append_tokens(np.frombuffer(raw, dtype="<u4"), commit=False)
+                        if pool is not None:
+                            mc.build_gists(tree, pool, commit=False)
+                        tree.commit()
+                        done += len(raw)
+                        prog(done, max(total, done))
+            else:
+                src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+                with src:
+                    for text, nbytes in _text_chunks(src, args.chunk_bytes):
+                        ids = tok.encode(text, add_special_tokens=False).ids
+                        tree.append_tokens(np.asarray(ids, dtype=np.uint32), commit=False)
+                        if pool is not None:
+                            mc.build_gists(tree, pool, commit=False)
+                        tree.commit()
+                        done += nbytes
+                        prog(done, max(total, done))
+            if args.complete:
+                tree.set_ingestion_complete()
+            dt = time.perf_counter() - t0
+            t, n1, n2 = tree.counts
+            print(f"ingested {t - start} tokens into {tree.path} in {dt:.2f}s: now {t} tokens, {n1} LOD1 + {n2} "
+                  f"LOD2 gists")
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    return 0
+
+
+def cmd_snapshot(args) -> int:
+    import mcf.megacontext as mc
+
+    with mc.open(args.tree) as tree:
+        dest = tree.snapshot(args.dest)
+        t, n1, n2 = tree.committed_counts
+    print(f"snapshot {dest}: {t} tokens, {n1} LOD1 + {n2} LOD2 gists")
+    return 0
+
+
+def cmd_restore(args) -> int:
+    import mcf.megacontext as mc
+
+    mc.restore(args.snapshot, args.tree)
+    with mc.open(args.tree) as tree:
+        t, n1, n2 = tree.counts
+    print(f"restored {args.tree} from {args.snapshot}: {t} tokens, {n1} LOD1 + {n2} LOD2 gists")
+    return 0
+
+
+def add_ctx_parser(sub) -> None:
+    """Register ``mcf ctx ...`` on the top-level subparsers."""
+    p = sub.add_parser("ctx", help="MegaContext trees (LOD0/LOD1/LOD2 .ctx files)")
+    cs = p.add_subparsers(dest="ctx_cmd", required=True)
+
+    s = cs.add_parser("info", help="headers, counts, sizes, checkpoints and notes of a tree")
+    s.add_argument("tree")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--no-mmap", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = cs.add_parser("verify", help="list every inconsistency; exit 1 if any is an error")
+    s.add_argument("tree")
+    s.add_argument("--deep", action="store_true", help="also read all data (token ids, NaN/Inf gists)")
+    s.add_argument("--no-mmap", action="store_true")
+    s.set_defaults(func=cmd_verify)
+
+    s = cs.add_parser("ingest", help="stream a text (or uint32 ids) into a tree, building mean-pooled gists")
+    s.add_argument("tree", help="tree directory (created when it holds no tree)")
+    s.add_argument("input", help="UTF-8 text file, or raw little-endian uint32 ids with --ids; '-' for stdin")
+    s.add_argument("--model-dir", help="checkpoint directory: tokenizer.json and the embedding matrix")
+    s.add_argument("--embedding-tensor", help="name of the [vocab, d] input-embedding tensor")
+    s.add_argument("--ids", action="store_true", help="input holds token ids, not text")
+    s.add_argument("--no-gists", action="store_true", help="append tokens only")
+    s.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="gist dtype of a new tree")
+    s.add_argument("--block-size", type=int, default=32)
+    s.add_argument("--embedding-dim", type=int, help="d of a new tree without --model-dir")
+    s.add_argument("--model-name", help="model name of a new tree")
+    s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="commit after about this much input")
+    s.add_argument("--complete", action="store_true", help="mark ingestion_complete at the end")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_ingest)
+
+    s = cs.add_parser("snapshot", help="consistent, atomic copy to <tree>/checkpoints/<time>/ (or --dest)")
+    s.add_argument("tree")
+    s.add_argument("--dest")
+    s.set_defaults(func=cmd_snapshot)
+
+    s = cs.add_parser("restore", help="replace a tree with a snapshot")
+    s.add_argument("snapshot")
+    s.add_argument("tree")
+    s.set_defaults(func=cmd_restore)

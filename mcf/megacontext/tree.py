@@ -1,0 +1,897 @@
+"""The MegaContext tree store: LOD0/LOD1/LOD2 ``.ctx`` files plus ``metadata.json`` in one directory.
+
+One writer appends (tokens stream into LOD0 block by block; gists are appended to LOD1/LOD2 or rewritten
+in place when a GistNet is retrained) while any number of readers in other processes map the files.
+Every commit goes in this order, which is what makes both crash safety and concurrent reading work:
+
+1. the new entries are written after the committed ones (invisible: the header does not count them);
+2. the header's ``num_entries`` is updated, LOD0 first, then LOD1, then LOD2 (the commit point);
+3. metadata.json is replaced atomically (a summary; it may lag the headers, never lead them).
+
+A writer killed anywhere leaves, per file, a committed prefix plus maybe uncommitted bytes, and a
+metadata.json that is current or one commit behind; the next open reports the difference and a writer
+repairs it.  Readers read metadata.json first and the headers from LOD2 down to LOD0, the reverse of the
+commit order, so the counts they see always satisfy LOD2 <= LOD1/32 <= LOD0/1024 and never exceed data
+that is already in the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from mcf._io import Source, open_source
+from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, OutOfBoundsError, TruncatedError,
+                        os_error)
+from mcf.megacontext import _megacontext as _mc
+from mcf.megacontext._layout import (COUNT_OFFSET, CTX_DTYPES, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
+                                     LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
+                                     gist_offset, parent_of, parse_header, span_of, token_offset)
+from mcf.megacontext.metadata import (METADATA, counts_of, fsync_dir, load_metadata, new_metadata, set_range,
+                                      with_counts, write_metadata, now_iso)
+
+__all__ = ["Tree", "Problem", "create", "open_tree", "verify", "LOCK_FILE", "RESTORE_MARKER"]
+
+LOCK_FILE = ".lock"
+RESTORE_MARKER = ".restore.json"
+_KEEP = object()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of :func:`verify` (or of opening): ``severity`` is ``"error"`` (the tree cannot be
+    trusted as is), ``"warning"`` (an inconsistency that a writer's open repairs, e.g. after a killed
+    writer) or ``"note"`` (worth knowing, not wrong: a legacy header, reversed magic)."""
+
+    severity: str
+    error: MCFError
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.error}"
+
+
+class _Level:
+    """One .ctx file as the tree sees it."""
+
+    __slots__ = ("level", "path", "src", "fd", "header", "committed", "count", "tail")
+
+    def __init__(self, level: int, path: str):
+        self.level = level
+        self.path = path
+        self.src: Source | None = None
+        self.fd = -1
+        self.header: CtxHeader | None = None
+        self.committed = 0   # entries counted by the header on disk
+        self.count = 0       # entries this process sees (committed + its own uncommitted appends)
+        self.tail = 0        # bytes after the committed entries (an uncommitted append)
+
+    def close(self):
+        if self.src is not None:
+            self.src.close()
+            self.src = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _level_path(dirpath, level):
+    return os.path.join(dirpath, LEVEL_FILES[level])
+
+
+def _stable_header(src: Source) -> bytes:
+    """The header bytes, read until two reads agree (a writer may be updating the count)."""
+    n = min(HEADER_SIZE, src.size)
+    raw = src.read(0, n)
+    for _ in range(100):
+        again = src.read(0, n)
+        if again == raw:
+            return raw
+        raw = again
+    return raw
+
+
+def _read_level(dirpath, level, mmap, expect_count, problems) -> _Level:
+    lv = _Level(level, _level_path(dirpath, level))
+    try:
+        lv.src = open_source(lv.path, mmap=mmap)
+        raw = _stable_header(lv.src)
+        # the data of every counted entry was written before the count: refresh after reading it
+        lv.src.refresh()
+        lv.header = parse_header(raw, lv.src.size, path=lv.path, expect_level=level, expect_count=expect_count)
+    except MCFError as exc:
+        problems.append(Problem("error", exc))
+        return lv
+    h = lv.header
+    lv.committed = lv.count = h.num_entries
+    lv.tail = lv.src.size - HEADER_SIZE - h.num_entries * h.entry_size
+    if h.layout == "legacy":
+        problems.append(Problem("note", FormatError(
+            "legacy header layout (seed 001: model_name at 14, no count; the count comes from the file size)",
+            path=lv.path, field="header", offset=0)))
+    if h.magic_order == "reversed":
+        problems.append(Problem("note", FormatError("magic in reversed byte order (4D 43 43 54)", path=lv.path,
+                                                    field="magic", offset=0)))
+    return lv
+
+
+def _cross_check(dirpath, meta, levels, problems) -> None:
+    """Geometry, counts and metadata against each other; appends to ``problems``."""
+    heads = {k: v.header for k, v in levels.items() if v.header is not None}
+    mpath = os.path.join(dirpath, METADATA)
+    ref = heads.get(0) or next(iter(heads.values()), None)
+    for lv, h in sorted(heads.items()):
+        path = levels[lv].path
+        for field, off in (("block_size", 8), ("embedding_dim", 10)):
+            if ref is not None and getattr(h, field) != getattr(ref, field):
+                problems.append(Problem("error", FormatError(
+                    f"{field} differs from {LEVEL_FILES[ref.level]}'s", path=path, field=field, offset=off,
+                    expected=getattr(ref, field), got=getattr(h, field))))
+            if meta is not None and getattr(h, field) != meta[field]:
+                problems.append(Problem("error", FormatError(
+                    f"{field} differs from metadata.json's", path=path, field=field, offset=off,
+                    expected=meta[field], got=getattr(h, field))))
+        if lv > 0 and meta is not None and h.dtype.name != meta["gist_dtype"]:
+            problems.append(Problem("error", FormatError(
+                "gist dtype differs from metadata.json's gist_dtype", path=path, field="dtype_code", offset=12,
+                expected=meta["gist_dtype"], got=h.dtype.name)))
+        if meta is not None and encode_model_name(h.model_name) != encode_model_name(meta["model_name"]):
+            problems.append(Problem("warning", FormatError(
+                "model_name differs from metadata.json's", path=path, field="model_name",
+                offset=14 if h.layout == "legacy" else 22, expected=meta["model_name"], got=h.model_name)))
+    if 1 in heads and 2 in heads and heads[1].dtype_code != heads[2].dtype_code:
+        problems.append(Problem("error", FormatError(
+            "LOD1 and LOD2 hold different gist dtypes", path=levels[2].path, field="dtype_code", offset=12,
+            expected=heads[1].dtype.name, got=heads[2].dtype.name)))
+    k = ref.block_size if ref is not None else None
+    if k and 0 in heads and 1 in heads:
+        t, n1 = heads[0].num_entries, heads[1].num_entries
+        if n1 > math.ceil(t / k):
+            problems.append(Problem("error", FormatError(
+                "more LOD1 gists than LOD0 blocks", path=levels[1].path, field="num_entries",
+                offset=COUNT_OFFSET, expected=f"<= ceil({t} / {k}) = {math.ceil(t / k)}", got=n1)))
+        elif n1 > t // k:
+            problems.append(Problem("warning", FormatError(
+                "the partial trailing LOD0 block has a gist", path=levels[1].path, field="num_entries",
+                offset=COUNT_OFFSET, expected=f"<= {t // k}", got=n1)))
+    if k and 1 in heads and 2 in heads:
+        n1, n2 = heads[1].num_entries, heads[2].num_entries
+        if n2 > math.ceil(n1 / k):
+            problems.append(Problem("error", FormatError(
+                "more LOD2 gists than groups of LOD1 gists", path=levels[2].path, field="num_entries",
+                offset=COUNT_OFFSET, expected=f"<= ceil({n1} / {k}) = {math.ceil(n1 / k)}", got=n2)))
+    for lv, h in heads.items():
+        what = "tokens" if lv == 0 else "gists"
+        if levels[lv].tail > 0:
+            problems.append(Problem("warning", TruncatedError(
+                f"{levels[lv].tail} bytes after the {h.num_entries} committed {what} (an append that was "
+                "never committed: the writer stopped before updating the header)", path=levels[lv].path,
+                field="num_entries", offset=COUNT_OFFSET, expected=HEADER_SIZE + h.num_entries * h.entry_size,
+                got=HEADER_SIZE + h.num_entries * h.entry_size + levels[lv].tail)))
+        if meta is None:
+            continue
+        m = counts_of(meta)[lv]
+        if m > h.num_entries:
+            problems.append(Problem("error", FormatError(
+                f"metadata.json counts more {what} than {LEVEL_FILES[lv]} commits", path=mpath,
+                field=f"levels.LOD{lv}", expected=f"<= {h.num_entries}", got=m)))
+        elif m < h.num_entries:
+            problems.append(Problem("warning", FormatError(
+                f"metadata.json is behind {LEVEL_FILES[lv]} (the writer stopped after committing the header and "
+                "before rewriting metadata.json)", path=mpath, field=f"levels.LOD{lv}", expected=h.num_entries,
+                got=m)))
+        if lv > 0:
+            ranges = meta["levels"][f"LOD{lv}"]["gists"]
+            covered = sum(r["stop"] - r["start"] for r in ranges)
+            if covered < h.num_entries:
+                problems.append(Problem("warning", FormatError(
+                    f"{h.num_entries - covered} gists have no recorded GistNet checkpoint", path=mpath,
+                    field=f"levels.LOD{lv}.gists", expected=h.num_entries, got=covered)))
+            for r in ranges:
+                if r["pending"]:
+                    problems.append(Problem("warning", FormatError(
+                        f"an in-place rewrite of gists [{r['start']}, {r['stop']}) with "
+                        f"{r['gistnet_checkpoint']!r} was interrupted: they may mix old and new rows",
+                        path=mpath, field=f"levels.LOD{lv}.gists")))
+    if os.path.exists(os.path.join(dirpath, METADATA + ".tmp")):
+        problems.append(Problem("warning", FormatError("a metadata.json.tmp left by an interrupted commit",
+                                                       path=os.path.join(dirpath, METADATA + ".tmp"))))
+
+
+def _scan(dirpath, mmap: bool):
+    """(metadata or None, levels, problems): everything about a tree directory, without raising."""
+    problems = []
+    if not os.path.isdir(dirpath):
+        problems.append(Problem("error", MCFIOError(errno.ENOTDIR if os.path.exists(dirpath) else errno.ENOENT,
+                                                    "not a tree directory", dirpath)))
+        return None, {}, problems
+    marker = os.path.join(dirpath, RESTORE_MARKER)
+    if os.path.exists(marker):
+        problems.append(Problem("error", MCFIOError(errno.EBUSY, "a restore from a snapshot was interrupted; "
+                                                    "open the tree for writing to finish it", marker)))
+    meta, errs = load_metadata(dirpath)
+    problems += [Problem("error", e) for e in errs]
+    expect = counts_of(meta) if meta is not None else (None, None, None)
+    levels = {}
+    for level in (2, 1, 0):   # the reverse of the commit order
+        levels[level] = _read_level(dirpath, level, mmap, expect[level], problems)
+    _cross_check(dirpath, meta, levels, problems)
+    return meta, levels, problems
+
+
+def _acquire_lock(dirpath):
+    path = os.path.join(dirpath, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise MCFIOError(errno.EBUSY, "the tree is already open for writing (one writer at a time)",
+                             dirpath) from None
+        raise os_error(exc, path) from None
+    return fd
+
+
+def _pwrite_all(fd, data, offset, path) -> None:
+    view = memoryview(data).cast("B")
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view = view[n:]
+            offset += n
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+class Tree:
+    """An open MegaContext tree directory.  Use :func:`mcf.megacontext.open` or
+    :func:`mcf.megacontext.create`; close it (or use ``with``).
+
+    Counts: ``num_tokens`` (LOD0), ``num_gists(1)``, ``num_gists(2)``.  A writer sees its own
+    uncommitted appends; other processes see only what :meth:`commit` published.
+    """
+
+    def __init__(self, path, *, writable: bool = False, mmap: bool = True, durable: bool = False):
+        self.path = os.path.abspath(os.fspath(path))
+        self.writable = bool(writable)
+        self.durable = bool(durable)
+        self._mmap = bool(mmap)
+        self._lock_fd = -1
+        self._levels: dict = {}
+        self._closed = True
+        self._dirty = False
+        try:
+            if self.writable:
+                if not os.path.isdir(self.path):
+                    raise MCFIOError(errno.ENOENT, "not a tree directory", self.path)
+                self._lock_fd = _acquire_lock(self.path)
+                from mcf.megacontext.snapshot import _finish_restore
+
+                _finish_restore(self.path)
+            meta, levels, problems = _scan(self.path, self._mmap)
+            self._levels = levels
+            errors = [p for p in problems if p.severity == "error"]
+            if errors:
+                raise errors[0].error
+            self._closed = False
+            self._meta = meta
+            self.notes = [str(p) for p in problems]
+            h0 = levels[0].header
+            self.block_size = h0.block_size
+            self.embedding_dim = h0.embedding_dim
+            self.gist_dtype = levels[1].header.dtype
+            if self.writable:
+                self._reconcile(problems)
+        except BaseException:
+            self._release()
+            raise
+
+    # -- opening ----------------------------------------------------------------------------------------
+    def _reconcile(self, problems) -> None:
+        """Make the directory agree with the committed headers (the writer's open after a crash)."""
+        for lv in self._levels.values():
+            try:
+                lv.fd = os.open(lv.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise os_error(exc, lv.path) from None
+        repaired = []
+        for lv in self._levels.values():
+            h = lv.header
+            if h.layout == "legacy" or h.magic_order == "reversed":
+                _pwrite_all(lv.fd, h.pack(), 0, lv.path)
+                lv.header = h = CtxHeader(level=h.level, block_size=h.block_size, embedding_dim=h.embedding_dim,
+                                          dtype_code=h.dtype_code, num_entries=h.num_entries, model_name=h.model_name)
+                repaired.append(f"{lv.path}: header rewritten in the canonical layout")
+            if lv.tail:
+                try:
+                    os.ftruncate(lv.fd, HEADER_SIZE + lv.committed * h.entry_size)
+                except OSError as exc:
+                    raise os_error(exc, lv.path) from None
+                repaired.append(f"{lv.path}: {lv.tail} uncommitted bytes discarded")
+                lv.tail = 0
+            lv.src.refresh()
+        meta = self._meta
+        counts = self.committed_counts
+        stale = counts_of(meta) != counts
+        for level in (1, 2):
+            key = f"LOD{level}"
+            ranges = meta["levels"][key]["gists"]
+            covered = sum(r["stop"] - r["start"] for r in ranges)
+            if covered < counts[level]:
+                # gists committed by a writer that died before recording their checkpoint: unknown
+                edge = max((r["stop"] for r in ranges), default=0)
+                meta["levels"][key]["gists"] = set_range(ranges, edge, counts[level], None)
+                stale = True
+        tmp = os.path.join(self.path, METADATA + ".tmp")
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+            repaired.append(f"{tmp}: removed")
+        if stale:
+            self._meta = with_counts(meta, counts)
+            write_metadata(self.path, dict(self._meta, last_modified=now_iso()), self.durable)
+            repaired.append(f"{os.path.join(self.path, METADATA)}: brought up to the committed counts {counts}")
+        self.notes += [f"repaired: {r}" for r in repaired]
+
+    # -- properties -------------------------------------------------------------------------------------
+    @property
+    def metadata(self) -> dict:
+        """metadata.json as this process sees it (counts included; a copy)."""
+        import copy
+
+        return copy.deepcopy(with_counts(self._meta, self.counts))
+
+    @property
+    def model_name(self) -> str:
+        return self._meta["model_name"]
+
+    @property
+    def vocab_size(self):
+        return self._meta.get("vocab_size")
+
+    @property
+    def gistnet_checkpoint(self):
+        return self._meta.get("gistnet_checkpoint")
+
+    @property
+    def ingestion_complete(self) -> bool:
+        return self._meta["ingestion_complete"]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._levels[0].count
+
+    @property
+    def num_blocks(self) -> int:
+        """Complete LOD0 blocks (a partial trailing block is not counted; it has no gist yet)."""
+        return self._levels[0].count // self.block_size
+
+    def num_gists(self, level: int) -> int:
+        if level not in (1, 2):
+            raise InvalidArgumentError(f"gists live at levels 1 and 2, not {level!r}")
+        return self._levels[level].count
+
+    @property
+    def counts(self) -> tuple:
+        """(tokens, LOD1 gists, LOD2 gists) as this process sees them."""
+        return tuple(self._levels[lv].count for lv in LEVELS)
+
+    @property
+    def committed_counts(self) -> tuple:
+        """(tokens, LOD1 gists, LOD2 gists) as the headers on disk count them."""
+        return tuple(self._levels[lv].committed for lv in LEVELS)
+
+    def checkpoint_ranges(self, level: int) -> list:
+        """``[(start, stop, checkpoint, pending)]``: which GistNet checkpoint produced which gists."""
+        self.num_gists(level)
+        return [(r["start"], r["stop"], r["gistnet_checkpoint"], r["pending"])
+                for r in self._meta["levels"][f"LOD{level}"]["gists"]]
+
+    def header(self, level: int) -> CtxHeader:
+        if level not in LEVELS:
+            raise InvalidArgumentError(f"unknown level {level!r}")
+        return self._levels[level].header.with_count(self._levels[level].committed)
+
+    def source(self, level: int) -> Source:
+        """The I/O-core source of a level's file (refreshed to cover this process's count)."""
+        self._check_open()
+        return self._src(level, self._levels[level].count)
+
+    # -- offsets and spans (seed 000's formulas with this tree's geometry) -------------------------------
+    def token_offset(self, block: int, token: int) -> int:
+        return token_offset(block, token, self.block_size)
+
+    def gist_offset(self, gist: int) -> int:
+        return gist_offset(gist, self.embedding_dim, self.gist_dtype.itemsize)
+
+    def span(self, level: int, index: int) -> tuple:
+        """LOD0 tokens ``[start, stop)`` summarized by entry ``index`` of ``level``."""
+        return span_of(level, index, self.block_size)
+
+    def children(self, level: int, index: int) -> range:
+        return children_of(level, index, self.block_size)
+
+    def parent(self, level: int, index: int) -> int:
+        return parent_of(level, index, self.block_size)
+
+    # -- reads ------------------------------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            from mcf.errors import ClosedError
+
+            raise ClosedError(f"{self.path}: tree is closed")
+
+    def _src(self, level, entries) -> Source:
+        lv = self._levels[level]
+        need = HEADER_SIZE + entries * lv.header.entry_size
+        if need > lv.src.size:
+            lv.src.refresh()
+            if need > lv.src.size:
+                raise TruncatedError("the file is shorter than its committed entries (truncated by someone "
+                                     "else?)", path=lv.path, expected=f">= {need} bytes", got=lv.src.size)
+        return lv.src
+
+    def _range(self, n, start, stop, what):
+        start = 0 if start is None else int(start)
+        stop = n if stop is None else int(stop)
+        if not 0 <= start <= stop <= n:
+            raise OutOfBoundsError(f"{self.path}: {what} [{start}, {stop}) outside [0, {n})")
+        return start, stop
+
+    def tokens(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """Token ids ``[start, stop)`` (uint32; zero-copy when mapped)."""
+        self._check_open()
+        start, stop = self._range(self.num_tokens, start, stop, "tokens")
+        return self._src(0, stop).array(HEADER_SIZE + start * 4, "<u4", stop - start)
+
+    def block(self, block: int) -> np.ndarray:
+        """The token ids of LOD0 block ``block`` (fewer than block_size for the partial last block)."""
+        nb = -(-self.num_tokens // self.block_size)
+        b = int(block)
+        if not 0 <= b < nb:
+            raise OutOfBoundsError(f"{self.path}: block {b} outside [0, {nb})")
+        return self.tokens(b * self.block_size, min(self.num_tokens, (b + 1) * self.block_size))
+
+    def gist(self, level: int, index: int) -> np.ndarray:
+        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped)."""
+        n = self.num_gists(level)
+        i = int(index)
+        if not 0 <= i < n:
+            raise OutOfBoundsError(f"{self.path}: LOD{level} gist {i} outside [0, {n})")
+        return self.gists(level, slice(i, i + 1))[0]
+
+    def gists(self, level: int, which=None) -> np.ndarray:
+        """Gists of ``level``: all (None), a slice (zero-copy for step 1) or any integer indices (a
+        gathered copy, one compiled call)."""
+        self._check_open()
+        n = self.num_gists(level)
+        d = self.embedding_dim
+        dt = self.gist_dtype
+        if which is None:
+            which = slice(0, n)
+        if isinstance(which, slice):
+            start, stop, step = which.indices(n)
+            if step == 1:
+                stop = max(stop, start)
+                return self._src(level, stop).array(HEADER_SIZE + start * d * dt.itemsize, dt.numpy,
+                                                     (stop - start, d))
+            which = np.arange(start, stop, step)
+        ix = np.asarray(which)
+        if ix.dtype.kind not in "iu" and ix.size:
+            raise InvalidArgumentError("gist indices must be integers")
+        ix = ix.astype(np.int64).reshape(-1)
+        ix = np.where(ix < 0, ix + n, ix)
+        out = np.empty((ix.shape[0], d), dtype=dt.numpy)
+        return _mc.gather_rows(self._src(level, n), n, d * dt.itemsize, ix, out)
+
+    def plan_tail(self, budget: int, recent_tokens: int):
+        """The simple focus plan: see :func:`mcf.megacontext.plan_tail`."""
+        from mcf.megacontext.assembly import plan_tail
+
+        return plan_tail(self, budget, recent_tokens)
+
+    def assemble(self, plan, embeddings=None, *, out=None, dtype=None, threads: int = 1):
+        """The working context of ``plan``: see :func:`mcf.megacontext.assembly.assemble`."""
+        from mcf.megacontext.assembly import assemble
+
+        return assemble(self, plan, embeddings, out=out, dtype=dtype, threads=threads)
+
+    def refresh(self) -> tuple:
+        """Pick up what a writer in another process committed since opening; returns the counts.
+
+        metadata.json is read first and the headers from LOD2 down, so the counts are consistent."""
+        self._check_open()
+        if self.writable:
+            return self.counts
+        meta, errs = load_metadata(self.path)
+        if errs:
+            raise errs[0]
+        problems = []
+        expect = counts_of(meta)
+        heads = {}
+        for level in (2, 1, 0):
+            lv = self._levels[level]
+            raw = _stable_header(lv.src)
+            lv.src.refresh()
+            heads[level] = parse_header(raw, lv.src.size, path=lv.path, expect_level=level,
+                                        expect_count=expect[level])
+        staged = {}
+        for level, h in heads.items():
+            s = _Level(level, self._levels[level].path)
+            s.header = h
+            s.src = None
+            s.tail = self._levels[level].src.size - HEADER_SIZE - h.num_entries * h.entry_size
+            staged[level] = s
+        _cross_check(self.path, meta, staged, problems)
+        errors = [p for p in problems if p.severity == "error"]
+        if errors:
+            raise errors[0].error
+        for level, h in heads.items():
+            lv = self._levels[level]
+            lv.header = h
+            lv.committed = lv.count = h.num_entries
+            lv.tail = staged[level].tail
+        self._meta = meta
+        return self.counts
+
+    # -- writes -----------------------------------------------------------------------------------------
+    def _check_writable(self):
+        self._check_open()
+        if not self.writable:
+            raise InvalidArgumentError(f"{self.path}: tree is open read-only (open it with mode='r+')")
+
+    def append_tokens(self, ids, *, commit: bool = True) -> int:
+        """Append token ids (any integer array-like) to LOD0; returns the new token count.
+
+        With ``commit=False`` the ids are written but not published (call :meth:`commit`)."""
+        self._check_writable()
+        a = np.asarray(ids)
+        if a.ndim != 1:
+            raise InvalidArgumentError(f"token ids must be 1-D, got shape {a.shape}")
+        if a.size:
+            if a.dtype.kind not in "iu":
+                raise InvalidArgumentError(f"token ids must be integers, got {a.dtype}")
+            lo, hi = int(a.min()), int(a.max())
+            limit = self.vocab_size or 2**32
+            if lo < 0 or hi >= limit:
+                raise InvalidArgumentError(f"token ids must lie in [0, {limit}) "
+                                           f"({'vocab_size' if self.vocab_size else 'uint32'}), got [{lo}, {hi}]")
+        a = np.ascontiguousarray(a, dtype="<u4")
+        lv = self._levels[0]
+        if a.size:
+            _pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * 4, lv.path)
+            lv.count += a.size
+        if commit:
+            self.commit()
+        return lv.count
+
+    def _as_gist_rows(self, rows) -> np.ndarray:
+        d = self.embedding_dim
+        dt = self.gist_dtype
+        a = np.asarray(rows)
+        if a.ndim == 1 and a.shape[0] == d:
+            a = a.reshape(1, d)
+        if a.ndim != 2 or a.shape[1] != d:
+            raise InvalidArgumentError(f"gists must have shape (n, {d}), got {a.shape}")
+        if a.dtype == dt.numpy or (dt.code == 2 and a.dtype == np.dtype("<u2")):
+            return np.ascontiguousarray(a)
+        if a.dtype == np.float64:
+            a = a.astype(np.float32)
+        if _mc.float_code(a.dtype) < 0:
+            raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
+        return _mc.convert(a, np.empty(a.shape, dtype=_mc.numpy_dtype(dt.code)))
+
+    def append_gists(self, level: int, rows, *, checkpoint=_KEEP, commit: bool = True) -> int:
+        """Append gists (``[n, d]``, converted to the tree's gist dtype with round-to-nearest-even) to
+        LOD1 or LOD2; returns the new count.  Only complete spans get gists: LOD1 gist i needs tokens
+        [32i, 32i+32), LOD2 gist j needs LOD1 gists [32j, 32j+32).  ``checkpoint`` names the GistNet
+        checkpoint that produced them (default: the tree's current ``gistnet_checkpoint``)."""
+        self._check_writable()
+        self.num_gists(level)
+        a = self._as_gist_rows(rows)
+        lv = self._levels[level]
+        lower = self._levels[level - 1].count
+        limit = lower // self.block_size
+        if lv.count + a.shape[0] > limit:
+            what = "tokens" if level == 1 else "LOD1 gists"
+            raise InvalidArgumentError(
+                f"LOD{level} would hold {lv.count + a.shape[0]} gists, but {lower} {what} make only {limit} "
+                f"complete spans of {self.block_size}")
+        if checkpoint is not _KEEP:
+            if checkpoint is not None and not isinstance(checkpoint, str):
+                raise InvalidArgumentError("checkpoint must be a string or None")
+            self._meta["gistnet_checkpoint"] = checkpoint
+        if a.shape[0]:
+            _pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * a.shape[1] * a.itemsize, lv.path)
+            key = f"LOD{level}"
+            self._meta["levels"][key]["gists"] = set_range(self._meta["levels"][key]["gists"], lv.count,
+                                                           lv.count + a.shape[0], self._meta["gistnet_checkpoint"])
+            lv.count += a.shape[0]
+            self._dirty = True
+        if commit:
+            self.commit()
+        return lv.count
+
+    def write_gists(self, level: int, start: int, rows, *, checkpoint) -> None:
+        """Rewrite existing gists ``[start, start+n)`` in place (same offsets), e.g. after retraining
+        GistNet, and record ``checkpoint`` for them.
+
+        metadata.json marks the range as pending before the bytes change and clears the mark after, so
+        an interrupted rewrite is reported instead of silently mixing two checkpoints.  Readers in
+        other processes may see a mix of old and new rows while it runs."""
+        self._check_writable()
+        n = self.num_gists(level)
+        a = self._as_gist_rows(rows)
+        start = int(start)
+        if not 0 <= start <= start + a.shape[0] <= n:
+            raise OutOfBoundsError(f"{self.path}: LOD{level} gists [{start}, {start + a.shape[0]}) outside [0, {n}); "
+                                   "append_gists adds new ones")
+        if checkpoint is not None and not isinstance(checkpoint, str):
+            raise InvalidArgumentError("checkpoint must be a string or None")
+        if not a.shape[0]:
+            return
+        key = f"LOD{level}"
+        lv = self._levels[level]
+        stop = start + a.shape[0]
+        ranges = self._meta["levels"][key]["gists"]
+        self._meta["levels"][key]["gists"] = set_range(ranges, start, stop, checkpoint, pending=True)
+        self._write_metadata()
+        _pwrite_all(lv.fd, a, HEADER_SIZE + start * a.shape[1] * a.itemsize, lv.path)
+        if self.durable:
+            os.fdatasync(lv.fd)
+        self._meta["levels"][key]["gists"] = set_range(self._meta["levels"][key]["gists"], start, stop, checkpoint)
+        self._meta["gistnet_checkpoint"] = checkpoint
+        self._write_metadata()
+
+    def set_ingestion_complete(self, done: bool = True) -> None:
+        self._check_writable()
+        self._meta["ingestion_complete"] = bool(done)
+        self._dirty = True
+        self.commit()
+
+    def commit(self) -> tuple:
+        """Publish this writer's appends: data already written, then each header's count (LOD0, LOD1,
+        LOD2), then metadata.json.  Returns the committed counts."""
+        self._check_writable()
+        changed = False
+        for level in LEVELS:
+            lv = self._levels[level]
+            if lv.count == lv.committed:
+                continue
+            if self.durable:
+                os.fdatasync(lv.fd)
+            _pwrite_all(lv.fd, struct.pack("<Q", lv.count), COUNT_OFFSET, lv.path)
+            if self.durable:
+                os.fdatasync(lv.fd)
+            lv.committed = lv.count
+            changed = True
+        if changed or self._dirty:
+            self._write_metadata()
+        return self.committed_counts
+
+    def _write_metadata(self):
+        self._meta["last_modified"] = now_iso()
+        self._meta = with_counts(self._meta, self.committed_counts)
+        write_metadata(self.path, self._meta, self.durable)
+        self._dirty = False
+
+    # -- safety -----------------------------------------------------------------------------------------
+    def snapshot(self, dest=None) -> str:
+        """A consistent, atomic copy of the committed tree (see :func:`mcf.megacontext.snapshot.snapshot`)."""
+        from mcf.megacontext.snapshot import snapshot
+
+        return snapshot(self, dest)
+
+    def restore(self, snapshot_dir) -> None:
+        """Replace this (writable) tree's contents with a snapshot and reload."""
+        from mcf.megacontext.snapshot import restore
+
+        self._check_writable()
+        for lv in self._levels.values():
+            lv.close()
+        restore(snapshot_dir, self.path, _locked=True)
+        meta, levels, problems = _scan(self.path, self._mmap)
+        self._levels = levels
+        errors = [p for p in problems if p.severity == "error"]
+        if errors:
+            raise errors[0].error
+        self._meta = meta
+        self.notes = [str(p) for p in problems]
+        self._reconcile(problems)
+
+    def verify(self, deep: bool = False) -> list:
+        """Every inconsistency of the directory as it is on disk (see :func:`verify`)."""
+        return verify(self.path, deep=deep, mmap=self._mmap)
+
+    def info(self) -> dict:
+        """What ``mcf ctx info`` shows."""
+        levels = {}
+        for level, lv in self._levels.items():
+            h = lv.header
+            lv.src.refresh()
+            levels[f"LOD{level}"] = {
+                "file": lv.path, "layout": h.layout, "magic_order": h.magic_order, "version": h.version,
+                "level": h.level, "block_size": h.block_size, "embedding_dim": h.embedding_dim,
+                "dtype": h.dtype.name, "dtype_code": h.dtype_code, "model_name": h.model_name,
+                "num_entries": lv.committed, "entry_bytes": h.entry_size,
+                "file_size_bytes": lv.src.size, "uncommitted_bytes": lv.tail,
+            }
+        m = self.metadata
+        return {"path": self.path, "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
+                "block_size": self.block_size, "gist_dtype": self.gist_dtype.name, "vocab_size": self.vocab_size,
+                "num_tokens": self.num_tokens, "num_blocks": self.num_blocks,
+                "num_gists": {"LOD1": self.num_gists(1), "LOD2": self.num_gists(2)},
+                "gistnet_checkpoint": m["gistnet_checkpoint"], "ingestion_complete": m["ingestion_complete"],
+                "created_at": m["created_at"], "last_modified": m["last_modified"],
+                "checkpoints": {k: m["levels"][k]["gists"] for k in ("LOD1", "LOD2")},
+                "files": dict(sorted(levels.items())), "notes": list(self.notes)}
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+    def _release(self):
+        for lv in self._levels.values():
+            lv.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        self._closed = True
+
+    def close(self) -> None:
+        """Commit a writer's pending appends, then release the files (views stay valid)."""
+        if self._closed:
+            return
+        try:
+            if self.writable:
+                self.commit()
+        finally:
+            self._release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
+
+    def __repr__(self):
+        if self._closed:
+            return f"<mcf MegaContext tree {self.path!r} closed>"
+        t, n1, n2 = self.counts
+        return (f"<mcf MegaContext tree {self.path!r} {'r+' if self.writable else 'r'}: {t} tokens, {n1} LOD1 + "
+                f"{n2} LOD2 gists, d={self.embedding_dim} {self.gist_dtype.name}, K={self.block_size}>")
+
+
+# -- module-level entry points ---------------------------------------------------------------------------
+def _check_geometry(embedding_dim, block_size):
+    for name, v in (("embedding_dim", embedding_dim), ("block_size", block_size)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise InvalidArgumentError(f"{name} must be an integer, got {v!r}")
+        if not 1 <= int(v) <= 0xFFFF:
+            raise InvalidArgumentError(f"{name} must lie in 1..65535 (a u16 in the header), got {v}")
+
+
+def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = DEFAULT_BLOCK_SIZE,
+           gist_dtype="fp16", vocab_size: int | None = None, gistnet_checkpoint: str | None = None,
+           mmap: bool = True, durable: bool = False) -> Tree:
+    """Create an empty tree in directory ``path`` (created if missing) and open it for writing.
+
+    Refuses a directory that already holds a tree (a metadata.json).  The files are written first and
+    metadata.json last, so an interrupted create leaves no tree behind."""
+    _check_geometry(embedding_dim, block_size)
+    gdt = ctx_dtype(gist_dtype)
+    if gdt.code not in GIST_DTYPE_CODES:
+        raise InvalidArgumentError(f"gists are stored as fp16, bf16 or fp32, not {gdt.name}")
+    if not isinstance(model_name, str):
+        raise InvalidArgumentError("model_name must be a string")
+    if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or not 1 <= int(vocab_size) <= 2**32):
+        raise InvalidArgumentError(f"vocab_size must be in 1..2**32, got {vocab_size!r}")
+    if gistnet_checkpoint is not None and not isinstance(gistnet_checkpoint, str):
+        raise InvalidArgumentError("gistnet_checkpoint must be a string or None")
+    path = os.path.abspath(os.fspath(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    if os.path.exists(os.path.join(path, METADATA)):
+        raise InvalidArgumentError(f"{path}: a tree already exists here (metadata.json); open it instead")
+    lock = _acquire_lock(path)
+    try:
+        for level in LEVELS:
+            h = CtxHeader(level=level, block_size=int(block_size), embedding_dim=int(embedding_dim),
+                          dtype_code=0 if level == 0 else gdt.code, num_entries=0, model_name=model_name)
+            fpath = _level_path(path, level)
+            try:
+                with open(fpath, "wb") as f:
+                    f.write(h.pack())
+                    if durable:
+                        f.flush()
+                        os.fsync(f.fileno())
+            except OSError as exc:
+                raise os_error(exc, fpath) from None
+        meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),
+                            gist_dtype=gdt.name, vocab_size=None if vocab_size is None else int(vocab_size),
+                            gistnet_checkpoint=gistnet_checkpoint)
+        write_metadata(path, meta, durable)
+    finally:
+        os.close(lock)
+    return Tree(path, writable=True, mmap=mmap, durable=durable)
+
+
+def open_tree(path, mode: str = "r", *, mmap: bool = True, durable: bool = False) -> Tree:
+    """Open a tree directory: ``mode="r"`` to read (any number of processes), ``"r+"`` to write (one
+    process; it repairs what a killed writer left and reports it in ``tree.notes``)."""
+    if mode not in ("r", "r+"):
+        raise InvalidArgumentError(f"mode must be 'r' or 'r+', got {mode!r}")
+    return Tree(path, writable=mode == "r+", mmap=mmap, durable=durable)
+
+
+def verify(path, deep: bool = False, mmap: bool = True) -> list:
+    """Every inconsistency of a tree directory, as :class:`Problem` objects (empty when all is well).
+
+    Checks the headers, the counts against the file sizes and each other, metadata.json against the
+    headers, the checkpoint ranges and leftovers of interrupted writes.  ``deep`` also reads all data:
+    token ids against ``vocab_size`` and gists for NaN/Inf."""
+    path = os.path.abspath(os.fspath(path))
+    meta, levels, problems = _scan(path, mmap)
+    try:
+        if deep and not any(p.severity == "error" for p in problems):
+            problems += _deep_checks(path, meta, levels)
+    finally:
+        for lv in levels.values():
+            lv.close()
+    return problems
+
+
+def _deep_checks(path, meta, levels) -> list:
+    out = []
+    chunk = 1 << 22
+    vs = meta.get("vocab_size")
+    lv = levels[0]
+    t = lv.header.num_entries
+    if vs:
+        for s in range(0, t, chunk):
+            a = lv.src.array(HEADER_SIZE + s * 4, "<u4", min(chunk, t - s))
+            bad = np.flatnonzero(a >= vs)
+            if bad.size:
+                i = s + int(bad[0])
+                out.append(Problem("error", FormatError(
+                    f"token id at position {i} is outside the vocabulary", path=lv.path, field="tokens",
+                    offset=HEADER_SIZE + i * 4, expected=f"< {vs}", got=int(a[bad[0]]))))
+                break
+    for level in (1, 2):
+        lv = levels[level]
+        h = lv.header
+        n = h.num_entries
+        if not n:
+            continue
+        bits, mask = ("<u2", 0x7C00) if h.dtype_code == 1 else ("<u2", 0x7F80) if h.dtype_code == 2 \
+            else ("<u4", 0x7F800000)
+        rows = max(1, chunk // h.embedding_dim)
+        for s in range(0, n, rows):
+            m = min(rows, n - s)
+            a = lv.src.array(HEADER_SIZE + s * h.entry_size, bits, (m, h.embedding_dim))
+            bad = np.flatnonzero(((a & mask) == mask).any(axis=1))
+            if bad.size:
+                out.append(Problem("warning", FormatError(
+                    f"gist {s + int(bad[0])} holds NaN or Inf ({int(((a & mask) == mask).any(axis=1).sum())}"
+                    " such gists in this chunk)", path=lv.path, field="gists",
+                    offset=HEADER_SIZE + (s + int(bad[0])) * h.entry_size)))
+                break
+    return out
