@@ -101,7 +101,7 @@ def check_pointers(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t 
 def check_extents(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n, int64_t itemsize,
                   uint64_t bin_size, int64_t[::1] bad):
     """Count sequences whose bytes ``[pointer, pointer + length*itemsize)`` do not lie inside the .bin
-    (negative pointers and lengths included)."""
+    (negative pointers included; negative lengths are ``check_lengths``' to report)."""
     if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n or itemsize < 1 or itemsize > 8:
         raise ValueError("check_extents: bad arguments")
     cdef const uint8_t* pl = &lens[0] if n else NULL
@@ -115,7 +115,7 @@ def check_extents(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n
             ln = ld32(pl + 4 * i)
             pt = ld64(pp + 8 * i)
             nb = <uint64_t>ln * <uint64_t>itemsize
-            if ln < 0 or pt < 0 or <uint64_t>pt > bin_size or nb > bin_size - <uint64_t>pt:
+            if ln >= 0 and (pt < 0 or <uint64_t>pt > bin_size or nb > bin_size - <uint64_t>pt):
                 note(b, k, count, i)
                 count += 1
     return count
