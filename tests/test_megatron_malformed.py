@@ -187,6 +187,11 @@ def test_validate_false_still_bounds_checked(base, tmp_path):
         with pytest.raises(mcf.OutOfBoundsError):
             ds.get(2, 1, 1)
         assert ds.verify()
+    p = patched(base, tmp_path, "nv2", fmt="<i", at=LO + 4, value=-7)
+    with mm.open(p, validate=False) as ds:
+        for bad in (lambda: ds[1], lambda: ds.gather([1]), lambda: ds.document(0), lambda: ds.get(1)):
+            with pytest.raises(mcf.OutOfBoundsError):
+                bad()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

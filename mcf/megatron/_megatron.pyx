@@ -454,8 +454,9 @@ cdef class SequenceTable:
         cdef Py_ssize_t m = ix.shape[0], k, bad = -1
         cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
         cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
-        cdef int64_t j, total = 0, n = self._n
+        cdef int64_t j, ln, total = 0, n = self._n
         cdef const uint8_t* lens = self._lens
+        cdef bint negative = False
         with nogil:
             po[0] = 0
             for k in range(m):
@@ -465,9 +466,16 @@ cdef class SequenceTable:
                 if j < 0 or j >= n:
                     bad = k
                     break
-                total += ld32(lens + 4 * j)
+                ln = ld32(lens + 4 * j)
+                if ln < 0:  # only possible with validate=False
+                    bad = k
+                    negative = True
+                    break
+                total += ln
                 po[k + 1] = total
         if bad >= 0:
+            if negative:
+                raise OutOfBoundsError(f"sequence {ix[bad]} has a negative length in the index")
             raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
         cdef cnp.ndarray res
         if out is None:
