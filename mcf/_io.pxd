@@ -6,7 +6,6 @@ from libc.stdint cimport uint8_t, uint64_t, int64_t
 cdef class _Mapping:
     cdef void* addr
     cdef size_t length
-    cdef bint writable
 
 
 cdef class Source:

@@ -327,8 +327,8 @@ class Container:
     def load(self, names=None, *, threads: int = 1) -> dict:
         """Materialize tensors into fresh, writable arrays (all of them by default): name -> array.
 
-        This is the fast path for loading weights: one huge-page-backed arena is allocated for all of
-        them and filled by one compiled loop (``pread`` from the page cache, GIL released, optionally
+        This is the fast path for loading weights: one page-aligned arena is allocated for all of them
+        and filled by one compiled loop (``pread`` from the page cache, GIL released, optionally
         on several threads), instead of one allocation and one copy per tensor.  The arrays are views
         into the arena, which is freed when the last of them is.  Quantized tensors come back as their
         raw payload bytes (uint8).
