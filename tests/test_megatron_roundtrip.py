@@ -294,6 +294,11 @@ def test_atomic_finalize(tmp_path):
         w.add_item([9])
     with mm.open(p) as ds:
         assert ds[0].tolist() == [9]
+    with mm.Writer(p, dtype=np.uint16, durable=False) as w:
+        w.add_item([8, 7])
+    with mm.open(p) as ds:
+        assert ds[0].tolist() == [8, 7]
+    assert sorted(os.listdir(tmp_path)) == ["at.bin", "at.idx"]
 
 
 def test_merge_equals_single_build(tmp_path, monkeypatch):

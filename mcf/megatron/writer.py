@@ -188,10 +188,14 @@ class Writer:
     (``"megatron"``: uint16 below 65500, else int32; ``"datatrove"``: uint16 up to 65536, else int32),
     else int32 (Megatron's builder default).  Use as a context manager: leaving the block normally
     finalizes, an exception discards everything and leaves existing files untouched.
+
+    ``durable=True`` fsyncs both files (and the directory) before and after publishing them, so a
+    finalized dataset survives a power loss; ``durable=False`` keeps the atomic renames but leaves
+    write-back to the kernel, as Megatron and datatrove do.
     """
 
     def __init__(self, prefix, *, dtype=None, vocab_size: int | None = None, dtype_rule: str = "megatron",
-                 multimodal: bool = False, atomic: bool = True):
+                 multimodal: bool = False, atomic: bool = True, durable: bool = True):
         from mcf.megatron.reader import split_prefix
 
         if dtype is not None and vocab_size is not None:
@@ -208,6 +212,7 @@ class Writer:
         self.bin_path = self.prefix + ".bin"
         self.multimodal = bool(multimodal)
         self._atomic = bool(atomic)
+        self._durable = bool(durable)
         self._closed = False
         self._int = self.dtype.kind in "iu"
         if self._int:
@@ -393,14 +398,16 @@ class Writer:
             if self._docs.last() != self._lengths.count:
                 self._docs.append(self._lengths.count)
             self._bin.flush()
-            os.fsync(self._bin.fd)
+            if self._durable:
+                os.fsync(self._bin.fd)
             os.close(self._bin.fd)
             self._bin.fd = -1
             self._write_index()
             if self._atomic:
                 os.replace(self._bin_tmp, self.bin_path)
                 os.replace(self._idx_tmp, self.idx_path)
-                _fsync_dir(self.idx_path)
+                if self._durable:
+                    _fsync_dir(self.idx_path)
             self._closed = True
             self._release()
         except OSError as exc:
@@ -436,7 +443,8 @@ class Writer:
                 for a in self._modes.chunks():
                     f.write(memoryview(a).cast("B"))
             f.flush()
-            os.fsync(f.fileno())
+            if self._durable:
+                os.fsync(f.fileno())
 
     def _release(self) -> None:
         for c in (self._lengths, self._docs, self._modes):
