@@ -142,11 +142,11 @@ def plan_tail(tree, budget: int, recent_tokens: int, *, block_size: int = 32) ->
     b0 = max(0, t - int(recent_tokens)) // k          # first LOD0 block
     b0 = min(b0, n1)                                  # blocks without a gist must stay at LOD0
     if t - b0 * k > budget:                           # not even the recent tokens fit: keep what does
+        if t % k > budget:
+            raise InvalidArgumentError(f"budget {budget} is smaller than the partial last block ({t % k} tokens)")
         b0 = -(-(t - budget) // k)
-        if b0 >= nb:
-            raise InvalidArgumentError(f"budget {budget} is smaller than the partial last block "
-                                       f"({t - (nb - 1) * k} tokens)")
-        return _plan([], [], range(b0, nb))
+        if b0 > n1:                                   # older blocks have no gist: the plan stops here
+            return _plan([], [], range(b0, nb))
     left = budget - (t - b0 * k)
     g2 = min(n2, b0 // k)                             # LOD2 gists wholly before the LOD0 region
     rest1 = range(g2 * k, b0)                         # LOD1 gists not under an available LOD2 gist

@@ -252,8 +252,12 @@ def load_metadata(dirpath):
     obj.setdefault("gist_dtype", "fp16")
     obj.setdefault("vocab_size", None)
     for key in ("LOD1", "LOD2"):
-        obj["levels"][key].setdefault("gists", [])
-        for r in obj["levels"][key]["gists"]:
+        lv = obj["levels"][key]
+        if "gists" not in lv:   # seed 000's metadata: its one gistnet_checkpoint made every gist
+            n = lv["num_gists"]
+            lv["gists"] = [{"start": 0, "stop": n, "gistnet_checkpoint": obj.get("gistnet_checkpoint"),
+                            "pending": False}] if n else []
+        for r in lv["gists"]:
             r.setdefault("pending", False)
     return obj, []
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._io import Source, open_source
-from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, OutOfBoundsError, TruncatedError,
-                        os_error)
+from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingFileError, OutOfBoundsError,
+                        TruncatedError, os_error)
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._layout import (COUNT_OFFSET, CTX_DTYPES, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
                                      LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
@@ -203,12 +203,17 @@ def _cross_check(dirpath, meta, levels, problems) -> None:
                                                        path=os.path.join(dirpath, METADATA + ".tmp"))))
 
 
+def _not_a_dir(path):
+    if os.path.exists(path):
+        return MCFIOError(errno.ENOTDIR, "not a tree directory", path)
+    return MissingFileError(errno.ENOENT, "no such tree directory", path)
+
+
 def _scan(dirpath, mmap: bool):
     """(metadata or None, levels, problems): everything about a tree directory, without raising."""
     problems = []
     if not os.path.isdir(dirpath):
-        problems.append(Problem("error", MCFIOError(errno.ENOTDIR if os.path.exists(dirpath) else errno.ENOENT,
-                                                    "not a tree directory", dirpath)))
+        problems.append(Problem("error", _not_a_dir(dirpath)))
         return None, {}, problems
     marker = os.path.join(dirpath, RESTORE_MARKER)
     if os.path.exists(marker):
@@ -242,6 +247,8 @@ def _acquire_lock(dirpath):
 
 
 def _pwrite_all(fd, data, offset, path) -> None:
+    if isinstance(data, np.ndarray):
+        data = data.reshape(-1).view(np.uint8)   # any dtype (ml_dtypes' bfloat16 has no buffer format)
     view = memoryview(data).cast("B")
     try:
         while view:
@@ -272,9 +279,9 @@ class Tree:
         try:
             if self.writable:
                 if not os.path.isdir(self.path):
-                    raise MCFIOError(errno.ENOENT, "not a tree directory", self.path)
+                    raise _not_a_dir(self.path)
                 self._lock_fd = _acquire_lock(self.path)
-                from mcf.megacontext.snapshot import _finish_restore
+                from mcf.megacontext.snapshots import _finish_restore
 
                 _finish_restore(self.path)
             meta, levels, problems = _scan(self.path, self._mmap)
@@ -685,14 +692,14 @@ class Tree:
 
     # -- safety -----------------------------------------------------------------------------------------
     def snapshot(self, dest=None) -> str:
-        """A consistent, atomic copy of the committed tree (see :func:`mcf.megacontext.snapshot.snapshot`)."""
-        from mcf.megacontext.snapshot import snapshot
+        """A consistent, atomic copy of the committed tree (see :func:`mcf.megacontext.snapshots.snapshot`)."""
+        from mcf.megacontext.snapshots import snapshot
 
         return snapshot(self, dest)
 
     def restore(self, snapshot_dir) -> None:
         """Replace this (writable) tree's contents with a snapshot and reload."""
-        from mcf.megacontext.snapshot import restore
+        from mcf.megacontext.snapshots import restore
 
         self._check_writable()
         for lv in self._levels.values():
