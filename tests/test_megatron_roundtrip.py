@@ -370,3 +370,17 @@ def test_hypothesis_round_trip(tmp_path, case):
         with mm.open(p, mmap=mmap, multimodal=multimodal) as ds:
             assert ds.verify() == []
             check_against_reference(ds, ref, docs, multimodal)
+
+
+def test_docs_examples_run(tmp_path, monkeypatch, capsys):
+    import re
+
+    page = Path(__file__).parent.parent / "docs" / "megatron.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"megatron.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
+    out = capsys.readouterr().out
+    assert "[1 2 3]" in out and "[7 8]" in out and "[6 7 8 1 2 3 4 5] [0 3 6 8]" in out
