@@ -136,6 +136,10 @@ def test_size_table_of_seed_000_reproduced_by_building_the_tree(tmp_path):
         assert meta["levels"]["LOD2"]["num_gists"] == 976
         assert meta["levels"]["LOD2"]["file_size_bytes"] == 3_997_760
         assert mc.verify(path) == []
+        from test_megacontext_docs import size_table
+
+        l0, _, l1, _, l2, _ = size_table()[1_000_000]         # docs/megacontext.md's row
+        assert [sizes["LOD0.ctx"], sizes["LOD1.ctx"], sizes["LOD2.ctx"]] == [l0, l1, l2]
         # the seed's "~3.2% overhead" is wrong: the gists take 33x the tokens' bytes
         assert (sizes["LOD1.ctx"] + sizes["LOD2.ctx"]) / sizes["LOD0.ctx"] > 32
     finally:
