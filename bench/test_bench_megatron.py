@@ -407,3 +407,79 @@ def test_tokenize_vs_datatrove(benchmark, corpus):
            t_dt2 / t2 >= 1.7, ours2_s=t2, datatrove_s=t_dt2)
     record(benchmark, "tokenize", "  (M tokens/s: ours 1 / ours 2 / datatrove)",
            f"{ntok / t1 / 1e6:.2f} / {ntok / t2 / 1e6:.2f} / {ntok / t_dt / 1e6:.2f}", "(info)", True)
+
+
+# -- 6. merge memory -------------------------------------------------------------------------------------
+N_SHARDS, SHARD_SEQS = 16, 1_000_000
+
+_PEAK = "import resource, sys; print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+
+MEGATRON_LIKE_MERGE = '''
+import gc, shutil, struct, sys
+import numpy
+prefixes, out = sys.argv[1:-1], sys.argv[-1]
+# Megatron's IndexedDatasetBuilder.add_index + finalize: Python lists of numpy scalars, a pointer loop
+sequence_lengths, document_indices = [], [0]
+with open(out + ".bin", "wb") as data_file:
+    for p in prefixes:
+        with open(p + ".idx", "rb") as s:
+            s.read(18); n = struct.unpack("<Q", s.read(8))[0]; d = struct.unpack("<Q", s.read(8))[0]
+        buf = memoryview(numpy.memmap(p + ".idx", mode="r", order="C"))
+        lengths = numpy.frombuffer(buf, numpy.int32, n, 34)
+        docs = numpy.frombuffer(buf, numpy.int64, d, 34 + 12 * n)
+        offset = len(sequence_lengths)
+        sequence_lengths.extend(lengths)
+        document_indices.extend((offset + docs)[1:])
+        del lengths, docs, buf
+        gc.collect()
+        with open(p + ".bin", "rb") as f:
+            shutil.copyfileobj(f, data_file)
+itemsize = numpy.int64(2)
+cur = numpy.int64(0)
+ptrs = []
+for length in sequence_lengths:
+    ptrs.append(cur.item())
+    cur += length * itemsize
+with open(out + ".idx", "wb") as f:
+    f.write(b"MMIDIDX\\x00\\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
+    f.write(struct.pack("<Q", len(sequence_lengths)) + struct.pack("<Q", len(document_indices)))
+    f.write(numpy.array(sequence_lengths, dtype=numpy.int32).tobytes(order="C"))
+    f.write(numpy.array(ptrs, dtype=numpy.int64).tobytes(order="C"))
+    f.write(numpy.array(document_indices, dtype=numpy.int64).tobytes(order="C"))
+'''
+
+
+def _peak_kb(args) -> tuple:
+    import subprocess
+    import sys
+
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True)
+    dt = time.perf_counter() - t
+    peak = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("PEAK_KB")]
+    return peak[-1], dt
+
+
+def test_merge_memory(benchmark):
+    d = bench_dir()
+    shards = [os.path.join(d, f"shard{k:02d}") for k in range(N_SHARDS)]
+    rng = np.random.default_rng(8)
+    for p in shards:
+        if not (os.path.exists(p + ".idx") and os.path.getsize(p + ".idx") == 34 + 20 * SHARD_SEQS + 8):
+            lens = rng.integers(0, 4, SHARD_SEQS)
+            with mm.Writer(p, dtype=np.uint16, durable=False) as w:
+                w.add_documents(rng.integers(1, 60000, int(lens.sum()), dtype=np.uint16), lens)
+    ours_code = ("import sys; from mcf.megatron import merge; merge(sys.argv[-1], sys.argv[1:-1]); " + _PEAK)
+    base_kb, _ = _peak_kb(["-c", "import numpy, mcf.megatron; " + _PEAK])
+    ours_kb, ours_s = _peak_kb(["-c", ours_code, *shards, os.path.join(d, "merged-ours")])
+    meg_kb, meg_s = _peak_kb(["-c", MEGATRON_LIKE_MERGE + _PEAK, *shards, os.path.join(d, "merged-meg")])
+    with open(os.path.join(d, "merged-ours.idx"), "rb") as a, open(os.path.join(d, "merged-meg.idx"), "rb") as b:
+        assert a.read() == b.read()
+    benchmark.pedantic(lambda: None, rounds=1)
+    n = N_SHARDS * SHARD_SEQS
+    record(benchmark, "merge", f"merge {N_SHARDS} shards, {n // 10**6}M seqs: peak RSS ours",
+           f"{ours_kb / 1024:.0f} MB", "few hundred MB", ours_kb / 1024 < 400, ours_mb=ours_kb / 1024,
+           megatron_mb=meg_kb / 1024, baseline_mb=base_kb / 1024, ours_s=ours_s, megatron_s=meg_s)
+    record(benchmark, "merge", "  peak RSS Megatron-like / interpreter+numpy baseline",
+           f"{meg_kb / 1024:.0f} / {base_kb / 1024:.0f} MB", "(info)", True)
+    record(benchmark, "merge", "  seconds: ours / Megatron-like", f"{ours_s:.2f} / {meg_s:.1f}", "(info)", True)

@@ -387,6 +387,9 @@ class Writer:
             self._bin.copy_from(ds._bin_src, ds._bin_src.size)
         finally:
             if own:
+                # the shard's index pages were only needed once: let the kernel drop them now, so that
+                # the resident set does not grow with every shard merged
+                ds._idx_src.advise("dontneed")
                 ds.close()
 
     # -- finishing ------------------------------------------------------------------------------------
