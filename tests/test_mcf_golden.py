@@ -10,7 +10,7 @@ import mcf
 from _vectors import FIXTURES
 
 sys.path.insert(0, FIXTURES)
-import golden  # noqa: E402
+import mcf_golden as golden  # noqa: E402
 
 
 def read(p):
