@@ -53,6 +53,7 @@ extensions = [
     ext("mcf._io", ["mcf/_io.pyx"]),
     ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c"]),
     ext("mcf._index", ["mcf/_index.pyx"]),
+    ext("mcf._kernels", ["mcf/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/cpu.c", "csrc/fpconv.c"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
     ext("mcf.megacontext._megacontext", ["mcf/megacontext/_megacontext.pyx", "csrc/megacontext.c", "csrc/fpconv.c"]),
 ]

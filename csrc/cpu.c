@@ -1,0 +1,55 @@
+/* cpuid + xgetbv detection: a variant is usable only if the CPU has the instructions AND the OS saves
+ * the wider registers (XCR0), which __builtin_cpu_supports alone does not check on every compiler. */
+#include "cpu.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+
+static unsigned long long xgetbv0(void)
+{
+    unsigned int eax, edx;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((unsigned long long)edx << 32) | eax;
+}
+
+static int detect(void)
+{
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return MCF_IMPL_SCALAR;
+    int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1, fma = (c >> 12) & 1;
+    if (!osxsave || !avx) return MCF_IMPL_SCALAR;
+    unsigned long long xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return MCF_IMPL_SCALAR;          /* XMM and YMM state */
+    if (__get_cpuid_max(0, 0) < 7) return MCF_IMPL_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    int avx2 = (b >> 5) & 1, bmi2 = (b >> 8) & 1;
+    int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    int vbmi = (c >> 1) & 1;
+    if (!(avx2 && f16c && fma && bmi2)) return MCF_IMPL_SCALAR;
+    if (avx512f && avx512bw && avx512vl && vbmi && (xcr0 & 0xe0) == 0xe0) /* opmask, ZMM_Hi256, Hi16_ZMM */
+        return MCF_IMPL_AVX512;
+    return MCF_IMPL_AVX2;
+}
+#else
+static int detect(void) { return MCF_IMPL_SCALAR; }
+#endif
+
+static int best = -1;
+
+int mcf_cpu_best(void)
+{
+    if (best < 0) best = detect();
+    return best;
+}
+
+int mcf_cpu_supports(int impl) { return impl >= 0 && impl <= mcf_cpu_best(); }
+
+const char *mcf_impl_name(int impl)
+{
+    switch (impl) {
+    case MCF_IMPL_SCALAR: return "scalar";
+    case MCF_IMPL_AVX2: return "avx2";
+    case MCF_IMPL_AVX512: return "avx512";
+    default: return "unknown";
+    }
+}

@@ -1,0 +1,345 @@
+/* Dequantization and code unpacking: a scalar reference and AVX2 / AVX-512 variants.
+ *
+ * All variants compute every output with the same single IEEE operation sequence (block scale as
+ * f16->f32 with subnormal flush; k*: super * (u6 / 32.0f); then scale * (float)q; int*: scale *
+ * ((float)q - zero)), with no FMA contraction (-ffp-contract=off), so their results are bit-identical.
+ * f16 output rounds to nearest even (F16C does exactly that); bf16 output uses the same integer
+ * rounding in every variant. */
+#include <string.h>
+
+#include "cpu.h"
+#include "fpconv.h"
+#include "quant.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MCF_X86 1
+#endif
+
+float mcf_scale_from_f16(uint16_t h)
+{
+    if ((h & 0x7c00u) == 0) {              /* zero or subnormal: flushed, as the Go decoder does */
+        uint32_t z = (uint32_t)(h & 0x8000u) << 16;
+        float f;
+        memcpy(&f, &z, 4);
+        return f;
+    }
+    return mcf_f16_to_f32_one(h);
+}
+
+static inline float block_scale(const mcf_qtensor *t, size_t r, size_t b)
+{
+    if (t->family == MCF_FAM_BLOCK) return mcf_scale_from_f16(t->scales[r * t->bpr + b]);
+    float s = mcf_scale_from_f16(t->scales[r * t->spr + b / 8]);
+    return s * ((float)(t->sub[r * t->bpr + b] & 0x3f) / 32.0f);
+}
+
+static inline int8_t sext(unsigned v, int bits)
+{
+    int sh = 8 - bits;
+    return (int8_t)((int8_t)(uint8_t)(v << sh) >> sh);
+}
+
+/* Reference decode of one 32-code block: an LSB-first bit stream (q4/k4: item 0 in the low nibble,
+ * which is the same thing). */
+static void decode_block_scalar(const uint8_t *src, int bits, int8_t q[32])
+{
+    if (bits == 8) {
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)src[i];
+        return;
+    }
+    unsigned pos = 0;
+    for (int i = 0; i < 32; i++) {
+        unsigned v = 0;
+        for (int k = 0; k < bits; k++, pos++) v |= (unsigned)((src[pos >> 3] >> (pos & 7)) & 1u) << k;
+        q[i] = sext(v, bits);
+    }
+}
+
+static inline void store_out(void *out, size_t idx, float w, int kind)
+{
+    if (kind == MCF_OUT_F32) ((float *)out)[idx] = w;
+    else if (kind == MCF_OUT_F16) ((uint16_t *)out)[idx] = mcf_f32_to_f16_one(w);
+    else ((uint16_t *)out)[idx] = mcf_f32_to_bf16_one(w);
+}
+
+static void raw_row_codes(const mcf_qtensor *t, size_t r, int8_t *q)
+{
+    const uint8_t *src = t->data + r * t->row_bytes;
+    if (t->bits == 8) {
+        memcpy(q, src, t->cols);
+        return;
+    }
+    for (size_t j = 0; j < t->cols; j++) {
+        uint8_t b = src[j >> 1];
+        q[j] = sext((j & 1) ? (b >> 4) : (b & 0x0f), 4);
+    }
+}
+
+static void dequant_scalar(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind)
+{
+    size_t cols = t->cols, o = 0;
+    int8_t q[32];
+    if (t->family == MCF_FAM_RAW) {
+        for (size_t r = r0; r < r1; r++) {
+            const uint8_t *src = t->data + r * t->row_bytes;
+            for (size_t j = 0; j < cols; j++) {
+                int8_t v;
+                if (t->bits == 8) v = (int8_t)src[j];
+                else v = sext((j & 1) ? (src[j >> 1] >> 4) : (src[j >> 1] & 0x0f), 4);
+                store_out(out, o++, t->scale * ((float)v - t->zero), kind);
+            }
+        }
+        return;
+    }
+    size_t bb = (size_t)t->bits * 4;
+    for (size_t r = r0; r < r1; r++) {
+        for (size_t b = 0; b < t->bpr; b++) {
+            float s = block_scale(t, r, b);
+            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, q);
+            size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+            for (size_t i = 0; i < n; i++) store_out(out, o++, s * (float)q[i], kind);
+        }
+    }
+}
+
+static void unpack_scalar(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+{
+    if (t->family == MCF_FAM_RAW) {
+        for (size_t r = r0; r < r1; r++) raw_row_codes(t, r, out + (r - r0) * t->cols);
+        return;
+    }
+    size_t bb = (size_t)t->bits * 4;
+    for (size_t r = r0; r < r1; r++)
+        for (size_t b = 0; b < t->bpr; b++)
+            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, out + ((r - r0) * t->bpr + b) * 32);
+}
+
+#ifdef MCF_X86
+/* ---- shared x86 helpers (BMI2 pdep spreads packed fields into bytes) --------------------------- */
+
+__attribute__((target("bmi2"))) static inline uint64_t ld_le(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    memcpy(&v, p, (size_t)n);  /* little-endian host */
+    return v;
+}
+
+/* 32 codes of a block as 32 raw (not sign-extended) bytes, each in the low `bits` bits. */
+__attribute__((target("bmi2"))) static inline void spread_block(const uint8_t *src, int bits, uint64_t w[4])
+{
+    switch (bits) {
+    case 2:
+        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld_le(src + 2 * g, 2), 0x0303030303030303ull);
+        break;
+    case 3:
+        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld_le(src + 3 * g, 3), 0x0707070707070707ull);
+        break;
+    case 4:
+        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld_le(src + 4 * g, 4), 0x0f0f0f0f0f0f0f0full);
+        break;
+    default: /* 6: 3 bytes -> 4 codes, two groups per word */
+        for (int g = 0; g < 4; g++)
+            w[g] = _pdep_u64(ld_le(src + 6 * g, 3), 0x3f3f3f3full) |
+                   (_pdep_u64(ld_le(src + 6 * g + 3, 3), 0x3f3f3f3full) << 32);
+        break;
+    }
+}
+
+/* bf16 rounding on 8 / 16 lanes, identical to mcf_f32_to_bf16_one (NaN kept, quiet bit set). */
+__attribute__((target("avx2"))) static inline __m128i bf16_avx2(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                       _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, nanv, isnan);
+    r = _mm256_and_si256(r, _mm256_set1_epi32(0xffff));
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    return _mm_packus_epi32(lo, hi);
+}
+
+__attribute__((target("avx2,f16c"))) static inline void store8_avx2(void *out, size_t idx, __m256 w, int kind,
+                                                                   int n)
+{
+    if (n == 8) {
+        if (kind == MCF_OUT_F32) _mm256_storeu_ps((float *)out + idx, w);
+        else if (kind == MCF_OUT_F16)
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+        else _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), bf16_avx2(w));
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, w);
+    for (int i = 0; i < n; i++) store_out(out, idx + (size_t)i, tmp[i], kind);
+}
+
+__attribute__((target("avx2,f16c,bmi2"))) static void decode_block_avx2(const uint8_t *src, int bits, __m256i *q)
+{
+    __m256i v;
+    if (bits == 8) {
+        *q = _mm256_loadu_si256((const __m256i *)src);
+        return;
+    }
+    uint64_t w[4];
+    spread_block(src, bits, w);
+    v = _mm256_set_epi64x((long long)w[3], (long long)w[2], (long long)w[1], (long long)w[0]);
+    __m256i m = _mm256_set1_epi8((char)(1 << (bits - 1)));
+    *q = _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+}
+
+__attribute__((target("avx2,f16c,bmi2"))) static void dequant_avx2(const mcf_qtensor *t, size_t r0, size_t r1,
+                                                                  void *out, int kind)
+{
+    if (t->family == MCF_FAM_RAW) {  /* per-tensor scale: vectorize the conversion only */
+        size_t cols = t->cols, o = 0;
+        __m256 sc = _mm256_set1_ps(t->scale), z = _mm256_set1_ps(t->zero);
+        int8_t q[32];
+        for (size_t r = r0; r < r1; r++) {
+            const uint8_t *src = t->data + r * t->row_bytes;
+            for (size_t j = 0; j < cols; j += 32) {
+                size_t n = cols - j < 32 ? cols - j : 32;
+                for (size_t i = 0; i < n; i++) {
+                    size_t c = j + i;
+                    q[i] = t->bits == 8 ? (int8_t)src[c] : sext((c & 1) ? (src[c >> 1] >> 4) : (src[c >> 1] & 0x0f), 4);
+                }
+                for (size_t i = 0; i < n; i += 8) {
+                    int k = n - i < 8 ? (int)(n - i) : 8;
+                    int8_t tmp8[8] = {0};
+                    memcpy(tmp8, q + i, (size_t)k);
+                    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)tmp8)));
+                    store8_avx2(out, o, _mm256_mul_ps(sc, _mm256_sub_ps(f, z)), kind, k);
+                    o += (size_t)k;
+                }
+            }
+        }
+        return;
+    }
+    size_t cols = t->cols, o = 0, bb = (size_t)t->bits * 4;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *rowdata = t->data + r * t->bpr * bb;
+        for (size_t b = 0; b < t->bpr; b++) {
+            __m256 s = _mm256_set1_ps(block_scale(t, r, b));
+            __m256i q;
+            decode_block_avx2(rowdata + b * bb, t->bits, &q);
+            __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+            __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+            __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+            __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+            size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+            __m256 w[4] = {_mm256_mul_ps(s, f0), _mm256_mul_ps(s, f1), _mm256_mul_ps(s, f2), _mm256_mul_ps(s, f3)};
+            for (int k = 0; k < 4 && (size_t)k * 8 < n; k++) {
+                int m = n - (size_t)k * 8 < 8 ? (int)(n - (size_t)k * 8) : 8;
+                store8_avx2(out, o + (size_t)k * 8, w[k], kind, m);
+            }
+            o += n;
+        }
+    }
+}
+
+__attribute__((target("avx2,bmi2"))) static void unpack_avx2(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+{
+    if (t->family == MCF_FAM_RAW) {
+        unpack_scalar(t, r0, r1, out);
+        return;
+    }
+    size_t bb = (size_t)t->bits * 4;
+    for (size_t r = r0; r < r1; r++)
+        for (size_t b = 0; b < t->bpr; b++) {
+            __m256i q;
+            decode_block_avx2(t->data + (r * t->bpr + b) * bb, t->bits, &q);
+            _mm256_storeu_si256((__m256i *)(out + ((r - r0) * t->bpr + b) * 32), q);
+        }
+}
+
+/* ---- AVX-512 ------------------------------------------------------------------------------------ */
+#define T512 "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,f16c,bmi2"
+
+__attribute__((target(T512))) static inline __m256i bf16_avx512(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __m512i nanv = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                              _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, isnan, nanv);
+    return _mm512_cvtepi32_epi16(r);
+}
+
+__attribute__((target(T512))) static inline void store16_avx512(void *out, size_t idx, __m512 w, int kind,
+                                                               __mmask16 m, int stream)
+{
+    if (kind == MCF_OUT_F32) {
+        if (stream && m == 0xffff) _mm512_stream_ps((float *)out + idx, w);
+        else _mm512_mask_storeu_ps((float *)out + idx, m, w);
+    } else if (kind == MCF_OUT_F16) {
+        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, bf16_avx512(w));
+    }
+}
+
+__attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
+                                                        int kind)
+{
+    if (t->family == MCF_FAM_RAW) {
+        dequant_avx2(t, r0, r1, out, kind);
+        return;
+    }
+    size_t cols = t->cols, o = 0, bb = (size_t)t->bits * 4;
+    /* streaming stores for outputs far larger than the caches, when every full block lands aligned */
+    size_t total = (r1 - r0) * cols * 4;
+    int stream = kind == MCF_OUT_F32 && total >= (8u << 20) && ((uintptr_t)out & 63) == 0 && cols % 16 == 0;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *rowdata = t->data + r * t->bpr * bb;
+        for (size_t b = 0; b < t->bpr; b++) {
+            __m512 s = _mm512_set1_ps(block_scale(t, r, b));
+            __m256i q;
+            const uint8_t *src = rowdata + b * bb;
+            if (t->bits == 8) {
+                q = _mm256_loadu_si256((const __m256i *)src);
+            } else {
+                uint64_t w[4];
+                spread_block(src, t->bits, w);
+                __m256i v = _mm256_set_epi64x((long long)w[3], (long long)w[2], (long long)w[1], (long long)w[0]);
+                __m256i m = _mm256_set1_epi8((char)(1 << (t->bits - 1)));
+                q = _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+            }
+            __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+            __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+            size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+            __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+            __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
+            store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
+            if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
+            o += n;
+        }
+    }
+    if (stream) _mm_sfence();
+}
+#endif /* MCF_X86 */
+
+void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
+{
+    if (r1 <= r0) return;
+#ifdef MCF_X86
+    if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
+    if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }
+#endif
+    (void)impl;
+    dequant_scalar(t, r0, r1, out, kind);
+}
+
+void mcf_unpack_rows(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out, int impl)
+{
+    if (r1 <= r0) return;
+#ifdef MCF_X86
+    if (impl >= MCF_IMPL_AVX2) { unpack_avx2(t, r0, r1, out); return; }
+#endif
+    (void)impl;
+    unpack_scalar(t, r0, r1, out);
+}

@@ -1,0 +1,24 @@
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+IMPLS: tuple[str, str, str]
+
+def resolve_impl(impl: str | None = ...) -> int: ...
+def kernel_info() -> dict[str, Any]: ...
+def dequantize(
+    payload: npt.ArrayLike, code: int, rows: int, cols: int, *, domain: int = ..., dtype: npt.DTypeLike = ...,
+    row_range: tuple[int, int] | slice | None = ..., out: np.ndarray | None = ..., impl: str | None = ...,
+    threads: int = ...,
+) -> np.ndarray: ...
+def unpack_codes(
+    payload: npt.ArrayLike, code: int, rows: int, cols: int, *, domain: int = ...,
+    row_range: tuple[int, int] | slice | None = ..., impl: str | None = ...,
+) -> npt.NDArray[np.int8]: ...
+def absmax_finite(src: npt.ArrayLike) -> tuple[float, float, float]: ...
+def quantize_rows(
+    src: npt.ArrayLike, code: int | str, out_payload: npt.NDArray[np.uint8], row0: int, *, min_clip: float,
+    max_clip: float, compat: bool = ..., cols: int | None = ..., rows: int | None = ..., scale: float = ...,
+    zero: float = ..., domain: int = ...,
+) -> None: ...

@@ -1,0 +1,272 @@
+"""Compiled quantization kernels: thin, validating wrappers over csrc/dequant.c and csrc/quantize.c.
+
+Every size, offset and region is checked here, with Python integers, before the C code runs with the
+GIL released.  The C variant (scalar / avx2 / avx512) is chosen at run time from the CPU, the
+``MCF_FORCE_IMPL`` environment variable, or the ``impl=`` keyword.
+"""
+
+import os
+import threading
+
+import numpy as np
+
+from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
+
+from mcf.errors import InvalidArgumentError
+from mcf.layout import Domain, quant_layout
+
+cdef extern from "cpu.h" nogil:
+    int mcf_cpu_best()
+    int mcf_cpu_supports(int impl)
+    const char* mcf_impl_name(int impl)
+
+cdef extern from "quant.h" nogil:
+    ctypedef struct mcf_qtensor:
+        int family
+        int bits
+        size_t rows, cols, bpr, spr
+        const uint16_t* scales
+        const uint8_t* sub
+        const uint8_t* data
+        size_t row_bytes
+        float scale, zero
+    void mcf_dequant_rows(const mcf_qtensor* t, size_t r0, size_t r1, void* out, int out_kind, int impl)
+    void mcf_unpack_rows(const mcf_qtensor* t, size_t r0, size_t r1, int8_t* out, int impl)
+    int mcf_quantize_rows(int family, int bits, const float* src, size_t nrows, size_t cols, float min_clip,
+                          float max_clip, int compat, uint16_t* scales, uint8_t* sub, uint8_t* codes)
+    void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float scale, float zero,
+                               uint8_t* codes, size_t row_bytes)
+    long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
+
+IMPLS = ("scalar", "avx2", "avx512")
+_FAMILY = {"raw": 0, "block": 1, "super": 2}
+
+
+def _env_impl():
+    v = os.environ.get("MCF_FORCE_IMPL", "").strip().lower()
+    return v or None
+
+
+def resolve_impl(impl=None):
+    """The variant index to run: ``impl`` if given, else ``$MCF_FORCE_IMPL``, else the best the CPU has.
+    Asking for a variant this CPU cannot run is an error, never a silent fallback."""
+    name = impl if impl is not None else _env_impl()
+    if name is None:
+        return mcf_cpu_best()
+    name = str(name).lower()
+    if name not in IMPLS:
+        raise InvalidArgumentError(f"unknown kernel variant {name!r}; expected one of {IMPLS}")
+    i = IMPLS.index(name)
+    if not mcf_cpu_supports(i):
+        raise InvalidArgumentError(f"kernel variant {name!r} is not supported by this CPU "
+                                   f"(best: {IMPLS[mcf_cpu_best()]})")
+    return i
+
+
+def kernel_info():
+    """Which kernel variant runs, and which this CPU supports."""
+    best = mcf_cpu_best()
+    forced = _env_impl()
+    try:
+        active = IMPLS[resolve_impl()]
+    except InvalidArgumentError as exc:
+        active = f"error: {exc}"
+    return {"active": active, "best": IMPLS[best], "supported": [n for i, n in enumerate(IMPLS) if i <= best],
+            "forced": forced, "env": "MCF_FORCE_IMPL"}
+
+
+cdef int _out_kind(object dt) except -1:
+    if dt == np.float32:
+        return 0
+    if dt == np.float16:
+        return 1
+    if dt.name == "bfloat16" or dt == np.uint16:
+        return 2
+    raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
+
+
+cdef class _Tensor:
+    """A validated view of one quantized payload, ready for the C kernels."""
+    cdef mcf_qtensor t
+    cdef object keep   # the payload array, kept alive while the pointers are used
+    cdef readonly object layout
+
+    def __init__(self, payload, code, rows, cols, domain=Domain.WEIGHTS):
+        lay = quant_layout(code, (rows, cols), domain)
+        buf = np.asarray(payload)
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+        if not buf.flags.c_contiguous:
+            buf = np.ascontiguousarray(buf)
+        if buf.size < lay.nbytes:
+            raise InvalidArgumentError(f"payload has {buf.size} bytes, {lay.dtype.name} {[rows, cols]} needs "
+                                       f"{lay.nbytes}")
+        self.keep = buf
+        self.layout = lay
+        cdef uintptr_t base = buf.ctypes.data if buf.size else 0
+        self.t.family = _FAMILY[lay.dtype.family]
+        self.t.bits = lay.dtype.bits
+        self.t.rows = rows
+        self.t.cols = cols
+        self.t.bpr = lay.blocks_per_row
+        self.t.spr = lay.supers_per_row
+        self.t.row_bytes = lay.row_bytes
+        self.t.scales = NULL
+        self.t.sub = NULL
+        self.t.scale = 0
+        self.t.zero = 0
+        for r in lay.regions:
+            # quant_layout's regions end inside lay.nbytes <= buf.size (checked above)
+            if r.offset + r.size > buf.size:
+                raise InvalidArgumentError(f"region {r.name} outside the payload")
+            p = base + r.offset
+            if r.name in ("scales", "super_scales"):
+                self.t.scales = <const uint16_t*><uintptr_t>p
+            elif r.name == "sub_scales":
+                self.t.sub = <const uint8_t*><uintptr_t>p
+            elif r.name == "data":
+                self.t.data = <const uint8_t*><uintptr_t>p
+            elif r.name == "scale":
+                self.t.scale = float(buf[r.offset:r.offset + 4].view("<f4")[0])
+            elif r.name == "zero":
+                self.t.zero = float(buf[r.offset:r.offset + 4].view("<f4")[0])
+
+
+def _row_range(rows, total):
+    if rows is None:
+        return 0, total
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(total)
+        if step != 1:
+            raise InvalidArgumentError("row ranges must be contiguous (step 1)")
+        return start, max(start, stop)
+    r0, r1 = (int(x) for x in rows)
+    if not 0 <= r0 <= r1 <= total:
+        raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{total}")
+    return r0, r1
+
+
+def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.float32, row_range=None,
+               out=None, impl=None, threads=1):
+    """Dequantize a quantized payload (rows ``row_range`` only, default all) to a [n, cols] array."""
+    cdef _Tensor qt = _Tensor(payload, code, rows, cols, domain)
+    cdef size_t r0, r1
+    a, b = _row_range(row_range, rows)
+    r0, r1 = a, b
+    dt = np.dtype(dtype)
+    cdef int kind = _out_kind(dt)
+    n = (b - a) * cols
+    if out is None:
+        out = np.empty((b - a, cols), dtype=dt)
+    else:
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgumentError("out must be a numpy array")
+        if out.size != n:
+            raise InvalidArgumentError(f"out has {out.size} elements, rows {a}..{b} x {cols} need {n}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError("out must be C-contiguous and writeable")
+        kind = _out_kind(out.dtype)
+    cdef int im = resolve_impl(impl)
+    cdef uintptr_t optr = out.ctypes.data
+    cdef size_t esize = out.dtype.itemsize
+    cdef size_t c = cols
+    if n == 0:
+        return out
+    nthreads = max(1, min(int(threads), int(b - a)))
+    if nthreads == 1:
+        with nogil:
+            mcf_dequant_rows(&qt.t, r0, r1, <void*>optr, kind, im)
+        return out
+    cuts = [a + (b - a) * k // nthreads for k in range(nthreads + 1)]
+
+    def work(size_t s, size_t e):
+        with nogil:
+            mcf_dequant_rows(&qt.t, s, e, <void*>(optr + (s - r0) * c * esize), kind, im)
+
+    ts = [threading.Thread(target=work, args=(cuts[k], cuts[k + 1])) for k in range(nthreads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def unpack_codes(payload, code, rows, cols, *, domain=Domain.WEIGHTS, row_range=None, impl=None):
+    """The signed integer codes of rows ``row_range`` as int8, [n, blocks_per_row * 32] for q*/k* (the
+    padding of each row's last block included) or [n, cols] for int8/int4."""
+    cdef _Tensor qt = _Tensor(payload, code, rows, cols, domain)
+    a, b = _row_range(row_range, rows)
+    width = cols if qt.t.family == 0 else qt.t.bpr * 32
+    out = np.empty((b - a, width), dtype=np.int8)
+    cdef int im = resolve_impl(impl)
+    cdef uintptr_t optr = out.ctypes.data
+    cdef size_t r0 = a, r1 = b
+    if out.size:
+        with nogil:
+            mcf_unpack_rows(&qt.t, r0, r1, <int8_t*>optr, im)
+    return out
+
+
+def absmax_finite(src):
+    """(max |x|, min, max) of a float32 array, or raise if it holds NaN or infinity."""
+    cdef const float[::1] s = np.ascontiguousarray(src, dtype=np.float32).reshape(-1)
+    cdef float amax = 0, lo = 0, hi = 0
+    cdef long long bad
+    cdef size_t n = s.shape[0]
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    with nogil:
+        bad = mcf_absmax_finite(&s[0], n, &amax, &lo, &hi)
+    if bad >= 0:
+        raise InvalidArgumentError(f"tensor holds a non-finite value ({s[bad]}) at flat index {bad}; "
+                                   "NaN and infinity cannot be quantized")
+    return float(amax), float(lo), float(hi)
+
+
+def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=False, cols=None, rows=None,
+                  scale=0.0, zero=0.0, domain=Domain.WEIGHTS):
+    """Quantize float32 rows ``src`` ([n, cols]) into the regions of ``out_payload`` (the whole
+    tensor's payload, laid out for ``rows`` x ``cols``) at rows row0 .. row0 + n."""
+    a = np.ascontiguousarray(src, dtype=np.float32)
+    if a.ndim != 2:
+        raise InvalidArgumentError("src must be 2-D")
+    n, c = a.shape
+    cols = c if cols is None else cols
+    if c != cols:
+        raise InvalidArgumentError(f"src has {c} columns, expected {cols}")
+    lay = quant_layout(code, (rows, cols), domain)
+    buf = out_payload
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous \
+            or not buf.flags.writeable:
+        raise InvalidArgumentError("out_payload must be a writeable contiguous uint8 array")
+    if buf.size < lay.nbytes:
+        raise InvalidArgumentError(f"out_payload has {buf.size} bytes, needs {lay.nbytes}")
+    if not 0 <= row0 <= row0 + n <= rows:
+        raise InvalidArgumentError(f"rows {row0}..{row0 + n} outside 0..{rows}")
+    cdef uintptr_t base = buf.ctypes.data
+    cdef uintptr_t sp = a.ctypes.data
+    cdef size_t nrows = n, ncols = cols
+    cdef float lo = min_clip, hi = max_clip, fs = scale, fz = zero
+    cdef int fam = _FAMILY[lay.dtype.family], bits = lay.dtype.bits, cm = 1 if compat else 0, rc = 0
+    cdef uintptr_t scales_p = 0, sub_p = 0, codes_p = 0
+    cdef size_t rb = lay.row_bytes
+    if nrows == 0:
+        return
+    reg = {r.name: r for r in lay.regions}
+    if fam == 0:
+        codes_p = base + reg["data"].offset + row0 * lay.row_bytes
+        with nogil:
+            mcf_quantize_raw_rows(bits, <const float*>sp, nrows, ncols, fs, fz, <uint8_t*>codes_p, rb)
+        return
+    bb = bits * 4
+    codes_p = base + reg["data"].offset + row0 * lay.blocks_per_row * bb
+    if fam == 1:
+        scales_p = base + reg["scales"].offset + 2 * row0 * lay.blocks_per_row
+    else:
+        scales_p = base + reg["super_scales"].offset + 2 * row0 * lay.supers_per_row
+        sub_p = base + reg["sub_scales"].offset + row0 * lay.blocks_per_row
+    with nogil:
+        rc = mcf_quantize_rows(fam, bits, <const float*>sp, nrows, ncols, lo, hi, cm, <uint16_t*>scales_p,
+                               <uint8_t*>sub_p, <uint8_t*>codes_p)
+    if rc != 0:
+        raise InvalidArgumentError("values too large: a block scale overflows float16")
