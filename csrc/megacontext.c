@@ -50,9 +50,10 @@ void mc_convert(const void *src, int src_dtype, void *dst, int dst_dtype, size_t
     }
 }
 
-int64_t mc_assemble(const mc_assembly *a, size_t e0, size_t e1)
+int64_t mc_plan_rows(const mc_assembly *a, size_t e0, size_t e1)
 {
     const size_t K = a->block_size;
+    const int to_matrix = a->matrix != NULL;
     for (size_t e = e0; e < e1; e++) {
         const int level = a->plan_level[e];
         const int64_t idx = a->plan_index[e];
@@ -68,28 +69,99 @@ int64_t mc_assemble(const mc_assembly *a, size_t e0, size_t e1)
                 a->levels[row + r] = 0;
                 a->positions[row + r] = first_token + r;
             }
-            if (a->matrix) {
+            if (to_matrix) {
                 for (int64_t r = 0; r < nrows; r++) {
                     const uint32_t id = ids[r];
                     if ((uint64_t)id >= a->vocab)
                         return row + r;
-                    mc_convert(a->table + (size_t)id * a->table_row_stride, a->table_dtype,
-                               a->matrix + (size_t)(row + r) * a->out_row_bytes, a->out_dtype, a->dim);
+                    a->row_src[row + r] = a->table + (size_t)id * a->table_row_stride;
+                    a->row_dtype[row + r] = (uint8_t)a->table_dtype;
                 }
             }
         } else {
-            const uint8_t *g = a->gists[level] + (size_t)src * a->gist_row_bytes;
             int64_t span = (int64_t)K;
             if (level == 2)
                 span *= (int64_t)K;
             a->levels[row] = (uint8_t)level;
             a->positions[row] = idx * span;
-            if (a->gists_out)
-                memcpy(a->gists_out + (size_t)slot * a->gist_row_bytes, g, a->gist_row_bytes);
-            if (a->matrix)
-                mc_convert(g, a->gist_dtype, a->matrix + (size_t)row * a->out_row_bytes, a->out_dtype, a->dim);
+            const int64_t at = to_matrix ? row : slot;
+            a->row_src[at] = a->gists[level] + (size_t)src * a->gist_row_bytes;
+            a->row_dtype[at] = (uint8_t)a->gist_dtype;
         }
     }
+    return -1;
+}
+
+#ifndef MC_PREFETCH_ROWS
+#define MC_PREFETCH_ROWS 2   /* rows ahead whose source is prefetched while a row is copied */
+#endif
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define MC_HAVE_SSE2 1
+#endif
+
+/* Copy n bytes; prefetch the same extent at `next` (the following row's source); stream the stores
+ * past the caches when asked. */
+static void copy_row(uint8_t *d, const uint8_t *s, size_t n, const uint8_t *next, int stream)
+{
+#ifdef MC_HAVE_SSE2
+    if (stream) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        if (head > n)
+            head = n;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+        size_t off = 0;
+        for (; off + 64 <= n; off += 64) {
+            if (next)
+                _mm_prefetch((const char *)next + off, _MM_HINT_T0);
+            __m128i x0 = _mm_loadu_si128((const __m128i *)(s + off));
+            __m128i x1 = _mm_loadu_si128((const __m128i *)(s + off + 16));
+            __m128i x2 = _mm_loadu_si128((const __m128i *)(s + off + 32));
+            __m128i x3 = _mm_loadu_si128((const __m128i *)(s + off + 48));
+            _mm_stream_si128((__m128i *)(d + off), x0);
+            _mm_stream_si128((__m128i *)(d + off + 16), x1);
+            _mm_stream_si128((__m128i *)(d + off + 32), x2);
+            _mm_stream_si128((__m128i *)(d + off + 48), x3);
+        }
+        memcpy(d + off, s + off, n - off);
+        return;
+    }
+#endif
+    if (next) {
+        for (size_t off = 0; off < n; off += 64)
+            __builtin_prefetch(next + off, 0, 3);
+    }
+    memcpy(d, s, n);
+}
+
+void mc_copy_rows(const mc_assembly *a, size_t r0, size_t r1, int stream)
+{
+    uint8_t *dst = a->matrix ? a->matrix : a->gists_out;
+    const size_t ob = a->matrix ? a->out_row_bytes : a->gist_row_bytes;
+    const int odt = a->matrix ? a->out_dtype : a->gist_dtype;
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *next = r + MC_PREFETCH_ROWS < r1 ? a->row_src[r + MC_PREFETCH_ROWS] : NULL;
+        if (a->row_dtype[r] == odt)
+            copy_row(dst + r * ob, a->row_src[r], ob, next, stream);
+        else
+            mc_convert(a->row_src[r], a->row_dtype[r], dst + r * ob, odt, a->dim);
+    }
+#ifdef MC_HAVE_SSE2
+    if (stream)
+        _mm_sfence();
+#endif
+}
+
+int64_t mc_assemble(const mc_assembly *a, size_t n_entries, size_t n_rows, int stream)
+{
+    int64_t bad = mc_plan_rows(a, 0, n_entries);
+    if (bad >= 0)
+        return bad;
+    mc_copy_rows(a, 0, n_rows, stream);
     return -1;
 }
 

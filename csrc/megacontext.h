@@ -41,11 +41,23 @@ typedef struct {
     uint64_t vocab;
     int table_dtype;
     size_t table_row_stride;
+    /* scratch filled by mc_plan_rows, one slot per row of the copy: source pointer and its dtype */
+    const uint8_t **row_src;
+    uint8_t *row_dtype;
 } mc_assembly;
 
-/* Fills the outputs for plan entries [e0, e1).  Returns -1 on success, or the output row of the first
- * token whose id is >= vocab (the matrix is then incomplete). */
-int64_t mc_assemble(const mc_assembly *a, size_t e0, size_t e1);
+/* Pass 1 over plan entries [e0, e1): levels, positions and token ids, and for every row to copy
+ * (matrix rows with a table, else gist rows) its source pointer and dtype in row_src/row_dtype.
+ * Returns -1 on success, or the output row of the first token whose id is >= vocab. */
+int64_t mc_plan_rows(const mc_assembly *a, size_t e0, size_t e1);
+
+/* Pass 2: copy rows [r0, r1) of row_src into the matrix (or gists_out), converting to out_dtype.
+ * Same-dtype rows are copied with the next rows' source prefetched, and with non-temporal stores when
+ * `stream` is set (large outputs that are not read back at once). */
+void mc_copy_rows(const mc_assembly *a, size_t r0, size_t r1, int stream);
+
+/* Both passes over all of [0, n_entries) / [0, n_rows) in one call. */
+int64_t mc_assemble(const mc_assembly *a, size_t n_entries, size_t n_rows, int stream);
 
 /* Converts n elements between the float formats (MC_F16/MC_BF16/MC_F32); a plain copy when equal. */
 void mc_convert(const void *src, int src_dtype, void *dst, int dst_dtype, size_t n);

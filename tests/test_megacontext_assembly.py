@@ -94,7 +94,8 @@ def test_plan_shapes_out_buffer_and_threads(tree):
 
 
 def test_threads_split_a_large_gather(tmp_path):
-    """Above 4 MiB of output the gather is split across threads; the result is the same."""
+    """A gather large enough for streaming stores, split across threads or not, into an aligned or a
+    misaligned buffer: the same result."""
     rng = np.random.default_rng(2)
     d = 1024
     tokens = token_stream(32 * 3000, vocab=300)
@@ -103,10 +104,16 @@ def test_threads_split_a_large_gather(tmp_path):
     with mc.create(tmp_path / "t", embedding_dim=d, gist_dtype="fp32") as t:
         t.append_tokens(tokens)
         t.append_gists(1, lod1)
-        plan = random_plan(rng, t.counts, 3000)
+        plan = random_plan(rng, t.counts, 600)
         ref = numpy_assembly(tokens, lod1, np.empty((0, d), np.float32), plan, 32, table)
+        assert ref[4].nbytes >= _mc.STREAM_BYTES          # large enough for the streaming-store path
         for threads in (1, 2, 4):
             check(t.assemble(plan, table, threads=threads), ref, table)
+        n = len(ref[0])
+        odd = np.empty(n * d + 1, np.float32)[1:].reshape(n, d)   # a destination not 16-byte aligned
+        check(t.assemble(plan, table, out=odd), ref, table)
+        wc = t.assemble(plan)                                     # the gist rows alone
+        assert np.array_equal(wc.gists, ref[3])
 
 
 def test_assembly_errors(tree):

@@ -5,6 +5,8 @@ import numpy.typing as npt
 
 from mcf._io import Source
 
+STREAM_BYTES: int
+
 def float_code(dt: npt.DTypeLike) -> int: ...
 def numpy_dtype(code: int) -> np.dtype[Any]: ...
 def assemble(

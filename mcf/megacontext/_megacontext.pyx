@@ -46,7 +46,11 @@ cdef extern from "megacontext.h" nogil:
         uint64_t vocab
         int table_dtype
         size_t table_row_stride
-    int64_t mc_assemble(const mc_assembly *a, size_t e0, size_t e1)
+        const uint8_t **row_src
+        uint8_t *row_dtype
+    int64_t mc_plan_rows(const mc_assembly *a, size_t e0, size_t e1)
+    void mc_copy_rows(const mc_assembly *a, size_t r0, size_t r1, int stream)
+    int64_t mc_assemble(const mc_assembly *a, size_t n_entries, size_t n_rows, int stream)
     void mc_convert(const void *src, int src_dtype, void *dst, int dst_dtype, size_t n)
     void mc_pool_rows(const uint8_t *rows, int src_dtype, size_t n_groups, uint32_t group, uint32_t dim,
                       uint8_t *out, int out_dtype, double *acc)
@@ -117,17 +121,19 @@ cdef _table_info(table, uint32_t dim):
     return t, code, t.shape[0], t.strides[0]
 
 
-def _run_threads(size_t addr, const int64_t[::1] cuts):
-    """Run mc_assemble over the entry ranges [cuts[i], cuts[i+1]) on one thread each."""
+# Outputs at least this large are written with non-temporal stores: a working context is handed to a
+# model (or a device copy), not read back at once, and streaming stores skip the read-for-ownership.
+STREAM_BYTES = 8 << 20
+
+
+def _copy_threads(size_t addr, const int64_t[::1] cuts, int stream):
+    """Run mc_copy_rows over the row ranges [cuts[i], cuts[i+1]) on one thread each."""
     cdef Py_ssize_t nt = cuts.shape[0] - 1
-    results = [-1] * nt
 
     def work(Py_ssize_t t):
-        cdef int64_t r
         cdef size_t a0 = <size_t>cuts[t], a1 = <size_t>cuts[t + 1]
         with nogil:
-            r = mc_assemble(<const mc_assembly*><uintptr_t>addr, a0, a1)
-        results[t] = r
+            mc_copy_rows(<const mc_assembly*><uintptr_t>addr, a0, a1, stream)
 
     ts = [threading.Thread(target=work, args=(t,)) for t in range(1, nt)]
     for th in ts:
@@ -135,8 +141,6 @@ def _run_threads(size_t addr, const int64_t[::1] cuts):
     work(0)
     for th in ts:
         th.join()
-    bad = [r for r in results if r >= 0]
-    return min(bad) if bad else -1
 
 
 def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int gist_code,
@@ -304,17 +308,25 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
     if n_tok:
         tido = token_ids
         a.token_ids = &tido[0]
+    n_copy = n if matrix is not None else n_gist
+    row_src = np.empty(max(n_copy, 1), dtype=np.uintp)
+    row_dtype = np.empty(max(n_copy, 1), dtype=np.uint8)
+    cdef uint8_t[::1] rdt = row_dtype
+    a.row_src = <const uint8_t**><uintptr_t>row_src.ctypes.data
+    a.row_dtype = &rdt[0]
     cdef int64_t bad
-    cdef Py_ssize_t nt = max(1, min(threads, m))
-    if nt == 1 or n * a.out_row_bytes < (1 << 22):
+    cdef size_t ncp = n_copy
+    cdef int stream = (n_copy * (a.out_row_bytes if matrix is not None else grow)) >= STREAM_BYTES
+    cdef Py_ssize_t nt = max(1, min(threads, n_copy))
+    if nt == 1:
         with nogil:
-            bad = mc_assemble(&a, 0, <size_t>m)
+            bad = mc_assemble(&a, <size_t>m, ncp, stream)
     else:
-        # split by output rows so the threads move similar amounts
-        ends = out_row + rows
-        cuts = np.searchsorted(ends, (n * np.arange(1, nt)) // nt, side="right").astype(np.int64)
-        cuts = np.unique(np.concatenate(([0], cuts, [m]))).astype(np.int64)
-        bad = _run_threads(<size_t><uintptr_t>&a, cuts)
+        with nogil:
+            bad = mc_plan_rows(&a, 0, <size_t>m)
+        if bad < 0:
+            cuts = np.unique((np.arange(nt + 1, dtype=np.int64) * n_copy) // nt).astype(np.int64)
+            _copy_threads(<size_t><uintptr_t>&a, cuts, stream)
     if bad >= 0:
         # find the token behind output row `bad`
         e = int(np.searchsorted(out_row, bad, side="right")) - 1
