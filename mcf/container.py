@@ -14,7 +14,8 @@ import numpy as np
 
 from mcf._io import Source, open_source
 from mcf.dtypes import DType
-from mcf.errors import DTypeError, FormatError, TruncatedError, UnsupportedVersionError
+from mcf import _fpconv
+from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 from mcf.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
                         MAJOR, MAX_SECTIONS, RESOURCE_BY_FILE, RESOURCE_FILES, SECTION_ALIGN, Domain,
                         SectionType, section_name)
@@ -314,13 +315,12 @@ class Container:
         """The tensor as a numpy array of its dtype: zero-copy and read-only when mapped.
 
         BF16 comes back as ``ml_dtypes.bfloat16`` when that package is installed, else as the raw
-        ``uint16`` bit patterns (see :meth:`to_float32`).  Quantized tensors have no plain array; use
-        :meth:`quant_regions` for their raw regions.
+        ``uint16`` bit patterns (see :meth:`to_float32`).  Quantized tensors are dequantized to a fresh
+        float32 array (see :meth:`dequantize` for other dtypes, row ranges and ``out=``).
         """
         t = self.index[name]
         if t.dtype.quantized:
-            raise DTypeError(f"{self.path}: tensor {name!r} is {t.dtype.name}-quantized; "
-                             "use quant_regions() for its raw regions")
+            return self.dequantize(name)
         dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
         return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
@@ -373,6 +373,57 @@ class Container:
                 np.copyto(out, a.reshape(out.shape), casting="same_kind")
             return out
         raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
+
+    def dequantize(self, name: str, dtype=np.float32, rows=None, out: np.ndarray | None = None,
+                   impl: str | None = None, threads: int = 1) -> np.ndarray:
+        """Tensor ``name`` as float32, float16 or bfloat16, whatever its stored dtype.
+
+        ``rows`` (``(start, stop)`` or a slice) decodes only those rows of a rank-2 tensor (a
+        tensor-parallel shard); ``out`` receives the result in place (any C-contiguous array of the
+        right size and dtype); ``threads`` splits rows across threads; ``impl`` forces a kernel variant
+        ("scalar", "avx2", "avx512").  Quantized payloads go through the compiled kernels.
+        """
+        from mcf import _kernels
+
+        t = self.index[name]
+        dt = np.dtype(out.dtype if out is not None else dtype)
+        if t.dtype.quantized:
+            rec = self.quant_record(name)
+            return _kernels.dequantize(self.raw(name), t.dtype.code, t.shape[0], t.shape[1],
+                                       domain=rec.domain if rec else 0, dtype=dt, row_range=rows, out=out,
+                                       impl=impl, threads=threads)
+        if t.dtype.family != "float":
+            raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a float tensor")
+        if rows is not None:
+            if len(t.shape) < 1:
+                raise DTypeError(f"{self.path}: tensor {name!r} is a scalar; it has no rows")
+            r0, r1 = _kernels._row_range(rows, t.shape[0])
+            src = self.tensor(name)[r0:r1]
+        else:
+            src = self.tensor(name)
+        if src.dtype.name == "bfloat16" or t.dtype.code == DType.BF16:
+            f32 = _fpconv.bf16_to_f32(np.ascontiguousarray(src).view(np.uint16))
+        elif t.dtype.code == DType.F16:
+            f32 = _fpconv.f16_to_f32(src)
+        else:
+            with np.errstate(over="ignore"):
+                f32 = np.asarray(src, dtype=np.float32)
+        if dt == np.float32:
+            res = f32
+        elif dt == np.float16:
+            res = _fpconv.f32_to_f16(f32).view(np.float16)
+        elif dt.name == "bfloat16" or dt == np.uint16:
+            res = _fpconv.f32_to_bf16(f32).view(dt)
+        else:
+            raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
+        if out is None:
+            if res.size and np.shares_memory(res, src):
+                res = res.copy()
+            return res.reshape(src.shape)
+        if out.size != res.size or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(f"out must be a writeable C-contiguous array of {res.size} elements")
+        out.reshape(-1)[...] = res.reshape(-1).view(out.dtype)
+        return out
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's payload bytes as a uint8 array (zero-copy when mapped)."""

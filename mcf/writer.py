@@ -287,8 +287,8 @@ class Writer:
             raise InvalidArgumentError(f"tensor {name!r}: payload is {got} bytes, {info.name} "
                                        f"{list(shape)} needs {want}")
         q = None
-        if info.quantized:
-            q = {"domain": domain, "min_clip": 0.0, "max_clip": 0.0, **(quant or {})}
+        if info.quantized and quant is not None:  # QuantInfo records are optional (spec)
+            q = {"domain": domain, "min_clip": 0.0, "max_clip": 0.0, **quant}
         self._finish_tensor(name, info, shape, start, hasher, q)
 
     def alias(self, name: str, existing: str) -> None:

@@ -811,8 +811,9 @@ def test_missing_tensor(mode, small_path):
             c.tensor("w.f32\0")
         assert "missing" not in c
         assert "w.f32" in c
+        assert c.tensor("q.k4").dtype == np.float32  # quantized tensors come back dequantized
         with pytest.raises(mcf.DTypeError) as ei:
-            c.tensor("q.k4")
+            c.dequantize("w.i8")
         assert isinstance(ei.value, TypeError)
         with pytest.raises(mcf.DTypeError):
             c.quant_regions("w.f32")

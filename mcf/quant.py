@@ -1,0 +1,238 @@
+"""Quantizing and dequantizing MCF tensors, and quantizing whole files.
+
+The bit work is in C (csrc/quantize.c, csrc/dequant.c) behind :mod:`mcf._kernels`; this module owns the
+policy: which tensors are quantized (rank-2 float tensors; everything else is copied), clipping ranges,
+int8/int4 scale and zero point, row chunking so memory stays bounded, and the Go-compatible file
+layout of ``mcf quantize``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mcf import _fpconv
+from mcf import _kernels as K
+from mcf.dtypes import DType, DTypeInfo, parse_dtype
+from mcf.errors import DTypeError, InvalidArgumentError
+from mcf.layout import Domain, SectionType, quant_layout
+
+__all__ = ["quantize", "dequantize", "kernel_info", "quantize_file", "QuantStats", "tensor_error_stats",
+           "METHODS"]
+
+METHODS = ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4")
+_CHUNK_BYTES = 16 << 20  # float32 rows converted and quantized per step
+
+kernel_info = K.kernel_info
+
+
+def _rows_f32(a: np.ndarray, r0: int, r1: int, src_dtype: DTypeInfo) -> np.ndarray:
+    part = a[r0:r1]
+    if src_dtype.code == DType.F32:
+        return np.ascontiguousarray(part, dtype=np.float32)
+    if src_dtype.code == DType.F16:
+        return _fpconv.f16_to_f32(np.ascontiguousarray(part).view(np.uint16))
+    if src_dtype.code == DType.BF16:
+        return _fpconv.bf16_to_f32(np.ascontiguousarray(part).view(np.uint16))
+    if src_dtype.code == DType.F64:
+        with np.errstate(over="ignore"):
+            return np.ascontiguousarray(part, dtype=np.float32)
+    raise DTypeError(f"cannot quantize a {src_dtype.name} tensor")
+
+
+def _chunk_rows(cols: int) -> int:
+    return max(1, _CHUNK_BYTES // max(1, 4 * cols))
+
+
+def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
+    if src_dtype is not None:
+        info = parse_dtype(src_dtype)
+    elif a.dtype.name == "bfloat16":
+        info = parse_dtype("bf16")
+    else:
+        info = parse_dtype(a.dtype)
+    if info.family != "float":
+        raise DTypeError(f"only float tensors can be quantized, got {info.name}")
+    return info
+
+
+def quantize(array, method, *, compat: bool = False, min_clip: float | None = None,
+             max_clip: float | None = None, domain: int = Domain.WEIGHTS, src_dtype=None):
+    """Quantize a rank-2 float array (float32, float16, bfloat16; ``src_dtype="bf16"`` for raw uint16
+    bits) to ``method``.  Returns ``(payload, params)``: the payload bytes laid out as
+    :func:`mcf.quant_layout` says, and the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
+
+    ``compat=True`` reproduces the Go quantizer byte for byte (truncating f16 scales).  Clips default to
+    -max|x| and +max|x|, as the Go tool records them.  NaN and infinity are refused.
+    """
+    a = np.asarray(array)
+    info = parse_dtype(method)
+    if not info.quantized:
+        raise InvalidArgumentError(f"{info.name} is not a quantization method; expected one of {METHODS}")
+    if a.ndim != 2:
+        raise InvalidArgumentError(f"only rank-2 tensors are quantized, got shape {a.shape}")
+    src = _float_dtype(a, src_dtype)
+    rows, cols = a.shape
+    if (min_clip is None) != (max_clip is None):
+        raise InvalidArgumentError("give both min_clip and max_clip, or neither")
+    if min_clip is not None and not (math.isfinite(min_clip) and math.isfinite(max_clip)
+                                     and min_clip <= max_clip):
+        raise InvalidArgumentError(f"bad clip range [{min_clip}, {max_clip}]")
+    if compat and info.family == "raw":
+        raise InvalidArgumentError("the Go tool has no int8/int4 quantizer to be compatible with")
+    domain = int(domain)
+    if info.family != "raw" and domain != Domain.WEIGHTS:
+        raise InvalidArgumentError(f"{info.name} supports only the weights domain")
+    lay = quant_layout(info, (rows, cols), domain)
+    payload = np.zeros(lay.nbytes, dtype=np.uint8)
+    step = _chunk_rows(cols)
+    # pass 1: finiteness and range (needed up front by the clips and by int* scales)
+    amax, lo, hi = 0.0, math.inf, -math.inf
+    for r in range(0, rows, step):
+        m, l, h = K.absmax_finite(_rows_f32(a, r, min(rows, r + step), src))
+        amax, lo, hi = max(amax, m), min(lo, l), max(hi, h)
+    if rows * cols == 0:
+        lo = hi = 0.0
+    if min_clip is None:
+        cmin, cmax = -np.float32(amax), np.float32(amax)
+    else:
+        cmin, cmax = np.float32(min_clip), np.float32(max_clip)
+    scale = zero = 0.0
+    if info.family == "raw":
+        qmax = (1 << (info.bits - 1)) - 1
+        if domain == Domain.WEIGHTS:
+            m = max(abs(float(cmin)), abs(float(cmax)))
+            scale = float(np.float32(m / qmax)) if m > 0 else 0.0
+        else:
+            lo_c, hi_c = (max(lo, float(cmin)), min(hi, float(cmax))) if min_clip is not None else (lo, hi)
+            lo_c, hi_c = min(lo_c, 0.0), max(hi_c, 0.0)  # zero must be representable
+            levels = (1 << info.bits) - 1
+            scale = float(np.float32((hi_c - lo_c) / levels)) if hi_c > lo_c else 0.0
+            qmin = -(1 << (info.bits - 1))
+            zero = float(np.float32(qmin - lo_c / scale)) if scale else 0.0
+        reg = {r.name: r for r in lay.regions}
+        payload[reg["scale"].offset:reg["scale"].offset + 4] = np.frombuffer(np.float32(scale).tobytes(), np.uint8)
+        if "zero" in reg:
+            payload[reg["zero"].offset:reg["zero"].offset + 4] = np.frombuffer(np.float32(zero).tobytes(), np.uint8)
+        if not math.isfinite(scale) or not math.isfinite(zero):
+            raise InvalidArgumentError("values too large for a float32 scale")
+    for r in range(0, rows, step):
+        x = _rows_f32(a, r, min(rows, r + step), src)
+        if min_clip is not None:
+            np.clip(x, cmin, cmax, out=x)
+        K.quantize_rows(x, info.code, payload, r, min_clip=float(cmin), max_clip=float(cmax), compat=compat,
+                        rows=rows, cols=cols, scale=scale, zero=zero, domain=domain)
+    return payload, {"min_clip": float(cmin), "max_clip": float(cmax), "domain": domain}
+
+
+def dequantize(payload, method, shape, *, domain: int = Domain.WEIGHTS, dtype=np.float32, rows=None, out=None,
+               impl: str | None = None, threads: int = 1) -> np.ndarray:
+    """Decode a quantized payload to float32 / float16 / bfloat16, optionally only ``rows``
+    (``(start, stop)`` or a slice), into ``out`` if given."""
+    info = parse_dtype(method)
+    if not info.quantized:
+        raise InvalidArgumentError(f"{info.name} is not a quantized dtype")
+    if len(shape) != 2:
+        raise InvalidArgumentError(f"quantized tensors are rank 2, got shape {tuple(shape)}")
+    return K.dequantize(payload, info.code, int(shape[0]), int(shape[1]), domain=domain, dtype=dtype,
+                        row_range=rows, out=out, impl=impl, threads=threads)
+
+
+@dataclass(frozen=True)
+class QuantStats:
+    name: str
+    method: str
+    shape: tuple
+    rmse: float
+    snr_db: float
+    max_abs_err: float
+    nbytes_in: int
+    nbytes_out: int
+
+
+def tensor_error_stats(original: np.ndarray, decoded: np.ndarray) -> tuple[float, float, float]:
+    """(RMSE, SNR in dB, max |error|) of ``decoded`` against ``original``, accumulated in float64."""
+    x = np.asarray(original, dtype=np.float64).reshape(-1)
+    y = np.asarray(decoded, dtype=np.float64).reshape(-1)
+    if x.size == 0:
+        return 0.0, math.inf, 0.0
+    err = y - x
+    mse = float(np.mean(err * err))
+    sig = float(np.mean(x * x))
+    snr = math.inf if mse == 0 else (10 * math.log10(sig / mse) if sig > 0 else -math.inf)
+    return math.sqrt(mse), snr, float(np.max(np.abs(err)))
+
+
+def _method_for(name: str, default: str | None, overrides) -> str | None:
+    for pattern, m in overrides:
+        if fnmatch.fnmatchcase(name, pattern):
+            return None if m in ("none", "keep") else m
+    return default
+
+
+def parse_overrides(items) -> list:
+    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins."""
+    out = []
+    for it in items or ():
+        if "=" not in it:
+            raise InvalidArgumentError(f"override {it!r} is not PATTERN=METHOD")
+        pat, m = it.rsplit("=", 1)
+        m = m.strip().lower()
+        if m not in METHODS + ("none", "keep"):
+            raise InvalidArgumentError(f"override {it!r}: unknown method {m!r}; expected one of "
+                                       f"{METHODS + ('none', 'keep')}")
+        out.append((pat.strip(), m))
+    return out
+
+
+def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = False,
+                  min_clip: float | None = None, max_clip: float | None = None, report: bool = False,
+                  progress=None, mmap: bool = True):
+    """Quantize every rank-2 float tensor of MCF file ``src`` into ``dst``; copy everything else.
+
+    The output is laid out as the Go quantizer lays it out (ModelInfo and resource sections copied in
+    directory order, tensors sorted and 64-aligned, then TensorIndex and QuantInfo), so with
+    ``compat=True`` and the same method it is byte-identical to ``mantle quantize``.  Returns a list
+    of :class:`QuantStats` when ``report`` is true (else an empty list).
+    """
+    import mcf
+    from mcf.writer import Writer
+
+    if method is not None:
+        parse_dtype(method)
+        if method not in METHODS:
+            raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
+    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
+    stats = []
+    with mcf.open(src, mmap=mmap) as c, Writer(dst, align=64) as w:
+        for s in c.sections:
+            if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
+                continue
+            w.add_section(s.type, c.section_bytes(s.type), version=s.version)
+        names = list(c)
+        for i, name in enumerate(names):
+            t = c.info(name)
+            m = _method_for(name, method, ov)
+            quantizable = len(t.shape) == 2 and t.dtype.family == "float"
+            if m is not None and quantizable:
+                arr = c.tensor(name)
+                payload, q = quantize(arr, m, compat=compat, min_clip=min_clip, max_clip=max_clip,
+                                      src_dtype=t.dtype)
+                w.add_tensor_bytes(name, m, t.shape, payload, quant=q)
+                if report:
+                    dec = dequantize(payload, m, t.shape)
+                    rmse, snr, mx = tensor_error_stats(c.to_float32(name), dec)
+                    stats.append(QuantStats(name, m, t.shape, rmse, snr, mx, t.nbytes, payload.nbytes))
+            elif t.dtype.quantized and (m is None or not quantizable):
+                rec = c.quant_record(name)
+                q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
+                                              "domain": rec.domain}
+                w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
+            else:
+                w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
+            if progress is not None:
+                progress(i + 1, len(names), name)
+    return stats
