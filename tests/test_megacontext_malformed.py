@@ -79,6 +79,8 @@ CASES = {
     "metadata missing": (lambda p: os.unlink(p / "metadata.json"), mcf.MissingFileError, None),
     "metadata not JSON": (lambda p: (p / "metadata.json").write_text("{"), mcf.FormatError, "metadata"),
     "metadata not UTF-8": (lambda p: (p / "metadata.json").write_bytes(b"\xff\xfe{}"), mcf.FormatError, "metadata"),
+    "metadata nested too deep": (lambda p: (p / "metadata.json").write_text("[" * 200_000), mcf.FormatError,
+                                 "metadata"),
     "metadata a list": (lambda p: (p / "metadata.json").write_text("[]"), mcf.FormatError, "metadata"),
     "metadata version 2": (edit_meta(lambda m: _set(m, 2, "version")), mcf.UnsupportedVersionError, "version"),
     "metadata embedding_dim 0": (edit_meta(lambda m: _set(m, 0, "embedding_dim")), mcf.FormatError, "embedding_dim"),

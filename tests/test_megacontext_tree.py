@@ -392,3 +392,23 @@ def test_interrupted_restore_is_finished_by_the_next_writer(tmp_path, monkeypatc
         assert t.counts == (3000, 93, 2)
     assert mc.verify(tmp_path / "t") == []
     assert not [n for n in os.listdir(tmp_path / "t") if n.startswith(".restore")]
+
+
+def test_durable_writer_and_pread_mode(tmp_path):
+    """durable=True adds fdatasync/fsync at every step of a commit; the results are the same."""
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((100, D)).astype(np.float32)
+    ids = token_stream(2100, vocab=100)
+    with mc.create(tmp_path / "t", embedding_dim=D, durable=True, mmap=False) as t:
+        for chunk in np.array_split(ids, 5):
+            t.append_tokens(chunk)
+            mc.build_gists(t, mc.MeanPool(table))
+        t.write_gists(1, 3, np.ones((2, D)), checkpoint="x")
+        snap = t.snapshot()
+    with mc.open(tmp_path / "t") as t, mc.open(snap) as s:
+        assert t.counts == s.counts == (2100, 65, 2)
+        assert np.array_equal(t.tokens(), ids) and np.array_equal(t.gists(1), s.gists(1))
+        want = mean_pool(table[ids[:65 * 32]], 32, np.float16)
+        want[3:5] = 1
+        assert np.array_equal(t.gists(1), want)
+    assert mc.verify(tmp_path / "t") == []

@@ -244,7 +244,7 @@ def load_metadata(dirpath):
                                   expected=f"<= {MAX_BYTES} bytes")]
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return None, [FormatError(f"not valid JSON: {exc}", path=path, field="metadata")]
     errs = validate_metadata(obj, path)
     if errs:

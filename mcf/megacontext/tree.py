@@ -225,6 +225,10 @@ def _scan(dirpath, mmap: bool):
     levels = {}
     for level in (2, 1, 0):   # the reverse of the commit order
         levels[level] = _read_level(dirpath, level, mmap, expect[level], problems)
+    if os.path.exists(marker) and not any(isinstance(p.error, MCFIOError) and p.error.filename == marker
+                                          for p in problems):
+        problems.append(Problem("error", MCFIOError(errno.EBUSY, "a restore from a snapshot started while "
+                                                    "the tree was being opened; open it again", marker)))
     _cross_check(dirpath, meta, levels, problems)
     return meta, levels, problems
 
