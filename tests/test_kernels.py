@@ -1,0 +1,224 @@
+"""The compiled kernels against the plain-numpy reference (tests/reference.py), every variant this CPU
+supports forced one by one, plus the Go reference files."""
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mcf
+import reference as ref
+from _vectors import MANTLE, mantle_file
+from mcf import _kernels as K
+from mcf.quant import quantize_file
+
+IMPLS = K.kernel_info()["supported"]
+QK = ["q8", "q4", "k6", "k4", "k3", "k2"]
+ALL = QK + ["int8", "int4"]
+SHAPES = [(1, 1), (1, 31), (2, 32), (3, 33), (2, 40), (1, 255), (2, 256), (3, 257), (2, 2080), (4, 300),
+          (1, 512), (2, 2048 + 32)]
+
+
+def random_payload(method, rows, cols, rng, domain=0, scale_kind="normal"):
+    regs, total = ref.layout(method, rows, cols, domain)
+    p = rng.integers(0, 256, total, dtype=np.uint8)
+    for name, (o, n) in regs.items():
+        if name in ("scales", "super_scales"):
+            if scale_kind == "normal":
+                h = rng.uniform(1e-4, 2.0, n // 2).astype(np.float16).view(np.uint16)
+            else:  # every finite bit pattern: zeros, subnormals (flushed), huge values
+                h = rng.integers(0, 0x7C00, n // 2, dtype=np.uint16) | (rng.integers(0, 2, n // 2, dtype=np.uint16) << 15)
+            p[o:o + n] = h.view(np.uint8)
+        elif name in ("scale", "zero"):
+            p[o:o + 4] = np.frombuffer(np.float32(rng.uniform(-2, 2)).tobytes(), np.uint8)
+    return p
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequant_matches_reference(method, shape, impl):
+    rng = np.random.default_rng(hash((method, shape)) % 2**32)
+    domain = 1 if method == "int8" else 0
+    p = random_payload(method, *shape, rng, domain, "all" if method in QK else "normal")
+    want = ref.dequant(p, method, *shape, domain)
+    code = mcf.dtypes.parse_dtype(method).code
+    got = K.dequantize(p, code, *shape, domain=domain, impl=impl)
+    assert got.tobytes() == want.tobytes()
+    got16 = K.dequantize(p, code, *shape, domain=domain, dtype=np.float16, impl=impl)
+    assert got16.view(np.uint16).tobytes() == ref.to_f16_bits(want).tobytes()
+    gotbf = K.dequantize(p, code, *shape, domain=domain, dtype=np.uint16, impl=impl)
+    assert gotbf.tobytes() == ref.to_bf16_bits(want).tobytes()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", ALL)
+def test_unpack_matches_reference(method, impl):
+    rng = np.random.default_rng(3)
+    rows, cols = 3, 300
+    p = random_payload(method, rows, cols, rng)
+    got = K.unpack_codes(p, mcf.dtypes.parse_dtype(method).code, rows, cols, impl=impl)
+    regs, _ = ref.layout(method, rows, cols)
+    o, n = regs["data"]
+    if method in QK:
+        want = ref.codes_of_blocks(p[o:o + n], ref.BITS[method], rows * 10).reshape(rows, 320)
+        assert int(got.min()) == -(1 << (ref.BITS[method] - 1))  # the most negative code decodes
+    else:
+        want = ref.raw_codes(p[o:o + n], ref.BITS[method], rows, cols)
+    assert np.array_equal(got, want)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(ALL), rows=st.integers(1, 6), cols=st.integers(1, 700), seed=st.integers(0, 2**32 - 1),
+       data=st.data())
+def test_dequant_property(method, rows, cols, seed, data):
+    rng = np.random.default_rng(seed)
+    domain = data.draw(st.sampled_from([0, 1])) if method in ("int8", "int4") else 0
+    p = random_payload(method, rows, cols, rng, domain, "all")
+    want = ref.dequant(p, method, rows, cols, domain)
+    code = mcf.dtypes.parse_dtype(method).code
+    for impl in IMPLS:
+        assert K.dequantize(p, code, rows, cols, domain=domain, impl=impl).tobytes() == want.tobytes()
+    r0 = data.draw(st.integers(0, rows))
+    r1 = data.draw(st.integers(r0, rows))
+    part = K.dequantize(p, code, rows, cols, domain=domain, row_range=(r0, r1))
+    assert part.tobytes() == want[r0:r1].tobytes()
+
+
+def test_threads_and_out_and_row_slices():
+    rng = np.random.default_rng(9)
+    p = random_payload("k4", 37, 333, rng)
+    want = ref.dequant(p, "k4", 37, 333)
+    code = mcf.dtypes.parse_dtype("k4").code
+    for threads in (2, 3, 64):
+        assert K.dequantize(p, code, 37, 333, threads=threads).tobytes() == want.tobytes()
+    out = np.full((5, 333), np.nan, np.float32)
+    res = K.dequantize(p, code, 37, 333, row_range=slice(10, 15), out=out)
+    assert res is out and out.tobytes() == want[10:15].tobytes()
+    with pytest.raises(mcf.InvalidArgumentError):
+        K.dequantize(p, code, 37, 333, row_range=(10, 15), out=np.empty((4, 333), np.float32))
+    with pytest.raises(mcf.InvalidArgumentError):
+        K.dequantize(p, code, 37, 333, row_range=(30, 40))
+    with pytest.raises(mcf.InvalidArgumentError):
+        K.dequantize(p[:-1], code, 37, 333)
+    with pytest.raises(mcf.InvalidArgumentError):
+        K.dequantize(p, code, 37, 333, out=np.empty((37, 333), np.float64))
+    with pytest.raises(mcf.InvalidArgumentError):
+        K.dequantize(p, code, 37, 333, out=np.empty((333, 37), np.float32).T)
+
+
+def test_impl_forcing(monkeypatch):
+    info = mcf.kernel_info()
+    assert info["active"] in ("scalar", "avx2", "avx512") and "scalar" in info["supported"]
+    with pytest.raises(mcf.InvalidArgumentError):
+        K.resolve_impl("sse9")
+    monkeypatch.setenv("MCF_FORCE_IMPL", "scalar")
+    assert mcf.kernel_info()["active"] == "scalar" and K.resolve_impl() == 0
+    monkeypatch.setenv("MCF_FORCE_IMPL", "bogus")
+    assert mcf.kernel_info()["active"].startswith("error")
+
+
+@pytest.mark.parametrize("method", QK)
+@pytest.mark.parametrize("compat", [False, True])
+def test_quantizer_matches_reference(method, compat):
+    rng = np.random.default_rng(11)
+    for shape in [(1, 1), (3, 40), (5, 300), (2, 2080), (4, 96)]:
+        x = (rng.standard_normal(shape) * rng.choice([1e-4, 0.02, 3.0, 1e3], size=(shape[0], 1))).astype(np.float32)
+        x[0, : min(5, shape[1])] = 0.0
+        payload, q = mcf.quantize(x, method, compat=compat)
+        assert payload.tobytes() == ref.quantize(x, method, compat).tobytes(), shape
+        assert q["max_clip"] == np.abs(x).max() and q["min_clip"] == -np.abs(x).max()
+
+
+@pytest.mark.parametrize("method", QK)
+def test_default_quantizer_error_is_bounded(method):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 512)).astype(np.float32)
+    payload, _ = mcf.quantize(x, method)
+    y = mcf.dequantize(payload, method, x.shape)
+    bits = ref.BITS[method]
+    qmax = (1 << (bits - 1)) - 1
+    blocks = np.abs(x).reshape(16, 16, 32).max(axis=2)
+    tol = blocks / qmax * (0.5 if method.startswith("q") else 1.0) * 1.01 + 1e-6
+    err = np.abs(y - x).reshape(16, 16, 32).max(axis=2)
+    assert (err <= tol).all()
+
+
+@pytest.mark.parametrize("method,domain", [("int8", 0), ("int8", 1), ("int4", 0), ("int4", 1)])
+def test_int_methods_round_trip(method, domain):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((7, 45)) + (1.5 if domain else 0)).astype(np.float32)
+    payload, q = mcf.quantize(x, method, domain=domain)
+    assert q["domain"] == domain
+    y = mcf.dequantize(payload, method, x.shape, domain=domain)
+    assert y.tobytes() == ref.dequant(payload, method, 7, 45, domain).tobytes()
+    bits = ref.BITS[method]
+    if domain:  # asymmetric: 2**bits - 1 steps over [min(x, 0), max(x)]
+        step = (x.max() - min(x.min(), 0)) / ((1 << bits) - 1)
+    else:       # symmetric: qmax steps over [0, max|x|]
+        step = np.abs(x).max() / ((1 << (bits - 1)) - 1)
+    assert np.abs(y - x).max() <= step * 0.51 + 1e-6
+
+
+def test_nan_and_inf_are_refused():
+    x = np.ones((2, 40), np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        x[1, 7] = bad
+        with pytest.raises(mcf.InvalidArgumentError, match="non-finite"):
+            mcf.quantize(x, "k4")
+
+
+def test_inputs_in_f16_and_bf16_quantize_like_their_f32_values():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        xd = x.astype(dt)
+        a, _ = mcf.quantize(xd, "q8")
+        b, _ = mcf.quantize(xd.astype(np.float32), "q8")
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("method", ["q4", "k4", "k3"])
+def test_compat_quantize_reproduces_go_files(tmp_path, method):
+    out = tmp_path / f"{method}.mcf"
+    quantize_file(mantle_file("f32"), out, method, compat=True)
+    with open(out, "rb") as f, open(mantle_file(method), "rb") as g:
+        assert f.read() == g.read()
+
+
+@pytest.mark.parametrize("method", ["q4", "k4", "k3"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_go_decoder_values(method, impl):
+    with mcf.open(mantle_file(method)) as c:
+        for name in c:
+            t = c.info(name)
+            deq = np.fromfile(os.path.join(MANTLE, "deq", method, name + ".deq.f32"), dtype="<f4")
+            got = c.dequantize(name, impl=impl) if t.quantized else c.to_float32(name)
+            assert got.tobytes() == deq.tobytes(), name
+
+
+def test_writer_method_and_container_dequantize(tmp_path):
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    p = tmp_path / "q.mcf"
+    with mcf.Writer(p) as wr:
+        wr.add_tensor("w", w, method="k6")
+        wr.add_tensor("norm", np.ones(96, np.float32), method="k6")  # rank 1: stored plain
+        wr.add_tensor("ids", np.arange(6, dtype=np.int64).reshape(2, 3), method="k6")  # not float: plain
+    with mcf.open(p) as c:
+        assert c.info("w").dtype.name == "k6" and c.info("norm").dtype.name == "f32"
+        assert c.info("ids").dtype.name == "i64"
+        full = c.tensor("w")
+        assert full.dtype == np.float32 and full.shape == (64, 96)
+        assert c.dequantize("w", rows=(8, 16)).tobytes() == full[8:16].tobytes()
+        half = c.dequantize("w", dtype=np.float16)
+        assert half.view(np.uint16).tobytes() == ref.to_f16_bits(full).tobytes()
+        out = np.empty((64, 96), np.float32)
+        assert c.dequantize("w", out=out, threads=2) is out and out.tobytes() == full.tobytes()
+        assert c.dequantize("norm").tobytes() == np.ones(96, np.float32).tobytes()
+        rec = c.quant_record("w")
+        assert rec.method == mcf.DType.K6 and rec.max_clip == np.abs(w).max()
+        assert np.abs(full - w).max() < 0.1
