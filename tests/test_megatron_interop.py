@@ -179,14 +179,18 @@ def test_sample_idx_rejects_what_megatron_reads_out_of_bounds(oracle):
     sizes = np.array([5, 7, 9], np.int32)
     with pytest.raises(mcf.OutOfBoundsError, match=r"document_idx\[1\] = 3"):
         mm.build_sample_idx(sizes, np.array([0, 3], np.int32), 4, 1, 14, True, True)
-    with pytest.raises(mcf.InvalidArgumentError, match="exceeds"):
+    with pytest.raises(mcf.InvalidArgumentError, match="exceeds what 2 documents"):
         mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 4, 1, 100, True, True)
+    with pytest.raises(mcf.InvalidArgumentError, match=r"run out in sample 2 of samples 0\.\.2"):  # 12 tokens, 16 claimed
+        mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 4, 1, 16, True, True)
+    with pytest.raises(mcf.InvalidArgumentError, match="run out"):
+        mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 4, 1, 16, False, True)
     with pytest.raises(mcf.InvalidArgumentError, match="seq_length"):
         mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 1, 1, 12, True, True)
     with pytest.raises(mcf.InvalidArgumentError, match="does not fit"):
         mm.build_sample_idx(np.array([5, 2**31], np.int64), np.array([0], np.int32), 4, 1, 5, True, True)
-    with pytest.raises(mcf.InvalidArgumentError, match="negative"):
-        mm.build_sample_idx(np.array([5, -1], np.int32), np.array([0, 1], np.int32), 4, 1, 4, True, True)
+    with pytest.raises(mcf.InvalidArgumentError, match=r"sizes\[1\] = -1 is negative"):
+        mm.build_sample_idx(np.array([5, -1, 3], np.int32), np.array([0, 1, 2], np.int32), 4, 1, 12, True, True)
     assert si.num_epochs_for(None, 100, 10) == 1
     assert si.num_epochs_for(25, 100, 10) == 3
 

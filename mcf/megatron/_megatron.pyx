@@ -244,18 +244,20 @@ ctypedef fused sample_t:
     int64_t
 
 
-cdef void _sample_loop(const int32_t* sizes, const int32_t* document_idx, Py_ssize_t n_doc_idx,
-                       int32_t seq_length, int64_t num_samples, int add_extra,
-                       sample_t* sample_idx) noexcept nogil:
+cdef int64_t _sample_loop(const int32_t* sizes, Py_ssize_t n_sizes, const int32_t* document_idx,
+                          Py_ssize_t n_doc_idx, int32_t seq_length, int64_t num_samples, int add_extra,
+                          sample_t* sample_idx, int64_t* stuck_at) noexcept nogil:
     # The loop of Megatron-LM's helpers.cpp build_sample_idx<T>, statement for statement, with the
-    # same variable types (so the same integer conversions).  The caller validated every document id
-    # against len(sizes) and the arithmetic ranges.
+    # same variable types (so the same integer conversions).  Every document id is checked when it is
+    # read (returns its position in document_idx, else -1); ``stuck_at`` receives the first sample
+    # (row) whose end lies past the last document, or stays -1.
     cdef int64_t sample_idx_index = 0
     cdef sample_t document_idx_index = 0
     cdef sample_t doc_offset = 0
     cdef int32_t remaining_seq_length
     cdef int32_t document_index
     cdef sample_t document_length
+    stuck_at[0] = -1
     sample_idx[0] = document_idx_index
     sample_idx[1] = doc_offset
     sample_idx_index += 1
@@ -263,6 +265,8 @@ cdef void _sample_loop(const int32_t* sizes, const int32_t* document_idx, Py_ssi
         remaining_seq_length = seq_length + add_extra
         while remaining_seq_length != 0:
             document_index = document_idx[document_idx_index]
+            if document_index < 0 or document_index >= n_sizes or sizes[document_index] < 0:
+                return document_idx_index
             document_length = sizes[document_index] - doc_offset
             remaining_seq_length = <int32_t>(remaining_seq_length - document_length)
             if remaining_seq_length <= 0:
@@ -270,6 +274,8 @@ cdef void _sample_loop(const int32_t* sizes, const int32_t* document_idx, Py_ssi
                 remaining_seq_length = 0
             else:
                 if document_idx_index == n_doc_idx - 1:
+                    if stuck_at[0] < 0:
+                        stuck_at[0] = sample_idx_index
                     doc_offset = sizes[document_idx[document_idx_index]] - add_extra
                     break
                 document_idx_index += 1
@@ -277,24 +283,7 @@ cdef void _sample_loop(const int32_t* sizes, const int32_t* document_idx, Py_ssi
         sample_idx[2 * sample_idx_index] = document_idx_index
         sample_idx[2 * sample_idx_index + 1] = doc_offset
         sample_idx_index += 1
-
-
-def sum_document_sizes(const int32_t[::1] sizes, const int32_t[::1] document_idx):
-    """``sum(sizes[document_idx])`` as a Python int, or ``(bad_position,)`` for the first document id
-    outside ``[0, len(sizes))`` or the first negative size reached."""
-    cdef Py_ssize_t n = document_idx.shape[0], ns = sizes.shape[0], i, bad = -1
-    cdef int32_t d
-    cdef int64_t total = 0
-    with nogil:
-        for i in range(n):
-            d = document_idx[i]
-            if d < 0 or d >= ns or sizes[d] < 0:
-                bad = i
-                break
-            total += sizes[d]  # < 2**31 * 2**63 / 2**31: cannot overflow for n < 2**32
-    if bad >= 0:
-        return (bad,)
-    return total
+    return -1
 
 
 def num_samples_for(int64_t num_epochs, int64_t tokens_per_epoch, int64_t seq_length,
@@ -312,21 +301,23 @@ def num_samples_for(int64_t num_epochs, int64_t tokens_per_epoch, int64_t seq_le
 
 def build_sample_idx_raw(const int32_t[::1] sizes, const int32_t[::1] document_idx, int32_t seq_length,
                          int64_t num_samples, int add_extra, bint use_int64):
-    """The sample index, ``[num_samples + 1, 2]``; arguments validated by the caller
-    (mcf/megatron/sample_index.py)."""
-    cdef Py_ssize_t n = document_idx.shape[0]
-    if n == 0 or sizes.shape[0] == 0 or num_samples < 0:
-        raise ValueError("build_sample_idx_raw: empty input")
+    """``(sample_idx, bad_position, stuck_at)``: the sample index, ``[num_samples + 1, 2]``; the position
+    in ``document_idx`` of the first invalid document id met (-1 if none: then the index is complete);
+    the first sample whose end lies past the documents (-1 if none)."""
+    cdef Py_ssize_t n = document_idx.shape[0], ns = sizes.shape[0]
+    if n == 0 or ns == 0 or num_samples < 0 or seq_length < 1 or add_extra < 0 or add_extra > 1:
+        raise ValueError("build_sample_idx_raw: empty input or bad arguments")
     cdef cnp.ndarray out = np.empty((num_samples + 1, 2), dtype=np.int64 if use_int64 else np.int32)
     cdef const int32_t* ps = &sizes[0]
     cdef const int32_t* pd = &document_idx[0]
     cdef void* po = cnp.PyArray_DATA(out)
+    cdef int64_t bad, stuck = -1
     with nogil:
         if use_int64:
-            _sample_loop[int64_t](ps, pd, n, seq_length, num_samples, add_extra, <int64_t*>po)
+            bad = _sample_loop[int64_t](ps, ns, pd, n, seq_length, num_samples, add_extra, <int64_t*>po, &stuck)
         else:
-            _sample_loop[int32_t](ps, pd, n, seq_length, num_samples, add_extra, <int32_t*>po)
-    return out
+            bad = _sample_loop[int32_t](ps, ns, pd, n, seq_length, num_samples, add_extra, <int32_t*>po, &stuck)
+    return out, bad, stuck
 
 
 # -- the reader's hot paths ----------------------------------------------------------------------------
@@ -447,6 +438,7 @@ cdef class SequenceTable:
         ``tokens[offsets[k]:offsets[k+1]]``.  Copies run with the GIL released; ``out`` may be a
         preallocated 1-D array of the dataset's dtype (a prefix of it is filled and returned)."""
         self._check_open()
+        keep = (self._bin_whole, self._idx_keep)  # both mappings stay alive while the GIL is released
         idx_arr = np.ascontiguousarray(indices, dtype=np.int64)
         if idx_arr.ndim != 1:
             raise InvalidArgumentError("indices must be one-dimensional")
@@ -492,7 +484,6 @@ cdef class SequenceTable:
         cdef const uint8_t* ptrs = self._ptrs
         cdef int64_t isz = self._itemsize, p, nb
         cdef uint64_t size = self._bin_size
-        keep = self._bin_whole  # keeps the mapping alive while the GIL is released
         if base != NULL:
             with nogil:
                 for k in range(m):

@@ -113,11 +113,8 @@ class _Arrays:
 
     def __init__(self, src: Source, h: IndexHeader):
         lay = h.layout
-        if src.is_mapped:
-            whole = src.view(0, lay.size)
-        else:
-            whole = src.view(0, lay.size)  # one read into page-aligned memory
-            whole.flags.writeable = False
+        whole = src.view(0, lay.size)  # zero-copy when mapped, else one read into page-aligned memory
+        whole.flags.writeable = False
         self.whole = whole
         n, d = h.sequence_count, h.document_count
         self.lens = whole[lay.lengths_off:lay.lengths_off + 4 * n]

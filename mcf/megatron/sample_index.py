@@ -78,17 +78,12 @@ def build_sample_idx(sizes, document_idx, seq_length: int, num_epochs: int, toke
     tpe = _int_arg(tokens_per_epoch, "tokens_per_epoch", 2, INT64_MAX)
     if epochs * tpe > INT64_MAX:
         raise InvalidArgumentError("num_epochs * tokens_per_epoch overflows int64")
-    total = _megatron.sum_document_sizes(sz, di)
-    if isinstance(total, tuple):
-        k = total[0]
-        d = int(di[k])
-        if not 0 <= d < sz.size:
-            raise OutOfBoundsError(f"document_idx[{k}] = {d} is not an index into sizes (length {sz.size})")
-        raise InvalidArgumentError(f"sizes[{d}] = {int(sz[d])} is negative")
-    if epochs * tpe > total:
+    # Bound the output by what the documents could hold at most (O(len(sizes)), vectorized); the exact
+    # token count is checked during the C loop itself (it reports where the documents ran out).
+    if epochs * tpe > di.size * max(int(sz.max()), 0):
         raise InvalidArgumentError(
-            f"num_epochs * tokens_per_epoch = {epochs * tpe} exceeds the {total} tokens that the documents of "
-            "document_idx hold (Megatron would repeat the last position for the missing samples)")
+            f"num_epochs * tokens_per_epoch = {epochs * tpe} exceeds what {di.size} documents of at most "
+            f"{int(sz.max())} tokens hold")
     num_samples = _megatron.num_samples_for(epochs, tpe, seq, bool(drop_last_partial_sequence), extra)
     if num_samples < 0:
         raise InvalidArgumentError("no samples: num_epochs * tokens_per_epoch < add_extra_token_to_sequence")
@@ -101,7 +96,22 @@ def build_sample_idx(sizes, document_idx, seq_length: int, num_epochs: int, toke
         use64 = dt == np.int64
         if not use64 and di.size > INT32_MAX:
             raise InvalidArgumentError("document_idx is too long for an int32 sample index")
-    return _megatron.build_sample_idx_raw(sz, di, seq, num_samples, extra, use64)
+    out, bad, stuck = _megatron.build_sample_idx_raw(sz, di, seq, num_samples, extra, use64)
+    if bad >= 0:
+        d = int(di[bad])
+        if not 0 <= d < sz.size:
+            raise OutOfBoundsError(f"document_idx[{bad}] = {d} is not an index into sizes (length {sz.size})")
+        raise InvalidArgumentError(f"sizes[{d}] = {int(sz[d])} is negative")
+    # With tokens_per_epoch * num_epochs <= the tokens of document_idx, no full sample runs past the last
+    # document; only the final partial one may (when it is kept).  Rows past `exact` come from
+    # Megatron's single-precision sample count: kept, as Megatron keeps them.
+    x = epochs * tpe - extra
+    exact = x // seq if drop_last_partial_sequence else -(-x // seq)
+    if stuck >= 0 and (stuck <= exact if drop_last_partial_sequence else stuck < exact):
+        raise InvalidArgumentError(
+            f"num_epochs * tokens_per_epoch = {epochs * tpe} exceeds the tokens of the documents in document_idx: "
+            f"they run out in sample {stuck - 1} of samples 0..{exact - 1} (Megatron would cut or repeat the last sample)")
+    return out
 
 
 def build_document_index(documents, num_epochs: int, random_state, separate_final_epoch: bool = False) -> np.ndarray:
