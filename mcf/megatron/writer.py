@@ -4,8 +4,8 @@ What differs, on purpose:
 
 - token ids outside the dtype's range raise :class:`mcf.InvalidArgumentError` (Megatron's
   ``numpy.array(tokens, dtype=...)`` wraps them silently);
-- the per-sequence arrays (lengths, document boundaries, modes) spill to temporary files past a few
-  MB, so memory stays bounded however many sequences are written or merged (Megatron keeps Python
+- the per-sequence arrays (lengths, document boundaries, modes) spill to temporary files past 64 MB
+  each, so memory stays bounded however many sequences are written or merged (Megatron keeps Python
   lists of everything and has been reported to need hundreds of GB to merge large corpora);
 - the pointers are computed at ``finalize`` by a compiled exclusive prefix sum, with int64 overflow
   checked;
@@ -40,7 +40,7 @@ class _Column:
     """An append-only typed array that keeps at most ``limit`` bytes in memory and spills the rest to
     an unnamed temporary file."""
 
-    def __init__(self, dtype, directory: str, limit: int = 8 << 20):
+    def __init__(self, dtype, directory: str, limit: int = 64 << 20):
         self.dtype = np.dtype(dtype)
         self.directory = directory
         self.limit = limit
@@ -434,8 +434,9 @@ class Writer:
                 f.write(memoryview(a).cast("B"))
             cur = 0
             isz = self.dtype.itemsize
+            buf = np.empty(_CHUNK, np.int64)
             for a in self._lengths.chunks():
-                out = np.empty(len(a), np.int64)
+                out = buf[:len(a)]
                 cur = _megatron.prefix_pointers(a, isz, cur, out)
                 f.write(memoryview(out).cast("B"))
             if cur != self._bin.nbytes:  # pragma: no cover - an internal invariant
