@@ -29,13 +29,16 @@ cdef extern from *:
     """
     static inline int mg_add_i64(long long a, long long b, long long *r) { return __builtin_add_overflow(a, b, r); }
     static inline int mg_mul_i64(long long a, long long b, long long *r) { return __builtin_mul_overflow(a, b, r); }
+    static inline void mg_prefetch(const void *p) { __builtin_prefetch(p, 0, 0); }
     """
     int mg_add_i64(long long a, long long b, long long* r) nogil
     int mg_mul_i64(long long a, long long b, long long* r) nogil
+    void mg_prefetch(const void* p) nogil
 
 from mcf.errors import ClosedError, InvalidArgumentError, OutOfBoundsError
 
 INT32_MAX = 2**31 - 1
+DEF PREFETCH_AHEAD = 8
 
 
 cdef inline int32_t ld32(const uint8_t* p) noexcept nogil:
@@ -484,9 +487,18 @@ cdef class SequenceTable:
         cdef const uint8_t* ptrs = self._ptrs
         cdef int64_t isz = self._itemsize, p, nb
         cdef uint64_t size = self._bin_size
+        cdef int64_t jp, pp
         if base != NULL:
             with nogil:
                 for k in range(m):
+                    if k + PREFETCH_AHEAD < m:
+                        # random sequences miss the caches: start loading one a few copies ahead
+                        jp = ix[k + PREFETCH_AHEAD]
+                        if jp < 0:
+                            jp = jp + n
+                        pp = ld64(ptrs + 8 * jp)
+                        if pp >= 0 and <uint64_t>pp < size:
+                            mg_prefetch(base + pp)
                     j = ix[k]
                     if j < 0:
                         j = j + n
