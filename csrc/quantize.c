@@ -45,13 +45,20 @@ long long mcf_absmax_finite(const float *src, size_t n, float *absmax, float *mi
 
 static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-static inline int32_t qround(float x, int32_t qmax)
+static inline int32_t qround(float x, int32_t qmax, int compat)
 {
-    /* math.Round(float64(x)): half away from zero; x is finite and small here */
-    double r = round((double)x);
-    if (r > (double)qmax) return qmax;
-    if (r < -(double)qmax) return -qmax;
-    return (int32_t)r;
+    /* math.Round(float64(x)): half away from zero.  In double, x + 0.5 is exact for |x| < 2**52, so
+     * truncating it rounds exactly; |x| is bounded by clamping first.  x is NaN or infinite only when a
+     * block's scale is so tiny (< 2**-126) that 1/scale overflows: Go's int32() of such a value is
+     * MinInt32 on amd64 (then clamped to -qmax); the default mode maps NaN to 0 and keeps the sign of
+     * infinities. */
+    double d = (double)x;
+    if (__builtin_expect(d != d, 0)) return compat ? -qmax : 0;
+    if (compat && __builtin_expect(fabs(d) >= 2147483648.0, 0)) return -qmax;
+    double q = (double)qmax;
+    d = d > q ? q : d;      /* branch-free: compiles to minsd/maxsd */
+    d = d < -q ? -q : d;
+    return (int32_t)(d + copysign(0.5, d));
 }
 
 /* Pack 32 codes of `bits` bits into an LSB-first stream (q4/k4: item 0 in the low nibble). */
@@ -61,13 +68,17 @@ static void pack_block(const int32_t q[32], int bits, uint8_t *dst)
         for (int i = 0; i < 32; i++) dst[i] = (uint8_t)(int8_t)q[i];
         return;
     }
-    memset(dst, 0, (size_t)bits * 4);
-    uint32_t mask = (1u << bits) - 1u;
-    unsigned pos = 0;
+    uint64_t acc = 0, mask = (1u << bits) - 1u;
+    int nb = 0;
+    size_t o = 0;
     for (int i = 0; i < 32; i++) {
-        uint32_t v = (uint32_t)q[i] & mask;
-        for (int k = 0; k < bits; k++, pos++)
-            if ((v >> k) & 1u) dst[pos >> 3] |= (uint8_t)(1u << (pos & 7));
+        acc |= ((uint64_t)(uint32_t)q[i] & mask) << nb;
+        nb += bits;
+        while (nb >= 8) {
+            dst[o++] = (uint8_t)acc;
+            acc >>= 8;
+            nb -= 8;
+        }
     }
 }
 
@@ -89,7 +100,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                     size_t c = b * 32 + (size_t)i;
                     v[i] = c < cols ? clampf(row[c], min_clip, max_clip) : 0.0f;
                     float a = fabsf(v[i]);
-                    if (a > mx) mx = a;
+                    mx = a > mx ? a : mx;
                 }
                 float scale = mx > 0.0f ? mx / (float)qmax : 0.0f;
                 uint16_t h;
@@ -102,7 +113,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                 }
                 scales[r * bpr + b] = h;
                 float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-                for (int i = 0; i < 32; i++) q[i] = scale != 0.0f ? qround(v[i] * inv, qmax) : 0;
+                for (int i = 0; i < 32; i++) q[i] = scale != 0.0f ? qround(v[i] * inv, qmax, compat) : 0;
                 pack_block(q, bits, codes + (r * bpr + b) * bb);
             }
         } else {
@@ -116,7 +127,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                         size_t c = b * 32 + (size_t)i;
                         v[k][i] = c < cols ? clampf(row[c], min_clip, max_clip) : 0.0f;
                         float a = fabsf(v[k][i]);
-                        if (a > mx) mx = a;
+                        mx = a > mx ? a : mx;
                     }
                     bs[k] = mx > 0.0f ? mx / (float)qmax : 0.0f;
                     if (bs[k] > maxs) maxs = bs[k];
@@ -143,7 +154,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                     sub[r * bpr + b] = u6 & 0x3f;
                     float scale = (u6 > 0 && super > 0.0f) ? super * ((float)u6 / 32.0f) : 0.0f;
                     float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-                    for (int i = 0; i < 32; i++) q[i] = scale != 0.0f ? qround(v[k][i] * inv, qmax) : 0;
+                    for (int i = 0; i < 32; i++) q[i] = scale != 0.0f ? qround(v[k][i] * inv, qmax, compat) : 0;
                     pack_block(q, bits, codes + (r * bpr + b) * bb);
                 }
             }

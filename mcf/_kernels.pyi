@@ -22,3 +22,9 @@ def quantize_rows(
     max_clip: float, compat: bool = ..., cols: int | None = ..., rows: int | None = ..., scale: float = ...,
     zero: float = ..., domain: int = ...,
 ) -> None: ...
+
+class QTensor:
+    layout: Any
+    def __init__(self, payload: npt.ArrayLike, code: int, rows: int, cols: int, domain: int = ...,
+                 impl: str | None = ...) -> None: ...
+    def rows_into(self, r0: int, r1: int, out: npt.NDArray[np.float32]) -> None: ...

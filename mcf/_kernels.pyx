@@ -12,6 +12,7 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 
+from mcf._io import aligned_empty
 from mcf.errors import InvalidArgumentError
 from mcf.layout import Domain, quant_layout
 
@@ -132,6 +133,27 @@ cdef class _Tensor:
                 self.t.zero = float(buf[r.offset:r.offset + 4].view("<f4")[0])
 
 
+cdef class QTensor(_Tensor):
+    """A prepared quantized tensor for decoding many small row tiles with little per-call overhead
+    (inference runtimes that consume a tile of rows and move on: the output stays in L1/L2)."""
+    cdef int _impl
+
+    def __init__(self, payload, code, rows, cols, domain=Domain.WEIGHTS, impl=None):
+        _Tensor.__init__(self, payload, code, rows, cols, domain)
+        self._impl = resolve_impl(impl)
+
+    def rows_into(self, size_t r0, size_t r1, float[::1] out):
+        """Decode rows [r0, r1) as float32 into the flat buffer ``out`` (at least (r1-r0)*cols)."""
+        if r1 < r0 or r1 > self.t.rows:
+            raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{self.t.rows}")
+        if <size_t>out.shape[0] < (r1 - r0) * self.t.cols:
+            raise InvalidArgumentError("out is too small for the rows")
+        if r1 == r0:
+            return
+        with nogil:
+            mcf_dequant_rows(&self.t, r0, r1, &out[0], 0, self._impl)
+
+
 def _row_range(rows, total):
     if rows is None:
         return 0, total
@@ -156,8 +178,8 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
     dt = np.dtype(dtype)
     cdef int kind = _out_kind(dt)
     n = (b - a) * cols
-    if out is None:
-        out = np.empty((b - a, cols), dtype=dt)
+    if out is None:  # 64-byte aligned, so large outputs can use streaming stores
+        out = aligned_empty((b - a) * cols * dt.itemsize, 64).view(dt).reshape(b - a, cols)
     else:
         if not isinstance(out, np.ndarray):
             raise InvalidArgumentError("out must be a numpy array")

@@ -89,6 +89,18 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
     lay = quant_layout(info, (rows, cols), domain)
     payload = np.zeros(lay.nbytes, dtype=np.uint8)
     step = _chunk_rows(cols)
+    if info.family != "raw" and min_clip is None:
+        # One pass over memory: each chunk (small enough to stay in L2) is checked and measured, then
+        # quantized.  Clipping to -+max|x| changes nothing, so no clip is applied; the range is recorded.
+        step = max(1, (1 << 20) // max(1, 4 * cols))
+        amax = 0.0
+        for r in range(0, rows, step):
+            x = _rows_f32(a, r, min(rows, r + step), src)
+            amax = max(amax, K.absmax_finite(x)[0])
+            K.quantize_rows(x, info.code, payload, r, min_clip=-math.inf, max_clip=math.inf, compat=compat,
+                            rows=rows, cols=cols, domain=domain)
+        return payload, {"min_clip": float(-np.float32(amax)), "max_clip": float(np.float32(amax)),
+                         "domain": domain}
     # pass 1: finiteness and range (needed up front by the clips and by int* scales)
     amax, lo, hi = 0.0, math.inf, -math.inf
     for r in range(0, rows, step):

@@ -222,3 +222,20 @@ def test_writer_method_and_container_dequantize(tmp_path):
         rec = c.quant_record("w")
         assert rec.method == mcf.DType.K6 and rec.max_clip == np.abs(w).max()
         assert np.abs(full - w).max() < 0.1
+
+
+def test_qtensor_tiles_equal_full_decode():
+    rng = np.random.default_rng(12)
+    p = random_payload("k3", 9, 200, rng)
+    want = ref.dequant(p, "k3", 9, 200)
+    for impl in IMPLS:
+        qt = K.QTensor(p, mcf.dtypes.parse_dtype("k3").code, 9, 200, impl=impl)
+        buf = np.empty(2 * 200, np.float32)
+        for r in range(0, 9, 2):
+            r1 = min(9, r + 2)
+            qt.rows_into(r, r1, buf)
+            assert buf[: (r1 - r) * 200].tobytes() == want[r:r1].tobytes()
+        with pytest.raises(mcf.InvalidArgumentError):
+            qt.rows_into(8, 10, buf)
+        with pytest.raises(mcf.InvalidArgumentError):
+            qt.rows_into(0, 3, buf)

@@ -1,0 +1,172 @@
+"""Dequantization and quantization throughput of the compiled kernels (issue: kernels).
+
+For a 4096x4096 tensor of each method, float32 output into a preallocated 64-byte aligned buffer, every
+variant this CPU supports, against (a) numpy.copyto of the same output size (memory-bandwidth
+yardstick), (b) gguf-py's dequantizer of the nearest GGUF type, and (c) an L1-resident case: one row
+(16 KiB of output) at a time into a small reused buffer, which shows the kernel's compute speed rather
+than DRAM's.  Ratios are measured in the same run and stored in benchmark.extra_info.
+
+Run: python -m pytest bench/test_bench_kernels.py --benchmark-only -s
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mcf
+from mcf import _kernels as K
+from mcf.io import aligned_empty
+
+gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
+from gguf.quants import GGMLQuantizationType as GT  # noqa: E402
+
+N = 4096
+METHODS = ["q8", "q4", "k6", "k4", "k3", "k2"]
+GGUF_TYPE = {"q8": GT.Q8_0, "q4": GT.Q4_0, "k6": GT.Q6_K, "k4": GT.Q4_K, "k3": GT.Q3_K, "k2": GT.Q2_K}
+IMPLS = K.kernel_info()["supported"]
+_SUMMARY = []
+
+
+def _median_time(fn, rounds=7):
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((N, N)) * 0.02).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def payloads(weights):
+    return {m: mcf.quantize(weights, m)[0] for m in METHODS}
+
+
+@pytest.fixture(scope="module")
+def out_buf():
+    out = aligned_empty(N * N * 4, 64).view(np.float32).reshape(N, N)
+    out[...] = 1.0
+    return out
+
+
+def _copyto_time(out, src):
+    return _median_time(lambda: np.copyto(out, src))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.benchmark(group="dequant-4096x4096")
+def test_dequant_full(benchmark, payloads, out_buf, weights, method, impl):
+    code = mcf.dtypes.parse_dtype(method).code
+    p = payloads[method]
+
+    def run():
+        K.dequantize(p, code, N, N, out=out_buf, impl=impl)
+
+    benchmark.pedantic(run, rounds=9, warmup_rounds=1, iterations=1)
+    t = benchmark.stats.stats.median
+    t_copy = _copyto_time(out_buf, weights)
+    gbps = N * N * 4 / t / 1e9
+    ratio_copy = t_copy / t
+    # gguf-py on its nearest type (random bytes of the right size: the decode work is the same)
+    gt = GGUF_TYPE[method]
+    block, tsize = gguf.GGML_QUANT_SIZES[gt]
+    raw = np.random.default_rng(1).integers(0, 256, (N, N // block * tsize), dtype=np.uint8)
+    if gt in (GT.Q8_0, GT.Q4_0):
+        raw = gguf.quants.quantize(weights, gt)
+    with np.errstate(all="ignore"):
+        t_gguf = _median_time(lambda: gguf.quants.dequantize(raw, gt), rounds=2)
+    ratio_gguf = t_gguf / t
+    benchmark.extra_info.update(gbps_out=gbps, vs_copyto=ratio_copy, vs_gguf=ratio_gguf,
+                                gguf_gbps=N * N * 4 / t_gguf / 1e9, copyto_gbps=N * N * 4 / t_copy / 1e9)
+    _SUMMARY.append(("full", method, impl, gbps, ratio_copy, ratio_gguf))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.benchmark(group="dequant-L1-resident")
+def test_dequant_l1(benchmark, payloads, weights, method, impl):
+    """One row at a time (16 KiB of output, stays in L1) into a reused buffer."""
+    code = mcf.dtypes.parse_dtype(method).code
+    p = payloads[method]
+    small = aligned_empty(N * 4, 64).view(np.float32)
+    rows = 1024
+    qt = K.QTensor(p, code, N, N, impl=impl)
+
+    def run():
+        for r in range(rows):
+            qt.rows_into(r, r + 1, small)
+
+    benchmark.pedantic(run, rounds=7, warmup_rounds=1, iterations=1)
+    t = benchmark.stats.stats.median
+    src = weights[:1].copy()
+    src = src.reshape(-1)
+    t_copy = _median_time(lambda: [np.copyto(small, src) for _ in range(rows)])
+    gbps = rows * N * 4 / t / 1e9
+    benchmark.extra_info.update(gbps_out=gbps, vs_copyto_same_calls=t_copy / t)
+    _SUMMARY.append(("L1", method, impl, gbps, t_copy / t, None))
+
+
+@pytest.mark.parametrize("method", ["q8", "q4", "k4", "k3"])
+@pytest.mark.benchmark(group="dequant-L1-2threads")
+def test_dequant_l1_two_threads(benchmark, payloads, method):
+    """Two Python threads, each decoding its half of the rows one at a time into its own small buffer
+    (the kernels release the GIL): speedup over the same work on one thread."""
+    code = mcf.dtypes.parse_dtype(method).code
+    p = payloads[method]
+    bufs = [aligned_empty(N * 4, 64).view(np.float32) for _ in range(2)]
+    rows = 2048
+    qt = K.QTensor(p, code, N, N)
+
+    def part(k, r0, r1):
+        for r in range(r0, r1):
+            qt.rows_into(r, r + 1, bufs[k])
+
+    def two():
+        ts = [threading.Thread(target=part, args=(k, k * rows // 2, (k + 1) * rows // 2)) for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    t1 = _median_time(lambda: part(0, 0, rows))
+    benchmark.pedantic(two, rounds=7, warmup_rounds=1, iterations=1)
+    t2 = benchmark.stats.stats.median
+    benchmark.extra_info.update(speedup_2_threads=t1 / t2)
+    _SUMMARY.append(("2thr", method, "best", rows * N * 4 / t2 / 1e9, t1 / t2, None))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.benchmark(group="quantize-4096x4096")
+def test_quantize(benchmark, weights, method):
+    benchmark.pedantic(lambda: mcf.quantize(weights, method), rounds=3, warmup_rounds=0, iterations=1)
+    t = benchmark.stats.stats.median
+    gbps = N * N * 4 / t / 1e9
+    info = {"gbps_in": gbps}
+    if method in ("q8", "q4"):
+        gt = GGUF_TYPE[method]
+        with np.errstate(all="ignore"):
+        t_g = _median_time(lambda: gguf.quants.quantize(weights, gt), rounds=1)
+        info["vs_gguf_quantize"] = t_g / t
+    benchmark.extra_info.update(info)
+    _SUMMARY.append(("quant", method, "scalar", gbps, info.get("vs_gguf_quantize"), None))
+
+
+def teardown_module(module):
+    if not _SUMMARY:
+        return
+    print("\n\nkind   method impl     GB/s   ratio-a   ratio-b")
+    print("  full: ratio-a = vs numpy.copyto (target >= 1.4), ratio-b = vs gguf-py (target >= 20)")
+    print("  L1: ratio-a = vs numpy.copyto of the same 16 KiB tiles (target >= 3 for q8/q4/k4, >= 2.3 others)")
+    print("  2thr: ratio-a = 2 threads / 1 thread (target >= 1.6); quant: ratio-a = vs gguf-py quantize")
+    for kind, m, impl, gbps, a, b in _SUMMARY:
+        fa = f"{a:8.2f}x" if a is not None else "        -"
+        fb = f"{b:8.2f}x" if b is not None else "        -"
+        print(f"{kind:6s} {m:6s} {impl:7s} {gbps:6.2f} {fa} {fb}")
