@@ -118,10 +118,12 @@ static void unpack_scalar(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *ou
 #ifdef MCF_X86
 /* ---- shared x86 helpers (BMI2 pdep spreads packed fields into bytes) --------------------------- */
 
-__attribute__((target("bmi2"))) static inline uint64_t ld_le(const uint8_t *p, int n)
+static inline uint64_t ld16(const uint8_t *p) { return (uint64_t)p[0] | ((uint64_t)p[1] << 8); }
+static inline uint64_t ld24(const uint8_t *p) { return ld16(p) | ((uint64_t)p[2] << 16); }
+static inline uint64_t ld32(const uint8_t *p)
 {
-    uint64_t v = 0;
-    memcpy(&v, p, (size_t)n);  /* little-endian host */
+    uint32_t v;
+    memcpy(&v, p, 4);  /* little-endian host */
     return v;
 }
 
@@ -130,20 +132,32 @@ __attribute__((target("bmi2"))) static inline void spread_block(const uint8_t *s
 {
     switch (bits) {
     case 2:
-        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld_le(src + 2 * g, 2), 0x0303030303030303ull);
+        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld16(src + 2 * g), 0x0303030303030303ull);
         break;
     case 3:
-        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld_le(src + 3 * g, 3), 0x0707070707070707ull);
+        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld24(src + 3 * g), 0x0707070707070707ull);
         break;
     case 4:
-        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld_le(src + 4 * g, 4), 0x0f0f0f0f0f0f0f0full);
+        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld32(src + 4 * g), 0x0f0f0f0f0f0f0f0full);
         break;
     default: /* 6: 3 bytes -> 4 codes, two groups per word */
         for (int g = 0; g < 4; g++)
-            w[g] = _pdep_u64(ld_le(src + 6 * g, 3), 0x3f3f3f3full) |
-                   (_pdep_u64(ld_le(src + 6 * g + 3, 3), 0x3f3f3f3full) << 32);
+            w[g] = _pdep_u64(ld24(src + 6 * g) | (ld24(src + 6 * g + 3) << 24), 0x3f3f3f3f3f3f3f3full);
         break;
     }
+}
+
+/* Block scale with F16C (exact, like mcf_f16_to_f32_one) and the reference decoder's subnormal flush. */
+__attribute__((target("f16c"))) static inline float scale16_f16c(uint16_t h)
+{
+    if ((h & 0x7c00u) == 0) return (h & 0x8000u) ? -0.0f : 0.0f;
+    return _cvtsh_ss(h);
+}
+
+__attribute__((target("f16c"))) static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
+{
+    if (t->family == MCF_FAM_BLOCK) return scale16_f16c(t->scales[r * t->bpr + b]);
+    return scale16_f16c(t->scales[r * t->spr + b / 8]) * ((float)(t->sub[r * t->bpr + b] & 0x3f) / 32.0f);
 }
 
 /* bf16 rounding on 8 / 16 lanes, identical to mcf_f32_to_bf16_one (NaN kept, quiet bit set). */
@@ -221,7 +235,7 @@ __attribute__((target("avx2,f16c,bmi2"))) static void dequant_avx2(const mcf_qte
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
-            __m256 s = _mm256_set1_ps(block_scale(t, r, b));
+            __m256 s = _mm256_set1_ps(block_scale_f16c(t, r, b));
             __m256i q;
             decode_block_avx2(rowdata + b * bb, t->bits, &q);
             __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -297,7 +311,7 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
-            __m512 s = _mm512_set1_ps(block_scale(t, r, b));
+            __m512 s = _mm512_set1_ps(block_scale_f16c(t, r, b));
             __m256i q;
             const uint8_t *src = rowdata + b * bb;
             if (t->bits == 8) {
