@@ -168,6 +168,15 @@ def print_report(stats, out=None) -> None:
         shape = "x".join(map(str, s.shape))
         out.write(f"  {s.name:<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "
                   f"{s.max_abs_err:>10.3g} {s.nbytes_in / max(1, s.nbytes_out):>5.2f}x\n")
+    import math
+
+    n = sum(math.prod(s.shape) for s in stats)
+    mse = sum(s.rmse ** 2 * math.prod(s.shape) for s in stats) / max(1, n)
+    snrs = [s.snr_db for s in stats if math.isfinite(s.snr_db)]
+    out.write(f"  {'all ' + str(len(stats)) + ' quantized tensors':<{nw}} {'':<6} {'':<14} {math.sqrt(mse):>10.3g} "
+              f"{(sum(snrs) / len(snrs) if snrs else float('nan')):>8.2f} {max(s.max_abs_err for s in stats):>10.3g} "
+              f"{sum(s.nbytes_in for s in stats) / max(1, sum(s.nbytes_out for s in stats)):>5.2f}x"
+              "   (RMSE over all values, mean SNR)\n")
 
 
 def cmd_kernels(args) -> int:
