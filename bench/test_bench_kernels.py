@@ -153,7 +153,7 @@ def test_quantize(benchmark, weights, method):
     if method in ("q8", "q4"):
         gt = GGUF_TYPE[method]
         with np.errstate(all="ignore"):
-        t_g = _median_time(lambda: gguf.quants.quantize(weights, gt), rounds=1)
+            t_g = _median_time(lambda: gguf.quants.quantize(weights, gt), rounds=1)
         info["vs_gguf_quantize"] = t_g / t
     benchmark.extra_info.update(info)
     _SUMMARY.append(("quant", method, "scalar", gbps, info.get("vs_gguf_quantize"), None))
