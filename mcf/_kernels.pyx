@@ -154,6 +154,24 @@ cdef class QTensor(_Tensor):
             mcf_dequant_rows(&self.t, r0, r1, &out[0], 0, self._impl)
 
 
+    def decode_tiles(self, size_t r0, size_t r1, size_t tile_rows, float[::1] tile):
+        """Decode rows [r0, r1) ``tile_rows`` at a time into the same small float32 buffer, in one C
+        loop: the access pattern of a consumer that uses each tile and moves on (the tile stays in
+        L1/L2).  Returns the number of tiles decoded."""
+        if r1 < r0 or r1 > self.t.rows:
+            raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{self.t.rows}")
+        if tile_rows == 0 or <size_t>tile.shape[0] < tile_rows * self.t.cols:
+            raise InvalidArgumentError("tile must hold tile_rows rows (tile_rows >= 1)")
+        cdef size_t r = r0, n = 0, e
+        with nogil:
+            while r < r1:
+                e = r + tile_rows if r + tile_rows < r1 else r1
+                mcf_dequant_rows(&self.t, r, e, &tile[0], 0, self._impl)
+                r = e
+                n += 1
+        return n
+
+
 def _row_range(rows, total):
     if rows is None:
         return 0, total

@@ -239,3 +239,17 @@ def test_qtensor_tiles_equal_full_decode():
             qt.rows_into(8, 10, buf)
         with pytest.raises(mcf.InvalidArgumentError):
             qt.rows_into(0, 3, buf)
+
+
+def test_decode_tiles_covers_every_row():
+    rng = np.random.default_rng(13)
+    p = random_payload("q4", 10, 70, rng)
+    want = ref.dequant(p, "q4", 10, 70)
+    qt = K.QTensor(p, mcf.dtypes.parse_dtype("q4").code, 10, 70)
+    tile = np.empty(3 * 70, np.float32)
+    assert qt.decode_tiles(0, 10, 3, tile) == 4
+    assert tile[:70].tobytes() == want[9].tobytes()  # the last tile held row 9 only
+    with pytest.raises(mcf.InvalidArgumentError):
+        qt.decode_tiles(0, 10, 4, tile)
+    with pytest.raises(mcf.InvalidArgumentError):
+        qt.decode_tiles(0, 11, 1, tile)
