@@ -219,11 +219,14 @@ def test_gather_1k_sequences(benchmark, data):
 
 
 def test_gather_64k_bandwidth(benchmark, data):
+    """Batches of 256 random 64 KiB sequences (16 MiB) into a reused buffer, against numpy.copyto two
+    ways: the same sequences one copyto each (the same memory access pattern), and one contiguous 16 MiB
+    copyto from a random place in the file (the copy bandwidth ceiling)."""
     _, big = data
     touch(big + ".bin")
     ds = mm.open(big)
     rng = np.random.default_rng(3)
-    k = 256  # 16 MiB per batch
+    k = 256
     batches = [rng.integers(0, len(ds), k) for _ in range(16)]
     out = np.empty(k * BIG_TOKENS, np.uint16)
     out[:] = 1
@@ -231,22 +234,33 @@ def test_gather_64k_bandwidth(benchmark, data):
     starts = [int(rng.integers(0, len(whole) - k * BIG_TOKENS)) for _ in range(16)]
     dst = np.empty(k * BIG_TOKENS, np.uint16)
     dst[:] = 1
+    views = [[whole[int(i) * BIG_TOKENS:(int(i) + 1) * BIG_TOKENS] for i in b] for b in batches]
+    slots = [dst[j * BIG_TOKENS:(j + 1) * BIG_TOKENS] for j in range(k)]
 
     def ours():
         for b in batches:
             ds.gather(b, out=out)
 
-    def copyto():
+    def copyto_same_sequences():
+        for vs in views:
+            for slot, v in zip(slots, vs):
+                np.copyto(slot, v)
+
+    def copyto_contiguous():
         for s in starts:
             np.copyto(dst, whole[s:s + k * BIG_TOKENS])
 
-    t_ours, t_copy = _interleaved(benchmark, ours, copyto, rounds=15)
+    t_ours, t_same = _interleaved(benchmark, ours, copyto_same_sequences, rounds=15)
+    t_cont = statistics.median(_time(copyto_contiguous) for _ in range(15))
     nbytes = 16 * k * BIG_TOKENS * 2
-    frac = t_copy / t_ours
-    record(benchmark, "gather", "gather 64 KiB seqs: share of numpy.copyto bandwidth", f"{frac * 100:.0f}%",
-           ">= 60%", frac >= 0.6, gather_gbps=nbytes / t_ours / 1e9, copyto_gbps=nbytes / t_copy / 1e9)
-    record(benchmark, "gather", "  (GB/s: gather / copyto)", f"{nbytes / t_ours / 1e9:.1f} / {nbytes / t_copy / 1e9:.1f}",
-           "(info)", True)
+    gb = lambda t: nbytes / t / 1e9  # noqa: E731
+    record(benchmark, "gather", "gather 64 KiB seqs vs copyto of the same sequences", f"{t_same / t_ours * 100:.0f}%",
+           ">= 60%", t_same / t_ours >= 0.6, gather_gbps=gb(t_ours), copyto_same_gbps=gb(t_same),
+           copyto_contiguous_gbps=gb(t_cont))
+    record(benchmark, "gather", "gather 64 KiB seqs vs one contiguous copyto", f"{t_cont / t_ours * 100:.0f}%",
+           ">= 60%", t_cont / t_ours >= 0.6)
+    record(benchmark, "gather", "  (GB/s: gather / copyto same seqs / contiguous)",
+           f"{gb(t_ours):.1f} / {gb(t_same):.1f} / {gb(t_cont):.1f}", "(info)", True)
 
 
 # -- 3. finalize ---------------------------------------------------------------------------------------

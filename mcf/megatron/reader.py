@@ -24,6 +24,8 @@ from mcf.megatron._layout import (DOC_DTYPE, FAIRSEQ_DTYPES, FAIRSEQ_HEADER, FAI
 
 __all__ = ["IndexedDataset", "IndexHeader", "open", "verify", "split_prefix"]
 
+RANDOM_ADVICE_BELOW = 32 << 10  # mean sequence bytes under which the mapped .bin is advised MADV_RANDOM
+
 
 def split_prefix(path) -> str:
     """``data.idx``, ``data.bin`` and ``data`` all name the dataset ``data``."""
@@ -232,7 +234,10 @@ class IndexedDataset(_megatron.SequenceTable):
         except BaseException:
             self._close_sources()
             raise
-        if self._bin_src.is_mapped and self._bin_src.mode == "mmap":
+        n = self.header.sequence_count
+        if self._bin_src.mode == "mmap" and n and self._bin_src.size // n < RANDOM_ADVICE_BELOW:
+            # Short sequences read in random order: readahead (and fault-around) would load 128 KiB for a
+            # few hundred tokens of a cold file.  Long sequences are sequential reads: keep readahead.
             self._bin_src.advise("random")
 
     def _open(self, obj) -> Source:
@@ -330,6 +335,11 @@ class IndexedDataset(_megatron.SequenceTable):
                 return np.split(block, np.cumsum(lens[:-1], dtype=np.int64))
             return [self[i] for i in range(start, stop, step)]
         raise TypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
+
+    def advise(self, advice: str) -> None:
+        """``madvise`` the mapped .bin: "random" (the default for datasets of short sequences),
+        "sequential", "willneed", "dontneed" or "normal".  A no-op when not mapped."""
+        self._bin_src.advise(advice)
 
     def __iter__(self):
         for i in range(len(self)):
