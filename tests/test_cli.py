@@ -77,6 +77,10 @@ def test_demo_on_the_real_checkpoint(tmp_path, capsys, minilm_dir):
     out = capsys.readouterr().out
     assert "104/104 tensors bit-identical" in out
     assert "mcf verify: OK" in out
+    assert "== quantize with every method" in out
+    for m in ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"):
+        with mcf.open(os.path.join(tmp_path, f"all-MiniLM-L6-v2.{m}.mcf")) as q:
+            assert q.info("encoder.layer.0.attention.self.query.weight").dtype.name == m
     with mcf.open(os.path.join(tmp_path, "all-MiniLM-L6-v2.mcf")) as c:
         assert c.model_info.hidden_size == 384
         assert c.resource_json("config.json")["model_type"] == "bert"
