@@ -150,7 +150,7 @@ def focus_plan(counts, rng):
     """A contiguous suffix of the timeline at mixed detail: the 32 most recent blocks as tokens, the
     LOD1 gists back to the previous LOD2 boundary, then, one LOD2 span at a time going back, the LOD2
     gist (p=0.5) or its 32 LOD1 gists (each expanded to its LOD0 block with p=0.05), until 8192 rows."""
-    t, n1, n2 = counts
+    n1 = counts[1]
     b0 = n1 - 32
     g = b0 // K
     rev = [(0, b) for b in reversed(range(b0, n1))]

@@ -76,7 +76,6 @@ def test_ingest_info_verify_snapshot_restore(minilm_dir, minilm, tmp_path, capsy
                  "--complete", "-q"]) == 0
     out = capsys.readouterr().out
     assert "ingested" in out
-    tok, table = minilm
     with mc.open(tree) as t:
         n = t.num_tokens
         assert n > 3000 and t.counts[1] == n // 32 and t.ingestion_complete

@@ -11,7 +11,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 import mcf.megacontext as mc
 from _megacontext_ref import gist_rows, token_stream_at

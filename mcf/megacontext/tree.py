@@ -30,10 +30,10 @@ from mcf._io import Source, open_source
 from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingFileError, OutOfBoundsError,
                         TruncatedError, os_error)
 from mcf.megacontext import _megacontext as _mc
-from mcf.megacontext._layout import (COUNT_OFFSET, CTX_DTYPES, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
+from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
                                      LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
                                      gist_offset, parent_of, parse_header, span_of, token_offset)
-from mcf.megacontext.metadata import (METADATA, counts_of, fsync_dir, load_metadata, new_metadata, set_range,
+from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
                                       with_counts, write_metadata, now_iso)
 
 __all__ = ["Tree", "Problem", "create", "open_tree", "verify", "LOCK_FILE", "RESTORE_MARKER"]
