@@ -12,7 +12,7 @@ from _vectors import FIXTURES
 
 GOLDEN_DIR = os.path.join(FIXTURES, "megatron")
 sys.path.insert(0, GOLDEN_DIR)
-import golden as mg  # noqa: E402
+import megatron_golden as mg  # noqa: E402
 
 
 def read(p):
