@@ -23,10 +23,10 @@ static int detect(void)
     if (__get_cpuid_max(0, 0) < 7) return MCF_IMPL_SCALAR;
     __cpuid_count(7, 0, a, b, c, d);
     int avx2 = (b >> 5) & 1, bmi2 = (b >> 8) & 1;
-    int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    int avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
     int vbmi = (c >> 1) & 1;
     if (!(avx2 && f16c && fma && bmi2)) return MCF_IMPL_SCALAR;
-    if (avx512f && avx512bw && avx512vl && vbmi && (xcr0 & 0xe0) == 0xe0) /* opmask, ZMM_Hi256, Hi16_ZMM */
+    if (avx512f && avx512dq && avx512bw && avx512vl && vbmi && (xcr0 & 0xe0) == 0xe0) /* opmask, ZMM_Hi256, Hi16_ZMM */
         return MCF_IMPL_AVX512;
     return MCF_IMPL_AVX2;
 }

@@ -1,5 +1,5 @@
 /* Run-time CPU feature detection and the choice of kernel variant.
- * Variants: 0 scalar (always compiled, the reference), 1 avx2 (+FMA-free, F16C), 2 avx512 (F/BW/VL/VBMI).
+ * Variants: 0 scalar (always compiled, the reference), 1 avx2 (+FMA-free, F16C), 2 avx512 (F/DQ/BW/VL/VBMI).
  * No -march flag is ever used: vector code lives in functions with target attributes. */
 #ifndef MCF_CPU_H
 #define MCF_CPU_H

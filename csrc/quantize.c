@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "fpconv.h"
 #include "quant.h"
 
@@ -84,24 +85,115 @@ static void pack_block(const int32_t q[32], int bits, uint8_t *dst)
 
 static float dec16(uint16_t h) { return mcf_scale_from_f16(h); }
 
-int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
-                      float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes)
+/* Per-block steps.  The scalar versions are the reference; the AVX-512 versions compute the same
+ * values with the same IEEE operations (clamp, |x| max, x * inv in f32, exact round-half-away via
+ * truncation and the exact fractional part), so every variant writes the same bytes. */
+typedef float (*blk_load_fn)(const float *row, size_t c0, size_t cols, float lo, float hi, float v[32]);
+typedef void (*blk_codes_fn)(const float v[32], float inv, int32_t qmax, int compat, int bits, uint8_t *dst);
+
+static float load_scalar(const float *row, size_t c0, size_t cols, float lo, float hi, float v[32])
 {
+    float mx = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        size_t c = c0 + (size_t)i;
+        v[i] = c < cols ? clampf(row[c], lo, hi) : 0.0f;
+        float a = fabsf(v[i]);
+        mx = a > mx ? a : mx;
+    }
+    return mx;
+}
+
+static void codes_scalar(const float v[32], float inv, int32_t qmax, int compat, int bits, uint8_t *dst)
+{
+    int32_t q[32];
+    for (int i = 0; i < 32; i++) q[i] = qround(v[i] * inv, qmax, compat);
+    pack_block(q, bits, dst);
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define T512Q "avx512f,avx512bw,avx512vl,avx512dq,bmi2"
+
+__attribute__((target(T512Q))) static float load_avx512(const float *row, size_t c0, size_t cols, float lo,
+                                                         float hi, float v[32])
+{
+    size_t n = cols - c0 < 32 ? cols - c0 : 32;
+    __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
+    __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    __m512 x0 = _mm512_maskz_loadu_ps(m0, row + c0), x1 = _mm512_maskz_loadu_ps(m1, row + c0 + 16);
+    /* clampf: v < lo ? lo : (v > hi ? hi : v), lane for lane */
+    x0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x0, vlo, _CMP_LT_OQ), x0, vlo);
+    x0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x0, vhi, _CMP_GT_OQ), x0, vhi);
+    x1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x1, vlo, _CMP_LT_OQ), x1, vlo);
+    x1 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x1, vhi, _CMP_GT_OQ), x1, vhi);
+    x0 = _mm512_maskz_mov_ps(m0, x0);  /* padding lanes are +0, as in the scalar code */
+    x1 = _mm512_maskz_mov_ps(m1, x1);
+    _mm512_storeu_ps(v, x0);
+    _mm512_storeu_ps(v + 16, x1);
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+}
+
+__attribute__((target(T512Q))) static inline __m512i round_away_clamp(__m512 p, float qmax)
+{
+    __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_abs_ps(_mm512_sub_ps(p, t));           /* exact */
+    __mmask16 up = _mm512_cmp_ps_mask(f, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(p, _mm512_set1_ps(-0.0f)));  /* +-1 */
+    t = _mm512_mask_add_ps(t, up, t, one);
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-qmax)), _mm512_set1_ps(qmax));
+    return _mm512_cvttps_epi32(t);
+}
+
+__attribute__((target(T512Q))) static void codes_avx512(const float v[32], float inv, int32_t qmax, int compat,
+                                                        int bits, uint8_t *dst)
+{
+    if (!isfinite(inv)) {  /* a scale below 2**-126: leave the rare overflow rules to the scalar code */
+        codes_scalar(v, inv, qmax, compat, bits, dst);
+        return;
+    }
+    __m512 vi = _mm512_set1_ps(inv);
+    __m512i q0 = round_away_clamp(_mm512_mul_ps(_mm512_loadu_ps(v), vi), (float)qmax);
+    __m512i q1 = round_away_clamp(_mm512_mul_ps(_mm512_loadu_ps(v + 16), vi), (float)qmax);
+    __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)dst, b0);
+        _mm_storeu_si128((__m128i *)(dst + 16), b1);
+        return;
+    }
+    uint64_t w[4];
+    _mm_storeu_si128((__m128i *)w, b0);
+    _mm_storeu_si128((__m128i *)(w + 2), b1);
+    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull
+               : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x3f3f3f3f3f3f3f3full;
+    for (int g = 0; g < 4; g++) {
+        uint64_t packed = _pext_u64(w[g], m);   /* 8 codes -> 8*bits contiguous bits, LSB first */
+        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
+    }
+}
+#endif
+
+int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
+                      float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl)
+{
+    blk_load_fn load = load_scalar;
+    blk_codes_fn mkcodes = codes_scalar;
+#if defined(__x86_64__)
+    if (impl >= MCF_IMPL_AVX512) {
+        load = load_avx512;
+        mkcodes = codes_avx512;
+    }
+#endif
+    (void)impl;
     size_t bpr = (cols + 31) / 32, spr = (bpr + 7) / 8, bb = (size_t)bits * 4;
     int32_t qmax = (1 << (bits - 1)) - 1;
-    int32_t q[32];
     int overflow = 0;
     for (size_t r = 0; r < nrows; r++) {
         const float *row = src + r * cols;
         if (family == MCF_FAM_BLOCK) {
             for (size_t b = 0; b < bpr; b++) {
-                float v[32], mx = 0.0f;
-                for (int i = 0; i < 32; i++) {
-                    size_t c = b * 32 + (size_t)i;
-                    v[i] = c < cols ? clampf(row[c], min_clip, max_clip) : 0.0f;
-                    float a = fabsf(v[i]);
-                    mx = a > mx ? a : mx;
-                }
+                float v[32];
+                float mx = load(row, b * 32, cols, min_clip, max_clip, v);
                 float scale = mx > 0.0f ? mx / (float)qmax : 0.0f;
                 uint16_t h;
                 if (compat) {
@@ -112,9 +204,8 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                     scale = dec16(h);  /* codes against the scale the decoder sees */
                 }
                 scales[r * bpr + b] = h;
-                float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-                for (int i = 0; i < 32; i++) q[i] = scale != 0.0f ? qround(v[i] * inv, qmax, compat) : 0;
-                pack_block(q, bits, codes + (r * bpr + b) * bb);
+                if (scale != 0.0f) mkcodes(v, 1.0f / scale, qmax, compat, bits, codes + (r * bpr + b) * bb);
+                else memset(codes + (r * bpr + b) * bb, 0, bb);
             }
         } else {
             for (size_t s = 0; s < spr; s++) {
@@ -122,13 +213,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                 for (int k = 0; k < 8; k++) {
                     size_t b = s * 8 + (size_t)k;
                     if (b >= bpr) break;
-                    float mx = 0.0f;
-                    for (int i = 0; i < 32; i++) {
-                        size_t c = b * 32 + (size_t)i;
-                        v[k][i] = c < cols ? clampf(row[c], min_clip, max_clip) : 0.0f;
-                        float a = fabsf(v[k][i]);
-                        mx = a > mx ? a : mx;
-                    }
+                    float mx = load(row, b * 32, cols, min_clip, max_clip, v[k]);
                     bs[k] = mx > 0.0f ? mx / (float)qmax : 0.0f;
                     if (bs[k] > maxs) maxs = bs[k];
                 }
@@ -153,9 +238,8 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                     }
                     sub[r * bpr + b] = u6 & 0x3f;
                     float scale = (u6 > 0 && super > 0.0f) ? super * ((float)u6 / 32.0f) : 0.0f;
-                    float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-                    for (int i = 0; i < 32; i++) q[i] = scale != 0.0f ? qround(v[k][i] * inv, qmax, compat) : 0;
-                    pack_block(q, bits, codes + (r * bpr + b) * bb);
+                    if (scale != 0.0f) mkcodes(v[k], 1.0f / scale, qmax, compat, bits, codes + (r * bpr + b) * bb);
+                    else memset(codes + (r * bpr + b) * bb, 0, bb);
                 }
             }
         }

@@ -34,7 +34,7 @@ cdef extern from "quant.h" nogil:
     void mcf_dequant_rows(const mcf_qtensor* t, size_t r0, size_t r1, void* out, int out_kind, int impl)
     void mcf_unpack_rows(const mcf_qtensor* t, size_t r0, size_t r1, int8_t* out, int impl)
     int mcf_quantize_rows(int family, int bits, const float* src, size_t nrows, size_t cols, float min_clip,
-                          float max_clip, int compat, uint16_t* scales, uint8_t* sub, uint8_t* codes)
+                          float max_clip, int compat, uint16_t* scales, uint8_t* sub, uint8_t* codes, int impl)
     void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float scale, float zero,
                                uint8_t* codes, size_t row_bytes)
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
@@ -264,7 +264,7 @@ def absmax_finite(src):
 
 
 def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=False, cols=None, rows=None,
-                  scale=0.0, zero=0.0, domain=Domain.WEIGHTS):
+                  scale=0.0, zero=0.0, domain=Domain.WEIGHTS, impl=None):
     """Quantize float32 rows ``src`` ([n, cols]) into the regions of ``out_payload`` (the whole
     tensor's payload, laid out for ``rows`` x ``cols``) at rows row0 .. row0 + n."""
     a = np.ascontiguousarray(src, dtype=np.float32)
@@ -288,6 +288,7 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     cdef size_t nrows = n, ncols = cols
     cdef float lo = min_clip, hi = max_clip, fs = scale, fz = zero
     cdef int fam = _FAMILY[lay.dtype.family], bits = lay.dtype.bits, cm = 1 if compat else 0, rc = 0
+    cdef int im = resolve_impl(impl)
     cdef uintptr_t scales_p = 0, sub_p = 0, codes_p = 0
     cdef size_t rb = lay.row_bytes
     if nrows == 0:
@@ -307,6 +308,6 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
         sub_p = base + reg["sub_scales"].offset + row0 * lay.blocks_per_row
     with nogil:
         rc = mcf_quantize_rows(fam, bits, <const float*>sp, nrows, ncols, lo, hi, cm, <uint16_t*>scales_p,
-                               <uint8_t*>sub_p, <uint8_t*>codes_p)
+                               <uint8_t*>sub_p, <uint8_t*>codes_p, im)
     if rc != 0:
         raise InvalidArgumentError("values too large: a block scale overflows float16")

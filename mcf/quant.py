@@ -60,7 +60,7 @@ def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
 
 
 def quantize(array, method, *, compat: bool = False, min_clip: float | None = None,
-             max_clip: float | None = None, domain: int = Domain.WEIGHTS, src_dtype=None):
+             max_clip: float | None = None, domain: int = Domain.WEIGHTS, src_dtype=None, impl=None):
     """Quantize a rank-2 float array (float32, float16, bfloat16; ``src_dtype="bf16"`` for raw uint16
     bits) to ``method``.  Returns ``(payload, params)``: the payload bytes laid out as
     :func:`mcf.quant_layout` says, and the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
@@ -98,7 +98,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             x = _rows_f32(a, r, min(rows, r + step), src)
             amax = max(amax, K.absmax_finite(x)[0])
             K.quantize_rows(x, info.code, payload, r, min_clip=-math.inf, max_clip=math.inf, compat=compat,
-                            rows=rows, cols=cols, domain=domain)
+                            rows=rows, cols=cols, domain=domain, impl=impl)
         return payload, {"min_clip": float(-np.float32(amax)), "max_clip": float(np.float32(amax)),
                          "domain": domain}
     # pass 1: finiteness and range (needed up front by the clips and by int* scales)
@@ -136,7 +136,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
         if min_clip is not None:
             np.clip(x, cmin, cmax, out=x)
         K.quantize_rows(x, info.code, payload, r, min_clip=float(cmin), max_clip=float(cmax), compat=compat,
-                        rows=rows, cols=cols, scale=scale, zero=zero, domain=domain)
+                        rows=rows, cols=cols, scale=scale, zero=zero, domain=domain, impl=impl)
     return payload, {"min_clip": float(cmin), "max_clip": float(cmax), "domain": domain}
 
 
