@@ -51,7 +51,7 @@ def ext(name, sources):
 
 extensions = [
     ext("mcf._io", ["mcf/_io.pyx"]),
-    ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c"]),
+    ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c", "csrc/fpconv_simd.c", "csrc/cpu.c"]),
     ext("mcf._index", ["mcf/_index.pyx"]),
     ext("mcf._kernels", ["mcf/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/cpu.c", "csrc/fpconv.c"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),

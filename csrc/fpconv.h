@@ -1,5 +1,5 @@
 /* Scalar float conversions (IEEE 754 binary16 and bfloat16), round to nearest even.
- * The kernels issue adds SIMD variants; these are the reference every variant must match. */
+ * These are the reference every SIMD variant (fpconv_simd.c) must match. */
 #ifndef MCF_FPCONV_H
 #define MCF_FPCONV_H
 #include <stddef.h>
@@ -13,5 +13,9 @@ void mcf_f32_to_f16(const float *src, uint16_t *dst, size_t n);
 uint16_t mcf_f32_to_f16_one(float f);
 float mcf_f16_to_f32_one(uint16_t h);
 uint16_t mcf_f32_to_bf16_one(float f);
+
+/* Array conversion with a chosen variant (csrc/fpconv_simd.c): op 0 bf16->f32, 1 f32->bf16,
+ * 2 f16->f32, 3 f32->f16; impl as in cpu.h.  Bit-identical to the scalar loops. */
+void mcf_convert(int op, const void *src, void *dst, size_t n, int impl);
 
 #endif

@@ -7,10 +7,29 @@ import numpy as np
 from libc.stdint cimport uint16_t
 
 cdef extern from "fpconv.h" nogil:
-    void mcf_bf16_to_f32(const uint16_t *src, float *dst, size_t n)
-    void mcf_f32_to_bf16(const float *src, uint16_t *dst, size_t n)
-    void mcf_f16_to_f32(const uint16_t *src, float *dst, size_t n)
-    void mcf_f32_to_f16(const float *src, uint16_t *dst, size_t n)
+    void mcf_convert(int op, const void *src, void *dst, size_t n, int impl)
+
+cdef extern from "cpu.h" nogil:
+    int mcf_cpu_best()
+    int mcf_cpu_supports(int impl)
+
+
+_IMPLS = ("scalar", "avx2", "avx512")
+
+
+cdef int _impl(object impl) except -1:
+    # the same rule as mcf._kernels.resolve_impl: keyword, else $MCF_FORCE_IMPL, else the best variant
+    import os
+    from mcf.errors import InvalidArgumentError
+
+    name = impl if impl is not None else (os.environ.get("MCF_FORCE_IMPL", "").strip().lower() or None)
+    if name is None:
+        return mcf_cpu_best()
+    if name not in _IMPLS:
+        raise InvalidArgumentError(f"unknown kernel variant {name!r}; expected one of {_IMPLS}")
+    if not mcf_cpu_supports(_IMPLS.index(name)):
+        raise InvalidArgumentError(f"kernel variant {name!r} is not supported by this CPU")
+    return _IMPLS.index(name)
 
 
 cdef _contig(src, dtype=None):
@@ -31,7 +50,7 @@ cdef _prep_out(src, out, dtype):
     return out
 
 
-def bf16_to_f32(src, out=None):
+def bf16_to_f32(src, out=None, impl=None):
     """Widen bfloat16 bit patterns (uint16, or ml_dtypes.bfloat16) to float32.  Exact."""
     a = _contig(src)
     if a.dtype.itemsize != 2 or a.dtype.kind not in "uV" and a.dtype.name != "bfloat16":
@@ -41,26 +60,28 @@ def bf16_to_f32(src, out=None):
     cdef const uint16_t[::1] s = a.reshape(-1)
     cdef float[::1] d = res.reshape(-1)
     cdef size_t n = a.size
+    cdef int im = _impl(impl)
     if n:
         with nogil:
-            mcf_bf16_to_f32(&s[0], &d[0], n)
+            mcf_convert(0, &s[0], &d[0], n, im)
     return res
 
 
-def f32_to_bf16(src, out=None):
+def f32_to_bf16(src, out=None, impl=None):
     """Narrow float32 to bfloat16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
     res = _prep_out(a, out, np.uint16)
     cdef const float[::1] s = a.reshape(-1)
     cdef uint16_t[::1] d = res.reshape(-1)
     cdef size_t n = a.size
+    cdef int im = _impl(impl)
     if n:
         with nogil:
-            mcf_f32_to_bf16(&s[0], &d[0], n)
+            mcf_convert(1, &s[0], &d[0], n, im)
     return res
 
 
-def f16_to_f32(src, out=None):
+def f16_to_f32(src, out=None, impl=None):
     """Widen float16 (or its uint16 bit patterns) to float32.  Exact, subnormals kept."""
     a = _contig(src)
     if a.dtype.itemsize != 2:
@@ -70,20 +91,22 @@ def f16_to_f32(src, out=None):
     cdef const uint16_t[::1] s = a.reshape(-1)
     cdef float[::1] d = res.reshape(-1)
     cdef size_t n = a.size
+    cdef int im = _impl(impl)
     if n:
         with nogil:
-            mcf_f16_to_f32(&s[0], &d[0], n)
+            mcf_convert(2, &s[0], &d[0], n, im)
     return res
 
 
-def f32_to_f16(src, out=None):
+def f32_to_f16(src, out=None, impl=None):
     """Narrow float32 to float16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
     res = _prep_out(a, out, np.uint16)
     cdef const float[::1] s = a.reshape(-1)
     cdef uint16_t[::1] d = res.reshape(-1)
     cdef size_t n = a.size
+    cdef int im = _impl(impl)
     if n:
         with nogil:
-            mcf_f32_to_f16(&s[0], &d[0], n)
+            mcf_convert(3, &s[0], &d[0], n, im)
     return res
