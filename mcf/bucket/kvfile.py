@@ -1,0 +1,517 @@
+"""Writing and reading ``kv_data.mcb``: one context's KV cache (layout in :mod:`mcf.bucket._layout`).
+
+Why chunks: a compressed cache stored as one stream must be decompressed whole to read one layer.  With
+the CHUNKED flag each layer's K and each layer's V is an independent compressed chunk listed in a chunk
+table with its own CRC-32, so one layer (or a token prefix of some layers) is read and checked without
+touching the rest, and chunks are decompressed on several threads (lz4 and zstandard release the GIL).
+
+Why the header is trusted for nothing: every size in it is recomputed from the shape with Python
+integers and compared, the file length must match exactly, and a compressed file may not claim more
+than ``max_decompressed_bytes`` of payload (a decompression bomb is refused before anything is
+allocated).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, BinaryIO, NamedTuple
+
+import numpy as np
+
+from mcf.bucket import _layout as L
+from mcf.errors import (
+    ChecksumError,
+    FormatError,
+    InvalidArgumentError,
+    MCFError,
+    TruncatedError,
+    UnsupportedVersionError,
+    os_error,
+)
+
+__all__ = ["DEFAULT_MAX_DECOMPRESSED_BYTES", "Int8KV", "KVFile", "KVHeader", "open_kv", "write_kv"]
+
+#: a compressed file may not declare a larger payload than this unless the caller raises the limit
+DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 2**30
+#: lz4's block format cannot compress inputs larger than this (LZ4_MAX_INPUT_SIZE)
+LZ4_MAX_INPUT = 0x7E000000
+_U32 = 2**32 - 1
+_CRC_PIECE = 16 * 2**20
+
+try:  # BF16 comes back as ml_dtypes.bfloat16 when installed, else as the raw uint16 bits
+    import ml_dtypes as _ml_dtypes
+
+    _BF16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - the test extra installs ml_dtypes
+    _BF16 = None
+
+_NP_DTYPES = {
+    L.KVDType.FP32: np.dtype("<f4"),
+    L.KVDType.FP16: np.dtype("<f2"),
+    L.KVDType.BF16: _BF16 if _BF16 is not None else np.dtype("<u2"),
+    L.KVDType.INT8: np.dtype("i1"),
+}
+
+
+class Int8KV(NamedTuple):
+    """An int8 tensor as stored: ``data`` [heads, tokens, head_dim] and ``scales`` [heads, tokens]
+    (float32); the value is ``data * scales[..., None]``."""
+
+    data: np.ndarray
+    scales: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        return self.data.astype(np.float32) * self.scales[..., None]
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    version: int
+    flags: int
+    shape: L.KVShape
+    dtype: L.KVDType
+    compression: L.Compression
+    original_size: int
+    compressed_size: int
+    checksum: int
+
+    @property
+    def chunked(self) -> bool:
+        return bool(self.flags & L.Flags.CHUNKED)
+
+    def pack(self) -> bytes:
+        s = self.shape
+        return L.HEADER.pack(L.MAGIC, self.version, self.flags, s.num_layers, s.num_kv_heads, s.head_dim,
+                             s.sequence_length, int(self.dtype), int(self.compression), self.original_size,
+                             self.compressed_size, self.checksum, bytes(18))
+
+
+# ------------------------------------------------------------------------------------------------
+# encoding
+# ------------------------------------------------------------------------------------------------
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float -> bfloat16 bits, rounding to nearest even (NaN stays NaN), the rounding ml_dtypes uses."""
+    if _BF16 is not None and x.dtype == _BF16:
+        return x.view(np.uint16)
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    u = f.view(np.uint32)
+    rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+def quantize_int8(x: np.ndarray) -> Int8KV:
+    """Symmetric per-row int8: scale = max|row| / 127 (0 for an all-zero row), q = rint(x / scale)."""
+    f = np.asarray(x, dtype=np.float32)
+    if not np.isfinite(f).all():
+        raise InvalidArgumentError("int8 KV storage needs finite values (got NaN or infinity)")
+    amax = np.abs(f).max(axis=-1) if f.shape[-1] else np.zeros(f.shape[:-1], np.float32)
+    scales = (amax / np.float32(127)).astype(np.float32)
+    safe = np.where(scales == 0, np.float32(1), scales)
+    q = np.clip(np.rint(f / safe[..., None]), -127, 127).astype(np.int8)
+    return Int8KV(q, scales)
+
+
+def _encode_block(arr: Any, dtype: L.KVDType) -> bytes:
+    if isinstance(arr, Int8KV):
+        if dtype != L.KVDType.INT8:
+            raise InvalidArgumentError("an Int8KV tensor can only be written with dtype int8")
+        return np.ascontiguousarray(arr.data, np.int8).tobytes() + np.ascontiguousarray(arr.scales, "<f4").tobytes()
+    if dtype == L.KVDType.INT8:
+        q = quantize_int8(arr)
+        return q.data.tobytes() + q.scales.tobytes()
+    if dtype == L.KVDType.BF16:
+        return _to_bf16_bits(arr).astype("<u2", copy=False).tobytes()
+    return np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype]).tobytes()
+
+
+def _compress(data: bytes, compression: L.Compression, level: int | None) -> bytes:
+    if compression == L.Compression.LZ4:
+        import lz4.block
+
+        if len(data) > LZ4_MAX_INPUT:
+            raise InvalidArgumentError(f"lz4 cannot compress a block of {len(data)} bytes (limit {LZ4_MAX_INPUT})")
+        if level is None:
+            return lz4.block.compress(data, store_size=False)
+        return lz4.block.compress(data, store_size=False, mode="high_compression", compression=level)
+    if compression == L.Compression.ZSTD:
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=3 if level is None else level, write_content_size=True).compress(data)
+    return data
+
+
+def _shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
+    if not isinstance(layers, (list, tuple)) or len(layers) == 0:
+        raise InvalidArgumentError("layers must be a non-empty list of (K, V) pairs")
+    first = None
+    for i, pair in enumerate(layers):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidArgumentError(f"layer {i}: expected a (K, V) pair")
+        for name, t in zip("KV", pair):
+            shp = tuple(t.data.shape) if isinstance(t, Int8KV) else tuple(np.shape(t))
+            if isinstance(t, Int8KV) and tuple(np.shape(t.scales)) != shp[:2]:
+                raise InvalidArgumentError(f"layer {i} {name}: scales shape {np.shape(t.scales)} != {shp[:2]}")
+            if len(shp) != 3:
+                raise InvalidArgumentError(f"layer {i} {name}: expected [num_kv_heads, sequence_length, head_dim], got shape {shp}")
+            if first is None:
+                first = shp
+            elif shp != first:
+                raise InvalidArgumentError(f"layer {i} {name}: shape {shp} differs from layer 0 K {first}")
+    if len(layers) > _U32 or any(d > _U32 for d in first):
+        raise InvalidArgumentError("a dimension does not fit the header's u32 fields")
+    return L.KVShape(len(layers), first[0], first[2], first[1])
+
+
+def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]], *, dtype: Any = "float16",
+             compression: Any = "none", level: int | None = None, chunked: bool | None = None,
+             threads: int = 1) -> KVHeader:
+    """Write a KV cache: ``layers[i] = (K, V)``, each ``[num_kv_heads, sequence_length, head_dim]``.
+
+    ``dtype`` is the stored dtype (float inputs are converted; int8 quantizes per row, see
+    :func:`quantize_int8`, or takes :class:`Int8KV` pairs as they are).  ``compression`` is none, lz4
+    or zstd; compressed files are CHUNKED unless ``chunked=False`` (one stream).  Returns the header.
+    """
+    kd = L.parse_dtype(dtype)
+    comp = L.parse_compression(compression)
+    if chunked is None:
+        chunked = comp != L.Compression.NONE
+    if chunked and comp == L.Compression.NONE:
+        raise InvalidArgumentError("chunked=True needs a compression (uncompressed data is addressable as is)")
+    if not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+    shape = _shape_of(layers)
+    original = L.payload_size(shape, kd)
+    blocks = (t for pair in layers for t in pair)
+
+    if comp == L.Compression.NONE:
+        pieces_iter = (_encode_block(t, kd) for t in blocks)
+        table = b""
+    elif chunked:
+        def enc(t):
+            return _compress(_encode_block(t, kd), comp, level)
+
+        tensors = list(blocks)
+        if threads > 1:
+            with ThreadPoolExecutor(threads) as pool:
+                chunks = list(pool.map(enc, tensors))
+        else:
+            chunks = [enc(t) for t in tensors]
+        off = L.HEADER_SIZE + L.chunk_table_size(shape)
+        entries = bytearray()
+        for c in chunks:
+            entries += L.CHUNK_ENTRY.pack(off, len(c), zlib.crc32(c), 0)
+            off += len(c)
+        table = bytes(entries) + L.CHUNK_TRAILER.pack(zlib.crc32(entries))
+        pieces_iter = iter(chunks)
+    else:
+        pieces_iter = iter([_compress(b"".join(_encode_block(t, kd) for t in blocks), comp, level)])
+        table = b""
+
+    own = not hasattr(dest, "write")
+    try:
+        f = open(dest, "wb") if own else dest
+    except OSError as exc:
+        raise os_error(exc, dest) from exc
+    try:
+        start = f.tell()
+        f.write(bytes(L.HEADER_SIZE))
+        crc = zlib.crc32(table)
+        stored = len(table)
+        f.write(table)
+        for p in pieces_iter:
+            f.write(p)
+            crc = zlib.crc32(p, crc)
+            stored += len(p)
+        if comp == L.Compression.NONE and stored != original:  # pragma: no cover - guarded by _shape_of
+            raise InvalidArgumentError("internal size mismatch")
+        header = KVHeader(L.VERSION, int(L.Flags.CHUNKED) if chunked else 0, shape, kd, comp, original, stored, crc)
+        end = f.tell()
+        f.seek(start)
+        f.write(header.pack())
+        f.seek(end)
+        f.flush()
+    except OSError as exc:
+        raise os_error(exc, dest) from exc
+    finally:
+        if own:
+            f.close()
+    return header
+
+
+# ------------------------------------------------------------------------------------------------
+# decoding
+# ------------------------------------------------------------------------------------------------
+def parse_header(raw: bytes, *, path: Any = None, file_size: int | None = None,
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> KVHeader:
+    """Validate the 64 header bytes against each other and against the file size."""
+    if len(raw) < L.HEADER_SIZE:
+        raise TruncatedError("file shorter than the 64-byte header", path=path, field="header", offset=0,
+                             expected=L.HEADER_SIZE, got=len(raw))
+    (magic, version, flags, nl, nh, hd, seq, dt, comp, orig, csize, crc, reserved) = L.HEADER.unpack(raw[:L.HEADER_SIZE])
+    O = L.OFFSETS
+    if magic != L.MAGIC:
+        raise FormatError("not an MCB KV file", path=path, field="magic", offset=0, expected=L.MAGIC, got=magic)
+    if version != L.VERSION:
+        raise UnsupportedVersionError("unsupported KV file version", path=path, field="version",
+                                      offset=O["version"], expected=L.VERSION, got=version)
+    if flags & ~L.KNOWN_FLAGS:
+        raise FormatError("unknown flag bits", path=path, field="flags", offset=O["flags"],
+                          expected=f"subset of {L.KNOWN_FLAGS:#x}", got=f"{flags:#x}")
+    if reserved != bytes(18):
+        raise FormatError("reserved bytes are not zero", path=path, field="reserved", offset=O["reserved"])
+    try:
+        kd = L.KVDType(dt)
+    except ValueError:
+        raise FormatError("unknown dtype code", path=path, field="dtype", offset=O["dtype"], expected="0..3", got=dt) from None
+    try:
+        cp = L.Compression(comp)
+    except ValueError:
+        raise FormatError("unknown compression code", path=path, field="compression", offset=O["compression"],
+                          expected="0..2", got=comp) from None
+    if nl == 0:
+        raise FormatError("a KV file holds at least one layer", path=path, field="num_layers", offset=O["num_layers"], got=0)
+    shape = L.KVShape(nl, nh, hd, seq)
+    want = L.payload_size(shape, kd)
+    if orig != want:
+        raise FormatError("original_size disagrees with the shape and dtype", path=path, field="original_size",
+                          offset=O["original_size"], expected=want, got=orig)
+    chunked = bool(flags & L.Flags.CHUNKED)
+    if cp == L.Compression.NONE:
+        if chunked:
+            raise FormatError("CHUNKED flag on an uncompressed file", path=path, field="flags", offset=O["flags"])
+        if csize != orig:
+            raise FormatError("compressed_size of an uncompressed file must equal original_size", path=path,
+                              field="compressed_size", offset=O["compressed_size"], expected=orig, got=csize)
+    else:
+        if orig > max_decompressed_bytes:
+            raise FormatError("declared payload exceeds the decompression limit (possible decompression bomb)",
+                              path=path, field="original_size", offset=O["original_size"],
+                              expected=f"<= {max_decompressed_bytes}", got=orig)
+        if chunked and csize < L.chunk_table_size(shape):
+            raise FormatError("compressed_size smaller than the chunk table", path=path, field="compressed_size",
+                              offset=O["compressed_size"], expected=f">= {L.chunk_table_size(shape)}", got=csize)
+    if file_size is not None:
+        total = L.HEADER_SIZE + csize
+        if file_size < total:
+            raise TruncatedError("file ends before the data the header declares", path=path, field="compressed_size",
+                                 offset=file_size, expected=total, got=file_size)
+        if file_size > total:
+            raise FormatError("trailing bytes after the declared data", path=path, field="compressed_size",
+                              offset=total, expected=total, got=file_size)
+    return KVHeader(version, flags, shape, kd, cp, orig, csize, crc)
+
+
+class KVFile:
+    """An opened ``kv_data.mcb``.  Construction validates the header and the chunk table; :meth:`load`
+    returns per-layer (K, V) arrays, zero-copy views of the mapping when the file is uncompressed."""
+
+    def __init__(self, source: Any, *, mmap: bool = True,
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> None:
+        from mcf.io import open_source
+
+        self.path = str(source) if isinstance(source, (str, os.PathLike)) else None
+        self._src = open_source(source, mmap=mmap)
+        try:
+            size = self._src.size
+            raw = self._src.read(0, min(size, L.HEADER_SIZE))
+            self.header = parse_header(raw, path=self.path, file_size=size,
+                                       max_decompressed_bytes=max_decompressed_bytes)
+            self._chunks = self._read_table() if self.header.chunked else None
+        except BaseException:
+            self._src.close()
+            raise
+        self._file_verified = False
+
+    # -- structure -----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> L.KVShape:
+        return self.header.shape
+
+    @property
+    def dtype(self) -> L.KVDType:
+        return self.header.dtype
+
+    def _read_table(self) -> list[tuple[int, int, int]]:
+        h = self.header
+        n = L.chunk_count(h.shape)
+        raw = self._src.read(L.HEADER_SIZE, L.chunk_table_size(h.shape))
+        entries = raw[: n * L.CHUNK_ENTRY.size]
+        (tcrc,) = L.CHUNK_TRAILER.unpack_from(raw, n * L.CHUNK_ENTRY.size)
+        toff = L.HEADER_SIZE + n * L.CHUNK_ENTRY.size
+        if zlib.crc32(entries) != tcrc:
+            raise ChecksumError("chunk table CRC-32 mismatch", path=self.path, field="chunk_table", offset=toff,
+                                expected=f"{tcrc:#010x}", got=f"{zlib.crc32(entries):#010x}")
+        expect = L.HEADER_SIZE + L.chunk_table_size(h.shape)
+        out = []
+        for i in range(n):
+            off, size, crc, zero = L.CHUNK_ENTRY.unpack_from(entries, i * L.CHUNK_ENTRY.size)
+            eoff = L.HEADER_SIZE + i * L.CHUNK_ENTRY.size
+            if off != expect:
+                raise FormatError("chunks must be contiguous and in order", path=self.path, field=f"chunk[{i}].offset",
+                                  offset=eoff, expected=expect, got=off)
+            if zero:
+                raise FormatError("chunk entry reserved word is not zero", path=self.path, field=f"chunk[{i}]",
+                                  offset=eoff + 20)
+            out.append((off, size, crc))
+            expect += size
+        end = L.HEADER_SIZE + h.compressed_size
+        if expect != end:
+            raise FormatError("chunk sizes do not add up to compressed_size", path=self.path, field="chunk_table",
+                              offset=L.HEADER_SIZE, expected=end, got=expect)
+        return out
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def verify(self) -> None:
+        """Compare the header's CRC-32 with every byte after the header (raises ChecksumError)."""
+        if self._file_verified:
+            return
+        crc = 0
+        pos, end = L.HEADER_SIZE, L.HEADER_SIZE + self.header.compressed_size
+        while pos < end:
+            n = min(_CRC_PIECE, end - pos)
+            crc = zlib.crc32(self._src.view(pos, n), crc)
+            pos += n
+        if crc != self.header.checksum:
+            raise ChecksumError("data CRC-32 mismatch", path=self.path, field="checksum", offset=L.OFFSETS["checksum"],
+                                expected=f"{self.header.checksum:#010x}", got=f"{crc:#010x}")
+        self._file_verified = True
+
+    def _decompress(self, data: Any, n: int, what: str, offset: int) -> bytes:
+        comp = self.header.compression
+        try:
+            if comp == L.Compression.LZ4:
+                import lz4.block
+
+                out = lz4.block.decompress(data, uncompressed_size=n)
+            else:
+                import zstandard
+
+                declared = zstandard.frame_content_size(data)
+                if declared not in (-1, n):
+                    raise FormatError("zstd frame declares a different decompressed size", path=self.path,
+                                      field=what, offset=offset, expected=n, got=declared)
+                out = zstandard.ZstdDecompressor().decompress(data, max_output_size=n)
+        except MCFError:
+            raise
+        except Exception as exc:  # lz4.block.LZ4BlockError, zstandard.ZstdError: corrupt stream
+            raise FormatError(f"cannot decompress: {exc}", path=self.path, field=what, offset=offset) from None
+        if len(out) != n:
+            raise FormatError("decompressed size disagrees with the shape", path=self.path, field=what, offset=offset,
+                              expected=n, got=len(out))
+        return out
+
+    def _chunk_bytes(self, idx: int, verify: bool) -> bytes:
+        off, size, crc = self._chunks[idx]
+        data = self._src.view(off, size)
+        if verify and zlib.crc32(data) != crc:
+            raise ChecksumError("chunk CRC-32 mismatch", path=self.path, field=f"chunk[{idx}]", offset=off,
+                                expected=f"{crc:#010x}", got=f"{zlib.crc32(data):#010x}")
+        return self._decompress(data, L.block_size(self.shape, self.dtype), f"chunk[{idx}]", off)
+
+    # -- loading --------------------------------------------------------------------------------------
+    def _block(self, buf: Any, base: int, idx: int) -> np.ndarray | Int8KV:
+        """Array(s) of block ``idx`` inside ``buf`` (a Source when base is a file offset, else bytes)."""
+        s, kd = self.shape, self.dtype
+        shp = (s.num_kv_heads, s.sequence_length, s.head_dim)
+        nbytes = s.tensor_elements() * L.DTYPE_ITEMSIZE[kd]
+        start = base + idx * L.block_size(s, kd)
+
+        def arr(off, dt, shape):
+            if isinstance(buf, (bytes, bytearray)):
+                count = int(np.prod(shape))
+                return np.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
+            return buf.array(off, dt, shape)
+
+        data = arr(start, _NP_DTYPES[kd], shp)
+        if kd == L.KVDType.INT8:
+            return Int8KV(data, arr(start + nbytes, np.dtype("<f4"), shp[:2]))
+        return data
+
+    def load(self, layers: Sequence[int] | int | None = None, *, tokens: int | None = None, threads: int = 2,
+             verify: bool = True, dequantize: bool = True) -> list[tuple[Any, Any]]:
+        """Per-layer ``(K, V)`` for ``layers`` (all by default), each ``[heads, tokens, head_dim]``.
+
+        ``tokens=n`` keeps the first n tokens.  Uncompressed files give read-only views of the mapping
+        (zero-copy); compressed chunks are decompressed on ``threads`` threads.  ``verify`` checks the
+        CRC-32s of what is read: the header CRC over all data for a full load or an unchunked file, the
+        CRC of each chunk read for a partial load of a chunked file.  int8
+        comes back dequantized to float32 unless ``dequantize=False`` (then as :class:`Int8KV`).
+        """
+        s = self.shape
+        if layers is None:
+            sel = list(range(s.num_layers))
+        else:
+            sel = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
+            for i in sel:
+                if not isinstance(i, (int, np.integer)) or not 0 <= i < s.num_layers:
+                    raise InvalidArgumentError(f"layer {i!r} out of range 0..{s.num_layers - 1}")
+        if tokens is not None and (not isinstance(tokens, (int, np.integer)) or not 0 <= tokens <= s.sequence_length):
+            raise InvalidArgumentError(f"tokens must be in 0..{s.sequence_length}, got {tokens!r}")
+        if not isinstance(threads, int) or threads < 1:
+            raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+        comp = self.header.compression
+        idxs = [2 * i + kv for i in sel for kv in (0, 1)]
+        if comp == L.Compression.NONE:
+            if verify:
+                self.verify()
+            blocks = [self._block(self._src, L.HEADER_SIZE, j) for j in idxs]
+        elif self._chunks is None:
+            if verify:
+                self.verify()
+            payload = self._decompress(self._src.view(L.HEADER_SIZE, self.header.compressed_size),
+                                       self.header.original_size, "data", L.HEADER_SIZE)
+            blocks = [self._block(payload, 0, j) for j in idxs]
+        else:
+            # a full load reads every byte anyway: check the header CRC once instead of each chunk's
+            whole = verify and len(sel) == s.num_layers
+            if whole:
+                self.verify()
+
+            def one(j):
+                return self._block(self._chunk_bytes(j, verify and not whole), 0, 0)
+
+            if threads > 1 and len(idxs) > 1:
+                with ThreadPoolExecutor(min(threads, len(idxs))) as pool:
+                    blocks = list(pool.map(one, idxs))
+            else:
+                blocks = [one(j) for j in idxs]
+
+        def finish(b):
+            if isinstance(b, Int8KV):
+                if tokens is not None:
+                    b = Int8KV(b.data[:, :tokens], b.scales[:, :tokens])
+                return b.dequantize() if dequantize else b
+            return b if tokens is None else b[:, :tokens]
+
+        out = [finish(b) for b in blocks]
+        return [(out[2 * k], out[2 * k + 1]) for k in range(len(sel))]
+
+    def close(self) -> None:
+        self._src.close()
+
+    def __enter__(self) -> KVFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_kv(source: Any, *, mmap: bool = True, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> KVFile:
+    """Open and validate a ``kv_data.mcb`` (path, file-like object or bytes-like)."""
+    return KVFile(source, mmap=mmap, max_decompressed_bytes=max_decompressed_bytes)
+
+
+def read_kv(source: Any, **kw: Any) -> list[tuple[Any, Any]]:
+    """Convenience: open, load everything as copies owned by the caller, close."""
+    load_kw = {k: kw.pop(k) for k in ("layers", "tokens", "threads", "verify", "dequantize") if k in kw}
+    with open_kv(source, **kw) as f:
+        return [(np.array(k) if isinstance(k, np.ndarray) else k, np.array(v) if isinstance(v, np.ndarray) else v)
+                for k, v in f.load(**load_kw)]
+
