@@ -64,7 +64,7 @@ class SafetensorsFile:
                               expected=f"<= {min(MAX_HEADER, src.size - 8)}", got=hlen)
         try:
             header = json.loads(src.read(8, hlen))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too many digits, too deep
             raise FormatError(f"header is not valid JSON: {exc}", path=path, field="header", offset=8) from None
         if not isinstance(header, dict):
             raise FormatError("header is not a JSON object", path=path, field="header", offset=8)
@@ -78,7 +78,7 @@ class SafetensorsFile:
             if not isinstance(ent, dict):
                 raise FormatError("tensor entry is not an object", path=path, field=field, offset=8)
             dt = ent.get("dtype")
-            if dt not in ST_DTYPES:
+            if not isinstance(dt, str) or dt not in ST_DTYPES:
                 raise FormatError("unsupported dtype", path=path, field=field + ".dtype", offset=8,
                                   expected="one of " + ",".join(ST_DTYPES), got=dt)
             shape = ent.get("shape")

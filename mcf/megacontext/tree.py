@@ -403,7 +403,7 @@ class Tree:
     def checkpoint_ranges(self, level: int) -> list:
         """``[(start, stop, checkpoint, pending)]``: which GistNet checkpoint produced which gists."""
         self.num_gists(level)
-        return [(r["start"], r["stop"], r["gistnet_checkpoint"], r["pending"])
+        return [(r["start"], r["stop"], r.get("gistnet_checkpoint"), r["pending"])
                 for r in self._meta["levels"][f"LOD{level}"]["gists"]]
 
     def header(self, level: int) -> CtxHeader:
@@ -740,7 +740,7 @@ class Tree:
                 "block_size": self.block_size, "gist_dtype": self.gist_dtype.name, "vocab_size": self.vocab_size,
                 "num_tokens": self.num_tokens, "num_blocks": self.num_blocks,
                 "num_gists": {"LOD1": self.num_gists(1), "LOD2": self.num_gists(2)},
-                "gistnet_checkpoint": m["gistnet_checkpoint"], "ingestion_complete": m["ingestion_complete"],
+                "gistnet_checkpoint": m.get("gistnet_checkpoint"), "ingestion_complete": m["ingestion_complete"],
                 "created_at": m["created_at"], "last_modified": m["last_modified"],
                 "checkpoints": {k: m["levels"][k]["gists"] for k in ("LOD1", "LOD2")},
                 "files": dict(sorted(levels.items())), "notes": list(self.notes)}

@@ -306,7 +306,13 @@ class IndexedDataset(_megatron.SequenceTable):
         kk = int(k) + nd if int(k) < 0 else int(k)
         if not 0 <= kk < nd:
             raise OutOfBoundsError(f"document index {k} out of range for {nd} documents")
-        return range(int(di[kk]), int(di[kk + 1]))
+        first, stop = int(di[kk]), int(di[kk + 1])
+        if not 0 <= first <= stop <= self.header.sequence_count:  # only checked at open when validated
+            raise FormatError(f"document {kk} spans sequences [{first}, {stop})", path=self.idx_path,
+                              field=f"document_indices[{kk}]", offset=self.header.layout.docs_off + 8 * kk,
+                              expected=f"0 <= start <= stop <= {self.header.sequence_count}",
+                              got=[first, stop])
+        return range(first, stop)
 
     def document(self, k: int) -> np.ndarray:
         """All tokens of document ``k`` in one array (its sequences are adjacent in the .bin)."""

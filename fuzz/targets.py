@@ -1,0 +1,257 @@
+"""Fuzz targets: one function per parser, shared by the libFuzzer harness (``fuzz/run.py``) and the short
+in-process replay of the test suite (``tests/test_fuzz_short.py``).
+
+Each target takes raw bytes, parses them with the real reader and reads everything the reader offers.
+The contract under test: any input either works or raises an :class:`mcf.MCFError`.  Any other exception
+(a stray ``struct.error``, ``IndexError``, ``MemoryError``...) propagates out of the target and is a crash;
+a segfault or a sanitizer report is a crash of the process; the harness adds the 1 s hang limit and the
+RSS limit.
+
+Multi-file formats (Megatron ``.idx`` + ``.bin``, a MegaContext tree) take one input cut into parts at
+:data:`SPLIT`, so that libFuzzer's mutations (which copy and insert byte runs) can still move bytes between
+files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import mcf
+import mcf.megacontext as mc
+import mcf.megatron as mt
+from mcf._safetensors import SafetensorsFile
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+VECTORS = ROOT / "tests" / "vectors"
+REGRESSIONS = ROOT / "tests" / "fuzz_regressions"
+
+MAX_SEED = 160 * 1024  # larger vectors slow every execution down for no new code reached
+SPLIT = b"\n@@mcf-fuzz-part@@\n"
+CTX_FILES = ("metadata.json", "LOD0.ctx", "LOD1.ctx", "LOD2.ctx")
+
+
+def join_parts(*parts: bytes) -> bytes:
+    return SPLIT.join(parts)
+
+
+def split_parts(data: bytes, n: int) -> list:
+    """``n`` parts of ``data`` (missing parts are empty, extra separators stay in the last part)."""
+    parts = data.split(SPLIT, n - 1)
+    return parts + [b""] * (n - len(parts))
+
+
+# ------------------------------------------------------------------------------------------------
+# MCF: header, directory, TensorIndex, ModelInfo, QuantInfo, resources, every tensor, dequantize
+# ------------------------------------------------------------------------------------------------
+def _read_mcf(c) -> None:
+    for name in c:
+        t = c.info(name)
+        c.raw(name).tobytes()
+        if t.quantized:
+            c.quant_layout(name)
+            c.quant_record(name)
+            for arr in c.quant_regions(name).values():
+                arr.tobytes()
+            c.dequantize(name)
+            if len(t.shape) == 2 and t.shape[0] > 1:
+                c.dequantize(name, rows=(1, t.shape[0]), dtype=np.float16)
+        else:
+            np.asarray(c.tensor(name)).tobytes()
+            if t.dtype.family == "float":
+                c.to_float32(name)
+                c.dequantize(name)
+    c.quant_info
+    c.model_info
+    for fname in c.resources:
+        c.resource_text(fname)
+        if fname.endswith(".json"):
+            c.resource_json(fname)
+    for s in c.sections:
+        c.section_bytes(s.type)
+    c.verify()
+
+
+def _each_mcf_error(fn, *args) -> None:
+    """Run ``fn``; an MCFError ends it quietly (later reads may still be tried by the caller)."""
+    try:
+        fn(*args)
+    except mcf.MCFError:
+        pass
+
+
+def mcf_container(data: bytes) -> None:
+    try:
+        c = mcf.open(memoryview(data))
+    except mcf.MCFError:
+        return
+    try:
+        # each accessor separately, so that one bad section does not hide the decoding of the others
+        for name in list(c):
+            _each_mcf_error(_read_one_tensor, c, name)
+        _each_mcf_error(_read_mcf, c)
+    finally:
+        c.close()
+
+
+def _read_one_tensor(c, name) -> None:
+    t = c.info(name)
+    if t.quantized:
+        c.dequantize(name)
+    else:
+        np.asarray(c.tensor(name)).tobytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron .idx + .bin
+# ------------------------------------------------------------------------------------------------
+def _read_megatron(ds) -> None:
+    n = len(ds)
+    ds.variant, ds.dtype, ds.multimodal
+    ds.sequence_lengths, ds.sequence_pointers, ds.document_indices, ds.sequence_modes
+    for i in range(min(n, 64)):
+        ds[i].tobytes()
+    if n:
+        ds[-1].tobytes()
+        ds.get(0, 0, 1) if len(ds[0]) else None
+        ds.gather(np.arange(min(n, 16), dtype=np.int64))[0].tobytes()
+        ds[0:min(n, 8)]
+    for k in range(min(ds.num_documents, 16)):
+        ds.document(k).tobytes()
+    ds.num_tokens
+    ds.verify()
+
+
+def megatron(data: bytes) -> None:
+    idx, binary = split_parts(data, 2)
+    for validate in (True, False):
+        for multimodal in (None, True):
+            try:
+                ds = mt.IndexedDataset(memoryview(idx), memoryview(binary), validate=validate,
+                                       multimodal=multimodal)
+            except mcf.MCFError:
+                continue
+            try:
+                _read_megatron(ds)
+            except mcf.MCFError:
+                pass
+            finally:
+                ds.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# MegaContext tree: metadata.json + LOD0/1/2.ctx (written to a per-process scratch directory)
+# ------------------------------------------------------------------------------------------------
+_scratch: list = []
+
+
+def _tree_dir() -> str:
+    if not _scratch:
+        _scratch.append(tempfile.mkdtemp(prefix="mcf-fuzz-ctx-"))
+    return _scratch[0]
+
+
+def _read_tree(t) -> None:
+    t.metadata, t.model_name, t.vocab_size, t.counts, t.committed_counts, t.ingestion_complete
+    for level in range(3):
+        t.header(level)
+        n = t.num_gists(level) if level else t.num_blocks
+        if level:
+            t.checkpoint_ranges(level)
+            if n:
+                t.gist(level, 0).tobytes()
+                t.gist(level, n - 1).tobytes()
+                t.gists(level).tobytes()
+        elif n:
+            t.block(0).tobytes()
+            t.block(n - 1).tobytes()
+    t.tokens().tobytes()
+    t.assemble(t.plan_tail(200, 40))
+    t.info()
+
+
+def megacontext(data: bytes) -> None:
+    d = _tree_dir()
+    for fname, part in zip(CTX_FILES, split_parts(data, len(CTX_FILES))):
+        with open(os.path.join(d, fname), "wb") as f:
+            f.write(part)
+    for mode in ("r", "r+"):
+        try:
+            with mc.open(d, mode) as t:
+                _read_tree(t)
+        except mcf.MCFError:
+            pass
+    for prob in mc.verify(d, deep=True):
+        if not isinstance(prob.error, mcf.MCFError):
+            raise TypeError(f"verify listed a non-MCFError problem: {prob.error!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# safetensors header (the import path of mcf.pack)
+# ------------------------------------------------------------------------------------------------
+def safetensors(data: bytes) -> None:
+    try:
+        f = SafetensorsFile(memoryview(data))
+    except mcf.MCFError:
+        return
+    try:
+        for t in f.tensors.values():
+            np.asarray(t.array()).tobytes()
+    except mcf.MCFError:
+        pass
+    finally:
+        f.close()
+
+
+TARGETS = {
+    "mcf": mcf_container,
+    "megatron": megatron,
+    "megacontext": megacontext,
+    "safetensors": safetensors,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# seed corpora: the golden fixtures and vectors
+# ------------------------------------------------------------------------------------------------
+def _safetensors_seeds() -> list:
+    import json
+    import struct
+
+    def one(header: dict, payload: bytes) -> bytes:
+        h = json.dumps(header).encode()
+        return struct.pack("<Q", len(h)) + h + payload
+
+    return [
+        one({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+             "b": {"dtype": "BF16", "shape": [3], "data_offsets": [16, 22]}}, bytes(range(22))),
+        one({"x": {"dtype": "I8", "shape": [], "data_offsets": [0, 1]}}, b"\x07"),
+        one({}, b""),
+    ]
+
+
+def seeds(target: str) -> list:
+    """The seed inputs of ``target`` (bytes), from the committed golden fixtures and vectors."""
+    if target == "mcf":
+        files = sorted(FIXTURES.glob("*.mcf")) + sorted((VECTORS / "mantle" / "files").glob("*.mcf"))
+        return [p.read_bytes() for p in files if p.stat().st_size <= MAX_SEED]
+    if target == "megatron":
+        d = FIXTURES / "megatron"
+        return [join_parts(p.read_bytes(), p.with_suffix(".bin").read_bytes()) for p in sorted(d.glob("*.idx"))]
+    if target == "megacontext":
+        d = FIXTURES / "megacontext"
+        return [join_parts(*((t / f).read_bytes() for f in CTX_FILES))
+                for t in sorted(p for p in d.iterdir() if p.is_dir())]
+    if target == "safetensors":
+        return _safetensors_seeds()
+    raise KeyError(target)
+
+
+def regressions(target: str) -> list:
+    """Every input that ever made ``target`` fail (``tests/fuzz_regressions/<target>/``)."""
+    d = REGRESSIONS / target
+    return sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else []
