@@ -112,6 +112,69 @@ static void codes_scalar(const float v[32], float inv, int32_t qmax, int compat,
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#define T2Q "avx2,bmi2"
+
+__attribute__((target(T2Q))) static float load_avx2(const float *row, size_t c0, size_t cols, float lo, float hi,
+                                                     float v[32])
+{
+    size_t n = cols - c0 < 32 ? cols - c0 : 32;
+    __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(8 * k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), idx);
+        __m256 x = _mm256_maskload_ps(row + c0 + 8 * k, m);   /* masked-off lanes read as +0 */
+        x = _mm256_blendv_ps(x, vlo, _mm256_cmp_ps(x, vlo, _CMP_LT_OQ));
+        x = _mm256_blendv_ps(x, vhi, _mm256_cmp_ps(x, vhi, _CMP_GT_OQ));
+        x = _mm256_and_ps(x, _mm256_castsi256_ps(m));          /* padding lanes are +0 */
+        _mm256_storeu_ps(v + 8 * k, x);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+}
+
+__attribute__((target(T2Q))) static inline __m256i round_away_clamp8(__m256 p, float qmax)
+{
+    __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(p, t));   /* exact */
+    __m256 up = _mm256_cmp_ps(f, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(p, _mm256_set1_ps(-0.0f)));
+    t = _mm256_add_ps(t, _mm256_and_ps(one, up));
+    t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-qmax)), _mm256_set1_ps(qmax));
+    return _mm256_cvttps_epi32(t);
+}
+
+__attribute__((target(T2Q))) static void codes_avx2(const float v[32], float inv, int32_t qmax, int compat,
+                                                    int bits, uint8_t *dst)
+{
+    if (!isfinite(inv)) {
+        codes_scalar(v, inv, qmax, compat, bits, dst);
+        return;
+    }
+    __m256 vi = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++) q[k] = round_away_clamp8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), vi), (float)qmax);
+    /* int32 -> int8 keeping order: pack pairs, then undo the 128-bit lane interleave */
+    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b = _mm256_packs_epi16(p01, p23);
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (bits == 8) {
+        _mm256_storeu_si256((__m256i *)dst, b);
+        return;
+    }
+    uint64_t w[4];
+    _mm256_storeu_si256((__m256i *)w, b);
+    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull
+               : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x3f3f3f3f3f3f3f3full;
+    for (int g = 0; g < 4; g++) {
+        uint64_t packed = _pext_u64(w[g], m);
+        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
+    }
+}
+
 #define T512Q "avx512f,avx512bw,avx512vl,avx512dq,bmi2"
 
 __attribute__((target(T512Q))) static float load_avx512(const float *row, size_t c0, size_t cols, float lo,
@@ -182,6 +245,9 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
     if (impl >= MCF_IMPL_AVX512) {
         load = load_avx512;
         mkcodes = codes_avx512;
+    } else if (impl == MCF_IMPL_AVX2) {
+        load = load_avx2;
+        mkcodes = codes_avx2;
     }
 #endif
     (void)impl;
