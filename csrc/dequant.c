@@ -297,6 +297,39 @@ __attribute__((target(T512))) static inline void store16_avx512(void *out, size_
     }
 }
 
+/* 32 signed codes of one block as bytes.  4-bit codes take a pure-SIMD nibble split (item 0 in the low
+ * nibble); the other widths go through pdep. */
+__attribute__((target(T512))) static inline __m256i decode32_avx512(const uint8_t *src, int bits)
+{
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)src);
+    __m256i v;
+    if (bits == 4) {
+        __m128i b = _mm_loadu_si128((const __m128i *)src);
+        __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0f)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
+        v = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    } else {
+        /* 2, 3, 6 bits: every 8 codes fill `bits` whole bytes.  vpermb copies bytes [g*bits, g*bits+8)
+         * into qword g, vpmultishiftqb pulls the 8 bits starting at bit j*bits into byte j, and a mask
+         * keeps the low `bits`.  The masked load never touches bytes past the block. */
+        __m256i raw = _mm256_maskz_loadu_epi8((__mmask32)((1ull << (bits * 4)) - 1), src);
+        __m256i idx, sh;
+        if (bits == 2) {
+            idx = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 10, 11, 6, 7, 8, 9, 10, 11, 12, 13);
+            sh = _mm256_set1_epi64x(0x0e0c0a0806040200ll);
+        } else if (bits == 3) {
+            idx = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 8, 9, 10, 6, 7, 8, 9, 10, 11, 12, 13, 9, 10, 11, 12, 13, 14, 15, 16);
+            sh = _mm256_set1_epi64x(0x15120f0c09060300ll);
+        } else {
+            idx = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9, 10, 11, 12, 13, 12, 13, 14, 15, 16, 17, 18, 19, 18, 19, 20, 21, 22, 23, 24, 25);
+            sh = _mm256_set1_epi64x(0x2a241e18120c0600ll);
+        }
+        v = _mm256_multishift_epi64_epi8(sh, _mm256_permutexvar_epi8(idx, raw));
+        v = _mm256_and_si256(v, _mm256_set1_epi8((char)((1 << bits) - 1)));
+    }
+    __m256i m = _mm256_set1_epi8((char)(1 << (bits - 1)));
+    return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+}
+
 __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
                                                         int kind)
 {
@@ -312,24 +345,25 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
             __m512 s = _mm512_set1_ps(block_scale_f16c(t, r, b));
-            __m256i q;
-            const uint8_t *src = rowdata + b * bb;
-            if (t->bits == 8) {
-                q = _mm256_loadu_si256((const __m256i *)src);
-            } else {
-                uint64_t w[4];
-                spread_block(src, t->bits, w);
-                __m256i v = _mm256_set_epi64x((long long)w[3], (long long)w[2], (long long)w[1], (long long)w[0]);
-                __m256i m = _mm256_set1_epi8((char)(1 << (t->bits - 1)));
-                q = _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
-            }
+            __m256i q = decode32_avx512(rowdata + b * bb, t->bits);
             __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
             __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
             size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
-            __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-            __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
-            store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
-            if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
+            if (n == 32 && kind == MCF_OUT_F32) {      /* full block, float32: plain 64-byte stores */
+                float *dst = (float *)out + o;
+                if (stream) {
+                    _mm512_stream_ps(dst, _mm512_mul_ps(s, f0));
+                    _mm512_stream_ps(dst + 16, _mm512_mul_ps(s, f1));
+                } else {
+                    _mm512_storeu_ps(dst, _mm512_mul_ps(s, f0));
+                    _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, f1));
+                }
+            } else {
+                __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+                __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
+                store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
+                if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
+            }
             o += n;
         }
     }
