@@ -27,6 +27,7 @@ __all__ = [
     "InvalidArgumentError",
     "MissingFileError",
     "AccessError",
+    "ContextNotFoundError",
 ]
 
 
@@ -148,3 +149,10 @@ def os_error(exc: OSError, path: Any) -> MCFIOError:
         cls = AccessError
     err = cls(exc.errno, exc.strerror or str(exc), str(path) if path is not None else None)
     return err
+
+
+class ContextNotFoundError(MCFError, KeyError):
+    """No (unexpired) context with that id exists in the bucket, or no model with that id is known."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message, quoting it
+        return str(self.args[0]) if self.args else ""

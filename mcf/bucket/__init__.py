@@ -1,16 +1,21 @@
 """Model Context Bucket: a persistent, checksummed store of pre-computed KV caches (seed 003).
 
-:mod:`mcf.bucket.kvfile` reads and writes one context's ``kv_data.mcb``; see docs/bucket.md.
+:mod:`mcf.bucket.kvfile` reads and writes one context's ``kv_data.mcb``; :mod:`mcf.bucket.store` is the
+bucket directory (registry, contexts, models) and its operations.  See docs/bucket.md.
 """
 
-from mcf.bucket.kvfile import (
-    DEFAULT_MAX_DECOMPRESSED_BYTES,
-    Int8KV,
-    KVFile,
-    KVHeader,
-    open_kv,
-    read_kv,
-    write_kv,
-)
+from mcf.bucket.kvfile import DEFAULT_MAX_DECOMPRESSED_BYTES, Int8KV, KVFile, KVHeader, open_kv, read_kv, write_kv
+from mcf.bucket.store import Bucket, content_hash, context_id_for
 
-__all__ = ["DEFAULT_MAX_DECOMPRESSED_BYTES", "Int8KV", "KVFile", "KVHeader", "open_kv", "read_kv", "write_kv"]
+__all__ = [
+    "DEFAULT_MAX_DECOMPRESSED_BYTES",
+    "Bucket",
+    "Int8KV",
+    "KVFile",
+    "KVHeader",
+    "content_hash",
+    "context_id_for",
+    "open_kv",
+    "read_kv",
+    "write_kv",
+]

@@ -1,0 +1,300 @@
+"""The bucket directory: ingest/discover/lookup/load/delete, content-derived ids that survive a restart,
+TTL with a controllable clock, pinning, events, model compatibility, hostile ids and JSON, a writer
+killed mid-ingest and mid-registry-update, and two processes ingesting at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mcf
+from mcf.bucket.store import Bucket, content_hash
+from mcf.errors import ContextNotFoundError
+
+
+class Clock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def kv(seed: int, n_layers=2, heads=2, seq=8, dim=4):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((heads, seq, dim)).astype(np.float32),
+             rng.standard_normal((heads, seq, dim)).astype(np.float32)) for _ in range(n_layers)]
+
+
+def ids(entries):
+    return sorted(e["context_id"] for e in entries)
+
+
+def test_ingest_discover_load_survives_restart(tmp_path):
+    b = Bucket(tmp_path)
+    layers = kv(1)
+    meta = b.ingest("medicine-7b", layers, content="The pathophysiology of diabetes", name="ch5",
+                    source="file:///book.pdf#5", compression="zstd", dtype="float32")
+    cid = meta["context_id"]
+    assert meta["content"]["hash"] == content_hash("The pathophysiology of diabetes")
+    assert meta["kv_cache"]["shape"]["num_layers"] == 2 and meta["kv_cache"]["compression"] == "zstd"
+    kvp = tmp_path / "contexts" / cid / "kv_data.mcb"
+    assert meta["kv_cache"]["size_bytes"] == kvp.stat().st_size
+    assert json.loads((tmp_path / "contexts" / cid / "metadata.json").read_text())["context_id"] == cid
+    out = b.load(cid)
+    for (k, v), (k0, v0) in zip(out, layers):
+        np.testing.assert_array_equal(k, k0)
+        np.testing.assert_array_equal(v, v0)
+    # a new process (a new object on the same root) finds the same content under the same id
+    b2 = Bucket(tmp_path)
+    assert ids(b2.discover("medicine-7b")) == [cid]
+    assert b2.lookup(cid)["access"]["count"] == 1
+    again = b2.ingest("medicine-7b", layers, content="The pathophysiology of diabetes", dtype="float32")
+    assert again["context_id"] == cid and again["deduplicated"]
+    # id depends on model, content, dtype and shape
+    others = {
+        b2.ingest("legal-13b", layers, content="The pathophysiology of diabetes", dtype="float32")["context_id"],
+        b2.ingest("medicine-7b", layers, content="other", dtype="float32")["context_id"],
+        b2.ingest("medicine-7b", layers, content="The pathophysiology of diabetes", dtype="float16")["context_id"],
+        b2.ingest("medicine-7b", layers[:1], content="The pathophysiology of diabetes", dtype="float32")["context_id"],
+        b2.ingest("medicine-7b", layers, token_ids=[1, 2, 3], dtype="float32")["context_id"],
+    }
+    assert len(others) == 5 and cid not in others
+    reg = Bucket(tmp_path).registry()
+    assert reg["statistics"]["total_contexts"] == 6 and reg["statistics"]["total_models"] == 2
+    assert sorted(m["model_id"] for m in reg["models"]) == ["legal-13b", "medicine-7b"]
+
+
+def test_uncompressed_load_is_mmap_view(tmp_path):
+    b = Bucket(tmp_path)
+    cid = b.ingest("m", kv(2), content="x", compression="none")["context_id"]
+    (k, _), _ = b.load(cid, tokens=3)
+    assert k.shape == (2, 3, 4) and not k.flags.writeable and not k.flags.owndata
+
+
+def test_delete_and_not_found(tmp_path):
+    b = Bucket(tmp_path)
+    cid = b.ingest("m", kv(3), content="x")["context_id"]
+    b.delete(cid)
+    assert b.discover("m") == [] and not (tmp_path / "contexts" / cid).exists()
+    for op in (b.lookup, b.load, b.delete):
+        with pytest.raises(ContextNotFoundError):
+            op(cid)
+    with pytest.raises(KeyError):
+        b.lookup("ctx_" + "0" * 32)
+
+
+def test_ttl_gc_and_pinning_with_clock(tmp_path):
+    clock = Clock()
+    b = Bucket(tmp_path, clock=clock)
+    events = []
+    b.subscribe(events.append)
+    short = b.ingest("m", kv(4), content="short", ttl=10)["context_id"]
+    pinned = b.ingest("m", kv(5), content="pinned", ttl=10, pinned=True)["context_id"]
+    forever = b.ingest("m", kv(6), content="forever")["context_id"]
+    clock.t += 9.5
+    assert ids(b.discover("m")) == sorted([short, pinned, forever])
+    clock.t += 1
+    assert ids(b.discover("m")) == sorted([pinned, forever])
+    assert short in ids(b.discover("m", include_expired=True))
+    with pytest.raises(ContextNotFoundError, match="expired"):
+        b.lookup(short)
+    assert b.lookup(short, include_expired=True)["context_id"] == short
+    assert b.gc() == [short]
+    assert not (tmp_path / "contexts" / short).exists()
+    assert ids(b.discover("m", include_expired=True)) == sorted([pinned, forever])
+    b.pin(pinned, False)
+    assert ids(b.discover("m")) == [forever]
+    assert b.gc() == [pinned]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("context.ingested") == 3 and kinds.count("context.expired") == 2
+    assert all("timestamp" in e for e in events)
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.ingest("m", kv(7), content="y", ttl=0)
+
+
+def test_model_compatibility(tmp_path):
+    b = Bucket(tmp_path)
+    b.register_model("llama-8b", architecture="llama", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")
+    cid = b.ingest("llama-8b", kv(8), content="a", dtype="float16")["context_id"]
+    with pytest.raises(mcf.InvalidArgumentError, match="num_layers"):
+        b.ingest("llama-8b", kv(8, n_layers=3), content="a")
+    with pytest.raises(mcf.InvalidArgumentError, match="dtype"):
+        b.ingest("llama-8b", kv(8), content="a", dtype="float32")
+    assert len(b.load(cid, model="llama-8b")) == 2
+    with pytest.raises(mcf.InvalidArgumentError, match="head_dim"):
+        b.load(cid, model={"num_layers": 2, "head_dim": 128})
+    with pytest.raises(ContextNotFoundError, match="unknown model"):
+        b.load(cid, model="never-registered")
+    other = b.ingest("mistral", kv(8), content="a")["context_id"]
+    b.register_model("mistral")
+    with pytest.raises(mcf.InvalidArgumentError, match="belongs to"):
+        b.load(other, model="llama-8b")
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "..", "ctx_../../etc", "/etc/passwd", "ctx_" + "0" * 31 + "/",
+                                 "", "ctx_" + "G" * 32, 5, None, "a\0b", "x" * 200])
+def test_hostile_ids_touch_nothing(tmp_path, bad):
+    root = tmp_path / "bucket"
+    b = Bucket(root)
+    cid = b.ingest("m", kv(9), content="keep")["context_id"]
+    outside = tmp_path / "outside.json"
+    outside.write_text("sentinel")
+    def listing():
+        return sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")
+                      if p.name not in (".lock", "registry.json") and p.is_file())
+
+    before = listing()
+    for op in (b.lookup, b.load, b.delete, b.pin):
+        with pytest.raises(mcf.InvalidArgumentError):
+            op(bad)
+    bad_model = bad if bad != "ctx_" + "G" * 32 else ".hidden"  # that one is a legal model id
+    for op in (b.discover, b.model, b.register_model):
+        with pytest.raises(mcf.InvalidArgumentError):
+            op(bad_model)
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.ingest(bad_model, kv(9), content="x")
+    assert listing() == before
+    assert outside.read_text() == "sentinel"
+    assert ids(b.discover("m")) == [cid]
+
+
+def test_malformed_json(tmp_path):
+    b = Bucket(tmp_path)
+    good = b.ingest("m", kv(10), content="good")["context_id"]
+    bad = b.ingest("m", kv(11), content="bad")["context_id"]
+    meta_path = tmp_path / "contexts" / bad / "metadata.json"
+    for text in ["{", "[]", '{"context_id": 5}', "\xff\xfe", json.dumps({"context_id": good}),
+                 json.dumps({**json.loads((tmp_path / "contexts" / good / "metadata.json").read_text()),
+                             "context_id": bad, "kv_cache": {"shape": {}}})]:
+        meta_path.write_bytes(text.encode("latin-1"))
+        with pytest.raises(mcf.FormatError) as ei:
+            b.lookup(bad)
+        assert str(meta_path) in str(ei.value)
+        reg = b.rebuild()
+        assert ids(c for m in reg["models"] for c in m["contexts"]) == [good]
+        assert [s["context_id"] for s in reg["skipped"]] == [bad]
+    # a corrupt or missing registry is a cache: rebuilt on next use
+    for text in ["not json", '{"models": [{"model_id": "m", "contexts": [{"context_id": "../../x"}]}]}', None]:
+        if text is None:
+            (tmp_path / "registry.json").unlink()
+        else:
+            (tmp_path / "registry.json").write_text(text)
+        assert ids(Bucket(tmp_path).discover("m")) == [good]
+
+
+def test_corrupt_kv_file_is_reported(tmp_path):
+    b = Bucket(tmp_path)
+    cid = b.ingest("m", kv(12), content="c", compression="none")["context_id"]
+    p = tmp_path / "contexts" / cid / "kv_data.mcb"
+    raw = bytearray(p.read_bytes())
+    raw[100] ^= 1
+    p.write_bytes(bytes(raw))
+    with pytest.raises(mcf.ChecksumError):
+        b.load(cid)
+    p.write_bytes(bytes(raw[:80]))
+    with pytest.raises(mcf.TruncatedError):
+        b.load(cid)
+
+
+# ------------------------------------------------------------------------------------------------
+# processes: crashes and concurrency
+# ------------------------------------------------------------------------------------------------
+WORKER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from mcf.bucket import store
+    root, tag, count, crash_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    if crash_at != "none":
+        real_replace, real_rename = os.replace, os.rename
+        def replace(src, dst, *a, **k):
+            # crash_at "registry": die right before the registry would be replaced
+            if crash_at == "registry" and str(dst).endswith("registry.json"):
+                os._exit(9)
+            return real_replace(src, dst, *a, **k)
+        def rename(src, dst, *a, **k):
+            # crash_at "commit": die right before the context directory is renamed into place
+            if crash_at == "commit" and "/contexts/ctx_" in str(dst):
+                os._exit(9)
+            return real_rename(src, dst, *a, **k)
+        store.os.replace, store.os.rename = replace, rename
+    b = store.Bucket(root)
+    rng = np.random.default_rng(abs(hash(tag)) % 2**32)
+    for i in range(count):
+        layers = [(rng.standard_normal((2, 64, 16)).astype(np.float32),) * 2 for _ in range(4)]
+        m = b.ingest("m", layers, content=f"{tag}-{i}", compression="lz4" if i % 2 else "none")
+        print(m["context_id"], flush=True)
+""")
+
+
+def run_worker(root, tag, count, crash_at="none", **kw):
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(root), tag, str(count), crash_at],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def assert_consistent(root: Path, committed: set[str]):
+    """Everything committed loads after a rebuild; nothing half-written is visible."""
+    b = Bucket(root)
+    reg = b.rebuild()
+    listed = {c["context_id"] for m in reg["models"] for c in m["contexts"]}
+    assert committed <= listed
+    assert reg["skipped"] == []
+    for cid in listed:
+        assert len(b.load(cid, record_access=False)) == 4
+    assert listed == set(ids(b.discover("m")))
+    visible = {p.name for p in (root / "contexts").iterdir() if not p.name.startswith(".")}
+    assert visible == listed
+
+
+@pytest.mark.parametrize("crash_at", ["commit", "registry"])
+def test_killed_at_a_fixed_point_then_rebuild(tmp_path, crash_at):
+    Bucket(tmp_path).ingest("m", kv(13, n_layers=4, seq=64, dim=16), content="before")
+    proc = run_worker(tmp_path, "w", 3, crash_at)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 9, err
+    assert out == ""  # it died inside its first ingest
+    before = {c["context_id"] for c in json.loads((tmp_path / "registry.json").read_text())["models"][0]["contexts"]}
+    assert len(before) == 1
+    dirs = [p.name for p in (tmp_path / "contexts").iterdir()]
+    if crash_at == "commit":
+        assert any(d.startswith(".tmp-") for d in dirs) and len([d for d in dirs if d.startswith("ctx_")]) == 1
+    else:  # committed but not registered: rebuild must bring it back
+        assert len([d for d in dirs if d.startswith("ctx_")]) == 2
+    assert_consistent(tmp_path, before)
+    b = Bucket(tmp_path)
+    b.gc()  # fresh temp dirs are left alone (a live writer may own them)
+    assert len(b.discover("m")) == (1 if crash_at == "commit" else 2)
+
+
+def test_killed_at_random_times_then_rebuild(tmp_path):
+    committed: set[str] = set()
+    for delay in (0.0, 0.05, 0.2):
+        proc = run_worker(tmp_path, f"r{delay}", 2000)
+        first = proc.stdout.readline()  # it is ingesting now
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
+        committed |= set((first + out).split())
+        assert_consistent(tmp_path, committed)
+    assert len(committed) >= 3
+
+
+def test_two_processes_ingest_at_once(tmp_path):
+    procs = [run_worker(tmp_path, tag, 12) for tag in ("a", "b")]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1] for o in outs]
+    written = set(outs[0][0].split()) | set(outs[1][0].split())
+    assert len(written) == 24
+    # without a rebuild: the registry saw every update (the lock serialized them)
+    assert set(ids(Bucket(tmp_path).discover("m"))) == written
+    assert_consistent(tmp_path, written)
