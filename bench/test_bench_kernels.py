@@ -131,10 +131,12 @@ def test_dequant_l1_two_threads(benchmark, payloads, method):
     _SUMMARY.append(("2thr", method, "best", N * N * 4 / t2 / 1e9, t1 / t2, None))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.benchmark(group="quantize-4096x4096")
-def test_quantize(benchmark, weights, method):
-    benchmark.pedantic(lambda: mcf.quantize(weights, method), rounds=3, warmup_rounds=0, iterations=1)
+def test_quantize(benchmark, weights, method, threads):
+    benchmark.pedantic(lambda: mcf.quantize(weights, method, threads=threads), rounds=3, warmup_rounds=0,
+                       iterations=1)
     t = benchmark.stats.stats.median
     gbps = N * N * 4 / t / 1e9
     info = {"gbps_in": gbps}
@@ -144,7 +146,7 @@ def test_quantize(benchmark, weights, method):
             t_g = _median_time(lambda: gguf.quants.quantize(weights, gt), rounds=1)
         info["vs_gguf_quantize"] = t_g / t
     benchmark.extra_info.update(info)
-    _SUMMARY.append(("quant", method, "scalar", gbps, info.get("vs_gguf_quantize"), None))
+    _SUMMARY.append(("quant", method, f"{threads}thr", gbps, info.get("vs_gguf_quantize"), None))
 
 
 def teardown_module(module):

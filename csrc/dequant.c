@@ -382,10 +382,26 @@ void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int
     dequant_scalar(t, r0, r1, out, kind);
 }
 
+#ifdef MCF_X86
+__attribute__((target(T512))) static void unpack_avx512(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+{
+    if (t->family == MCF_FAM_RAW) {
+        unpack_scalar(t, r0, r1, out);
+        return;
+    }
+    size_t bb = (size_t)t->bits * 4;
+    for (size_t r = r0; r < r1; r++)
+        for (size_t b = 0; b < t->bpr; b++)
+            _mm256_storeu_si256((__m256i *)(out + ((r - r0) * t->bpr + b) * 32),
+                                decode32_avx512(t->data + (r * t->bpr + b) * bb, t->bits));
+}
+#endif
+
 void mcf_unpack_rows(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out, int impl)
 {
     if (r1 <= r0) return;
 #ifdef MCF_X86
+    if (impl >= MCF_IMPL_AVX512) { unpack_avx512(t, r0, r1, out); return; }
     if (impl >= MCF_IMPL_AVX2) { unpack_avx2(t, r0, r1, out); return; }
 #endif
     (void)impl;

@@ -60,13 +60,15 @@ def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
 
 
 def quantize(array, method, *, compat: bool = False, min_clip: float | None = None,
-             max_clip: float | None = None, domain: int = Domain.WEIGHTS, src_dtype=None, impl=None):
+             max_clip: float | None = None, domain: int = Domain.WEIGHTS, src_dtype=None, impl=None,
+             threads: int = 1):
     """Quantize a rank-2 float array (float32, float16, bfloat16; ``src_dtype="bf16"`` for raw uint16
     bits) to ``method``.  Returns ``(payload, params)``: the payload bytes laid out as
     :func:`mcf.quant_layout` says, and the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
 
     ``compat=True`` reproduces the Go quantizer byte for byte (truncating f16 scales).  Clips default to
-    -max|x| and +max|x|, as the Go tool records them.  NaN and infinity are refused.
+    -max|x| and +max|x|, as the Go tool records them.  NaN and infinity are refused.  ``threads`` splits
+    the rows across threads (q*/k* without explicit clips); the bytes do not depend on it.
     """
     a = np.asarray(array)
     info = parse_dtype(method)
@@ -93,12 +95,25 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
         # One pass over memory: each chunk (small enough to stay in L2) is checked and measured, then
         # quantized.  Clipping to -+max|x| changes nothing, so no clip is applied; the range is recorded.
         step = max(1, (1 << 20) // max(1, 4 * cols))
-        amax = 0.0
-        for r in range(0, rows, step):
-            x = _rows_f32(a, r, min(rows, r + step), src)
-            amax = max(amax, K.absmax_finite(x)[0])
-            K.quantize_rows(x, info.code, payload, r, min_clip=-math.inf, max_clip=math.inf, compat=compat,
-                            rows=rows, cols=cols, domain=domain, impl=impl)
+
+        def run(starts):
+            m = 0.0
+            for r in starts:
+                x = _rows_f32(a, r, min(rows, r + step), src)
+                m = max(m, K.absmax_finite(x)[0])
+                K.quantize_rows(x, info.code, payload, r, min_clip=-math.inf, max_clip=math.inf, compat=compat,
+                                rows=rows, cols=cols, domain=domain, impl=impl)
+            return m
+
+        starts = list(range(0, rows, step))
+        nthreads = max(1, min(int(threads), len(starts)))
+        if nthreads == 1:
+            amax = run(starts)
+        else:  # chunks write disjoint rows of the payload; the kernels release the GIL
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(nthreads) as ex:
+                amax = max(ex.map(run, [starts[k::nthreads] for k in range(nthreads)]))
         return payload, {"min_clip": float(-np.float32(amax)), "max_clip": float(np.float32(amax)),
                          "domain": domain}
     # pass 1: finiteness and range (needed up front by the clips and by int* scales)

@@ -267,3 +267,12 @@ def test_decode_tiles_covers_every_row():
         qt.decode_tiles(0, 10, 4, tile)
     with pytest.raises(mcf.InvalidArgumentError):
         qt.decode_tiles(0, 11, 1, tile)
+
+
+@pytest.mark.parametrize("method", ["q8", "k3"])
+def test_quantize_threads_give_the_same_bytes(method):
+    x = np.random.default_rng(21).standard_normal((300, 1000)).astype(np.float32)
+    one, q1 = mcf.quantize(x, method)
+    for threads in (2, 3):
+        many, q2 = mcf.quantize(x, method, threads=threads)
+        assert many.tobytes() == one.tobytes() and q1 == q2
