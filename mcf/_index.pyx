@@ -53,9 +53,9 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
     cdef const uint8_t* dims = base + dims_off if n else NULL
     cdef uint32_t i, k, name_off, name_len, code, rank, dim_off
     cdef uint32_t prev_off = 0, prev_len = 0
-    cdef uint64_t data_off, data_size, at, elems, want, d, isz
+    cdef uint64_t data_off, data_size, at, elems, want, d, isz, nonzero, nbytes_np
     cdef int cmp
-    cdef bint is_sorted = True, overflow
+    cdef bint is_sorted = True, overflow, too_big
     cdef list infos = []
     cdef list names_b = []
     cdef tuple shape
@@ -97,7 +97,9 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
         prev_len = name_len
         shape = PyTuple_New(rank)
         elems = 1
+        nonzero = 1
         overflow = False
+        too_big = False
         for k in range(rank):
             d = ld64(dims + (<uint64_t>dim_off + k) * 8)
             v = d  # a Python int
@@ -105,6 +107,8 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
             PyTuple_SET_ITEM(shape, k, v)
             if mcf_mul_u64(elems, d, &elems):
                 overflow = True
+            if d and mcf_mul_u64(nonzero, d, &nonzero):
+                too_big = True
         dtinfo = dtinfos[code]
         isz = <uint64_t><int>itemsizes[code]
         if isz == 0:
@@ -125,6 +129,12 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
             if overflow or mcf_mul_u64(elems, isz, &want) or want != data_size:
                 raise ferr("size", name, f"entry[{i}].data_size", at + 32, (None, dtinfo, shape),
                            data_size)
+        # (after the size check, so only a shape with a zero dim gets here)
+        # numpy refuses any array whose non-zero dims times its item size pass 2**63 - 1, even an empty
+        # one: reject such a shape here (itemsize 4 for quantized tensors: they decode to float32)
+        if too_big or mcf_mul_u64(nonzero, isz if isz else 4, &nbytes_np) or nbytes_np > <uint64_t>0x7fffffffffffffff:
+            raise ferr("format", f"shape of {name!r} is too large for an array", f"entry[{i}].dim_off",
+                       at + 16, "non-zero dims * itemsize < 2**63", shape)
         if check_range and (data_off < d_lo or data_off > d_hi or data_size > d_hi - data_off):
             raise ferr("truncated", f"data of {name!r} lies outside the TensorData section",
                        f"entry[{i}].data_off", at + 24, f"range inside [{d_lo}, {d_hi})",

@@ -76,3 +76,14 @@ def test_a_non_mcf_error_is_caught(monkeypatch):
     monkeypatch.setattr(reader.IndexedDataset, "document", broken)
     with pytest.raises(IndexError):
         TARGETS["megatron"](seeds("megatron")[0])
+
+
+def test_empty_tensor_with_a_huge_dim_is_a_format_error():
+    """Found by fuzz/run.py: shape (0, 2**62 + 4) of u64 has 0 elements, so its data_size (0) matched, but
+    numpy refuses to build even an empty array that large (ValueError escaped from tensor())."""
+    import mcf
+
+    (p,) = [p for p in regressions("mcf") if p.name.startswith("crash-86e3a1d2")]
+    with pytest.raises(mcf.FormatError) as ei:
+        mcf.open(memoryview(p.read_bytes()))
+    assert ei.value.field.endswith("dim_off") and "too large" in str(ei.value)
