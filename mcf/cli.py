@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_demo)
     __import__("mcf.megatron.cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
     __import__("mcf.megacontext.cli", fromlist=["add_ctx_parser"]).add_ctx_parser(sub)
+    __import__("mcf.bucket.cli", fromlist=["add_bucket_parser"]).add_bucket_parser(sub)
     return p
 
 

@@ -5,7 +5,6 @@ killed mid-ingest and mid-registry-update, and two processes ingesting at once."
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -66,7 +65,7 @@ def test_ingest_discover_load_survives_restart(tmp_path):
         b2.ingest("medicine-7b", layers, content="other", dtype="float32")["context_id"],
         b2.ingest("medicine-7b", layers, content="The pathophysiology of diabetes", dtype="float16")["context_id"],
         b2.ingest("medicine-7b", layers[:1], content="The pathophysiology of diabetes", dtype="float32")["context_id"],
-        b2.ingest("medicine-7b", layers, token_ids=[1, 2, 3], dtype="float32")["context_id"],
+        b2.ingest("medicine-7b", layers, token_ids=list(range(8)), dtype="float32")["context_id"],
     }
     assert len(others) == 5 and cid not in others
     reg = Bucket(tmp_path).registry()
@@ -298,3 +297,75 @@ def test_two_processes_ingest_at_once(tmp_path):
     # without a rebuild: the registry saw every update (the lock serialized them)
     assert set(ids(Bucket(tmp_path).discover("m"))) == written
     assert_consistent(tmp_path, written)
+
+
+# ------------------------------------------------------------------------------------------------
+# prefix reuse
+# ------------------------------------------------------------------------------------------------
+def kv_tokens(seed: int, n: int):
+    return kv(seed, n_layers=2, heads=2, seq=n, dim=4)
+
+
+def test_prefix_lookup_longest_and_partial_load(tmp_path):
+    clock = Clock()
+    b = Bucket(tmp_path, clock=clock, prefix_chunk_tokens=16)
+    rng = np.random.default_rng(20)
+    base = rng.integers(0, 50_000, 100).tolist()
+    two = base[:40] + [7] * 10             # shares chunks 0, 1 with base (32 tokens)
+    three = base[:50] + [9] * 3            # shares chunks 0..2 (48 tokens)
+    la, l2, l3 = kv_tokens(21, 100), kv_tokens(22, 50), kv_tokens(23, 53)
+    a = b.ingest("m", la, token_ids=base)["context_id"]
+    c2 = b.ingest("m", l2, token_ids=two, ttl=5)["context_id"]
+    c3 = b.ingest("m", l3, token_ids=three, dtype="float32")["context_id"]
+    b.ingest("m", kv_tokens(24, 20), content="text only")  # no token ids: not indexed
+
+    # a prompt continuing base for 70 tokens: base itself matches 4 whole chunks (64 tokens)
+    hit = Bucket(tmp_path, clock=clock, prefix_chunk_tokens=16).lookup_prefix("m", base[:70] + [1, 2])
+    assert (hit["context_id"], hit["tokens"]) == (a, 64)
+    (k, v), _ = b.load(a, tokens=hit["tokens"])
+    np.testing.assert_array_equal(k, la[0][0][:, :64].astype(np.float16))
+    # a prompt that follows `three` (not base) after token 50: only `three` has chunk 2... and base too
+    q = three[:48] + [5] * 20
+    hit = b.lookup_prefix("m", q)
+    assert hit["tokens"] == 48 and hit["context_id"] in (a, c3)
+    assert b.lookup_prefix("m", q, dtype="float32")["context_id"] == c3
+    # a prompt sharing two chunks with `two`, diverging from base in chunk 2
+    q = two[:45] + [3] * 30
+    assert b.lookup_prefix("m", q)["tokens"] == 32
+    # nothing shared in the first chunk, shorter than a chunk, other model
+    assert b.lookup_prefix("m", [1] * 40) is None
+    assert b.lookup_prefix("m", base[:15]) is None
+    assert b.lookup_prefix("other", base) is None
+    # a different chunk size never matches hashes made with another
+    assert Bucket(tmp_path, prefix_chunk_tokens=8).lookup_prefix("m", base) is None
+    # expired and deleted contexts are not offered
+    clock.t += 10
+    only_two = two[:40] + [0] * 30
+    hit = b.lookup_prefix("m", only_two)
+    assert hit is None or hit["context_id"] != c2
+    b.delete(a)
+    assert b.lookup_prefix("m", base[:70])["context_id"] == c3
+
+
+def test_prefix_argument_errors(tmp_path):
+    b = Bucket(tmp_path, prefix_chunk_tokens=4)
+    with pytest.raises(mcf.InvalidArgumentError, match="token ids"):
+        b.ingest("m", kv_tokens(30, 10), token_ids=list(range(9)))
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.lookup_prefix("m", [[1, 2]])
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.lookup_prefix("m", [1.5, 2.5])
+    with pytest.raises(mcf.InvalidArgumentError):
+        Bucket(tmp_path, prefix_chunk_tokens=0)
+    cid = b.ingest("m", kv_tokens(31, 8), token_ids=list(range(8)))["context_id"]
+    meta_path = tmp_path / "contexts" / cid / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["prefix"]["hashes"] = [5]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(mcf.FormatError, match="prefix"):
+        b.lookup(cid)
+    # a registry whose prefix entries are garbage is survived (the context metadata decides)
+    reg = json.loads((tmp_path / "registry.json").read_text())
+    reg["models"][0]["contexts"][0]["prefix"] = {"chunk_tokens": 4, "hashes": [[1], 3]}
+    (tmp_path / "registry.json").write_text(json.dumps(reg))
+    assert Bucket(tmp_path, prefix_chunk_tokens=4).lookup_prefix("m", list(range(8))) is None

@@ -44,9 +44,15 @@ import numpy as np
 
 from mcf.bucket import _layout as L
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
-from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFIOError, os_error
+from mcf.errors import (
+    ContextNotFoundError,
+    FormatError,
+    InvalidArgumentError,
+    MCFIOError,
+    os_error,
+)
 
-__all__ = ["Bucket", "context_id_for", "content_hash"]
+__all__ = ["Bucket", "content_hash", "context_id_for"]
 
 REGISTRY_VERSION = "1.0"
 KV_NAME = "kv_data.mcb"
@@ -101,6 +107,29 @@ def context_id_for(model_id: str, chash: str, dtype: Any, shape: L.KVShape) -> s
     key = "\0".join([model_id, chash, L.DTYPE_NAMES[L.parse_dtype(dtype)], str(shape.num_layers),
                      str(shape.num_kv_heads), str(shape.head_dim), str(shape.sequence_length)])
     return "ctx_" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+#: tokens per prefix chunk: contexts ingested with token ids are indexed by the chained hash of each full
+#: chunk, so a new prompt finds the longest cached prefix (the scheme of vLLM's and LMCache's prefix caches)
+PREFIX_CHUNK_TOKENS = 256
+
+
+def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
+    """Chained hashes of the full ``chunk_tokens``-token chunks of ``token_ids``: ``h[i] =
+    sha256(h[i-1] || tokens of chunk i as int64 LE)[:32 hex]``, starting from a hash of the model id
+    and the chunk size.  Equal ``h[i]`` means equal first ``(i+1) * chunk_tokens`` tokens."""
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
+        raise InvalidArgumentError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError("token_ids must be a 1-D sequence of integers")
+    arr = arr.astype("<i8")
+    prev = hashlib.sha256(f"mcb-prefix\0{model_id}\0{chunk_tokens}".encode()).digest()
+    out = []
+    for i in range(arr.size // chunk_tokens):
+        prev = hashlib.sha256(prev + arr[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes()).digest()
+        out.append(prev[:16].hex())
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,9 +209,12 @@ class Bucket:
     >>> layers = b.load(info["context_id"])                                     # [(K, V), ...]
     """
 
-    def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
+                 prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> None:
         self.root = Path(root)
         self.clock = clock
+        prefix_hashes("m", [], prefix_chunk_tokens)  # validates the chunk size
+        self.prefix_chunk_tokens = prefix_chunk_tokens
         self._subscribers: list[Callable[[dict], None]] = []
         self._cache: dict | None = None
         self._cache_stamp: tuple | None = None
@@ -291,6 +323,8 @@ class Bucket:
             "last_accessed": meta["timestamps"]["last_accessed"],
             "expires_at": meta["timestamps"]["expires_at"],
             "pinned": meta.get("pinned", False),
+            "dtype": meta["kv_cache"]["dtype"],
+            "prefix": meta.get("prefix"),
         }
 
     @staticmethod
@@ -344,7 +378,17 @@ class Bucket:
                 st = os.stat(self.registry_path)
                 self._cache_stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
             self._cache = reg
-            self._by_id = {c["context_id"]: (m["model_id"], c) for m in reg["models"] for c in m["contexts"]}
+            # prefix index: chained chunk hash -> [(context id, tokens covered)], per model
+            index: dict[tuple[str, str], list[tuple[str, int]]] = {}
+            for m in reg["models"]:
+                for c in m["contexts"]:
+                    pre = c.get("prefix")
+                    if (isinstance(pre, dict) and pre.get("chunk_tokens") == self.prefix_chunk_tokens
+                            and isinstance(pre.get("hashes"), list)):
+                        for i, h in enumerate(pre["hashes"]):
+                            if isinstance(h, str):
+                                index.setdefault((m["model_id"], h), []).append((c["context_id"], (i + 1) * self.prefix_chunk_tokens))
+            self._prefix_index = index
         return self._cache
 
     def registry(self) -> dict:
@@ -397,6 +441,11 @@ class Bucket:
         _get(meta, p, "timestamps", "expires_at", types=(str, type(None)))
         _parse_iso(meta["timestamps"]["expires_at"], p, "timestamps.expires_at")
         _get(meta, p, "access", "count", types=int)
+        pre = meta.get("prefix")
+        if pre is not None:
+            _get(meta, p, "prefix", "chunk_tokens", types=int)
+            if not all(isinstance(h, str) for h in _get(meta, p, "prefix", "hashes", types=list)):
+                raise FormatError("prefix hashes must be strings", path=p, field="prefix.hashes")
 
     def _expired(self, summary_or_meta: dict, now: float) -> bool:
         ts = summary_or_meta.get("timestamps", summary_or_meta)
@@ -427,6 +476,8 @@ class Bucket:
         from mcf.bucket.kvfile import _shape_of
 
         shape = _shape_of(layers)
+        if token_ids is not None and len(token_ids) != shape.sequence_length:
+            raise InvalidArgumentError(f"{len(token_ids)} token ids for KV data of {shape.sequence_length} tokens")
         doc = self.model(model_id)
         if doc is not None:
             compat = doc["model_compatibility"]
@@ -441,7 +492,11 @@ class Bucket:
             meta["deduplicated"] = True
             return meta
 
-        ntok = len(token_ids) if token_ids is not None else shape.sequence_length
+        ntok = shape.sequence_length
+        prefix = None
+        if token_ids is not None:
+            prefix = {"chunk_tokens": self.prefix_chunk_tokens,
+                      "hashes": prefix_hashes(model_id, token_ids, self.prefix_chunk_tokens)}
         tmp = self.root / "contexts" / f".tmp-{uuid.uuid4().hex}"
         try:
             tmp.mkdir()
@@ -473,6 +528,7 @@ class Bucket:
                                "expires_at": None if ttl is None else _iso(now + ttl)},
                 "access": {"count": 0, "last_query": None},
                 "pinned": bool(pinned),
+                "prefix": prefix,
             }
             _write_json_atomic(tmp / META_NAME, meta)
             _fsync_dir(tmp)
@@ -510,6 +566,30 @@ class Bucket:
                 out = [dict(c) for c in m["contexts"] if include_expired or not self._expired(c, now)]
         self._emit("context.discovered", model_id=model_id, contexts=[c["context_id"] for c in out])
         return out
+
+    def lookup_prefix(self, model_id: str, token_ids: Sequence[int] | np.ndarray, *, dtype: Any = None) -> dict | None:
+        """The cached context sharing the longest prefix with ``token_ids`` (whole chunks of
+        ``prefix_chunk_tokens``), as ``{"context_id", "tokens", "metadata"}``; None when no chunk
+        matches.  Load just the shared part with ``load(context_id, tokens=result["tokens"])``."""
+        check_model_id(model_id)
+        want_dtype = None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)]
+        hashes = prefix_hashes(model_id, token_ids, self.prefix_chunk_tokens)
+        self._registry()
+        index = self._prefix_index
+        now = self.clock()
+        for h in reversed(hashes):  # chained: a match at chunk i implies chunks 0..i match
+            for cid, ntok in index.get((model_id, h), ()):
+                try:
+                    meta = self.lookup(cid)
+                except (ContextNotFoundError, FormatError):
+                    continue
+                if self._expired(meta, now) or (want_dtype is not None and meta["kv_cache"]["dtype"] != want_dtype):
+                    continue
+                pre = meta.get("prefix") or {}
+                if h not in pre.get("hashes", ()):  # registry stale against the context: skip
+                    continue
+                return {"context_id": cid, "tokens": ntok, "metadata": meta}
+        return None
 
     def lookup(self, context_id: str, *, include_expired: bool = False) -> dict:
         """The metadata of one context (ContextNotFoundError when absent or expired)."""
