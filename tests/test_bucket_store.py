@@ -369,3 +369,69 @@ def test_prefix_argument_errors(tmp_path):
     reg["models"][0]["contexts"][0]["prefix"] = {"chunk_tokens": 4, "hashes": [[1], 3]}
     (tmp_path / "registry.json").write_text(json.dumps(reg))
     assert Bucket(tmp_path, prefix_chunk_tokens=4).lookup_prefix("m", list(range(8))) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# tiers
+# ------------------------------------------------------------------------------------------------
+def test_warm_tier_budget_and_lru(tmp_path):
+    per = 2 * 2 * (2 * 8 * 4) * 4  # 2 layers x (K, V) x [2, 8, 4] float32 (loaded as stored: float32)
+    b = Bucket(tmp_path, warm_budget_bytes=2 * per)
+    events = []
+    b.subscribe(events.append)
+    cids = [b.ingest("m", kv(40 + i), content=f"w{i}", dtype="float32", compression="lz4")["context_id"]
+            for i in range(3)]
+    assert b.promote(cids[0]) == "warm" and b.promote(cids[1]) == "warm"
+    assert b.warm_used_bytes == 2 * per
+    b.load(cids[0])  # cids[0] is now the most recently used
+    b.promote(cids[2])  # evicts cids[1], the least recently used
+    assert [b.tier(c) for c in cids] == ["warm", "cold", "warm"]
+    assert b.warm_used_bytes == 2 * per
+    assert any(e["event"] == "context.demoted" and e["context_id"] == cids[1] for e in events)
+    # served from RAM: equal to the disk data, and writable copies rather than the mapping
+    layers = kv(40)
+    got = b.load(cids[0], layers=[1], tokens=5)
+    np.testing.assert_array_equal(got[0][0], layers[1][0][:, :5])
+    tiers = {d["context_id"]: (d["tier"], d["is_loaded"]) for d in b.discover("m")}
+    assert tiers[cids[0]] == ("warm", True) and tiers[cids[1]] == ("cold", False)
+    assert b.demote(cids[0]) == "cold" and b.warm_used_bytes == per
+    b.delete(cids[2])
+    assert b.warm_used_bytes == 0
+    with pytest.raises(mcf.InvalidArgumentError, match="budget"):
+        Bucket(tmp_path, warm_budget_bytes=per - 1).promote(cids[0])
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.promote(cids[0], "cold")
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.demote(cids[0], "hot")
+    b.promote(cids[1])
+    with pytest.raises(mcf.InvalidArgumentError):  # warm hits validate their arguments too
+        b.load(cids[1], layers=[5])
+
+
+def test_hot_tier_and_torch_output(tmp_path):
+    torch = pytest.importorskip("torch", reason="the hot tier needs PyTorch")
+    b = Bucket(tmp_path)
+    layers = kv(50)
+    cid = b.ingest("m", layers, content="hot", dtype="bfloat16", compression="none")["context_id"]
+    (k, v), _ = b.load(cid, as_torch=True)
+    assert k.dtype == torch.bfloat16 and k.shape == (2, 8, 4)
+    np.testing.assert_array_equal(k.float().numpy(), layers[0][0].astype(ml_dtypes_bf16()).astype(np.float32))
+    k.add_(1)  # torch output is an owned copy: writing it never touches the mapping
+    np.testing.assert_array_equal(b.load(cid, as_torch=True)[0][0].float().numpy(),
+                                  layers[0][0].astype(ml_dtypes_bf16()).astype(np.float32))
+    if not torch.cuda.is_available():
+        with pytest.raises(mcf.InvalidArgumentError, match="CUDA"):
+            b.promote(cid, "hot", device="cuda")
+        assert b.tier(cid) == "cold"
+    with pytest.raises(mcf.InvalidArgumentError, match="device"):
+        b.promote(cid, "hot", device="not-a-device")
+    assert b.promote(cid, "hot", device="cpu") == "hot"
+    hot = b.load(cid, as_torch=True, layers=1, tokens=3)
+    assert hot[0][1].shape == (2, 3, 4)
+    assert b.demote(cid, "warm") == "warm" and b.demote(cid) == "cold"
+
+
+def ml_dtypes_bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16

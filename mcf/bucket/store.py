@@ -210,7 +210,11 @@ class Bucket:
     """
 
     def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
-                 prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> None:
+                 prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30) -> None:
+        from mcf.bucket.tiers import WarmCache
+
+        self._warm = WarmCache(warm_budget_bytes)
+        self._hot: dict[str, tuple[Any, list[tuple[Any, Any]]]] = {}
         self.root = Path(root)
         self.clock = clock
         prefix_hashes("m", [], prefix_chunk_tokens)  # validates the chunk size
@@ -563,7 +567,8 @@ class Bucket:
         out = []
         for m in reg["models"]:
             if m["model_id"] == model_id:
-                out = [dict(c) for c in m["contexts"] if include_expired or not self._expired(c, now)]
+                out = [dict(c, tier=self.tier(c["context_id"]), is_loaded=self.tier(c["context_id"]) != "cold")
+                       for c in m["contexts"] if include_expired or not self._expired(c, now)]
         self._emit("context.discovered", model_id=model_id, contexts=[c["context_id"] for c in out])
         return out
 
@@ -619,16 +624,75 @@ class Bucket:
 
     def load(self, context_id: str, *, layers: Sequence[int] | int | None = None, tokens: int | None = None,
              threads: int = 2, verify: bool = True, model: dict | str | None = None,
-             record_access: bool = True) -> list[tuple[Any, Any]]:
-        """Per-layer (K, V) numpy arrays (zero-copy views when stored uncompressed).  ``model`` (a model
-        id or compatibility dict) is checked first; ``record_access`` updates the access statistics."""
+             record_access: bool = True, as_torch: bool = False) -> list[tuple[Any, Any]]:
+        """Per-layer (K, V) numpy arrays (zero-copy views when stored uncompressed and not in a warmer
+        tier).  ``model`` (a model id or compatibility dict) is checked first; ``record_access`` updates
+        the access statistics; ``as_torch`` returns torch tensors (the hot tier's, on its device, when
+        the context is hot; else CPU copies)."""
+        from mcf.bucket.tiers import select, to_torch
+
         if model is not None:
             self.check_compatible(context_id, model)
-        with self.open(context_id) as f:
-            out = f.load(layers, tokens=tokens, threads=threads, verify=verify)
+        else:
+            self.lookup(context_id)  # absent or expired contexts are not served from a tier either
+        hot = self._hot.get(context_id)
+        warm = self._warm.get(context_id)
+        if as_torch and hot is not None:
+            out = select(hot[1], layers, tokens)
+        elif warm is not None:
+            out = select(warm, layers, tokens)
+        else:
+            with self.open(context_id) as f:
+                out = f.load(layers, tokens=tokens, threads=threads, verify=verify)
+        if as_torch and hot is None:
+            out = [(to_torch(k), to_torch(v)) for k, v in out]
         if record_access:
             self._touch(context_id)
         return out
+
+    # -- tiers ---------------------------------------------------------------------------------------
+    def tier(self, context_id: str) -> str:
+        """"hot" (torch tensors on a device), "warm" (decompressed in RAM) or "cold" (on disk only)."""
+        return "hot" if context_id in self._hot else "warm" if context_id in self._warm else "cold"
+
+    @property
+    def warm_used_bytes(self) -> int:
+        return self._warm.used_bytes
+
+    def promote(self, context_id: str, target_tier: str = "warm", *, device: Any = "cuda", threads: int = 2) -> str:
+        """Move a context to a faster tier: ``warm`` loads and decompresses it into RAM (evicting the
+        least recently used warm contexts past the budget); ``hot`` also places it on ``device``
+        through torch (InvalidArgumentError when torch or the device is missing)."""
+        from mcf.bucket.tiers import check_device, to_torch
+
+        if target_tier not in ("warm", "hot"):
+            raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
+        meta = self.lookup(context_id)
+        if target_tier == "hot":
+            dev = check_device(device)
+        layers = self._warm.get(context_id)
+        if layers is None:
+            with self.open(context_id) as f:
+                layers = [(np.array(k), np.array(v)) for k, v in f.load(threads=threads)]
+            for old in self._warm.put(context_id, layers):
+                self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold", reason="warm budget")
+        if target_tier == "hot":
+            self._hot[context_id] = (dev, [(to_torch(k, dev), to_torch(v, dev)) for k, v in layers])
+        self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
+        return self.tier(context_id)
+
+    def demote(self, context_id: str, target_tier: str = "cold") -> str:
+        """Move a context to a slower tier (``warm`` drops its device copy, ``cold`` drops both)."""
+        check_context_id(context_id)
+        if target_tier not in ("warm", "cold"):
+            raise InvalidArgumentError(f"demote to 'warm' or 'cold', not {target_tier!r}")
+        before = self.tier(context_id)
+        self._hot.pop(context_id, None)
+        if target_tier == "cold":
+            self._warm.pop(context_id)
+        if before != self.tier(context_id):
+            self._emit("context.demoted", context_id=context_id, from_tier=before, to_tier=self.tier(context_id))
+        return self.tier(context_id)
 
     def _touch(self, context_id: str) -> None:
         with self._lock():
@@ -653,6 +717,8 @@ class Bucket:
 
     def delete(self, context_id: str, *, _event: str = "context.deleted") -> None:
         check_context_id(context_id)
+        self._hot.pop(context_id, None)
+        self._warm.pop(context_id)
         with self._lock():
             d = self._ctx_dir(context_id)
             if not d.is_dir():

@@ -1,0 +1,122 @@
+"""The warm and hot tiers of a bucket: KV caches held in this process's memory.
+
+Cold is the disk (``kv_data.mcb``).  Warm holds decompressed numpy arrays under a byte budget and
+evicts the least recently used context when a new one would pass it, so a server can keep its hottest
+contexts ready without growing without bound.  Hot holds torch tensors on a device (a GPU when one
+exists); it needs torch and says so clearly when torch or the device is missing.  Tiers are per
+process: they are not persisted (the file on disk stays the source of truth).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mcf.errors import InvalidArgumentError
+
+__all__ = ["WarmCache", "nbytes_of", "select", "to_torch"]
+
+
+def nbytes_of(layers: Sequence[tuple[Any, Any]]) -> int:
+    return sum(int(k.nbytes) + int(v.nbytes) for k, v in layers)
+
+
+def select(layers: list[tuple[Any, Any]], which: Sequence[int] | int | None, tokens: int | None) -> list[tuple[Any, Any]]:
+    """The chosen layers and token prefix of a full per-layer (K, V) list (arrays or tensors)."""
+    n = len(layers)
+    if which is None:
+        sel = list(range(n))
+    else:
+        sel = [which] if isinstance(which, (int, np.integer)) else list(which)
+        for i in sel:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < n:
+                raise InvalidArgumentError(f"layer {i!r} out of range 0..{n - 1}")
+    seq = layers[0][0].shape[1]
+    if tokens is not None and (not isinstance(tokens, (int, np.integer)) or not 0 <= tokens <= seq):
+        raise InvalidArgumentError(f"tokens must be in 0..{seq}, got {tokens!r}")
+    if tokens is None:
+        return [layers[i] for i in sel]
+    return [(layers[i][0][:, :tokens], layers[i][1][:, :tokens]) for i in sel]
+
+
+class WarmCache:
+    """context id -> per-layer (K, V) arrays, least recently used first, within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
+            raise InvalidArgumentError(f"warm budget must be a non-negative integer, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[str, tuple[list[tuple[np.ndarray, np.ndarray]], int]] = OrderedDict()
+        self.used_bytes = 0
+
+    def __contains__(self, cid: str) -> bool:
+        return cid in self._items
+
+    def get(self, cid: str) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        item = self._items.get(cid)
+        if item is None:
+            return None
+        self._items.move_to_end(cid)
+        return item[0]
+
+    def put(self, cid: str, layers: list[tuple[np.ndarray, np.ndarray]]) -> list[str]:
+        """Insert (most recently used); returns the ids evicted to stay within the budget."""
+        size = nbytes_of(layers)
+        if size > self.budget_bytes:
+            raise InvalidArgumentError(f"{cid} needs {size} bytes, more than the warm budget of {self.budget_bytes}")
+        self.pop(cid)
+        evicted = []
+        while self.used_bytes + size > self.budget_bytes:
+            old, (_, n) = self._items.popitem(last=False)
+            self.used_bytes -= n
+            evicted.append(old)
+        self._items[cid] = (layers, size)
+        self.used_bytes += size
+        return evicted
+
+    def pop(self, cid: str) -> bool:
+        item = self._items.pop(cid, None)
+        if item is not None:
+            self.used_bytes -= item[1]
+        return item is not None
+
+    def ids(self) -> list[str]:
+        return list(self._items)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise InvalidArgumentError("the hot tier and torch output need PyTorch, which is not installed") from None
+    return torch
+
+
+def to_torch(arr: np.ndarray, device: Any = None):
+    """A torch tensor holding a copy of ``arr`` (bf16 kept as torch.bfloat16), on ``device``."""
+    torch = _torch()
+    a = np.array(arr)  # owned and writable: a mapped read-only page must never be handed out as writable
+    if a.dtype.name == "bfloat16":
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t if device is None else t.to(device)
+
+
+def check_device(device: Any):
+    """The torch device, or a clear error when it does not exist here."""
+    torch = _torch()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError(f"invalid torch device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {device!r} is not available: torch sees no CUDA device")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise InvalidArgumentError(f"device {device!r} is not available")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise InvalidArgumentError(f"unsupported device type {dev.type!r}")
+    return dev
