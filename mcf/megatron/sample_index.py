@@ -43,7 +43,8 @@ def _int32_array(a, name: str, lo: int = 0) -> np.ndarray:
         if mn < lo or mx > INT32_MAX:
             bad = int(np.flatnonzero((arr < lo) | (arr > INT32_MAX))[0])
             raise InvalidArgumentError(f"{name}[{bad}] = {int(arr[bad])} does not fit [{lo}, {INT32_MAX}]")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    # aligned too: the .idx arrays sit at odd offsets (34 + ...) and C loads them as int32_t*
+    return np.require(arr, dtype=np.int32, requirements=("C", "A"))
 
 
 def _int_arg(v, name: str, lo: int, hi: int) -> int:
