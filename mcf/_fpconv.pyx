@@ -34,8 +34,9 @@ cdef int _impl(object impl) except -1:
 
 cdef _contig(src, dtype=None):
     # np.ascontiguousarray would turn a 0-d array into a 1-d one
+    # aligned too: C reads it as float/uint16_t (safetensors data may start at any byte offset)
     a = np.asarray(src, dtype=dtype)
-    return a if a.flags.c_contiguous else a.copy(order="C")
+    return a if a.flags.c_contiguous and a.flags.aligned else a.copy(order="C")
 
 
 cdef _prep_out(src, out, dtype):

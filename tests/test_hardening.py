@@ -20,3 +20,18 @@ def test_sample_index_inputs_are_aligned_for_the_c_loop():
     np.testing.assert_array_equal(got, np.arange(1, 9))
     want = sample_index.build_sample_idx(np.arange(1, 9, dtype=np.int32), np.arange(8, dtype=np.int32), 4, 1, 36)
     np.testing.assert_array_equal(sample_index.build_sample_idx(mis, np.arange(8, dtype=np.int32), 4, 1, 36), want)
+
+
+def test_fpconv_misaligned_input():
+    """UBSan: f32 data straight after a safetensors header (odd offset) reached the C conversion loops as a
+    misaligned ``const float*``.  _fpconv now copies misaligned input; results must equal numpy's."""
+    from mcf import _fpconv
+
+    raw = np.zeros(4 * 37 + 1, np.uint8)
+    mis = raw[1:].view(np.float32)
+    mis[:] = np.linspace(-3, 3, 37, dtype=np.float32)
+    assert not mis.flags.aligned
+    np.testing.assert_array_equal(_fpconv.f32_to_f16(mis).view(np.float16), mis.astype(np.float16))
+    h = raw[1:1 + 2 * 37].view(np.uint16)
+    assert not h.flags.aligned
+    np.testing.assert_array_equal(_fpconv.f16_to_f32(h), h.view(np.float16).astype(np.float32))
