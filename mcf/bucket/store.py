@@ -769,6 +769,7 @@ class Bucket:
     def _rebuild_locked(self) -> dict:
         reg = self._empty_registry()
         skipped = []
+        by_model: dict[str, list[dict]] = {}
         for cid in self._scan_ids():
             try:
                 meta = self._read_meta(cid)
@@ -777,7 +778,11 @@ class Bucket:
             except (FormatError, ContextNotFoundError, InvalidArgumentError, MCFIOError) as exc:
                 skipped.append({"context_id": cid, "reason": str(exc)})
                 continue
-            self._registry_put(reg, meta["model_id"], self._summary(meta))
+            by_model.setdefault(meta["model_id"], []).append(self._summary(meta))
+        for model_id, summaries in by_model.items():
+            doc = self.model(model_id) if self._model_path(model_id).exists() else None
+            reg["models"].append({"model_id": model_id, "model_hash": (doc or {}).get("model_hash"),
+                                  "contexts": summaries})
         reg["skipped"] = skipped
         self._write_registry_locked(reg)
         return reg
