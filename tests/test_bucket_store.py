@@ -435,3 +435,26 @@ def ml_dtypes_bf16():
     import ml_dtypes
 
     return ml_dtypes.bfloat16
+
+
+def test_planted_symlinks_are_not_followed(tmp_path):
+    root = tmp_path / "bucket"
+    b = Bucket(root)
+    good = b.ingest("m", kv(60), content="good")["context_id"]
+    victim = b.ingest("m", kv(61), content="victim")["context_id"]
+    outside = tmp_path / "outside"
+    (root / "contexts" / victim).rename(outside)  # a real context directory, now outside the root
+    (root / "contexts" / victim).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(mcf.FormatError, match="symbolic link"):
+        b.lookup(victim)
+    reg = b.rebuild()
+    assert [s["context_id"] for s in reg["skipped"]] == [victim]
+    assert ids(b.discover("m")) == [good]
+    b.delete(victim)  # removes the link, not its target
+    assert not (root / "contexts" / victim).exists() and (outside / "kv_data.mcb").is_file()
+    # a symlinked file inside a real context directory
+    d = root / "contexts" / good
+    (d / "kv_data.mcb").rename(tmp_path / "kv.bin")
+    (d / "kv_data.mcb").symlink_to(tmp_path / "kv.bin")
+    with pytest.raises(mcf.FormatError, match="symbolic link"):
+        b.load(good)

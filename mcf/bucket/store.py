@@ -143,15 +143,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def _write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
+    """Replace ``path`` atomically (temp + rename); ``durable`` also fsyncs the file and its directory
+    (skipped only for access statistics, which may be lost in a crash but never half-written)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1, sort_keys=False)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        if durable:
+            _fsync_dir(path.parent)
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -416,12 +420,20 @@ class Bucket:
     def _read_meta(self, context_id: str) -> dict:
         d = self._ctx_dir(context_id)
         p = d / META_NAME
+        self._no_symlinks(d, p, d / KV_NAME)
         try:
             meta = _read_json(p)
         except FileNotFoundError:
             raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
         self._validate_meta(meta, p, context_id)
         return meta
+
+    @staticmethod
+    def _no_symlinks(*paths: Path) -> None:
+        """A planted symlink must not make the bucket read or delete files outside its root."""
+        for q in paths:
+            if q.is_symlink():
+                raise FormatError("symbolic links are not followed inside a bucket", path=q)
 
     @staticmethod
     def _validate_meta(meta: Any, p: Path, context_id: str) -> None:
@@ -702,7 +714,7 @@ class Bucket:
                 return  # deleted meanwhile: the caller already holds its arrays
             meta["access"]["count"] += 1
             meta["timestamps"]["last_accessed"] = _iso(self.clock())
-            _write_json_atomic(self._ctx_dir(context_id) / META_NAME, meta)
+            _write_json_atomic(self._ctx_dir(context_id) / META_NAME, meta, durable=False)
 
     def pin(self, context_id: str, pinned: bool = True) -> dict:
         """Pinned contexts never expire and are never reaped by gc."""
@@ -736,7 +748,10 @@ class Bucket:
             reg = self._read_registry_locked()
             self._registry_put(reg, model_id or "", None, remove=context_id)
             self._write_registry_locked(reg)
-            shutil.rmtree(grave, ignore_errors=True)
+            if grave.is_symlink():
+                grave.unlink()  # remove the link itself, never what it points to
+            else:
+                shutil.rmtree(grave, ignore_errors=True)
         self._emit(_event, model_id=model_id, context_id=context_id)
 
     def gc(self) -> list[str]:
@@ -762,7 +777,8 @@ class Bucket:
 
     def _scan_ids(self) -> list[str]:
         try:
-            return sorted(e.name for e in os.scandir(self.root / "contexts") if _CTX_RE.match(e.name) and e.is_dir())
+            return sorted(e.name for e in os.scandir(self.root / "contexts")
+                          if _CTX_RE.match(e.name) and (e.is_dir(follow_symlinks=False) or e.is_symlink()))
         except OSError as exc:
             raise os_error(exc, self.root / "contexts") from exc
 
