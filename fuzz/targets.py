@@ -207,7 +207,33 @@ def safetensors(data: bytes) -> None:
         f.close()
 
 
+# ------------------------------------------------------------------------------------------------
+# MCB (kv_data.mcb): header, chunk table, compressed chunks, int8 scales
+# ------------------------------------------------------------------------------------------------
+def bucket(data: bytes) -> None:
+    from mcf.bucket.kvfile import KVFile
+
+    try:
+        f = KVFile(memoryview(data))  # the default decompression limit: what a user gets
+    except mcf.MCFError:
+        return
+    try:
+        f.shape, f.dtype
+        for kw in ({}, {"verify": False}, {"layers": 0, "tokens": 1}, {"dequantize": False}):
+            try:
+                for k, v in f.load(**kw):
+                    np.asarray(k if not isinstance(k, tuple) else k[0]).tobytes()
+            except mcf.MCFError:
+                pass
+        f.verify()
+    except mcf.MCFError:
+        pass
+    finally:
+        f.close()
+
+
 TARGETS = {
+    "bucket": bucket,
     "mcf": mcf_container,
     "megatron": megatron,
     "megacontext": megacontext,
@@ -246,6 +272,8 @@ def seeds(target: str) -> list:
         d = FIXTURES / "megacontext"
         return [join_parts(*((t / f).read_bytes() for f in CTX_FILES))
                 for t in sorted(p for p in d.iterdir() if p.is_dir())]
+    if target == "bucket":
+        return [p.read_bytes() for p in sorted((FIXTURES / "bucket").glob("*.mcb"))]
     if target == "safetensors":
         return _safetensors_seeds()
     raise KeyError(target)
