@@ -24,6 +24,7 @@ import mcf
 import mcf.megacontext as mc
 import mcf.megatron as mt
 from mcf._safetensors import SafetensorsFile
+from mcf.bucket.kvfile import KVFile
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -211,8 +212,6 @@ def safetensors(data: bytes) -> None:
 # MCB (kv_data.mcb): header, chunk table, compressed chunks, int8 scales
 # ------------------------------------------------------------------------------------------------
 def bucket(data: bytes) -> None:
-    from mcf.bucket.kvfile import KVFile
-
     try:
         f = KVFile(memoryview(data))  # the default decompression limit: what a user gets
     except mcf.MCFError:
