@@ -15,7 +15,7 @@ __all__ = ["add_bucket_parser"]
 def _bucket(args):
     from mcf.bucket.store import Bucket
 
-    return Bucket(args.root, create=args.bucket_cmd == "ingest")
+    return Bucket(args.root, create=args.bucket_cmd in ("ingest", "serve"))
 
 
 def _print(obj) -> None:
@@ -103,6 +103,15 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    from mcf.bucket.server import serve
+
+    serve(args.root, host=args.host, port=args.port, token=args.token or os.environ.get("MCB_TOKEN"))
+    return 0
+
+
 def add_bucket_parser(sub) -> None:
     """Register ``mcf bucket ...`` on the top-level subparsers."""
     p = sub.add_parser("bucket", help="Model Context Bucket: a store of pre-computed KV caches")
@@ -141,6 +150,11 @@ def add_bucket_parser(sub) -> None:
 
     cmd("gc", cmd_gc, "delete expired contexts and leftovers of crashed writers")
     cmd("rebuild", cmd_rebuild, "recreate registry.json from contexts/ (exit 1 if some could not be read)")
+
+    s = cmd("serve", cmd_serve, "serve the REST API of seed 003 under /mcrp/v1/ (needs the 'server' extra)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or set MCB_TOKEN)")
 
     s = cmd("verify", cmd_verify, "check a context's KV file completely (header, sizes, CRC-32s)")
     s.add_argument("context_id")
