@@ -4,7 +4,7 @@ Thin wrappers: they check shapes and dtypes, then release the GIL for the C loop
 """
 import numpy as np
 
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uintptr_t
 
 cdef extern from "fpconv.h" nogil:
     void mcf_convert(int op, const void *src, void *dst, size_t n, int impl)
@@ -51,63 +51,45 @@ cdef _prep_out(src, out, dtype):
     return out
 
 
-def bf16_to_f32(src, out=None, impl=None):
-    """Widen bfloat16 bit patterns (uint16, or ml_dtypes.bfloat16) to float32.  Exact."""
-    a = _contig(src)
-    if a.dtype.itemsize != 2 or a.dtype.kind not in "uV" and a.dtype.name != "bfloat16":
-        raise TypeError(f"expected uint16 bfloat16 bits, got {a.dtype}")
-    a = a.view(np.uint16)
-    res = _prep_out(a, out, np.float32)
-    cdef const uint16_t[::1] s = a.reshape(-1)
-    cdef float[::1] d = res.reshape(-1)
+cdef _run(int op, a, res, impl):
+    """Checked shapes in, one GIL-free C loop: a and res are C-contiguous with the same size."""
     cdef size_t n = a.size
     cdef int im = _impl(impl)
+    cdef uintptr_t sp = a.ctypes.data, dp = res.ctypes.data
+    if a.size != res.size:  # _prep_out guarantees it; C never trusts an unchecked length
+        raise ValueError("size mismatch")
     if n:
         with nogil:
-            mcf_convert(0, &s[0], &d[0], n, im)
+            mcf_convert(op, <const void*>sp, <void*>dp, n, im)
     return res
+
+
+def _halves(src, what):
+    a = _contig(src)
+    if a.dtype.itemsize != 2 or (a.dtype.kind not in "uf" and a.dtype.name != "bfloat16"):
+        raise TypeError(f"expected {what}, got {a.dtype}")
+    return a.view(np.uint16)
+
+
+def bf16_to_f32(src, out=None, impl=None):
+    """Widen bfloat16 bit patterns (uint16, or ml_dtypes.bfloat16) to float32.  Exact."""
+    a = _halves(src, "uint16 bfloat16 bits")
+    return _run(0, a, _prep_out(a, out, np.float32), impl)
 
 
 def f32_to_bf16(src, out=None, impl=None):
     """Narrow float32 to bfloat16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
-    res = _prep_out(a, out, np.uint16)
-    cdef const float[::1] s = a.reshape(-1)
-    cdef uint16_t[::1] d = res.reshape(-1)
-    cdef size_t n = a.size
-    cdef int im = _impl(impl)
-    if n:
-        with nogil:
-            mcf_convert(1, &s[0], &d[0], n, im)
-    return res
+    return _run(1, a, _prep_out(a, out, np.uint16), impl)
 
 
 def f16_to_f32(src, out=None, impl=None):
     """Widen float16 (or its uint16 bit patterns) to float32.  Exact, subnormals kept."""
-    a = _contig(src)
-    if a.dtype.itemsize != 2:
-        raise TypeError(f"expected float16 or uint16, got {a.dtype}")
-    a = a.view(np.uint16)
-    res = _prep_out(a, out, np.float32)
-    cdef const uint16_t[::1] s = a.reshape(-1)
-    cdef float[::1] d = res.reshape(-1)
-    cdef size_t n = a.size
-    cdef int im = _impl(impl)
-    if n:
-        with nogil:
-            mcf_convert(2, &s[0], &d[0], n, im)
-    return res
+    a = _halves(src, "float16 or uint16")
+    return _run(2, a, _prep_out(a, out, np.float32), impl)
 
 
 def f32_to_f16(src, out=None, impl=None):
     """Narrow float32 to float16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
-    res = _prep_out(a, out, np.uint16)
-    cdef const float[::1] s = a.reshape(-1)
-    cdef uint16_t[::1] d = res.reshape(-1)
-    cdef size_t n = a.size
-    cdef int im = _impl(impl)
-    if n:
-        with nogil:
-            mcf_convert(3, &s[0], &d[0], n, im)
-    return res
+    return _run(3, a, _prep_out(a, out, np.uint16), impl)

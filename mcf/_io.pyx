@@ -126,6 +126,28 @@ cdef _Mapping _map_fd(int fd, uint64_t size, object name):
     return m
 
 
+cdef ssize_t _pread_full(int fd, uint8_t* dst, size_t n, uint64_t offset, int* err) noexcept nogil:
+    """Read exactly n bytes at offset unless the file ends or fails first; returns the bytes read and
+    sets *err to errno on failure.  Loops over short reads, EINTR and the kernel's per-call cap."""
+    cdef size_t done = 0, want
+    cdef ssize_t got
+    err[0] = 0
+    while done < n:
+        want = n - done
+        if want > _MAX_IO:
+            want = _MAX_IO
+        got = pread(fd, dst + done, want, <off_t>(offset + done))
+        if got < 0:
+            if errno == EINTR:
+                continue
+            err[0] = errno
+            break
+        if got == 0:
+            break
+        done += <size_t>got
+    return <ssize_t>done
+
+
 cdef class Source:
     """A bounds-checked, read-only byte source (see the module docstring for the modes)."""
 
@@ -273,8 +295,7 @@ cdef class Source:
     # -- reads --------------------------------------------------------------------------------
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1:
         """Copy ``n`` bytes at ``offset`` into ``dst``; the range must have been checked."""
-        cdef ssize_t got
-        cdef size_t done = 0, want
+        cdef size_t done = 0
         cdef int fd = self._fd
         cdef int err = 0
         if n == 0:
@@ -285,19 +306,7 @@ cdef class Source:
             return 0
         if self.mode == "pread":
             with nogil:
-                while done < n:
-                    want = n - done
-                    if want > _MAX_IO:
-                        want = _MAX_IO
-                    got = pread(fd, <uint8_t*>dst + done, want, <off_t>(offset + done))
-                    if got < 0:
-                        if errno == EINTR:
-                            continue
-                        err = errno
-                        break
-                    if got == 0:
-                        break
-                    done += <size_t>got
+                done = <size_t>_pread_full(fd, <uint8_t*>dst, n, offset, &err)
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if done < n:
@@ -500,30 +509,14 @@ cdef class Source:
                       uint8_t* out, Py_ssize_t a, Py_ssize_t b):
         cdef Py_ssize_t k
         cdef int fd = self._fd
-        cdef ssize_t got
-        cdef size_t done, want, n
-        cdef uint64_t off
+        cdef size_t done, n
         cdef int err = 0
         cdef Py_ssize_t bad = -1
         if fd >= 0:
             with nogil:
                 for k in range(a, b):
                     n = <size_t>szs[k]
-                    off = <uint64_t>offs[k]
-                    done = 0
-                    while done < n:
-                        want = n - done
-                        if want > _MAX_IO:
-                            want = _MAX_IO
-                        got = pread(fd, out + dsts[k] + done, want, <off_t>(off + done))
-                        if got < 0:
-                            if errno == EINTR:
-                                continue
-                            err = errno
-                            break
-                        if got == 0:
-                            break
-                        done += <size_t>got
+                    done = <size_t>_pread_full(fd, out + dsts[k], n, <uint64_t>offs[k], &err)
                     if err or done < n:
                         bad = k
                         break

@@ -10,12 +10,7 @@ import time
 __all__ = ["add_ctx_parser"]
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from mcf.cli import _human  # noqa: E402  (one formatter for every subcommand)
 
 
 def cmd_info(args) -> int:
