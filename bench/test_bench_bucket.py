@@ -179,3 +179,64 @@ def test_materialize_lz4(benchmark, big_files, threads):
     benchmark.extra_info.update(gb_per_s=nbytes / t / 1e9, target_gb_per_s=1.5, threads=threads,
                                 compression_ratio=nbytes / f.header.compressed_size)
     f.close()
+
+
+def test_server_lookup_throughput(benchmark, registry_bucket):
+    """GET /mcrp/v1/contexts/{id} from a loopback load generator (2 threads, keep-alive connections)
+    against the server as a real process; anchor: the same lookups in-process."""
+    import http.client
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    pytest.importorskip("uvicorn", reason="the server extra")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", registry_bucket,
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        b = Bucket(registry_bucket)
+        cids = [c["context_id"] for c in b.discover("model-1")[:200]]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/mcrp/v1/registry")
+                c.getresponse().read()
+                c.close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        per_thread = 500
+
+        def client():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for i in range(per_thread):
+                conn.request("GET", f"/mcrp/v1/contexts/{cids[i % len(cids)]}")
+                r = conn.getresponse()
+                r.read()
+                assert r.status == 200
+            conn.close()
+
+        def load():
+            ts = [threading.Thread(target=client) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        benchmark.pedantic(load, rounds=3, iterations=1)
+        rps = 2 * per_thread / benchmark.stats.stats.median
+        t = time.perf_counter()
+        for i in range(2 * per_thread):
+            b.lookup(cids[i % len(cids)])
+        direct = 2 * per_thread / (time.perf_counter() - t)
+        benchmark.extra_info.update(requests_per_s=rps, in_process_lookups_per_s=direct, ratio_to_in_process=rps / direct)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
