@@ -1,7 +1,10 @@
-"""Regression tests for what the sanitizer build (fuzz/sanitize.sh) found, written so they also fail
-without it."""
+"""Regression tests for what the sanitizer build (fuzz/sanitize.sh) and the fuzzers found, written so they fail
+without them too."""
 
 from __future__ import annotations
+
+import io
+from pathlib import Path
 
 import numpy as np
 
@@ -35,3 +38,21 @@ def test_fpconv_misaligned_input():
     h = raw[1:1 + 2 * 37].view(np.uint16)
     assert not h.flags.aligned
     np.testing.assert_array_equal(_fpconv.f16_to_f32(h), h.view(np.float16).astype(np.float32))
+
+
+def test_kv_file_layer_count_is_capped():
+    """Found by fuzz/run.py --target bucket (a hang over the 1 s limit): a 64-byte kv_data.mcb declaring
+    65536 layers of 0 heads holds no bytes, so it passed every size check and load() then built 131072
+    empty arrays per call.  The reader refuses more than MAX_LAYERS layers; the writer never writes them."""
+    import pytest
+
+    import mcf
+    from mcf.bucket import kvfile
+
+    (p,) = (Path(__file__).parent / "fuzz_regressions" / "bucket").glob("timeout-449f6ab3*")
+    with pytest.raises(mcf.FormatError) as ei:
+        kvfile.KVFile(memoryview(p.read_bytes()))
+    assert ei.value.field == "num_layers"
+    empty = np.zeros((1, 0, 4), np.float32)
+    with pytest.raises(mcf.InvalidArgumentError):
+        kvfile.write_kv(io.BytesIO(), [(empty, empty)] * (kvfile.MAX_LAYERS + 1))

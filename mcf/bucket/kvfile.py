@@ -37,6 +37,8 @@ __all__ = ["DEFAULT_MAX_DECOMPRESSED_BYTES", "Int8KV", "KVFile", "KVHeader", "op
 
 #: a compressed file may not declare a larger payload than this unless the caller raises the limit
 DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 2**30
+#: more layers than any model has: the cap bounds the work on a file whose layers hold no bytes (0 tokens)
+MAX_LAYERS = 4096
 #: lz4's block format cannot compress inputs larger than this (LZ4_MAX_INPUT_SIZE)
 LZ4_MAX_INPUT = 0x7E000000
 _U32 = 2**32 - 1
@@ -164,6 +166,8 @@ def _shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
                 first = shp
             elif shp != first:
                 raise InvalidArgumentError(f"layer {i} {name}: shape {shp} differs from layer 0 K {first}")
+    if len(layers) > MAX_LAYERS:
+        raise InvalidArgumentError(f"{len(layers)} layers: a KV file holds at most {MAX_LAYERS}")
     if len(layers) > _U32 or any(d > _U32 for d in first):
         raise InvalidArgumentError("a dimension does not fit the header's u32 fields")
     return L.KVShape(len(layers), first[0], first[2], first[1])
@@ -277,6 +281,9 @@ def parse_header(raw: bytes, *, path: Any = None, file_size: int | None = None,
                           expected="0..2", got=comp) from None
     if nl == 0:
         raise FormatError("a KV file holds at least one layer", path=path, field="num_layers", offset=O["num_layers"], got=0)
+    if nl > MAX_LAYERS:
+        raise FormatError("more layers than any model has", path=path, field="num_layers", offset=O["num_layers"],
+                          expected=f"<= {MAX_LAYERS}", got=nl)
     shape = L.KVShape(nl, nh, hd, seq)
     want = L.payload_size(shape, kd)
     if orig != want:
