@@ -257,8 +257,9 @@ def load_metadata(dirpath):
             n = lv["num_gists"]
             lv["gists"] = [{"start": 0, "stop": n, "gistnet_checkpoint": obj.get("gistnet_checkpoint"),
                             "pending": False}] if n else []
-        for r in lv["gists"]:
+        for r in lv["gists"]:  # both keys are optional in a range: give every reader them
             r.setdefault("pending", False)
+            r.setdefault("gistnet_checkpoint", None)
     return obj, []
 
 
