@@ -13,6 +13,7 @@ allocated).
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections.abc import Sequence
@@ -285,6 +286,9 @@ def parse_header(raw: bytes, *, path: Any = None, file_size: int | None = None,
         raise FormatError("more layers than any model has", path=path, field="num_layers", offset=O["num_layers"],
                           expected=f"<= {MAX_LAYERS}", got=nl)
     shape = L.KVShape(nl, nh, hd, seq)
+    if math.prod(d for d in (nh, seq, hd) if d) * 4 >= 2**63:  # numpy refuses even an empty array that big
+        raise FormatError("shape too large for an array", path=path, field="num_kv_heads",
+                          offset=O["num_kv_heads"], expected="non-zero dims * 4 < 2**63", got=(nh, seq, hd))
     want = L.payload_size(shape, kd)
     if orig != want:
         raise FormatError("original_size disagrees with the shape and dtype", path=path, field="original_size",
