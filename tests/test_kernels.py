@@ -2,6 +2,7 @@
 supports forced one by one, plus the Go reference files."""
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def random_payload(method, rows, cols, rng, domain=0, scale_kind="normal"):
 @pytest.mark.parametrize("method", ALL)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_dequant_matches_reference(method, shape, impl):
-    rng = np.random.default_rng(hash((method, shape)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((method, shape)).encode()))  # stable across runs
     domain = 1 if method == "int8" else 0
     p = random_payload(method, *shape, rng, domain, "all" if method in QK else "normal")
     want = ref.dequant(p, method, *shape, domain)
