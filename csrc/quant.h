@@ -49,7 +49,10 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
 void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float scale, float zero,
                            uint8_t *codes, size_t row_bytes);
 
-/* max |x| over n values; returns the index of the first non-finite value, or -1. */
+/* max |x| over n values (variant `impl`); returns the index of the first non-finite value, or -1. */
+long long mcf_absmax(const float *src, size_t n, float *absmax, int impl);
+
+/* max |x|, min and max over n values; returns the index of the first non-finite value, or -1. */
 long long mcf_absmax_finite(const float *src, size_t n, float *absmax, float *minv, float *maxv);
 
 /* f32 -> f16 the way the Go quantizer stores scales: mantissa truncated, subnormals flushed to 0. */

@@ -1,4 +1,4 @@
-/* Quantization of float32 rows to every MCF method (scalar; the quantizer is not the hot path).
+/* Quantization of float32 rows to every MCF method: scalar reference, AVX2 and AVX-512 variants.
  *
  * compat = 1 is the Go reference quantizer operation for operation: block scale = max|x| / qmax in
  * f32; k*: super = max block scale, u6 = clamp(round_half_away(scale / super * 32), 1, 63), block scale
@@ -25,6 +25,27 @@ uint16_t mcf_f32_to_f16_trunc(float f)
     if (he >= 31) return (uint16_t)(sign | 0x7c00u);
     if (he <= 0) return (uint16_t)sign;
     return (uint16_t)(sign | ((uint32_t)he << 10) | (m >> 13));
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,bmi2"))) static long long absmax_avx512(const float *src,
+                                                                                           size_t n, float *absmax);
+#endif
+
+long long mcf_absmax(const float *src, size_t n, float *absmax, int impl)
+{
+#if defined(__x86_64__)
+    if (impl >= MCF_IMPL_AVX512) return absmax_avx512(src, n, absmax);
+#endif
+    (void)impl;
+    float mx = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float a = fabsf(src[i]);
+        if (!isfinite(a)) return (long long)i;
+        if (a > mx) mx = a;
+    }
+    *absmax = mx;
+    return -1;
 }
 
 long long mcf_absmax_finite(const float *src, size_t n, float *absmax, float *minv, float *maxv)
@@ -234,6 +255,127 @@ __attribute__((target(T512Q))) static void codes_avx512(const float v[32], float
         memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
     }
 }
+
+/* The AVX-512 fast path for the default mode without explicit clips: 16 full blocks of one row at a
+ * time (two super-blocks for k*), with the scale arithmetic done once for the 16 blocks in one vector
+ * instead of block by block.  Every operation is the IEEE operation of the scalar code, so the bytes are
+ * the same: block max |x| (exact in any order), mx / qmax, round-to-nearest-even f16 (vcvtps2ph), the
+ * decoder's f16 -> f32 with subnormals flushed, 1 / scale; for k*: super = max of the 8 block scales,
+ * u6 = clamp(round_half_away(bs / super * 32), 1, 63), scale = super * (u6 / 32). */
+__attribute__((target(T512Q))) static inline __m512 dec16x16(__m256i h)
+{
+    __m512 f = _mm512_cvtph_ps(h);
+    __mmask16 normal = _mm256_test_epi16_mask(h, _mm256_set1_epi16(0x7c00));
+    return _mm512_maskz_mov_ps(normal, f);   /* exponent 0 (zero or subnormal) flushes to 0 */
+}
+
+__attribute__((target(T512Q))) static inline void codes_reg_avx512(__m512 x0, __m512 x1, float inv, float qmax,
+                                                                   int bits, uint8_t *dst)
+{
+    __m512 vi = _mm512_set1_ps(inv);
+    __m512i q0 = round_away_clamp(_mm512_mul_ps(x0, vi), qmax);
+    __m512i q1 = round_away_clamp(_mm512_mul_ps(x1, vi), qmax);
+    __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)dst, b0);
+        _mm_storeu_si128((__m128i *)(dst + 16), b1);
+        return;
+    }
+    __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+    if (bits == 4) {   /* byte pairs (lo, hi) -> lo | hi << 4: item 0 in the low nibble */
+        __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(0x000f));
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0));
+        _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(_mm256_or_si256(lo, hi)));
+        return;
+    }
+    uint64_t w[4];
+    _mm256_storeu_si256((__m256i *)w, b);
+    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull : 0x3f3f3f3f3f3f3f3full;
+    for (int g = 0; g < 4; g++) {
+        uint64_t packed = _pext_u64(w[g], m);
+        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
+    }
+}
+
+/* 16 full blocks starting at `p`.  Writes 16 block scales (q*) or 2 super scales + 16 sub-scales (k*)
+ * and 16 blocks of codes; returns 1 if a stored scale overflows f16. */
+__attribute__((target(T512Q))) static int group16_avx512(int family, int bits, const float *p, uint16_t *scales,
+                                                         uint8_t *sub, uint8_t *codes)
+{
+    const float qmax = (float)((1 << (bits - 1)) - 1);
+    float mxs[16];
+    for (int k = 0; k < 16; k++) {
+        __m512 a = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(p + 32 * k)),
+                                 _mm512_abs_ps(_mm512_loadu_ps(p + 32 * k + 16)));
+        mxs[k] = _mm512_reduce_max_ps(a);
+    }
+    __m512 bs = _mm512_div_ps(_mm512_loadu_ps(mxs), _mm512_set1_ps(qmax));   /* 0 when the block is all zero */
+    __m512 scale;
+    int overflow;
+    if (family == MCF_FAM_BLOCK) {
+        __m256i h = _mm512_cvtps_ph(bs, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        overflow = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7c00)),
+                                           _mm256_set1_epi16(0x7c00)) != 0;
+        _mm256_storeu_si256((__m256i *)scales, h);
+        scale = dec16x16(h);
+    } else {
+        float s0 = _mm512_mask_reduce_max_ps(0x00ff, bs), s1 = _mm512_mask_reduce_max_ps(0xff00, bs);
+        __m512 sup = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+        __m256i h = _mm512_cvtps_ph(sup, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        overflow = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7c00)),
+                                           _mm256_set1_epi16(0x7c00)) != 0;
+        uint16_t hs[16];
+        _mm256_storeu_si256((__m256i *)hs, h);
+        scales[0] = hs[0];
+        scales[1] = hs[8];
+        sup = dec16x16(h);
+        __mmask16 live = _mm512_cmp_ps_mask(bs, _mm512_setzero_ps(), _CMP_GT_OQ)
+                       & _mm512_cmp_ps_mask(sup, _mm512_setzero_ps(), _CMP_GT_OQ);
+        __m512 u = _mm512_mul_ps(_mm512_maskz_div_ps(live, bs, sup), _mm512_set1_ps(32.0f));
+        __m512 t = _mm512_roundscale_ps(u, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(u, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        t = _mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f));                 /* u >= 0: half away = half up */
+        t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(1.0f)), _mm512_set1_ps(63.0f));
+        t = _mm512_maskz_mov_ps(live, t);                                       /* u6 = 0 for dead blocks */
+        _mm_storeu_si128((__m128i *)sub, _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
+        scale = _mm512_maskz_mul_ps(live, sup, _mm512_div_ps(t, _mm512_set1_ps(32.0f)));
+    }
+    __mmask16 nz = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    float inv[16];
+    _mm512_storeu_ps(inv, _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), scale));
+    size_t bb = (size_t)bits * 4;
+    for (int k = 0; k < 16; k++) {
+        uint8_t *dst = codes + (size_t)k * bb;
+        if (!((nz >> k) & 1)) {
+            memset(dst, 0, bb);
+        } else if (!isfinite(inv[k])) {   /* scale below 2**-126: the scalar code's overflow rules */
+            codes_scalar(p + 32 * k, inv[k], (int32_t)qmax, 0, bits, dst);
+        } else {
+            codes_reg_avx512(_mm512_loadu_ps(p + 32 * k), _mm512_loadu_ps(p + 32 * k + 16), inv[k], qmax, bits, dst);
+        }
+    }
+    return overflow;
+}
+
+/* max |x| of n finite floats; returns the index of the first non-finite value, or -1. */
+__attribute__((target(T512Q))) static long long absmax_avx512(const float *src, size_t n, float *absmax)
+{
+    __m512 mx = _mm512_setzero_ps(), inf = _mm512_set1_ps(INFINITY);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src + i));
+        if (_mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ)) break;   /* NaN or infinity */
+        mx = _mm512_max_ps(mx, a);
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    for (; i < n; i++) {
+        float a = fabsf(src[i]);
+        if (!isfinite(a)) return (long long)i;
+        if (a > m) m = a;
+    }
+    *absmax = m;
+    return -1;
+}
 #endif
 
 int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
@@ -254,10 +396,25 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
     size_t bpr = (cols + 31) / 32, spr = (bpr + 7) / 8, bb = (size_t)bits * 4;
     int32_t qmax = (1 << (bits - 1)) - 1;
     int overflow = 0;
+    /* groups of 16 full blocks per row go through the vector fast path (default mode, no clips) */
+    size_t groups = 0;
+#if defined(__x86_64__)
+    if (impl >= MCF_IMPL_AVX512 && !compat && isinf(min_clip) && min_clip < 0 && isinf(max_clip) && max_clip > 0)
+        groups = (cols / 32) / 16;
+#endif
     for (size_t r = 0; r < nrows; r++) {
         const float *row = src + r * cols;
+#if defined(__x86_64__)
+        for (size_t g = 0; g < groups; g++) {
+            size_t b = g * 16;
+            overflow |= group16_avx512(family, bits, row + b * 32,
+                                       family == MCF_FAM_BLOCK ? scales + r * bpr + b : scales + r * spr + g * 2,
+                                       family == MCF_FAM_BLOCK ? NULL : sub + r * bpr + b,
+                                       codes + (r * bpr + b) * bb);
+        }
+#endif
         if (family == MCF_FAM_BLOCK) {
-            for (size_t b = 0; b < bpr; b++) {
+            for (size_t b = groups * 16; b < bpr; b++) {
                 float v[32];
                 float mx = load(row, b * 32, cols, min_clip, max_clip, v);
                 float scale = mx > 0.0f ? mx / (float)qmax : 0.0f;
@@ -274,7 +431,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                 else memset(codes + (r * bpr + b) * bb, 0, bb);
             }
         } else {
-            for (size_t s = 0; s < spr; s++) {
+            for (size_t s = groups * 2; s < spr; s++) {
                 float bs[8] = {0}, v[8][32], maxs = 0.0f;
                 for (int k = 0; k < 8; k++) {
                     size_t b = s * 8 + (size_t)k;

@@ -38,6 +38,7 @@ cdef extern from "quant.h" nogil:
     void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float scale, float zero,
                                uint8_t* codes, size_t row_bytes)
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
+    long long mcf_absmax(const float* src, size_t n, float* absmax, int impl)
 
 IMPLS = ("scalar", "avx2", "avx512")
 _FAMILY = {"raw": 0, "block": 1, "super": 2}
@@ -245,6 +246,23 @@ def unpack_codes(payload, code, rows, cols, *, domain=Domain.WEIGHTS, row_range=
         with nogil:
             mcf_unpack_rows(&qt.t, r0, r1, <int8_t*>optr, im)
     return out
+
+
+def absmax(src, impl=None):
+    """max |x| of a float32 array (any variant gives the same value), or raise if it holds NaN or infinity."""
+    cdef const float[::1] s = np.ascontiguousarray(src, dtype=np.float32).reshape(-1)
+    cdef float amax = 0
+    cdef long long bad
+    cdef size_t n = s.shape[0]
+    cdef int im = resolve_impl(impl)
+    if n == 0:
+        return 0.0
+    with nogil:
+        bad = mcf_absmax(&s[0], n, &amax, im)
+    if bad >= 0:
+        raise InvalidArgumentError(f"tensor holds a non-finite value ({s[bad]}) at flat index {bad}; "
+                                   "NaN and infinity cannot be quantized")
+    return float(amax)
 
 
 def absmax_finite(src):

@@ -72,7 +72,7 @@ def test_unpack_matches_reference(method, impl):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(method=st.sampled_from(QK), rows=st.integers(1, 4), cols=st.integers(1, 600), seed=st.integers(0, 2**32 - 1),
+@given(method=st.sampled_from(QK), rows=st.integers(1, 4), cols=st.integers(1, 1100), seed=st.integers(0, 2**32 - 1),
        compat=st.booleans(), scale=st.sampled_from([1e-6, 0.01, 1.0, 300.0]))
 def test_quantize_property_all_variants(method, rows, cols, seed, compat, scale):
     rng = np.random.default_rng(seed)
@@ -277,3 +277,34 @@ def test_quantize_threads_give_the_same_bytes(method):
     for threads in (2, 3):
         many, q2 = mcf.quantize(x, method, threads=threads)
         assert many.tobytes() == one.tobytes() and q1 == q2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_absmax_all_variants(impl):
+    """The quantizer's range pass: the same max |x| from every variant, the first non-finite value named."""
+    rng = np.random.default_rng(zlib.crc32(b"absmax"))
+    for n in (0, 1, 15, 16, 17, 1000, 4099):
+        x = (rng.standard_normal(n) * 3).astype(np.float32)
+        want = float(np.abs(x).max()) if n else 0.0
+        assert K.absmax(x, impl=impl) == want
+        if n:
+            for bad in (np.nan, np.inf, -np.inf):
+                y = x.copy()
+                y[n // 2] = bad
+                with pytest.raises(mcf.errors.InvalidArgumentError, match=f"flat index {n // 2}"):
+                    K.absmax(y, impl=impl)
+
+
+@pytest.mark.parametrize("method", QK)
+def test_quantize_wide_rows_every_group_path(method):
+    """Rows of several 16-block groups plus a tail (the AVX-512 path quantizes 16 blocks at once), with
+    all-zero blocks, a block whose f16 scale is subnormal, and exact rounding ties inside a group."""
+    rng = np.random.default_rng(zlib.crc32(method.encode()))
+    for cols in (512, 1024 + 32, 2048 + 300):
+        x = (rng.standard_normal((3, cols)) * 0.05).astype(np.float32)
+        x[0, 32:64] = 0.0
+        x[1, 64:96] *= 1e-5
+        x[2, 96:128] = np.float32(0.5) * np.arange(32, dtype=np.float32)
+        want = ref.quantize(x, method, False).tobytes()
+        for impl in IMPLS:
+            assert mcf.quantize(x, method, impl=impl)[0].tobytes() == want, (cols, impl)
