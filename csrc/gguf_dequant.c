@@ -1,0 +1,539 @@
+/* ggml block types -> float: a scalar reference for every supported type, AVX2 and AVX-512 variants
+ * for the common ones (Q8_0, Q4_0, Q4_K, Q6_K).
+ *
+ * Every variant computes each value with the operation sequence of gguf-py's numpy dequantizers
+ * (gguf/quants.py), which is also ggml's: f16 scales converted exactly to f32 (subnormals kept), then
+ *   Q4_0/Q5_0/Q8_0: d * q             Q4_1/Q5_1: d * q + m
+ *   Q2_K: (d * sc) * q - (dmin * m)   Q3_K, Q6_K: (d * sc) * q
+ *   Q4_K/Q5_K: (d * sc) * q - (dmin * m)                        Q8_K: d(f32) * q
+ * each product and difference rounded to f32 separately (no FMA: -ffp-contract=off and explicit
+ * mul/sub intrinsics), so the variants agree bit for bit with each other and with gguf-py.
+ * Block layouts are ggml's (ggml-common.h); all multi-byte fields are little-endian. */
+#include <string.h>
+
+#include "cpu.h"
+#include "fpconv.h"
+#include "gguf_dequant.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MCF_X86 1
+#endif
+
+#define QK_K 256
+
+static inline float f16(const uint8_t *p) { return mcf_f16_to_f32_one((uint16_t)(p[0] | (p[1] << 8))); }
+
+size_t mcf_gguf_block_size(int type)
+{
+    switch (type) {
+    case MCF_GGML_F32: case MCF_GGML_F16: case MCF_GGML_BF16: case MCF_GGML_F64: return 1;
+    case MCF_GGML_Q4_0: case MCF_GGML_Q4_1: case MCF_GGML_Q5_0: case MCF_GGML_Q5_1: case MCF_GGML_Q8_0: return 32;
+    case MCF_GGML_Q2_K: case MCF_GGML_Q3_K: case MCF_GGML_Q4_K: case MCF_GGML_Q5_K: case MCF_GGML_Q6_K:
+    case MCF_GGML_Q8_K: return QK_K;
+    default: return 0;
+    }
+}
+
+size_t mcf_gguf_type_size(int type)
+{
+    switch (type) {
+    case MCF_GGML_F32: return 4;
+    case MCF_GGML_F16: case MCF_GGML_BF16: return 2;
+    case MCF_GGML_F64: return 8;
+    case MCF_GGML_Q4_0: return 18;
+    case MCF_GGML_Q4_1: return 20;
+    case MCF_GGML_Q5_0: return 22;
+    case MCF_GGML_Q5_1: return 24;
+    case MCF_GGML_Q8_0: return 34;
+    case MCF_GGML_Q2_K: return 84;
+    case MCF_GGML_Q3_K: return 110;
+    case MCF_GGML_Q4_K: return 144;
+    case MCF_GGML_Q5_K: return 176;
+    case MCF_GGML_Q6_K: return 210;
+    case MCF_GGML_Q8_K: return 292;
+    default: return 0;
+    }
+}
+
+/* ---- scalar reference ----------------------------------------------------------------------- */
+
+static void plain_scalar(int type, const uint8_t *x, size_t n, float *y)
+{
+    if (type == MCF_GGML_F32) { memcpy(y, x, n * 4); return; }
+    for (size_t i = 0; i < n; i++) {
+        if (type == MCF_GGML_F16) y[i] = f16(x + 2 * i);
+        else if (type == MCF_GGML_BF16) {
+            uint32_t u = (uint32_t)(x[2 * i] | (x[2 * i + 1] << 8)) << 16;
+            memcpy(y + i, &u, 4);
+        } else {
+            double v;
+            memcpy(&v, x + 8 * i, 8);
+            y[i] = (float)v;
+        }
+    }
+}
+
+static void q4_0_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
+        float d = f16(x);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)((int)(x[2 + j] & 0x0f) - 8);
+            y[j + 16] = d * (float)((int)(x[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+static void q4_1_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 20, y += 32) {
+        float d = f16(x), m = f16(x + 2);
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float)(x[4 + j] & 0x0f) + m;
+            y[j + 16] = d * (float)(x[4 + j] >> 4) + m;
+        }
+    }
+}
+
+static inline uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24); }
+
+static void q5_0_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 22, y += 32) {
+        float d = f16(x);
+        uint32_t qh = le32(x + 2);
+        const uint8_t *qs = x + 6;
+        for (int j = 0; j < 16; j++) {
+            int lo = (qs[j] & 0x0f) | (int)(((qh >> j) & 1u) << 4);
+            int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+            y[j] = d * (float)(lo - 16);
+            y[j + 16] = d * (float)(hi - 16);
+        }
+    }
+}
+
+static void q5_1_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 24, y += 32) {
+        float d = f16(x), m = f16(x + 2);
+        uint32_t qh = le32(x + 4);
+        const uint8_t *qs = x + 8;
+        for (int j = 0; j < 16; j++) {
+            int lo = (qs[j] & 0x0f) | (int)(((qh >> j) & 1u) << 4);
+            int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+            y[j] = d * (float)lo + m;
+            y[j + 16] = d * (float)hi + m;
+        }
+    }
+}
+
+static void q8_0_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        float d = f16(x);
+        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)x[2 + j] * d;
+    }
+}
+
+/* Q2_K: scales[16] | qs[64] | d | dmin.  Element e = h*128 + s*32 + j takes bits 2s of qs[h*32 + j];
+ * sub-block e/16 has scale low nibble, min high nibble. */
+static void q2_k_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
+        const uint8_t *sc = x, *qs = x + 16;
+        float d = f16(x + 80), dmin = f16(x + 82);
+        float dl[16], ml[16];
+        for (int i = 0; i < 16; i++) {
+            dl[i] = d * (float)(sc[i] & 0x0f);
+            ml[i] = dmin * (float)(sc[i] >> 4);
+        }
+        for (int e = 0; e < QK_K; e++) {
+            int h = e >> 7, s = (e >> 5) & 3, j = e & 31;
+            float q = (float)((qs[h * 32 + j] >> (2 * s)) & 3);
+            y[e] = dl[e >> 4] * q - ml[e >> 4];
+        }
+    }
+}
+
+/* Q3_K: hmask[32] | qs[64] | scales[12] | d.  6-bit signed scales (minus 32); element e takes 2 bits
+ * from qs like Q2_K and subtracts 4 unless bit e/32 of hmask[e%32] is set. */
+static void q3_k_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
+        const uint8_t *hm = x, *qs = x + 32, *s = x + 96;
+        float d = f16(x + 108);
+        float dl[16];
+        for (int k = 0; k < 16; k++) {
+            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
+            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
+            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+        }
+        for (int e = 0; e < QK_K; e++) {
+            int h = e >> 7, sh = (e >> 5) & 3, j = e & 31;
+            int ql = (qs[h * 32 + j] >> (2 * sh)) & 3;
+            int hb = (hm[j] >> (e >> 5)) & 1;
+            y[e] = dl[e >> 4] * (float)(ql - (hb ? 0 : 4));
+        }
+    }
+}
+
+/* The 12-byte packed 6-bit scales and mins of Q4_K / Q5_K. */
+static inline void k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
+{
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 63;
+        mn[i] = s[4 + i] & 63;
+        sc[4 + i] = (uint8_t)((s[8 + i] & 0x0f) | ((s[i] >> 2) & 0x30));
+        mn[4 + i] = (uint8_t)((s[8 + i] >> 4) | ((s[4 + i] >> 2) & 0x30));
+    }
+}
+
+static inline void k4_factors(const uint8_t *x, float ds[8], float dm[8])
+{
+    uint8_t sc[8], mn[8];
+    float d = f16(x), dmin = f16(x + 2);
+    k4_scales(x + 4, sc, mn);
+    for (int i = 0; i < 8; i++) {
+        ds[i] = d * (float)sc[i];
+        dm[i] = dmin * (float)mn[i];
+    }
+}
+
+/* Q4_K: d | dmin | scales[12] | qs[128].  Element e = g*64 + s*32 + j: nibble s of qs[g*32 + j],
+ * sub-block e/32. */
+static void q4_k_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
+        float ds[8], dm[8];
+        k4_factors(x, ds, dm);
+        const uint8_t *qs = x + 16;
+        for (int e = 0; e < QK_K; e++) {
+            int g = e >> 6, s = (e >> 5) & 1, j = e & 31;
+            float q = (float)((qs[g * 32 + j] >> (4 * s)) & 0x0f);
+            y[e] = ds[e >> 5] * q - dm[e >> 5];
+        }
+    }
+}
+
+/* Q5_K: d | dmin | scales[12] | qh[32] | qs[128]; the fifth bit of element e is bit e/32 of qh[e%32]. */
+static void q5_k_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 176, y += QK_K) {
+        float ds[8], dm[8];
+        k4_factors(x, ds, dm);
+        const uint8_t *qh = x + 16, *qs = x + 48;
+        for (int e = 0; e < QK_K; e++) {
+            int g = e >> 6, s = (e >> 5) & 1, j = e & 31;
+            int q = ((qs[g * 32 + j] >> (4 * s)) & 0x0f) | (((qh[j] >> (e >> 5)) & 1) << 4);
+            y[e] = ds[e >> 5] * (float)q - dm[e >> 5];
+        }
+    }
+}
+
+/* Q6_K: ql[128] | qh[64] | scales[16] (int8) | d.  Element e = h*128 + l: low nibble l/64 of
+ * ql[h*64 + l%64], high two bits l/32 of qh[h*32 + l%32]; minus 32; sub-block e/16. */
+static void q6_k_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
+        const uint8_t *ql = x, *qh = x + 128;
+        const int8_t *sc = (const int8_t *)(x + 192);
+        float d = f16(x + 208);
+        float ds[16];
+        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+        for (int e = 0; e < QK_K; e++) {
+            int h = e >> 7, l = e & 127;
+            int lo = (ql[h * 64 + (l & 63)] >> (4 * (l >> 6))) & 0x0f;
+            int hi = (qh[h * 32 + (l & 31)] >> (2 * (l >> 5))) & 3;
+            y[e] = ds[e >> 4] * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+/* Q8_K: d (f32) | qs[256] (int8) | bsums[16] (int16, unused here). */
+static void q8_k_scalar(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 292, y += QK_K) {
+        float d;
+        memcpy(&d, x, 4);
+        for (int j = 0; j < QK_K; j++) y[j] = d * (float)(int8_t)x[4 + j];
+    }
+}
+
+static void decode_scalar(int type, const uint8_t *x, size_t nb, float *y)
+{
+    switch (type) {
+    case MCF_GGML_Q4_0: q4_0_scalar(x, nb, y); break;
+    case MCF_GGML_Q4_1: q4_1_scalar(x, nb, y); break;
+    case MCF_GGML_Q5_0: q5_0_scalar(x, nb, y); break;
+    case MCF_GGML_Q5_1: q5_1_scalar(x, nb, y); break;
+    case MCF_GGML_Q8_0: q8_0_scalar(x, nb, y); break;
+    case MCF_GGML_Q2_K: q2_k_scalar(x, nb, y); break;
+    case MCF_GGML_Q3_K: q3_k_scalar(x, nb, y); break;
+    case MCF_GGML_Q4_K: q4_k_scalar(x, nb, y); break;
+    case MCF_GGML_Q5_K: q5_k_scalar(x, nb, y); break;
+    case MCF_GGML_Q6_K: q6_k_scalar(x, nb, y); break;
+    case MCF_GGML_Q8_K: q8_k_scalar(x, nb, y); break;
+    default: plain_scalar(type, x, nb, y); break;
+    }
+}
+
+#ifdef MCF_X86
+/* ---- AVX2 ----------------------------------------------------------------------------------- */
+#define T2 "avx2,f16c"
+
+__attribute__((target(T2))) static inline __m256 u8x8_ps(__m128i v) /* low 8 bytes, unsigned */
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+__attribute__((target(T2))) static inline __m256 i8x8_ps(__m128i v)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+
+__attribute__((target(T2))) static void q8_0_avx2(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        __m256 d = _mm256_set1_ps(f16(x));
+        for (int k = 0; k < 4; k++)
+            _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d));
+    }
+}
+
+__attribute__((target(T2))) static void q4_0_avx2(const uint8_t *x, size_t nb, float *y)
+{
+    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
+        __m256 d = _mm256_set1_ps(f16(x));
+        __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
+        _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8_ps(lo)));
+        _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(lo, 8))));
+        _mm256_storeu_ps(y + 16, _mm256_mul_ps(d, i8x8_ps(hi)));
+        _mm256_storeu_ps(y + 24, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(hi, 8))));
+    }
+}
+
+/* 32 unsigned codes (bytes) -> 32 floats s * q - m */
+__attribute__((target(T2))) static inline void emit32_avx2(__m256i q, float s, float m, float *y)
+{
+    __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(lo)), vm));
+    _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(lo, 8))), vm));
+    _mm256_storeu_ps(y + 16, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(hi)), vm));
+    _mm256_storeu_ps(y + 24, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(hi, 8))), vm));
+}
+
+__attribute__((target(T2))) static void q4_k_avx2(const uint8_t *x, size_t nb, float *y)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
+        float ds[8], dm[8];
+        k4_factors(x, ds, dm);
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
+            emit32_avx2(_mm256_and_si256(v, m4), ds[2 * g], dm[2 * g], y + 64 * g);
+            emit32_avx2(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), ds[2 * g + 1], dm[2 * g + 1], y + 64 * g + 32);
+        }
+    }
+}
+
+/* 16 signed codes (low 16 bytes) -> 16 floats s * q */
+__attribute__((target(T2))) static inline void emit16s_avx2(__m128i q, float s, float *y)
+{
+    __m256 vs = _mm256_set1_ps(s);
+    _mm256_storeu_ps(y, _mm256_mul_ps(vs, i8x8_ps(q)));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))));
+}
+
+__attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, float *y)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
+        const int8_t *sc = (const int8_t *)(x + 192);
+        float d = f16(x + 208), ds[16];
+        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                __m256i lsrc = (t & 1) ? l1 : l0;
+                __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4) : _mm256_and_si256(lsrc, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
+                int sb = (h * 128 + 32 * t) >> 4;
+                float *o = y + h * 128 + 32 * t;
+                emit16s_avx2(_mm256_castsi256_si128(q), ds[sb], o);
+                emit16s_avx2(_mm256_extracti128_si256(q, 1), ds[sb + 1], o + 16);
+            }
+        }
+    }
+}
+
+/* ---- AVX-512 -------------------------------------------------------------------------------- */
+#define T512 "avx512f,avx512bw,avx512vl,avx2,f16c"
+
+__attribute__((target(T512))) static inline __m512 u8x16_ps(__m128i v)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+
+__attribute__((target(T512))) static inline __m512 i8x16_ps(__m128i v)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+__attribute__((target(T512))) static void q8_0_avx512(const uint8_t *x, size_t nb, float *y)
+{
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        __m512 d = _mm512_set1_ps(f16(x));
+        _mm512_storeu_ps(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d));
+    }
+}
+
+__attribute__((target(T512))) static void q4_0_avx512(const uint8_t *x, size_t nb, float *y)
+{
+    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
+        __m512 d = _mm512_set1_ps(f16(x));
+        __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
+        _mm512_storeu_ps(y, _mm512_mul_ps(d, i8x16_ps(lo)));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, i8x16_ps(hi)));
+    }
+}
+
+__attribute__((target(T512))) static void q4_k_avx512(const uint8_t *x, size_t nb, float *y)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
+        float ds[8], dm[8];
+        k4_factors(x, ds, dm);
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            __m512 s0 = _mm512_set1_ps(ds[2 * g]), n0 = _mm512_set1_ps(dm[2 * g]);
+            __m512 s1 = _mm512_set1_ps(ds[2 * g + 1]), n1 = _mm512_set1_ps(dm[2 * g + 1]);
+            float *o = y + 64 * g;
+            _mm512_storeu_ps(o, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_castsi256_si128(lo))), n0));
+            _mm512_storeu_ps(o + 16, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_extracti128_si256(lo, 1))), n0));
+            _mm512_storeu_ps(o + 32, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_castsi256_si128(hi))), n1));
+            _mm512_storeu_ps(o + 48, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_extracti128_si256(hi, 1))), n1));
+        }
+    }
+}
+
+__attribute__((target(T512))) static void q6_k_avx512(const uint8_t *x, size_t nb, float *y)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
+        const int8_t *sc = (const int8_t *)(x + 192);
+        float d = f16(x + 208), ds[16];
+        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                __m256i lsrc = (t & 1) ? l1 : l0;
+                __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4) : _mm256_and_si256(lsrc, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
+                int sb = (h * 128 + 32 * t) >> 4;
+                float *o = y + h * 128 + 32 * t;
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(ds[sb]), i8x16_ps(_mm256_castsi256_si128(q))));
+                _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_set1_ps(ds[sb + 1]), i8x16_ps(_mm256_extracti128_si256(q, 1))));
+            }
+        }
+    }
+}
+#endif /* MCF_X86 */
+
+static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl)
+{
+#ifdef MCF_X86
+    if (impl >= MCF_IMPL_AVX512) {
+        switch (type) {
+        case MCF_GGML_Q8_0: q8_0_avx512(x, nb, y); return;
+        case MCF_GGML_Q4_0: q4_0_avx512(x, nb, y); return;
+        case MCF_GGML_Q4_K: q4_k_avx512(x, nb, y); return;
+        case MCF_GGML_Q6_K: q6_k_avx512(x, nb, y); return;
+        default: break;
+        }
+    } else if (impl == MCF_IMPL_AVX2) {
+        switch (type) {
+        case MCF_GGML_Q8_0: q8_0_avx2(x, nb, y); return;
+        case MCF_GGML_Q4_0: q4_0_avx2(x, nb, y); return;
+        case MCF_GGML_Q4_K: q4_k_avx2(x, nb, y); return;
+        case MCF_GGML_Q6_K: q6_k_avx2(x, nb, y); return;
+        default: break;
+        }
+    }
+    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_F16) { mcf_convert(2, x, y, nb, impl); return; }
+    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_BF16) { mcf_convert(0, x, y, nb, impl); return; }
+#endif
+    (void)impl;
+    decode_scalar(type, x, nb, y);
+}
+
+int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, int out_kind, int impl)
+{
+    size_t bs = mcf_gguf_block_size(type), ts = mcf_gguf_type_size(type);
+    if (!bs || !ts) return -1;
+    if (out_kind == 0) {
+        decode_f32(type, src, nblocks, (float *)out, impl);
+        return 0;
+    }
+    if (out_kind == 1 && type == MCF_GGML_F16) { memcpy(out, src, nblocks * 2); return 0; }
+    if (out_kind == 2 && type == MCF_GGML_BF16) { memcpy(out, src, nblocks * 2); return 0; }
+    /* narrow outputs: decode a cache-sized group of blocks to f32, then round it */
+    float tmp[4096];
+    size_t per = 4096 / bs, done = 0;
+    uint16_t *o = (uint16_t *)out;
+    while (done < nblocks) {
+        size_t n = nblocks - done < per ? nblocks - done : per;
+        decode_f32(type, src + done * ts, n, tmp, impl);
+        mcf_convert(out_kind == 1 ? 3 : 1, tmp, o + done * bs, n * bs, impl);
+        done += n;
+    }
+    return 0;
+}
+
+/* ---- re-layout into MCF q8 / q4 (lossless) ---------------------------------------------------- */
+
+size_t mcf_gguf_scales(int type, const uint8_t *src, size_t nblocks, uint16_t *scales)
+{
+    size_t ts = type == MCF_GGML_Q8_0 ? 34 : 18, bad = 0;
+    for (size_t b = 0; b < nblocks; b++, src += ts) {
+        uint16_t h = (uint16_t)(src[0] | (src[1] << 8));
+        unsigned e = (h >> 10) & 0x1f;
+        bad += (e == 0 && (h & 0x3ff)) || e == 0x1f;
+        scales[b] = h;
+    }
+    return bad;
+}
+
+void mcf_gguf_codes(int type, const uint8_t *src, size_t nblocks, uint8_t *codes)
+{
+    if (type == MCF_GGML_Q8_0) {
+        for (size_t b = 0; b < nblocks; b++) memcpy(codes + 32 * b, src + 34 * b + 2, 32);
+        return;
+    }
+    /* Q4_0: element j is the low nibble of qs[j], element j+16 the high one, value nibble - 8.  MCF q4
+     * packs element 2k in the low nibble of byte k, as a 4-bit two's complement code: nibble ^ 8. */
+    for (size_t b = 0; b < nblocks; b++) {
+        const uint8_t *qs = src + 18 * b + 2;
+        uint8_t *o = codes + 16 * b, e[32];
+        for (int j = 0; j < 16; j++) {
+            e[j] = (uint8_t)((qs[j] & 0x0f) ^ 8);
+            e[j + 16] = (uint8_t)((qs[j] >> 4) ^ 8);
+        }
+        for (int k = 0; k < 16; k++) o[k] = (uint8_t)(e[2 * k] | (e[2 * k + 1] << 4));
+    }
+}

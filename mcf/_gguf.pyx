@@ -1,0 +1,131 @@
+"""Compiled ggml block decoding for :mod:`mcf.gguf`: thin, validating wrappers over csrc/gguf_dequant.c.
+
+Every size is checked here, with Python integers, before the C code runs with the GIL released.  The
+variant (scalar / avx2 / avx512) is chosen as in :mod:`mcf._kernels` (CPU, ``MCF_FORCE_IMPL``, or
+``impl=``).
+"""
+
+import threading
+
+import numpy as np
+
+from libc.stdint cimport uint8_t, uint16_t, uintptr_t
+
+from mcf._kernels import resolve_impl
+from mcf.errors import DTypeError, InvalidArgumentError
+
+cdef extern from "gguf_dequant.h" nogil:
+    size_t mcf_gguf_block_size(int type)
+    size_t mcf_gguf_type_size(int type)
+    int mcf_gguf_dequant(int type, const uint8_t* src, size_t nblocks, void* out, int out_kind, int impl)
+    size_t mcf_gguf_scales(int type, const uint8_t* src, size_t nblocks, uint16_t* scales)
+    void mcf_gguf_codes(int type, const uint8_t* src, size_t nblocks, uint8_t* codes)
+
+# ggml types with a vector variant; the others run the scalar code whatever impl says
+VECTOR_TYPES = (8, 2, 12, 14, 1, 30)  # Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16
+
+
+def block_info(int gtype):
+    """(values per block, bytes per block) of a ggml type mcf decodes, else (0, 0)."""
+    return mcf_gguf_block_size(gtype), mcf_gguf_type_size(gtype)
+
+
+cdef int _kind(object dt) except -1:
+    if dt == np.float32:
+        return 0
+    if dt == np.float16:
+        return 1
+    if dt.name == "bfloat16" or dt == np.uint16:
+        return 2
+    raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
+
+
+def _bytes_of(src):
+    a = np.asarray(src)
+    if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return a
+
+
+def dequantize_blocks(src, int gtype, nblocks, out, *, threads=1, impl=None):
+    """Decode ``nblocks`` blocks of ggml type ``gtype`` from the bytes ``src`` into the flat, writeable,
+    C-contiguous array ``out`` (float32, float16, or bfloat16 / uint16 bits)."""
+    cdef size_t bs = mcf_gguf_block_size(gtype), ts = mcf_gguf_type_size(gtype)
+    if bs == 0:
+        raise DTypeError(f"ggml type {gtype} cannot be decoded")
+    nb = int(nblocks)
+    if nb < 0:
+        raise InvalidArgumentError("negative block count")
+    a = _bytes_of(src)
+    if a.size < nb * ts:
+        raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError("out must be a writeable C-contiguous numpy array")
+    if out.size < nb * bs:
+        raise InvalidArgumentError(f"out holds {out.size} values, {nb} blocks give {nb * bs}")
+    cdef int kind = _kind(out.dtype)
+    cdef int im = resolve_impl(impl)
+    if nb == 0:
+        return out
+    cdef uintptr_t sp = a.ctypes.data, op = out.ctypes.data
+    cdef size_t osize = out.dtype.itemsize
+    cdef size_t n = nb
+    nthreads = max(1, min(int(threads), nb // 16 or 1))
+    if nthreads == 1:
+        with nogil:
+            mcf_gguf_dequant(gtype, <const uint8_t*>sp, n, <void*>op, kind, im)
+        return out
+    cuts = [nb * k // nthreads for k in range(nthreads + 1)]
+
+    def work(size_t s, size_t e):
+        with nogil:
+            mcf_gguf_dequant(gtype, <const uint8_t*>(sp + s * ts), e - s, <void*>(op + s * bs * osize), kind, im)
+
+    ts_ = [threading.Thread(target=work, args=(cuts[k], cuts[k + 1])) for k in range(nthreads)]
+    for t in ts_:
+        t.start()
+    for t in ts_:
+        t.join()
+    return out
+
+
+def relayout_scales(src, int gtype, nblocks, scales):
+    """Copy the f16 scales of ``nblocks`` Q8_0 (8) / Q4_0 (2) blocks into the uint16 array ``scales``;
+    returns how many are subnormal, infinite or NaN."""
+    if gtype not in (8, 2):
+        raise DTypeError("only Q8_0 and Q4_0 can be re-laid out")
+    cdef size_t ts = mcf_gguf_type_size(gtype)
+    nb = int(nblocks)
+    a = _bytes_of(src)
+    if nb < 0 or a.size < nb * ts:
+        raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
+    if not isinstance(scales, np.ndarray) or scales.dtype != np.uint16 or not scales.flags.c_contiguous \
+            or not scales.flags.writeable or scales.size < nb:
+        raise InvalidArgumentError("scales must be a writeable contiguous uint16 array of nblocks items")
+    cdef uintptr_t sp = a.ctypes.data, op = scales.ctypes.data
+    cdef size_t n = nb, bad = 0
+    if n:
+        with nogil:
+            bad = mcf_gguf_scales(gtype, <const uint8_t*>sp, n, <uint16_t*>op)
+    return bad
+
+
+def relayout_codes(src, int gtype, nblocks, codes):
+    """Write the codes of ``nblocks`` Q8_0 / Q4_0 blocks as MCF q8 / q4 packs them into the uint8
+    array ``codes`` (32 / 16 bytes per block)."""
+    if gtype not in (8, 2):
+        raise DTypeError("only Q8_0 and Q4_0 can be re-laid out")
+    cdef size_t ts = mcf_gguf_type_size(gtype)
+    cdef size_t cb = 32 if gtype == 8 else 16
+    nb = int(nblocks)
+    a = _bytes_of(src)
+    if nb < 0 or a.size < nb * ts:
+        raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
+    if not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or not codes.flags.c_contiguous \
+            or not codes.flags.writeable or codes.size < nb * cb:
+        raise InvalidArgumentError(f"codes must be a writeable contiguous uint8 array of {nb * cb} bytes")
+    cdef uintptr_t sp = a.ctypes.data, op = codes.ctypes.data
+    cdef size_t n = nb
+    if n:
+        with nogil:
+            mcf_gguf_codes(gtype, <const uint8_t*>sp, n, <uint8_t*>op)
