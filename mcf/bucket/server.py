@@ -12,11 +12,13 @@ from __future__ import annotations
 import hmac
 import io
 import os
+import re
+import time
 from typing import Any, Protocol
 
 import numpy as np
 
-from mcf.bucket.store import KV_NAME, Bucket
+from mcf.bucket.store import KV_NAME, Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError
 
 __all__ = ["OPENAPI", "QueryBackend", "create_app", "serve"]
@@ -32,66 +34,163 @@ class QueryBackend(Protocol):
     def query(self, bucket: Bucket, context_id: str, query: str, options: dict) -> dict: ...
 
 
-def _p(name: str, where: str = "path", required: bool = True, schema: dict | None = None) -> dict:
-    return {"name": name, "in": where, "required": required, "schema": schema or {"type": "string"}}
+_CTX_ID = {"type": "string", "pattern": "^ctx_[0-9a-f]{32}$", "example": "ctx_" + "0" * 32}
+_DEVICE_PATTERN = "^(cpu|cuda|mps)(:[0-9]{1,3})?$"
+_MODEL_ID = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", "example": "llama-3-8b"}
 
 
-_ID = _p("id")
-_JSON = {"content": {"application/json": {"schema": {"type": "object"}}}}
-_ERR = {"description": "error", **_JSON}
+def _p(name: str, where: str = "path", required: bool = True, schema: dict | None = None,
+       description: str | None = None) -> dict:
+    out = {"name": name, "in": where, "required": required, "schema": schema or {"type": "string"}}
+    if description:
+        out["description"] = description
+    return out
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
+
+
+def _errors(*codes: int) -> dict:
+    why = {400: "invalid argument or id", 401: "missing or wrong bearer token", 404: "no such context, model or route",
+           409: "the tier cannot be reached here (no torch or no such device)", 413: "body too large",
+           422: "malformed upload or corrupt stored data", 500: "I/O failure",
+           501: "no query backend configured"}
+    return {str(c): _json("Error", why[c]) for c in (401, 500, *codes)}
+
+
+_NULLABLE_STR = {"type": "string", "nullable": True}
+_TIER = {"type": "string", "enum": ["hot", "warm", "cold"]}
+_SUMMARY = {
+    "type": "object",
+    "required": ["context_id", "name", "token_count", "size_bytes", "last_accessed", "expires_at", "pinned",
+                 "dtype", "tier", "is_loaded"],
+    "properties": {
+        "context_id": _CTX_ID, "name": _NULLABLE_STR, "token_count": {"type": "integer", "minimum": 0},
+        "size_bytes": {"type": "integer", "minimum": 0}, "last_accessed": {"type": "string"},
+        "expires_at": _NULLABLE_STR, "pinned": {"type": "boolean"},
+        "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16", "int8"]},
+        "prefix": {"type": "object", "nullable": True}, "tier": _TIER, "is_loaded": {"type": "boolean"},
+        "preferred_tier": {"type": "string", "enum": ["hot", "warm", "cold"], "nullable": True},
+        "model_id": _MODEL_ID,
+    },
+}
+_SCHEMAS = {
+    "Error": {"type": "object", "required": ["status", "error"],
+              "properties": {"status": {"type": "string", "enum": ["error"]}, "error": {"type": "string"}}},
+    "ContextSummary": _SUMMARY,
+    "ContextList": {"type": "object", "required": ["status", "contexts"],
+                    "properties": {"status": {"type": "string", "enum": ["success"]},
+                                   "contexts": {"type": "array", "items": _ref("ContextSummary")}}},
+    "Discovery": {"type": "object", "required": ["status", "model_id", "from_cache", "contexts"],
+                  "properties": {"status": {"type": "string", "enum": ["success"]}, "model_id": _MODEL_ID,
+                                 "from_cache": {"type": "boolean"}, "scan_time_ms": {"type": "number"},
+                                 "contexts": {"type": "array", "items": _ref("ContextSummary")}}},
+    "Metadata": {"type": "object", "required": ["context_id", "model_id", "version", "content", "kv_cache",
+                                                "storage", "timestamps", "access"],
+                 "properties": {"context_id": _CTX_ID, "model_id": _MODEL_ID, "version": {"type": "integer"},
+                                "content": {"type": "object", "required": ["hash", "token_count"]},
+                                "kv_cache": {"type": "object", "required": ["shape", "dtype", "size_bytes"]},
+                                "storage": {"type": "object"}, "timestamps": {"type": "object"},
+                                "access": {"type": "object"}, "pinned": {"type": "boolean"},
+                                "prefix": {"type": "object", "nullable": True}}},
+    "Ingested": {"type": "object", "required": ["status", "context_id", "deduplicated", "token_count", "size_bytes"],
+                 "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID,
+                                "deduplicated": {"type": "boolean"}, "token_count": {"type": "integer"},
+                                "size_bytes": {"type": "integer"}}},
+    "PromoteRequest": {"type": "object", "properties": {
+        "target_tier": {"type": "string", "enum": ["warm", "hot"], "default": "warm"},
+        "device": {"type": "string", "pattern": _DEVICE_PATTERN, "default": "cuda"}}},
+    "DemoteRequest": {"type": "object", "properties": {
+        "target_tier": {"type": "string", "enum": ["warm", "cold"], "default": "cold"}}},
+    "Tier": {"type": "object", "required": ["status", "context_id", "tier"],
+             "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID, "tier": _TIER}},
+    "QueryRequest": {"type": "object", "required": ["query"],
+                     "properties": {"query": {"type": "string"}, "options": {"type": "object"}}},
+    "Answer": {"type": "object"},
+    "Statistics": {"type": "object", "required": ["total_models", "total_contexts", "total_storage_bytes",
+                                                  "total_tokens"],
+                   "properties": {k: {"type": "integer", "minimum": 0} for k in
+                                  ("total_models", "total_contexts", "total_storage_bytes", "total_tokens")}},
+    "Registry": {"type": "object", "required": ["status", "mcrp_version", "statistics", "last_updated"],
+                 "properties": {"status": {"type": "string", "enum": ["success"]}, "mcrp_version": {"type": "string"},
+                                "statistics": _ref("Statistics"), "last_updated": {"type": "string"}}},
+    "Rebuilt": {"type": "object", "required": ["status", "statistics", "skipped"],
+                "properties": {"status": {"type": "string", "enum": ["success"]}, "statistics": _ref("Statistics"),
+                               "skipped": {"type": "array", "items": {"type": "object"}}}},
+}
+_ID = _p("id", schema=_CTX_ID)
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+
+
+def _body(schema: str, required: bool = False) -> dict:
+    return {"required": required, "content": {"application/json": {"schema": _ref(schema)}}}
+
 OPENAPI: dict = {
     "openapi": "3.0.3",
-    "info": {"title": "Model Context Bucket", "version": "1.0"},
-    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    "info": {"title": "Model Context Bucket", "version": "1.0",
+             "description": "Seed 003's REST API (MCRP v1) over a bucket of pre-computed KV caches."},
+    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}, "schemas": _SCHEMAS},
     "security": [{"bearer": []}],
     "paths": {
         f"{PREFIX}/contexts": {
-            "get": {"summary": "List all (unexpired) contexts", "parameters": [_p("model_id", "query", False)],
-                    "responses": {"200": {"description": "contexts", **_JSON}}},
+            "get": {"summary": "List all (unexpired) contexts, of one model when model_id is given",
+                    "parameters": [_p("model_id", "query", False, _MODEL_ID)],
+                    "responses": {"200": _json("ContextList", "contexts"), **_errors(400)}},
             "post": {"summary": "Ingest a context: body is an .npz with arrays k and v [layers, heads, tokens, head_dim]",
-                     "parameters": [_p("model_id", "query"), _p("content", "query", False),
-                                    _p("token_ids", "query", False), _p("name", "query", False),
-                                    _p("source", "query", False), _p("dtype", "query", False),
-                                    _p("compression", "query", False),
-                                    _p("ttl", "query", False, {"type": "number"})],
-                     "requestBody": {"required": True, "content": {"application/octet-stream": {
-                         "schema": {"type": "string", "format": "binary"}}}},
-                     "responses": {"201": {"description": "ingested", **_JSON}, "400": _ERR, "413": _ERR, "422": _ERR}},
+                     "parameters": [_p("model_id", "query", True, _MODEL_ID), _p("content", "query", False),
+                                    _p("token_ids", "query", False,
+                                       {"type": "string", "pattern": "^[0-9]{1,18}(,[0-9]{1,18})*$"},
+                                       "comma-separated token ids (instead of content; enables prefix reuse)"),
+                                    _p("name", "query", False), _p("source", "query", False),
+                                    _p("dtype", "query", False,
+                                       {"type": "string", "enum": ["float32", "float16", "bfloat16", "int8"]}),
+                                    _p("compression", "query", False, {"type": "string", "enum": ["none", "lz4", "zstd"]}),
+                                    _p("ttl", "query", False, {"type": "number", "exclusiveMinimum": True,
+                                                               "minimum": 0, "maximum": 3.1e9})],
+                     "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY}},
+                     "responses": {"201": _json("Ingested", "ingested (or found: deduplicated)"),
+                                   **_errors(400, 413, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}": {
             "get": {"summary": "Context metadata", "parameters": [_ID],
-                    "responses": {"200": {"description": "metadata", **_JSON}, "404": _ERR}},
+                    "responses": {"200": _json("Metadata", "metadata"), **_errors(400, 404, 422)}},
             "delete": {"summary": "Delete a context", "parameters": [_ID],
-                       "responses": {"204": {"description": "deleted"}, "404": _ERR}},
+                       "responses": {"204": {"description": "deleted"}, **_errors(400, 404)}},
         },
         f"{PREFIX}/contexts/{{id}}/kv": {
             "get": {"summary": "Stream the context's kv_data.mcb to a runtime", "parameters": [_ID],
                     "responses": {"200": {"description": "kv_data.mcb bytes", "content": {
-                        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                        "404": _ERR}},
+                        "application/octet-stream": _BINARY}}, **_errors(400, 404, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/query": {
             "post": {"summary": "Query with a context (needs a query backend)", "parameters": [_ID],
-                     "requestBody": {"required": True, **_JSON},
-                     "responses": {"200": {"description": "answer", **_JSON}, "501": _ERR}},
+                     "requestBody": _body("QueryRequest", True),
+                     "responses": {"200": _json("Answer", "the backend's answer"), **_errors(400, 404, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}/promote": {
-            "post": {"summary": "Promote to warm or hot", "parameters": [_ID], "requestBody": {"required": False, **_JSON},
-                     "responses": {"200": {"description": "tier", **_JSON}, "400": _ERR, "404": _ERR}},
+            "post": {"summary": "Promote to warm (RAM) or hot (a torch device) in this server's memory",
+                     "parameters": [_ID], "requestBody": _body("PromoteRequest"),
+                     "responses": {"200": _json("Tier", "tier"), **_errors(400, 404, 409, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/demote": {
-            "post": {"summary": "Demote to warm or cold", "parameters": [_ID], "requestBody": {"required": False, **_JSON},
-                     "responses": {"200": {"description": "tier", **_JSON}, "400": _ERR, "404": _ERR}},
+            "post": {"summary": "Demote to warm or cold in this server's memory", "parameters": [_ID],
+                     "requestBody": _body("DemoteRequest"),
+                     "responses": {"200": _json("Tier", "tier"), **_errors(400, 404)}},
         },
         f"{PREFIX}/models/{{id}}/contexts": {
             "get": {"summary": "Discover a model's contexts",
-                    "parameters": [_ID, _p("force_scan", "query", False, {"type": "boolean"})],
-                    "responses": {"200": {"description": "contexts", **_JSON}, "400": _ERR}},
+                    "parameters": [_p("id", schema=_MODEL_ID), _p("force_scan", "query", False, {"type": "boolean"})],
+                    "responses": {"200": _json("Discovery", "contexts"), **_errors(400)}},
         },
         f"{PREFIX}/registry": {"get": {"summary": "Registry statistics",
-                                       "responses": {"200": {"description": "statistics", **_JSON}}}},
+                                       "responses": {"200": _json("Registry", "statistics"), **_errors()}}},
         f"{PREFIX}/registry/rebuild": {"post": {"summary": "Rebuild the registry from disk",
-                                                "responses": {"200": {"description": "statistics", **_JSON}}}},
+                                                "responses": {"200": _json("Rebuilt", "statistics"), **_errors()}}},
     },
 }
 
@@ -144,8 +243,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     async def list_contexts(request: Request):
         model = request.query_params.get("model_id")
+        if model is not None:
+            check_model_id(model)  # an empty or malformed model_id is a 400, not "all models"
         reg = await run_in_threadpool(b.registry)
-        models = [model] if model else [m["model_id"] for m in reg["models"]]
+        models = [model] if model is not None else [m["model_id"] for m in reg["models"]]
         out = []
         for m in models:
             out += [dict(c, model_id=m) for c in await run_in_threadpool(b.discover, m)]
@@ -246,20 +347,39 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     async def promote(request: Request):
         body = await body_json(request)
-        tier = await run_in_threadpool(lambda: b.promote(request.path_params["id"], body.get("target_tier", "warm"),
-                                                         device=body.get("device", "cuda")))
-        return JSONResponse({"status": "success", "tier": tier})
+        cid = check_context_id(request.path_params["id"])
+        target, device = body.get("target_tier", "warm"), body.get("device", "cuda")
+        if target not in ("warm", "hot"):
+            raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target!r}")
+        if not isinstance(device, str) or not re.match(_DEVICE_PATTERN, device):
+            raise InvalidArgumentError(f"device must match {_DEVICE_PATTERN}, got {device!r}")
+        await run_in_threadpool(b.lookup, cid)  # 404 before any tier question
+        if target == "hot":
+            from mcf.bucket.tiers import check_device
+
+            try:
+                check_device(device)
+            except InvalidArgumentError as exc:  # a well-formed request this machine cannot satisfy
+                return err(409, str(exc))
+        tier = await run_in_threadpool(lambda: b.promote(cid, target, device=device))
+        return JSONResponse({"status": "success", "context_id": cid, "tier": tier})
 
     async def demote(request: Request):
         body = await body_json(request)
-        tier = await run_in_threadpool(b.demote, request.path_params["id"], body.get("target_tier", "cold"))
-        return JSONResponse({"status": "success", "tier": tier})
+        cid = check_context_id(request.path_params["id"])
+        await run_in_threadpool(b.lookup, cid)
+        tier = await run_in_threadpool(b.demote, cid, body.get("target_tier", "cold"))
+        return JSONResponse({"status": "success", "context_id": cid, "tier": tier})
 
     async def discover(request: Request):
-        force = request.query_params.get("force_scan", "false").lower() in ("1", "true", "yes")
+        raw = request.query_params.get("force_scan", "false").lower()
+        if raw not in ("true", "false", "1", "0"):
+            raise InvalidArgumentError(f"force_scan must be true or false, got {raw!r}")
+        force = raw in ("true", "1")
+        t = time.perf_counter()
         out = await run_in_threadpool(lambda: b.discover(request.path_params["id"], force_scan=force))
         return JSONResponse({"status": "success", "model_id": request.path_params["id"], "from_cache": not force,
-                             "contexts": out})
+                             "scan_time_ms": (time.perf_counter() - t) * 1e3, "contexts": out})
 
     async def registry(request: Request):
         reg = await run_in_threadpool(b.registry)
@@ -273,23 +393,46 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     async def openapi(request: Request):
         return JSONResponse(OPENAPI)
 
-    routes = [
-        Route(f"{PREFIX}/openapi.json", endpoint(openapi), methods=["GET"]),
-        Route(f"{PREFIX}/contexts", endpoint(list_contexts), methods=["GET"]),
-        Route(f"{PREFIX}/contexts", endpoint(ingest), methods=["POST"]),
-        Route(f"{PREFIX}/contexts/{{id}}", endpoint(get_context), methods=["GET"]),
-        Route(f"{PREFIX}/contexts/{{id}}", endpoint(delete_context), methods=["DELETE"]),
-        Route(f"{PREFIX}/contexts/{{id}}/kv", endpoint(stream_kv), methods=["GET"]),
-        Route(f"{PREFIX}/contexts/{{id}}/query", endpoint(query), methods=["POST"]),
-        Route(f"{PREFIX}/contexts/{{id}}/promote", endpoint(promote), methods=["POST"]),
-        Route(f"{PREFIX}/contexts/{{id}}/demote", endpoint(demote), methods=["POST"]),
-        Route(f"{PREFIX}/models/{{id}}/contexts", endpoint(discover), methods=["GET"]),
-        Route(f"{PREFIX}/registry", endpoint(registry), methods=["GET"]),
-        Route(f"{PREFIX}/registry/rebuild", endpoint(rebuild), methods=["POST"]),
-    ]
+    def by_method(**handlers):
+        """One route per path, so a wrong method gets 405 with the full Allow header."""
+        async def dispatch(request: Request):
+            m = request.method.lower()
+            return await handlers["get" if m == "head" else m](request)
+        return dispatch, [m.upper() for m in handlers]
+
+    table = {
+        "/openapi.json": {"get": openapi},
+        "/contexts": {"get": list_contexts, "post": ingest},
+        "/contexts/{id}": {"get": get_context, "delete": delete_context},
+        "/contexts/{id}/kv": {"get": stream_kv},
+        "/contexts/{id}/query": {"post": query},
+        "/contexts/{id}/promote": {"post": promote},
+        "/contexts/{id}/demote": {"post": demote},
+        "/models/{id}/contexts": {"get": discover},
+        "/registry": {"get": registry},
+        "/registry/rebuild": {"post": rebuild},
+    }
+    def strict(path: str, method: str, fn):
+        """Refuse query parameters the document does not declare (a typo like ``force_scna=true`` must
+        not be silently ignored)."""
+        op = OPENAPI["paths"].get(PREFIX + path, {}).get(method, {})
+        allowed = {p["name"] for p in op.get("parameters", ()) if p["in"] == "query"}
+
+        async def checked(request: Request):
+            unknown = sorted(set(request.query_params) - allowed)
+            if unknown:
+                raise InvalidArgumentError(f"unknown query parameter(s) {unknown}; allowed: {sorted(allowed)}")
+            return await fn(request)
+        return checked
+
+    routes = []
+    for path, handlers in table.items():
+        fn, methods = by_method(**{m: endpoint(strict(path, m, h)) for m, h in handlers.items()})
+        routes.append(Route(PREFIX + path, fn, methods=methods))
 
     async def http_error(request: Request, exc: HTTPException):
-        return err(exc.status_code, exc.detail)
+        return JSONResponse({"status": "error", "error": exc.detail}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
