@@ -84,21 +84,49 @@ def default_model_dir(fetch: bool = True) -> str:
     return fetch_model_dir()
 
 
-def demo_quantize(path: str, workdir: str) -> list:
-    """Quantize the packed checkpoint with every method and print size, error and decode speed."""
+def _safetensors_load_ms(model_dir: str) -> float | None:
+    """The anchor: safetensors' own numpy loader on the source checkpoint (warm), or None without it."""
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        return None
+    f = os.path.join(model_dir, "model.safetensors")
+    if not os.path.exists(f):
+        return None
+    load_file(f)
+    t0 = time.perf_counter()
+    load_file(f)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list:
+    """Quantize the packed checkpoint with every method and print size, ratio, error, decode speed and
+    the time to load every tensor as float32, next to safetensors loading the original."""
     import math
 
     import mcf
+    from mcf.cli import Progress
     from mcf.quant import METHODS, quantize_file
 
     info = mcf.kernel_info()
     print(f"== quantize with every method (kernels: {info['active']}, CPU supports {', '.join(info['supported'])})")
-    print(f"   {'method':<6} {'size':>10} {'of f32':>7} {'RMSE':>9} {'SNR dB':>7} {'decode GB/s':>11}  (float32 out, warm)")
     size_in = os.path.getsize(path)
+    mcf.load_file(path)
+    t0 = time.perf_counter()
+    mcf.load_file(path)
+    t_f32 = (time.perf_counter() - t0) * 1e3
+    st = _safetensors_load_ms(model_dir) if model_dir else None
+    anchor = f"safetensors.numpy.load_file of the source: {st:.1f} ms" if st is not None else \
+        "safetensors not installed: no anchor"
+    print(f"   f32 file {size_in / 2**20:.1f} MiB: mcf.load_file {t_f32:.1f} ms; {anchor}")
+    print(f"   {'method':<6} {'size':>10} {'ratio':>6} {'RMSE':>9} {'SNR dB':>7} {'decode GB/s':>11} {'load f32 ms':>11}"
+          "  (decode: float32 out, warm; load: open + dequantize every tensor)")
     rows = []
-    for m in METHODS:
+    prog = Progress("quantize")
+    for i, m in enumerate(METHODS):
         q = os.path.join(workdir, f"all-MiniLM-L6-v2.{m}.mcf")
         stats = quantize_file(path, q, m, report=True)
+        prog(i + 1, len(METHODS), m)
         n = sum(math.prod(s.shape) for s in stats)
         rmse = math.sqrt(sum(s.rmse ** 2 * math.prod(s.shape) for s in stats) / max(1, n))
         snr = sum(s.snr_db for s in stats) / max(1, len(stats))
@@ -111,11 +139,89 @@ def demo_quantize(path: str, workdir: str) -> list:
             for t in names:
                 c.dequantize(t, out=bufs[t])
             dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with mcf.open(q) as c:
+            _ = {t: c.dequantize(t) if c.info(t).quantized else np.array(c.tensor(t)) for t in c}
+        t_load = (time.perf_counter() - t0) * 1e3
         gbps = sum(b.nbytes for b in bufs.values()) / dt / 1e9 if dt > 0 else float("nan")
         size = os.path.getsize(q)
-        print(f"   {m:<6} {size / 2**20:>8.1f} MiB {size / size_in:>6.1%} {rmse:>9.2g} {snr:>7.1f} {gbps:>11.1f}")
-        rows.append((m, size, rmse, snr, gbps))
+        print(f"   {m:<6} {size / 2**20:>6.1f} MiB {size_in / size:>5.1f}x {rmse:>9.2g} {snr:>7.1f} {gbps:>11.1f} "
+              f"{t_load:>11.1f}")
+        rows.append((m, size, rmse, snr, gbps, t_load))
     return rows
+
+
+def demo_bucket(model_dir: str, workdir: str, out=None) -> int:
+    """Store a real KV cache in a Model Context Bucket: the keys and values MiniLM's six attention layers
+    compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf._bert`), ingested with
+    lz4, found again after a "restart" by content, loaded back and compared.  Returns 0 when every check
+    passes."""
+    import json
+
+    from mcf._bert import bert_forward, sentence_embedding
+    from mcf.bucket import Bucket
+    from mcf.cli import Progress, _human
+    from mcf.megacontext.demo import load_tokenizer
+
+    w = (out or sys.stdout).write
+    tok = load_tokenizer(model_dir)
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    with open(os.path.join(model_dir, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    ids = tok.encode(text).ids[: int(cfg["max_position_embeddings"])]
+    root = os.path.join(workdir, "bucket")
+    w(f"== Model Context Bucket: MiniLM's KV cache for the first {len(ids)} tokens of its README\n   -> {root}\n")
+    weights = weights_of(model_dir)
+    t0 = time.perf_counter()
+    hidden, kv = bert_forward(weights, cfg, ids, progress=Progress("forward"))
+    t_fwd = time.perf_counter() - t0
+    heads, _, hd = kv[0][0].shape
+    w(f"   forward pass (numpy, float32): {len(kv)} layers x (K, V) [{heads}, {len(ids)}, {hd}] in {t_fwd:.2f}s\n")
+    ok = True
+    model_id = "all-MiniLM-L6-v2"
+    b = Bucket(root)
+    b.register_model(model_id, architecture="bert", num_layers=len(kv), num_kv_heads=heads, head_dim=hd,
+                     dtype="float16")
+    t0 = time.perf_counter()
+    meta = b.ingest(model_id, kv, token_ids=ids, name="README", source="model/README.md",
+                    dtype="float16", compression="lz4")
+    t_ing = time.perf_counter() - t0
+    kvb = meta["kv_cache"]
+    w(f"   ingested {meta['context_id']} in {t_ing * 1e3:.1f} ms: {_human(kvb['original_size'])} of float16 K/V "
+      f"stored in {_human(kvb['size_bytes'])} with lz4 ({kvb['size_bytes'] / kvb['original_size']:.0%}; "
+      f"float data barely compresses)\n")
+    again = b.ingest(model_id, kv, token_ids=ids, dtype="float16", compression="lz4")
+    ok &= bool(again.get("deduplicated")) and again["context_id"] == meta["context_id"]
+    w(f"   the same content again: {'deduplicated, same id' if again.get('deduplicated') else 'STORED TWICE'}\n")
+
+    b2 = Bucket(root)                                     # a new process would see exactly this
+    found = [c["context_id"] for c in b2.discover(model_id)]
+    t0 = time.perf_counter()
+    layers = b2.load(meta["context_id"], model=model_id)
+    t_load = time.perf_counter() - t0
+    same = all(np.array_equal(k, k0.astype(np.float16)) and np.array_equal(v, v0.astype(np.float16))
+               for (k, v), (k0, v0) in zip(layers, kv))
+    ok &= same and meta["context_id"] in found
+    w(f"   after a restart: discover -> {len(found)} context(s); load (CRC checked, lz4) in {t_load * 1e3:.2f} ms; "
+      f"equal to the float16 of the computed K/V: {'yes' if same else 'NO'}\n")
+    layer0 = b2.load(meta["context_id"], layers=[0], tokens=64)
+    w(f"   one layer, first 64 tokens only: K {layer0[0][0].shape} {layer0[0][0].dtype}\n")
+    # the keys and values are the model's own: its sentence embedding means something
+    q1, q2, q3 = (sentence_embedding(bert_forward(weights, cfg, tok.encode(s).ids)[0])
+                  for s in ("A man is eating food.", "A man eats a meal.", "The stock market fell."))
+    w(f"   sanity of the forward pass: cos(eating food, eats a meal) = {q1 @ q2:.3f}, "
+      f"cos(eating food, stock market) = {q1 @ q3:.3f}\n")
+    ok &= float(q1 @ q2) > float(q1 @ q3)
+    return 0 if ok else 1
+
+
+def weights_of(model_dir: str) -> dict:
+    """The checkpoint's tensors as zero-copy arrays (name -> array; the views keep the mapping alive)."""
+    from mcf._safetensors import open_checkpoint
+
+    ckpt = open_checkpoint(model_dir)
+    return {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
 
 
 def run_demo(args) -> int:
@@ -153,12 +259,14 @@ def run_demo(args) -> int:
         problems = c.verify()
     print(f"   mcf verify: {'OK' if not problems else problems}")
     print()
-    demo_quantize(out, workdir)
+    demo_quantize(out, workdir, model_dir)
     print()
     mg = __import__("mcf.megatron", fromlist=["demo_megatron"]).demo_megatron(model_dir, workdir)
     print()
     ctx = __import__("mcf.megacontext", fromlist=["demo_megacontext"]).demo_megacontext(model_dir, workdir)
-    return 1 if bad or problems or mg["problems"] or ctx else 0
+    print()
+    bk = demo_bucket(model_dir, workdir)
+    return 1 if bad or problems or mg["problems"] or ctx or bk else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import mcf
@@ -74,3 +75,29 @@ def test_demo_on_the_real_checkpoint(tmp_path, capsys, minilm_dir):
         assert c.model_info.hidden_size == 384
         assert c.resource_json("config.json")["model_type"] == "bert"
         assert c.info("embeddings.word_embeddings.weight").shape == (30522, 384)
+
+
+def test_demo_bert_forward_matches_transformers(minilm_dir):
+    """The bucket demo's keys and values come from a plain-numpy BERT forward pass: it must compute what
+    Hugging Face's BertModel computes on the same checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    import json
+
+    from mcf._bert import bert_forward
+    from mcf.demo import weights_of
+    from mcf.megacontext.demo import load_tokenizer
+
+    with open(os.path.join(minilm_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    ids = load_tokenizer(minilm_dir).encode("MCF stores model weights; buckets store KV caches.").ids
+    hidden, kv = bert_forward(weights_of(minilm_dir), cfg, ids)
+    model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    assert np.abs(hidden - want).max() < 1e-4
+    # the keys of layer 0 are the key projection of the embedding output
+    emb = model.embeddings(torch.tensor([ids]))
+    k0 = model.encoder.layer[0].attention.self.key(emb)[0].detach().numpy()
+    heads = cfg["num_attention_heads"]
+    assert np.abs(kv[0][0] - k0.reshape(len(ids), heads, -1).transpose(1, 0, 2)).max() < 1e-4
