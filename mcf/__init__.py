@@ -1,7 +1,8 @@
 """mcf: fast, validated readers and writers for the on-disk formats ML infrastructure lives on.
 
 - MCF model containers: :func:`mcf.open`, :class:`mcf.Writer`, :func:`mcf.pack`.
-- The I/O core every format reads through: :func:`mcf.io.open_source`.
+- The I/O core every format reads through: :func:`mcf.io.open_source` (paths, buffers, fsspec URLs).
+- State dicts: :func:`mcf.load_state_dict` (numpy), :func:`mcf.torch.load_state_dict` (torch).
 - Errors: everything raised on purpose derives from :class:`mcf.MCFError`.
 """
 
@@ -19,6 +20,7 @@ from mcf.tensor_index import TensorInfo
 from mcf.writer import Writer
 from mcf._kernels import kernel_info
 from mcf.quant import dequantize, quantize
+from mcf.state_dict import load_state_dict
 
 __version__ = "0.1.0"
 
@@ -27,5 +29,5 @@ __all__ = [
     "Writer", "pack", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
-    "MissingFileError", "AccessError", "InvalidArgumentError",
+    "MissingFileError", "AccessError", "InvalidArgumentError", "load_state_dict",
 ]

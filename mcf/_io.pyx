@@ -622,6 +622,11 @@ def _reopen_fileobj(fileobj):
     return Source._from_fileobj(fileobj)
 
 
+def _is_url(obj):
+    from mcf.remote import is_url
+    return is_url(obj)
+
+
 def open_source(obj, mmap=True):
     """Open ``obj`` as a :class:`Source`.
 
@@ -630,9 +635,16 @@ def open_source(obj, mmap=True):
     ``memoryview``) read in place, or
     a binary file-like object with ``seek`` and ``readinto``/``read``.  ``mmap=False`` reads paths with
     positional reads instead of mapping them.
+
+    A URL string (``http(s)://``, ``s3://``, ``gs://``, ``memory://``, ``file://``..., anything fsspec
+    knows) opens a ``fileobj`` source over :class:`mcf.remote.RemoteFile` (range requests, a block
+    cache, checked lengths, bounded retries) whatever ``mmap`` says: remote bytes cannot be mapped.
     """
     if isinstance(obj, Source):
         return obj
+    if isinstance(obj, (str, bytes)) and _is_url(obj):
+        from mcf.remote import open_remote
+        return open_remote(obj)
     if isinstance(obj, (str, bytes, os.PathLike)):
         return Source._from_path(obj, bool(mmap))
     if isinstance(obj, (bytearray, memoryview, np.ndarray)):

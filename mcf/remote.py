@@ -1,0 +1,363 @@
+"""Remote files: any fsspec URL (``http(s)://``, ``s3://``, ``gs://``, ``memory://``, ``file://``...) read
+with range requests through a block cache, as a file-like object the I/O core reads like any other.
+
+:func:`mcf.io.open_source` turns a URL string into a ``fileobj`` :class:`mcf.io.Source` over a
+:class:`RemoteFile`, so every reader that opens its input with ``open_source`` (MCF, safetensors, GGUF,
+Megatron ``.idx``/``.bin``, MegaContext ``.ctx``, MCB ``kv_data.mcb``) reads URLs without knowing it.
+
+Why a class of our own on top of fsspec instead of ``fsspec.open(...)``: a remote server can answer a
+range request with fewer bytes than asked (a dropped connection, a truncated body), or ignore ``Range``
+and send the whole file with status 200.  fsspec hands such answers back as they are; a tensor read from
+them would be silently short or shifted.  Here every answer's length is checked against the request,
+transient failures are retried a bounded number of times, and the last failure becomes an
+:class:`mcf.MCFIOError` naming the URL, the offset and both sizes.  The file size must be known up front
+(``HEAD``/``Content-Length``), since every bounds check of the readers depends on it.
+
+Small reads go through an LRU cache of aligned blocks (``block_size``, default 1 MiB; a header, an index
+and many short sequences cost a few requests, not one each); reads of more than ``4 * block_size`` bytes
+bypass the cache and are fetched in ``request_size`` pieces, concurrently where the file system is
+asynchronous (HTTP), straight into the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+
+from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
+
+__all__ = ["RemoteFile", "is_url", "open_remote", "exists", "read_bytes", "refuse_url",
+           "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_RETRIES"]
+
+DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_CACHE_SIZE = 64 << 20
+DEFAULT_REQUEST_SIZE = 16 << 20
+DEFAULT_RETRIES = 3
+# concurrent requests of one large read (HTTP); bounds the bytes in flight to CONCURRENCY * request_size
+CONCURRENCY = 4
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def is_url(obj) -> bool:
+    """True for a string that names a protocol (``scheme://...``): such paths go through fsspec."""
+    if isinstance(obj, bytes):
+        try:
+            obj = obj.decode()
+        except UnicodeDecodeError:
+            return False
+    return isinstance(obj, str) and _URL.match(obj) is not None
+
+
+def refuse_url(path, what: str = "writing") -> None:
+    """Raise :class:`InvalidArgumentError` when ``path`` is a URL: remote files are read-only in mcf."""
+    if is_url(path):
+        raise InvalidArgumentError(f"{path}: {what} is not supported on remote URLs (remote files are read-only)")
+
+
+def _fsspec():
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError("reading URLs needs the 'fsspec' package (pip install 'mcf[remote]'; HTTP also "
+                          "needs 'aiohttp')") from None
+    return fsspec
+
+
+def _url_to_fs(url, storage_options):
+    fsspec = _fsspec()
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        raise ImportError(f"{url}: fsspec cannot load the file system for this URL: {exc}") from None
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{url}: not a URL fsspec can open: {exc}") from None
+
+
+def _os_error(exc, url):
+    if isinstance(exc, FileNotFoundError):
+        return MissingFileError(errno.ENOENT, "no such remote file", url)
+    if isinstance(exc, PermissionError):
+        return AccessError(errno.EACCES, "access to the remote file was denied", url)
+    return None
+
+
+def exists(url, storage_options=None) -> bool:
+    """True if ``url`` names an existing remote file or directory."""
+    fs, path = _url_to_fs(url, storage_options)
+    try:
+        return bool(fs.exists(path))
+    except Exception:  # noqa: BLE001 - fsspec back ends raise anything; "cannot tell" is "no" here
+        return False
+
+
+def read_bytes(url, limit: int, storage_options=None) -> bytes:
+    """The whole of a small remote file (at most ``limit`` bytes; longer ones raise), e.g. a JSON
+    sidecar.  Missing files raise :class:`MissingFileError` like a local open would."""
+    with RemoteFile(url, storage_options=storage_options) as f:
+        if f.size > limit:
+            raise MCFIOError(errno.EFBIG, f"remote file of {f.size} bytes is larger than the {limit} bytes "
+                             "allowed here", url)
+        buf = bytearray(f.size)
+        f.readinto(buf)
+        return bytes(buf)
+
+
+class RemoteFile:
+    """A read-only, seekable file over range requests with a block cache.  See the module docstring.
+
+    ``size`` is fetched once at opening (a URL whose size is unknown is refused);
+    ``retries`` bounds the extra attempts per request; ``stats`` counts requests and cache hits.
+    """
+
+    def __init__(self, url: str, *, block_size: int = DEFAULT_BLOCK_SIZE, cache_size: int = DEFAULT_CACHE_SIZE,
+                 request_size: int = DEFAULT_REQUEST_SIZE, retries: int = DEFAULT_RETRIES,
+                 retry_delay: float = 0.05, storage_options: dict | None = None):
+        if isinstance(url, bytes):
+            url = url.decode()
+        if not is_url(url):
+            raise InvalidArgumentError(f"{url!r} is not a URL (expected scheme://...)")
+        for label, v in (("block_size", block_size), ("request_size", request_size)):
+            if int(v) < 1:
+                raise InvalidArgumentError(f"{label} must be >= 1, got {v}")
+        if int(retries) < 0 or int(cache_size) < 0:
+            raise InvalidArgumentError("retries and cache_size must be >= 0")
+        self.url = self.name = url
+        self.block_size = int(block_size)
+        self.request_size = int(request_size)
+        self.cache_size = int(cache_size)
+        self.retries = int(retries)
+        self.retry_delay = float(retry_delay)
+        self._opts = dict(storage_options or {})
+        self._fs, self._path = _url_to_fs(url, self._opts)
+        self._pos = 0
+        self._closed = False
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = {"requests": 0, "retries": 0, "cache_hits": 0, "bytes_fetched": 0}
+        self.size = self._fetch_size()
+
+    # -- size -------------------------------------------------------------------------------------
+    def _fetch_size(self) -> int:
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                info = self._fs.info(self._path)
+            except Exception as exc:  # noqa: BLE001 - see _fetch
+                mapped = _os_error(exc, self.url)
+                if mapped is not None:
+                    raise mapped from None
+                last = exc
+                self._sleep(attempt)
+                continue
+            if info.get("type") == "directory":
+                raise MCFIOError(errno.EISDIR, "is a directory, not a file", self.url)
+            size = info.get("size")
+            if size is None:
+                raise MCFIOError(0, "the server did not report the file's size (no Content-Length); "
+                                 "mcf needs it to bounds-check every read", self.url)
+            size = int(size)
+            if size < 0:
+                raise MCFIOError(0, f"the server reported a negative size {size}", self.url)
+            return size
+        raise MCFIOError(0, f"cannot get the size after {self.retries + 1} attempts: "
+                         f"{type(last).__name__}: {last}", self.url)
+
+    # -- fetching ---------------------------------------------------------------------------------
+    def _sleep(self, attempt):
+        if attempt < self.retries and self.retry_delay > 0:
+            time.sleep(self.retry_delay * (2 ** attempt))
+
+    def _check(self, data, start, end):
+        """None when ``data`` is exactly the requested range, else what went wrong."""
+        if isinstance(data, BaseException):
+            return f"{type(data).__name__}: {data}"
+        if len(data) == end - start:
+            return None
+        if len(data) == self.size and start > 0 or len(data) > end - start:
+            return (f"got {len(data)} bytes for a {end - start}-byte range: the server ignored the Range "
+                    "header (it must answer 206 Partial Content)")
+        return f"got {len(data)} bytes for a {end - start}-byte range (short read)"
+
+    def _fail(self, start, end, why):
+        return MCFIOError(errno.EIO, f"range read of {end - start} bytes at offset {start} (file size "
+                          f"{self.size}) failed after {self.retries + 1} attempts: {why}", self.url)
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        """Exactly the bytes [start, end), retried; raises MCFIOError naming URL, offset and sizes."""
+        why = None
+        for attempt in range(self.retries + 1):
+            self.stats["requests"] += 1
+            if attempt:
+                self.stats["retries"] += 1
+            try:
+                data = self._fs.cat_file(self._path, start=start, end=end)
+            except Exception as exc:  # noqa: BLE001 - back ends raise their own types (aiohttp, botocore...)
+                mapped = _os_error(exc, self.url)
+                if mapped is not None:
+                    raise mapped from None
+                data = exc
+            why = self._check(data, start, end)
+            if why is None:
+                self.stats["bytes_fetched"] += end - start
+                return data
+            if not isinstance(data, BaseException) and "ignored the Range" in why:
+                break  # asking again gets the same whole-file answer
+            self._sleep(attempt)
+        raise self._fail(start, end, why)
+
+    def _fetch_into(self, start: int, mv: memoryview) -> None:
+        """Fill ``mv`` from ``start`` in request_size pieces, CONCURRENCY at a time when the file system
+        is asynchronous; each piece is checked and retried alone."""
+        n = len(mv)
+        pieces = [(s, min(s + self.request_size, start + n)) for s in range(start, start + n, self.request_size)]
+        batch = CONCURRENCY if getattr(self._fs, "async_impl", False) and len(pieces) > 1 else 1
+        for i in range(0, len(pieces), batch):
+            group = pieces[i:i + batch]
+            if len(group) == 1:
+                results = [self._fetch(*group[0])]
+            else:
+                self.stats["requests"] += len(group)
+                try:
+                    results = self._fs.cat_ranges([self._path] * len(group), [a for a, _ in group],
+                                                  [b for _, b in group], on_error="return")
+                except Exception as exc:  # noqa: BLE001 - fall back to one checked request per piece
+                    results = [exc] * len(group)
+            for (a, b), data in zip(group, results):
+                if self._check(data, a, b) is not None:
+                    mapped = _os_error(data, self.url) if isinstance(data, BaseException) else None
+                    if mapped is not None:
+                        raise mapped
+                    self.stats["retries"] += 1
+                    self.stats["requests"] -= 1  # _fetch counts its own first attempt
+                    data = self._fetch(a, b)
+                else:
+                    self.stats["bytes_fetched"] += b - a
+                mv[a - start:b - start] = data
+
+    def _block(self, k: int) -> bytes:
+        blk = self._cache.get(k)
+        if blk is not None:
+            self._cache.move_to_end(k)
+            self.stats["cache_hits"] += 1
+            return blk
+        return None
+
+    def _read_cached(self, start: int, mv: memoryview) -> None:
+        bs = self.block_size
+        n = len(mv)
+        first, last = start // bs, (start + n - 1) // bs
+        blocks = {}
+        k = first
+        while k <= last:
+            blk = self._block(k)
+            if blk is not None:
+                blocks[k] = blk
+                k += 1
+                continue
+            run = k   # one request for a run of missing blocks
+            while run + 1 <= last and (run + 1) not in self._cache:
+                run += 1
+            a, b = k * bs, min((run + 1) * bs, self.size)
+            data = self._fetch(a, b)
+            for j in range(k, run + 1):
+                blocks[j] = data[(j - k) * bs:(j - k + 1) * bs]
+                if self.cache_size >= bs:
+                    self._cache[j] = blocks[j]
+            while len(self._cache) * bs > self.cache_size:
+                self._cache.popitem(last=False)
+            k = run + 1
+        pos = 0
+        for j in range(first, last + 1):
+            blk = blocks[j]
+            lo = start + pos - j * bs
+            take = min(len(blk) - lo, n - pos)
+            mv[pos:pos + take] = blk[lo:lo + take]
+            pos += take
+
+    # -- file-like interface ---------------------------------------------------------------------
+    def readinto(self, buffer) -> int:
+        if self._closed:
+            raise ValueError("I/O operation on closed remote file")
+        mv = memoryview(buffer).cast("B")
+        n = min(len(mv), max(0, self.size - self._pos))
+        if n == 0:
+            return 0
+        with self._lock:
+            if n > 4 * self.block_size:
+                self._fetch_into(self._pos, mv[:n])
+            else:
+                self._read_cached(self._pos, mv[:n])
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = max(0, self.size - self._pos)
+        buf = bytearray(min(size, max(0, self.size - self._pos)))
+        got = self.readinto(buf)
+        return bytes(buf[:got])
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_SET:
+            pos = offset
+        elif whence == os.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == os.SEEK_END:
+            pos = self.size + offset
+        else:
+            raise ValueError(f"bad whence {whence}")
+        if pos < 0:
+            raise ValueError("negative seek position")
+        self._pos = int(pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+        self._cache.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        # reopened by URL in the receiving process (DataLoader workers)
+        return (_reopen, (self.url, self.block_size, self.cache_size, self.request_size, self.retries,
+                          self.retry_delay, self._opts))
+
+    def __repr__(self) -> str:
+        return f"<mcf RemoteFile {self.url!r} {self.size} bytes>"
+
+
+def _reopen(url, block_size, cache_size, request_size, retries, retry_delay, opts):
+    return RemoteFile(url, block_size=block_size, cache_size=cache_size, request_size=request_size,
+                      retries=retries, retry_delay=retry_delay, storage_options=opts)
+
+
+def open_remote(url, **kwargs):
+    """A :class:`mcf.io.Source` over ``url`` (keyword arguments go to :class:`RemoteFile`)."""
+    from mcf._io import Source
+
+    return Source._from_fileobj(RemoteFile(url, **kwargs), owns=True)

@@ -1,0 +1,115 @@
+"""``mcf.torch.load_state_dict``: an MCF file as a ``name -> torch.Tensor`` dict, ready for
+``module.load_state_dict``.  torch is optional: importing this module without it raises an ImportError
+that names the package.
+
+Where the bytes go, and why:
+
+- Plain tensors that need no change are wrapped in place with ``torch.frombuffer`` over the mapped file:
+  no copy, no allocation, and the tensor keeps the mapping alive after the container is closed.  The
+  mapping is read-only (``PROT_READ``): such tensors are **read-only in spirit**, and an in-place
+  operation on one (``w.mul_(2)``) crashes the process with a segmentation fault.
+  ``module.load_state_dict(sd)`` copies into the module's own parameters, so the common use is safe;
+  pass ``copy=True`` for tensors you mean to modify (one compiled read into fresh memory, see
+  :meth:`mcf.Container.load`).
+- Quantized tensors and float casts are decoded by the compiled kernels straight into the storage of the
+  ``torch.Tensor`` that is returned (bfloat16 included: its storage is written as bf16 bits); a
+  tensor-parallel rank decodes only its own rows.
+- ``device`` other than ``"cpu"`` moves each tensor after it is decoded on the CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import numpy as np
+
+from mcf import state_dict as _sd
+from mcf.dtypes import DType
+
+try:
+    import torch as _torch
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError("mcf.torch needs the 'torch' package (pip install torch, or pip install 'mcf[torch]')") from _exc
+
+__all__ = ["load_state_dict"]
+
+_TORCH_OF_KIND = {"f32": _torch.float32, "f16": _torch.float16, "bf16": _torch.bfloat16, "f64": _torch.float64}
+_TORCH_OF_STORED = {
+    DType.F32: _torch.float32, DType.F16: _torch.float16, DType.BF16: _torch.bfloat16, DType.F64: _torch.float64,
+    DType.I8: _torch.int8, DType.U8: _torch.uint8, DType.I16: _torch.int16, DType.I32: _torch.int32,
+    DType.I64: _torch.int64,
+}
+# torch has uint16/32/64 only since 2.3, with few operations; the bits are kept as the same-size signed type
+for _code, _attr, _fallback in ((DType.U16, "uint16", _torch.int16), (DType.U32, "uint32", _torch.int32),
+                                (DType.U64, "uint64", _torch.int64)):
+    _TORCH_OF_STORED[_code] = getattr(_torch, _attr, _fallback)
+
+
+def _wrap(buf: np.ndarray, tdtype, shape) -> "_torch.Tensor":
+    """A tensor over the bytes of ``buf`` (C-contiguous), without copying."""
+    nbytes = buf.nbytes
+    if nbytes == 0:
+        return _torch.empty(shape, dtype=tdtype)
+    raw = buf.reshape(-1).view(np.uint8)  # bytes view: ml_dtypes' bfloat16 has no buffer format
+    if raw.flags.writeable:
+        t = _torch.frombuffer(raw, dtype=tdtype)
+    else:
+        with warnings.catch_warnings():
+            # "The given buffer is not writable...": documented above (read-only in spirit)
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            t = _torch.frombuffer(raw, dtype=tdtype)
+    return t.reshape(shape)
+
+
+def _empty(shape, kind):
+    """A fresh CPU tensor of ``kind`` and the numpy array over the same memory the kernels write to."""
+    t = _torch.empty(shape, dtype=_TORCH_OF_KIND[kind])
+    if kind == "bf16":
+        arr = t.view(_torch.int16).numpy().view(np.uint16)  # the kernels write bf16 bits into uint16 outputs
+    else:
+        arr = t.numpy()
+    return t, arr
+
+
+def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, tp_rank: int | None = None,
+                    tp_size: int | None = None, tp_dim: int | Callable = 0, copy: bool = False,
+                    threads: int = 1) -> dict:
+    """Tensors of an MCF file (path, URL, file-like, buffer or open :class:`mcf.Container`) as torch tensors.
+
+    ``dtype`` (a torch dtype such as ``torch.bfloat16``, or a string) casts every float and quantized
+    tensor (quantized ones default to float32); integer tensors keep theirs.  ``tp_rank``/``tp_size``/
+    ``tp_dim`` keep one tensor-parallel rank's share, with the rules of :func:`mcf.load_state_dict`.
+    Without ``copy=True``, unchanged plain tensors share the read-only file mapping (see the module
+    docstring: do not modify them in place).  Unsigned 16/32/64-bit tensors use torch's uint16/32/64
+    where it has them (torch >= 2.3), else the signed type of the same size holding the same bits.
+    """
+    dev = _torch.device(device)
+    c, owned = _sd.open_input(path_or_container)
+    try:
+        plans = _sd.plan(c, names, dtype, tp_rank, tp_size, tp_dim)
+        loaded = {}
+        if copy:
+            whole = [p.name for p in plans if not _sd.needs_decode(p) and p.rows is None and p.cols is None]
+            if whole:
+                loaded = c.load(whole, threads=threads)   # fresh, writable arena views
+        out = {}
+        for p in plans:
+            if _sd.needs_decode(p):
+                t, arr = _empty(p.out_shape, p.kind)
+                _sd.decode_into(c, p, arr, threads)
+            else:
+                tdt = _TORCH_OF_STORED[p.stored]
+                a = loaded.get(p.name)
+                if a is None:
+                    a = _sd.stored_view(c, p)
+                    if copy or not a.flags.c_contiguous:
+                        a = np.ascontiguousarray(a) if not copy else np.array(a, order="C")
+                t = _wrap(a, tdt, p.out_shape)
+            if dev.type != "cpu":
+                t = t.to(dev)
+            out[p.name] = t
+        return out
+    finally:
+        if owned:
+            c.close()
