@@ -156,6 +156,35 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from mcf.convert import convert
+
+    method = None if args.method in (None, "none", "keep") else args.method
+    t0 = time.perf_counter()
+    stats = convert(args.src, args.output, method=method, overrides=args.override, compat=args.compat == "mantle",
+                    dtype=args.dtype, resources=not args.no_resources, report=args.report,
+                    progress=Progress("convert", False if args.quiet else None))
+    dt = time.perf_counter() - t0
+    size = os.path.getsize(args.output)
+    print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
+    if args.report:
+        print_report(stats)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from mcf.export import export
+
+    t0 = time.perf_counter()
+    paths = export(args.input, args.output, dtype=None if args.dtype == "keep" else args.dtype,
+                   resources=not args.no_resources, max_shard_size=args.max_shard_size,
+                   progress=Progress("export", False if args.quiet else None))
+    dt = time.perf_counter() - t0
+    total = sum(os.path.getsize(p) for p in paths)
+    print(f"wrote {args.output}: {len(paths)} file{'s' if len(paths) != 1 else ''}, {_human(total)} in {dt:.2f}s")
+    return 0
+
+
 def print_report(stats, out=None) -> None:
     """Per-tensor quantization error: RMSE, SNR and max |error| of the decoded values."""
     out = out or sys.stdout
@@ -233,6 +262,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per tensor")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_quantize)
+
+    s = sub.add_parser("convert", help="convert a HF checkpoint directory, a .safetensors or a .gguf file to MCF")
+    s.add_argument("src")
+    s.add_argument("-o", "--output", required=True)
+    s.add_argument("--method", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"),
+                   help="quantize rank-2 float tensors (default: keep them float)")
+    s.add_argument("--override", action="append", default=[], metavar="PATTERN=METHOD",
+                   help="per-name method, glob patterns, first match wins (e.g. 'embed*=q8', 'lm_head*=none')")
+    s.add_argument("--compat", choices=("default", "mantle"), default="default",
+                   help="mantle: byte-identical to the Go quantizer (truncating f16 scales)")
+    s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16"), default="keep",
+                   help="cast the float tensors that are not quantized")
+    s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
+    s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per quantized tensor")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("export", help="write an MCF file's tensors (and resources) back as safetensors")
+    s.add_argument("input")
+    s.add_argument("-o", "--output", required=True,
+                   help="a .safetensors file, or a directory (model.safetensors or shards + config/tokenizer files)")
+    s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16", "raw"), default="keep",
+                   help="keep: plain tensors as stored, quantized ones decoded to f32; raw: quantized payloads "
+                        "as U8 tensors described in __metadata__")
+    s.add_argument("--max-shard-size", metavar="SIZE", help="split into shards above this size (e.g. 5GB)")
+    s.add_argument("--no-resources", action="store_true", help="do not write config/tokenizer files")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("kernels", help="which kernel variant (scalar/avx2/avx512) runs on this CPU")
     s.add_argument("--json", action="store_true")

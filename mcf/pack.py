@@ -10,20 +10,26 @@ some NaNs into infinities or -0).
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 from typing import Callable
 
 from mcf._gojson import go_marshal
-from mcf._safetensors import open_checkpoint
-from mcf.errors import FormatError, InvalidArgumentError
-from mcf.layout import RESOURCE_FILES, SectionType
+from mcf._io import alloc_buffer
+from mcf._safetensors import Checkpoint, open_checkpoint
+from mcf.dtypes import DType, DTypeInfo, parse_dtype
+from mcf.errors import FormatError, InvalidArgumentError, MissingFileError, os_error
+from mcf.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
 from mcf.modelinfo import ModelInfo
-from mcf.writer import Writer
+from mcf.writer import Writer, _cast_chunk
 
-__all__ = ["pack", "tokenizer_config_with_template", "model_info_for_dir"]
+__all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir"]
 
 CASTS = ("keep", "f16", "bf16")
+_STREAM_BYTES = 16 << 20  # bytes of one tensor read, converted and written per step
+_MAX_ARRAY_BYTES = (1 << 63) - 1
 
 
 def _read(path):
@@ -73,6 +79,107 @@ def model_info_for_dir(model_dir: str, model_name: str | None = None) -> ModelIn
     return ModelInfo(model_name=name)
 
 
+def _resource_sections(model_dir: str):
+    """(section type, bytes) of every resource file present, in the Go packer's order."""
+    for typ, fname in RESOURCE_FILES.items():
+        if typ == SectionType.TOKENIZER_CONFIG_JSON:
+            data = tokenizer_config_with_template(model_dir)
+        else:
+            data = _read(os.path.join(model_dir, fname))
+        if data is not None:
+            yield typ, data
+
+
+def _stream_plain(t, target: DTypeInfo):
+    """The bytes of safetensors tensor ``t`` as stored (or cast to ``target``), in chunks of at most
+    ``_STREAM_BYTES``.
+
+    A mapped input's pages count in the process's resident set once touched, so each chunk's range
+    is dropped from the mapping (``MADV_DONTNEED``; the data stays in the page cache) as soon as the
+    writer has consumed it: resident memory stays near one chunk whatever the tensor's size.  A
+    ``mmap=False`` input is read with ``pread`` into one reused buffer instead.
+    """
+    src = t.file.source
+    info = t.dtype
+    step = max(info.itemsize, _STREAM_BYTES // info.itemsize * info.itemsize)
+    same = target.code == info.code
+    buf = None if src.is_mapped else alloc_buffer(min(step, t.nbytes))
+    for o in range(0, t.nbytes, step):
+        n = min(step, t.nbytes - o)
+        if buf is None:
+            chunk = src.view(t.offset + o, n)
+        else:
+            chunk = buf[:n]
+            src.readinto(t.offset + o, chunk)
+        yield chunk if same else _cast_chunk(chunk.view(info.numpy), info, target)
+        if buf is None:
+            src.advise("dontneed", t.offset + o, n)
+
+
+def _raw_quantized(t):
+    """(dtype, shape, QuantInfo fields) when the safetensors metadata marks U8 tensor ``t`` as a raw
+    MCF quantized payload (:mod:`mcf.export`, ``dtype="raw"``), else None.  The description is
+    checked against the payload size before it is trusted."""
+    from mcf.export import RAW_KEY_PREFIX
+
+    md = t.file.metadata if isinstance(t.file.metadata, dict) else {}
+    desc = md.get(RAW_KEY_PREFIX + t.name)
+    if desc is None:
+        return None
+    path, field = t.file.source.name, f"__metadata__[{RAW_KEY_PREFIX + t.name!r}]"
+    try:
+        d = json.loads(desc)
+        info = parse_dtype(d["method"])
+        shape = tuple(d["shape"])
+        q = {"domain": int(d.get("domain", 0))}
+        if "min_clip" in d:
+            q.update(min_clip=float(d["min_clip"]), max_clip=float(d["max_clip"]))
+        if (not info.quantized or len(shape) != 2 or q["domain"] not in (0, 1)
+                or (q["domain"] and info.family != "raw")
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+                or _array_bytes(shape, 4) > _MAX_ARRAY_BYTES):
+            raise ValueError("not a quantized rank-2 description MCF can hold")
+        want = tensor_nbytes(info, shape, q["domain"])
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise FormatError(f"bad quantized-tensor description: {exc}", path=path, field=field, got=desc) from None
+    if t.dtype.code != DType.U8 or len(t.shape) != 1 or want != t.nbytes:
+        raise FormatError(f"{info.name} {list(shape)} needs a U8 tensor of {want} bytes", path=path,
+                          field=field, got=f"{t.dtype.name} {list(t.shape)}")
+    return info, shape, q
+
+
+def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None = None, overrides=(),
+                     compat: bool = False, report: bool = False, progress=None) -> list:
+    """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
+    tensors picked by ``method``/``overrides`` (:func:`mcf.quant.plan_method`) are quantized, the
+    others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
+    :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
+    from mcf.quant import add_quantized, plan_method, resolve_policy
+
+    target = None if dtype == "keep" else parse_dtype(dtype)
+    method, ov = resolve_policy(method, overrides)
+    stats = []
+    names = ckpt.sorted_names()
+    for i, name in enumerate(names):
+        t = ckpt.tensors[name]
+        raw = _raw_quantized(t)
+        m = None if raw is not None else plan_method(name, t.shape, t.dtype, method, ov)
+        if raw is not None:  # a quantized payload exported with dtype="raw": stored again as it was
+            qinfo, shape, q = raw
+            w.add_tensor_bytes(name, qinfo, shape, _stream_plain(t, t.dtype), quant=q)
+        elif m is not None:
+            st = add_quantized(w, name, t.array(), t.dtype, m, compat=compat, report=report)
+            t.file.source.advise("dontneed", t.offset, t.nbytes)
+            if st is not None:
+                stats.append(st)
+        else:
+            tgt = target if target is not None and t.dtype.family == "float" else t.dtype
+            w.add_tensor_bytes(name, tgt, t.shape, _stream_plain(t, tgt))
+        if progress is not None:
+            progress(i + 1, len(names), name)
+    return stats
+
+
 def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool = False,
          resources: bool = True, mmap: bool = True, model_name: str | None = None,
          progress: Callable[[int, int, str], None] | None = None) -> str:
@@ -82,28 +189,115 @@ def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool 
     alignment (1 disables padding).  ``dedup``: store byte-identical tensors once.  ``resources``:
     include config/tokenizer/vocab/merges files.  ``model_name``: ModelInfo name (default: the
     directory's base name, as the Go packer does).  ``progress(done, total, name)`` is called per tensor.
-    Peak memory stays near one conversion chunk: tensors are streamed from the mapped input.
+    Peak memory stays near one conversion chunk: tensors are streamed from the input.
+    :func:`mcf.convert.convert` is the same with quantization and GGUF input.
     """
     cast = cast.strip().lower()
     if cast not in CASTS:
         raise InvalidArgumentError(f"cast must be one of {CASTS}, got {cast!r}")
-    model_dir = os.fspath(model_dir)
-    with open_checkpoint(model_dir, mmap=mmap) as ckpt, \
-            Writer(output, align=align, dedup=dedup) as w:
-        if resources:
-            for typ, fname in RESOURCE_FILES.items():
-                if typ == SectionType.TOKENIZER_CONFIG_JSON:
-                    data = tokenizer_config_with_template(model_dir)
-                else:
-                    data = _read(os.path.join(model_dir, fname))
-                if data is not None:
-                    w.add_section(typ, data)
-        w.add_model_info(model_info_for_dir(model_dir, model_name))
-        names = ckpt.sorted_names()
-        target = None if cast == "keep" else cast
-        for i, name in enumerate(names):
-            t = ckpt.tensors[name]
-            w.add_tensor(name, t.array(), dtype=target)
-            if progress is not None:
-                progress(i + 1, len(names), name)
+    pack_checkpoint(model_dir, output, dtype=cast, align=align, dedup=dedup, resources=resources, mmap=mmap,
+                    model_name=model_name, progress=progress)
     return os.fspath(output)
+
+
+def _array_bytes(shape, itemsize: int) -> int:
+    """What numpy counts against its 2**63 limit: the non-zero dims times the item size (4 for
+    quantized tensors, which decode to float32)."""
+    return math.prod(d for d in shape if d) * itemsize
+
+
+def _check_shapes(ckpt) -> None:
+    """Refuse, before the output exists, a tensor the MCF reader would refuse: more than MAX_RANK
+    dimensions, or a shape numpy cannot describe (non-zero dims times 4 bytes past 2**63, which an
+    empty tensor with one huge dimension can have: it passes the safetensors size check)."""
+    for name, t in ckpt.tensors.items():
+        field = f"header[{name!r}].shape"
+        if len(t.shape) > MAX_RANK:
+            raise FormatError("too many dimensions for MCF", path=t.file.source.name, field=field, offset=8,
+                              expected=f"<= {MAX_RANK}", got=len(t.shape))
+        if _array_bytes(t.shape, max(4, t.dtype.itemsize)) > _MAX_ARRAY_BYTES:
+            raise FormatError("shape too large for an array", path=t.file.source.name, field=field, offset=8,
+                              expected=f"non-zero dims * itemsize < 2**63", got=list(t.shape))
+
+
+def _read_shard_index(idx: str) -> dict:
+    """``weight_map`` of a shard index, checked: an object of tensor name -> plain file name in the
+    same directory (no path separators, no ``..``), not empty."""
+    try:
+        with open(idx, "rb") as f:
+            doc = json.load(f)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"shard index is not valid JSON: {exc}", path=idx) from None
+    except OSError as exc:
+        raise os_error(exc, idx) from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise FormatError("shard index needs a non-empty weight_map object", path=idx, field="weight_map",
+                          expected="{tensor name: shard file name}", got=type(wm).__name__)
+    for name, shard in wm.items():
+        if (not isinstance(shard, str) or shard in ("", ".", "..") or os.path.basename(shard) != shard
+                or "/" in shard or "\\" in shard):
+            raise FormatError("shard names must be plain file names in the index's directory", path=idx,
+                              field=f"weight_map[{name!r}]", got=repr(shard))
+    return wm
+
+
+def _open_checkpoint(path: str, mmap: bool):
+    """open_checkpoint, with a sharded directory's index checked first and cross-checked after: every
+    tensor the index lists must be in the shard it names, and every shard tensor must be listed."""
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "model.safetensors")) \
+            or not os.path.exists(idx):
+        return open_checkpoint(path, mmap=mmap)
+    wm = _read_shard_index(idx)
+    shards = sorted(set(wm.values()))
+    for s in shards:
+        if not os.path.isfile(os.path.join(path, s)):
+            raise MissingFileError(errno.ENOENT, f"shard listed in {idx} is missing", os.path.join(path, s))
+    ckpt = Checkpoint([os.path.join(path, s) for s in shards], mmap)
+    try:
+        for name, shard in wm.items():
+            t = ckpt.tensors.get(name)
+            if t is None or os.path.basename(t.file.source.name) != shard:
+                raise FormatError(f"the index puts tensor {name!r} in {shard}, which does not hold it",
+                                  path=idx, field=f"weight_map[{name!r}]")
+        for name, t in ckpt.tensors.items():
+            if name not in wm:
+                raise FormatError(f"tensor {name!r} of {os.path.basename(t.file.source.name)} is not in the "
+                                  "index", path=idx, field="weight_map")
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
+
+
+def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
+                    compat: bool = False, report: bool = False, align: int = 64, dedup: bool = False,
+                    resources: bool = True, mmap: bool = True, model_name: str | None = None,
+                    progress=None) -> list:
+    """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
+
+    Directories contribute their resource files and a ModelInfo from config.json; a single file a
+    ModelInfo named after it.  Everything is validated (:func:`mcf._safetensors.open_checkpoint`)
+    before the output is created."""
+    from mcf.quant import resolve_policy
+
+    path = os.fspath(path)
+    resolve_policy(method, overrides)  # a bad method or override fails before anything is written
+    if dtype != "keep":
+        parse_dtype(dtype)
+    with _open_checkpoint(path, mmap) as ckpt:
+        _check_shapes(ckpt)
+        is_dir = os.path.isdir(path)
+        with Writer(output, align=align, dedup=dedup) as w:
+            if resources and is_dir:
+                for typ, data in _resource_sections(path):
+                    w.add_section(typ, data)
+            if is_dir:
+                w.add_model_info(model_info_for_dir(path, model_name))
+            else:
+                stem = os.path.basename(path)
+                stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem
+                w.add_model_info(ModelInfo(model_name=model_name or stem))
+            return write_checkpoint(ckpt, w, dtype=dtype, method=method, overrides=overrides, compat=compat,
+                                    report=report, progress=progress)

@@ -21,7 +21,7 @@ from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.layout import Domain, SectionType, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "quantize_file", "QuantStats", "tensor_error_stats",
-           "METHODS"]
+           "METHODS", "parse_overrides", "resolve_policy", "plan_method", "add_quantized"]
 
 METHODS = ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4")
 _CHUNK_BYTES = 16 << 20  # float32 rows converted and quantized per step
@@ -215,6 +215,49 @@ def parse_overrides(items) -> list:
     return out
 
 
+def resolve_policy(method, overrides) -> tuple:
+    """Validate a default method and overrides once, before any output is written: ``(method or
+    None, [(pattern, method)])``.  Overrides may be strings or already-parsed pairs."""
+    if isinstance(method, str) and method.strip().lower() in ("none", "keep"):
+        method = None
+    if method is not None:
+        method = parse_dtype(method).name
+        if method not in METHODS:
+            raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
+    overrides = list(overrides or ())
+    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
+    return method, ov
+
+
+def plan_method(name: str, shape, dtype: DTypeInfo, method: str | None, overrides) -> str | None:
+    """The method tensor ``name`` is quantized with, or None to store it as it is.
+
+    Only rank-2 float tensors are quantized (norms, biases, integer and already-quantized tensors
+    are copied); the first override whose glob matches the name wins over the default method."""
+    m = _method_for(name, method, overrides)
+    if m is None or len(shape) != 2 or dtype.family != "float":
+        return None
+    return m
+
+
+def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, compat: bool = False,
+                  min_clip: float | None = None, max_clip: float | None = None,
+                  report: bool = False) -> QuantStats | None:
+    """Quantize a rank-2 float ``array`` (stored as ``src_dtype``) into writer ``w`` with its QuantInfo
+    record; with ``report``, decode it again and return its error against the original."""
+    payload, q = quantize(array, method, compat=compat, min_clip=min_clip, max_clip=max_clip,
+                          src_dtype=src_dtype)
+    shape = tuple(int(d) for d in np.shape(array))
+    w.add_tensor_bytes(name, method, shape, payload, quant=q)
+    if not report:
+        return None
+    dec = dequantize(payload, method, shape)
+    ref = _rows_f32(np.asarray(array), 0, shape[0], src_dtype)
+    rmse, snr, mx = tensor_error_stats(ref, dec)
+    return QuantStats(name, method, shape, rmse, snr, mx, math.prod(shape) * src_dtype.itemsize,
+                      payload.nbytes)
+
+
 def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = False,
                   min_clip: float | None = None, max_clip: float | None = None, report: bool = False,
                   progress=None, mmap: bool = True):
@@ -228,11 +271,7 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
     import mcf
     from mcf.writer import Writer
 
-    if method is not None:
-        parse_dtype(method)
-        if method not in METHODS:
-            raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
+    method, ov = resolve_policy(method, overrides)
     stats = []
     with mcf.open(src, mmap=mmap) as c, Writer(dst, align=64) as w:
         for s in c.sections:
@@ -242,18 +281,13 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
         names = list(c)
         for i, name in enumerate(names):
             t = c.info(name)
-            m = _method_for(name, method, ov)
-            quantizable = len(t.shape) == 2 and t.dtype.family == "float"
-            if m is not None and quantizable:
-                arr = c.tensor(name)
-                payload, q = quantize(arr, m, compat=compat, min_clip=min_clip, max_clip=max_clip,
-                                      src_dtype=t.dtype)
-                w.add_tensor_bytes(name, m, t.shape, payload, quant=q)
-                if report:
-                    dec = dequantize(payload, m, t.shape)
-                    rmse, snr, mx = tensor_error_stats(c.to_float32(name), dec)
-                    stats.append(QuantStats(name, m, t.shape, rmse, snr, mx, t.nbytes, payload.nbytes))
-            elif t.dtype.quantized and (m is None or not quantizable):
+            m = plan_method(name, t.shape, t.dtype, method, ov)
+            if m is not None:
+                st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, min_clip=min_clip,
+                                   max_clip=max_clip, report=report)
+                if st is not None:
+                    stats.append(st)
+            elif t.dtype.quantized:
                 rec = c.quant_record(name)
                 q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
                                               "domain": rec.domain}

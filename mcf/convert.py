@@ -1,0 +1,64 @@
+"""Converting checkpoints into MCF: a Hugging Face directory, one safetensors file, or a GGUF file.
+
+One streaming pass: each tensor is read, optionally quantized (the rules of ``mcf quantize``) or cast,
+and written before the next is touched, so peak memory stays near one tensor whatever the model's
+size.  The safetensors path is the same code as :func:`mcf.pack` (with no method the output is
+byte-identical to it); GGUF files go to :func:`mcf.gguf.convert_gguf`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mcf.errors import InvalidArgumentError
+
+__all__ = ["convert", "DTYPES"]
+
+DTYPES = ("keep", "f32", "f16", "bf16")
+
+
+def _is_gguf(path: str) -> bool:
+    if path.lower().endswith(".gguf"):
+        return True
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                return f.read(4) == b"GGUF"
+        except OSError:
+            return False
+    return False
+
+
+def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, dtype: str = "keep",
+            resources: bool = True, progress=None, report: bool = False, mmap: bool = True) -> list:
+    """Convert checkpoint ``src`` into the MCF file ``dst``; returns per-tensor
+    :class:`mcf.quant.QuantStats` when ``report`` is true (else an empty list).
+
+    ``src``: a checkpoint directory (``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json``, plus config/tokenizer files that go into resource sections), a
+    single ``.safetensors`` file, or a ``.gguf`` file.  ``method`` ("q8", "q4", "k6", "k4", "k3",
+    "k2", "int8", "int4") quantizes rank-2 float tensors; ``overrides`` (``["embed*=q8",
+    "lm_head.weight=none"]``, first match wins) picks a method per name; ``compat=True`` reproduces
+    the Go quantizer's bytes.  ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that
+    are not quantized.  ``progress(done, total, name)`` is called after each tensor.  ``mmap=False``
+    reads safetensors inputs with ``pread`` instead of mapping them.
+
+    Every input is validated before the output is created; a bad input raises a
+    :class:`mcf.MCFError` subclass naming the file and field, and leaves ``dst`` untouched.
+    """
+    from mcf.pack import pack_checkpoint
+    from mcf.quant import resolve_policy
+
+    path = os.fspath(src)
+    dtype = str(dtype).strip().lower()
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    method, overrides = resolve_policy(method, overrides)
+    if _is_gguf(path):
+        from mcf.gguf import convert_gguf
+
+        convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
+                     progress=progress)
+        return []
+    return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,
+                           report=report, resources=resources, mmap=mmap, progress=progress)

@@ -1,0 +1,279 @@
+"""Exporting MCF files to safetensors: one file, or a Hugging Face checkpoint directory.
+
+The safetensors files are written here, streaming, without the safetensors package: an 8-byte
+little-endian header length, a JSON header (``__metadata__`` first, then every tensor's ``dtype``,
+``shape`` and ``data_offsets`` in file order) padded with spaces to a multiple of 8, then the tensors
+back to back.  Tensors are ordered by decreasing item size, then by name, as the safetensors library
+orders them, so each starts aligned to its own item size.
+
+Plain tensors are copied bit for bit (or cast to ``dtype``); quantized ones are decoded row block by
+row block straight into the write buffer.  ``dtype="raw"`` keeps a quantized payload as it is, as a
+``U8`` tensor of its bytes, and records how to read it in ``__metadata__``: the key ``mcf.quant.<name>``
+holds the JSON ``{"method", "shape", "domain", "min_clip", "max_clip"}`` (clips only when the file had
+a QuantInfo record).  :func:`mcf.convert.convert` reads such a file back into the same quantized
+tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from mcf._io import alloc_buffer
+from mcf._safetensors import ST_DTYPES
+from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
+from mcf.errors import InvalidArgumentError, os_error
+from mcf.layout import RESOURCE_FILES
+from mcf.writer import _cast_chunk, _create_temp, _fsync_dir
+
+__all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
+
+DTYPES = (None, "f32", "f16", "bf16", "raw")
+RAW_KEY_PREFIX = "mcf.quant."
+ST_NAMES = {code: name for name, code in ST_DTYPES.items()}
+_CHUNK_BYTES = 16 << 20   # bytes read, cast or decoded per step
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def parse_size(value) -> int:
+    """``5000000000``, ``"5GB"``, ``"500MiB"``, ``"2G"`` -> bytes (decimal units for B/KB/MB/GB/TB,
+    binary for KiB/MiB/GiB/TiB, as huggingface_hub reads ``max_shard_size``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", str(value), flags=re.I)
+        if not m:
+            raise InvalidArgumentError(f"cannot read {value!r} as a size (e.g. 5GB, 500MiB, 1000000)")
+        unit = m.group(2).lower().rstrip("b")
+        mult = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}.get(unit)
+        if mult is None:
+            raise InvalidArgumentError(f"unknown size unit in {value!r}")
+        n = int(float(m.group(1)) * mult)
+    if n <= 0:
+        raise InvalidArgumentError(f"size must be positive, got {value!r}")
+    return n
+
+
+class _Entry:
+    __slots__ = ("name", "kind", "out", "shape", "nbytes", "meta")
+
+    def __init__(self, name, kind, out: DTypeInfo, shape, nbytes, meta=None):
+        self.name, self.kind, self.out, self.shape, self.nbytes, self.meta = name, kind, out, shape, nbytes, meta
+
+
+def _plan(c, dtype) -> list:
+    """What each tensor becomes: ("copy" | "cast" | "dequant" | "raw", output dtype, shape, bytes)."""
+    want = None if dtype in (None, "raw") else parse_dtype(dtype)
+    u8 = dtype_info(DType.U8)
+    out = []
+    for name in c:
+        t = c.info(name)
+        if t.dtype.quantized:
+            if dtype == "raw":
+                rec = c.quant_record(name)
+                meta = {"method": t.dtype.name, "shape": list(t.shape), "domain": rec.domain if rec else 0}
+                if rec is not None:
+                    meta.update(min_clip=rec.min_clip, max_clip=rec.max_clip)
+                out.append(_Entry(name, "raw", u8, (t.nbytes,), t.nbytes, meta))
+            else:
+                o = want or dtype_info(DType.F32)
+                out.append(_Entry(name, "dequant", o, t.shape, t.shape[0] * t.shape[1] * o.itemsize))
+        elif want is not None and t.dtype.family == "float" and want.code != t.dtype.code:
+            n = 1
+            for d in t.shape:
+                n *= d
+            out.append(_Entry(name, "cast", want, t.shape, n * want.itemsize))
+        else:
+            out.append(_Entry(name, "copy", t.dtype, t.shape, t.nbytes))
+    # as the safetensors library lays files out: larger items first, so every tensor is aligned
+    out.sort(key=lambda e: (-e.out.itemsize, e.name.encode("utf-8")))
+    return out
+
+
+def _header(entries) -> bytes:
+    meta = {"format": "pt"}
+    for e in entries:
+        if e.meta is not None:
+            meta[RAW_KEY_PREFIX + e.name] = json.dumps(e.meta, separators=(",", ":"))
+    hdr = {"__metadata__": meta}
+    pos = 0
+    for e in entries:
+        hdr[e.name] = {"dtype": ST_NAMES[e.out.code], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        pos += e.nbytes
+    raw = json.dumps(hdr, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _chunks(c, e: _Entry, buf):
+    """The output bytes of one tensor, in pieces of at most _CHUNK_BYTES."""
+    t = c.info(e.name)
+    src = c.source
+    mapped = src.is_mapped
+    if e.kind in ("copy", "raw", "cast"):
+        isz = max(1, t.dtype.itemsize)
+        step = _CHUNK_BYTES // isz * isz
+        for o in range(0, t.nbytes, step):
+            n = min(step, t.nbytes - o)
+            if mapped:
+                chunk = src.view(t.offset + o, n)
+            else:
+                chunk = buf[:n]
+                src.readinto(t.offset + o, chunk)
+            yield chunk if e.kind != "cast" else _cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
+            if mapped:  # the mapping's pages would stay resident: give them back once written
+                src.advise("dontneed", t.offset + o, n)
+        return
+    rows, cols = t.shape
+    row_bytes = cols * e.out.itemsize
+    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    store = np.uint16 if e.out.code == DType.BF16 else e.out.numpy
+    for r in range(0, rows, step):
+        k = min(step, rows - r)
+        need = k * row_bytes
+        dst = (buf[:need] if need <= buf.nbytes else alloc_buffer(need)).view(store)
+        c.dequantize(e.name, rows=(r, r + k), out=dst)
+        yield dst
+    if mapped:
+        src.advise("dontneed", t.offset, t.nbytes)
+
+
+def _publish(path: str, write) -> None:
+    """Write a file through ``write(fileobj)`` into a temporary name next to ``path``, fsync, rename."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = _create_temp(d, os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_safetensors(path, c, entries, buf, progress, done_before, total):
+    def write(f):
+        f.write(_header(entries))
+        for i, e in enumerate(entries):
+            n = 0
+            for chunk in _chunks(c, e, buf):
+                f.write(memoryview(chunk).cast("B"))
+                n += chunk.nbytes
+            if n != e.nbytes:  # pragma: no cover - the plan and the readers agree by construction
+                raise AssertionError(f"{e.name}: wrote {n} bytes, planned {e.nbytes}")
+            if progress is not None:
+                progress(done_before + i + 1, total, e.name)
+
+    try:
+        _publish(path, write)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+def _shards(entries, max_shard_size):
+    """Greedy split in file order; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_size is None:
+        return [entries]
+    out, cur, size = [], [], 0
+    for e in entries:
+        if cur and size + e.nbytes > max_shard_size:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += e.nbytes
+    if cur or not out:
+        out.append(cur)
+    return out
+
+
+def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_shard_size=None, progress=None,
+           mmap: bool = True) -> list:
+    """Write the tensors of MCF file ``src`` as safetensors; returns the paths written.
+
+    ``dst`` ending in ``.safetensors`` is one file.  Anything else is a checkpoint directory (created
+    if missing): ``model.safetensors``, or above ``max_shard_size`` (bytes or "5GB") shards
+    ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, plus the resource
+    sections back under their file names (config.json, tokenizer.json, tokenizer_config.json, ...)
+    unless ``resources=False``.  Weight files of an earlier export that would contradict the new one
+    (a ``model.safetensors`` next to a new index, stale shards, an old index) are removed.
+
+    ``dtype``: None keeps plain tensors bit for bit and decodes quantized ones to F32; "f32", "f16",
+    "bf16" make every float tensor that dtype (quantized ones decoded to it, plain ones cast with
+    round-to-nearest-even); "raw" keeps quantized payloads as U8 tensors described in
+    ``__metadata__`` (see the module docs).  Integer tensors are always copied.  Each file is written
+    to a temporary name and renamed, so a failure leaves no partial file.
+    """
+    import mcf
+
+    if dtype is not None:
+        dtype = str(dtype).strip().lower()
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    dst = os.fspath(dst)
+    as_file = dst.endswith(".safetensors")
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    if as_file and limit is not None:
+        raise InvalidArgumentError("max_shard_size needs a directory destination, not a .safetensors file")
+    if not as_file and os.path.exists(dst) and not os.path.isdir(dst):
+        raise InvalidArgumentError(f"{dst} exists and is not a directory (end the name with .safetensors "
+                                   "to write one file)")
+    with mcf.open(src, mmap=mmap) as c:
+        entries = _plan(c, dtype)
+        buf = alloc_buffer(min(_CHUNK_BYTES, max([e.nbytes for e in entries] + [0])) or 1)
+        if as_file:
+            _write_safetensors(dst, c, entries, buf, progress, 0, len(entries))
+            return [dst]
+        try:
+            os.makedirs(dst, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, dst) from None
+        groups = _shards(entries, limit)
+        written = []
+        if len(groups) == 1:
+            names = [_SINGLE]
+        else:
+            names = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+        done = 0
+        for fname, group in zip(names, groups):
+            path = os.path.join(dst, fname)
+            _write_safetensors(path, c, group, buf, progress, done, len(entries))
+            done += len(group)
+            written.append(path)
+        if len(groups) > 1:
+            wm = {e.name: fname for fname, group in zip(names, groups) for e in group}
+            doc = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                   "weight_map": dict(sorted(wm.items()))}
+            path = os.path.join(dst, _INDEX)
+            data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+            _publish(path, lambda f: f.write(data))
+            written.append(path)
+        if resources:
+            for fname, data in c.resources.items():
+                path = os.path.join(dst, fname)
+                _publish(path, lambda f, data=data: f.write(data))
+                written.append(path)
+        _remove_stale(dst, written)
+        _fsync_dir(os.path.join(dst, "x"))
+    return written
+
+
+def _remove_stale(directory: str, written) -> None:
+    """Weight files this export did not write but a loader would read alongside (or instead of) it."""
+    keep = {os.path.basename(p) for p in written}
+    for name in os.listdir(directory):
+        if name in keep:
+            continue
+        if name in (_SINGLE, _INDEX) or _SHARD_RE.fullmatch(name):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
