@@ -351,7 +351,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         target, device = body.get("target_tier", "warm"), body.get("device", "cuda")
         if target not in ("warm", "hot"):
             raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target!r}")
-        if not isinstance(device, str) or not re.match(_DEVICE_PATTERN, device):
+        if not isinstance(device, str) or not re.fullmatch(_DEVICE_PATTERN, device):
             raise InvalidArgumentError(f"device must match {_DEVICE_PATTERN}, got {device!r}")
         await run_in_threadpool(b.lookup, cid)  # 404 before any tier question
         if target == "hot":

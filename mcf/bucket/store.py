@@ -67,7 +67,7 @@ STALE_TMP_SECONDS = 3600.0
 # ids and hashes
 # ------------------------------------------------------------------------------------------------
 def check_model_id(model_id: Any) -> str:
-    if not isinstance(model_id, str) or not _MODEL_RE.match(model_id) or ".." in model_id:
+    if not isinstance(model_id, str) or not _MODEL_RE.fullmatch(model_id) or ".." in model_id:
         raise InvalidArgumentError(
             f"invalid model id {model_id!r}: 1-128 characters of letters, digits, '.', '_', '-', "
             "starting with a letter or digit, no '..'")
@@ -75,7 +75,7 @@ def check_model_id(model_id: Any) -> str:
 
 
 def check_context_id(context_id: Any) -> str:
-    if not isinstance(context_id, str) or not _CTX_RE.match(context_id):
+    if not isinstance(context_id, str) or not _CTX_RE.fullmatch(context_id):
         raise InvalidArgumentError(f"invalid context id {context_id!r}: expected 'ctx_' and 32 lowercase hex digits")
     return context_id
 
@@ -364,7 +364,7 @@ class Bucket:
                 for k, t in (("context_id", str), ("name", (str, type(None))), ("token_count", int),
                              ("size_bytes", int)):
                     _get({"c": c}, p, "c", k, types=t)
-                if not _CTX_RE.match(c["context_id"]):
+                if not _CTX_RE.fullmatch(c["context_id"]):
                     raise FormatError("invalid context id in registry", path=p, field=f"models[{i}]", got=c["context_id"])
 
     def _write_registry_locked(self, reg: dict) -> None:
@@ -778,7 +778,7 @@ class Bucket:
     def _scan_ids(self) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.root / "contexts")
-                          if _CTX_RE.match(e.name) and (e.is_dir(follow_symlinks=False) or e.is_symlink()))
+                          if _CTX_RE.fullmatch(e.name) and (e.is_dir(follow_symlinks=False) or e.is_symlink()))
         except OSError as exc:
             raise os_error(exc, self.root / "contexts") from exc
 
