@@ -1,6 +1,7 @@
 """mcf: fast, validated readers and writers for the on-disk formats ML infrastructure lives on.
 
-- MCF model containers: :func:`mcf.open`, :class:`mcf.Writer`, :func:`mcf.pack`.
+- MCF model containers: :func:`mcf.open`, :class:`mcf.Writer`, :func:`mcf.pack`; checkpoints in and
+  out: :func:`mcf.convert` (safetensors, HF directories, GGUF), :func:`mcf.export` (safetensors).
 - The I/O core every format reads through: :func:`mcf.io.open_source` (paths, buffers, fsspec URLs).
 - State dicts: :func:`mcf.load_state_dict` (numpy), :func:`mcf.torch.load_state_dict` (torch).
 - Errors: everything raised on purpose derives from :class:`mcf.MCFError`.
@@ -15,6 +16,8 @@ from mcf.errors import (AccessError, ChecksumError, ClosedError, DTypeError, For
 from mcf.layout import SectionType, quant_layout
 from mcf.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
+from mcf.convert import convert
+from mcf.export import export
 from mcf.quantinfo import QuantRecord
 from mcf.tensor_index import TensorInfo
 from mcf.writer import Writer
@@ -26,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "open", "load_file", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
-    "Writer", "pack", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
+    "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError", "load_state_dict",

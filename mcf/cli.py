@@ -167,7 +167,11 @@ def cmd_convert(args) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
-    if args.report:
+    if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
+        nw = min(max(len(s.name) for s in stats), 60)
+        for s in stats:
+            print(f"  {s.name:<{nw}} {s.ggml_type:>6} -> {s.stored_as:<5} {s.how}")
+    elif args.report:
         print_report(stats)
     return 0
 
@@ -266,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="convert a HF checkpoint directory, a .safetensors or a .gguf file to MCF")
     s.add_argument("src")
     s.add_argument("-o", "--output", required=True)
-    s.add_argument("--method", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"),
-                   help="quantize rank-2 float tensors (default: keep them float)")
+    s.add_argument("--method", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "native", "none"),
+                   help="quantize rank-2 float tensors (default: keep them float); native (GGUF only): "
+                        "Q8_0/Q4_0 become q8/q4 without loss")
     s.add_argument("--override", action="append", default=[], metavar="PATTERN=METHOD",
                    help="per-name method, glob patterns, first match wins (e.g. 'embed*=q8', 'lm_head*=none')")
     s.add_argument("--compat", choices=("default", "mantle"), default="default",

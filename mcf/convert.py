@@ -37,11 +37,14 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     ``src``: a checkpoint directory (``model.safetensors``, or shards listed in
     ``model.safetensors.index.json``, plus config/tokenizer files that go into resource sections), a
     single ``.safetensors`` file, or a ``.gguf`` file.  ``method`` ("q8", "q4", "k6", "k4", "k3",
-    "k2", "int8", "int4") quantizes rank-2 float tensors; ``overrides`` (``["embed*=q8",
+    "k2", "int8", "int4"; for GGUF also "native", see :func:`mcf.gguf.convert_gguf`) quantizes rank-2
+    float tensors; ``overrides`` (``["embed*=q8",
     "lm_head.weight=none"]``, first match wins) picks a method per name; ``compat=True`` reproduces
     the Go quantizer's bytes.  ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that
     are not quantized.  ``progress(done, total, name)`` is called after each tensor.  ``mmap=False``
-    reads safetensors inputs with ``pread`` instead of mapping them.
+    reads safetensors inputs with ``pread`` instead of mapping them.  For GGUF input the report is
+    :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
+    stored), as GGUF's own blocks are already lossy.
 
     Every input is validated before the output is created; a bad input raises a
     :class:`mcf.MCFError` subclass naming the file and field, and leaves ``dst`` untouched.
@@ -53,12 +56,12 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     dtype = str(dtype).strip().lower()
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    method, overrides = resolve_policy(method, overrides)
     if _is_gguf(path):
         from mcf.gguf import convert_gguf
 
-        convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
-                     progress=progress)
-        return []
+        stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
+                             progress=progress)
+        return list(stats) if report else []
+    method, overrides = resolve_policy(method, overrides)
     return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,
                            report=report, resources=resources, mmap=mmap, progress=progress)
