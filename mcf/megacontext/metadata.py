@@ -19,6 +19,7 @@ import os
 import time
 
 from mcf.errors import FormatError, MissingFileError, UnsupportedVersionError, os_error
+from mcf.remote import is_url
 from mcf.megacontext._layout import CTX_DTYPES, GIST_DTYPE_CODES, LEVEL_FILES, ctx_dtype, file_size
 
 __all__ = ["METADATA", "VERSION", "new_metadata", "read_metadata", "validate_metadata", "write_metadata",
@@ -230,8 +231,14 @@ def load_metadata(dirpath):
     """(metadata or None, problems) without raising: what ``verify`` needs to list everything."""
     path = os.path.join(os.fspath(dirpath), METADATA)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BYTES + 1)
+        if is_url(path):  # a read-only tree over fsspec
+            from mcf.remote import RemoteFile
+
+            with RemoteFile(path) as f:
+                raw = f.read(MAX_BYTES + 1)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         import errno
 

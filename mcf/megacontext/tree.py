@@ -30,6 +30,7 @@ from mcf._io import Source, open_source
 from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingFileError, OutOfBoundsError,
                         TruncatedError, os_error)
 from mcf.megacontext import _megacontext as _mc
+from mcf.remote import is_url, refuse_url
 from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
                                      LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
                                      gist_offset, parent_of, parse_header, span_of, token_offset)
@@ -78,6 +79,13 @@ class _Level:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _dir_path(path) -> str:
+    """An absolute directory path, or a URL as given (read-only trees over fsspec, see mcf.remote)."""
+    if is_url(path):
+        return os.fsdecode(path).rstrip("/")
+    return os.path.abspath(os.fspath(path))
 
 
 def _level_path(dirpath, level):
@@ -212,7 +220,7 @@ def _not_a_dir(path):
 def _scan(dirpath, mmap: bool):
     """(metadata or None, levels, problems): everything about a tree directory, without raising."""
     problems = []
-    if not os.path.isdir(dirpath):
+    if not is_url(dirpath) and not os.path.isdir(dirpath):  # a URL "directory" is checked by its metadata.json
         problems.append(Problem("error", _not_a_dir(dirpath)))
         return None, {}, problems
     marker = os.path.join(dirpath, RESTORE_MARKER)
@@ -272,7 +280,9 @@ class Tree:
     """
 
     def __init__(self, path, *, writable: bool = False, mmap: bool = True, durable: bool = False):
-        self.path = os.path.abspath(os.fspath(path))
+        if writable:
+            refuse_url(path, "opening a MegaContext tree for writing")
+        self.path = _dir_path(path)
         self.writable = bool(writable)
         self.durable = bool(durable)
         self._mmap = bool(mmap)
@@ -815,6 +825,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise InvalidArgumentError(f"vocab_size must be in 1..2**32, got {vocab_size!r}")
     if gistnet_checkpoint is not None and not isinstance(gistnet_checkpoint, str):
         raise InvalidArgumentError("gistnet_checkpoint must be a string or None")
+    refuse_url(path, "creating a MegaContext tree")
     path = os.path.abspath(os.fspath(path))
     try:
         os.makedirs(path, exist_ok=True)
@@ -859,7 +870,7 @@ def verify(path, deep: bool = False, mmap: bool = True) -> list:
     Checks the headers, the counts against the file sizes and each other, metadata.json against the
     headers, the checkpoint ranges and leftovers of interrupted writes.  ``deep`` also reads all data:
     token ids against ``vocab_size`` and gists for NaN/Inf."""
-    path = os.path.abspath(os.fspath(path))
+    path = _dir_path(path)
     meta, levels, problems = _scan(path, mmap)
     try:
         if deep and not any(p.severity == "error" for p in problems):
