@@ -330,11 +330,51 @@ __attribute__((target(T512))) static inline __m256i decode32_avx512(const uint8_
     return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
 }
 
+/* int8/int4 (one scale and zero point per tensor): 32 codes at a time straight from the row bytes,
+ * w = scale * (q - zero) as in the scalar code. */
+__attribute__((target(T512))) static void dequant_raw_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
+                                                            int kind)
+{
+    size_t cols = t->cols, o = 0;
+    __m512 sc = _mm512_set1_ps(t->scale), z = _mm512_set1_ps(t->zero);
+    const __m128i lo4 = _mm_set1_epi8(0x0f), m8 = _mm_set1_epi8(8);
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *src = t->data + r * t->row_bytes;
+        for (size_t j = 0; j < cols; j += 32) {
+            size_t n = cols - j < 32 ? cols - j : 32;
+            __m128i a, b;   /* codes j..j+15 and j+16..j+31 as int8 */
+            if (t->bits == 8) {
+                __m256i q = _mm256_maskz_loadu_epi8((__mmask32)(n == 32 ? 0xffffffffu : ((1u << n) - 1u)), src + j);
+                a = _mm256_castsi256_si128(q);
+                b = _mm256_extracti128_si256(q, 1);
+            } else {       /* item 2i in the low nibble of byte i, item 2i+1 in the high one */
+                size_t nb = (n + 1) / 2;
+                __m128i by = _mm_maskz_loadu_epi8((__mmask16)(nb == 16 ? 0xffffu : ((1u << nb) - 1u)), src + j / 2);
+                __m128i lo = _mm_and_si128(by, lo4), hi = _mm_and_si128(_mm_srli_epi16(by, 4), lo4);
+                a = _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), m8), m8);   /* sign-extend 4 bits */
+                b = _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(lo, hi), m8), m8);
+            }
+            __m512 w0 = _mm512_mul_ps(sc, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)), z));
+            __m512 w1 = _mm512_mul_ps(sc, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z));
+            if (n == 32 && kind == MCF_OUT_F32) {
+                _mm512_storeu_ps((float *)out + o, w0);
+                _mm512_storeu_ps((float *)out + o + 16, w1);
+            } else {
+                __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+                __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
+                store16_avx512(out, o, w0, kind, m0, 0);
+                if (m1) store16_avx512(out, o + 16, w1, kind, m1, 0);
+            }
+            o += n;
+        }
+    }
+}
+
 __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
                                                         int kind)
 {
     if (t->family == MCF_FAM_RAW) {
-        dequant_avx2(t, r0, r1, out, kind);
+        dequant_raw_avx512(t, r0, r1, out, kind);
         return;
     }
     size_t cols = t->cols, o = 0, bb = (size_t)t->bits * 4;
