@@ -41,7 +41,7 @@ MAX_STRING_LEN = 1 << 28        # 256 MiB: a chat template is ~10 KB, a whole to
 MAX_ARRAY_LEN = 1 << 31
 MAX_ARRAY_DEPTH = 8             # arrays of arrays (gguf allows nesting; nothing real goes past 2)
 MAX_ALIGNMENT = 1 << 30
-MAX_ELEMENTS = 1 << 62          # product of the non-zero dims
+MAX_ELEMENTS = 1 << 59          # product of the non-zero dims (numpy refuses shapes past 2**63 bytes)
 
 # Section type under which convert_gguf keeps the whole GGUF metadata as JSON.  MCF readers skip
 # unknown section types (docs/mcf.md), so this needs no change to the MCF format.
@@ -370,7 +370,7 @@ class GGUFFile:
                 if d:
                     nz *= d
             if nz > MAX_ELEMENTS:
-                raise FormatError(f"dims {list(dims)} hold more than 2**62 elements", path=path, field=fld + ".dims",
+                raise FormatError(f"dims {list(dims)} hold more than 2**59 elements", path=path, field=fld + ".dims",
                                   offset=at)
             d0 = dims[0] if dims else 1
             if d0 % t.block:
