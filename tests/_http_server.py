@@ -1,6 +1,6 @@
 """A real HTTP server on loopback that honours Range requests, for the remote-file tests and benchmarks.
 
-nginx (Debian's package) when it is on PATH; otherwise uvicorn serving starlette's ``StaticFiles`` (both
+nginx (Debian's package) when it is on PATH (``MCF_TEST_HTTP_SERVER=uvicorn`` skips it); otherwise uvicorn serving starlette's ``StaticFiles`` (both
 in the test extras) in a child process.  Either way every request lands in ``access.log`` as
 ``METHOD URI STATUS BYTES "RANGE"``, so tests can count the requests a read made.
 
@@ -137,6 +137,7 @@ def _stop(proc):
 def serve(root, workdir, prefer: str = "nginx"):
     """Serve directory ``root`` over HTTP on a free loopback port; yields a :class:`Server`."""
     os.makedirs(workdir, exist_ok=True)
+    prefer = os.environ.get("MCF_TEST_HTTP_SERVER", prefer)  # "uvicorn" forces the fallback
     proc = port = None
     kind = "uvicorn"
     if prefer == "nginx":

@@ -1,0 +1,424 @@
+"""Remote files (mcf.remote) against a real HTTP server on loopback that honours Range requests: nginx
+when installed, else uvicorn + starlette's StaticFiles (tests/_http_server.py says which one ran), plus a
+fault injector of our own (connection dropped mid-body, short bodies, Range ignored, missing size).
+
+Every format is read twice, from its local path and from its URL, and the results must be equal.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import pickle
+import threading
+import zlib
+
+import numpy as np
+import pytest
+
+fsspec = pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+
+import mcf  # noqa: E402
+from mcf import InvalidArgumentError, MCFIOError, MissingFileError  # noqa: E402
+from mcf.remote import RemoteFile, is_url  # noqa: E402
+from tests import _http_server  # noqa: E402
+
+
+def _rng(tag):
+    return np.random.default_rng(zlib.crc32(tag.encode()))
+
+
+# -- the served directory ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def www(tmp_path_factory):
+    root = tmp_path_factory.mktemp("www")
+    rng = _rng("remote-files")
+    # MCF: plain dtypes and quantized tensors, one large enough to bypass the block cache
+    with mcf.Writer(str(root / "model.mcf")) as w:
+        w.add_tensor("big", rng.standard_normal((1024, 2048)).astype(np.float32))    # 8 MiB
+        w.add_tensor("f16", rng.standard_normal((33, 65)).astype(np.float16))
+        w.add_tensor("i64", rng.integers(-2**40, 2**40, size=(7,), dtype=np.int64))
+        w.add_tensor("u8", rng.integers(0, 255, size=(3, 5), dtype=np.uint8))
+        w.add_tensor("q", rng.standard_normal((64, 256)).astype(np.float32), method="k4")
+        w.add_tensor("q8", rng.standard_normal((16, 64)).astype(np.float32), method="q8")
+    # safetensors, written by the safetensors package
+    from safetensors.numpy import save_file
+
+    save_file({"w": rng.standard_normal((40, 24)).astype(np.float32),
+               "b": rng.integers(0, 100, size=(9,), dtype=np.int32)}, str(root / "model.safetensors"))
+    # GGUF, written by the gguf package
+    import gguf
+
+    gw = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
+    gw.add_tensor("tok", rng.standard_normal((8, 64)).astype(np.float32))
+    gw.add_tensor("h", rng.standard_normal((4, 32)).astype(np.float16))
+    q8 = gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    gw.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    gw.write_header_to_file()
+    gw.write_kv_data_to_file()
+    gw.write_tensors_to_file()
+    gw.close()
+    # Megatron dataset
+    from mcf.megatron import Writer as MWriter
+
+    mw = MWriter(str(root / "data"), dtype=np.uint16)
+    for k in range(50):
+        n = int(rng.integers(2, 300))
+        mw.add_document(rng.integers(0, 60000, size=(n,), dtype=np.uint16), [n // 2, n - n // 2])
+    mw.finalize()
+    # MegaContext tree
+    from mcf import megacontext
+
+    with megacontext.create(str(root / "tree"), embedding_dim=16, model_name="t", gist_dtype="fp16") as t:
+        t.append_tokens(rng.integers(0, 1000, size=32 * 40, dtype=np.uint32))
+        t.append_gists(1, rng.standard_normal((40, 16)).astype(np.float32))
+        t.append_gists(2, rng.standard_normal((1, 16)).astype(np.float32))
+    # MCB kv file
+    from mcf.bucket.kvfile import write_kv
+
+    layers = [(rng.standard_normal((2, 10, 8)).astype(np.float16), rng.standard_normal((2, 10, 8)).astype(np.float16))
+              for _ in range(3)]
+    write_kv(str(root / "kv_data.mcb"), layers)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(www, tmp_path_factory, request):
+    with _http_server.serve(str(www), str(tmp_path_factory.mktemp("srv"))) as s:
+        tr = request.config.pluginmanager.get_plugin("terminalreporter")
+        capman = request.config.pluginmanager.get_plugin("capturemanager")
+        if tr is not None and capman is not None:
+            with capman.global_and_fixture_disabled():
+                tr.write_line(f"\ntest_remote: HTTP server on loopback: {s.kind} (port {s.port})")
+        yield s
+
+
+def _eq(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(a.view(np.uint8) if a.dtype.kind == "V" else a, b.view(np.uint8) if b.dtype.kind == "V" else b,
+                          equal_nan=a.dtype.kind == "f")
+
+
+# -- every format: remote equals local ---------------------------------------------------------------------
+def test_is_url():
+    assert is_url("http://h/x") and is_url("s3://b/k") and is_url("file:///tmp/x") and is_url(b"gs://b/k")
+    assert not is_url("/tmp/x") and not is_url("x.mcf") and not is_url("c:\\x") and not is_url(3)
+
+
+def test_mcf_remote_equals_local(server, www):
+    local = mcf.open(str(www / "model.mcf"))
+    with mcf.open(server.url("model.mcf")) as remote:
+        assert remote.source.mode == "fileobj" and remote.path == server.url("model.mcf")
+        assert list(remote.keys()) == list(local.keys())
+        for name in local.keys():
+            if local.info(name).dtype.quantized:
+                _eq(remote.dequantize(name), local.dequantize(name))
+                _eq(remote.raw(name), local.raw(name))
+                _eq(remote.dequantize(name, rows=(3, 9)), local.dequantize(name, rows=(3, 9)))
+            else:
+                _eq(remote.tensor(name), local.tensor(name))
+        loaded, ref = remote.load(), local.load()
+        for name in ref:
+            _eq(loaded[name], ref[name])
+    with mcf.open(server.url("model.mcf"), mmap=True) as remote:  # mmap is meaningless for a URL: ignored
+        assert not remote.source.is_mapped
+    local.close()
+
+
+def test_load_state_dict_remote(server, www):
+    ref = mcf.load_state_dict(str(www / "model.mcf"), dtype="bfloat16")
+    got = mcf.load_state_dict(server.url("model.mcf"), dtype="bfloat16")
+    for name in ref:
+        _eq(got[name], ref[name])
+
+
+def test_safetensors_remote(server, www):
+    from safetensors.numpy import load_file
+
+    from mcf._safetensors import SafetensorsFile, open_checkpoint
+
+    ref = load_file(str(www / "model.safetensors"))
+    with SafetensorsFile(server.url("model.safetensors")) as f:
+        assert sorted(f.tensors) == sorted(ref)
+        for name, t in f.tensors.items():
+            _eq(t.array(), ref[name])
+    with open_checkpoint(server.url("model.safetensors")) as ck:
+        assert sorted(ck.sorted_names()) == sorted(ref)
+
+
+def test_gguf_remote(server, www):
+    from mcf import gguf as mgguf
+
+    local = mgguf.open(str(www / "model.gguf"))
+    with mgguf.open(server.url("model.gguf")) as remote:
+        assert list(remote.tensors) == list(local.tensors)
+        for name in local.tensors:
+            _eq(remote.dequantize(name), local.dequantize(name))
+            _eq(remote.raw(name), local.raw(name))
+    local.close()
+
+
+def test_megatron_remote(server, www):
+    from mcf import megatron
+
+    local = megatron.open(str(www / "data"))
+    with megatron.open(server.url("data"), mmap=False) as remote:
+        assert len(remote) == len(local) and remote.num_documents == local.num_documents
+        _eq(remote.sequence_lengths, local.sequence_lengths)
+        for k in (0, 1, 17, len(local) - 1):
+            _eq(remote[k], local[k])
+        _eq(remote.document(3), local.document(3))
+    with megatron.open(server.url("data.idx")) as remote:  # a prefix may end in .idx, as for paths
+        _eq(remote[5], local[5])
+    local.close()
+
+
+def test_megacontext_remote(server, www):
+    from mcf import megacontext
+
+    local = megacontext.open_tree(str(www / "tree"))
+    with megacontext.open_tree(server.url("tree/")) as remote:
+        assert remote.counts == local.counts and remote.metadata == local.metadata
+        _eq(remote.tokens(), local.tokens())
+        _eq(remote.tokens(100, 700), local.tokens(100, 700))
+        for level in (1, 2):
+            _eq(remote.gists(level), local.gists(level))
+        _eq(remote.gists(1, [3, 1, 39]), local.gists(1, [3, 1, 39]))
+    assert [str(p) for p in megacontext.verify(server.url("tree"), deep=True)] == \
+        [str(p) for p in megacontext.verify(str(www / "tree"), deep=True)]
+    local.close()
+    with pytest.raises(InvalidArgumentError, match="remote"):
+        megacontext.open_tree(server.url("tree"), "r+")
+    with pytest.raises(InvalidArgumentError, match="remote"):
+        megacontext.create(server.url("tree2"), embedding_dim=16)
+    with pytest.raises(MissingFileError, match="metadata.json"):
+        megacontext.open_tree(server.url("no-such-tree"))
+
+
+def test_kvfile_remote(server, www):
+    from mcf.bucket.kvfile import open_kv, write_kv
+
+    with open_kv(str(www / "kv_data.mcb")) as local, open_kv(server.url("kv_data.mcb")) as remote:
+        a, b = local.load(), remote.load()
+        assert len(a) == len(b)
+        for (k1, v1), (k2, v2) in zip(a, b):
+            _eq(np.asarray(k1), np.asarray(k2))
+            _eq(np.asarray(v1), np.asarray(v2))
+    k = np.zeros((1, 2, 4), np.float16)
+    with pytest.raises(InvalidArgumentError, match="remote"):
+        write_kv(server.url("new.mcb"), [(k, k)])
+
+
+def test_memory_and_file_urls(www):
+    data = (www / "model.mcf").read_bytes()
+    fsspec.filesystem("memory").pipe("/remote-test/model.mcf", data)
+    local = mcf.open(str(www / "model.mcf"))
+    for url in ("memory:///remote-test/model.mcf", (www / "model.mcf").as_uri()):
+        with mcf.open(url) as c:
+            for name in ("f16", "big", "i64"):
+                _eq(c.tensor(name), local.tensor(name))
+    local.close()
+
+
+# -- block cache and request pattern (counted in the server's access log) -------------------------------
+def test_block_cache_few_requests_for_many_small_reads(server, www):
+    server.clear_log()
+    src = mcf.io.open_source(server.url("model.mcf"))
+    rng = _rng("small-reads")
+    ref = (www / "model.mcf").read_bytes()
+    offs = rng.integers(0, (1 << 20) - 100, size=500)
+    for o in offs:
+        assert src.read(int(o), 100) == ref[o:o + 100]
+    reqs = [r for r in server.requests("model.mcf") if r[0] == "GET"]
+    # 500 reads inside the first MiB: one block request (plus nothing else)
+    assert len(reqs) == 1 and reqs[0][2] == 206 and reqs[0][4] == "bytes=0-1048575", reqs
+    assert src._fileobj.stats["cache_hits"] >= 499 if hasattr(src, "_fileobj") else True
+    src.close()
+
+
+def test_large_read_bypasses_cache_in_pieces(server, www):
+    server.clear_log()
+    f = RemoteFile(server.url("model.mcf"), request_size=3 << 20)
+    ref = (www / "model.mcf").read_bytes()
+    f.seek(100)
+    buf = bytearray(8 << 20)
+    assert f.readinto(buf) == len(buf) and bytes(buf) == ref[100:100 + len(buf)]
+    reqs = [r for r in server.requests("model.mcf") if r[0] == "GET"]
+    ranges = sorted(r[4] for r in reqs)
+    want = sorted(f"bytes={a}-{min(a + (3 << 20), 100 + (8 << 20)) - 1}" for a in range(100, 100 + (8 << 20), 3 << 20))
+    assert ranges == want and all(r[2] == 206 for r in reqs)
+    assert f.stats["cache_hits"] == 0 and f.stats["retries"] == 0
+
+
+def test_cache_is_bounded(server):
+    f = RemoteFile(server.url("model.mcf"), block_size=4096, cache_size=4 * 4096)
+    for k in range(20):
+        f.seek(k * 4096)
+        f.read(10)
+    assert len(f._cache) == 4 and f.stats["requests"] == 20
+
+
+def test_remote_source_pickles(server, www):
+    src = mcf.io.open_source(server.url("model.mcf"))
+    again = pickle.loads(pickle.dumps(src))
+    assert again.size == src.size and again.read(1000, 64) == (www / "model.mcf").read_bytes()[1000:1064]
+    c = pickle.loads(pickle.dumps(mcf.open(server.url("model.mcf"))))
+    _eq(c.tensor("f16"), mcf.open(str(www / "model.mcf")).tensor("f16"))
+
+
+def test_missing_url(server):
+    with pytest.raises(MissingFileError) as ei:
+        mcf.open(server.url("nope.mcf"))
+    assert "nope.mcf" in str(ei.value)
+
+
+def test_bounds_still_checked(server):
+    src = mcf.io.open_source(server.url("model.mcf"))
+    with pytest.raises(mcf.OutOfBoundsError):
+        src.read(src.size - 10, 11)
+
+
+# -- fault injection --------------------------------------------------------------------------------------
+class _Faulty(http.server.BaseHTTPRequestHandler):
+    """Serves one byte string; ``server.mode`` picks the misbehaviour for GET requests."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _range(self):
+        h = self.headers.get("Range")
+        if not h or not h.startswith("bytes="):
+            return None
+        a, b = h[6:].split("-")
+        return int(a), int(b) + 1
+
+    def do_HEAD(self):
+        self.server.log.append(("HEAD", None))
+        self.send_response(200)
+        if self.server.mode != "nolength":
+            self.send_header("Content-Length", str(len(self.server.data)))
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def do_GET(self):
+        data, mode = self.server.data, self.server.mode
+        rng = self._range()
+        self.server.log.append(("GET", rng))
+        n_get = sum(1 for m, _ in self.server.log if m == "GET")
+        if mode == "flaky" and n_get > self.server.fail_first:
+            mode = "ok"
+        if mode == "norange" or rng is None:
+            body, status = data, 200
+        else:
+            body, status = data[rng[0]:rng[1]], 206
+        if mode == "short":
+            body = body[: len(body) // 2]
+        if mode == "nolength":  # a body delimited by closing the connection: no size anywhere
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self.close_connection = True
+            return
+        self.send_response(status)
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {rng[0]}-{rng[0] + len(body) - 1}/{len(data)}")
+        if mode in ("drop", "flaky"):
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 3])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def faulty():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Faulty)
+    srv.daemon_threads = True
+    srv.data = bytes(_rng("faulty").integers(0, 256, size=3 << 20, dtype=np.uint8))
+    srv.mode = "ok"
+    srv.fail_first = 0
+    srv.log = []
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}/blob.bin"
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _read_all(url, **kw):
+    f = RemoteFile(url, retry_delay=0.0, **kw)
+    buf = bytearray(f.size)
+    f.readinto(buf)
+    return bytes(buf), f
+
+
+@pytest.mark.parametrize("mode", ["drop", "short"])
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_fault_gives_clear_error_after_bounded_retries(faulty, mode, size):
+    faulty.mode = mode
+    f = RemoteFile(faulty.url, retries=2, retry_delay=0.0, block_size=1 << 16)
+    f.seek(5000)
+    buf = bytearray(300 if size == "small" else (1 << 20))
+    with pytest.raises(MCFIOError) as ei:
+        f.readinto(buf)
+    msg = str(ei.value)
+    assert faulty.url in msg and "at offset" in msg and "3 attempts" in msg, msg
+    gets = [g for g in faulty.log if g[0] == "GET"]
+    assert len(gets) == 3                           # bounded: 1 + retries, not forever
+    assert f.tell() == 5000 and bytes(buf) == bytes(len(buf))   # nothing half-filled is reported as read
+    if mode == "short":
+        assert "short read" in msg
+
+
+def test_range_ignored_is_refused_without_retrying(faulty):
+    faulty.mode = "norange"
+    f = RemoteFile(faulty.url, retries=3, retry_delay=0.0)
+    f.seek(1000)
+    with pytest.raises(MCFIOError, match="ignored the Range header") as ei:
+        f.read(100)
+    assert "offset 0" in str(ei.value) or "offset 1000" in str(ei.value) or "at offset" in str(ei.value)
+    assert sum(1 for g in faulty.log if g[0] == "GET") == 1
+    # reading from offset 0 with Range ignored is still refused unless the whole file was asked for
+    with pytest.raises(MCFIOError, match="ignored the Range"):
+        RemoteFile(faulty.url, retry_delay=0.0).read(10)
+
+
+def test_transient_drops_are_retried(faulty):
+    faulty.mode = "flaky"
+    faulty.fail_first = 2
+    got, f = _read_all(faulty.url, retries=3, request_size=1 << 20)
+    assert got == faulty.data and f.stats["retries"] >= 2
+
+
+def test_whole_file_through_a_container_of_faults(faulty, tmp_path):
+    """An MCF reader over a server that drops every body: a clear MCFIOError, never a short tensor."""
+    with mcf.Writer(str(tmp_path / "x.mcf")) as w:
+        w.add_tensor("x", np.arange(4096, dtype=np.float32))
+    faulty.data = (tmp_path / "x.mcf").read_bytes()
+    faulty.mode = "drop"
+    with pytest.raises(MCFIOError, match="127.0.0.1"):
+        mcf.open(faulty.url).tensor("x")
+
+
+def test_unknown_size_is_refused(faulty):
+    faulty.mode = "nolength"
+    with pytest.raises(MCFIOError, match="size"):
+        RemoteFile(faulty.url, retry_delay=0.0)
+
+
+def test_bad_arguments():
+    with pytest.raises(InvalidArgumentError):
+        RemoteFile("/not/a/url")
+    with pytest.raises(InvalidArgumentError):
+        RemoteFile("memory:///x", block_size=0)
