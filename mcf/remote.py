@@ -31,12 +31,15 @@ from collections import OrderedDict
 from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "exists", "read_bytes", "refuse_url",
-           "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_RETRIES"]
+           "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_RETRIES", "DEFAULT_TIMEOUT"]
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_CACHE_SIZE = 64 << 20
 DEFAULT_REQUEST_SIZE = 16 << 20
 DEFAULT_RETRIES = 3
+# seconds an HTTP connection may stay silent (connecting, or between two reads of a body) before the
+# attempt fails and is retried: a stalled server must not hang a reader
+DEFAULT_TIMEOUT = 60.0
 # concurrent requests of one large read (HTTP); bounds the bytes in flight to CONCURRENCY * request_size
 CONCURRENCY = 4
 
@@ -78,6 +81,18 @@ def _url_to_fs(url, storage_options):
         raise InvalidArgumentError(f"{url}: not a URL fsspec can open: {exc}") from None
 
 
+def _with_timeout(url, opts, timeout):
+    """fsspec's HTTP client has no socket timeout by default: add one unless the caller set client_kwargs."""
+    if timeout is None or "client_kwargs" in opts or not url.lower().startswith(("http://", "https://")):
+        return opts
+    try:
+        import aiohttp
+    except ImportError:
+        raise ImportError("reading http(s) URLs needs the 'aiohttp' package (pip install 'mcf[remote]')") from None
+    t = float(timeout)
+    return {**opts, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)}}
+
+
 def _os_error(exc, url):
     if isinstance(exc, FileNotFoundError):
         return MissingFileError(errno.ENOENT, "no such remote file", url)
@@ -111,12 +126,15 @@ class RemoteFile:
     """A read-only, seekable file over range requests with a block cache.  See the module docstring.
 
     ``size`` is fetched once at opening (a URL whose size is unknown is refused);
-    ``retries`` bounds the extra attempts per request; ``stats`` counts requests and cache hits.
+    ``retries`` bounds the extra attempts per request (waiting ``retry_delay * 2**k`` seconds between
+    them); ``timeout`` is the longest an HTTP connection may stay silent before an attempt fails;
+    ``storage_options`` go to fsspec (credentials, endpoints); ``stats`` counts requests and cache hits.
     """
 
     def __init__(self, url: str, *, block_size: int = DEFAULT_BLOCK_SIZE, cache_size: int = DEFAULT_CACHE_SIZE,
                  request_size: int = DEFAULT_REQUEST_SIZE, retries: int = DEFAULT_RETRIES,
-                 retry_delay: float = 0.05, storage_options: dict | None = None):
+                 retry_delay: float = 0.05, timeout: float | None = DEFAULT_TIMEOUT,
+                 storage_options: dict | None = None):
         if isinstance(url, bytes):
             url = url.decode()
         if not is_url(url):
@@ -133,7 +151,8 @@ class RemoteFile:
         self.retries = int(retries)
         self.retry_delay = float(retry_delay)
         self._opts = dict(storage_options or {})
-        self._fs, self._path = _url_to_fs(url, self._opts)
+        self.timeout = timeout
+        self._fs, self._path = _url_to_fs(url, _with_timeout(url, self._opts, timeout))
         self._pos = 0
         self._closed = False
         self._cache: OrderedDict = OrderedDict()
@@ -345,15 +364,15 @@ class RemoteFile:
     def __reduce__(self):
         # reopened by URL in the receiving process (DataLoader workers)
         return (_reopen, (self.url, self.block_size, self.cache_size, self.request_size, self.retries,
-                          self.retry_delay, self._opts))
+                          self.retry_delay, self.timeout, self._opts))
 
     def __repr__(self) -> str:
         return f"<mcf RemoteFile {self.url!r} {self.size} bytes>"
 
 
-def _reopen(url, block_size, cache_size, request_size, retries, retry_delay, opts):
+def _reopen(url, block_size, cache_size, request_size, retries, retry_delay, timeout, opts):
     return RemoteFile(url, block_size=block_size, cache_size=cache_size, request_size=request_size,
-                      retries=retries, retry_delay=retry_delay, storage_options=opts)
+                      retries=retries, retry_delay=retry_delay, timeout=timeout, storage_options=opts)
 
 
 def open_remote(url, **kwargs):

@@ -317,6 +317,14 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
             body, status = data[rng[0]:rng[1]], 206
         if mode == "short":
             body = body[: len(body) // 2]
+        if mode == "stall":  # headers, then silence
+            self.send_response(206 if rng else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.flush()
+            self.server.release.wait(10)
+            self.close_connection = True
+            return
         if mode == "nolength":  # a body delimited by closing the connection: no size anywhere
             self.send_response(200)
             self.send_header("Connection", "close")
@@ -348,10 +356,12 @@ def faulty():
     srv.mode = "ok"
     srv.fail_first = 0
     srv.log = []
+    srv.release = threading.Event()
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
     srv.url = f"http://127.0.0.1:{srv.server_address[1]}/blob.bin"
     yield srv
+    srv.release.set()
     srv.shutdown()
     srv.server_close()
 
@@ -409,6 +419,14 @@ def test_whole_file_through_a_container_of_faults(faulty, tmp_path):
     faulty.mode = "drop"
     with pytest.raises(MCFIOError, match="127.0.0.1"):
         mcf.open(faulty.url).tensor("x")
+
+
+def test_stalled_server_times_out(faulty):
+    faulty.mode = "stall"
+    f = RemoteFile(faulty.url, retries=1, retry_delay=0.0, timeout=0.3)
+    with pytest.raises(MCFIOError, match="2 attempts"):
+        f.read(100)
+    assert sum(1 for g in faulty.log if g[0] == "GET") == 2
 
 
 def test_unknown_size_is_refused(faulty):
