@@ -47,7 +47,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
 
 /* int8/int4 per-tensor quantization of rows: q = clamp(round(x / scale + zero)), row-packed. */
 void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float scale, float zero,
-                           uint8_t *codes, size_t row_bytes);
+                           uint8_t *codes, size_t row_bytes, int impl);
 
 /* max |x| over n values (variant `impl`); returns the index of the first non-finite value, or -1. */
 long long mcf_absmax(const float *src, size_t n, float *absmax, int impl);

@@ -470,16 +470,56 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
     return overflow ? -1 : 0;
 }
 
+#if defined(__x86_64__)
+/* 32 values of an int8/int4 row: q = clamp(round_half_away(x * inv + zero), qmin, qmax), the scalar
+ * code's f32 operations, then packed (int4: item 0 in the low nibble). */
+__attribute__((target(T512Q))) static void raw32_avx512(const float *x, int bits, float inv, float zero, uint8_t *dst)
+{
+    const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));
+    __m512i q[2];
+    for (int h = 0; h < 2; h++) {
+        __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), _mm512_set1_ps(inv)), _mm512_set1_ps(zero));
+        __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(p, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(p, _mm512_set1_ps(-0.0f)));
+        t = _mm512_mask_add_ps(t, up, t, one);
+        t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(qmin)), _mm512_set1_ps(qmax));
+        q[h] = _mm512_cvttps_epi32(t);
+    }
+    __m128i b0 = _mm512_cvtepi32_epi8(q[0]), b1 = _mm512_cvtepi32_epi8(q[1]);
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)dst, b0);
+        _mm_storeu_si128((__m128i *)(dst + 16), b1);
+        return;
+    }
+    __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(0x000f));
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0));
+    _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(_mm256_or_si256(lo, hi)));
+}
+#endif
+
 void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float scale, float zero,
-                           uint8_t *codes, size_t row_bytes)
+                           uint8_t *codes, size_t row_bytes, int impl)
 {
     int32_t qmax = (1 << (bits - 1)) - 1, qmin = -(1 << (bits - 1));
     float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    /* the vector path needs a finite 1 / scale; scale == 0 writes zeros below */
+    int fast = 0;
+#if defined(__x86_64__)
+    fast = impl >= MCF_IMPL_AVX512 && scale != 0.0f && isfinite(inv);
+#endif
+    (void)impl;
     for (size_t r = 0; r < nrows; r++) {
         const float *row = src + r * cols;
         uint8_t *dst = codes + r * row_bytes;
         memset(dst, 0, row_bytes);
-        for (size_t c = 0; c < cols; c++) {
+        size_t c = 0;
+#if defined(__x86_64__)
+        if (fast)
+            for (; c + 32 <= cols; c += 32) raw32_avx512(row + c, bits, inv, zero, dst + (bits == 8 ? c : c / 2));
+#endif
+        for (; c < cols; c++) {
             double x = scale != 0.0f ? round((double)(row[c] * inv + zero)) : 0.0;
             int32_t v = x > qmax ? qmax : (x < qmin ? qmin : (int32_t)x);
             if (bits == 8) dst[c] = (uint8_t)(int8_t)v;

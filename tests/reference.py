@@ -175,3 +175,24 @@ def quantize(x, method, compat=False):
     o, n = regs["data"]
     out[o:o + n] = packed.reshape(-1)
     return out
+
+
+def raw_quantize_codes(x, bits, scale, zero):
+    """int8/int4 codes as the spec defines them: q = clamp(round_half_away(x / scale + zero), qmin, qmax)
+    with x * (1 / scale) and the + zero each rounded to float32; rows packed (int4: item 0 in the low
+    nibble, odd rows padded to a whole byte)."""
+    x = np.asarray(x, np.float32)
+    rows, cols = x.shape
+    qmax, qmin = (1 << (bits - 1)) - 1, -(1 << (bits - 1))
+    if scale == 0:
+        q = np.zeros(x.shape, np.int64)
+    else:
+        inv = np.float32(1.0) / np.float32(scale)
+        p = ((x * inv).astype(np.float32) + np.float32(zero)).astype(np.float32)
+        q = np.clip(round_half_away(p), qmin, qmax).astype(np.int64)
+    if bits == 8:
+        return q.astype(np.int8).view(np.uint8)
+    u = (q & 0xF).astype(np.uint8)
+    if cols % 2:
+        u = np.concatenate([u, np.zeros((rows, 1), np.uint8)], axis=1)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
