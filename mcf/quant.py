@@ -100,7 +100,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             m = 0.0
             for r in starts:
                 x = _rows_f32(a, r, min(rows, r + step), src)
-                m = max(m, K.absmax_finite(x)[0])
+                m = max(m, K.absmax(x, impl=impl))
                 K.quantize_rows(x, info.code, payload, r, min_clip=-math.inf, max_clip=math.inf, compat=compat,
                                 rows=rows, cols=cols, domain=domain, impl=impl)
             return m
