@@ -25,3 +25,21 @@ def test_guide_examples_run(page, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "broken.mcf: file_size at offset 24" in out
     assert "missing:" in out
+
+
+def test_quickstart_runs(tmp_path, monkeypatch, capsys, minilm_dir):
+    """docs/quickstart.md is a newcomer's first five minutes: every Python block runs, in order, and
+    prints what the page says it prints."""
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    blocks = python_blocks(os.path.join(DOCS, "quickstart.md"))
+    assert len(blocks) >= 6
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"quickstart.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
+    out = capsys.readouterr().out.splitlines()
+    assert "k4 (384, 384)" in out
+    assert out.count("True") == 2                      # bit-exact export, bucket found after a restart
+    assert out[-1].startswith("TruncatedError - <memory>: file_size at offset 24")
