@@ -1,0 +1,194 @@
+"""mcf.torch.load_state_dict against safetensors.torch.load_file of the same weights (packed with mcf.pack
+from a checkpoint directory the safetensors package wrote), Container.dequantize for quantized tensors,
+torch's own casts, concatenation of tensor-parallel shares, and data_ptr() inside the file mapping as
+the proof that plain tensors were not copied."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import mcf  # noqa: E402
+import mcf.torch as mtorch  # noqa: E402
+from mcf import InvalidArgumentError  # noqa: E402
+
+
+def _rng(tag):
+    return np.random.default_rng(zlib.crc32(tag.encode()))
+
+
+def _weights():
+    g = torch.Generator().manual_seed(zlib.crc32(b"torch-loading"))
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return {
+        "emb.weight": r(96, 64),
+        "attn.q.weight": r(64, 64),
+        "attn.q.bias": r(64),
+        "mlp.up.weight": r(128, 64).half(),
+        "mlp.down.weight": r(64, 128).bfloat16(),
+        "norm.weight": r(64).bfloat16(),
+        "conv.weight": r(8, 4, 3),
+        "dbl": r(3, 2).double(),
+        "pos.ids": torch.arange(96, dtype=torch.int64).reshape(1, 96),
+        "mask.i8": torch.randint(-128, 127, (4, 6), dtype=torch.int8, generator=g),
+        "table.u8": torch.randint(0, 255, (5, 7), dtype=torch.uint8, generator=g),
+        "counts.i32": torch.randint(-2**31, 2**31 - 1, (6,), dtype=torch.int32, generator=g),
+        "small.i16": torch.randint(-2**15, 2**15 - 1, (2, 3), dtype=torch.int16, generator=g),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 8),
+    }
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    safetensors_torch.save_file(_weights(), str(d / "model.safetensors"))
+    out = str(d / "model.mcf")
+    mcf.pack(str(d), out)
+    return d, out
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    rng = _rng("torch-quantized")
+    p = str(tmp_path_factory.mktemp("q") / "q.mcf")
+    with mcf.Writer(p) as w:
+        for m in ("k4", "q4", "k2", "int4"):
+            w.add_tensor(f"{m}.weight", rng.standard_normal((64, 512)).astype(np.float32), method=m)
+        w.add_tensor("plain", rng.standard_normal((64, 32)).astype(np.float32))
+    return p
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                 and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+def test_equals_safetensors_torch(packed):
+    d, out = packed
+    ref = safetensors_torch.load_file(str(d / "model.safetensors"))
+    for copy in (False, True):
+        got = mtorch.load_state_dict(out, copy=copy)
+        assert sorted(got) == sorted(ref)
+        for name in ref:
+            _same(got[name], ref[name])
+            assert got[name].device.type == "cpu"
+
+
+def test_unsigned_16_bit(tmp_path):
+    a = _rng("u16").integers(0, 2**16, size=(3, 4), dtype=np.uint16)
+    with mcf.Writer(str(tmp_path / "u.mcf")) as w:
+        w.add_tensor("u", a)
+    t = mtorch.load_state_dict(str(tmp_path / "u.mcf"))["u"]
+    want = getattr(torch, "uint16", torch.int16)
+    assert t.dtype == want
+    assert np.array_equal(t.view(torch.int16).numpy().view(np.uint16), a)
+
+
+def test_plain_tensors_share_the_mapping(packed):
+    _, out = packed
+    with mcf.open(out) as c:
+        whole = c.source.view(0, c.source.size)
+        lo, hi = whole.ctypes.data, whole.ctypes.data + whole.nbytes
+        sd = mtorch.load_state_dict(c)
+        for name, t in sd.items():
+            if t.numel():
+                p = t.data_ptr()
+                assert lo <= p and p + t.numel() * t.element_size() <= hi, name
+        copied = mtorch.load_state_dict(c, copy=True)
+        for name, t in copied.items():
+            if t.numel():
+                assert not lo <= t.data_ptr() < hi, name
+        copied["emb.weight"].mul_(2)   # fresh memory: in-place operations are fine
+    # the tensors keep the mapping alive after the container is closed
+    ref = safetensors_torch.load_file(out.replace("model.mcf", "model.safetensors"))
+    _same(sd["emb.weight"], ref["emb.weight"])
+    _same(copied["emb.weight"], ref["emb.weight"] * 2)
+
+
+def test_module_load_state_dict(packed):
+    _, out = packed
+    lin = torch.nn.Linear(64, 64)
+    sd = mtorch.load_state_dict(out, names=["attn.q.weight", "attn.q.bias"])
+    lin.load_state_dict({"weight": sd["attn.q.weight"], "bias": sd["attn.q.bias"]})
+    lin.weight.data.mul_(0.5)            # the module owns a copy: the mapping is untouched
+    _same(sd["attn.q.weight"] * 0.5, lin.weight.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, "bfloat16"])
+def test_dtype_casts_floats_like_torch(packed, dtype):
+    d, out = packed
+    ref = safetensors_torch.load_file(str(d / "model.safetensors"))
+    got = mtorch.load_state_dict(out, dtype=dtype)
+    tdt = torch.bfloat16 if dtype == "bfloat16" else dtype
+    for name, r in ref.items():
+        if r.is_floating_point():
+            # reference: torch's own round-to-nearest-even cast (through float32 for a float64 source)
+            want = (r.float() if r.dtype == torch.float64 and tdt != torch.float64 else r).to(tdt)
+            _same(got[name], want)
+        else:
+            _same(got[name], r)
+
+
+def test_quantized_decoded_into_the_destination(quantized):
+    with mcf.open(quantized) as c:
+        for tdt, ndt in ((None, np.float32), (torch.float16, np.float16), (torch.bfloat16, "bf16")):
+            sd = mtorch.load_state_dict(c, dtype=tdt)
+            for name in ("k4.weight", "q4.weight", "k2.weight", "int4.weight"):
+                t = sd[name]
+                if ndt == "bf16":
+                    want = c.dequantize(name, dtype=np.uint16)   # bf16 bit patterns
+                    assert t.dtype == torch.bfloat16
+                    assert np.array_equal(t.view(torch.int16).numpy().view(np.uint16), want)
+                else:
+                    _same(t, torch.from_numpy(c.dequantize(name, dtype=ndt)))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_tp_shares_concatenate(packed, quantized, tp_size, tp_dim):
+    for path in (packed[1], quantized):
+        with mcf.open(path) as c:
+            names = [n for n in c.keys() if n not in ("scalar", "empty")
+                     and (len(c.info(n).shape) < 2 or c.info(n).shape[tp_dim] % tp_size == 0)]
+        full = mtorch.load_state_dict(path, names=names, dtype=torch.bfloat16)
+        parts = [mtorch.load_state_dict(path, names=names, dtype=torch.bfloat16, tp_rank=r, tp_size=tp_size,
+                                        tp_dim=tp_dim, threads=2) for r in range(tp_size)]
+        for name, whole in full.items():
+            if whole.dim() < 2:
+                for p in parts:
+                    _same(p[name], whole)
+            else:
+                _same(torch.cat([p[name] for p in parts], dim=tp_dim), whole)
+                assert all(p[name].is_contiguous() for p in parts)
+
+
+def test_device_move_after_decode(packed, quantized):
+    sd = mtorch.load_state_dict(quantized, device="meta", dtype=torch.float16)
+    assert all(t.device.type == "meta" for t in sd.values())
+    assert sd["k4.weight"].shape == (64, 512) and sd["k4.weight"].dtype == torch.float16
+
+
+def test_bad_arguments(packed):
+    _, out = packed
+    with pytest.raises(InvalidArgumentError):
+        mtorch.load_state_dict(out, tp_rank=1, tp_size=1)
+    with pytest.raises(mcf.DTypeError):
+        mtorch.load_state_dict(out, dtype=torch.int32)
+    with pytest.raises(mcf.TensorNotFoundError):
+        mtorch.load_state_dict(out, names=["missing"])
+
+
+def test_missing_torch_names_the_package():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import mcf.torch\nexcept ImportError as e:\n    print('ERR', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ERR" in r.stdout and "'torch'" in r.stdout and "pip install" in r.stdout, r.stdout + r.stderr
