@@ -14,7 +14,9 @@ files.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -152,7 +154,11 @@ _scratch: list = []
 
 def _tree_dir() -> str:
     if not _scratch:
-        _scratch.append(tempfile.mkdtemp(prefix="mcf-fuzz-ctx-"))
+        # on tmpfs when there is one: the r+ open fsyncs its repairs, which on a disk makes this target
+        # 3x slower (2.8 vs 0.85 ms per input measured) without reaching any other code
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _scratch.append(tempfile.mkdtemp(prefix="mcf-fuzz-ctx-", dir=shm))
+        atexit.register(shutil.rmtree, _scratch[0], True)
     return _scratch[0]
 
 

@@ -208,6 +208,10 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
     if need2:
         _check_level_source(s2, n2, grow, "LOD2")
     cdef bint mapped = s0.base != NULL and (not need1 or s1.base != NULL) and (not need2 or s2.base != NULL)
+    # The mappings behind the base pointers stay alive until the copies end: another thread may call
+    # Source.refresh() (a Tree refresh remaps a grown file) or close() while the GIL is released.
+    keep = (s0._mapping if s0 is not None else None, s1._mapping if s1 is not None else None,
+            s2._mapping if s2 is not None else None)
     cdef mc_assembly a
     cdef Py_ssize_t e
     cdef int64_t[::1] ix_v = ix, rows_v = rows, slot_v = out_slot
@@ -356,6 +360,7 @@ def gather_rows(Source src, uint64_t count, size_t row_bytes, indices, out):
     cdef int64_t[::1] iv = ix
     cdef uint8_t* dst = <uint8_t*><uintptr_t>out.ctypes.data
     cdef const uint8_t* base = src.base
+    keep = src._mapping if src is not None else None  # alive while the GIL is released (a refresh or close elsewhere drops the source's)
     if base != NULL:
         with nogil:
             for k in range(n):

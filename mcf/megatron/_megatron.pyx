@@ -390,6 +390,7 @@ cdef class SequenceTable:
             raise OutOfBoundsError(f"read of {count} items at byte {ptr} lies outside the .bin "
                                    f"({self._bin_size} bytes)")
         dims[0] = <cnp.npy_intp>count
+        cdef Source bin_src = self._bin  # kept: the allocation below may let a closing thread run
         if self._bin_base != NULL:
             Py_INCREF(self._dtype)  # stolen by PyArray_NewFromDescr
             arr = PyArray_NewFromDescr(<type>np.ndarray, self._dtype, 1, dims, NULL,
@@ -400,7 +401,9 @@ cdef class SequenceTable:
             return arr
         out = cnp.PyArray_EMPTY(1, dims, self._dtype.type_num, 0)
         if nb:
-            self._bin.copy_to(<uint64_t>ptr, <size_t>nb, cnp.PyArray_DATA(<cnp.ndarray>out))
+            if bin_src is None:
+                raise ClosedError("the dataset is closed")
+            bin_src.copy_to(<uint64_t>ptr, <size_t>nb, cnp.PyArray_DATA(<cnp.ndarray>out))
         return out
 
     def __len__(self):
@@ -441,7 +444,16 @@ cdef class SequenceTable:
         ``tokens[offsets[k]:offsets[k+1]]``.  Copies run with the GIL released; ``out`` may be a
         preallocated 1-D array of the dataset's dtype (a prefix of it is filled and returned)."""
         self._check_open()
-        keep = (self._bin_whole, self._idx_keep)  # both mappings stay alive while the GIL is released
+        # Everything the copies use is taken now, in one step under the GIL: another thread may close
+        # the dataset whenever the GIL is released (numpy calls below may release it, the copies do).
+        # The mappings and the Source stay alive through these references; a closed Source then
+        # raises instead of being dereferenced as None.
+        keep = (self._bin_whole, self._idx_keep)
+        cdef Source bin_src = self._bin
+        cdef const uint8_t* base = self._bin_base
+        cdef const uint8_t* ptrs = self._ptrs
+        cdef const uint8_t* lens = self._lens
+        cdef uint64_t size = self._bin_size
         idx_arr = np.ascontiguousarray(indices, dtype=np.int64)
         if idx_arr.ndim != 1:
             raise InvalidArgumentError("indices must be one-dimensional")
@@ -450,7 +462,6 @@ cdef class SequenceTable:
         cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
         cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
         cdef int64_t j, ln, total = 0, n = self._n
-        cdef const uint8_t* lens = self._lens
         cdef bint negative = False
         with nogil:
             po[0] = 0
@@ -483,10 +494,7 @@ cdef class SequenceTable:
                 raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
             res = out[:total]
         cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
-        cdef const uint8_t* base = self._bin_base
-        cdef const uint8_t* ptrs = self._ptrs
         cdef int64_t isz = self._itemsize, p, nb
-        cdef uint64_t size = self._bin_size
         cdef int64_t jp, pp
         if base != NULL:
             with nogil:
@@ -519,7 +527,7 @@ cdef class SequenceTable:
                     bad = k
                     break
                 if nb:
-                    self._bin.copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
+                    bin_src.copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
         del keep
         if bad >= 0:
             raise OutOfBoundsError(f"sequence {ix[bad]} lies outside the .bin")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._io import Source, open_source
-from mcf.errors import FormatError, InvalidArgumentError, OutOfBoundsError, TruncatedError, UnsupportedVersionError
+from mcf.errors import (FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
+                        UnsupportedVersionError)
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, FAIRSEQ_DTYPES, FAIRSEQ_HEADER, FAIRSEQ_HEADER_SIZE, HEADER,
                                   HEADER_SIZE, LENGTH_DTYPE, MAGIC, MEGATRON_DTYPES, MODE_DTYPE, POINTER_DTYPE,
@@ -418,7 +419,37 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
     """
     p, i, b = _sources(prefix, idx, bin)
-    return IndexedDataset(i, b, mmap=mmap, multimodal=multimodal, validate=validate, prefix=p)
+    for attempt in range(_OPEN_ATTEMPTS):
+        before = _identity(i, b)
+        try:
+            ds = IndexedDataset(i, b, mmap=mmap, multimodal=multimodal, validate=validate, prefix=p)
+        except (FormatError, TruncatedError, MissingFileError):
+            if before is None or _identity(i, b) == before or attempt == _OPEN_ATTEMPTS - 1:
+                raise
+            continue
+        if before is None or _identity(i, b) == before:
+            return ds
+        ds.close()  # a writer published a new dataset while this one was opening: the pair may be mixed
+    raise FormatError("the dataset was replaced by a writer during every attempt to open it",
+                      path=os.fspath(i), expected="one .idx/.bin pair")
+
+
+_OPEN_ATTEMPTS = 8
+
+
+def _identity(idx, bin):
+    """(device, inode) of both paths, to notice a writer renaming a new dataset into place while the
+    pair is being opened (the two renames are not one atomic step); None for non-path inputs."""
+    if not (isinstance(idx, (str, os.PathLike)) and isinstance(bin, (str, os.PathLike))):
+        return None
+    out = []
+    for q in (idx, bin):
+        try:
+            st = os.stat(q)
+            out.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def verify(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, idx=None, bin=None) -> list:

@@ -10,7 +10,9 @@ What differs, on purpose:
 - the pointers are computed at ``finalize`` by a compiled exclusive prefix sum, with int64 overflow
   checked;
 - both files are written to temporary names and renamed into place at ``finalize`` (the ``.bin``
-  first, then the ``.idx``), so an interrupted build leaves no half-written dataset;
+  first, then the ``.idx``), so an interrupted build leaves no half-written dataset; the old ``.idx``
+  is removed first when the old ``.bin`` has the new one's size, so no moment shows a mixed pair that
+  the reader's size check would accept;
 - a document left open at ``finalize`` (sequences added after the last ``end_document``) is closed, so
   the result always has a valid document index.
 """
@@ -407,6 +409,7 @@ class Writer:
             self._bin.fd = -1
             self._write_index()
             if self._atomic:
+                self._unlink_index_if_same_size()
                 os.replace(self._bin_tmp, self.bin_path)
                 os.replace(self._idx_tmp, self.idx_path)
                 if self._durable:
@@ -421,6 +424,21 @@ class Writer:
             raise
 
     close = finalize
+
+    def _unlink_index_if_same_size(self) -> None:
+        """Between the two renames the prefix holds the new .bin beside the old .idx.  The reader refuses
+        such a pair by the .bin size the .idx implies, unless the two datasets happen to have the same
+        .bin size: then the old .idx is removed first, so that moment (or a crash in it) shows a missing
+        .idx instead of a plausible mixed dataset."""
+        try:
+            same = os.stat(self.bin_path).st_size == self._bin.nbytes
+        except FileNotFoundError:
+            return
+        if same:
+            try:
+                os.unlink(self.idx_path)
+            except FileNotFoundError:
+                pass
 
     def _write_index(self) -> None:
         if self._atomic:
