@@ -151,6 +151,35 @@ def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list
     return rows
 
 
+def demo_export(model_dir: str, workdir: str, packed: str) -> int:
+    """Export the packed file back to a checkpoint directory and a quantized one to float16 safetensors;
+    the float export must equal the original checkpoint bit for bit.  Returns 0 when it does."""
+    import mcf
+    from mcf._safetensors import open_checkpoint
+    from mcf.cli import Progress, _human
+
+    back = os.path.join(workdir, "exported")
+    print(f"== export back to a checkpoint directory\n   {packed} -> {back}")
+    t0 = time.perf_counter()
+    mcf.export(packed, back, progress=Progress("export"))
+    dt = time.perf_counter() - t0
+    files = sorted(os.listdir(back))
+    bad = 0
+    with open_checkpoint(model_dir) as a, open_checkpoint(back) as b:
+        for name, t in a.tensors.items():
+            x, y = t.array(), b.tensors[name].array()
+            bad += x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes()
+        n = len(a.tensors)
+    print(f"   {len(files)} files ({', '.join(files[:6])}{', ...' if len(files) > 6 else ''}) in {dt * 1e3:.0f} ms; "
+          f"{n - bad}/{n} tensors bit-identical to the original checkpoint")
+    k4 = os.path.join(workdir, "all-MiniLM-L6-v2.k4.mcf")
+    if os.path.exists(k4):
+        out16 = os.path.join(workdir, "all-MiniLM-L6-v2.k4-dequantized.f16.safetensors")
+        mcf.export(k4, out16, dtype="f16", resources=False)
+        print(f"   k4 file dequantized to float16 safetensors: {_human(os.path.getsize(out16))} ({out16})")
+    return 1 if bad else 0
+
+
 def demo_bucket(model_dir: str, workdir: str, out=None) -> int:
     """Store a real KV cache in a Model Context Bucket: the keys and values MiniLM's six attention layers
     compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf._bert`), ingested with
@@ -261,12 +290,14 @@ def run_demo(args) -> int:
     print()
     demo_quantize(out, workdir, model_dir)
     print()
+    ex = demo_export(model_dir, workdir, out)
+    print()
     mg = __import__("mcf.megatron", fromlist=["demo_megatron"]).demo_megatron(model_dir, workdir)
     print()
     ctx = __import__("mcf.megacontext", fromlist=["demo_megacontext"]).demo_megacontext(model_dir, workdir)
     print()
     bk = demo_bucket(model_dir, workdir)
-    return 1 if bad or problems or mg["problems"] or ctx or bk else 0
+    return 1 if bad or problems or ex or mg["problems"] or ctx or bk else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
