@@ -126,7 +126,10 @@ def _chunks(c, e: _Entry, buf):
             else:
                 chunk = buf[:n]
                 src.readinto(t.offset + o, chunk)
-            yield chunk if e.kind != "cast" else _cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
+            if e.kind == "cast":
+                with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
+                    chunk = _cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
+            yield chunk
             if mapped:  # the mapping's pages would stay resident: give them back once written
                 src.advise("dontneed", t.offset + o, n)
         return

@@ -16,6 +16,8 @@ import math
 import os
 from typing import Callable
 
+import numpy as np
+
 from mcf._gojson import go_marshal
 from mcf._io import alloc_buffer
 from mcf._safetensors import Checkpoint, open_checkpoint
@@ -111,7 +113,10 @@ def _stream_plain(t, target: DTypeInfo):
         else:
             chunk = buf[:n]
             src.readinto(t.offset + o, chunk)
-        yield chunk if same else _cast_chunk(chunk.view(info.numpy), info, target)
+        if not same:
+            with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
+                chunk = _cast_chunk(chunk.view(info.numpy), info, target)
+        yield chunk
         if buf is None:
             src.advise("dontneed", t.offset + o, n)
 
@@ -207,10 +212,12 @@ def _array_bytes(shape, itemsize: int) -> int:
 
 
 def _check_shapes(ckpt) -> None:
-    """Refuse, before the output exists, a tensor the MCF reader would refuse: more than MAX_RANK
+    """Refuse, before the output exists, a tensor the MCF reader would refuse (or a bad description
+    of a raw quantized payload): more than MAX_RANK
     dimensions, or a shape numpy cannot describe (non-zero dims times 4 bytes past 2**63, which an
     empty tensor with one huge dimension can have: it passes the safetensors size check)."""
     for name, t in ckpt.tensors.items():
+        _raw_quantized(t)
         field = f"header[{name!r}].shape"
         if len(t.shape) > MAX_RANK:
             raise FormatError("too many dimensions for MCF", path=t.file.source.name, field=field, offset=8,

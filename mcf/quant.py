@@ -221,7 +221,10 @@ def resolve_policy(method, overrides) -> tuple:
     if isinstance(method, str) and method.strip().lower() in ("none", "keep"):
         method = None
     if method is not None:
-        method = parse_dtype(method).name
+        try:
+            method = parse_dtype(method).name
+        except ValueError:
+            pass
         if method not in METHODS:
             raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
     overrides = list(overrides or ())
