@@ -1,0 +1,196 @@
+"""GGUF decode and conversion throughput (issue 7, GGUF part).
+
+1. Full decode of one 4096x4096 tensor of Q4_K, Q6_K, Q8_0 and Q4_0 to float32 (``GGUFFile.dequantize``
+   into a preallocated 64-byte aligned buffer, every kernel variant this CPU supports) against
+   gguf-py's ``gguf.quants.dequantize`` on the same bytes, shaped as GGUFReader hands them out
+   (rows x row bytes).  Target: >= 20x for Q4_K.
+2. ``convert_gguf(method="native")`` of a file of Q8_0 (or Q4_0) tensors to MCF q8 (q4), lossless,
+   against plain copies of the same file made durable like the MCF writer makes its output
+   (``shutil.copyfile`` + fsync, and a 16 MiB-chunk read/write loop + fsync; page cache warm), and the
+   decode-to-float32 conversion of a Q4_K file against the same copies.
+
+Run: python -m pytest bench/test_bench_gguf.py --benchmark-only -s
+"""
+
+import os
+import shutil
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+import mcf.gguf as G
+from mcf import _kernels as K
+from mcf.io import aligned_empty
+
+gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
+from gguf import GGMLQuantizationType as GT  # noqa: E402
+
+N = 4096
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0"]
+IMPLS = K.kernel_info()["supported"]
+_SUMMARY = []
+F16_SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def _median_time(fn, rounds=5):
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _blocks(tname, n_blocks, seed_label):
+    """Random codes with normal float16 scales around 0.01 (the decode work does not depend on the
+    values); Q8_0/Q4_0 from gguf-py's own quantizer would be the same work."""
+    rng = np.random.default_rng(zlib.crc32(seed_label.encode()))
+    bs, ts = gguf.GGML_QUANT_SIZES[GT[tname]]
+    b = rng.integers(0, 256, (n_blocks, ts), dtype=np.uint8)
+    for off in F16_SCALES[tname]:
+        v = (0.01 + 0.001 * rng.random(n_blocks)).astype(np.float16)
+        b[:, off:off + 2] = v.view(np.uint8).reshape(n_blocks, 2)
+    return b
+
+
+def _write(path, tname, count, rows=N, cols=N):
+    w = gguf.GGUFWriter(path, "llama")
+    bs, ts = gguf.GGML_QUANT_SIZES[GT[tname]]
+    for i in range(count):
+        b = _blocks(tname, rows * cols // bs, f"{tname} {i}")
+        w.add_tensor(f"blk.{i}.weight", b.reshape(rows, -1), raw_dtype=GT[tname])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def one_tensor_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf_bench")
+    out = {}
+    for t in TYPES:
+        p = str(d / f"{t}.gguf")
+        _write(p, t, 1)
+        out[t] = p
+    return out
+
+
+@pytest.fixture(scope="module")
+def out_buf():
+    out = aligned_empty(N * N * 4, 64).view(np.float32).reshape(N, N)
+    out[...] = 1.0
+    return out
+
+
+@pytest.mark.parametrize("tname", TYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.benchmark(group="gguf-decode-4096x4096")
+def test_decode_full(benchmark, one_tensor_files, out_buf, tname, impl):
+    g = G.open(one_tensor_files[tname])
+    name = "blk.0.weight"
+    benchmark.pedantic(lambda: g.dequantize(name, out=out_buf, impl=impl), rounds=9, warmup_rounds=1,
+                       iterations=1)
+    t = benchmark.stats.stats.median
+    raw = g.raw(name).reshape(N, -1)  # what GGUFReader's tensor.data is
+    assert np.array_equal(gguf.quants.dequantize(raw, GT[tname]).view(np.uint32), out_buf.view(np.uint32))
+    t_ref = _median_time(lambda: gguf.quants.dequantize(raw, GT[tname]), rounds=3)
+    src = np.ones((N, N), np.float32)
+    t_copy = _median_time(lambda: np.copyto(out_buf, src))
+    gbps = N * N * 4 / t / 1e9
+    benchmark.extra_info.update(gbps_out=gbps, vs_gguf_py=t_ref / t, gguf_py_gbps=N * N * 4 / t_ref / 1e9,
+                                vs_copyto=t_copy / t)
+    _SUMMARY.append(("decode", tname, impl, gbps, t_ref / t, t_copy / t))
+    g.close()
+
+
+@pytest.mark.parametrize("tname", ["Q4_K", "Q6_K"])
+@pytest.mark.benchmark(group="gguf-decode-2threads")
+def test_decode_two_threads(benchmark, one_tensor_files, out_buf, tname):
+    g = G.open(one_tensor_files[tname])
+    t1 = _median_time(lambda: g.dequantize("blk.0.weight", out=out_buf))
+    benchmark.pedantic(lambda: g.dequantize("blk.0.weight", out=out_buf, threads=2), rounds=9,
+                       warmup_rounds=1, iterations=1)
+    t2 = benchmark.stats.stats.median
+    benchmark.extra_info.update(speedup=t1 / t2)
+    _SUMMARY.append(("2thr", tname, "best", N * N * 4 / t2 / 1e9, t1 / t2, None))
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def conversion_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf_conv")
+    out = {}
+    for t, count in (("Q8_0", 8), ("Q4_0", 8), ("Q4_K", 4)):
+        p = str(d / f"{t}x{count}.gguf")
+        _write(p, t, count)
+        out[t] = p
+    return out
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _touch(path):
+    with open(path, "rb") as f:
+        while f.read(8 << 20):
+            pass
+
+
+@pytest.mark.parametrize("tname,method", [("Q8_0", "native"), ("Q4_0", "native"), ("Q4_K", None)])
+@pytest.mark.benchmark(group="gguf-convert")
+def test_convert(benchmark, conversion_files, tmp_path, tname, method):
+    src = conversion_files[tname]
+    dst = str(tmp_path / "out.mcf")
+    size = os.path.getsize(src)
+
+    def run():
+        G.convert_gguf(src, dst, method=method)
+
+    def copy():  # kernel-side copy (copy_file_range/sendfile), then made durable like the writer does
+        shutil.copyfile(src, dst + ".copy")
+        _fsync(dst + ".copy")
+
+    def pycopy():  # the same bytes through user space in 16 MiB chunks, then fsync
+        with open(src, "rb", buffering=0) as fi, open(dst + ".copy", "wb") as fo:
+            while True:
+                b = fi.read(16 << 20)
+                if not b:
+                    break
+                fo.write(b)
+            fo.flush()
+            os.fsync(fo.fileno())
+
+    _touch(src)
+    benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
+    t = benchmark.stats.stats.median
+    t_copy = _median_time(copy)
+    t_pycopy = _median_time(pycopy)
+    out_size = os.path.getsize(dst)
+    benchmark.extra_info.update(gbps_in=size / t / 1e9, vs_copy=t_copy / t, vs_pycopy=t_pycopy / t,
+                                in_mb=size / 1e6, out_mb=out_size / 1e6)
+    _SUMMARY.append((f"conv-{method or 'f32'}", tname, "best", size / t / 1e9, t_copy / t, t_pycopy / t))
+    for p in (dst, dst + ".copy"):
+        os.unlink(p)
+
+
+def teardown_module(module):
+    if not _SUMMARY:
+        return
+    print("\n\nkind          type  impl    GB/s    ratio-a   ratio-b")
+    print("  decode: GB/s of float32 output; ratio-a = vs gguf-py dequantize (target >= 20 for Q4_K),")
+    print("          ratio-b = vs numpy.copyto of the same 64 MiB")
+    print("  2thr: ratio-a = 2 threads / 1 thread")
+    print("  conv-*: GB/s of GGUF input; ratio-a = vs shutil.copyfile + fsync, ratio-b = vs a 16 MiB-chunk")
+    print("          read/write copy + fsync of the same file (the writer fsyncs too)")
+    for kind, tn, impl, gbps, a, b in _SUMMARY:
+        fa = f"{a:8.2f}x" if a is not None else "        -"
+        fb = f"{b:8.2f}x" if b is not None else "        -"
+        print(f"{kind:13s} {tn:5s} {impl:7s} {gbps:6.2f} {fa} {fb}")
