@@ -22,7 +22,7 @@ pytest.importorskip("aiohttp")
 import mcf  # noqa: E402
 from mcf import InvalidArgumentError, MCFIOError, MissingFileError  # noqa: E402
 from mcf.remote import RemoteFile, is_url  # noqa: E402
-from tests import _http_server  # noqa: E402
+import _http_server  # noqa: E402  (tests/ is on sys.path: pytest inserts the directory of test modules)
 
 
 def _rng(tag):
