@@ -81,3 +81,34 @@ def test_errors_are_reported_not_raised(tmp_path, capsys, npz):
     (tmp_path / "b" / "contexts" / cid / "metadata.json").write_text("{")
     rc, out, _ = run(capsys, "rebuild", "--root", root)
     assert rc == 1 and json.loads(out)["skipped"][0]["context_id"] == cid
+
+
+def test_promote_demote_record_a_preference(tmp_path, capsys, npz):
+    """Without a server the CLI cannot hold memory; it records the tier as the context's preference,
+    which a long-lived Bucket (the server) applies on its next load and at start-up."""
+    path, _, _ = npz
+    root = str(tmp_path / "b")
+    rc, out, _ = run(capsys, "ingest", "--root", root, "m", str(path), "--text", "x")
+    cid = json.loads(out)["context_id"]
+    server = Bucket(root)
+    rc, out, _ = run(capsys, "promote", "--root", root, cid)
+    assert rc == 0 and json.loads(out)["preferred_tier"] == "warm"
+    assert Bucket(root).lookup(cid)["storage"]["preference"]["tier"] == "warm"
+    server.load(cid)
+    assert server.tier(cid) == "warm"
+    fresh = Bucket(root)
+    assert fresh.apply_tier_preferences() == {cid: "warm"}
+    rc, out, _ = run(capsys, "ls", "--root", root, "--json")
+    assert json.loads(out)[0]["preferred_tier"] == "warm"
+    rc, out, _ = run(capsys, "demote", "--root", root, cid)
+    assert rc == 0 and json.loads(out)["preferred_tier"] == "cold"
+    server.load(cid)
+    assert server.tier(cid) == "cold"
+    rc, out, _ = run(capsys, "promote", "--root", root, cid, "--tier", "hot", "--device", "cpu")
+    assert rc == 0 and json.loads(out) | {"note": ""} == {"context_id": cid, "preferred_tier": "hot", "device": "cpu",
+                                                           "note": ""}
+    rc, _, err = run(capsys, "promote", "--root", root, "ctx_" + "0" * 32)
+    assert rc == 1 and "no context" in err
+    with pytest.raises(SystemExit):  # --root and --url are exclusive, one is required
+        main(["bucket", "promote", cid])
+    capsys.readouterr()

@@ -67,6 +67,7 @@ def live_server(tmp_path_factory):
     b = Bucket(root)
     layers = [(rng.standard_normal((2, 8, 4)).astype(np.float32),) * 2 for _ in range(2)]
     seeded = b.ingest("seed-model", layers, token_ids=list(range(8)), name="seeded", compression="lz4")
+    b.set_tier_preference(seeded["context_id"], "warm")  # applied by the server at start-up
     port = _free_port()
     env = dict(os.environ, MCB_TOKEN=TOKEN)
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
@@ -82,6 +83,10 @@ def live_server(tmp_path_factory):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"server did not start: {proc.communicate(timeout=5)[1]!r}") from None
                 time.sleep(0.1)
+        req = urllib.request.Request(base + "/mcrp/v1/models/seed-model/contexts",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert [c["tier"] for c in json.loads(r.read())["contexts"]] == ["warm"]
         yield base, seeded["context_id"]
     finally:
         proc.terminate()

@@ -151,3 +151,26 @@ def test_errors(server):
     st, out, _ = call(base, "GET", f"/contexts/{cid}/kv")
     assert st == 422 and "kv_data.mcb" in out["error"]
     assert call(base, "GET", "/registry")[0] == 200
+
+
+def test_cli_promote_demote_through_the_server(server, capsys):
+    """``mcf bucket promote --url`` moves the context in the running server's memory now."""
+    from mcf.cli import main
+
+    base, root = server
+    body, _, _ = npz_body(7)
+    st, out, _ = call(base, "POST", "/contexts?model_id=tiers&content=cli", body)
+    cid = out["context_id"]
+    url = base[: -len("/mcrp/v1")]
+    assert main(["bucket", "promote", "--url", url, "--token", TOKEN, cid]) == 0
+    assert json.loads(capsys.readouterr().out)["tier"] == "warm"
+    st, disc, _ = call(base, "GET", "/models/tiers/contexts")
+    assert [c["tier"] for c in disc["contexts"]] == ["warm"]
+    assert main(["bucket", "demote", "--url", url, "--token", TOKEN, cid]) == 0
+    assert json.loads(capsys.readouterr().out)["tier"] == "cold"
+    assert main(["bucket", "promote", "--url", url, "--token", "wrong", cid]) == 1
+    assert "HTTP 401" in capsys.readouterr().err
+    assert main(["bucket", "promote", "--url", url, "--token", TOKEN, "ctx_" + "0" * 32]) == 1
+    assert "HTTP 404" in capsys.readouterr().err
+    assert main(["bucket", "promote", "--url", "http://127.0.0.1:1", cid]) == 1
+    assert "cannot reach" in capsys.readouterr().err

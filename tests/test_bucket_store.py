@@ -5,6 +5,7 @@ killed mid-ingest and mid-registry-update, and two processes ingesting at once."
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import mcf
+from mcf.bucket import store
 from mcf.bucket.store import Bucket, content_hash
 from mcf.errors import ContextNotFoundError
 
@@ -217,8 +219,8 @@ WORKER = textwrap.dedent("""
     if crash_at != "none":
         real_replace, real_rename = os.replace, os.rename
         def replace(src, dst, *a, **k):
-            # crash_at "registry": die right before the registry would be replaced
-            if crash_at == "registry" and str(dst).endswith("registry.json"):
+            # crash_at "snapshot": die right before the registry snapshot would be replaced
+            if crash_at == "snapshot" and str(dst).endswith("registry.json"):
                 os._exit(9)
             return real_replace(src, dst, *a, **k)
         def rename(src, dst, *a, **k):
@@ -226,7 +228,14 @@ WORKER = textwrap.dedent("""
             if crash_at == "commit" and "/contexts/ctx_" in str(dst):
                 os._exit(9)
             return real_rename(src, dst, *a, **k)
-        store.os.replace, store.os.rename = replace, rename
+        real_journal_write = store._journal_write
+        def journal_write(fd, payload):
+            # crash_at "registry": die halfway through appending the registry journal record
+            if crash_at == "registry":
+                os.write(fd, payload[: len(payload) // 2])
+                os._exit(9)
+            return real_journal_write(fd, payload)
+        store.os.replace, store.os.rename, store._journal_write = replace, rename, journal_write
     b = store.Bucket(root)
     rng = np.random.default_rng(zlib.crc32(tag.encode()))  # stable across runs
     for i in range(count):
@@ -255,24 +264,35 @@ def assert_consistent(root: Path, committed: set[str]):
     assert visible == listed
 
 
-@pytest.mark.parametrize("crash_at", ["commit", "registry"])
+@pytest.mark.parametrize("crash_at", ["commit", "registry", "snapshot"])
 def test_killed_at_a_fixed_point_then_rebuild(tmp_path, crash_at):
     Bucket(tmp_path).ingest("m", kv(13, n_layers=4, seq=64, dim=16), content="before")
+    if crash_at == "snapshot":
+        (tmp_path / "registry.json").unlink()  # the worker's first registry access writes a snapshot
     proc = run_worker(tmp_path, "w", 3, crash_at)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 9, err
     assert out == ""  # it died inside its first ingest
-    before = {c["context_id"] for c in json.loads((tmp_path / "registry.json").read_text())["models"][0]["contexts"]}
-    assert len(before) == 1
     dirs = [p.name for p in (tmp_path / "contexts").iterdir()]
-    if crash_at == "commit":
-        assert any(d.startswith(".tmp-") for d in dirs) and len([d for d in dirs if d.startswith("ctx_")]) == 1
-    else:  # committed but not registered: rebuild must bring it back
+    before = {c["context_id"] for m in Bucket(tmp_path).registry()["models"] for c in m["contexts"]}
+    # "snapshot": committed, then killed while writing the first snapshot; the registry is missing, so
+    # the next open rebuilds it from contexts/ and finds both
+    assert len(before) == (2 if crash_at == "snapshot" else 1)
+    if crash_at == "snapshot":
         assert len([d for d in dirs if d.startswith("ctx_")]) == 2
+    elif crash_at == "registry":  # committed, its journal line torn: not registered until a scan
+        assert len([d for d in dirs if d.startswith("ctx_")]) == 2
+        # the next writer drops the torn line and appends after it
+        b = Bucket(tmp_path)
+        extra = b.ingest("m", kv(14, n_layers=4, seq=64, dim=16), content="after")["context_id"]
+        assert ids(Bucket(tmp_path).discover("m")) == sorted(before | {extra})
+        before |= {extra}
+    else:  # not committed (died before the rename)
+        assert any(d.startswith(".tmp-") for d in dirs) and len([d for d in dirs if d.startswith("ctx_")]) == 1
     assert_consistent(tmp_path, before)
     b = Bucket(tmp_path)
     b.gc()  # fresh temp dirs are left alone (a live writer may own them)
-    assert len(b.discover("m")) == (1 if crash_at == "commit" else 2)
+    assert len(b.discover("m")) == {"commit": 1, "registry": 3, "snapshot": 2}[crash_at]
 
 
 def test_killed_at_random_times_then_rebuild(tmp_path):
@@ -359,6 +379,7 @@ def test_prefix_argument_errors(tmp_path):
     with pytest.raises(mcf.InvalidArgumentError):
         Bucket(tmp_path, prefix_chunk_tokens=0)
     cid = b.ingest("m", kv_tokens(31, 8), token_ids=list(range(8)))["context_id"]
+    b.rebuild()  # fold the journal into registry.json, so the garbage written below is what gets read
     meta_path = tmp_path / "contexts" / cid / "metadata.json"
     meta = json.loads(meta_path.read_text())
     meta["prefix"]["hashes"] = [5]
@@ -471,3 +492,140 @@ def test_ids_with_a_trailing_newline_are_refused():
     with pytest.raises(mcf.InvalidArgumentError):
         check_context_id("ctx_" + "0" * 32 + "\n")
     assert check_model_id("llama") == "llama"
+
+
+# ------------------------------------------------------------------------------------------------
+# the registry journal and the incremental scan
+# ------------------------------------------------------------------------------------------------
+def test_ingest_appends_to_the_journal_not_the_snapshot(tmp_path, monkeypatch):
+    b = Bucket(tmp_path)
+    first = b.ingest("m", kv(40), content="first")["context_id"]
+    snap = (tmp_path / "registry.json").stat()
+    other = Bucket(tmp_path)  # a second handle (as another process would have) sees every change
+    assert ids(other.discover("m")) == [first]
+    made = [b.ingest("m" if i % 2 else "n", kv(41 + i), content=f"c{i}")["context_id"] for i in range(6)]
+    b.pin(made[0])
+    b.delete(made[1])
+    after = (tmp_path / "registry.json").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (snap.st_ino, snap.st_mtime_ns)  # not rewritten
+    lines = (tmp_path / "registry.journal").read_bytes().splitlines()
+    assert len(lines) == 1 + 6 + 1 + 1
+    want = {"m": sorted([first] + [c for i, c in enumerate(made) if i % 2 and c != made[1]]), "n": sorted(made[0::2])}
+    assert ids(other.discover("m")) == want["m"] and ids(other.discover("n")) == want["n"]
+    assert [c["pinned"] for c in other.discover("n") if c["context_id"] == made[0]] == [True]
+    reg = other.registry()
+    assert reg["statistics"]["total_contexts"] == 1 + 5
+    # the rebuilt registry says the same
+    rebuilt = Bucket(tmp_path).rebuild()
+    assert {m["model_id"]: ids(m["contexts"]) for m in rebuilt["models"]} == want
+    assert (tmp_path / "registry.journal").stat().st_size == 0
+    # a long journal is folded into a new snapshot
+    monkeypatch.setattr(store, "JOURNAL_COMPACT_BYTES", 1500)
+    b2 = Bucket(tmp_path)
+    for i in range(6):
+        b2.ingest("m", kv(60 + i), content=f"fold{i}")
+    assert (tmp_path / "registry.journal").stat().st_size < 1500
+    assert len(Bucket(tmp_path).discover("m")) == len(want["m"]) + 6
+    assert len(other.discover("m")) == len(want["m"]) + 6  # the old handle reloads the new snapshot
+
+
+def test_damaged_journal_is_rebuilt_and_torn_tail_ignored(tmp_path):
+    b = Bucket(tmp_path)
+    made = [b.ingest("m", kv(70 + i), content=f"d{i}")["context_id"] for i in range(3)]
+    j = tmp_path / "registry.journal"
+    raw = j.read_bytes()
+    # a torn final line (a writer killed mid-append) is ignored: the committed context is not listed
+    # until a scan, the others are
+    j.write_bytes(raw[:-20])
+    assert ids(Bucket(tmp_path).discover("m")) == sorted(made[:2])
+    assert ids(Bucket(tmp_path).discover("m", force_scan=True)) == sorted(made)
+    # a damaged line with good lines after it: the journal cannot be trusted, the registry is rebuilt
+    lines = raw.splitlines(keepends=True)
+    lines[0] = lines[0][:12] + (b"X" if lines[0][12:13] != b"X" else b"Y") + lines[0][13:]
+    j.write_bytes(b"".join(lines))
+    (tmp_path / "registry.json").write_text(json.dumps({"models": []}))  # force a full reload
+    assert ids(Bucket(tmp_path).discover("m")) == sorted(made)
+
+
+def test_force_scan_rereads_only_what_changed(tmp_path, monkeypatch):
+    b = Bucket(tmp_path)
+    made = [b.ingest("m", kv(80 + i), content=f"s{i}")["context_id"] for i in range(5)]
+    # changes behind the registry's back: a context removed, one edited, one added from elsewhere
+    elsewhere = Bucket(tmp_path / "elsewhere")
+    new = elsewhere.ingest("m", kv(90), content="new")["context_id"]
+    shutil.copytree(tmp_path / "elsewhere" / "contexts" / new, tmp_path / "contexts" / new)
+    shutil.rmtree(tmp_path / "contexts" / made[0])
+    mp = tmp_path / "contexts" / made[1] / "metadata.json"
+    meta = json.loads(mp.read_text())
+    meta["content"]["name"] = "renamed by hand, and longer"
+    mp.write_text(json.dumps(meta))
+    read = []
+    real = Bucket._read_meta
+    monkeypatch.setattr(Bucket, "_read_meta", lambda self, cid: read.append(cid) or real(self, cid))
+    got = b.discover("m", force_scan=True)
+    assert ids(got) == sorted(made[1:] + [new])
+    assert sorted(read) == sorted([made[1], new])  # the three unchanged ones were only stat()ed
+    assert [c["name"] for c in got if c["context_id"] == made[1]] == ["renamed by hand, and longer"]
+    assert ids(Bucket(tmp_path).discover("m")) == sorted(made[1:] + [new])  # journaled for everyone
+
+
+# ------------------------------------------------------------------------------------------------
+# persistent tier preferences (what `mcf bucket promote/demote --root` records)
+# ------------------------------------------------------------------------------------------------
+def test_tier_preference_is_honoured_by_other_handles(tmp_path):
+    t = [1000.0]
+    server = Bucket(tmp_path, clock=lambda: t[0])  # a long-lived process
+    cid = server.ingest("m", kv(100), content="pref")["context_id"]
+    events = []
+    server.subscribe(events.append)
+    cli = Bucket(tmp_path, clock=lambda: t[0])  # a short-lived one
+    t[0] += 1
+    cli.set_tier_preference(cid, "warm")
+    assert server.tier(cid) == "cold"
+    server.load(cid)
+    assert server.tier(cid) == "warm" and [e["to_tier"] for e in events if e["event"] == "context.promoted"] == ["warm"]
+    assert [c["preferred_tier"] for c in server.discover("m")] == ["warm"]
+    # a later instruction in the process wins over the older preference
+    t[0] += 1
+    server.demote(cid)
+    server.load(cid)
+    assert server.tier(cid) == "cold"
+    # a newer preference wins over the older instruction
+    t[0] += 1
+    cli.set_tier_preference(cid, "warm")
+    server.load(cid)
+    assert server.tier(cid) == "warm"
+    t[0] += 1
+    cli.set_tier_preference(cid, "cold")
+    server.load(cid)
+    assert server.tier(cid) == "cold"
+    # a fresh process applies preferences up front
+    t[0] += 1
+    cli.set_tier_preference(cid, "warm")
+    fresh = Bucket(tmp_path, clock=lambda: t[0])
+    assert fresh.apply_tier_preferences() == {cid: "warm"} and fresh.tier(cid) == "warm"
+    with pytest.raises(mcf.InvalidArgumentError):
+        cli.set_tier_preference(cid, "lukewarm")
+    with pytest.raises(mcf.InvalidArgumentError):
+        cli.set_tier_preference(cid, "warm", device="cuda")
+    with pytest.raises(KeyError):  # ContextNotFoundError
+        cli.set_tier_preference("ctx_" + "1" * 32, "warm")
+
+
+def test_unmeetable_hot_preference_falls_back_to_warm(tmp_path):
+    b = Bucket(tmp_path)
+    cid = b.ingest("m", kv(101), content="hot")["context_id"]
+    Bucket(tmp_path).set_tier_preference(cid, "hot", device="cuda:7")
+    events = []
+    b.subscribe(events.append)
+    try:
+        import torch
+
+        has_dev = torch.cuda.is_available() and torch.cuda.device_count() > 7
+    except ImportError:
+        has_dev = False
+    out = b.load(cid)  # never fails because of a preference
+    assert len(out) == 2
+    assert b.tier(cid) == ("hot" if has_dev else "warm")
+    if not has_dev:
+        assert [e["tier"] for e in events if e["event"] == "context.preference_unmet"] == ["hot"]

@@ -1,4 +1,5 @@
-"""``mcf bucket ingest|ls|show|rm|gc|rebuild|verify`` (every command takes ``--root DIR``)."""
+"""``mcf bucket ingest|ls|show|rm|promote|demote|gc|rebuild|verify|serve`` (``--root DIR``; promote and
+demote take ``--url`` instead to act on a running server)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,54 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def _tier_via_server(args, action: str, body: dict) -> int:
+    """POST .../contexts/{id}/promote|demote to a running server: the move happens in its memory now."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    url = f"{args.url.rstrip('/')}/mcrp/v1/contexts/{args.context_id}/{action}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    token = args.token or os.environ.get("MCB_TOKEN")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            _print(json.loads(r.read()))
+            return 0
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            msg = json.loads(raw)["error"]
+        except (ValueError, KeyError, TypeError):
+            msg = raw.decode("utf-8", "replace")[:500]
+        raise InvalidArgumentError(f"{url}: HTTP {e.code}: {msg}") from None
+    except urllib.error.URLError as e:
+        raise InvalidArgumentError(f"{url}: cannot reach the server ({e.reason})") from None
+
+
+def _tier_preference(args, tier: str, device: str | None) -> int:
+    meta = _bucket(args).set_tier_preference(args.context_id, tier, device=device)
+    pref = meta["storage"]["preference"]
+    _print({"context_id": args.context_id, "preferred_tier": pref["tier"], "device": pref["device"],
+            "note": "recorded in metadata.json; processes serving this bucket apply it on their next load of "
+                    "the context, the server also at start-up (use --url to move it in a running server now)"})
+    return 0
+
+
+def cmd_promote(args) -> int:
+    if args.url:
+        return _tier_via_server(args, "promote", {"target_tier": args.tier, "device": args.device or "cuda"})
+    return _tier_preference(args, args.tier, args.device if args.tier == "hot" else None)
+
+
+def cmd_demote(args) -> int:
+    if args.url:
+        return _tier_via_server(args, "demote", {"target_tier": args.tier})
+    return _tier_preference(args, args.tier, None)
+
+
 def cmd_gc(args) -> int:
     _print({"deleted": _bucket(args).gc()})
     return 0
@@ -117,9 +166,16 @@ def add_bucket_parser(sub) -> None:
     p = sub.add_parser("bucket", help="Model Context Bucket: a store of pre-computed KV caches")
     bsub = p.add_subparsers(dest="bucket_cmd", required=True)
 
-    def cmd(name, func, help):
+    def cmd(name, func, help, *, url=False):
         s = bsub.add_parser(name, help=help)
-        s.add_argument("--root", required=True, help="bucket directory")
+        if url:  # --root (persistent preference) or --url (a running server, now)
+            where = s.add_mutually_exclusive_group(required=True)
+            where.add_argument("--root", help="bucket directory: record the tier as the context's preference")
+            where.add_argument("--url", help="a running 'mcf bucket serve' (e.g. http://127.0.0.1:8765): move "
+                                             "the context in that server's memory now")
+            s.add_argument("--token", help="bearer token for --url (or set MCB_TOKEN)")
+        else:
+            s.add_argument("--root", required=True, help="bucket directory")
         s.set_defaults(func=func)
         return s
 
@@ -147,6 +203,15 @@ def add_bucket_parser(sub) -> None:
 
     s = cmd("rm", cmd_rm, "delete contexts")
     s.add_argument("context_ids", nargs="+")
+
+    s = cmd("promote", cmd_promote, "move a context to a faster tier: warm (RAM) or hot (a torch device)", url=True)
+    s.add_argument("context_id")
+    s.add_argument("--tier", default="warm", choices=("warm", "hot"))
+    s.add_argument("--device", help="torch device for the hot tier (default cuda)")
+
+    s = cmd("demote", cmd_demote, "move a context to a slower tier: warm or cold (disk only)", url=True)
+    s.add_argument("context_id")
+    s.add_argument("--tier", default="cold", choices=("warm", "cold"))
 
     cmd("gc", cmd_gc, "delete expired contexts and leftovers of crashed writers")
     cmd("rebuild", cmd_rebuild, "recreate registry.json from contexts/ (exit 1 if some could not be read)")

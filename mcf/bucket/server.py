@@ -9,6 +9,7 @@ this engine does not contain: it goes through a :class:`QueryBackend` given to :
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import io
 import os
@@ -434,7 +435,14 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return JSONResponse({"status": "error", "error": exc.detail}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # contexts whose recorded preference is warm or hot (mcf bucket promote --root) are loaded before
+        # the first request is answered
+        await run_in_threadpool(b.apply_tier_preferences)
+        yield
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 
 
 def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None) -> None:

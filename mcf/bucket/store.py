@@ -33,8 +33,10 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,6 +61,9 @@ KV_NAME = "kv_data.mcb"
 META_NAME = "metadata.json"
 _CTX_RE = re.compile(r"^ctx_[0-9a-f]{32}$")
 _MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: the registry journal is folded into a new registry.json once it passes this size (or 64 bytes per
+#: context, whichever is larger), so replaying it stays a small fraction of reading the snapshot
+JOURNAL_COMPACT_BYTES = 1 << 20
 #: temp directories older than this are considered abandoned by a crashed writer and removed by gc()
 STALE_TMP_SECONDS = 3600.0
 
@@ -135,6 +140,30 @@ def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, chunk_to
 # ------------------------------------------------------------------------------------------------
 # small file-system helpers
 # ------------------------------------------------------------------------------------------------
+try:  # orjson parses and writes the registry snapshot 3-5x faster; the json module is the fallback
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - the test extra installs orjson
+    _orjson = None
+
+
+def _loads(raw: bytes) -> Any:
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError:
+            pass  # let the json module word the error (and accept what it accepts, e.g. huge ints)
+    return json.loads(raw.decode("utf-8"))
+
+
+def _dumps(obj: Any, compact: bool) -> bytes:
+    if compact and _orjson is not None:
+        try:
+            return _orjson.dumps(obj)
+        except TypeError:  # integers beyond 64 bits
+            pass
+    return json.dumps(obj, indent=None if compact else 1, separators=(",", ":") if compact else None).encode()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -143,13 +172,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
+def _write_json_atomic(path: Path, obj: Any, *, durable: bool = True, compact: bool = False) -> None:
     """Replace ``path`` atomically (temp + rename); ``durable`` also fsyncs the file and its directory
-    (skipped only for access statistics, which may be lost in a crash but never half-written)."""
+    (skipped only for access statistics, which may be lost in a crash but never half-written).
+    ``compact`` drops the indentation (the registry snapshot, read by programs)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
+        with open(tmp, "wb") as f:
+            f.write(_dumps(obj, compact))
             f.flush()
             if durable:
                 os.fsync(f.fileno())
@@ -171,9 +201,54 @@ def _read_json(path: Path) -> Any:
     except OSError as exc:
         raise os_error(exc, path) from exc
     try:
-        return json.loads(raw.decode("utf-8"))
+        return _loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"malformed JSON: {exc}", path=path) from None
+
+
+def _journal_line(rec: dict) -> bytes:
+    body = json.dumps(rec, separators=(",", ":")).encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def _parse_journal_line(line: bytes) -> dict | None:
+    """A journal record, or None when the line is torn or damaged (its CRC-32 does not match)."""
+    if len(line) < 10 or line[8:9] != b" ":
+        return None
+    try:
+        crc = int(line[:8], 16)
+    except ValueError:
+        return None
+    body = line[9:]
+    if zlib.crc32(body) != crc:
+        return None
+    try:
+        rec = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _journal_write(fd: int, payload: bytes) -> None:
+    """Write all of ``payload`` at the current offset (a separate function so crash tests can stop a
+    writer exactly here)."""
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+#: the tiers a context can be asked to live in, slowest first
+TIERS = ("cold", "warm", "hot")
+
+
+def _preference(meta: dict) -> tuple[str | None, str | None, float | None]:
+    """(tier, device, set_at) of a context's persistent tier preference, or Nones when it has none."""
+    pref = (meta.get("storage") or {}).get("preference")
+    if not isinstance(pref, dict) or pref.get("tier") not in TIERS:
+        return None, None, None
+    dev = pref.get("device") if isinstance(pref.get("device"), str) else None
+    at = pref.get("set_at")
+    return pref["tier"], dev, (at if isinstance(at, (int, float)) and not isinstance(at, bool) else None)
 
 
 def _iso(t: float) -> str:
@@ -225,7 +300,15 @@ class Bucket:
         self.prefix_chunk_tokens = prefix_chunk_tokens
         self._subscribers: list[Callable[[dict], None]] = []
         self._cache: dict | None = None
-        self._cache_stamp: tuple | None = None
+        self._snap_stamp: tuple | None = None
+        self._journal_ino: int | None = None
+        self._journal_pos = 0
+        self._prefix_index: dict | None = None
+        self._tier_set_at: dict[str, float] = {}
+        # threads of one process (the server's pool) share this object: ``_mem`` guards the in-memory
+        # registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
+        self._mem = threading.RLock()
+        self._tier_mutex = threading.RLock()
         try:
             if create:
                 (self.root / "contexts").mkdir(parents=True, exist_ok=True)
@@ -297,9 +380,9 @@ class Bucket:
         _get(doc, p, "model_compatibility", types=dict)
         return doc
 
-    def check_compatible(self, context_id: str, model: dict | str) -> None:
+    def check_compatible(self, context_id: str, model: dict | str) -> dict:
         """Raise InvalidArgumentError unless the context's shape and dtype match ``model`` (a model id
-        registered in this bucket or a compatibility dict)."""
+        registered in this bucket or a compatibility dict); returns the context's metadata."""
         meta = self.lookup(context_id)
         if isinstance(model, str):
             doc = self.model(model)
@@ -314,12 +397,19 @@ class Bucket:
         for k, want in model.items():
             if k in have and want is not None and k != "architecture" and have[k] != want:
                 raise InvalidArgumentError(f"{context_id} is incompatible: {k} is {have[k]!r}, the model needs {want!r}")
+        return meta
 
     # -- registry ------------------------------------------------------------------------------------
-    def _empty_registry(self) -> dict:
-        now = _iso(self.clock())
-        return {"mcrp_version": REGISTRY_VERSION, "created_at": now, "last_updated": now, "models": [],
-                "statistics": {}}
+    # In memory the registry is ``{"created_at", "models": {model_id: {"model_hash", "contexts": {id:
+    # summary}}}, "stamps": {id: [ino, mtime_ns, size] of its metadata.json}, "skipped": [...]}``.  On disk
+    # it is registry.json (a snapshot in seed 003's list form plus the stamps) and registry.journal (one
+    # CRC-guarded JSON line per change since the snapshot).  A change appends one line under the lock
+    # instead of rewriting every context's summary; the journal is folded into a new snapshot when it
+    # grows past a quarter of the contexts.  Replaying is idempotent (put = replace, del = remove), so a
+    # crash between writing a snapshot and starting a new journal loses nothing.
+    @property
+    def journal_path(self) -> Path:
+        return self.root / "registry.journal"
 
     @staticmethod
     def _summary(meta: dict) -> dict:
@@ -333,88 +423,246 @@ class Bucket:
             "pinned": meta.get("pinned", False),
             "dtype": meta["kv_cache"]["dtype"],
             "prefix": meta.get("prefix"),
+            "preferred_tier": _preference(meta)[0],
         }
+
+    def _empty_state(self) -> dict:
+        return {"created_at": _iso(self.clock()), "last_updated": _iso(self.clock()), "models": {}, "stamps": {},
+                "skipped": []}
 
     @staticmethod
-    def _restat(reg: dict) -> dict:
-        ctxs = [c for m in reg["models"] for c in m["contexts"]]
-        reg["statistics"] = {
-            "total_models": len(reg["models"]),
-            "total_contexts": len(ctxs),
-            "total_storage_bytes": sum(c["size_bytes"] for c in ctxs),
-            "total_tokens": sum(c["token_count"] for c in ctxs),
-        }
-        return reg
-
-    def _read_registry_locked(self) -> dict:
-        """The registry from disk; rebuilt from contexts/ when missing or unreadable (caller holds the lock)."""
+    def _meta_stamp(path: Path) -> list[int] | None:
         try:
-            reg = _read_json(self.registry_path)
-            self._validate_registry(reg)
-            return reg
+            st = os.lstat(path)
+        except OSError:
+            return None
+        return [st.st_ino, st.st_mtime_ns, st.st_size]
+
+    @staticmethod
+    def _file_stamp(path: Path) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _apply(self, state: dict, rec: dict) -> None:
+        """One journal record applied to the in-memory registry (idempotent)."""
+        if rec["op"] == "put":
+            summ, mid = rec["summary"], rec["model_id"]
+            cid = summ["context_id"]
+            self._state_remove(state, cid)
+            m = state["models"].setdefault(mid, {"model_hash": rec.get("model_hash"), "contexts": {}})
+            m["contexts"][cid] = summ
+            state["stamps"][cid] = rec.get("stamp")
+        else:
+            self._state_remove(state, rec["context_id"])
+        state["last_updated"] = rec.get("at", state["last_updated"])
+
+    @staticmethod
+    def _state_remove(state: dict, cid: str) -> None:
+        for mid, m in list(state["models"].items()):
+            if m["contexts"].pop(cid, None) is not None and not m["contexts"]:
+                del state["models"][mid]
+        state["stamps"].pop(cid, None)
+
+    def _check_record(self, rec: Any) -> dict:
+        p = self.journal_path
+        op = _get(rec, p, "op", types=str)
+        if op == "put":
+            check_model_id(_get(rec, p, "model_id", types=str))
+            self._check_summary(_get(rec, p, "summary", types=dict), p, "summary")
+        elif op == "del":
+            if not _CTX_RE.fullmatch(_get(rec, p, "context_id", types=str)):
+                raise FormatError("invalid context id in journal", path=p, got=rec["context_id"])
+        else:
+            raise FormatError("unknown journal operation", path=p, field="op", got=op)
+        return rec
+
+    @staticmethod
+    def _check_summary(c: Any, p: Path, where: str) -> None:
+        for k, t in (("context_id", str), ("name", (str, type(None))), ("token_count", int), ("size_bytes", int)):
+            _get({"c": c}, p, "c", k, types=t)
+        if not _CTX_RE.fullmatch(c["context_id"]):
+            raise FormatError("invalid context id in registry", path=p, field=where, got=c["context_id"])
+
+    def _read_snapshot(self) -> dict:
+        """registry.json as in-memory state (FileNotFoundError / FormatError when unusable)."""
+        p = self.registry_path
+        doc = _read_json(p)
+        state = self._empty_state()
+        state["created_at"] = doc.get("created_at", state["created_at"]) if isinstance(doc, dict) else None
+        for i, m in enumerate(_get(doc, p, "models", types=list)):
+            mid = check_model_id(_get({"m": m}, p, "m", "model_id", types=str))
+            ctxs = {}
+            for c in _get({"m": m}, p, "m", "contexts", types=list):
+                self._check_summary(c, p, f"models[{i}]")
+                ctxs[c["context_id"]] = c
+            if ctxs:
+                state["models"][mid] = {"model_hash": m.get("model_hash"), "contexts": ctxs}
+        stamps = doc.get("stamps", {})
+        if not isinstance(stamps, dict):
+            raise FormatError("stamps must be an object", path=p, field="stamps")
+        state["stamps"] = stamps
+        state["skipped"] = doc.get("skipped", []) if isinstance(doc.get("skipped"), list) else []
+        return state
+
+    def _replay(self, state: dict, start: int) -> int:
+        """Apply journal records from byte ``start``; returns the end of the last whole, valid record.
+        A torn final line (a writer killed mid-append) ends the replay; a bad line followed by good
+        ones means the journal was damaged: FormatError (the caller rebuilds)."""
+        try:
+            with open(self.journal_path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return start
+        except OSError as exc:
+            raise os_error(exc, self.journal_path) from exc
+        pos = start
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines[:-1]):  # the piece after the last newline is incomplete
+            rec = _parse_journal_line(line)
+            if rec is None:
+                if any(_parse_journal_line(x) is not None for x in lines[i + 1:-1]):
+                    raise FormatError("damaged registry journal line", path=self.journal_path, offset=pos)
+                break
+            self._apply(state, self._check_record(rec))
+            pos += len(line) + 1
+        return pos
+
+    def _load_locked(self) -> dict:
+        """The registry state, refreshed from disk (caller holds the lock): only the journal's new tail
+        when the snapshot is unchanged, else snapshot + whole journal, else a rebuild from contexts/."""
+        with self._mem:
+            return self._load_locked_mem()
+
+    def _load_locked_mem(self) -> dict:
+        snap, jst = self._file_stamp(self.registry_path), self._file_stamp(self.journal_path)
+        st = self._cache
+        jino, jsize = (jst[0], jst[2]) if jst is not None else (None, 0)
+        if (st is not None and snap is not None and snap == self._snap_stamp and jino == self._journal_ino
+                and jsize >= self._journal_pos):
+            if jsize > self._journal_pos:
+                try:
+                    self._journal_pos = self._replay(st, self._journal_pos)
+                except FormatError:
+                    return self._rebuild_locked()
+                self._prefix_index = None
+            return st
+        try:
+            st = self._read_snapshot()
+            pos = self._replay(st, 0)
         except (FileNotFoundError, FormatError):
             return self._rebuild_locked()
+        self._set_cache(st, snap, jst, pos)
+        return st
 
-    def _validate_registry(self, reg: Any) -> None:
-        p = self.registry_path
-        for i, m in enumerate(_get(reg, p, "models", types=list)):
-            check = {"models": m}
-            _get(check, p, "models", "model_id", types=str)
-            for c in _get(check, p, "models", "contexts", types=list):
-                for k, t in (("context_id", str), ("name", (str, type(None))), ("token_count", int),
-                             ("size_bytes", int)):
-                    _get({"c": c}, p, "c", k, types=t)
-                if not _CTX_RE.fullmatch(c["context_id"]):
-                    raise FormatError("invalid context id in registry", path=p, field=f"models[{i}]", got=c["context_id"])
+    def _set_cache(self, state: dict, snap: tuple | None, jst: tuple | None, pos: int) -> None:
+        self._cache, self._snap_stamp, self._prefix_index = state, snap, None
+        self._journal_ino, self._journal_pos = (jst[0] if jst else None), pos
 
-    def _write_registry_locked(self, reg: dict) -> None:
-        reg["last_updated"] = _iso(self.clock())
-        self._restat(reg)
-        _write_json_atomic(self.registry_path, reg)
-        self._cache = None
+    def _write_snapshot_locked(self, state: dict) -> None:
+        """Write registry.json from ``state`` and start an empty journal (caller holds the lock)."""
+        state["last_updated"] = _iso(self.clock())
+        doc = self._document(state)
+        doc["stamps"] = state["stamps"]
+        _write_json_atomic(self.registry_path, doc, compact=True)
+        tmp = self.journal_path.with_name(f".registry.journal.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.journal_path)  # after the snapshot: replaying the old journal is harmless
+            _fsync_dir(self.root)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise os_error(exc, self.journal_path) from exc
+        self._set_cache(state, self._file_stamp(self.registry_path), self._file_stamp(self.journal_path), 0)
+
+    def _journal_locked(self, records: list[dict]) -> None:
+        """Append records (caller holds the lock and has just loaded the state): applied in memory,
+        then written as whole lines and fsynced; a long journal is folded into a new snapshot."""
+        state = self._load_locked()
+        at = _iso(self.clock())
+        with self._mem:
+            for rec in records:
+                rec["at"] = at
+                self._apply(state, rec)
+            self._prefix_index = None
+        n_ctx = sum(len(m["contexts"]) for m in state["models"].values())
+        if self._journal_pos + sum(len(json.dumps(r)) for r in records) > max(JOURNAL_COMPACT_BYTES, 64 * n_ctx):
+            self._write_snapshot_locked(state)
+            return
+        payload = b"".join(_journal_line(r) for r in records)
+        try:
+            fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                if os.fstat(fd).st_size != self._journal_pos or self._journal_ino != os.fstat(fd).st_ino:
+                    os.ftruncate(fd, self._journal_pos)  # drop a torn line left by a killed writer
+                os.lseek(fd, self._journal_pos, os.SEEK_SET)
+                _journal_write(fd, payload)
+                os.fsync(fd)
+                ino = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise os_error(exc, self.journal_path) from exc
+        self._journal_ino, self._journal_pos = ino, self._journal_pos + len(payload)
+
+    def _put_record(self, meta: dict, stamp: list[int] | None) -> dict:
+        doc = self.model(meta["model_id"]) if self._model_path(meta["model_id"]).exists() else None
+        return {"op": "put", "model_id": meta["model_id"], "model_hash": (doc or {}).get("model_hash"),
+                "summary": self._summary(meta), "stamp": stamp}
 
     def _registry(self) -> dict:
-        """The cached registry, reloaded when registry.json changed on disk (another process wrote it)."""
-        try:
-            st = os.stat(self.registry_path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if self._cache is None or stamp is None or stamp != self._cache_stamp:
-            with self._lock():
-                reg = self._read_registry_locked()
-                st = os.stat(self.registry_path)
-                self._cache_stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            self._cache = reg
-            # prefix index: chained chunk hash -> [(context id, tokens covered)], per model
+        """The in-memory registry, refreshed when registry.json or the journal changed on disk
+        (another process wrote them): two stat() calls when nothing changed."""
+        if self._cache is not None:
+            snap, jst = self._file_stamp(self.registry_path), self._file_stamp(self.journal_path)
+            jkey = (jst[0], jst[2]) if jst is not None else (None, 0)
+            if snap is not None and snap == self._snap_stamp and jkey == (self._journal_ino, self._journal_pos):
+                return self._cache
+        with self._lock():
+            return self._load_locked()
+
+    def _prefix(self) -> dict[tuple[str, str], list[tuple[str, int]]]:
+        """chained chunk hash -> [(context id, tokens covered)] per model, built on demand."""
+        state = self._registry()
+        with self._mem:
+            return self._prefix_mem(state)
+
+    def _prefix_mem(self, state: dict) -> dict[tuple[str, str], list[tuple[str, int]]]:
+        if self._prefix_index is None:
             index: dict[tuple[str, str], list[tuple[str, int]]] = {}
-            for m in reg["models"]:
-                for c in m["contexts"]:
+            for mid, m in state["models"].items():
+                for c in m["contexts"].values():
                     pre = c.get("prefix")
                     if (isinstance(pre, dict) and pre.get("chunk_tokens") == self.prefix_chunk_tokens
                             and isinstance(pre.get("hashes"), list)):
                         for i, h in enumerate(pre["hashes"]):
                             if isinstance(h, str):
-                                index.setdefault((m["model_id"], h), []).append((c["context_id"], (i + 1) * self.prefix_chunk_tokens))
+                                index.setdefault((mid, h), []).append((c["context_id"], (i + 1) * self.prefix_chunk_tokens))
             self._prefix_index = index
-        return self._cache
+        return self._prefix_index
+
+    @staticmethod
+    def _document(state: dict) -> dict:
+        models = [{"model_id": mid, "model_hash": m["model_hash"], "contexts": list(m["contexts"].values())}
+                  for mid, m in state["models"].items()]
+        ctxs = [c for m in models for c in m["contexts"]]
+        return {"mcrp_version": REGISTRY_VERSION, "created_at": state["created_at"],
+                "last_updated": state["last_updated"], "models": models,
+                "statistics": {"total_models": len(models), "total_contexts": len(ctxs),
+                               "total_storage_bytes": sum(c["size_bytes"] for c in ctxs),
+                               "total_tokens": sum(c["token_count"] for c in ctxs)},
+                "skipped": list(state.get("skipped", []))}
 
     def registry(self) -> dict:
         """The registry document of seed 003 §3.2 (models, their contexts, statistics)."""
-        return json.loads(json.dumps(self._registry()))
-
-    def _registry_put(self, reg: dict, model_id: str, summary: dict | None, remove: str | None = None) -> None:
-        for m in reg["models"]:
-            m["contexts"] = [c for c in m["contexts"] if c["context_id"] not in (remove, summary and summary["context_id"])]
-        reg["models"] = [m for m in reg["models"] if m["contexts"] or m["model_id"] == model_id and summary]
-        if summary is not None:
-            for m in reg["models"]:
-                if m["model_id"] == model_id:
-                    m["contexts"].append(summary)
-                    break
-            else:
-                doc = self.model(model_id) or {}
-                reg["models"].append({"model_id": model_id, "model_hash": doc.get("model_hash"), "contexts": [summary]})
+        state = self._registry()
+        with self._mem:
+            return json.loads(json.dumps(self._document(state)))
 
     # -- metadata ------------------------------------------------------------------------------------
     def _read_meta(self, context_id: str) -> dict:
@@ -556,9 +804,7 @@ class Bucket:
                     return meta
                 os.rename(tmp, final)  # the commit point
                 _fsync_dir(final.parent)
-                reg = self._read_registry_locked()
-                self._registry_put(reg, model_id, self._summary(meta))
-                self._write_registry_locked(reg)
+                self._journal_locked([self._put_record(meta, self._meta_stamp(final / META_NAME))])
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise os_error(exc, tmp) from exc
@@ -569,20 +815,60 @@ class Bucket:
         return meta
 
     def discover(self, model_id: str, *, force_scan: bool = False, include_expired: bool = False) -> list[dict]:
-        """The contexts of ``model_id`` (summaries): from the cached registry, or from ``contexts/``
-        with ``force_scan`` (which also repairs the registry)."""
+        """The contexts of ``model_id`` (summaries): from the cached registry, or with ``force_scan``
+        after checking ``contexts/`` against it (:meth:`scan`)."""
         check_model_id(model_id)
-        if force_scan:
-            self.rebuild(emit=False)
-        reg = self._registry()
+        state = self.scan() if force_scan else self._registry()
         now = self.clock()
+        with self._mem:
+            m = state["models"].get(model_id)
+            summaries = list(m["contexts"].values()) if m is not None else []
         out = []
-        for m in reg["models"]:
-            if m["model_id"] == model_id:
-                out = [dict(c, tier=self.tier(c["context_id"]), is_loaded=self.tier(c["context_id"]) != "cold")
-                       for c in m["contexts"] if include_expired or not self._expired(c, now)]
+        for c in summaries:
+            if include_expired or not self._expired(c, now):
+                tier = self.tier(c["context_id"])
+                out.append(dict(c, tier=tier, is_loaded=tier != "cold"))
         self._emit("context.discovered", model_id=model_id, contexts=[c["context_id"] for c in out])
         return out
+
+    def scan(self) -> dict:
+        """Bring the registry in line with ``contexts/``: list the directory, ``lstat`` every
+        metadata.json and re-read only those whose (inode, mtime, size) differ from the registry's
+        stamp (new, rewritten or replaced contexts); contexts gone from disk are dropped.  Changes are
+        journaled.  Cheaper than :meth:`rebuild`, which re-reads every metadata.json; it does not
+        notice a kv_data.mcb removed by hand behind an unchanged metadata.json (rebuild does)."""
+        cdir = self.root / "contexts"
+        with self._lock():
+            state = self._load_locked()
+            stamps = state["stamps"]
+            on_disk = {}
+            try:
+                with os.scandir(cdir) as it:
+                    for e in it:
+                        if _CTX_RE.fullmatch(e.name):
+                            on_disk[e.name] = self._meta_stamp(Path(e.path) / META_NAME)
+            except OSError as exc:
+                raise os_error(exc, cdir) from exc
+            records, skipped = [], []
+            for cid, stamp in on_disk.items():
+                if stamp is not None and stamps.get(cid) == stamp:
+                    continue
+                try:
+                    meta = self._read_meta(cid)
+                    if not (self._ctx_dir(cid) / KV_NAME).is_file():
+                        raise FormatError("kv_data.mcb is missing", path=self._ctx_dir(cid))
+                except (FormatError, ContextNotFoundError, InvalidArgumentError, MCFIOError) as exc:
+                    skipped.append({"context_id": cid, "reason": str(exc)})
+                    if cid in stamps:
+                        records.append({"op": "del", "context_id": cid})
+                    continue
+                records.append(self._put_record(meta, stamp))
+            records += [{"op": "del", "context_id": cid} for cid in stamps if cid not in on_disk]
+            if records:
+                self._journal_locked(records)
+            state = self._cache
+            state["skipped"] = skipped
+        return state
 
     def lookup_prefix(self, model_id: str, token_ids: Sequence[int] | np.ndarray, *, dtype: Any = None) -> dict | None:
         """The cached context sharing the longest prefix with ``token_ids`` (whole chunks of
@@ -591,8 +877,7 @@ class Bucket:
         check_model_id(model_id)
         want_dtype = None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)]
         hashes = prefix_hashes(model_id, token_ids, self.prefix_chunk_tokens)
-        self._registry()
-        index = self._prefix_index
+        index = self._prefix()
         now = self.clock()
         for h in reversed(hashes):  # chained: a match at chunk i implies chunks 0..i match
             for cid, ntok in index.get((model_id, h), ()):
@@ -644,9 +929,10 @@ class Bucket:
         from mcf.bucket.tiers import select, to_torch
 
         if model is not None:
-            self.check_compatible(context_id, model)
+            meta = self.check_compatible(context_id, model)
         else:
-            self.lookup(context_id)  # absent or expired contexts are not served from a tier either
+            meta = self.lookup(context_id)  # absent or expired contexts are not served from a tier either
+        self._honour_preference(context_id, meta)
         hot = self._hot.get(context_id)
         warm = self._warm.get(context_id)
         if as_torch and hot is not None:
@@ -675,36 +961,104 @@ class Bucket:
         """Move a context to a faster tier: ``warm`` loads and decompresses it into RAM (evicting the
         least recently used warm contexts past the budget); ``hot`` also places it on ``device``
         through torch (InvalidArgumentError when torch or the device is missing)."""
-        from mcf.bucket.tiers import check_device, to_torch
+        with self._tier_mutex:
+            from mcf.bucket.tiers import check_device, to_torch
 
-        if target_tier not in ("warm", "hot"):
-            raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
-        meta = self.lookup(context_id)
-        if target_tier == "hot":
-            dev = check_device(device)
-        layers = self._warm.get(context_id)
-        if layers is None:
-            with self.open(context_id) as f:
-                layers = [(np.array(k), np.array(v)) for k, v in f.load(threads=threads)]
-            for old in self._warm.put(context_id, layers):
-                self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold", reason="warm budget")
-        if target_tier == "hot":
-            self._hot[context_id] = (dev, [(to_torch(k, dev), to_torch(v, dev)) for k, v in layers])
-        self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
-        return self.tier(context_id)
+            if target_tier not in ("warm", "hot"):
+                raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
+            meta = self.lookup(context_id)
+            if target_tier == "hot":
+                dev = check_device(device)
+            layers = self._warm.get(context_id)
+            if layers is None:
+                with self.open(context_id) as f:
+                    layers = [(np.array(k), np.array(v)) for k, v in f.load(threads=threads)]
+                for old in self._warm.put(context_id, layers):
+                    self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold", reason="warm budget")
+            if target_tier == "hot":
+                self._hot[context_id] = (dev, [(to_torch(k, dev), to_torch(v, dev)) for k, v in layers])
+            self._tier_set_at[context_id] = self.clock()
+            self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
+            return self.tier(context_id)
 
     def demote(self, context_id: str, target_tier: str = "cold") -> str:
         """Move a context to a slower tier (``warm`` drops its device copy, ``cold`` drops both)."""
+        with self._tier_mutex:
+            check_context_id(context_id)
+            if target_tier not in ("warm", "cold"):
+                raise InvalidArgumentError(f"demote to 'warm' or 'cold', not {target_tier!r}")
+            before = self.tier(context_id)
+            self._hot.pop(context_id, None)
+            if target_tier == "cold":
+                self._warm.pop(context_id)
+            self._tier_set_at[context_id] = self.clock()
+            if before != self.tier(context_id):
+                self._emit("context.demoted", context_id=context_id, from_tier=before, to_tier=self.tier(context_id))
+            return self.tier(context_id)
+
+    # -- persistent tier preferences -----------------------------------------------------------------
+    def set_tier_preference(self, context_id: str, tier: str, *, device: str | None = None) -> dict:
+        """Record in metadata.json the tier ``context_id`` should live in ("cold", "warm" or "hot" on
+        ``device``).  Tiers are process memory, so this is what a command line (or any short-lived
+        process) can change: every Bucket serving this directory honours the preference on its next
+        ``load`` of the context, and :meth:`apply_tier_preferences` (run by the server at start-up)
+        applies all of them.  An instruction given later in a process (``promote``/``demote``) wins
+        over an older preference, and a newer preference over an older instruction."""
         check_context_id(context_id)
-        if target_tier not in ("warm", "cold"):
-            raise InvalidArgumentError(f"demote to 'warm' or 'cold', not {target_tier!r}")
-        before = self.tier(context_id)
-        self._hot.pop(context_id, None)
-        if target_tier == "cold":
-            self._warm.pop(context_id)
-        if before != self.tier(context_id):
-            self._emit("context.demoted", context_id=context_id, from_tier=before, to_tier=self.tier(context_id))
-        return self.tier(context_id)
+        if tier not in TIERS:
+            raise InvalidArgumentError(f"tier must be one of {', '.join(TIERS)}, not {tier!r}")
+        if device is not None and (tier != "hot" or not isinstance(device, str)):
+            raise InvalidArgumentError("a device is only meaningful for the hot tier")
+        with self._lock():
+            meta = self._read_meta(context_id)
+            if self._expired(meta, self.clock()):
+                raise ContextNotFoundError(f"context {context_id!r} expired at {meta['timestamps']['expires_at']}")
+            meta.setdefault("storage", {})["preference"] = {"tier": tier, "device": device, "set_at": self.clock()}
+            mpath = self._ctx_dir(context_id) / META_NAME
+            _write_json_atomic(mpath, meta)
+            self._journal_locked([self._put_record(meta, self._meta_stamp(mpath))])
+        return meta
+
+    def _honour_preference(self, context_id: str, meta: dict) -> None:
+        """Move ``context_id`` to its preferred tier when the preference is newer than this process's
+        last instruction for it.  A preference this process cannot meet (hot without torch or the
+        device, larger than the warm budget) falls back to warm, then to cold, with an event saying so;
+        a load never fails because of a preference."""
+        with self._tier_mutex:
+            tier, device, set_at = _preference(meta)
+            if tier is None or set_at is None or set_at <= self._tier_set_at.get(context_id, float("-inf")):
+                return
+            self._tier_set_at[context_id] = set_at
+            now = self.tier(context_id)
+            if tier == now:
+                return
+            if TIERS.index(tier) < TIERS.index(now):
+                self.demote(context_id, tier)
+            else:
+                for t in TIERS[TIERS.index(tier):0:-1]:  # hot, then warm
+                    try:
+                        self.promote(context_id, t, device=device or "cuda")
+                        break
+                    except InvalidArgumentError as exc:
+                        self._emit("context.preference_unmet", context_id=context_id, tier=t, reason=str(exc))
+            self._tier_set_at[context_id] = set_at
+
+    def apply_tier_preferences(self) -> dict[str, str]:
+        """Honour every unexpired context's tier preference now (the server does this at start-up, so
+        contexts marked warm are in RAM before the first request); returns {context_id: tier}."""
+        out = {}
+        state = self._registry()
+        with self._mem:
+            summaries = [c for m in state["models"].values() for c in m["contexts"].values()]
+        for c in summaries:
+            if c.get("preferred_tier") in ("warm", "hot"):
+                try:
+                    meta = self.lookup(c["context_id"])
+                except (ContextNotFoundError, FormatError):
+                    continue
+                self._honour_preference(c["context_id"], meta)
+                out[c["context_id"]] = self.tier(c["context_id"])
+        return out
 
     def _touch(self, context_id: str) -> None:
         with self._lock():
@@ -721,10 +1075,9 @@ class Bucket:
         with self._lock():
             meta = self._read_meta(check_context_id(context_id))
             meta["pinned"] = bool(pinned)
-            _write_json_atomic(self._ctx_dir(context_id) / META_NAME, meta)
-            reg = self._read_registry_locked()
-            self._registry_put(reg, meta["model_id"], self._summary(meta))
-            self._write_registry_locked(reg)
+            mpath = self._ctx_dir(context_id) / META_NAME
+            _write_json_atomic(mpath, meta)
+            self._journal_locked([self._put_record(meta, self._meta_stamp(mpath))])
         return meta
 
     def delete(self, context_id: str, *, _event: str = "context.deleted") -> None:
@@ -745,9 +1098,7 @@ class Bucket:
                 _fsync_dir(d.parent)
             except OSError as exc:
                 raise os_error(exc, d) from exc
-            reg = self._read_registry_locked()
-            self._registry_put(reg, model_id or "", None, remove=context_id)
-            self._write_registry_locked(reg)
+            self._journal_locked([{"op": "del", "context_id": context_id}])
             if grave.is_symlink():
                 grave.unlink()  # remove the link itself, never what it points to
             else:
@@ -783,10 +1134,11 @@ class Bucket:
             raise os_error(exc, self.root / "contexts") from exc
 
     def _rebuild_locked(self) -> dict:
-        reg = self._empty_registry()
+        state = self._empty_state()
         skipped = []
-        by_model: dict[str, list[dict]] = {}
+        hashes: dict[str, Any] = {}
         for cid in self._scan_ids():
+            stamp = self._meta_stamp(self._ctx_dir(cid) / META_NAME)
             try:
                 meta = self._read_meta(cid)
                 if not (self._ctx_dir(cid) / KV_NAME).is_file():
@@ -794,20 +1146,24 @@ class Bucket:
             except (FormatError, ContextNotFoundError, InvalidArgumentError, MCFIOError) as exc:
                 skipped.append({"context_id": cid, "reason": str(exc)})
                 continue
-            by_model.setdefault(meta["model_id"], []).append(self._summary(meta))
-        for model_id, summaries in by_model.items():
-            doc = self.model(model_id) if self._model_path(model_id).exists() else None
-            reg["models"].append({"model_id": model_id, "model_hash": (doc or {}).get("model_hash"),
-                                  "contexts": summaries})
-        reg["skipped"] = skipped
-        self._write_registry_locked(reg)
-        return reg
+            mid = meta["model_id"]
+            if mid not in hashes:
+                doc = self.model(mid) if self._model_path(mid).exists() else None
+                hashes[mid] = (doc or {}).get("model_hash")
+            m = state["models"].setdefault(mid, {"model_hash": hashes[mid], "contexts": {}})
+            m["contexts"][cid] = self._summary(meta)
+            state["stamps"][cid] = stamp
+        state["skipped"] = skipped
+        self._write_snapshot_locked(state)
+        return state
 
     def rebuild(self, *, emit: bool = True) -> dict:
-        """Recreate registry.json from ``contexts/`` (after a crash or by hand).  Returns the registry;
-        its ``skipped`` list names context directories that could not be read, and why."""
+        """Recreate registry.json from ``contexts/`` (after a crash or by hand), re-reading every
+        metadata.json.  Returns the registry; its ``skipped`` list names context directories that could
+        not be read, and why."""
         with self._lock():
-            reg = self._rebuild_locked()
+            state = self._rebuild_locked()
+        reg = json.loads(json.dumps(self._document(state)))
         if emit:
             self._emit("registry.rebuilt", contexts=[c["context_id"] for m in reg["models"] for c in m["contexts"]])
-        return json.loads(json.dumps(reg))
+        return reg
