@@ -154,6 +154,8 @@ __attribute__((target("f16c"))) static inline float scale16_f16c(uint16_t h)
     return _cvtsh_ss(h);
 }
 
+__attribute__((target("f16c"))) static inline float block_scale_f16c_super(uint16_t h) { return scale16_f16c(h); }
+
 __attribute__((target("f16c"))) static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
 {
     if (t->family == MCF_FAM_BLOCK) return scale16_f16c(t->scales[r * t->bpr + b]);
@@ -330,6 +332,31 @@ __attribute__((target(T512))) static inline __m256i decode32_avx512(const uint8_
     return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
 }
 
+/* The scales of blocks b .. b+15 of row r (fewer at the row's end) in one go, with the same operations
+ * as block_scale(): f16 -> f32 with subnormals flushed to a zero of the same sign; for k*, the super
+ * scale times (sub & 0x3f) / 32.  b is a multiple of 16, so the 16 blocks span super-blocks b/8, b/8+1. */
+__attribute__((target(T512))) static inline void scales16_avx512(const mcf_qtensor *t, size_t r, size_t b, float sc[16])
+{
+    size_t n = t->bpr - b < 16 ? t->bpr - b : 16;
+    __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (t->family == MCF_FAM_BLOCK) {
+        __m256i h = _mm256_maskz_loadu_epi16(m, t->scales + r * t->bpr + b);
+        __m512 f = _mm512_cvtph_ps(h);
+        __mmask16 sub = _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7c00));   /* zero or subnormal */
+        f = _mm512_castsi512_ps(_mm512_mask_and_epi32(_mm512_castps_si512(f), sub, _mm512_castps_si512(f),
+                                                      _mm512_set1_epi32((int)0x80000000u)));  /* keep the sign */
+        _mm512_storeu_ps(sc, f);
+        return;
+    }
+    size_t s0 = r * t->spr + b / 8;
+    float h0 = block_scale_f16c_super(t->scales[s0]);
+    float h1 = b / 8 + 1 < t->spr ? block_scale_f16c_super(t->scales[s0 + 1]) : 0.0f;
+    __m512 sup = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(h0), _mm512_set1_ps(h1));
+    __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, t->sub + r * t->bpr + b));
+    __m512 u6 = _mm512_cvtepi32_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x3f)));
+    _mm512_storeu_ps(sc, _mm512_mul_ps(sup, _mm512_div_ps(u6, _mm512_set1_ps(32.0f))));
+}
+
 /* int8/int4 (one scale and zero point per tensor): 32 codes at a time straight from the row bytes,
  * w = scale * (q - zero) as in the scalar code. */
 __attribute__((target(T512))) static void dequant_raw_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
@@ -381,10 +408,12 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
     /* streaming stores for outputs far larger than the caches, when every full block lands aligned */
     size_t total = (r1 - r0) * cols * 4;
     int stream = kind == MCF_OUT_F32 && total >= (8u << 20) && ((uintptr_t)out & 63) == 0 && cols % 16 == 0;
+    float sc[16];
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
-            __m512 s = _mm512_set1_ps(block_scale_f16c(t, r, b));
+            if ((b & 15) == 0) scales16_avx512(t, r, b, sc);
+            __m512 s = _mm512_set1_ps(sc[b & 15]);
             __m256i q = decode32_avx512(rowdata + b * bb, t->bits);
             __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
             __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
