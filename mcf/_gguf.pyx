@@ -129,3 +129,38 @@ def relayout_codes(src, int gtype, nblocks, codes):
     if n:
         with nogil:
             mcf_gguf_codes(gtype, <const uint8_t*>sp, n, <uint8_t*>op)
+
+
+def parse_strings(buf, Py_ssize_t start, Py_ssize_t count, unsigned long long max_len, list out):
+    """Parse up to ``count`` GGUF strings (u64 length + bytes) from ``buf`` at ``start`` into ``out``
+    (``str``, or ``bytes`` when not UTF-8), stopping at the first one that does not lie whole inside
+    ``buf``.  Returns (parsed, position after them, status): status 1 means the next length exceeds
+    ``max_len``; the caller checks a truncated string against the file, refills, and calls again."""
+    cdef const uint8_t[::1] b = buf
+    cdef Py_ssize_t pos = start, end = b.shape[0], k = 0
+    cdef unsigned long long n
+    cdef const uint8_t* p
+    if start < 0 or start > end:
+        raise InvalidArgumentError("start outside the buffer")
+    while k < count:
+        if end - pos < 8:
+            break
+        p = &b[pos]
+        n = (<unsigned long long>p[0] | (<unsigned long long>p[1] << 8) | (<unsigned long long>p[2] << 16) |
+             (<unsigned long long>p[3] << 24) | (<unsigned long long>p[4] << 32) | (<unsigned long long>p[5] << 40) |
+             (<unsigned long long>p[6] << 48) | (<unsigned long long>p[7] << 56))
+        if n > max_len:
+            return k, pos, 1
+        if n > <unsigned long long>(end - pos - 8):
+            break
+        if n == 0:
+            out.append("")
+        else:
+            raw = (<const char*>(p + 8))[:n]
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(raw)
+        pos += 8 + <Py_ssize_t>n
+        k += 1
+    return k, pos, 0

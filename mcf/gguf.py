@@ -193,6 +193,23 @@ def _err(cls, reason, path, field, offset, **kw):
     return cls(reason, path=path, field=field, offset=offset, **kw)
 
 
+def _read_strings(cur: _Cursor, n: int, field: str) -> list:
+    """A string array, parsed in C window by window (a 150,000-token vocabulary takes milliseconds);
+    a string that does not fit the window is read (and its length checked) by the Python path."""
+    from mcf import _gguf
+
+    out: list = []
+    while len(out) < n:
+        rel = cur.pos - cur.base
+        if 0 <= rel <= len(cur.buf):
+            k, end, status = _gguf.parse_strings(cur.buf, rel, n - len(out), MAX_STRING_LEN, out)
+            cur.pos = cur.base + end
+            if k:
+                continue
+        out.append(cur.string(f"{field}[{len(out)}]"))  # raises the right error, or refills the window
+    return out
+
+
 def _read_value(cur: _Cursor, vtype: int, field: str, depth: int = 0):
     at = cur.pos
     if vtype in _SCALAR:
@@ -227,7 +244,7 @@ def _read_value(cur: _Cursor, vtype: int, field: str, depth: int = 0):
             cur.pos += n * itemsize
             return a
         if etype == _VT_STRING:
-            return [cur.string(f"{field}[{k}]") for k in range(n)]
+            return _read_strings(cur, n, field)
         return [_read_value(cur, _VT_ARRAY, f"{field}[{k}]", depth + 1) for k in range(n)]
     raise _err(FormatError, f"unknown value type {vtype}", cur.path, field, at - 4, expected="0..12")
 

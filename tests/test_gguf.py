@@ -405,3 +405,38 @@ def test_open_accepts_bytes_and_sources_and_closes(tmp_path):
     v = g.raw("t.f32")
     g.close()
     assert v.sum() == v.sum()  # views outlive close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_large_vocabulary_across_read_windows(tmp_path, mode):
+    """String arrays are parsed in C window by window; strings that straddle the 1 MiB windows of the
+    positional-read path, a string longer than a window and non-UTF-8 bytes all come back intact."""
+    rnd = np.random.default_rng(fx.rng_for("vocab").integers(1 << 30))
+    tokens = [f"t{i}\u0120" + "x" * int(rnd.integers(0, 40)) for i in range(120_000)]
+    tokens[5000] = ""
+    tokens[77_777] = "\u4e16" * 600_000  # 1.8 MB of UTF-8: longer than one window
+    merges = [f"a{i} b{i}" for i in range(50_000)]
+    path = str(tmp_path / "vocab.gguf")
+    fx.write_gguf(path, [("x", np.ones((2, 32), np.float32), None)],
+                  [("add_token_list", tokens), ("add_token_merges", merges), ("add_string", "after", "end")])
+    g = open_mode(path, mode)
+    try:
+        assert g.metadata["tokenizer.ggml.tokens"] == tokens
+        assert g.metadata["tokenizer.ggml.merges"] == merges
+        assert g.metadata["after"] == "end"
+        assert g.dequantize("x").tolist() == [[1.0] * 32] * 2
+    finally:
+        g.close()
+
+
+def test_non_utf8_strings_stay_bytes(tmp_path):
+    path = str(tmp_path / "bytes.gguf")
+    fx.write_gguf(path, [], [("add_token_list", ["ab\u00e9", "zz"])])
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    i = data.index("ab\u00e9".encode())
+    data[i + 2] = 0xFF  # 0xFF 0xA9 is not UTF-8
+    with G.open(bytes(data)) as g:
+        assert g.metadata["tokenizer.ggml.tokens"] == [b"ab\xff\xa9", "zz"]
+        doc = json.loads(G.metadata_json(g))
+        assert doc["metadata"]["tokenizer.ggml.tokens"][0] == {"bytes_hex": "6162ffa9"}
