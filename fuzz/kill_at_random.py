@@ -65,12 +65,12 @@ MCF_VARIANTS = 3       # generation g writes variant g % 3 (three different size
 MEGATRON_VARIANTS = 3  # variants 0 and 1 have the same .bin size (a torn pair would look plausible)
 
 
-def mcf_generation(path: str, v: int) -> None:
+def mcf_generation(path: str, v: int, atomic: bool = True) -> None:
     import mcf
 
     r = _rng("mcf", v)
     rows = 256 + 64 * v
-    with mcf.Writer(path) as w:
+    with mcf.Writer(path, atomic=atomic) as w:
         w.add_tensor("w.f32", r.standard_normal((rows, 512)).astype(np.float32))
         w.add_tensor("w.f16", r.standard_normal((rows, 256)).astype(np.float32), dtype="f16")
         w.add_tensor("w.q4", r.standard_normal((rows, 256)).astype(np.float32), method="q4")
@@ -173,8 +173,8 @@ def child(name: str, work: str, gen: int) -> None:
     print("ready", flush=True)
     g = gen
     while True:
-        if name == "mcf":
-            mcf_generation(str(work_p / "out.mcf"), g % MCF_VARIANTS)
+        if name in ("mcf", "mcf-unsafe"):  # mcf-unsafe: writes in place, to show the harness catches it
+            mcf_generation(str(work_p / "out.mcf"), g % MCF_VARIANTS, atomic=name == "mcf")
         elif name == "pack":
             cli.main(["pack", str(pack_inputs(work_p)[g % 2]), "-o", str(work_p / "out.mcf"), "-q"])
         elif name == "quantize":
@@ -234,7 +234,7 @@ class Harness:
         ref = self.work / "ref"
         ref.mkdir(exist_ok=True)
         n = self.name
-        if n == "mcf":
+        if n in ("mcf", "mcf-unsafe"):
             for v in range(MCF_VARIANTS):
                 p = ref / f"v{v}.mcf"
                 mcf_generation(str(p), v)
@@ -273,7 +273,7 @@ class Harness:
             raise ValueError(f"unknown writer {n!r}; one of {', '.join(WRITERS)}")
 
     def _variants(self) -> int:
-        return {"mcf": MCF_VARIANTS, "megatron": MEGATRON_VARIANTS}.get(self.name, 2)
+        return {"mcf": MCF_VARIANTS, "mcf-unsafe": MCF_VARIANTS, "megatron": MEGATRON_VARIANTS}.get(self.name, 2)
 
     # -- one round -------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -307,7 +307,7 @@ class Harness:
 
     # -- invariants ------------------------------------------------------------------------
     def check(self, pid: int, in_progress: int) -> None:
-        getattr(self, f"_check_{self.name}", self._check_single_file)(pid, in_progress)
+        getattr(self, f"_check_{self.name.replace('-', '_')}")(pid, in_progress)
 
     def _allowed(self, in_progress: int) -> dict:
         """variant -> generation: the last published generation and the one being written."""
@@ -352,6 +352,7 @@ class Harness:
         self.last_done = g if self.last_done is None else max(self.last_done, g)
 
     _check_mcf = _check_pack = _check_quantize = _check_single_file
+    _check_mcf_unsafe = _check_single_file
 
     def _check_megatron(self, pid: int, in_progress: int) -> None:
         import mcf
@@ -445,9 +446,9 @@ class Harness:
         self._bucket_checked = max(self._bucket_ids, default=-1) + 1
 
 
-DEFAULT_DELAY = {"mcf": 0.4, "pack": 0.5, "quantize": 0.5, "megatron": 0.5, "merge": 0.5, "megacontext": 0.3,
+DEFAULT_DELAY = {"mcf": 0.4, "mcf-unsafe": 0.4, "pack": 0.5, "quantize": 0.5, "megatron": 0.5, "merge": 0.5, "megacontext": 0.3,
                  "bucket": 0.4}
-WRITERS = tuple(DEFAULT_DELAY)
+WRITERS = tuple(w for w in DEFAULT_DELAY if w != "mcf-unsafe")
 
 
 def run(name: str, runs: int, work: Path, seed: int = 0, max_delay: float | None = None, log=None) -> dict:
@@ -476,7 +477,7 @@ def main(argv=None) -> int:
         print("\n".join(WRITERS))
         return 0
     names = WRITERS if args.writer == "all" else [args.writer]
-    if args.writer not in WRITERS + ("all",):
+    if args.writer not in WRITERS + ("all", "mcf-unsafe"):
         ap.error(f"--writer must be one of {', '.join(WRITERS)} or all")
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mcf-kill-"))
     rc = 0

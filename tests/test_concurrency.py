@@ -356,3 +356,173 @@ def test_close_racing_with_readers(mcf_file, megatron_ds, kind):
     assert p.returncode == 0, p.stderr[-3000:]
     ok, closed = map(int, p.stdout.split())
     assert ok > 0 and closed > 0, (ok, closed)  # both outcomes happened: the close raced with the reads
+
+
+# ------------------------------------------------------------------------------------------------
+# readers in other processes while a writer publishes
+# ------------------------------------------------------------------------------------------------
+READ_SECONDS = 3.0
+
+
+def spawn(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=str(ROOT))
+
+
+def spawn_reader(name, *args) -> subprocess.Popen:
+    code = (f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]; import test_concurrency as t; "
+            f"t.{name}(*sys.argv[1:])")
+    return spawn("-c", code, *args)
+
+
+def start_child_writer(writer, work) -> subprocess.Popen:
+    p = spawn(ROOT / "fuzz" / "kill_at_random.py", "--child", writer, work, 0)
+    assert p.stdout.readline().startswith("ready"), p.stderr.read() if p.poll() is not None else ""
+    return p
+
+
+def finish(readers, writer) -> list:
+    """The readers' JSON reports (they stop by themselves), then the writer is killed."""
+    import json
+
+    outs = []
+    try:
+        for r in readers:
+            out, err = r.communicate(timeout=120)
+            assert r.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        writer.kill()
+        writer.communicate()
+    return outs
+
+
+def reader_megatron(work, seconds):
+    """Open the dataset again and again while the builder republishes it; every open must give one
+    whole published variant (lengths and every token), or raise an MCFError."""
+    import json
+
+    variants = {v: kar.megatron_variant(v) for v in range(kar.MEGATRON_VARIANTS)}
+    seen = {"ok": {}, "refused": 0, "torn": 0}
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end:
+        try:
+            with mt.open(Path(work) / "ds") as ds:
+                lengths = np.asarray(ds.sequence_lengths)
+                tokens, _ = ds.gather(np.arange(len(ds)))
+        except mcf.MCFError:
+            seen["refused"] += 1
+            continue
+        match = [v for v, (tok, ln) in variants.items() if same(lengths, ln.astype(np.int32)) and same(tokens, tok)]
+        if match:
+            seen["ok"][match[0]] = seen["ok"].get(match[0], 0) + 1
+        else:
+            seen["torn"] += 1
+    print(json.dumps(seen))
+
+
+def test_megatron_readers_while_the_builder_republishes(tmp_path):
+    writer = start_child_writer("megatron", tmp_path)
+    readers = [spawn_reader("reader_megatron", tmp_path, READ_SECONDS) for _ in range(2)]
+    outs = finish(readers, writer)
+    assert [o["torn"] for o in outs] == [0, 0], outs
+    seen = {int(v) for o in outs for v in o["ok"]}
+    assert len(seen) >= 2 and sum(sum(o["ok"].values()) for o in outs) >= 10, outs
+
+
+def reader_megacontext(tree, seconds):
+    """Fresh opens and refreshes of one long-lived tree while the ingest appends: every view is a
+    consistent committed prefix (tests/test_megacontext_crash.py's check)."""
+    import json
+
+    from test_megacontext_crash import check_consistent
+
+    states = set()
+    end = time.monotonic() + float(seconds)
+    with mc.open(tree) as long_lived:
+        while time.monotonic() < end:
+            long_lived.refresh()
+            states.add(check_consistent(long_lived, live=True))
+            with mc.open(tree) as fresh:
+                states.add(check_consistent(fresh, live=True))
+    print(json.dumps({"states": len(states)}))
+
+
+def test_megacontext_readers_while_ingest_appends(tmp_path):
+    from _megacontext_ref import token_stream_at
+
+    tree = tmp_path / "tree"
+    with mc.create(tree, embedding_dim=8, model_name="conc"):
+        pass
+    writer = spawn(HERE / "_megacontext_writer.py", tree, 7, 10**9)
+    assert writer.stdout.readline().startswith("ready")
+    readers = [spawn_reader("reader_megacontext", tree, READ_SECONDS) for _ in range(2)]
+    # here: one tree shared by threads; one refreshes (remapping the grown files) while the others
+    # assemble from it
+    stop = threading.Event()
+    errors, done = [], []
+    with mc.open(tree) as shared:
+        def refresher():
+            while not stop.is_set():
+                shared.refresh()
+
+        def assembler():
+            try:
+                while not stop.is_set():
+                    wc = shared.assemble(shared.plan_tail(256, 64))
+                    pos = wc.positions[wc.levels == 0]
+                    if pos.size:
+                        stream = token_stream_at(0, int(pos.max()) + 1, 5)
+                        assert same(wc.token_ids, stream[pos]), "assembled tokens differ from the stream"
+                    done.append(len(wc))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        ts = [threading.Thread(target=refresher)] + [threading.Thread(target=assembler) for _ in range(3)]
+        for t in ts:
+            t.start()
+        time.sleep(READ_SECONDS)
+        stop.set()
+        for t in ts:
+            t.join()
+    outs = finish(readers, writer)
+    assert not errors, errors[0]
+    assert len(done) > 10
+    assert all(o["states"] >= 2 for o in outs), outs
+
+
+def reader_bucket(root, seconds):
+    """discover() and load() every context while another process ingests: each listed context loads
+    with exactly the content it was ingested with."""
+    import json
+
+    from mcf.bucket.store import Bucket
+
+    want = {}
+    for g in range(4000):
+        k = kar.bucket_layers(g)[0][0].astype(np.float16)
+        want[zlib.crc32(k.tobytes())] = g
+    checked, seen_lists = set(), 0
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end:
+        if not (Path(root) / "registry.json").exists():
+            continue
+        b = Bucket(root)
+        for meta in b.discover("m"):
+            cid = meta["context_id"]
+            if cid in checked:
+                continue
+            layers = b.load(cid, record_access=False)
+            g = want[zlib.crc32(np.asarray(layers[0][0], np.float16).tobytes())]
+            exp = kar.bucket_layers(g)
+            assert all(same(np.asarray(k, np.float16), e[0].astype(np.float16)) for (k, _), e in zip(layers, exp))
+            checked.add(cid)
+        seen_lists += 1
+    print(json.dumps({"checked": len(checked), "lists": seen_lists}))
+
+
+def test_bucket_readers_while_ingesting(tmp_path):
+    writer = start_child_writer("bucket", tmp_path)
+    readers = [spawn_reader("reader_bucket", tmp_path / "bucket", READ_SECONDS) for _ in range(2)]
+    outs = finish(readers, writer)
+    assert all(o["checked"] >= 3 and o["lists"] >= 3 for o in outs), outs

@@ -11,6 +11,7 @@ read out of bounds either).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -424,8 +425,13 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
         try:
             ds = IndexedDataset(i, b, mmap=mmap, multimodal=multimodal, validate=validate, prefix=p)
         except (FormatError, TruncatedError, MissingFileError):
-            if before is None or _identity(i, b) == before or attempt == _OPEN_ATTEMPTS - 1:
+            after = _identity(i, b)
+            if before is None or attempt == _OPEN_ATTEMPTS - 1:
                 raise
+            if after == before:
+                if not _publishing(after):
+                    raise
+                time.sleep(0.001 * (attempt + 1))  # the writer is between its two renames
             continue
         if before is None or _identity(i, b) == before:
             return ds
@@ -437,6 +443,13 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
 _OPEN_ATTEMPTS = 8
 
 
+def _publishing(identity) -> bool:
+    """True when the pair looks like a writer between its two renames: the new .bin is in place
+    (renamed after the .idx, or the old .idx already removed) and the new .idx is not yet."""
+    idx, bin = identity
+    return bin is not None and (idx is None or bin[4] > idx[4])
+
+
 def _identity(idx, bin):
     """(device, inode) of both paths, to notice a writer renaming a new dataset into place while the
     pair is being opened (the two renames are not one atomic step); None for non-path inputs."""
@@ -446,7 +459,7 @@ def _identity(idx, bin):
     for q in (idx, bin):
         try:
             st = os.stat(q)
-            out.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+            out.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, st.st_ctime_ns))
         except OSError:
             out.append(None)
     return tuple(out)

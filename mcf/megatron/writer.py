@@ -409,9 +409,7 @@ class Writer:
             self._bin.fd = -1
             self._write_index()
             if self._atomic:
-                self._unlink_index_if_same_size()
-                os.replace(self._bin_tmp, self.bin_path)
-                os.replace(self._idx_tmp, self.idx_path)
+                self._publish()
                 if self._durable:
                     _fsync_dir(self.idx_path)
             self._closed = True
@@ -424,6 +422,25 @@ class Writer:
             raise
 
     close = finalize
+
+    def _publish(self) -> None:
+        """Rename both files into place.  The old files are held open meanwhile: replacing the last
+        link of a file frees its blocks inside rename(2) (4 ms for a 600 KB .bin on ext4 here), which
+        would keep the prefix in its mixed state (new .bin, old .idx) that long; with the old inodes
+        still referenced each step takes microseconds and the blocks are freed after both renames."""
+        held = []
+        for p in (self.bin_path, self.idx_path):
+            try:
+                held.append(os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+            except OSError:
+                pass
+        try:
+            self._unlink_index_if_same_size()
+            os.replace(self._bin_tmp, self.bin_path)
+            os.replace(self._idx_tmp, self.idx_path)
+        finally:
+            for fd in held:
+                os.close(fd)
 
     def _unlink_index_if_same_size(self) -> None:
         """Between the two renames the prefix holds the new .bin beside the old .idx.  The reader refuses
