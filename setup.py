@@ -56,6 +56,7 @@ extensions = [
     ext("mcf._kernels", ["mcf/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/cpu.c", "csrc/fpconv.c"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
     ext("mcf.megacontext._megacontext", ["mcf/megacontext/_megacontext.pyx", "csrc/megacontext.c", "csrc/fpconv.c"]),
+    ext("mcf.bucket._codec", ["mcf/bucket/_codec.pyx", "csrc/lz4block.c"]),
     ext("mcf._gguf", ["mcf/_gguf.pyx", "csrc/gguf_dequant.c", "csrc/cpu.c", "csrc/fpconv.c", "csrc/fpconv_simd.c"]),
 ]
 
