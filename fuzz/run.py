@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE.parent))
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", help="mcf, megatron, megacontext or safetensors")
+    ap.add_argument("--target", help="one of --list")
     ap.add_argument("--seconds", type=int, help="total run time (libFuzzer -max_total_time)")
     ap.add_argument("--runs", type=int, help="number of executions (libFuzzer -runs)")
     ap.add_argument("--timeout", type=int, default=1, help="seconds one input may take (default 1)")

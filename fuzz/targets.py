@@ -18,6 +18,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -237,8 +238,132 @@ def bucket(data: bytes) -> None:
         f.close()
 
 
+# ------------------------------------------------------------------------------------------------
+# the bucket directory: registry.json, registry.journal, models/<id>.json, contexts/<id>/metadata.json
+# (+ its kv_data.mcb), opened with mcf.bucket.store.Bucket in a scratch directory
+# ------------------------------------------------------------------------------------------------
+BUCKET_CTX = "ctx_" + "0" * 31 + "1"   # the seeds' context directory (ids in the JSON may say otherwise)
+BUCKET_FILES = ("registry.json", "registry.journal", "models/m.json", f"contexts/{BUCKET_CTX}/metadata.json",
+                f"contexts/{BUCKET_CTX}/kv_data.mcb")
+_FIXED_TIME = 1_790_000_000.0
+
+
+def _scratch_dir(key: str) -> str:
+    """A per-process scratch directory on tmpfs when there is one (these targets write files)."""
+    d = os.path.join(_tree_dir(), key)
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def bucket_dir(data: bytes) -> None:
+    from mcf.bucket.store import Bucket
+
+    root = _scratch_dir("bucket")
+    shutil.rmtree(root)
+    for rel, part in zip(BUCKET_FILES, split_parts(data, len(BUCKET_FILES))):
+        p = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(part)
+
+    def calls(b):
+        yield lambda: b.registry()
+        yield lambda: b.discover("m")
+        yield lambda: b.discover("m", include_expired=True, force_scan=True)
+        yield lambda: b.model("m")
+        yield lambda: b.lookup(BUCKET_CTX)
+        yield lambda: b.load(BUCKET_CTX, record_access=False)
+        yield lambda: b.check_compatible(BUCKET_CTX, "m")
+        yield lambda: b.lookup_prefix("m", list(range(600)))
+        yield lambda: b.scan()
+        yield lambda: b.rebuild(emit=False)
+        yield lambda: b.discover("m")
+
+    try:
+        b = Bucket(root, clock=lambda: _FIXED_TIME, create=False)
+    except mcf.MCFError:
+        return
+    for call in calls(b):
+        try:
+            call()
+        except mcf.MCFError:
+            pass
+
+
+def _bucket_dir_seeds() -> list:
+    """Small buckets made with the public API (fixed clock and content, so fixed bytes), their one
+    context moved to BUCKET_CTX; file stamps (inode, mtime) replaced by constants."""
+    import re
+
+    from mcf.bucket.store import Bucket
+
+    out = []
+    for k, (ttl, tokens, compression) in enumerate([(None, True, "lz4"), (3600.0, False, "none"),
+                                                    (None, False, "zstd")]):
+        with tempfile.TemporaryDirectory() as d:
+            b = Bucket(d, clock=lambda: _FIXED_TIME)
+            if k != 1:
+                b.register_model("m", architecture="llama", num_layers=2)
+            kv = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4) / 7
+            kw = {"token_ids": list(range(8))} if tokens else {"content": f"seed {k}"}
+            if k == 0:
+                b.prefix_chunk_tokens = 4
+            cid = b.ingest("m", [(kv, kv + 1), (kv - 1, kv)], ttl=ttl, compression=compression, **kw)["context_id"]
+            parts = []
+            for rel in BUCKET_FILES:
+                p = os.path.join(d, rel.replace(BUCKET_CTX, cid))
+                raw = Path(p).read_bytes() if os.path.exists(p) else b""
+                raw = raw.replace(cid.encode(), BUCKET_CTX.encode())
+                raw = re.sub(rb"\[\d+,\s*\d+,\s*\d+\]", b"[1,1,1]", raw)
+                if rel == "registry.journal":  # lines are "<crc32 of the body, 8 hex> <body>": re-sign them
+                    raw = b"".join(b"%08x " % zlib.crc32(line[9:]) + line[9:] + b"\n"
+                                   for line in raw.splitlines() if len(line) > 9)
+                parts.append(raw)
+            out.append(join_parts(*parts))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the Megatron tokenizer's input: JSON lines (or text, or either compressed), read by iter_documents
+# ------------------------------------------------------------------------------------------------
+def jsonl(data: bytes) -> None:
+    from mcf.megatron.tokenize import iter_documents
+
+    d = _scratch_dir("jsonl")
+    for name in ("in.jsonl", "in.txt"):
+        p = os.path.join(d, name)
+        with open(p, "wb") as f:
+            f.write(data)
+        for key in ("text", "t"):
+            try:
+                for doc in iter_documents(p, key, position=[0]):
+                    if not isinstance(doc, (str, list)):
+                        raise TypeError(f"iter_documents yielded {type(doc).__name__}")
+            except mcf.MCFError:
+                pass
+
+
+def _jsonl_seeds() -> list:
+    import gzip
+    import json
+
+    lines = b"".join(json.dumps(o).encode() + b"\n" for o in (
+        {"text": "hello world"}, {"text": ["one sentence.", "two"], "t": "x"}, {"text": "\u00e9\u4e2d\ud83d\ude00"},
+        {"id": 3, "text": ""}))
+    out = [lines, lines.replace(b"\n", b"\r\n") + b"\n\n", gzip.compress(lines, mtime=0)]
+    try:
+        import zstandard
+
+        out.append(zstandard.ZstdCompressor().compress(lines))
+    except ImportError:
+        pass
+    return out
+
+
 TARGETS = {
     "bucket": bucket,
+    "bucket_dir": bucket_dir,
+    "jsonl": jsonl,
     "mcf": mcf_container,
     "megatron": megatron,
     "megacontext": megacontext,
@@ -281,6 +406,10 @@ def seeds(target: str) -> list:
         return [p.read_bytes() for p in sorted((FIXTURES / "bucket").glob("*.mcb"))]
     if target == "safetensors":
         return _safetensors_seeds()
+    if target == "bucket_dir":
+        return _bucket_dir_seeds()
+    if target == "jsonl":
+        return _jsonl_seeds()
     raise KeyError(target)
 
 
