@@ -16,6 +16,7 @@ tensors.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import numpy as np
 from mcf._io import alloc_buffer
 from mcf._safetensors import ST_DTYPES
 from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
-from mcf.errors import InvalidArgumentError, os_error
+from mcf.errors import InvalidArgumentError, TruncatedError, os_error
 from mcf.layout import RESOURCE_FILES
 from mcf.writer import _cast_chunk, _create_temp, _fsync_dir
 
@@ -34,7 +35,7 @@ __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
 DTYPES = (None, "f32", "f16", "bf16", "raw")
 RAW_KEY_PREFIX = "mcf.quant."
 ST_NAMES = {code: name for name, code in ST_DTYPES.items()}
-_CHUNK_BYTES = 16 << 20   # bytes read, cast or decoded per step
+_CHUNK_BYTES = 1 << 20   # bytes read, cast or decoded per step: small enough to stay in the CPU cache
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -112,30 +113,26 @@ def _header(entries) -> bytes:
 
 
 def _chunks(c, e: _Entry, buf):
-    """The output bytes of one tensor, in pieces of at most _CHUNK_BYTES."""
+    """The output bytes of one tensor, in pieces of at most ``buf.nbytes`` (one row block for decoded
+    tensors, at least one row).  Stored bytes are read with ``pread`` into ``buf`` (see
+    :func:`mcf.pack._stream_plain` for why not through the mapping)."""
     t = c.info(e.name)
     src = c.source
-    mapped = src.is_mapped
     if e.kind in ("copy", "raw", "cast"):
         isz = max(1, t.dtype.itemsize)
-        step = _CHUNK_BYTES // isz * isz
+        step = max(isz, buf.nbytes // isz * isz)
         for o in range(0, t.nbytes, step):
             n = min(step, t.nbytes - o)
-            if mapped:
-                chunk = src.view(t.offset + o, n)
-            else:
-                chunk = buf[:n]
-                src.readinto(t.offset + o, chunk)
+            chunk = buf[:n]
+            src.read_ranges((t.offset + o,), (n,), chunk, (0,))
             if e.kind == "cast":
                 with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
                     chunk = _cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
             yield chunk
-            if mapped:  # the mapping's pages would stay resident: give them back once written
-                src.advise("dontneed", t.offset + o, n)
         return
     rows, cols = t.shape
     row_bytes = cols * e.out.itemsize
-    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    step = max(1, buf.nbytes // max(1, row_bytes))
     store = np.uint16 if e.out.code == DType.BF16 else e.out.numpy
     for r in range(0, rows, step):
         k = min(step, rows - r)
@@ -143,19 +140,47 @@ def _chunks(c, e: _Entry, buf):
         dst = (buf[:need] if need <= buf.nbytes else alloc_buffer(need)).view(store)
         c.dequantize(e.name, rows=(r, r + k), out=dst)
         yield dst
-    if mapped:
+    if src.is_mapped:  # the decoder read the payload through the mapping: give those pages back
         src.advise("dontneed", t.offset, t.nbytes)
 
 
+def _write_all(fd: int, data) -> None:
+    mv = memoryview(data).cast("B")
+    while mv:
+        mv = mv[os.write(fd, mv):]
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> bool:
+    """Copy ``n`` bytes at ``offset`` of ``src_fd`` to the position of ``dst_fd`` inside the kernel
+    (``copy_file_range``: no user-space copy, as ``shutil.copyfile`` does).  False when the kernel or
+    the file systems cannot, before any byte moved; the caller then copies through user space."""
+    done = 0
+    while done < n:
+        try:
+            k = os.copy_file_range(src_fd, dst_fd, n - done, offset + done)
+        except OSError as exc:
+            if done == 0 and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                                           errno.EBADF, errno.EPERM):
+                return False
+            raise
+        if k == 0:
+            raise TruncatedError("file shrank while exporting", path=name, offset=offset + done,
+                                 expected=f"{n} bytes",
+                                 got=f"{done} bytes")
+        done += k
+    return True
+
+
 def _publish(path: str, write) -> None:
-    """Write a file through ``write(fileobj)`` into a temporary name next to ``path``, fsync, rename."""
+    """Write a file through ``write(fd)`` into a temporary name next to ``path``, fsync, rename."""
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = _create_temp(d, os.path.basename(path))
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -164,15 +189,24 @@ def _publish(path: str, write) -> None:
 
 
 def _write_safetensors(path, c, entries, buf, progress, done_before, total):
-    def write(f):
-        f.write(_header(entries))
+    src = c.source
+    in_fd = src.fileno() if src.mode in ("mmap", "pread") else None
+    use_cfr = [in_fd is not None and hasattr(os, "copy_file_range")]
+
+    def write(fd):
+        _write_all(fd, _header(entries))
         for i, e in enumerate(entries):
-            n = 0
-            for chunk in _chunks(c, e, buf):
-                f.write(memoryview(chunk).cast("B"))
-                n += chunk.nbytes
-            if n != e.nbytes:  # pragma: no cover - the plan and the readers agree by construction
-                raise AssertionError(f"{e.name}: wrote {n} bytes, planned {e.nbytes}")
+            t = c.info(e.name)
+            copied = False
+            if e.kind in ("copy", "raw") and use_cfr[0]:
+                copied = use_cfr[0] = _copy_range(in_fd, fd, t.offset, t.nbytes, src.name)
+            if not copied:
+                n = 0
+                for chunk in _chunks(c, e, buf):
+                    _write_all(fd, chunk)
+                    n += chunk.nbytes
+                if n != e.nbytes:  # pragma: no cover - the plan and the readers agree by construction
+                    raise AssertionError(f"{e.name}: wrote {n} bytes, planned {e.nbytes}")
             if progress is not None:
                 progress(done_before + i + 1, total, e.name)
 
@@ -231,7 +265,7 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
                                    "to write one file)")
     with mcf.open(src, mmap=mmap) as c:
         entries = _plan(c, dtype)
-        buf = alloc_buffer(min(_CHUNK_BYTES, max([e.nbytes for e in entries] + [0])) or 1)
+        buf = alloc_buffer(_CHUNK_BYTES)
         if as_file:
             _write_safetensors(dst, c, entries, buf, progress, 0, len(entries))
             return [dst]
@@ -257,12 +291,12 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
                    "weight_map": dict(sorted(wm.items()))}
             path = os.path.join(dst, _INDEX)
             data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-            _publish(path, lambda f: f.write(data))
+            _publish(path, lambda fd: _write_all(fd, data))
             written.append(path)
         if resources:
             for fname, data in c.resources.items():
                 path = os.path.join(dst, fname)
-                _publish(path, lambda f, data=data: f.write(data))
+                _publish(path, lambda fd, data=data: _write_all(fd, data))
                 written.append(path)
         _remove_stale(dst, written)
         _fsync_dir(os.path.join(dst, "x"))

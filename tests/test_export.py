@@ -292,3 +292,22 @@ def test_cli_export(tmp_path, capsys):
                 assert same_bits(got[n], c.dequantize(n, dtype=ml_dtypes.bfloat16)), n
     assert cli_main(["export", str(tmp_path / "nope.mcf"), "-o", str(tmp_path / "x.safetensors")]) == 1
     assert "mcf: error" in capsys.readouterr().err
+
+
+def test_kernel_copy_and_user_space_copy_write_the_same_bytes(tmp_path, monkeypatch):
+    """Plain tensors go through copy_file_range when the source is a file; from memory, or when the
+    kernel refuses (EXDEV across file systems on older kernels), through pread + write."""
+    import errno
+
+    mcf.convert(MANTLE_MODEL, tmp_path / "q.mcf", method="k4", overrides=["a.*=none"])
+    export(tmp_path / "q.mcf", tmp_path / "kernel.safetensors")
+    export(memoryview((tmp_path / "q.mcf").read_bytes()), tmp_path / "memory.safetensors")
+
+    def refuse(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    export(tmp_path / "q.mcf", tmp_path / "fallback.safetensors")
+    want = (tmp_path / "kernel.safetensors").read_bytes()
+    assert (tmp_path / "memory.safetensors").read_bytes() == want
+    assert (tmp_path / "fallback.safetensors").read_bytes() == want
