@@ -360,8 +360,90 @@ def _jsonl_seeds() -> list:
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# GGUF (mcf.gguf): header, metadata, tensor infos, every tensor decoded, conversion to MCF
+# ------------------------------------------------------------------------------------------------
+def gguf(data: bytes) -> None:
+    import mcf.gguf as G
+
+    try:
+        g = G.open(memoryview(data))
+    except mcf.MCFError:
+        return
+    try:
+        g.metadata, g.version, g.alignment
+        for name in list(g):
+            t = g.info(name)
+            _each_mcf_error(lambda: g.raw(name).tobytes())
+            if t.ggml_type in G.SUPPORTED_TYPES:
+                _each_mcf_error(lambda: g.dequantize(name).tobytes())
+                if len(t.shape) >= 2 and t.shape[0] > 1:
+                    _each_mcf_error(lambda: g.dequantize(name, rows=(1, t.shape[0]), dtype=np.float16))
+            _each_mcf_error(lambda: np.asarray(g.array(name)).tobytes())
+        _each_mcf_error(G.model_info, g)
+        _each_mcf_error(G.metadata_json, g)
+        out = os.path.join(_scratch_dir("gguf"), "out.mcf")
+        _each_mcf_error(G.convert_gguf, memoryview(data), out)
+        if os.path.exists(out):
+            with mcf.open(out) as c:
+                _read_mcf(c)
+    finally:
+        g.close()
+
+
+def _gguf_seeds() -> list:
+    """Small files written by gguf-py's GGUFWriter: float tensors, the ggml quants gguf-py can
+    quantize, and the K-quants (random blocks) with every metadata value type."""
+    import gguf as gg
+
+    Q = gg.GGMLQuantizationType
+    r = np.random.default_rng(zlib.crc32(b"gguf-seeds"))
+    x = r.standard_normal((4, 256)).astype(np.float32)
+
+    def one(fill) -> bytes:
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "s.gguf")
+            w = gg.GGUFWriter(p, "llama")
+            fill(w)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            return Path(p).read_bytes()
+
+    def floats(w):
+        w.add_block_count(2)
+        w.add_context_length(128)
+        w.add_string("general.name", "seed")
+        w.add_array("tokenizer.ggml.tokens", ["a", "b", "\u00e9"])
+        w.add_array("x.ints", [1, -2, 3])
+        w.add_bool("x.flag", True)
+        w.add_float32("x.eps", 1e-5)
+        w.add_uint64("x.big", 2**40)
+        w.add_tensor("t.f32", x)
+        w.add_tensor("t.f16", x.astype(np.float16))
+        w.add_tensor("t.bf16", gg.quants.quantize(x, Q.BF16), raw_dtype=Q.BF16)
+        w.add_tensor("t.f64", x[:1].astype(np.float64))
+        w.add_tensor("t.i32", np.arange(16, dtype=np.int32))
+
+    def quants(w):
+        w.add_string("general.name", "quants")
+        for q in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+            w.add_tensor(f"t.{q.name}", gg.quants.quantize(x, q), raw_dtype=q)
+
+    def kquants(w):
+        w.add_custom_alignment(64)
+        for q in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_K):
+            block, size = gg.GGML_QUANT_SIZES[q]
+            raw = r.integers(0, 256, (2, 256 // block * size), dtype=np.uint8)
+            w.add_tensor(f"t.{q.name}", raw, raw_dtype=q)
+
+    return [one(floats), one(quants), one(kquants)]
+
+
 TARGETS = {
     "bucket": bucket,
+    "gguf": gguf,
     "bucket_dir": bucket_dir,
     "jsonl": jsonl,
     "mcf": mcf_container,
@@ -410,6 +492,8 @@ def seeds(target: str) -> list:
         return _bucket_dir_seeds()
     if target == "jsonl":
         return _jsonl_seeds()
+    if target == "gguf":
+        return _gguf_seeds()
     raise KeyError(target)
 
 
