@@ -629,3 +629,48 @@ def test_unmeetable_hot_preference_falls_back_to_warm(tmp_path):
     assert b.tier(cid) == ("hot" if has_dev else "warm")
     if not has_dev:
         assert [e["tier"] for e in events if e["event"] == "context.preference_unmet"] == ["hot"]
+
+
+# ------------------------------------------------------------------------------------------------
+# verification policy and loading into caller buffers
+# ------------------------------------------------------------------------------------------------
+def test_verify_once_checks_each_file_identity_once(tmp_path, monkeypatch):
+    from mcf.bucket.kvfile import KVFile
+
+    calls = []
+    real = KVFile.verify
+    monkeypatch.setattr(KVFile, "verify", lambda self: calls.append(1) or real(self))
+    b = Bucket(tmp_path, verify="once")
+    cid = b.ingest("m", kv(110, seq=64), content="once", compression="none")["context_id"]
+    for _ in range(3):
+        b.load(cid, record_access=False)
+    assert len(calls) == 1  # the same file: checked on the first load only
+    assert Bucket(tmp_path).load(cid, record_access=False) and len(calls) == 2  # "always" is the default
+    b.load(cid, record_access=False, verify=True)
+    assert len(calls) == 3  # a per-call override
+    # any write to the file changes its identity (ctime): checked again, the damage found before use
+    p = tmp_path / "contexts" / cid / "kv_data.mcb"
+    raw = bytearray(p.read_bytes())
+    raw[200] ^= 1
+    p.write_bytes(bytes(raw))
+    with pytest.raises(mcf.ChecksumError):
+        b.load(cid, record_access=False)
+    with pytest.raises(mcf.InvalidArgumentError):
+        Bucket(tmp_path, verify="sometimes")
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4", "zstd"])
+def test_bucket_load_into_out(tmp_path, compression):
+    b = Bucket(tmp_path)
+    layers = kv(111, n_layers=3, seq=16)
+    cid = b.ingest("m", layers, content="out", dtype="float32", compression=compression)["context_id"]
+    out = [(np.zeros((2, 16, 4), np.float32), np.zeros((2, 16, 4), np.float32)) for _ in range(3)]
+    got = b.load(cid, out=out)
+    assert got[2][1] is out[2][1]
+    np.testing.assert_array_equal(out[2][1], layers[2][1])
+    b.promote(cid, "warm")  # from the warm tier too
+    out2 = [(np.zeros((2, 8, 4), np.float32), np.zeros((2, 8, 4), np.float32))]
+    b.load(cid, layers=[1], tokens=8, out=out2)
+    np.testing.assert_array_equal(out2[0][0], layers[1][0][:, :8])
+    with pytest.raises(mcf.InvalidArgumentError):
+        b.load(cid, layers=[1], out=out2)  # 16 tokens do not fit 8

@@ -24,6 +24,11 @@ from typing import Any, BinaryIO, NamedTuple
 import numpy as np
 
 from mcf.bucket import _layout as L
+
+try:
+    from mcf.bucket._codec import lz4_block_decompress_into as _lz4_into
+except ImportError:  # pragma: no cover - the compiled module is built with the package
+    _lz4_into = None
 from mcf.errors import (
     ChecksumError,
     FormatError,
@@ -43,7 +48,15 @@ MAX_LAYERS = 4096
 #: lz4's block format cannot compress inputs larger than this (LZ4_MAX_INPUT_SIZE)
 LZ4_MAX_INPUT = 0x7E000000
 _U32 = 2**32 - 1
-_CRC_PIECE = 16 * 2**20
+_CRC_PIECE = 64 * 2**20
+
+try:  # zlib-ng's CRC-32 (folding with carry-less multiply) computes the same value ~6x faster than zlib's
+    from zlib_ng.zlib_ng import crc32 as _crc32
+
+    CRC_BACKEND = "zlib-ng"
+except ImportError:  # the 'bucket' extra installs it; zlib is the always-present fallback
+    _crc32 = zlib.crc32
+    CRC_BACKEND = "zlib"
 
 try:  # BF16 comes back as ml_dtypes.bfloat16 when installed, else as the raw uint16 bits
     import ml_dtypes as _ml_dtypes
@@ -211,9 +224,9 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
         off = L.HEADER_SIZE + L.chunk_table_size(shape)
         entries = bytearray()
         for c in chunks:
-            entries += L.CHUNK_ENTRY.pack(off, len(c), zlib.crc32(c), 0)
+            entries += L.CHUNK_ENTRY.pack(off, len(c), _crc32(c), 0)
             off += len(c)
-        table = bytes(entries) + L.CHUNK_TRAILER.pack(zlib.crc32(entries))
+        table = bytes(entries) + L.CHUNK_TRAILER.pack(_crc32(entries))
         pieces_iter = iter(chunks)
     else:
         pieces_iter = iter([_compress(b"".join(_encode_block(t, kd) for t in blocks), comp, level)])
@@ -231,12 +244,12 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
     try:
         start = f.tell()
         f.write(bytes(L.HEADER_SIZE))
-        crc = zlib.crc32(table)
+        crc = _crc32(table)
         stored = len(table)
         f.write(table)
         for p in pieces_iter:
             f.write(p)
-            crc = zlib.crc32(p, crc)
+            crc = _crc32(p, crc)
             stored += len(p)
         if comp == L.Compression.NONE and stored != original:  # pragma: no cover - guarded by _shape_of
             raise InvalidArgumentError("internal size mismatch")
@@ -360,9 +373,9 @@ class KVFile:
         entries = raw[: n * L.CHUNK_ENTRY.size]
         (tcrc,) = L.CHUNK_TRAILER.unpack_from(raw, n * L.CHUNK_ENTRY.size)
         toff = L.HEADER_SIZE + n * L.CHUNK_ENTRY.size
-        if zlib.crc32(entries) != tcrc:
+        if _crc32(entries) != tcrc:
             raise ChecksumError("chunk table CRC-32 mismatch", path=self.path, field="chunk_table", offset=toff,
-                                expected=f"{tcrc:#010x}", got=f"{zlib.crc32(entries):#010x}")
+                                expected=f"{tcrc:#010x}", got=f"{_crc32(entries):#010x}")
         expect = L.HEADER_SIZE + L.chunk_table_size(h.shape)
         out = []
         for i in range(n):
@@ -383,6 +396,21 @@ class KVFile:
         return out
 
     # -- checks ----------------------------------------------------------------------------------------
+    def identity(self) -> tuple[int, ...] | None:
+        """(device, inode, size, mtime_ns, ctime_ns) of the open file, None for in-memory sources.  Any
+        write to the file through the file system changes its ctime (which no user can set back), so
+        an unchanged identity means unchanged contents, barring faults below the file system."""
+        try:
+            st = os.fstat(self._src.fileno())
+        except (MCFError, OSError):
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    @property
+    def verified(self) -> bool:
+        """True once :meth:`verify` has checked every byte after the header."""
+        return self._file_verified
+
     def verify(self) -> None:
         """Compare the header's CRC-32 with every byte after the header (raises ChecksumError)."""
         if self._file_verified:
@@ -391,7 +419,7 @@ class KVFile:
         pos, end = L.HEADER_SIZE, L.HEADER_SIZE + self.header.compressed_size
         while pos < end:
             n = min(_CRC_PIECE, end - pos)
-            crc = zlib.crc32(self._src.view(pos, n), crc)
+            crc = _crc32(self._src.view(pos, n), crc)
             pos += n
         if crc != self.header.checksum:
             raise ChecksumError("data CRC-32 mismatch", path=self.path, field="checksum", offset=L.OFFSETS["checksum"],
@@ -422,13 +450,30 @@ class KVFile:
                               expected=n, got=len(out))
         return out
 
-    def _chunk_bytes(self, idx: int, verify: bool) -> bytes:
+    def _chunk_bytes(self, idx: int, verify: bool, dst: np.ndarray | None = None) -> Any:
+        """Chunk ``idx`` decompressed (its CRC checked first when ``verify``).  lz4 chunks are decoded
+        straight into ``dst`` (a writable uint8 array of the block size; a new one when None), so no
+        intermediate bytes object is made; zstd chunks come back as bytes, copied into ``dst`` if given."""
         off, size, crc = self._chunks[idx]
         data = self._src.view(off, size)
-        if verify and zlib.crc32(data) != crc:
+        if verify and _crc32(data) != crc:
             raise ChecksumError("chunk CRC-32 mismatch", path=self.path, field=f"chunk[{idx}]", offset=off,
-                                expected=f"{crc:#010x}", got=f"{zlib.crc32(data):#010x}")
-        return self._decompress(data, L.block_size(self.shape, self.dtype), f"chunk[{idx}]", off)
+                                expected=f"{crc:#010x}", got=f"{_crc32(data):#010x}")
+        n = L.block_size(self.shape, self.dtype)
+        if self.header.compression == L.Compression.LZ4 and _lz4_into is not None:
+            if dst is None:
+                dst = np.empty(n, np.uint8)  # faulted in by this (worker) thread, in parallel with the others
+            try:
+                _lz4_into(data, dst)
+            except FormatError as exc:
+                raise FormatError(f"cannot decompress: {exc.args[0]}", path=self.path, field=f"chunk[{idx}]",
+                                  offset=off) from None
+            return dst
+        out = self._decompress(data, n, f"chunk[{idx}]", off)
+        if dst is not None:
+            np.copyto(dst, np.frombuffer(out, np.uint8))
+            return dst
+        return out
 
     # -- loading --------------------------------------------------------------------------------------
     def _block(self, buf: Any, base: int, idx: int) -> np.ndarray | Int8KV:
@@ -439,7 +484,7 @@ class KVFile:
         start = base + idx * L.block_size(s, kd)
 
         def arr(off, dt, shape):
-            if isinstance(buf, (bytes, bytearray)):
+            if isinstance(buf, (bytes, bytearray, memoryview, np.ndarray)):
                 count = int(np.prod(shape))
                 return np.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
             return buf.array(off, dt, shape)
@@ -450,7 +495,8 @@ class KVFile:
         return data
 
     def load(self, layers: Sequence[int] | int | None = None, *, tokens: int | None = None, threads: int = 2,
-             verify: bool = True, dequantize: bool = True) -> list[tuple[Any, Any]]:
+             verify: bool = True, dequantize: bool = True,
+             out: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> list[tuple[Any, Any]]:
         """Per-layer ``(K, V)`` for ``layers`` (all by default), each ``[heads, tokens, head_dim]``.
 
         ``tokens=n`` keeps the first n tokens.  Uncompressed files give read-only views of the mapping
@@ -458,6 +504,11 @@ class KVFile:
         CRC-32s of what is read: the header CRC over all data for a full load or an unchunked file, the
         CRC of each chunk read for a partial load of a chunked file.  int8
         comes back dequantized to float32 unless ``dequantize=False`` (then as :class:`Int8KV`).
+
+        ``out`` hands in the destination: one writable, C-contiguous ``(K, V)`` pair per selected layer,
+        of the stored dtype and shape ``[heads, tokens, head_dim]`` (a runtime's own KV buffers).  lz4
+        chunks are then decoded straight into them and other data copied, on ``threads`` threads; the
+        same arrays are returned.  Not for int8 (its scales travel with the data).
         """
         s = self.shape
         if layers is None:
@@ -471,8 +522,17 @@ class KVFile:
             raise InvalidArgumentError(f"tokens must be in 0..{s.sequence_length}, got {tokens!r}")
         if not isinstance(threads, int) or threads < 1:
             raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+        ntok = s.sequence_length if tokens is None else int(tokens)
+        dests = self._check_out(out, len(sel), ntok) if out is not None else None
         comp = self.header.compression
         idxs = [2 * i + kv for i in sel for kv in (0, 1)]
+
+        def run(fn, items):
+            if threads > 1 and len(items) > 1:
+                with ThreadPoolExecutor(min(threads, len(items))) as pool:
+                    return list(pool.map(fn, items))
+            return [fn(x) for x in items]
+
         if comp == L.Compression.NONE:
             if verify:
                 self.verify()
@@ -488,15 +548,16 @@ class KVFile:
             whole = verify and len(sel) == s.num_layers
             if whole:
                 self.verify()
+            direct = dests is not None and ntok == s.sequence_length
 
-            def one(j):
-                return self._block(self._chunk_bytes(j, verify and not whole), 0, 0)
+            def one(k):
+                dst = dests[k].reshape(-1).view(np.uint8) if direct else None
+                raw = self._chunk_bytes(idxs[k], verify and not whole, dst)
+                return dests[k] if direct else self._block(raw, 0, 0)
 
-            if threads > 1 and len(idxs) > 1:
-                with ThreadPoolExecutor(min(threads, len(idxs))) as pool:
-                    blocks = list(pool.map(one, idxs))
-            else:
-                blocks = [one(j) for j in idxs]
+            blocks = run(one, range(len(idxs)))
+            if direct:
+                return [(blocks[2 * k], blocks[2 * k + 1]) for k in range(len(sel))]
 
         def finish(b):
             if isinstance(b, Int8KV):
@@ -505,8 +566,39 @@ class KVFile:
                 return b.dequantize() if dequantize else b
             return b if tokens is None else b[:, :tokens]
 
-        out = [finish(b) for b in blocks]
-        return [(out[2 * k], out[2 * k + 1]) for k in range(len(sel))]
+        if dests is not None:
+            def copy(k):
+                np.copyto(dests[k], blocks[k][:, :ntok])
+                return dests[k]
+
+            done = run(copy, range(len(idxs)))
+            return [(done[2 * k], done[2 * k + 1]) for k in range(len(sel))]
+        res = [finish(b) for b in blocks]
+        return [(res[2 * k], res[2 * k + 1]) for k in range(len(sel))]
+
+    def _check_out(self, out: Any, n_layers: int, ntok: int) -> list[np.ndarray]:
+        s, kd = self.shape, self.dtype
+        if kd == L.KVDType.INT8:
+            raise InvalidArgumentError("out= is not supported for int8 KV files (scales travel with the data)")
+        if not isinstance(out, (list, tuple)) or len(out) != n_layers:
+            raise InvalidArgumentError(f"out must be a list of {n_layers} (K, V) pairs")
+        want_shape, want_dtype = (s.num_kv_heads, ntok, s.head_dim), _NP_DTYPES[kd]
+        flat = []
+        for i, pair in enumerate(out):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise InvalidArgumentError(f"out[{i}]: expected a (K, V) pair")
+            for name, a in zip("KV", pair):
+                if not isinstance(a, np.ndarray) or a.dtype != want_dtype or a.shape != want_shape:
+                    raise InvalidArgumentError(
+                        f"out[{i}] {name}: expected a numpy array of dtype {want_dtype} and shape {want_shape}, got "
+                        f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+                if not (a.flags.c_contiguous and a.flags.writeable):
+                    raise InvalidArgumentError(f"out[{i}] {name}: must be C-contiguous and writable")
+                flat.append(a)
+        if len({id(a) for a in flat}) != len(flat) or any(
+                np.may_share_memory(a, b) for i, a in enumerate(flat) for b in flat[i + 1:]):
+            raise InvalidArgumentError("out arrays must not overlap")
+        return flat
 
     def close(self) -> None:
         self._src.close()

@@ -251,6 +251,30 @@ def _preference(meta: dict) -> tuple[str | None, str | None, float | None]:
     return pref["tier"], dev, (at if isinstance(at, (int, float)) and not isinstance(at, bool) else None)
 
 
+def _verify_policy(v: Any) -> str:
+    if v is True or v == "always":
+        return "always"
+    if v is False or v == "never":
+        return "never"
+    if v == "once":
+        return "once"
+    raise InvalidArgumentError(f"verify must be 'always' (True), 'once' or 'never' (False), got {v!r}")
+
+
+def _copy_into(out: Any, layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Copy per-layer (K, V) arrays into the caller's ``out`` pairs (same count, shapes and dtypes)."""
+    if not isinstance(out, (list, tuple)) or len(out) != len(layers):
+        raise InvalidArgumentError(f"out must be a list of {len(layers)} (K, V) pairs")
+    for i, (pair, src) in enumerate(zip(out, layers)):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidArgumentError(f"out[{i}]: expected a (K, V) pair")
+        for a, b in zip(pair, src):
+            if not isinstance(a, np.ndarray) or a.shape != b.shape or a.dtype != b.dtype or not a.flags.writeable:
+                raise InvalidArgumentError(f"out[{i}]: expected writable arrays of shape {b.shape} and dtype {b.dtype}")
+            np.copyto(a, b)
+    return [tuple(p) for p in out]
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -289,8 +313,12 @@ class Bucket:
     """
 
     def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
-                 prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30) -> None:
+                 prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30,
+                 verify: bool | str = "always") -> None:
         from mcf.bucket.tiers import WarmCache
+
+        self.verify = _verify_policy(verify)
+        self._verified: dict[str, tuple] = {}
 
         self._warm = WarmCache(warm_budget_bytes)
         self._hot: dict[str, tuple[Any, list[tuple[Any, Any]]]] = {}
@@ -925,13 +953,21 @@ class Bucket:
         return f
 
     def load(self, context_id: str, *, layers: Sequence[int] | int | None = None, tokens: int | None = None,
-             threads: int = 2, verify: bool = True, model: dict | str | None = None,
-             record_access: bool = True, as_torch: bool = False) -> list[tuple[Any, Any]]:
+             threads: int = 2, verify: bool | str | None = None, model: dict | str | None = None,
+             record_access: bool = True, as_torch: bool = False,
+             out: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> list[tuple[Any, Any]]:
         """Per-layer (K, V) numpy arrays (zero-copy views when stored uncompressed and not in a warmer
         tier).  ``model`` (a model id or compatibility dict) is checked first; ``record_access`` updates
         the access statistics; ``as_torch`` returns torch tensors (the hot tier's, on its device, when
-        the context is hot; else CPU copies)."""
+        the context is hot; else CPU copies).  ``out`` fills the caller's own arrays (see
+        :meth:`KVFile.load`).  ``verify`` overrides the bucket's policy for this call: "always" (True)
+        checks the CRC-32s of everything read, "once" skips the check when this object already
+        verified the same file (same device, inode, size, mtime and ctime), False skips it."""
         from mcf.bucket.tiers import select, to_torch
+
+        policy = self.verify if verify is None else _verify_policy(verify)
+        if out is not None and as_torch:
+            raise InvalidArgumentError("out= and as_torch=True exclude each other")
 
         if model is not None:
             meta = self.check_compatible(context_id, model)
@@ -941,17 +977,24 @@ class Bucket:
         hot = self._hot.get(context_id)
         warm = self._warm.get(context_id)
         if as_torch and hot is not None:
-            out = select(hot[1], layers, tokens)
+            res = select(hot[1], layers, tokens)
         elif warm is not None:
-            out = select(warm, layers, tokens)
+            res = select(warm, layers, tokens)
+            if out is not None:
+                res = _copy_into(out, res)
         else:
             with self.open(context_id) as f:
-                out = f.load(layers, tokens=tokens, threads=threads, verify=verify)
+                ident = f.identity() if policy == "once" else None
+                skip = ident is not None and self._verified.get(context_id) == (ident, f.header.checksum)
+                res = f.load(layers, tokens=tokens, threads=threads, verify=policy != "never" and not skip,
+                             out=out)
+                if ident is not None and f.verified:
+                    self._verified[context_id] = (ident, f.header.checksum)
         if as_torch and hot is None:
-            out = [(to_torch(k), to_torch(v)) for k, v in out]
+            res = [(to_torch(k), to_torch(v)) for k, v in res]
         if record_access:
             self._touch(context_id)
-        return out
+        return res
 
     # -- tiers ---------------------------------------------------------------------------------------
     def tier(self, context_id: str) -> str:
