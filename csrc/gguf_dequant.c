@@ -282,6 +282,14 @@ static void decode_scalar(int type, const uint8_t *x, size_t nb, float *y)
 /* ---- AVX2 ----------------------------------------------------------------------------------- */
 #define T2 "avx2,f16c"
 
+/* Stores: streaming (non-temporal) for outputs far larger than the caches when aligned, else plain.
+ * Only where the values are written, never how they are computed, so the bytes do not change. */
+__attribute__((target(T2))) static inline void st8(float *p, __m256 v, int st)
+{
+    if (st) _mm256_stream_ps(p, v);
+    else _mm256_storeu_ps(p, v);
+}
+
 __attribute__((target(T2))) static inline __m256 u8x8_ps(__m128i v) /* low 8 bytes, unsigned */
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
@@ -292,16 +300,16 @@ __attribute__((target(T2))) static inline __m256 i8x8_ps(__m128i v)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
-__attribute__((target(T2))) static void q8_0_avx2(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T2))) static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
         __m256 d = _mm256_set1_ps(f16(x));
         for (int k = 0; k < 4; k++)
-            _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d));
+            st8(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d), st);
     }
 }
 
-__attribute__((target(T2))) static void q4_0_avx2(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T2))) static void q4_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
     for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
@@ -309,25 +317,25 @@ __attribute__((target(T2))) static void q4_0_avx2(const uint8_t *x, size_t nb, f
         __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
         __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
         __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
-        _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8_ps(lo)));
-        _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(lo, 8))));
-        _mm256_storeu_ps(y + 16, _mm256_mul_ps(d, i8x8_ps(hi)));
-        _mm256_storeu_ps(y + 24, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(hi, 8))));
+        st8(y, _mm256_mul_ps(d, i8x8_ps(lo)), st);
+        st8(y + 8, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(lo, 8))), st);
+        st8(y + 16, _mm256_mul_ps(d, i8x8_ps(hi)), st);
+        st8(y + 24, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(hi, 8))), st);
     }
 }
 
 /* 32 unsigned codes (bytes) -> 32 floats s * q - m */
-__attribute__((target(T2))) static inline void emit32_avx2(__m256i q, float s, float m, float *y)
+__attribute__((target(T2))) static inline void emit32_avx2(__m256i q, float s, float m, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
     __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(lo)), vm));
-    _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(lo, 8))), vm));
-    _mm256_storeu_ps(y + 16, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(hi)), vm));
-    _mm256_storeu_ps(y + 24, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(hi, 8))), vm));
+    st8(y, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(lo)), vm), st);
+    st8(y + 8, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(lo, 8))), vm), st);
+    st8(y + 16, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(hi)), vm), st);
+    st8(y + 24, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(hi, 8))), vm), st);
 }
 
-__attribute__((target(T2))) static void q4_k_avx2(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T2))) static void q4_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
@@ -335,21 +343,21 @@ __attribute__((target(T2))) static void q4_k_avx2(const uint8_t *x, size_t nb, f
         k4_factors(x, ds, dm);
         for (int g = 0; g < 4; g++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
-            emit32_avx2(_mm256_and_si256(v, m4), ds[2 * g], dm[2 * g], y + 64 * g);
-            emit32_avx2(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), ds[2 * g + 1], dm[2 * g + 1], y + 64 * g + 32);
+            emit32_avx2(_mm256_and_si256(v, m4), ds[2 * g], dm[2 * g], y + 64 * g, st);
+            emit32_avx2(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), ds[2 * g + 1], dm[2 * g + 1], y + 64 * g + 32, st);
         }
     }
 }
 
 /* 16 signed codes (low 16 bytes) -> 16 floats s * q */
-__attribute__((target(T2))) static inline void emit16s_avx2(__m128i q, float s, float *y)
+__attribute__((target(T2))) static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s);
-    _mm256_storeu_ps(y, _mm256_mul_ps(vs, i8x8_ps(q)));
-    _mm256_storeu_ps(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))));
+    st8(y, _mm256_mul_ps(vs, i8x8_ps(q)), st);
+    st8(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))), st);
 }
 
-__attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
@@ -367,8 +375,8 @@ __attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, f
                 __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
                 int sb = (h * 128 + 32 * t) >> 4;
                 float *o = y + h * 128 + 32 * t;
-                emit16s_avx2(_mm256_castsi256_si128(q), ds[sb], o);
-                emit16s_avx2(_mm256_extracti128_si256(q, 1), ds[sb + 1], o + 16);
+                emit16s_avx2(_mm256_castsi256_si128(q), ds[sb], o, st);
+                emit16s_avx2(_mm256_extracti128_si256(q, 1), ds[sb + 1], o + 16, st);
             }
         }
     }
@@ -376,6 +384,12 @@ __attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, f
 
 /* ---- AVX-512 -------------------------------------------------------------------------------- */
 #define T512 "avx512f,avx512bw,avx512vl,avx2,f16c"
+
+__attribute__((target(T512))) static inline void st16(float *p, __m512 v, int st)
+{
+    if (st) _mm512_stream_ps(p, v);
+    else _mm512_storeu_ps(p, v);
+}
 
 __attribute__((target(T512))) static inline __m512 u8x16_ps(__m128i v)
 {
@@ -387,16 +401,16 @@ __attribute__((target(T512))) static inline __m512 i8x16_ps(__m128i v)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
-__attribute__((target(T512))) static void q8_0_avx512(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T512))) static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
         __m512 d = _mm512_set1_ps(f16(x));
-        _mm512_storeu_ps(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d));
-        _mm512_storeu_ps(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d));
+        st16(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d), st);
+        st16(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d), st);
     }
 }
 
-__attribute__((target(T512))) static void q4_0_avx512(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T512))) static void q4_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
     for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
@@ -404,12 +418,12 @@ __attribute__((target(T512))) static void q4_0_avx512(const uint8_t *x, size_t n
         __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
         __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
         __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
-        _mm512_storeu_ps(y, _mm512_mul_ps(d, i8x16_ps(lo)));
-        _mm512_storeu_ps(y + 16, _mm512_mul_ps(d, i8x16_ps(hi)));
+        st16(y, _mm512_mul_ps(d, i8x16_ps(lo)), st);
+        st16(y + 16, _mm512_mul_ps(d, i8x16_ps(hi)), st);
     }
 }
 
-__attribute__((target(T512))) static void q4_k_avx512(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T512))) static void q4_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
@@ -421,15 +435,15 @@ __attribute__((target(T512))) static void q4_k_avx512(const uint8_t *x, size_t n
             __m512 s0 = _mm512_set1_ps(ds[2 * g]), n0 = _mm512_set1_ps(dm[2 * g]);
             __m512 s1 = _mm512_set1_ps(ds[2 * g + 1]), n1 = _mm512_set1_ps(dm[2 * g + 1]);
             float *o = y + 64 * g;
-            _mm512_storeu_ps(o, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_castsi256_si128(lo))), n0));
-            _mm512_storeu_ps(o + 16, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_extracti128_si256(lo, 1))), n0));
-            _mm512_storeu_ps(o + 32, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_castsi256_si128(hi))), n1));
-            _mm512_storeu_ps(o + 48, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_extracti128_si256(hi, 1))), n1));
+            st16(o, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_castsi256_si128(lo))), n0), st);
+            st16(o + 16, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_extracti128_si256(lo, 1))), n0), st);
+            st16(o + 32, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_castsi256_si128(hi))), n1), st);
+            st16(o + 48, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_extracti128_si256(hi, 1))), n1), st);
         }
     }
 }
 
-__attribute__((target(T512))) static void q6_k_avx512(const uint8_t *x, size_t nb, float *y)
+__attribute__((target(T512))) static void q6_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
@@ -447,8 +461,8 @@ __attribute__((target(T512))) static void q6_k_avx512(const uint8_t *x, size_t n
                 __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
                 int sb = (h * 128 + 32 * t) >> 4;
                 float *o = y + h * 128 + 32 * t;
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(ds[sb]), i8x16_ps(_mm256_castsi256_si128(q))));
-                _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_set1_ps(ds[sb + 1]), i8x16_ps(_mm256_extracti128_si256(q, 1))));
+                st16(o, _mm512_mul_ps(_mm512_set1_ps(ds[sb]), i8x16_ps(_mm256_castsi256_si128(q))), st);
+                st16(o + 16, _mm512_mul_ps(_mm512_set1_ps(ds[sb + 1]), i8x16_ps(_mm256_extracti128_si256(q, 1))), st);
             }
         }
     }
@@ -458,20 +472,23 @@ __attribute__((target(T512))) static void q6_k_avx512(const uint8_t *x, size_t n
 static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl)
 {
 #ifdef MCF_X86
+    /* streaming stores when the output (>= 8 MiB) is 64-byte aligned: every block's output then
+     * starts on a 64-byte boundary (32 or 256 floats) */
+    int st = nb * mcf_gguf_block_size(type) * 4 >= (8u << 20) && ((uintptr_t)y & 63) == 0;
     if (impl >= MCF_IMPL_AVX512) {
         switch (type) {
-        case MCF_GGML_Q8_0: q8_0_avx512(x, nb, y); return;
-        case MCF_GGML_Q4_0: q4_0_avx512(x, nb, y); return;
-        case MCF_GGML_Q4_K: q4_k_avx512(x, nb, y); return;
-        case MCF_GGML_Q6_K: q6_k_avx512(x, nb, y); return;
+        case MCF_GGML_Q8_0: q8_0_avx512(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q4_0: q4_0_avx512(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q4_K: q4_k_avx512(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q6_K: q6_k_avx512(x, nb, y, st); _mm_sfence(); return;
         default: break;
         }
     } else if (impl == MCF_IMPL_AVX2) {
         switch (type) {
-        case MCF_GGML_Q8_0: q8_0_avx2(x, nb, y); return;
-        case MCF_GGML_Q4_0: q4_0_avx2(x, nb, y); return;
-        case MCF_GGML_Q4_K: q4_k_avx2(x, nb, y); return;
-        case MCF_GGML_Q6_K: q6_k_avx2(x, nb, y); return;
+        case MCF_GGML_Q8_0: q8_0_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q4_0: q4_0_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q4_K: q4_k_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q6_K: q6_k_avx2(x, nb, y, st); _mm_sfence(); return;
         default: break;
         }
     }

@@ -440,3 +440,24 @@ def test_non_utf8_strings_stay_bytes(tmp_path):
         assert g.metadata["tokenizer.ggml.tokens"] == [b"ab\xff\xa9", "zz"]
         doc = json.loads(G.metadata_json(g))
         assert doc["metadata"]["tokenizer.ggml.tokens"][0] == {"bytes_hex": "6162ffa9"}
+
+
+@pytest.mark.parametrize("tname", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+def test_large_outputs_use_streaming_stores_with_the_same_bits(tmp_path, tname):
+    """Outputs of 8 MiB and more, 64-byte aligned, are written with non-temporal stores by the vector
+    variants: same values as gguf-py, and as an unaligned (plain-store) output."""
+    from mcf.io import aligned_empty
+
+    shape = (3072, 1024)  # 12 MiB of float32
+    arr, raw = fx.make_tensor(tname, shape, fx.rng_for("large " + tname))
+    path = str(tmp_path / "large.gguf")
+    fx.write_gguf(path, [("w", arr, raw)])
+    want = bits(fx.reference_decode(arr, tname, shape))
+    with G.open(path) as g:
+        for impl in IMPLS:
+            out = aligned_empty(shape[0] * shape[1] * 4, 64).view(np.float32).reshape(shape)
+            assert np.array_equal(bits(g.dequantize("w", out=out, impl=impl)), want), impl
+            unaligned = np.empty(shape[0] * shape[1] + 1, np.float32)[1:].reshape(shape)
+            assert unaligned.ctypes.data % 64
+            assert np.array_equal(bits(g.dequantize("w", out=unaligned, impl=impl)), want), impl
+            assert np.array_equal(bits(g.dequantize("w", impl=impl, threads=2)), want), impl
