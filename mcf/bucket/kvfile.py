@@ -549,9 +549,18 @@ class KVFile:
             if whole:
                 self.verify()
             direct = dests is not None and ntok == s.sequence_length
+            bs = L.block_size(s, self.dtype)
+            # lz4 without out=: one allocation for every block, sliced per chunk, so the worker threads
+            # only page-fault into it (in parallel) instead of each mapping and unmapping its own buffers
+            # (which serializes them on the address-space lock)
+            big = (np.empty(len(idxs) * bs, np.uint8)
+                   if not direct and comp == L.Compression.LZ4 and _lz4_into is not None else None)
 
             def one(k):
-                dst = dests[k].reshape(-1).view(np.uint8) if direct else None
+                if direct:
+                    dst = dests[k].reshape(-1).view(np.uint8)
+                else:
+                    dst = big[k * bs:(k + 1) * bs] if big is not None else None
                 raw = self._chunk_bytes(idxs[k], verify and not whole, dst)
                 return dests[k] if direct else self._block(raw, 0, 0)
 
