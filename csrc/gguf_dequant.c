@@ -546,11 +546,10 @@ void mcf_gguf_codes(int type, const uint8_t *src, size_t nblocks, uint8_t *codes
      * packs element 2k in the low nibble of byte k, as a 4-bit two's complement code: nibble ^ 8. */
     for (size_t b = 0; b < nblocks; b++) {
         const uint8_t *qs = src + 18 * b + 2;
-        uint8_t *o = codes + 16 * b, e[32];
-        for (int j = 0; j < 16; j++) {
-            e[j] = (uint8_t)((qs[j] & 0x0f) ^ 8);
-            e[j + 16] = (uint8_t)((qs[j] >> 4) ^ 8);
+        uint8_t *o = codes + 16 * b;
+        for (int k = 0; k < 8; k++) {
+            o[k] = (uint8_t)(((qs[2 * k] & 0x0f) | (qs[2 * k + 1] << 4)) ^ 0x88);
+            o[8 + k] = (uint8_t)(((qs[2 * k] >> 4) | (qs[2 * k + 1] & 0xf0)) ^ 0x88);
         }
-        for (int k = 0; k < 16; k++) o[k] = (uint8_t)(e[2 * k] | (e[2 * k + 1] << 4));
     }
 }
