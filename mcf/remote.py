@@ -6,11 +6,13 @@ with range requests through a block cache, as a file-like object the I/O core re
 Megatron ``.idx``/``.bin``, MegaContext ``.ctx``, MCB ``kv_data.mcb``) reads URLs without knowing it.
 
 Why a class of our own on top of fsspec instead of ``fsspec.open(...)``: a remote server can answer a
-range request with fewer bytes than asked (a dropped connection, a truncated body), or ignore ``Range``
-and send the whole file with status 200.  fsspec hands such answers back as they are; a tensor read from
-them would be silently short or shifted.  Here every answer's length is checked against the request,
-transient failures are retried a bounded number of times, and the last failure becomes an
-:class:`mcf.MCFIOError` naming the URL, the offset and both sizes.  The file size must be known up front
+range request with fewer bytes than asked (a dropped connection, a truncated body), ignore ``Range``
+and send the whole file with status 200, or label another range in ``Content-Range``.  fsspec hands
+such answers back as they are; a tensor read from them would be silently short or shifted.  Here every
+answer's length is checked against the request (for HTTP also its status and ``Content-Range``: those
+requests are made on fsspec's aiohttp session by :meth:`RemoteFile._http_range`, which streams the
+body into the destination), transient failures are retried a bounded number of times, and the last
+failure becomes an :class:`mcf.MCFIOError` naming the URL, the offset and both sizes.  The file size must be known up front
 (``HEAD``/``Content-Length``), since every bounds check of the readers depends on it.
 
 Small reads go through an LRU cache of aligned blocks (``block_size``, default 1 MiB; a header, an index
@@ -153,6 +155,9 @@ class RemoteFile:
         self._opts = dict(storage_options or {})
         self.timeout = timeout
         self._fs, self._path = _url_to_fs(url, _with_timeout(url, self._opts, timeout))
+        # HTTP(S): range requests made on fsspec's own aiohttp session, status and Content-Range checked,
+        # bodies streamed into the destination (see _http_range); other protocols use fsspec's cat_file
+        self._http = "http" in (getattr(self._fs, "protocol", ()) or ()) and hasattr(self._fs, "set_session")
         self._pos = 0
         self._closed = False
         self._cache: OrderedDict = OrderedDict()
@@ -206,34 +211,103 @@ class RemoteFile:
         return MCFIOError(errno.EIO, f"range read of {end - start} bytes at offset {start} (file size "
                           f"{self.size}) failed after {self.retries + 1} attempts: {why}", self.url)
 
-    def _fetch(self, start: int, end: int) -> bytes:
-        """Exactly the bytes [start, end), retried; raises MCFIOError naming URL, offset and sizes."""
-        why = None
-        for attempt in range(self.retries + 1):
+    def _fetch(self, start: int, end: int, out: memoryview | None = None, done: int = 0, why=None):
+        """Exactly the bytes [start, end) (into ``out`` when given, else returned), retried; raises
+        MCFIOError naming URL, offset and sizes.  ``done`` attempts (that failed with ``why``) were made
+        by the caller already."""
+        for attempt in range(done, self.retries + 1):
             self.stats["requests"] += 1
             if attempt:
                 self.stats["retries"] += 1
             try:
-                data = self._fs.cat_file(self._path, start=start, end=end)
+                if self._http:
+                    dst = out if out is not None else memoryview(bytearray(end - start))
+                    data = self._sync(self._http_range, start, end, dst)
+                    if data is None:
+                        data = dst
+                else:
+                    data = self._fs.cat_file(self._path, start=start, end=end)
             except Exception as exc:  # noqa: BLE001 - back ends raise their own types (aiohttp, botocore...)
                 mapped = _os_error(exc, self.url)
                 if mapped is not None:
                     raise mapped from None
                 data = exc
-            why = self._check(data, start, end)
+            why = data if isinstance(data, str) else self._check(data, start, end)
             if why is None:
                 self.stats["bytes_fetched"] += end - start
+                if out is not None and not self._http:
+                    out[:] = data
                 return data
-            if not isinstance(data, BaseException) and "ignored the Range" in why:
+            if "ignored the Range" in why:
                 break  # asking again gets the same whole-file answer
             self._sleep(attempt)
+        if why is None:
+            why = "no attempt left"
         raise self._fail(start, end, why)
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    def _sync(self, fn, *args):
+        from fsspec.asyn import sync
+
+        return sync(self._fs.loop, fn, *args)
+
+    async def _http_range(self, start: int, end: int, mv: memoryview):
+        """One range request on fsspec's aiohttp session, the body streamed into ``mv`` (no ``bytes`` of
+        the whole body is built).  Returns None when ``mv`` holds exactly [start, end), else what went
+        wrong (a string); raises for transport errors (retried by the caller) and 404/403."""
+        fs = self._fs
+        session = await fs.set_session()
+        kw = dict(fs.kwargs)
+        headers = dict(kw.pop("headers", None) or {})
+        headers["Range"] = f"bytes={start}-{end - 1}"
+        headers.setdefault("Accept-Encoding", "identity")  # ranges of the stored bytes, never of a gzip body
+        async with session.get(fs.encode_url(self._path), headers=headers, **kw) as r:
+            if r.status == 404:
+                raise FileNotFoundError(self.url)
+            if r.status in (401, 403):
+                raise PermissionError(self.url)
+            if r.status == 200:
+                if not (start == 0 and end == self.size):
+                    return (f"status 200 for a {end - start}-byte range at offset {start}: the server ignored "
+                            "the Range header (it must answer 206 Partial Content)")
+            elif r.status == 206:
+                why = self._check_content_range(r.headers.get("Content-Range"), start, end)
+                if why:
+                    return why
+            else:
+                raise OSError(f"HTTP status {r.status} {r.reason}")
+            n, want = 0, end - start
+            async for chunk in r.content.iter_any():
+                k = len(chunk)
+                if n + k > want:
+                    return f"got more than the {want} bytes of the range (short Content-Range?)"
+                mv[n:n + k] = chunk
+                n += k
+        if n != want:
+            return f"got {n} bytes for a {want}-byte range (short read)"
+        return None
+
+    def _check_content_range(self, value, start, end):
+        """None when ``Content-Range: bytes a-b/total`` names exactly the requested range of this file."""
+        try:
+            unit, rest = value.split(" ", 1)
+            span, total = rest.split("/", 1)
+            a, b = (int(x) for x in span.split("-", 1))
+        except (AttributeError, ValueError):
+            return f"206 answer with a missing or malformed Content-Range {value!r}"
+        if unit != "bytes" or a != start or b != end - 1 or (total != "*" and int(total) != self.size):
+            return (f"206 answer for the wrong range: Content-Range {value!r}, asked for bytes {start}-{end - 1}"
+                    f"/{self.size}")
+        return None
 
     def _fetch_into(self, start: int, mv: memoryview) -> None:
         """Fill ``mv`` from ``start`` in request_size pieces, CONCURRENCY at a time when the file system
         is asynchronous; each piece is checked and retried alone."""
         n = len(mv)
         pieces = [(s, min(s + self.request_size, start + n)) for s in range(start, start + n, self.request_size)]
+        if self._http:
+            self._http_many(start, mv, pieces)
+            return
         batch = CONCURRENCY if getattr(self._fs, "async_impl", False) and len(pieces) > 1 else 1
         for i in range(0, len(pieces), batch):
             group = pieces[i:i + batch]
@@ -251,12 +325,39 @@ class RemoteFile:
                     mapped = _os_error(data, self.url) if isinstance(data, BaseException) else None
                     if mapped is not None:
                         raise mapped
-                    self.stats["retries"] += 1
-                    self.stats["requests"] -= 1  # _fetch counts its own first attempt
-                    data = self._fetch(a, b)
+                    self._sleep(0)
+                    data = self._fetch(a, b, done=1, why=self._check(data, a, b))
                 else:
                     self.stats["bytes_fetched"] += b - a
                 mv[a - start:b - start] = data
+
+    def _http_many(self, start, mv, pieces):
+        """Pieces CONCURRENCY at a time, each streamed into its slice of ``mv``; failed ones retried alone."""
+        import asyncio
+
+        async def group(g):
+            return await asyncio.gather(*(self._http_range(a, b, mv[a - start:b - start]) for a, b in g),
+                                        return_exceptions=True)
+
+        for i in range(0, len(pieces), CONCURRENCY):
+            g = pieces[i:i + CONCURRENCY]
+            self.stats["requests"] += len(g)
+            results = self._sync(group, g)
+            for (a, b), res in zip(g, results):
+                if res is None:
+                    self.stats["bytes_fetched"] += b - a
+                    continue
+                if isinstance(res, BaseException):
+                    mapped = _os_error(res, self.url)
+                    if mapped is not None:
+                        raise mapped
+                    if not isinstance(res, Exception):
+                        raise res
+                elif "ignored the Range" in res:
+                    raise self._fail(a, b, res)
+                why = res if isinstance(res, str) else f"{type(res).__name__}: {res}"
+                self._sleep(0)
+                self._fetch(a, b, mv[a - start:b - start], done=1, why=why)
 
     def _block(self, k: int) -> bytes:
         blk = self._cache.get(k)
@@ -283,6 +384,8 @@ class RemoteFile:
                 run += 1
             a, b = k * bs, min((run + 1) * bs, self.size)
             data = self._fetch(a, b)
+            if not isinstance(data, bytes):
+                data = bytes(data)
             for j in range(k, run + 1):
                 blocks[j] = data[(j - k) * bs:(j - k + 1) * bs]
                 if self.cache_size >= bs:
