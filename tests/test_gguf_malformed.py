@@ -222,3 +222,22 @@ def test_every_error_names_file_and_field(tmp_path):
         G.open(str(p))
     e = ei.value
     assert str(p) in str(e) and e.field == "tensor['t1'].offset" and e.offset is not None
+
+
+def test_odd_but_valid_shapes_convert(tmp_path):
+    """Empty tensors, a 0-dim scalar and an empty Q8_0 matrix are valid GGUF and convert."""
+    data = build([], [tinfo("empty", (4, 0), 0, 0), tinfo("scalar", (), 0, 0), tinfo("q", (32, 0), 8, 32),
+                      tinfo("v", (3,), 0, 32)],
+                 struct.pack("<f", 1.5) + b"\0" * 28 + struct.pack("<3f", 1.5, 2.5, 3.5) + b"\0" * 20)
+    g = G.open(data)
+    assert g.info("scalar").shape == () and g.dequantize("scalar").shape == ()
+    assert g.info("empty").shape == (0, 4) and g.dequantize("empty").shape == (0, 4)
+    src = tmp_path / "odd.gguf"
+    src.write_bytes(data)
+    for method in (None, "native", "q8"):
+        dst = str(tmp_path / f"odd-{method}.mcf")
+        G.convert_gguf(str(src), dst, method=method)
+        with mcf.open(dst) as c:
+            assert c.info("empty").shape == (0, 4) and c.info("q").shape == (0, 32)
+            assert c.tensor("scalar").shape == () and float(c.tensor("scalar")) == 1.5
+            assert c.tensor("v").tolist() == [1.5, 2.5, 3.5]
