@@ -674,3 +674,15 @@ def test_bucket_load_into_out(tmp_path, compression):
     np.testing.assert_array_equal(out2[0][0], layers[1][0][:, :8])
     with pytest.raises(mcf.InvalidArgumentError):
         b.load(cid, layers=[1], out=out2)  # 16 tokens do not fit 8
+
+
+def test_registry_without_orjson(tmp_path, monkeypatch):
+    """orjson is optional: the json module writes and reads the same snapshot."""
+    b = Bucket(tmp_path)
+    made = [b.ingest("m", kv(120 + i), content=f"j{i}")["context_id"] for i in range(3)]
+    with_orjson = b.rebuild()
+    monkeypatch.setattr(store, "_orjson", None)
+    again = Bucket(tmp_path).rebuild()
+    assert with_orjson["models"] == again["models"]
+    assert ids(Bucket(tmp_path).discover("m")) == sorted(made)
+    assert store._loads(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
