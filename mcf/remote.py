@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
 
-__all__ = ["RemoteFile", "is_url", "open_remote", "exists", "read_bytes", "refuse_url",
+__all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url",
            "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_RETRIES", "DEFAULT_TIMEOUT"]
 
 DEFAULT_BLOCK_SIZE = 1 << 20
@@ -101,27 +101,6 @@ def _os_error(exc, url):
     if isinstance(exc, PermissionError):
         return AccessError(errno.EACCES, "access to the remote file was denied", url)
     return None
-
-
-def exists(url, storage_options=None) -> bool:
-    """True if ``url`` names an existing remote file or directory."""
-    fs, path = _url_to_fs(url, storage_options)
-    try:
-        return bool(fs.exists(path))
-    except Exception:  # noqa: BLE001 - fsspec back ends raise anything; "cannot tell" is "no" here
-        return False
-
-
-def read_bytes(url, limit: int, storage_options=None) -> bytes:
-    """The whole of a small remote file (at most ``limit`` bytes; longer ones raise), e.g. a JSON
-    sidecar.  Missing files raise :class:`MissingFileError` like a local open would."""
-    with RemoteFile(url, storage_options=storage_options) as f:
-        if f.size > limit:
-            raise MCFIOError(errno.EFBIG, f"remote file of {f.size} bytes is larger than the {limit} bytes "
-                             "allowed here", url)
-        buf = bytearray(f.size)
-        f.readinto(buf)
-        return bytes(buf)
 
 
 class RemoteFile:

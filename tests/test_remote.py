@@ -475,3 +475,40 @@ def test_docs_remote_examples_run(tmp_path, monkeypatch, capsys):
         exec(compile(code, f"remote.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
     out = capsys.readouterr().out.splitlines()
     assert out == ["fileobj [4. 5. 6. 7.]", "(64, 256)", "['emb', 'proj'] float16", "66.0"]
+
+
+# -- the block cache against plain slicing --------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_BLOB = bytes(_rng("blob").integers(0, 256, size=50_000, dtype=np.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(block=st.sampled_from([1, 7, 64, 4096, 1 << 20]), cache_blocks=st.integers(0, 5),
+       reads=st.lists(st.tuples(st.integers(0, 50_100), st.integers(0, 30_000)), min_size=1, max_size=12))
+def test_reads_equal_slices(block, cache_blocks, reads):
+    """Any sequence of seek+readinto through any block/cache geometry returns exactly the file's bytes
+    (cached, uncached, straddling blocks, past the end)."""
+    fsspec.filesystem("memory").pipe("/remote-test/blob.bin", _BLOB)
+    f = RemoteFile("memory:///remote-test/blob.bin", block_size=block, cache_size=cache_blocks * block,
+                   request_size=max(1, 3 * block))
+    for off, n in reads:
+        f.seek(off)
+        buf = bytearray(n)
+        got = f.readinto(buf)
+        want = _BLOB[off:off + n]
+        assert got == len(want) and bytes(buf[:got]) == want
+        assert f.tell() == off + got
+    assert len(f._cache) <= cache_blocks
+
+
+def test_reads_equal_slices_over_http(server, www):
+    ref = (www / "model.mcf").read_bytes()
+    rng = _rng("http-slices")
+    f = RemoteFile(server.url("model.mcf"), block_size=4096, cache_size=8 * 4096, request_size=50_000)
+    for _ in range(40):
+        off = int(rng.integers(0, len(ref)))
+        n = int(rng.choice([1, 100, 4095, 4097, 20_000, 200_000]))
+        f.seek(off)
+        assert f.read(n) == ref[off:off + n]
