@@ -181,13 +181,43 @@ def test_convert(benchmark, conversion_files, tmp_path, tname, method):
         os.unlink(p)
 
 
+@pytest.fixture(scope="module")
+def vocab_file(tmp_path_factory):
+    """A llama-3-sized tokenizer: 128,256 tokens, scores, types and 280,000 merges."""
+    path = str(tmp_path_factory.mktemp("gguf_vocab") / "vocab.gguf")
+    n = 128_256
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_token_list([f"tok{i}\u0120" + "ab" * (i % 7) for i in range(n)])
+    w.add_token_scores([float(i) for i in range(n)])
+    w.add_token_types([1] * n)
+    w.add_token_merges([f"a{i} b{i}" for i in range(280_000)])
+    w.add_tensor("x", np.ones((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.benchmark(group="gguf-open")
+def test_open_vocabulary(benchmark, vocab_file):
+    """Opening a file whose header holds a large vocabulary: every key parsed, against gguf-py's
+    GGUFReader (which also parses every field)."""
+    _touch(vocab_file)
+    benchmark.pedantic(lambda: G.open(vocab_file).close(), rounds=5, warmup_rounds=1, iterations=1)
+    t = benchmark.stats.stats.median
+    t_ref = _median_time(lambda: gguf.GGUFReader(vocab_file), rounds=1)
+    benchmark.extra_info.update(seconds=t, gguf_reader_seconds=t_ref, vs_gguf_reader=t_ref / t)
+    _SUMMARY.append(("open-vocab", "-", "best", os.path.getsize(vocab_file) / t / 1e9, t_ref / t, None))
+
+
 def teardown_module(module):
     if not _SUMMARY:
         return
     print("\n\nkind          type  impl    GB/s    ratio-a   ratio-b")
     print("  decode: GB/s of float32 output; ratio-a = vs gguf-py dequantize (target >= 20 for Q4_K),")
     print("          ratio-b = vs numpy.copyto of the same 64 MiB")
-    print("  2thr: ratio-a = 2 threads / 1 thread")
+    print("  2thr: ratio-a = 2 threads / 1 thread;  open-vocab: GB/s of header, ratio-a = vs gguf.GGUFReader")
     print("  conv-*: GB/s of GGUF input; ratio-a = vs shutil.copyfile + fsync, ratio-b = vs a 16 MiB-chunk")
     print("          read/write copy + fsync of the same file (the writer fsyncs too)")
     for kind, tn, impl, gbps, a, b in _SUMMARY:
