@@ -75,6 +75,9 @@ def _plan(c, dtype) -> list:
     out = []
     for name in c:
         t = c.info(name)
+        if name == "__metadata__":
+            raise InvalidArgumentError(f"{c.path}: a tensor named '__metadata__' cannot be stored in safetensors "
+                                       "(the name is the header's metadata key)")
         if t.dtype.quantized:
             if dtype == "raw":
                 rec = c.quant_record(name)

@@ -311,3 +311,11 @@ def test_kernel_copy_and_user_space_copy_write_the_same_bytes(tmp_path, monkeypa
     want = (tmp_path / "kernel.safetensors").read_bytes()
     assert (tmp_path / "memory.safetensors").read_bytes() == want
     assert (tmp_path / "fallback.safetensors").read_bytes() == want
+
+
+def test_a_tensor_named_like_the_metadata_key_is_refused(tmp_path):
+    with mcf.Writer(tmp_path / "m.mcf") as w:
+        w.add_tensor("__metadata__", np.zeros(3, np.float32))
+    with pytest.raises(mcf.InvalidArgumentError, match="__metadata__"):
+        export(tmp_path / "m.mcf", tmp_path / "o.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["m.mcf"]
