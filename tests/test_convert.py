@@ -180,6 +180,21 @@ def test_gguf_files_go_to_convert_gguf(tmp_path):
     assert stats and all(hasattr(s, "ggml_type") for s in stats)
 
 
+def test_cli_convert_gguf_reports_how_each_tensor_was_stored(tmp_path, capsys):
+    pytest.importorskip("gguf", reason="mcf.gguf's tests need gguf-py; the dispatch itself does not")
+    from mcf.gguf import convert_gguf
+
+    assert cli_main(["convert", GGUF_GOLDEN, "-o", str(tmp_path / "n.mcf"), "--method", "native", "--report",
+                     "-q"]) == 0
+    out = capsys.readouterr().out
+    stats = convert_gguf(GGUF_GOLDEN, tmp_path / "direct.mcf", method="native")
+    assert (tmp_path / "n.mcf").read_bytes() == (tmp_path / "direct.mcf").read_bytes()
+    for s in stats:
+        assert re.search(rf"{re.escape(s.name)}\s+{s.ggml_type}\s+->\s+{s.stored_as}\s+{s.how}", out), s.name
+    assert cli_main(["convert", MANTLE_MODEL, "-o", str(tmp_path / "x.mcf"), "--method", "native"]) == 1
+    assert "unknown method" in capsys.readouterr().err
+
+
 # -- bad input ------------------------------------------------------------------------------------
 def _bad_files(d):
     """name -> (writer of a broken checkpoint under d, expected exception, message pattern)."""
