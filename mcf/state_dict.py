@@ -155,6 +155,10 @@ def decode_into(c: Container, p: Plan, out: np.ndarray, threads: int = 1) -> Non
         return
     # a column split: rows stay whole; decode a row block at a time into a bounded temporary
     c0, c1 = p.cols
+    if p.quantized and not c.source.is_mapped:
+        # each row block would fetch the whole payload again (Container.dequantize reads it per call)
+        out[...] = c.dequantize(p.name, dtype=out.dtype, threads=threads)[:, c0:c1]
+        return
     nrows, ncols = p.shape[0], p.shape[1]
     rest = int(np.prod(p.shape[2:], dtype=np.int64)) if len(p.shape) > 2 else 1
     step = max(1, (8 << 20) // max(1, ncols * rest * out.itemsize))
@@ -172,10 +176,16 @@ def numpy_dtype(kind: str) -> np.dtype:
 
 
 def stored_view(c: Container, p: Plan) -> np.ndarray:
-    """The tensor's stored values (zero-copy when mapped), restricted to the plan's rows/columns."""
-    a = c.tensor(p.name)
+    """The tensor's stored values (zero-copy when mapped), restricted to the plan's rows/columns.  A row
+    share reads only its rows' bytes (what matters when the source is a URL or read with pread)."""
     if p.rows is not None:
-        a = a[p.rows[0]:p.rows[1]]
+        t = c.info(p.name)
+        r0, r1 = p.rows
+        row = t.nbytes // p.shape[0] if p.shape[0] else 0
+        dt = numpy_dtype("bf16") if t.dtype.code == DType.BF16 else t.dtype.numpy
+        a = c.source.array(t.offset + r0 * row, dt, (r1 - r0,) + tuple(p.shape[1:]))
+    else:
+        a = c.tensor(p.name)
     if p.cols is not None:
         a = a[:, p.cols[0]:p.cols[1]]
     return a

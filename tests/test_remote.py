@@ -133,6 +133,21 @@ def test_load_state_dict_remote(server, www):
         _eq(got[name], ref[name])
 
 
+def test_tp_share_over_http_reads_only_its_rows(server, www):
+    local = mcf.load_state_dict(str(www / "model.mcf"), names=["big"], tp_rank=1, tp_size=4)
+    server.clear_log()
+    got = mcf.load_state_dict(server.url("model.mcf"), names=["big"], tp_rank=1, tp_size=4)
+    _eq(got["big"], local["big"])
+    fetched = sum(r[3] for r in server.requests("model.mcf") if r[0] == "GET")
+    # a quarter of the 8 MiB tensor, plus at most three 1 MiB blocks of header, directory and index
+    assert fetched <= (2 << 20) + (3 << 20), fetched
+    # column shares of quantized tensors (decoded once, then sliced) equal the local ones
+    for name in ("q", "q8"):
+        a = mcf.load_state_dict(str(www / "model.mcf"), names=[name], tp_rank=1, tp_size=2, tp_dim=1)
+        b = mcf.load_state_dict(server.url("model.mcf"), names=[name], tp_rank=1, tp_size=2, tp_dim=1)
+        _eq(b[name], a[name])
+
+
 def test_safetensors_remote(server, www):
     from safetensors.numpy import load_file
 
