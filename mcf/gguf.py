@@ -562,7 +562,7 @@ def open(obj, *, mmap: bool = True) -> GGUFFile:  # noqa: A001 - mirrors mcf.ope
 
 # -- conversion to MCF ------------------------------------------------------------------------------
 
-_CHUNK = 16 << 20          # bytes of output (or input, for copies) per streamed chunk
+_CHUNK = 1 << 20           # bytes per streamed chunk (1 MiB stays in the caches: measured faster than 16 MiB)
 _NATIVE = {"Q8_0": "q8", "Q4_0": "q4"}
 
 

@@ -94,8 +94,9 @@ def test_convert_peak_rss_stays_far_below_the_file_size(big_gguf, tmp_path, mmap
     assert m["out"] > size  # the float outputs are bigger than the input: nothing was skipped
     if method == "native":
         assert "native" in m["how"]
-    # streamed in 16 MiB chunks: measured ~16-18 MiB of growth for a 424 MiB file (~830 MB of output);
-    # without MADV_DONTNEED on consumed ranges the mmap run grows by the whole file (440 MiB)
-    assert grew < 64 << 20, f"peak RSS grew by {grew / 2**20:.0f} MiB converting a {size / 2**20:.0f} MiB file"
+    # streamed in 1 MiB chunks: measured +1 MiB (pread), +15 MiB (mmap), +2.7 MiB (native) for a 424 MiB
+    # file (~830 MB of output); without MADV_DONTNEED on consumed ranges the mmap run grows by the whole
+    # file (440 MiB)
+    assert grew < 32 << 20, f"peak RSS grew by {grew / 2**20:.0f} MiB converting a {size / 2**20:.0f} MiB file"
     for p in (dst, dst + ".warm"):
         os.unlink(p)
