@@ -136,11 +136,12 @@ def _chunks(c, e: _Entry, buf):
     rows, cols = t.shape
     row_bytes = cols * e.out.itemsize
     step = max(1, buf.nbytes // max(1, row_bytes))
+    if row_bytes > buf.nbytes:  # one row does not fit: a buffer of one row, reused for every row
+        buf = alloc_buffer(row_bytes)
     store = np.uint16 if e.out.code == DType.BF16 else e.out.numpy
     for r in range(0, rows, step):
         k = min(step, rows - r)
-        need = k * row_bytes
-        dst = (buf[:need] if need <= buf.nbytes else alloc_buffer(need)).view(store)
+        dst = buf[:k * row_bytes].view(store)
         c.dequantize(e.name, rows=(r, r + k), out=dst)
         yield dst
     if src.is_mapped:  # the decoder read the payload through the mapping: give those pages back

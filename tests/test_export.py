@@ -216,6 +216,7 @@ def test_sharded_export(tmp_path):
     assert sorted(p for p in os.listdir(out) if "safetensors" in p) == ["model.safetensors"]
 
 
+@pytest.mark.slow
 def test_transformers_loads_an_exported_sharded_directory(tmp_path, minilm_dir):
     transformers = pytest.importorskip("transformers", reason="optional: the real consumer of the directory")
     torch = pytest.importorskip("torch")
@@ -319,3 +320,19 @@ def test_a_tensor_named_like_the_metadata_key_is_refused(tmp_path):
     with pytest.raises(mcf.InvalidArgumentError, match="__metadata__"):
         export(tmp_path / "m.mcf", tmp_path / "o.safetensors")
     assert sorted(os.listdir(tmp_path)) == ["m.mcf"]
+
+
+def test_rows_wider_than_the_stream_buffer(tmp_path, monkeypatch):
+    """Decoding row blocks into the reused buffer, when even one row is larger than it."""
+    import sys
+
+    E = sys.modules["mcf.export"]   # (mcf.export, the attribute, is the function)
+    x = rng_for("wide").standard_normal((3, 1024)).astype(np.float32)
+    with mcf.Writer(tmp_path / "m.mcf") as w:
+        w.add_tensor("w", x, method="k4")
+    export(tmp_path / "m.mcf", tmp_path / "a.safetensors")
+    monkeypatch.setattr(E, "_CHUNK_BYTES", 1000)   # < one row of 4096 bytes
+    export(tmp_path / "m.mcf", tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    with mcf.open(tmp_path / "m.mcf") as c:
+        assert same_bits(stnp.load_file(str(tmp_path / "b.safetensors"))["w"], c.dequantize("w"))
