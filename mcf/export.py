@@ -27,7 +27,6 @@ from mcf._io import alloc_buffer
 from mcf._safetensors import ST_DTYPES
 from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
 from mcf.errors import InvalidArgumentError, TruncatedError, os_error
-from mcf.layout import RESOURCE_FILES
 from mcf.writer import _cast_chunk, _create_temp, _fsync_dir
 
 __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]

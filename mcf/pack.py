@@ -208,10 +208,10 @@ def _array_bytes(shape, itemsize: int) -> int:
 
 
 def _check_shapes(ckpt) -> None:
-    """Refuse, before the output exists, a tensor the MCF reader would refuse (or a bad description
-    of a raw quantized payload): more than MAX_RANK
+    """Refuse, before the output exists, a tensor the MCF reader would refuse: more than MAX_RANK
     dimensions, or a shape numpy cannot describe (non-zero dims times 4 bytes past 2**63, which an
-    empty tensor with one huge dimension can have: it passes the safetensors size check)."""
+    empty tensor with one huge dimension can have: it passes the safetensors size check); and a bad
+    description of a raw quantized payload."""
     for name, t in ckpt.tensors.items():
         _raw_quantized(t)
         field = f"header[{name!r}].shape"
@@ -220,7 +220,7 @@ def _check_shapes(ckpt) -> None:
                               expected=f"<= {MAX_RANK}", got=len(t.shape))
         if _array_bytes(t.shape, max(4, t.dtype.itemsize)) > _MAX_ARRAY_BYTES:
             raise FormatError("shape too large for an array", path=t.file.source.name, field=field, offset=8,
-                              expected=f"non-zero dims * itemsize < 2**63", got=list(t.shape))
+                              expected="non-zero dims * itemsize < 2**63", got=list(t.shape))
 
 
 def _read_shard_index(idx: str) -> dict:
