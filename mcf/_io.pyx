@@ -531,6 +531,17 @@ cdef class Source:
                 for k in range(a, b):
                     memcpy(out + dsts[k], self.base + offs[k], <size_t>szs[k])
             return
+        many = getattr(self._fileobj, "readinto_ranges", None)
+        if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
+            ks = [k for k in range(a, b) if szs[k]]
+            with self._lock:
+                try:
+                    many([offs[k] for k in ks], [memoryview(<uint8_t[:szs[k]]>(out + dsts[k])) for k in ks])
+                except OSError as exc:
+                    if isinstance(exc, MCFIOError):
+                        raise
+                    raise os_error(exc, self.name) from None
+            return
         for k in range(a, b):
             if szs[k]:
                 self._fileobj_read(<uint64_t>offs[k], memoryview(<uint8_t[:szs[k]]>(out + dsts[k])))

@@ -279,50 +279,54 @@ class RemoteFile:
                     f"/{self.size}")
         return None
 
-    def _fetch_into(self, start: int, mv: memoryview) -> None:
-        """Fill ``mv`` from ``start`` in request_size pieces, CONCURRENCY at a time when the file system
-        is asynchronous; each piece is checked and retried alone."""
+    def _split(self, start: int, mv: memoryview) -> list:
+        """(start, end, destination) pieces of at most request_size bytes covering ``mv``."""
         n = len(mv)
-        pieces = [(s, min(s + self.request_size, start + n)) for s in range(start, start + n, self.request_size)]
+        return [(a, min(a + self.request_size, start + n), mv[a - start:min(a + self.request_size, start + n) - start])
+                for a in range(start, start + n, self.request_size)]
+
+    def _fetch_pieces(self, pieces: list) -> None:
+        """Fill every (start, end, destination) piece, CONCURRENCY at a time when the file system is
+        asynchronous; each piece is checked, and a failed one is retried alone within its attempt budget."""
         if self._http:
-            self._http_many(start, mv, pieces)
+            self._http_many(pieces)
             return
         batch = CONCURRENCY if getattr(self._fs, "async_impl", False) and len(pieces) > 1 else 1
         for i in range(0, len(pieces), batch):
             group = pieces[i:i + batch]
             if len(group) == 1:
-                results = [self._fetch(*group[0])]
-            else:
-                self.stats["requests"] += len(group)
-                try:
-                    results = self._fs.cat_ranges([self._path] * len(group), [a for a, _ in group],
-                                                  [b for _, b in group], on_error="return")
-                except Exception as exc:  # noqa: BLE001 - fall back to one checked request per piece
-                    results = [exc] * len(group)
-            for (a, b), data in zip(group, results):
-                if self._check(data, a, b) is not None:
-                    mapped = _os_error(data, self.url) if isinstance(data, BaseException) else None
-                    if mapped is not None:
-                        raise mapped
-                    self._sleep(0)
-                    data = self._fetch(a, b, done=1, why=self._check(data, a, b))
-                else:
+                self._fetch(*group[0])
+                continue
+            self.stats["requests"] += len(group)
+            try:
+                results = self._fs.cat_ranges([self._path] * len(group), [a for a, _, _ in group],
+                                              [b for _, b, _ in group], on_error="return")
+            except Exception as exc:  # noqa: BLE001 - fall back to one checked request per piece
+                results = [exc] * len(group)
+            for (a, b, dst), data in zip(group, results):
+                why = self._check(data, a, b)
+                if why is None:
                     self.stats["bytes_fetched"] += b - a
-                mv[a - start:b - start] = data
+                    dst[:] = data
+                    continue
+                mapped = _os_error(data, self.url) if isinstance(data, BaseException) else None
+                if mapped is not None:
+                    raise mapped
+                self._sleep(0)
+                self._fetch(a, b, dst, done=1, why=why)
 
-    def _http_many(self, start, mv, pieces):
-        """Pieces CONCURRENCY at a time, each streamed into its slice of ``mv``; failed ones retried alone."""
+    def _http_many(self, pieces: list) -> None:
+        """HTTP pieces CONCURRENCY at a time, each streamed into its destination."""
         import asyncio
 
         async def group(g):
-            return await asyncio.gather(*(self._http_range(a, b, mv[a - start:b - start]) for a, b in g),
-                                        return_exceptions=True)
+            return await asyncio.gather(*(self._http_range(a, b, dst) for a, b, dst in g), return_exceptions=True)
 
         for i in range(0, len(pieces), CONCURRENCY):
             g = pieces[i:i + CONCURRENCY]
             self.stats["requests"] += len(g)
             results = self._sync(group, g)
-            for (a, b), res in zip(g, results):
+            for (a, b, dst), res in zip(g, results):
                 if res is None:
                     self.stats["bytes_fetched"] += b - a
                     continue
@@ -336,7 +340,7 @@ class RemoteFile:
                     raise self._fail(a, b, res)
                 why = res if isinstance(res, str) else f"{type(res).__name__}: {res}"
                 self._sleep(0)
-                self._fetch(a, b, mv[a - start:b - start], done=1, why=why)
+                self._fetch(a, b, dst, done=1, why=why)
 
     def _block(self, k: int) -> bytes:
         blk = self._cache.get(k)
@@ -390,11 +394,36 @@ class RemoteFile:
             return 0
         with self._lock:
             if n > 4 * self.block_size:
-                self._fetch_into(self._pos, mv[:n])
+                self._fetch_pieces(self._split(self._pos, mv[:n]))
             else:
                 self._read_cached(self._pos, mv[:n])
         self._pos += n
         return n
+
+    def readinto_ranges(self, offsets, buffers) -> None:
+        """Fill each of ``buffers`` from the matching offset, all at once: the large ones are split into
+        request_size pieces fetched CONCURRENCY at a time across buffers (a whole model's tensors load
+        with requests in flight, not one tensor after another), the small ones go through the cache.
+        The I/O core's ``read_ranges`` (``Container.load``) uses this; the file position is unchanged."""
+        if self._closed:
+            raise ValueError("I/O operation on closed remote file")
+        pieces = []
+        small = []
+        for off, buf in zip(offsets, buffers):
+            mv = memoryview(buf).cast("B")
+            off = int(off)
+            if off < 0 or off + len(mv) > self.size:
+                raise MCFIOError(errno.EINVAL, f"range of {len(mv)} bytes at offset {off} is outside the file "
+                                 f"(size {self.size})", self.url)
+            if len(mv) > 4 * self.block_size:
+                pieces += self._split(off, mv)
+            elif len(mv):
+                small.append((off, mv))
+        with self._lock:
+            for off, mv in small:
+                self._read_cached(off, mv)
+            if pieces:
+                self._fetch_pieces(pieces)
 
     def read(self, size: int = -1) -> bytes:
         if size is None or size < 0:

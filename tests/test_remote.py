@@ -266,6 +266,26 @@ def test_large_read_bypasses_cache_in_pieces(server, www):
     assert f.stats["cache_hits"] == 0 and f.stats["retries"] == 0
 
 
+def test_load_fetches_large_tensors_concurrently_in_pieces(server, www):
+    """Container.load() hands all ranges to RemoteFile.readinto_ranges at once: the 8 MiB tensor is
+    fetched in request_size pieces, small tensors through the block cache."""
+    from mcf.remote import open_remote
+
+    src = open_remote(server.url("model.mcf"), request_size=1 << 20)
+    with mcf.open(src) as c:
+        server.clear_log()
+        got = c.load()
+        ref = mcf.load_file(str(www / "model.mcf"))
+        for name in ref:
+            _eq(got[name], ref[name])
+        info = c.info("big")
+        gets = [r for r in server.requests("model.mcf") if r[0] == "GET"]
+        starts = {int(r[4][6:].split("-")[0]) for r in gets}
+        assert {info.offset + k * (1 << 20) for k in range(8)} <= starts
+        assert all(r[2] == 206 for r in gets)
+    src.close()
+
+
 def test_cache_is_bounded(server):
     f = RemoteFile(server.url("model.mcf"), block_size=4096, cache_size=4 * 4096)
     for k in range(20):
@@ -453,6 +473,13 @@ def test_whole_file_through_a_container_of_faults(faulty, tmp_path):
     faulty.mode = "drop"
     with pytest.raises(MCFIOError, match="127.0.0.1"):
         mcf.open(faulty.url).tensor("x")
+    faulty.mode = "ok"
+    from mcf.remote import open_remote
+
+    c = mcf.open(open_remote(faulty.url, block_size=1024, retry_delay=0.0))   # 16 KiB: a "large" read
+    faulty.mode = "drop"
+    with pytest.raises(MCFIOError, match="127.0.0.1"):
+        c.load()          # read_ranges -> RemoteFile.readinto_ranges
 
 
 def test_stalled_server_times_out(faulty):
