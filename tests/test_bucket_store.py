@@ -648,6 +648,17 @@ def test_verify_once_checks_each_file_identity_once(tmp_path, monkeypatch):
     assert Bucket(tmp_path).load(cid, record_access=False) and len(calls) == 2  # "always" is the default
     b.load(cid, record_access=False, verify=True)
     assert len(calls) == 3  # a per-call override
+    # another process (a new Bucket) finds the record the first one left next to the file
+    sidecar = tmp_path / "contexts" / cid / ".verified.json"
+    assert json.loads(sidecar.read_text())["checksum"] == int(b.lookup(cid)["storage"]["checksum"][6:], 16)
+    Bucket(tmp_path, verify="once").load(cid, record_access=False)
+    assert len(calls) == 3
+    for junk in ("{", json.dumps({"identity": [1, 2], "checksum": 5}), json.dumps({"identity": "x"})):
+        sidecar.write_text(junk)  # an unusable record means: check again (and write a good one)
+        Bucket(tmp_path, verify="once").load(cid, record_access=False)
+    assert len(calls) == 6
+    Bucket(tmp_path, verify="once").load(cid, record_access=False)
+    assert len(calls) == 6
     # any write to the file changes its identity (ctime): checked again, the damage found before use
     p = tmp_path / "contexts" / cid / "kv_data.mcb"
     raw = bytearray(p.read_bytes())

@@ -2,7 +2,8 @@
 seed 003 §4 (ingest, discover, lookup, load, delete, gc, rebuild)::
 
     <root>/
-      registry.json               cache of every context's summary, grouped by model (rebuild() recreates it)
+      registry.json               snapshot of every context's summary, grouped by model (rebuild() recreates it)
+      registry.journal            changes since the snapshot, one CRC-guarded JSON line each
       models/<model_id>.json      model identity and compatibility (architecture, layers, kv heads, head_dim)
       contexts/<context_id>/      one committed context
         metadata.json             seed 003 §3.1 fields
@@ -18,8 +19,9 @@ Why the design:
   then the directory is renamed to its id and ``contexts/`` fsynced.  A crash before the rename leaves
   only a temp directory nobody lists (``gc`` removes old ones); a crash after it leaves a committed
   context that ``rebuild()`` puts back into the registry.
-* **The registry is a cache.**  It is rewritten atomically (temp + fsync + rename) under the lock; when
-  it is missing or unreadable it is rebuilt from ``contexts/``.  Nothing committed depends on it.
+* **The registry is a cache.**  A change appends one line to the journal under the lock; the snapshot
+  is rewritten atomically (temp + fsync + rename) when the journal grows; when either is missing or
+  unreadable it is rebuilt from ``contexts/``.  Nothing committed depends on it.
 * **Writers are serialized with ``fcntl.flock``** on ``.lock``; the KV data itself is written before the
   lock is taken, so concurrent ingests only queue for the rename and the registry update.
 """
@@ -59,6 +61,8 @@ __all__ = ["Bucket", "content_hash", "context_id_for"]
 REGISTRY_VERSION = "1.0"
 KV_NAME = "kv_data.mcb"
 META_NAME = "metadata.json"
+#: written next to kv_data.mcb after a complete successful CRC check (see Bucket.load's verify="once")
+VERIFIED_NAME = ".verified.json"
 _CTX_RE = re.compile(r"^ctx_[0-9a-f]{32}$")
 _MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: the registry journal is folded into a new registry.json once it passes this size (or 64 bytes per
@@ -985,11 +989,13 @@ class Bucket:
         else:
             with self.open(context_id) as f:
                 ident = f.identity() if policy == "once" else None
-                skip = ident is not None and self._verified.get(context_id) == (ident, f.header.checksum)
+                rec = (ident, f.header.checksum)
+                skip = ident is not None and rec in (self._verified.get(context_id), self._read_verified(context_id))
                 res = f.load(layers, tokens=tokens, threads=threads, verify=policy != "never" and not skip,
                              out=out)
-                if ident is not None and f.verified:
-                    self._verified[context_id] = (ident, f.header.checksum)
+                if ident is not None and f.verified and not skip:
+                    self._verified[context_id] = rec
+                    self._write_verified(context_id, rec)
         if as_torch and hot is None:
             res = [(to_torch(k), to_torch(v)) for k, v in res]
         if record_access:
@@ -1043,6 +1049,29 @@ class Bucket:
             if before != self.tier(context_id):
                 self._emit("context.demoted", context_id=context_id, from_tier=before, to_tier=self.tier(context_id))
             return self.tier(context_id)
+
+    # -- the "once" verification record -----------------------------------------------------------------
+    def _read_verified(self, context_id: str) -> tuple | None:
+        """The (identity, checksum) recorded in the context's .verified.json by the last process that
+        checked its kv_data.mcb completely; None when absent, unreadable or a symlink."""
+        p = self._ctx_dir(context_id) / VERIFIED_NAME
+        try:
+            if p.is_symlink():
+                return None
+            doc = json.loads(p.read_bytes())
+            ident = tuple(doc["identity"])
+            if len(ident) != 5 or not all(isinstance(x, int) for x in ident) or not isinstance(doc["checksum"], int):
+                return None
+            return (ident, doc["checksum"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_verified(self, context_id: str, rec: tuple) -> None:
+        """Record a complete, successful check so other processes with verify="once" can skip it.  A
+        cache: written atomically without fsync, and a bucket that cannot be written just goes without."""
+        doc = {"identity": list(rec[0]), "checksum": rec[1], "verified_at": _iso(self.clock())}
+        with contextlib.suppress(MCFIOError, OSError):
+            _write_json_atomic(self._ctx_dir(context_id) / VERIFIED_NAME, doc, durable=False)
 
     # -- persistent tier preferences -----------------------------------------------------------------
     def set_tier_preference(self, context_id: str, tier: str, *, device: str | None = None) -> dict:
