@@ -165,6 +165,21 @@ def test_sharded_checkpoint_converts_like_the_single_file(tmp_path):
     assert (tmp_path / "s.mcf").read_bytes() == (tmp_path / "one.mcf").read_bytes()
 
 
+def test_hugging_face_cache_layout_with_symlinks(tmp_path):
+    """A hub cache snapshot is a directory of symlinks into blobs/: followed like files."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for k, f in enumerate(sorted(os.listdir(MANTLE_MODEL))):
+        shutil.copy(os.path.join(MANTLE_MODEL, f), blobs / f"blob{k}")
+        os.symlink(os.path.relpath(blobs / f"blob{k}", snap), snap / f)
+    convert(snap, tmp_path / "s.mcf")
+    convert(MANTLE_MODEL, tmp_path / "ref.mcf")
+    assert tensors_of(tmp_path / "s.mcf") == tensors_of(tmp_path / "ref.mcf")
+    with mcf.open(tmp_path / "s.mcf") as a, mcf.open(tmp_path / "ref.mcf") as b:
+        assert a.resources == b.resources
+
+
 # -- GGUF -----------------------------------------------------------------------------------------
 def test_gguf_files_go_to_convert_gguf(tmp_path):
     pytest.importorskip("gguf", reason="mcf.gguf's tests need gguf-py; the dispatch itself does not")
