@@ -484,3 +484,22 @@ def test_identity_changes_with_any_write(tmp_path):
         assert f.identity() != first and f.identity()[1] == first[1]
     with open_kv(memoryview(raw)) as f:
         assert f.identity() is None
+
+
+def test_malformed_lz4_chunk_names_the_chunk(tmp_path):
+    """A chunk whose CRC was not checked (verify=False) and whose stream is broken is refused by the
+    decoder with the chunk and its offset."""
+    p = tmp_path / "kv.mcb"
+    write_kv(p, [(np.zeros((2, 64, 8), np.float32),) * 2], dtype="float32", compression="lz4")
+    with open_kv(p) as f:
+        off, size, _ = f._chunks[1]
+    raw = bytearray(p.read_bytes())
+    raw[off:off + size] = bytes(size)  # token 0, then offset 0: not a valid match
+    p.write_bytes(bytes(raw))
+    with open_kv(p) as f, pytest.raises(mcf.FormatError, match=r"chunk\[1\].*malformed lz4 block"):
+        f.load(verify=False)
+    out = [(np.empty((2, 64, 8), np.float32), np.empty((2, 64, 8), np.float32))]
+    with open_kv(p) as f, pytest.raises(mcf.FormatError, match=r"chunk\[1\]"):
+        f.load(verify=False, out=out)
+    with open_kv(p) as f, pytest.raises(mcf.ChecksumError):
+        f.load(out=out)

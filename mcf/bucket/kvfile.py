@@ -24,11 +24,6 @@ from typing import Any, BinaryIO, NamedTuple
 import numpy as np
 
 from mcf.bucket import _layout as L
-
-try:
-    from mcf.bucket._codec import lz4_block_decompress_into as _lz4_into
-except ImportError:  # pragma: no cover - the compiled module is built with the package
-    _lz4_into = None
 from mcf.errors import (
     ChecksumError,
     FormatError,
@@ -49,6 +44,11 @@ MAX_LAYERS = 4096
 LZ4_MAX_INPUT = 0x7E000000
 _U32 = 2**32 - 1
 _CRC_PIECE = 64 * 2**20
+
+try:
+    from mcf.bucket._codec import lz4_block_decompress_into as _lz4_into
+except ImportError:  # pragma: no cover - the compiled module is built with the package
+    _lz4_into = None
 
 try:  # zlib-ng's CRC-32 (folding with carry-less multiply) computes the same value ~6x faster than zlib's
     from zlib_ng.zlib_ng import crc32 as _crc32
