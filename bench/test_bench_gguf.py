@@ -25,7 +25,7 @@ from mcf import _kernels as K
 from mcf.io import aligned_empty
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
-from gguf import GGMLQuantizationType as GT  # noqa: E402
+from gguf import GGMLQuantizationType as GT
 
 N = 4096
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0"]
@@ -47,7 +47,7 @@ def _blocks(tname, n_blocks, seed_label):
     """Random codes with normal float16 scales around 0.01 (the decode work does not depend on the
     values); Q8_0/Q4_0 from gguf-py's own quantizer would be the same work."""
     rng = np.random.default_rng(zlib.crc32(seed_label.encode()))
-    bs, ts = gguf.GGML_QUANT_SIZES[GT[tname]]
+    ts = gguf.GGML_QUANT_SIZES[GT[tname]][1]
     b = rng.integers(0, 256, (n_blocks, ts), dtype=np.uint8)
     for off in F16_SCALES[tname]:
         v = (0.01 + 0.001 * rng.random(n_blocks)).astype(np.float16)
@@ -57,7 +57,7 @@ def _blocks(tname, n_blocks, seed_label):
 
 def _write(path, tname, count, rows=N, cols=N):
     w = gguf.GGUFWriter(path, "llama")
-    bs, ts = gguf.GGML_QUANT_SIZES[GT[tname]]
+    bs = gguf.GGML_QUANT_SIZES[GT[tname]][0]
     for i in range(count):
         b = _blocks(tname, rows * cols // bs, f"{tname} {i}")
         w.add_tensor(f"blk.{i}.weight", b.reshape(rows, -1), raw_dtype=GT[tname])

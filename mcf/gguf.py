@@ -15,19 +15,35 @@ Only the layout is read here; the bit work (decoding the ggml block types) is in
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from mcf.errors import (DTypeError, FormatError, InvalidArgumentError, MCFError, OutOfBoundsError,
-                        TensorNotFoundError, TruncatedError, UnsupportedVersionError)
+from mcf.errors import (
+    DTypeError,
+    FormatError,
+    InvalidArgumentError,
+    MCFError,
+    OutOfBoundsError,
+    TensorNotFoundError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
 
-__all__ = ["open", "GGUFFile", "GGUFTensor", "GGMLType", "convert_gguf", "GGUF_METADATA_SECTION",
-           "SUPPORTED_TYPES", "ConvertStats"]
+__all__ = [
+    "GGUF_METADATA_SECTION",
+    "SUPPORTED_TYPES",
+    "ConvertStats",
+    "GGMLType",
+    "GGUFFile",
+    "GGUFTensor",
+    "convert_gguf",
+    "open",
+]
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -202,7 +218,7 @@ def _read_strings(cur: _Cursor, n: int, field: str) -> list:
     while len(out) < n:
         rel = cur.pos - cur.base
         if 0 <= rel <= len(cur.buf):
-            k, end, status = _gguf.parse_strings(cur.buf, rel, n - len(out), MAX_STRING_LEN, out)
+            k, end, _ = _gguf.parse_strings(cur.buf, rel, n - len(out), MAX_STRING_LEN, out)
             cur.pos = cur.base + end
             if k:
                 continue
@@ -283,8 +299,9 @@ class GGUFFile:
     """An open GGUF file: ``metadata`` (key -> value), ``tensors`` (name -> :class:`GGUFTensor`, file
     order), zero-copy ``raw()`` views and ``dequantize()``.  Use :func:`open`."""
 
-    def __init__(self, source, *, path=None):
+    def __init__(self, source, *, path=None, own: bool = True):
         self._src = source
+        self._own = own
         self.path = path if path is not None else source.name
         self.version = 0
         self.alignment = DEFAULT_ALIGNMENT
@@ -404,7 +421,7 @@ class GGUFFile:
             shape = tuple(reversed(dims))
             tensors[name] = GGUFTensor(name, t, dims, shape, start, nbytes, n)
         spans = sorted((ti.offset, ti.offset + ti.nbytes, ti.name) for ti in tensors.values() if ti.nbytes)
-        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        for (s0, e0, n0), (s1, e1, n1) in itertools.pairwise(spans):
             if s1 < e0:
                 raise FormatError(f"tensor {n1!r} [{s1}, {e1}) overlaps tensor {n0!r} [{s0}, {e0})", path=path,
                                   field=f"tensor[{n1!r}].offset")
@@ -456,7 +473,6 @@ class GGUFFile:
         the right size and dtype) so a caller can decode into memory it already holds.  ``threads``
         splits the work (the GIL is released).  ``impl`` forces a kernel variant (see
         :func:`mcf.kernel_info`)."""
-        from mcf import _gguf
 
         t = self.info(name)
         if t.type.kind not in ("float", "quant"):
@@ -498,8 +514,6 @@ class GGUFFile:
         if self._own:
             self._src.close()
 
-    _own = True
-
     def __enter__(self):
         return self
 
@@ -535,7 +549,7 @@ def _row_range(rows, total: int):
     return r0, r1
 
 
-def open(obj, *, mmap: bool = True) -> GGUFFile:  # noqa: A001 - mirrors mcf.open
+def open(obj, *, mmap: bool = True) -> GGUFFile:
     """Open a GGUF file: a path, ``bytes``/``bytearray``/``memoryview`` holding the file, a binary
     file object, a URL, or an existing :class:`mcf.io.Source` (left open on close).  ``mmap=False``
     reads a path with positional reads instead of mapping it.  Raises only :class:`mcf.MCFError`
@@ -547,7 +561,7 @@ def open(obj, *, mmap: bool = True) -> GGUFFile:  # noqa: A001 - mirrors mcf.ope
         obj = memoryview(obj)
     src = open_source(obj, mmap=mmap)
     try:
-        g = GGUFFile(src, path=src.path if src.path is not None else src.name)
+        g = GGUFFile(src, path=src.path if src.path is not None else src.name, own=own)
     except MCFError:
         if own:
             src.close()
@@ -556,7 +570,6 @@ def open(obj, *, mmap: bool = True) -> GGUFFile:  # noqa: A001 - mirrors mcf.ope
         if own:
             src.close()
         raise FormatError(f"malformed GGUF file ({type(exc).__name__}: {exc})", path=src.name) from None
-    g._own = own
     return g
 
 
@@ -758,7 +771,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
         if info.family != "float":
             raise InvalidArgumentError(f"dtype must be 'keep', 'f32', 'f16', 'bf16' or 'f64', got {dtype!r}")
         dtype = info.name
-    ov = list(overrides) if overrides and isinstance(list(overrides)[0], tuple) else parse_overrides(overrides)
+    overrides = list(overrides or ())
+    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
     stats = []
     g = open(src, mmap=mmap)
     try:

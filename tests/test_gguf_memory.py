@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gguf"))
-import gguf_fixtures as fx  # noqa: E402
+import gguf_fixtures as fx
 
 ROWS = COLS = 4096
 LAYOUT = [("F16", 6), ("Q4_K", 4), ("Q8_0", 4), ("F32", 2)]
