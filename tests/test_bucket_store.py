@@ -11,10 +11,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mcf
 from mcf.bucket import store
@@ -697,3 +700,31 @@ def test_registry_without_orjson(tmp_path, monkeypatch):
     assert with_orjson["models"] == again["models"]
     assert ids(Bucket(tmp_path).discover("m")) == sorted(made)
     assert store._loads(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+
+
+def _line(rec) -> bytes:
+    body = json.dumps(rec).encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.lists(st.one_of(
+    st.binary(max_size=80),
+    st.builds(_line, st.one_of(
+        st.just({"op": "put"}), st.just({"op": "del", "context_id": "../x"}), st.just({"op": "zap"}),
+        st.just([1, 2]), st.just({"op": "put", "model_id": "m", "summary": {"context_id": "ctx_" + "a" * 32}}),
+        st.dictionaries(st.text(max_size=5), st.integers(), max_size=3)))), max_size=6))
+def test_garbage_journal_never_breaks_discovery(tmp_path_factory, junk):
+    """Whatever registry.journal holds, discovery answers and a scan lists exactly what is committed
+    (torn or damaged lines are dropped or make the registry rebuild itself)."""
+    root = tmp_path_factory.mktemp("junk")
+    b = Bucket(root)
+    made = sorted(b.ingest("m", kv(130 + i), content=f"g{i}")["context_id"] for i in range(2))
+    j = root / "registry.journal"
+    j.write_bytes(j.read_bytes() + b"".join(x if isinstance(x, bytes) else x for x in junk))
+    fresh = Bucket(root)
+    listed = ids(fresh.discover("m"))
+    assert set(listed) <= set(made)
+    assert ids(fresh.discover("m", force_scan=True)) == made
+    fresh.ingest("m", kv(140), content="after the junk")
+    assert len(Bucket(root).discover("m", force_scan=True)) == 3
