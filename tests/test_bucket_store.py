@@ -728,3 +728,41 @@ def test_garbage_journal_never_breaks_discovery(tmp_path_factory, junk):
     assert ids(fresh.discover("m", force_scan=True)) == made
     fresh.ingest("m", kv(140), content="after the junk")
     assert len(Bucket(root).discover("m", force_scan=True)) == 3
+
+
+def test_one_bucket_shared_by_threads(tmp_path):
+    """The server's thread pool shares one Bucket: ingests, discovery, scans, prefix lookups and tier
+    moves at once leave it consistent (the in-memory registry is guarded, the file lock orders writers)."""
+    import threading
+
+    b = Bucket(tmp_path, prefix_chunk_tokens=4)
+    errors, made = [], []
+
+    def writer(tag):
+        try:
+            for i in range(8):
+                src = {"token_ids": list(range(i, i + 8))} if tag == "t" else {"content": f"{tag}{i}"}
+                made.append(b.ingest("m", kv(zlib.crc32(f"{tag}{i}".encode()) % 1000, seq=8), **src)["context_id"])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader():
+        try:
+            for _ in range(25):
+                for c in b.discover("m"):
+                    b.tier(c["context_id"])
+                b.lookup_prefix("m", list(range(8)))
+                b.discover("m", force_scan=True)
+                b.registry()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in ("a", "t")] + [threading.Thread(target=reader)
+                                                                                  for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert ids(b.discover("m")) == sorted(set(made)) == ids(Bucket(tmp_path).discover("m", force_scan=True))
+    assert len(set(made)) == 16
