@@ -426,8 +426,16 @@ class KVFile:
                                 expected=f"{self.header.checksum:#010x}", got=f"{crc:#010x}")
         self._file_verified = True
 
-    def _decompress(self, data: Any, n: int, what: str, offset: int) -> bytes:
+    def _decompress(self, data: Any, n: int, what: str, offset: int) -> Any:
         comp = self.header.compression
+        if comp == L.Compression.LZ4 and _lz4_into is not None:
+            out = np.empty(n, np.uint8)
+            try:
+                _lz4_into(data, out)
+            except FormatError as exc:
+                raise FormatError(f"cannot decompress: {exc.args[0]}", path=self.path, field=what,
+                                  offset=offset) from None
+            return out
         try:
             if comp == L.Compression.LZ4:
                 import lz4.block
