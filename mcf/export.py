@@ -26,7 +26,7 @@ import numpy as np
 from mcf._io import alloc_buffer
 from mcf._safetensors import ST_DTYPES
 from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
-from mcf.errors import InvalidArgumentError, TruncatedError, os_error
+from mcf.errors import InvalidArgumentError, MCFError, TruncatedError, os_error
 from mcf.writer import _cast_chunk, _create_temp, _fsync_dir
 
 __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
@@ -177,7 +177,10 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> boo
 def _publish(path: str, write) -> None:
     """Write a file through ``write(fd)`` into a temporary name next to ``path``, fsync, rename."""
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = _create_temp(d, os.path.basename(path))
+    try:
+        fd, tmp = _create_temp(d, os.path.basename(path))
+    except OSError as exc:
+        raise os_error(exc, path) from None
     try:
         try:
             write(fd)
@@ -185,9 +188,11 @@ def _publish(path: str, write) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
+            raise os_error(exc, path) from None
         raise
 
 
@@ -213,10 +218,7 @@ def _write_safetensors(path, c, entries, buf, progress, done_before, total):
             if progress is not None:
                 progress(done_before + i + 1, total, e.name)
 
-    try:
-        _publish(path, write)
-    except OSError as exc:
-        raise os_error(exc, path) from None
+    _publish(path, write)
 
 
 def _shards(entries, max_shard_size):

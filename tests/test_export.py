@@ -336,3 +336,13 @@ def test_rows_wider_than_the_stream_buffer(tmp_path, monkeypatch):
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     with mcf.open(tmp_path / "m.mcf") as c:
         assert same_bits(stnp.load_file(str(tmp_path / "b.safetensors"))["w"], c.dequantize("w"))
+
+
+def test_unwritable_destination_is_an_mcf_io_error(tmp_path):
+    mcf.pack(MANTLE_MODEL, tmp_path / "m.mcf")
+    with pytest.raises(mcf.MissingFileError):
+        export(tmp_path / "m.mcf", tmp_path / "no" / "such" / "dir" / "o.safetensors")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").mkdir()   # a directory where a resource file goes
+    with pytest.raises(mcf.MCFIOError, match="config.json"):
+        export(tmp_path / "m.mcf", tmp_path / "out")
