@@ -150,8 +150,48 @@ class Checkpoint:
         self.close()
 
 
+def _shard_names(wm, idx):
+    shards = []
+    for v in wm.values():
+        if not isinstance(v, str) or os.path.basename(v) != v or v in ("", ".", ".."):
+            raise FormatError("shard names must be plain file names", path=idx, field="weight_map", got=v)
+        if v not in shards:
+            shards.append(v)
+    return sorted(shards)
+
+
+def _open_remote_checkpoint(url: str, mmap: bool) -> Checkpoint:
+    """A URL naming a ``.safetensors`` file, or a "directory" URL under which ``model.safetensors`` or
+    ``model.safetensors.index.json`` (and its shards) can be fetched (no listing needed)."""
+    from mcf.remote import RemoteFile
+
+    if url.endswith(".safetensors"):
+        return Checkpoint([url], mmap)
+    base = url.rstrip("/")
+    idx = base + "/model.safetensors.index.json"
+    try:
+        with RemoteFile(idx) as f:
+            if f.size > MAX_HEADER:
+                raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes", got=f.size)
+            raw = f.read()
+    except FileNotFoundError:
+        return Checkpoint([base + "/model.safetensors"], mmap)
+    try:
+        wm = json.loads(raw).get("weight_map", {})
+    except (ValueError, AttributeError) as exc:
+        raise FormatError(f"bad shard index: {exc}", path=idx, field="weight_map") from None
+    if not isinstance(wm, dict):
+        raise FormatError("weight_map must be an object", path=idx, field="weight_map")
+    return Checkpoint([base + "/" + s for s in _shard_names(wm, idx)], mmap)
+
+
 def open_checkpoint(path, mmap: bool = True) -> Checkpoint:
-    """Open a safetensors file, or a directory holding one or an index of shards."""
+    """Open a safetensors file, or a directory holding one or an index of shards (a URL of either too:
+    see :mod:`mcf.remote`)."""
+    from mcf.remote import is_url
+
+    if is_url(path):
+        return _open_remote_checkpoint(os.fsdecode(path), mmap)
     path = os.fspath(path)
     if os.path.isdir(path):
         idx = os.path.join(path, "model.safetensors.index.json")

@@ -554,3 +554,38 @@ def test_reads_equal_slices_over_http(server, www):
         n = int(rng.choice([1, 100, 4095, 4097, 20_000, 200_000]))
         f.seek(off)
         assert f.read(n) == ref[off:off + n]
+
+
+def test_safetensors_checkpoint_directory_url(server, www, tmp_path):
+    """A "directory" URL: model.safetensors, or model.safetensors.index.json and its shards, fetched by
+    name (no listing), like Hugging Face's resolve URLs."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from mcf._safetensors import open_checkpoint
+
+    rng = _rng("sharded")
+    a = {"a.weight": rng.standard_normal((8, 4)).astype(np.float32)}
+    b = {"b.weight": rng.standard_normal((3,)).astype(np.float16)}
+    d = www / "sharded"
+    d.mkdir(exist_ok=True)
+    save_file(a, str(d / "model-00001-of-00002.safetensors"))
+    save_file(b, str(d / "model-00002-of-00002.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+    with open_checkpoint(server.url("sharded/")) as ck:
+        assert ck.sorted_names() == ["a.weight", "b.weight"]
+        _eq(ck.tensors["a.weight"].array(), a["a.weight"])
+        _eq(ck.tensors["b.weight"].array(), b["b.weight"])
+    single = www / "single"
+    single.mkdir(exist_ok=True)
+    (single / "model.safetensors").write_bytes((www / "model.safetensors").read_bytes())
+    ref = load_file(str(www / "model.safetensors"))
+    with open_checkpoint(server.url("single")) as ck:
+        assert sorted(ck.tensors) == sorted(ref)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": "../x.safetensors"}}))
+    with pytest.raises(mcf.FormatError, match="plain file names"):
+        open_checkpoint(server.url("sharded"))
+    with pytest.raises(MissingFileError):
+        open_checkpoint(server.url("no-such-dir"))
