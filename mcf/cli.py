@@ -157,7 +157,7 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from mcf.convert import convert
+    from mcf.convert import convert, files_left_out
 
     method = None if args.method in (None, "none", "keep") else args.method
     t0 = time.perf_counter()
@@ -167,6 +167,9 @@ def cmd_convert(args) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
+    left = files_left_out(args.src)
+    if left:
+        print(f"not stored (MCF has no section for them): {', '.join(left)}")
     if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
         nw = min(max(len(s.name) for s in stats), 60)
         for s in stats:

@@ -12,7 +12,7 @@ import os
 
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["convert", "DTYPES"]
+__all__ = ["convert", "DTYPES", "files_left_out"]
 
 DTYPES = ("keep", "f32", "f16", "bf16")
 
@@ -27,6 +27,20 @@ def _is_gguf(path: str) -> bool:
         except OSError:
             return False
     return False
+
+
+def files_left_out(src) -> list:
+    """Entries of checkpoint directory ``src`` that :func:`convert` does not store: anything that is
+    neither a weight file nor one of the resource files MCF has a section for (a BERT ``vocab.txt``,
+    ``special_tokens_map.json``, sentence-transformers' module folders...).  Empty for a file."""
+    from mcf.layout import RESOURCE_FILES
+
+    path = os.fspath(src)
+    if not os.path.isdir(path):
+        return []
+    kept = set(RESOURCE_FILES.values()) | {"chat_template.jinja", "model.safetensors.index.json"}
+    return sorted(n for n in os.listdir(path)
+                  if n not in kept and not n.endswith(".safetensors") and not n.startswith("."))
 
 
 def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, dtype: str = "keep",

@@ -84,6 +84,17 @@ def test_minilm_converts_exports_and_loads_back(tmp_path, minilm_dir):
         assert c.model_info.hidden_size == 384
 
 
+def test_cli_names_the_files_it_leaves_out(tmp_path, minilm_dir, capsys):
+    assert cli_main(["convert", minilm_dir, "-o", str(tmp_path / "m.mcf"), "-q"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("not stored"))
+    left = line.split(": ", 1)[1].split(", ")
+    assert "vocab.txt" in left and "special_tokens_map.json" in left and "1_Pooling" in left
+    with mcf.open(tmp_path / "m.mcf") as c:
+        stored = set(c.resources)
+    want = {n for n in os.listdir(minilm_dir) if not n.startswith(".") and n != "model.safetensors"} - stored
+    assert set(left) == want
+
+
 def test_minilm_k4_round_trip_through_safetensors(tmp_path, minilm_dir):
     stats = convert(minilm_dir, tmp_path / "k4.mcf", method="k4", overrides=["*embeddings*=q8"], report=True)
     assert stats and all(s.snr_db > 10 for s in stats)
