@@ -161,13 +161,13 @@ class RemoteFile:
                 raise MCFIOError(errno.EISDIR, "is a directory, not a file", self.url)
             size = info.get("size")
             if size is None:
-                raise MCFIOError(0, "the server did not report the file's size (no Content-Length); "
+                raise MCFIOError(errno.EIO, "the server did not report the file's size (no Content-Length); "
                                  "mcf needs it to bounds-check every read", self.url)
             size = int(size)
             if size < 0:
-                raise MCFIOError(0, f"the server reported a negative size {size}", self.url)
+                raise MCFIOError(errno.EIO, f"the server reported a negative size {size}", self.url)
             return size
-        raise MCFIOError(0, f"cannot get the size after {self.retries + 1} attempts: "
+        raise MCFIOError(errno.EIO, f"cannot get the size after {self.retries + 1} attempts: "
                          f"{type(last).__name__}: {last}", self.url)
 
     # -- fetching ---------------------------------------------------------------------------------
@@ -186,9 +186,10 @@ class RemoteFile:
                     "header (it must answer 206 Partial Content)")
         return f"got {len(data)} bytes for a {end - start}-byte range (short read)"
 
-    def _fail(self, start, end, why):
+    def _fail(self, start, end, why, attempts=None):
+        n = self.retries + 1 if attempts is None else attempts
         return MCFIOError(errno.EIO, f"range read of {end - start} bytes at offset {start} (file size "
-                          f"{self.size}) failed after {self.retries + 1} attempts: {why}", self.url)
+                          f"{self.size}) failed after {n} attempt{'s' if n != 1 else ''}: {why}", self.url)
 
     def _fetch(self, start: int, end: int, out: memoryview | None = None, done: int = 0, why=None):
         """Exactly the bytes [start, end) (into ``out`` when given, else returned), retried; raises
@@ -218,7 +219,7 @@ class RemoteFile:
                     out[:] = data
                 return data
             if "ignored the Range" in why:
-                break  # asking again gets the same whole-file answer
+                raise self._fail(start, end, why, attempt + 1)  # asking again gets the same whole-file answer
             self._sleep(attempt)
         if why is None:
             why = "no attempt left"
@@ -337,7 +338,7 @@ class RemoteFile:
                     if not isinstance(res, Exception):
                         raise res
                 elif "ignored the Range" in res:
-                    raise self._fail(a, b, res)
+                    raise self._fail(a, b, res, 1)
                 why = res if isinstance(res, str) else f"{type(res).__name__}: {res}"
                 self._sleep(0)
                 self._fetch(a, b, dst, done=1, why=why)
