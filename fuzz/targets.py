@@ -327,20 +327,23 @@ def _bucket_dir_seeds() -> list:
 # the Megatron tokenizer's input: JSON lines (or text, or either compressed), read by iter_documents
 # ------------------------------------------------------------------------------------------------
 def jsonl(data: bytes) -> None:
-    from mcf.megatron.tokenize import iter_documents
+    from mcf.megatron import tokenize
 
     d = _scratch_dir("jsonl")
-    for name in ("in.jsonl", "in.txt"):
+    fast = tokenize._orjson
+    for name, key, decoder in (("in.jsonl", "text", fast), ("in.jsonl", "t", None), ("in.txt", "text", fast)):
         p = os.path.join(d, name)
         with open(p, "wb") as f:
             f.write(data)
-        for key in ("text", "t"):
-            try:
-                for doc in iter_documents(p, key, position=[0]):
-                    if not isinstance(doc, (str, list)):
-                        raise TypeError(f"iter_documents yielded {type(doc).__name__}")
-            except mcf.MCFError:
-                pass
+        tokenize._orjson = decoder  # None: the json module, what users without orjson get
+        try:
+            for doc in tokenize.iter_documents(p, key, position=[0]):
+                if not isinstance(doc, (str, list)):
+                    raise TypeError(f"iter_documents yielded {type(doc).__name__}")
+        except mcf.MCFError:
+            pass
+        finally:
+            tokenize._orjson = fast
 
 
 def _jsonl_seeds() -> list:

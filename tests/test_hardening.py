@@ -56,3 +56,22 @@ def test_kv_file_layer_count_is_capped():
     empty = np.zeros((1, 0, 4), np.float32)
     with pytest.raises(mcf.InvalidArgumentError):
         kvfile.write_kv(io.BytesIO(), [(empty, empty)] * (kvfile.MAX_LAYERS + 1))
+
+
+def test_tokenizer_input_nested_too_deep_is_a_format_error(tmp_path, monkeypatch):
+    """Found while adding the jsonl fuzz target: without orjson (not a dependency), json.loads of a line nested
+    thousands of levels deep raised RecursionError out of iter_documents."""
+    import pytest
+
+    import mcf
+    from mcf.megatron import tokenize
+
+    monkeypatch.setattr(tokenize, "_orjson", None)
+    (p,) = (Path(__file__).parent / "fuzz_regressions" / "jsonl").glob("deep-nesting*")
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(p.read_bytes())
+    docs = tokenize.iter_documents(str(f))
+    assert next(docs) == "ok"
+    with pytest.raises(mcf.FormatError) as ei:
+        next(docs)
+    assert ei.value.field == "line 2"

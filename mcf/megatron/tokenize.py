@@ -107,7 +107,7 @@ def iter_documents(path: str, json_key: str = "text", *, position=None):
                         continue
                     try:
                         obj = loads(line)
-                    except ValueError as exc:
+                    except (ValueError, RecursionError) as exc:  # json (no orjson): deep nesting recurses
                         raise FormatError(f"invalid JSON: {exc}", path=path, field=f"line {lineno}") from None
                     if not isinstance(obj, dict) or json_key not in obj:
                         raise FormatError(f"no key {json_key!r}", path=path, field=f"line {lineno}")
