@@ -21,9 +21,14 @@ cdef class Source:
     cdef object _fileobj
     cdef object _lock
     cdef bint _owns_fileobj
+    cdef int _inflight               # copies running without the GIL (counted under the GIL)
+    cdef bint _release_pending       # close() came while copies ran: the last one releases
 
     cdef int check_range(self, object offset, object size) except -1
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1
+    cdef int _enter(self) except -1
+    cdef void _leave(self)
+    cdef _release(self)
     cdef _set_mapping(self, _Mapping m)
     cdef _fileobj_read(self, uint64_t offset, mv)
     cdef _copy_ranges(self, const int64_t[::1] offs, const int64_t[::1] szs, const int64_t[::1] dsts,

@@ -157,6 +157,8 @@ cdef class Source:
         self.base = NULL
         self._size = 0
         self._owns_fileobj = False
+        self._inflight = 0
+        self._release_pending = False
 
     def __init__(self):
         raise TypeError("use mcf.io.open_source() to create a Source")
@@ -298,15 +300,24 @@ cdef class Source:
         cdef size_t done = 0
         cdef int fd = self._fd
         cdef int err = 0
+        cdef const uint8_t* b = self.base
         if n == 0:
             return 0
-        if self.base != NULL:
-            with nogil:
-                memcpy(dst, self.base + offset, n)
+        if b != NULL:
+            self._enter()
+            try:
+                with nogil:
+                    memcpy(dst, b + offset, n)
+            finally:
+                self._leave()
             return 0
         if self.mode == "pread":
-            with nogil:
-                done = <size_t>_pread_full(fd, <uint8_t*>dst, n, offset, &err)
+            self._enter()
+            try:
+                with nogil:
+                    done = <size_t>_pread_full(fd, <uint8_t*>dst, n, offset, &err)
+            finally:
+                self._leave()
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if done < n:
@@ -320,8 +331,10 @@ cdef class Source:
 
     cdef _fileobj_read(self, uint64_t offset, mv):
         cdef size_t n = len(mv), done = 0
-        f = self._fileobj
         with self._lock:
+            f = self._fileobj
+            if f is None or self._closed:
+                raise ClosedError(f"{self.name}: source is closed")
             try:
                 f.seek(offset)
                 if hasattr(f, "readinto"):
@@ -512,24 +525,35 @@ cdef class Source:
         cdef size_t done, n
         cdef int err = 0
         cdef Py_ssize_t bad = -1
+        cdef const uint8_t* base = self.base
+        if self._closed:
+            raise ClosedError(f"{self.name}: source is closed")
         if fd >= 0:
-            with nogil:
-                for k in range(a, b):
-                    n = <size_t>szs[k]
-                    done = <size_t>_pread_full(fd, out + dsts[k], n, <uint64_t>offs[k], &err)
-                    if err or done < n:
-                        bad = k
-                        break
+            self._enter()
+            try:
+                with nogil:
+                    for k in range(a, b):
+                        n = <size_t>szs[k]
+                        done = <size_t>_pread_full(fd, out + dsts[k], n, <uint64_t>offs[k], &err)
+                        if err or done < n:
+                            bad = k
+                            break
+            finally:
+                self._leave()
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if bad >= 0:
                 raise TruncatedError("file shrank while reading", path=self.name, offset=offs[bad],
                                      expected=f"{szs[bad]} bytes")
             return
-        if self.base != NULL:
-            with nogil:
-                for k in range(a, b):
-                    memcpy(out + dsts[k], self.base + offs[k], <size_t>szs[k])
+        if base != NULL:
+            self._enter()
+            try:
+                with nogil:
+                    for k in range(a, b):
+                        memcpy(out + dsts[k], base + offs[k], <size_t>szs[k])
+            finally:
+                self._leave()
             return
         many = getattr(self._fileobj, "readinto_ranges", None)
         if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
@@ -591,15 +615,42 @@ cdef class Source:
             return
         self._closed = True
         self.base = NULL
+        if self._inflight > 0:
+            # copies in other threads still use the mapping or the descriptor (a closed fd number can
+            # be reused by the next open(), and a pread on it would read another file): the last of
+            # them releases both
+            self._release_pending = True
+            return
+        self._release()
+
+    cdef _release(self):
+        self._release_pending = False
         self._mapping = None
         self._whole = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         if self._fileobj is not None:
-            if self._owns_fileobj:
-                self._fileobj.close()
-            self._fileobj = None
+            with self._lock:
+                if self._owns_fileobj:
+                    self._fileobj.close()
+                self._fileobj = None
+
+    cdef int _enter(self) except -1:
+        """Called with the GIL before a copy that releases it: refuses a closed source, and keeps the
+        mapping and the descriptor alive until the matching :meth:`_leave`."""
+        if self._closed:
+            raise ClosedError(f"{self.name}: source is closed")
+        self._inflight += 1
+        return 0
+
+    cdef void _leave(self):
+        self._inflight -= 1
+        if self._inflight == 0 and self._release_pending:
+            try:
+                self._release()
+            except BaseException:  # closing a descriptor cannot fail in a way a reader could act on
+                pass
 
     def __enter__(self):
         return self
