@@ -1,5 +1,5 @@
 /* ggml block types -> float: a scalar reference for every supported type, AVX2 and AVX-512 variants
- * for the common ones (Q8_0, Q4_0, Q4_K, Q6_K).
+ * for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K.
  *
  * Every variant computes each value with the operation sequence of gguf-py's numpy dequantizers
  * (gguf/quants.py), which is also ggml's: f16 scales converted exactly to f32 (subnormals kept), then
@@ -382,6 +382,85 @@ __attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, f
     }
 }
 
+/* 16 unsigned codes (low 16 bytes) -> 16 floats s * q - m */
+__attribute__((target(T2))) static inline void emit16u_avx2(__m128i q, float s, float m, float *y, int st)
+{
+    __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
+    st8(y, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(q)), vm), st);
+    st8(y + 8, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(q, 8))), vm), st);
+}
+
+/* Q5_K: Q4_K's nibbles plus bit e/32 of qh[e%32] as the fifth bit. */
+__attribute__((target(T2))) static void q5_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    for (size_t b = 0; b < nb; b++, x += 176, y += QK_K) {
+        float ds[8], dm[8];
+        k4_factors(x, ds, dm);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 16));
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 48 + 32 * g));
+            __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one), 4);
+            __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one), 4);
+            emit32_avx2(_mm256_or_si256(_mm256_and_si256(v, m4), h0), ds[2 * g], dm[2 * g], y + 64 * g, st);
+            emit32_avx2(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), h1), ds[2 * g + 1],
+                        dm[2 * g + 1], y + 64 * g + 32, st);
+        }
+    }
+}
+
+/* Q2_K: element e = h*128 + s*32 + j is bits 2s of qs[h*32 + j]; scale/min per 16 elements. */
+__attribute__((target(T2))) static void q2_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+{
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
+        const uint8_t *sc = x;
+        float d = f16(x + 80), dmin = f16(x + 82), dl[16], ml[16];
+        for (int i = 0; i < 16; i++) {
+            dl[i] = d * (float)(sc[i] & 0x0f);
+            ml[i] = dmin * (float)(sc[i] >> 4);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m2);
+                int sb = (h * 128 + 32 * s) >> 4;
+                float *o = y + h * 128 + 32 * s;
+                emit16u_avx2(_mm256_castsi256_si128(q), dl[sb], ml[sb], o, st);
+                emit16u_avx2(_mm256_extracti128_si256(q, 1), dl[sb + 1], ml[sb + 1], o + 16, st);
+            }
+        }
+    }
+}
+
+/* Q3_K: Q2_K's 2-bit codes minus 4 unless bit e/32 of hmask[e%32] is set; signed 6-bit scales. */
+__attribute__((target(T2))) static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+{
+    const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+    for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
+        const uint8_t *s = x + 96;
+        float d = f16(x + 108), dl[16];
+        for (int k = 0; k < 16; k++) {
+            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
+            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
+            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+        }
+        __m256i hm = _mm256_loadu_si256((const __m256i *)x);
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 32 + 32 * h));
+            for (int sh = 0; sh < 4; sh++) {
+                __m256i ql = _mm256_and_si256(_mm256_srli_epi16(v, 2 * sh), m2);
+                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + sh), one);
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(hb, 2)), four);
+                int sb = (h * 128 + 32 * sh) >> 4;
+                float *o = y + h * 128 + 32 * sh;
+                emit16s_avx2(_mm256_castsi256_si128(q), dl[sb], o, st);
+                emit16s_avx2(_mm256_extracti128_si256(q, 1), dl[sb + 1], o + 16, st);
+            }
+        }
+    }
+}
+
 /* ---- AVX-512 -------------------------------------------------------------------------------- */
 #define T512 "avx512f,avx512bw,avx512vl,avx2,f16c"
 
@@ -481,6 +560,10 @@ static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl
         case MCF_GGML_Q4_0: q4_0_avx512(x, nb, y, st); _mm_sfence(); return;
         case MCF_GGML_Q4_K: q4_k_avx512(x, nb, y, st); _mm_sfence(); return;
         case MCF_GGML_Q6_K: q6_k_avx512(x, nb, y, st); _mm_sfence(); return;
+        /* no AVX-512 variant: decode is write-bound, the AVX2 code reaches the same bandwidth */
+        case MCF_GGML_Q5_K: q5_k_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q2_K: q2_k_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q3_K: q3_k_avx2(x, nb, y, st); _mm_sfence(); return;
         default: break;
         }
     } else if (impl == MCF_IMPL_AVX2) {
@@ -489,6 +572,9 @@ static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl
         case MCF_GGML_Q4_0: q4_0_avx2(x, nb, y, st); _mm_sfence(); return;
         case MCF_GGML_Q4_K: q4_k_avx2(x, nb, y, st); _mm_sfence(); return;
         case MCF_GGML_Q6_K: q6_k_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q5_K: q5_k_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q2_K: q2_k_avx2(x, nb, y, st); _mm_sfence(); return;
+        case MCF_GGML_Q3_K: q3_k_avx2(x, nb, y, st); _mm_sfence(); return;
         default: break;
         }
     }

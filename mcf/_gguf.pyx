@@ -22,7 +22,7 @@ cdef extern from "gguf_dequant.h" nogil:
     void mcf_gguf_codes(int type, const uint8_t* src, size_t nblocks, uint8_t* codes)
 
 # ggml types with a vector variant; the others run the scalar code whatever impl says
-VECTOR_TYPES = (8, 2, 12, 14, 1, 30)  # Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16
+VECTOR_TYPES = (8, 2, 12, 14, 10, 11, 13, 1, 30)  # Q8_0, Q4_0, Q4_K, Q6_K, Q2_K, Q3_K, Q5_K, F16, BF16
 
 
 def block_info(int gtype):

@@ -36,7 +36,7 @@ scalars = st.one_of(
     st.tuples(st.just("add_float32"), st.floats(width=32, allow_nan=False)),
     st.tuples(st.just("add_float64"), st.floats(allow_nan=False)),
     st.tuples(st.just("add_bool"), st.booleans()),
-    st.tuples(st.just("add_string"), text),
+    st.tuples(st.just("add_string"), text.filter(bool)),  # gguf-py's writer drops empty strings
     st.tuples(st.just("add_array"), st.lists(text, min_size=1, max_size=8)),
     st.tuples(st.just("add_array"), st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), min_size=1, max_size=8)),
     st.tuples(st.just("add_array"), st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=8)),
