@@ -442,7 +442,7 @@ def test_non_utf8_strings_stay_bytes(tmp_path):
         assert doc["metadata"]["tokenizer.ggml.tokens"][0] == {"bytes_hex": "6162ffa9"}
 
 
-@pytest.mark.parametrize("tname", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("tname", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q3_K", "Q2_K"])
 def test_large_outputs_use_streaming_stores_with_the_same_bits(tmp_path, tname):
     """Outputs of 8 MiB and more, 64-byte aligned, are written with non-temporal stores by the vector
     variants: same values as gguf-py, and as an unaligned (plain-store) output."""
