@@ -24,10 +24,13 @@ from pathlib import Path
 import numpy as np
 
 import mcf
+import mcf.gguf  # noqa: F401  (imported here, inside atheris.instrument_imports, to be instrumented)
 import mcf.megacontext as mc
 import mcf.megatron as mt
 from mcf._safetensors import SafetensorsFile
+from mcf.bucket import store as _bucket_store  # noqa: F401  (instrumented, as above)
 from mcf.bucket.kvfile import KVFile
+from mcf.megatron import tokenize as _tokenize  # noqa: F401  (instrumented, as above)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
