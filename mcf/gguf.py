@@ -42,6 +42,9 @@ __all__ = [
     "GGUFFile",
     "GGUFTensor",
     "convert_gguf",
+    "ggml_type",
+    "metadata_json",
+    "model_info",
     "open",
 ]
 
