@@ -380,12 +380,12 @@ def gguf(data: bytes) -> None:
         g.metadata, g.version, g.alignment
         for name in list(g):
             t = g.info(name)
-            _each_mcf_error(lambda: g.raw(name).tobytes())
+            _each_mcf_error(lambda n=name: g.raw(n).tobytes())
             if t.ggml_type in G.SUPPORTED_TYPES:
-                _each_mcf_error(lambda: g.dequantize(name).tobytes())
+                _each_mcf_error(lambda n=name: g.dequantize(n).tobytes())
                 if len(t.shape) >= 2 and t.shape[0] > 1:
-                    _each_mcf_error(lambda: g.dequantize(name, rows=(1, t.shape[0]), dtype=np.float16))
-            _each_mcf_error(lambda: np.asarray(g.array(name)).tobytes())
+                    _each_mcf_error(lambda n=name, r=t.shape[0]: g.dequantize(n, rows=(1, r), dtype=np.float16))
+            _each_mcf_error(lambda n=name: np.asarray(g.array(n)).tobytes())
         _each_mcf_error(G.model_info, g)
         _each_mcf_error(G.metadata_json, g)
         out = os.path.join(_scratch_dir("gguf"), "out.mcf")
