@@ -112,6 +112,20 @@ def test_convert_float(benchmark, bench_model, touch, report, out_dir, mmap):
 
 
 @pytest.mark.benchmark(group="convert")
+def test_convert_float_no_fsync(benchmark, bench_model, touch, report, out_dir):
+    """convert(durable=False): the same atomic publish without the fsyncs, i.e. what a plain copy does;
+    its fair anchor is the copy without fsync."""
+    m = bench_model
+    out = os.path.join(out_dir, "float-nofsync.mcf")
+    touch(m.st_path)
+    anchors = Anchors(m.st_path, out_dir, out)
+    _run(benchmark, report, "convert", "convert float (pread, durable=False)",
+         lambda: convert(m.st_path, out, mmap=False, durable=False), m.st_path, out, anchors, m.nbytes,
+         FLOAT_TARGET)
+    _remove(out)
+
+
+@pytest.mark.benchmark(group="convert")
 def test_convert_k4(benchmark, bench_model, touch, report, out_dir):
     m = bench_model
     out = os.path.join(out_dir, "k4.mcf")

@@ -163,7 +163,7 @@ def cmd_convert(args) -> int:
     t0 = time.perf_counter()
     stats = convert(args.src, args.output, method=method, overrides=args.override, compat=args.compat == "mantle",
                     dtype=args.dtype, resources=not args.no_resources, report=args.report,
-                    progress=Progress("convert", False if args.quiet else None))
+                    progress=Progress("convert", False if args.quiet else None), durable=not args.no_fsync)
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
@@ -284,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cast the float tensors that are not quantized")
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
     s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per quantized tensor")
+    s.add_argument("--no-fsync", action="store_true",
+                   help="publish atomically but skip the fsyncs (faster; not power-loss safe)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_convert)
 

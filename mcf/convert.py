@@ -44,7 +44,8 @@ def files_left_out(src) -> list:
 
 
 def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, dtype: str = "keep",
-            resources: bool = True, progress=None, report: bool = False, mmap: bool = True) -> list:
+            resources: bool = True, progress=None, report: bool = False, mmap: bool = True,
+            durable: bool = True) -> list:
     """Convert checkpoint ``src`` into the MCF file ``dst``; returns per-tensor
     :class:`mcf.quant.QuantStats` when ``report`` is true (else an empty list).
 
@@ -60,6 +61,8 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
     stored), as GGUF's own blocks are already lossy.
 
+    ``durable=False`` skips the fsyncs of the output (still published atomically; see :class:`mcf.Writer`).
+
     Every input is validated before the output is created; a bad input raises a
     :class:`mcf.MCFError` subclass naming the file and field, and leaves ``dst`` untouched.
     """
@@ -74,8 +77,8 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
         from mcf.gguf import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
-                             progress=progress)
+                             progress=progress, durable=durable)
         return list(stats) if report else []
     method, overrides = resolve_policy(method, overrides)
     return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,
-                           report=report, resources=resources, mmap=mmap, progress=progress)
+                           report=report, resources=resources, mmap=mmap, progress=progress, durable=durable)

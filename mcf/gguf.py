@@ -740,7 +740,7 @@ def _float_target(t: GGUFTensor, dtype: str):
 
 
 def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="keep", progress=None,
-                 mmap: bool = False, threads: int = 1) -> list:
+                 mmap: bool = False, threads: int = 1, durable: bool = True) -> list:
     """Convert a GGUF file to MCF, one tensor at a time (peak memory near one tensor).
 
     - ``dtype="keep"``: F32/F16/BF16/F64 tensors are stored as they are; quantized ggml types are
@@ -784,7 +784,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
                 raise DTypeError(f"{g.path}: tensor {t.name!r} has ggml type {t.type.name}, which mcf cannot "
                                  f"decode (supported: {', '.join(SUPPORTED_TYPES)}, I8..I64)")
         rd = _Reader(g)
-        with Writer(dst, align=64) as w:
+        with Writer(dst, align=64, durable=durable) as w:  # durable: see mcf.Writer
             w.add_model_info(model_info(g))
             w.add_section(GGUF_METADATA_SECTION, metadata_json(g))
             names = list(g.tensors)

@@ -277,7 +277,7 @@ def _open_checkpoint(path: str, mmap: bool):
 def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
                     compat: bool = False, report: bool = False, align: int = 64, dedup: bool = False,
                     resources: bool = True, mmap: bool = True, model_name: str | None = None,
-                    progress=None) -> list:
+                    progress=None, durable: bool = True) -> list:
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
 
     Directories contribute their resource files and a ModelInfo from config.json; a single file a
@@ -292,7 +292,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     with _open_checkpoint(path, mmap) as ckpt:
         _check_shapes(ckpt)
         is_dir = os.path.isdir(path)
-        with Writer(output, align=align, dedup=dedup) as w:
+        with Writer(output, align=align, dedup=dedup, durable=durable) as w:
             if resources and is_dir:
                 for typ, data in _resource_sections(path):
                     w.add_section(typ, data)

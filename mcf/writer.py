@@ -78,15 +78,25 @@ class Writer:
     packer's ``--tensor-align 1``).  ``dedup=True`` stores byte-identical tensors (same dtype, shape and
     bytes) once and points every index entry at the same range.  Use as a context manager: leaving the
     block with an exception removes the temporary file and leaves the destination untouched.
+
+    ``durable=True`` (the default) fsyncs the file and its directory around the rename, so a published
+    file survives a power loss; ``durable=False`` keeps the atomic rename (a crashed process still never
+    leaves a half-written file at the path) but lets the kernel write the bytes back when it likes, as a
+    plain file copy does.
     """
 
-    def __init__(self, path, *, align: int = TENSOR_ALIGN, dedup: bool = False, atomic: bool = True):
+    def __init__(self, path, *, align: int = TENSOR_ALIGN, dedup: bool = False, atomic: bool = True,
+                 durable: bool = True):
         if int(align) < 1:
             raise InvalidArgumentError(f"align must be >= 1, got {align}")
+        from mcf.remote import refuse_url
+
+        refuse_url(path, "writing an MCF file")
         self.path = os.fspath(path)
         self.align = int(align)
         self.dedup = bool(dedup)
         self._atomic = atomic
+        self._durable = bool(durable)
         self._sections: list[tuple[int, int, int, int]] = []
         self._tensors: list[_Rec] = []
         self._names: set[str] = set()
@@ -361,11 +371,13 @@ class Writer:
             self._f.write(HEADER.pack(MAGIC, MAJOR, MINOR, HEADER_SIZE, len(self._sections), dir_off, size,
                                       self._flags))
             self._f.flush()
-            os.fsync(self._f.fileno())
+            if self._durable:
+                os.fsync(self._f.fileno())
             self._f.close()
             if self._atomic:
                 os.replace(self._tmp, self.path)
-                _fsync_dir(self.path)
+                if self._durable:
+                    _fsync_dir(self.path)
             self._closed = True
         except BaseException:
             self.abort()

@@ -444,3 +444,23 @@ def test_peak_memory_of_a_1gb_conversion(tmp_path):
     with mcf.open(tmp_path / "k4.mcf") as c:
         assert sum(c.info(n).dtype.name == "k4" for n in c) == len(c) - 1
     assert os.path.getsize(tmp_path / "back.safetensors") > payload
+
+
+def test_durable_false_skips_fsync_but_still_publishes_atomically(tmp_path, monkeypatch):
+    """convert(durable=False) writes the same bytes without calling fsync; the default fsyncs."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import mcf.writer
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, str(src))
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(mcf.writer.os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    mcf.convert(str(src), str(tmp_path / "a.mcf"), durable=False)
+    assert calls == []
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".") or "tmp" in p]
+    mcf.convert(str(src), str(tmp_path / "b.mcf"))
+    assert calls
+    assert (tmp_path / "a.mcf").read_bytes() == (tmp_path / "b.mcf").read_bytes()

@@ -529,3 +529,18 @@ def test_writer_rejects_unstorable_quant_clips(tmp_path, clip):
             w.add_tensor_bytes("q", "q8", (1, 32), bytes(mcf.quant_layout("q8", (1, 32)).nbytes),
                                quant={"min_clip": -1.0, "max_clip": clip})
     assert os.listdir(tmp_path) == []
+
+
+def test_writers_refuse_urls(tmp_path):
+    """Remote files are read-only: writing to a URL is a clear error before anything is created."""
+    import mcf.megatron
+
+    with pytest.raises(mcf.InvalidArgumentError, match="remote"):
+        mcf.Writer("https://example.invalid/model.mcf")
+    with pytest.raises(mcf.InvalidArgumentError, match="remote"):
+        mcf.megatron.Writer("s3://bucket/corpus", dtype="int32")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    src = str(tmp_path / "m.safetensors")
+    safetensors_numpy.save_file({"w": np.ones((2, 2), np.float32)}, src)
+    with pytest.raises(mcf.InvalidArgumentError, match="remote"):
+        mcf.convert(src, "https://example.invalid/out.mcf")

@@ -199,7 +199,9 @@ class Writer:
     def __init__(self, prefix, *, dtype=None, vocab_size: int | None = None, dtype_rule: str = "megatron",
                  multimodal: bool = False, atomic: bool = True, durable: bool = True):
         from mcf.megatron.reader import split_prefix
+        from mcf.remote import refuse_url
 
+        refuse_url(prefix, "writing a dataset")
         if dtype is not None and vocab_size is not None:
             raise InvalidArgumentError("pass dtype or vocab_size, not both")
         if dtype is not None:
