@@ -758,7 +758,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     llama.cpp -> Hugging Face renaming or Q/K un-permuting is done.  ModelInfo is filled from the GGUF
     keys and the full metadata is kept as JSON in section 0x0200 (:data:`GGUF_METADATA_SECTION`).
     ``mmap=False`` (the default) reads with positional reads into one reused buffer, so the resident
-    memory stays flat whatever the file size.  Returns a :class:`ConvertStats` per tensor.
+    memory stays flat whatever the file size.  ``durable=False`` publishes the output without fsync
+    (see :class:`mcf.Writer`).  Returns a :class:`ConvertStats` per tensor.
     """
     from mcf.dtypes import parse_dtype
     from mcf.quant import METHODS, _method_for, parse_overrides, quantize
