@@ -43,3 +43,14 @@ def test_quickstart_runs(tmp_path, monkeypatch, capsys, minilm_dir):
     assert "k4 (384, 384)" in out
     assert out.count("True") == 2                      # bit-exact export, bucket found after a restart
     assert out[-1].startswith("TruncatedError - <memory>: file_size at offset 24")
+
+
+def test_api_reference_matches_the_docstrings():
+    """docs/api.md is generated from the docstrings (docs/gen_api.py): a changed docstring or a new public
+    name must come with a regenerated page."""
+    import subprocess
+    import sys
+
+    gen = os.path.join(DOCS, "gen_api.py")
+    p = subprocess.run([sys.executable, gen, "--check"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
