@@ -15,6 +15,7 @@ import argparse
 import importlib
 import inspect
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +58,7 @@ def _format_signature(sig: inspect.Signature) -> str:
         if p.default is not p.empty:
             d = p.default
             d = f"{d.__module__}.{d.__qualname__}" if inspect.isclass(d) else repr(d)
+            d = re.sub(r"<([\w.]+) object at 0x[0-9a-fA-F]+>", r"<\1>", d)  # sentinels: stable text
             text += f" = {d}" if p.annotation is not p.empty else f"={d}"
         parts.append(text)
     out = f"({', '.join(parts)})"
