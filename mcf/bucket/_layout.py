@@ -7,6 +7,7 @@ Everything is little-endian.  The header (FORMATS.md §4)::
       0   4  magic            b"MCB\\0"
       4   2  version          1
       6   2  flags            bit 0 = CHUNKED (a chunk table follows the header)
+                              bit 1 = ENCRYPTED (chunks are AES-256-GCM; needs CHUNKED; see _crypto.py)
       8   4  num_layers
      12   4  num_kv_heads
      16   4  head_dim
@@ -43,9 +44,10 @@ OFFSETS = {
 
 class Flags(IntFlag):
     CHUNKED = 1
+    ENCRYPTED = 2
 
 
-KNOWN_FLAGS = int(Flags.CHUNKED)
+KNOWN_FLAGS = int(Flags.CHUNKED | Flags.ENCRYPTED)
 
 
 class KVDType(IntEnum):

@@ -99,6 +99,10 @@ class KVHeader:
     def chunked(self) -> bool:
         return bool(self.flags & L.Flags.CHUNKED)
 
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.flags & L.Flags.ENCRYPTED)
+
     def pack(self) -> bytes:
         s = self.shape
         return L.HEADER.pack(L.MAGIC, self.version, self.flags, s.num_layers, s.num_kv_heads, s.head_dim,
@@ -189,18 +193,27 @@ def _shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
 
 def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]], *, dtype: Any = "float16",
              compression: Any = "none", level: int | None = None, chunked: bool | None = None,
-             threads: int = 1) -> KVHeader:
+             threads: int = 1, key: Any = None) -> KVHeader:
     """Write a KV cache: ``layers[i] = (K, V)``, each ``[num_kv_heads, sequence_length, head_dim]``.
 
     ``dtype`` is the stored dtype (float inputs are converted; int8 quantizes per row, see
     :func:`quantize_int8`, or takes :class:`Int8KV` pairs as they are).  ``compression`` is none, lz4
-    or zstd; compressed files are CHUNKED unless ``chunked=False`` (one stream).  Returns the header.
+    or zstd; compressed files are CHUNKED unless ``chunked=False`` (one stream).  ``key`` (32 bytes or 64
+    hex digits) encrypts every chunk with AES-256-GCM (always CHUNKED; see :mod:`mcf.bucket._crypto`).
+    Returns the header.
     """
+    from mcf.bucket._crypto import ChunkCipher, OVERHEAD, parse_key
+
     kd = L.parse_dtype(dtype)
     comp = L.parse_compression(compression)
+    key = parse_key(key)
+    if key is not None:
+        if chunked is False:
+            raise InvalidArgumentError("an encrypted KV file is always chunked")
+        chunked = True
     if chunked is None:
         chunked = comp != L.Compression.NONE
-    if chunked and comp == L.Compression.NONE:
+    if chunked and comp == L.Compression.NONE and key is None:
         raise InvalidArgumentError("chunked=True needs a compression (uncompressed data is addressable as is)")
     if not isinstance(threads, int) or threads < 1:
         raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
@@ -208,19 +221,30 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
     original = L.payload_size(shape, kd)
     blocks = (t for pair in layers for t in pair)
 
-    if comp == L.Compression.NONE:
+    flags = int(L.Flags.CHUNKED) if chunked else 0
+    if comp == L.Compression.NONE and not chunked:
         pieces_iter = (_encode_block(t, kd) for t in blocks)
         table = b""
     elif chunked:
         def enc(t):
-            return _compress(_encode_block(t, kd), comp, level)
+            b = _encode_block(t, kd)
+            return b if comp == L.Compression.NONE else _compress(b, comp, level)
 
-        tensors = list(blocks)
-        if threads > 1:
-            with ThreadPoolExecutor(threads) as pool:
-                chunks = list(pool.map(enc, tensors))
-        else:
-            chunks = [enc(t) for t in tensors]
+        def pool_map(fn, items):
+            if threads > 1:
+                with ThreadPoolExecutor(threads) as pool:
+                    return list(pool.map(fn, items))
+            return [fn(x) for x in items]
+
+        chunks = pool_map(enc, list(blocks))
+        if key is not None:
+            # the header is authenticated with every chunk, so its sizes come first: each chunk grows by
+            # its nonce and tag
+            flags |= int(L.Flags.ENCRYPTED)
+            stored_size = L.chunk_table_size(shape) + sum(len(c) + OVERHEAD for c in chunks)
+            pre = KVHeader(L.VERSION, flags, shape, kd, comp, original, stored_size, 0).pack()
+            cipher = ChunkCipher(key, pre)
+            chunks = pool_map(lambda ic: cipher.encrypt(ic[0], ic[1]), list(enumerate(chunks)))
         off = L.HEADER_SIZE + L.chunk_table_size(shape)
         entries = bytearray()
         for c in chunks:
@@ -251,9 +275,9 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
             f.write(p)
             crc = _crc32(p, crc)
             stored += len(p)
-        if comp == L.Compression.NONE and stored != original:  # pragma: no cover - guarded by _shape_of
+        if comp == L.Compression.NONE and not chunked and stored != original:  # pragma: no cover
             raise InvalidArgumentError("internal size mismatch")
-        header = KVHeader(L.VERSION, int(L.Flags.CHUNKED) if chunked else 0, shape, kd, comp, original, stored, crc)
+        header = KVHeader(L.VERSION, flags, shape, kd, comp, original, stored, crc)
         end = f.tell()
         f.seek(start)
         f.write(header.pack())
@@ -311,7 +335,18 @@ def parse_header(raw: bytes, *, path: Any = None, file_size: int | None = None,
         raise FormatError("original_size disagrees with the shape and dtype", path=path, field="original_size",
                           offset=O["original_size"], expected=want, got=orig)
     chunked = bool(flags & L.Flags.CHUNKED)
-    if cp == L.Compression.NONE:
+    encrypted = bool(flags & L.Flags.ENCRYPTED)
+    if encrypted and not chunked:
+        raise FormatError("ENCRYPTED flag without CHUNKED (encryption is per chunk)", path=path, field="flags",
+                          offset=O["flags"], got=f"{flags:#x}")
+    if encrypted:
+        if orig > max_decompressed_bytes:
+            raise FormatError("declared payload exceeds the decompression limit", path=path, field="original_size",
+                              offset=O["original_size"], expected=f"<= {max_decompressed_bytes}", got=orig)
+        if csize < L.chunk_table_size(shape):
+            raise FormatError("compressed_size smaller than the chunk table", path=path, field="compressed_size",
+                              offset=O["compressed_size"], expected=f">= {L.chunk_table_size(shape)}", got=csize)
+    elif cp == L.Compression.NONE:
         if chunked:
             raise FormatError("CHUNKED flag on an uncompressed file", path=path, field="flags", offset=O["flags"])
         if csize != orig:
@@ -341,7 +376,8 @@ class KVFile:
     returns per-layer (K, V) arrays, zero-copy views of the mapping when the file is uncompressed."""
 
     def __init__(self, source: Any, *, mmap: bool = True,
-                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> None:
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES, key: Any = None) -> None:
+        from mcf.bucket._crypto import ChunkCipher, parse_key
         from mcf.io import open_source
 
         self.path = str(source) if isinstance(source, (str, os.PathLike)) else None
@@ -352,6 +388,8 @@ class KVFile:
             self.header = parse_header(raw, path=self.path, file_size=size,
                                        max_decompressed_bytes=max_decompressed_bytes)
             self._chunks = self._read_table() if self.header.chunked else None
+            key = parse_key(key)
+            self._cipher = ChunkCipher(key, raw) if self.header.encrypted and key is not None else None
         except BaseException:
             self._src.close()
             raise
@@ -468,6 +506,19 @@ class KVFile:
             raise ChecksumError("chunk CRC-32 mismatch", path=self.path, field=f"chunk[{idx}]", offset=off,
                                 expected=f"{crc:#010x}", got=f"{_crc32(data):#010x}")
         n = L.block_size(self.shape, self.dtype)
+        if self.header.encrypted:
+            if self._cipher is None:
+                raise InvalidArgumentError(f"{self.path or 'KV file'}: the KV data is encrypted; pass key= "
+                                           "(or set MCF_BUCKET_KEY for a bucket)")
+            data = self._cipher.decrypt(idx, data, path=self.path, offset=off)  # authenticated
+            if self.header.compression == L.Compression.NONE:
+                if len(data) != n:
+                    raise FormatError("decrypted chunk size disagrees with the shape", path=self.path,
+                                      field=f"chunk[{idx}]", offset=off, expected=n, got=len(data))
+                if dst is not None:
+                    np.copyto(dst, np.frombuffer(data, np.uint8))
+                    return dst
+                return data
         if self.header.compression == L.Compression.LZ4 and _lz4_into is not None:
             if dst is None:
                 dst = np.empty(n, np.uint8)  # faulted in by this (worker) thread, in parallel with the others
@@ -541,7 +592,7 @@ class KVFile:
                     return list(pool.map(fn, items))
             return [fn(x) for x in items]
 
-        if comp == L.Compression.NONE:
+        if comp == L.Compression.NONE and self._chunks is None:
             if verify:
                 self.verify()
             blocks = [self._block(self._src, L.HEADER_SIZE, j) for j in idxs]
@@ -627,14 +678,16 @@ class KVFile:
         self.close()
 
 
-def open_kv(source: Any, *, mmap: bool = True, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> KVFile:
-    """Open and validate a ``kv_data.mcb`` (path, file-like object or bytes-like)."""
-    return KVFile(source, mmap=mmap, max_decompressed_bytes=max_decompressed_bytes)
+def open_kv(source: Any, *, mmap: bool = True, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,
+            key: Any = None) -> KVFile:
+    """Open and validate a ``kv_data.mcb`` (path, file-like object or bytes-like); ``key`` decrypts an
+    encrypted one."""
+    return KVFile(source, mmap=mmap, max_decompressed_bytes=max_decompressed_bytes, key=key)
 
 
 def read_kv(source: Any, **kw: Any) -> list[tuple[Any, Any]]:
     """Convenience: open, load everything as copies owned by the caller, close."""
-    load_kw = {k: kw.pop(k) for k in ("layers", "tokens", "threads", "verify", "dequantize") if k in kw}
+    load_kw = {k: kw.pop(k) for k in ("layers", "tokens", "threads", "verify", "dequantize") if k in kw}  # rest: open_kv
     with open_kv(source, **kw) as f:
         return [(np.array(k) if isinstance(k, np.ndarray) else k, np.array(v) if isinstance(v, np.ndarray) else v)
                 for k, v in f.load(**load_kw)]

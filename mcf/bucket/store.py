@@ -314,12 +314,19 @@ class Bucket:
     >>> info = b.ingest("llama-3-8b", layers, content="The pathophysiology of diabetes...")
     >>> [c["context_id"] for c in b.discover("llama-3-8b")]
     >>> layers = b.load(info["context_id"])                                     # [(K, V), ...]
+
+    ``key`` (32 bytes or 64 hex digits; default: the ``MCF_BUCKET_KEY`` environment variable) encrypts
+    the KV data of every context this object ingests with AES-256-GCM and decrypts encrypted contexts on
+    load (:mod:`mcf.bucket._crypto`); without a key, encrypted contexts are listed but cannot be loaded.
     """
 
     def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
                  prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30,
-                 verify: bool | str = "always") -> None:
+                 verify: bool | str = "always", key: Any = None) -> None:
+        from mcf.bucket._crypto import key_from_env, parse_key
         from mcf.bucket.tiers import WarmCache
+
+        self._key = parse_key(key) if key is not None else key_from_env()
 
         self.verify = _verify_policy(verify)
         self._verified: dict[str, tuple] = {}
@@ -797,7 +804,7 @@ class Bucket:
         try:
             tmp.mkdir()
             kv_path = tmp / KV_NAME
-            header = write_kv(kv_path, layers, dtype=kd, compression=comp, threads=threads)
+            header = write_kv(kv_path, layers, dtype=kd, compression=comp, threads=threads, key=self._key)
             with open(kv_path, "rb+") as f:
                 os.fsync(f.fileno())
             now = self.clock()
@@ -817,6 +824,7 @@ class Bucket:
                     "compressed": comp != L.Compression.NONE,
                     "compression": L.COMPRESSION_NAMES[comp],
                     "chunked": header.chunked,
+                    "encrypted": header.encrypted,
                 },
                 "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
                             "checksum": f"crc32:{header.checksum:08x}"},
@@ -941,7 +949,7 @@ class Bucket:
         """The context's KV file, validated against its metadata."""
         meta = self.lookup(context_id)
         path = self._ctx_dir(context_id) / KV_NAME
-        f = open_kv(path, mmap=mmap)
+        f = open_kv(path, mmap=mmap, key=self._key)
         s, want = f.shape, meta["kv_cache"]["shape"]
         got = {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
                "sequence_length": s.sequence_length}
