@@ -7,9 +7,9 @@
 Four threads copy a 32 MiB file with ``readinto`` and ``read_ranges`` (GIL released) while the main
 thread closes the source after 0-16 ms.  The contract: each call returns the right bytes or raises an
 ``mcf.MCFError``, and the process survives.  Each mode runs in a child process, so a crash is reported
-as its signal instead of killing this script.  At the time of writing the mmap and memory modes die
-with SIGSEGV (the copy reads ``base`` after ``close()`` cleared it and does not keep the mapping alive;
-see docs/reliability.md, "Concurrency"); pread and file-object modes hold.
+as its signal instead of killing this script.  Written when the mmap and memory modes died with SIGSEGV
+(the copy read ``base`` after ``close()`` had cleared it and did not keep the mapping alive); fixed in
+the I/O core by counting copies in flight (commit 24863c0), and tests/test_io.py runs this script.
 """
 
 from __future__ import annotations

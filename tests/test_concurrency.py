@@ -301,7 +301,10 @@ for rnd in range(int(sys.argv[4])):
     elif kind.startswith("source"):
         from mcf.io import open_source
         fobj = open(path, "rb") if kind == "source-fileobj" else None
-        obj = open_source(fobj if fobj else path, mmap=False)
+        if kind == "source-memory":
+            obj = open_source(memoryview(open(path, "rb").read()))
+        else:
+            obj = open_source(fobj if fobj else path, mmap=kind == "source-mmap")
         whole = obj.read(0, obj.size)
         def ranges():
             out = np.empty(obj.size, np.uint8)
@@ -343,12 +346,10 @@ print(outcomes["ok"], outcomes["closed"])
 """
 
 
-@pytest.mark.parametrize("kind", ["mcf-mmap", "mcf-pread", "megatron-mmap", "megatron-pread", "source-pread",
-                                  "source-fileobj"])
+@pytest.mark.parametrize("kind", ["mcf-mmap", "mcf-pread", "megatron-mmap", "megatron-pread", "source-mmap",
+                                  "source-pread", "source-fileobj", "source-memory"])
 def test_close_racing_with_readers(mcf_file, megatron_ds, kind):
-    """Containers and datasets in both modes, and the I/O core's positional and file-object modes.
-    (Source.readinto/read_ranges racing with close() in the mmap and memory modes of the I/O core
-    still crash: see docs/reliability.md, "Concurrency".)"""
+    """Containers and datasets in both modes, and the I/O core's Source in its four modes."""
     path = str(megatron_ds[0]) if kind.startswith("megatron") else str(mcf_file)
     p = subprocess.run([sys.executable, "-c", CLOSE_RACE, str(ROOT), kind, path, "30"], capture_output=True,
                        text=True, timeout=120, cwd=str(ROOT))
