@@ -766,3 +766,22 @@ def test_one_bucket_shared_by_threads(tmp_path):
     assert errors == []
     assert ids(b.discover("m")) == sorted(set(made)) == ids(Bucket(tmp_path).discover("m", force_scan=True))
     assert len(set(made)) == 16
+
+
+def test_model_document_without_or_with_another_model_id_is_a_format_error(tmp_path):
+    """Found by the bucket_dir fuzz target: models/<id>.json without "model_id" made check_compatible
+    raise a bare KeyError."""
+    import json
+
+    b = Bucket(tmp_path)
+    b.register_model("m", num_layers=1)
+    p = tmp_path / "models" / "m.json"
+    doc = json.loads(p.read_text())
+    del doc["model_id"]
+    p.write_text(json.dumps(doc))
+    with pytest.raises(mcf.FormatError, match="model_id"):
+        b.model("m")
+    doc["model_id"] = "other"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(mcf.FormatError, match="another model"):
+        b.model("m")

@@ -417,6 +417,10 @@ class Bucket:
         except FileNotFoundError:
             return None
         _get(doc, p, "model_compatibility", types=dict)
+        # every reader below relies on both (fuzz: a document without model_id made a KeyError escape)
+        if _get(doc, p, "model_id", types=str) != model_id:
+            raise FormatError("model document names another model", path=p, field="model_id", expected=model_id,
+                              got=doc["model_id"])
         return doc
 
     def check_compatible(self, context_id: str, model: dict | str) -> dict:
