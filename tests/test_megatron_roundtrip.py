@@ -384,3 +384,56 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
         exec(compile(code, f"megatron.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
     out = capsys.readouterr().out
     assert "[1 2 3]" in out and "[7 8]" in out and "[6 7 8 1 2 3 4 5] [0 3 6 8]" in out
+
+
+def _child_killed_between_renames(prefix: str, n: int) -> None:
+    """Runs in a child process: publish a dataset of ``n`` items and die (SIGKILL) right after the .bin
+    rename, before the .idx one: the state a kill at that instant leaves."""
+    import signal
+
+    import mcf.megatron.writer as W
+
+    real = os.replace
+    calls = []
+
+    def replace(a, b):
+        real(a, b)
+        calls.append(b)
+        if b.endswith(".bin"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    W.os.replace = replace
+    with mcf.megatron.Writer(prefix, dtype="int32") as w:
+        for k in range(n):
+            w.add_item(np.arange(k + 1, dtype=np.int32))
+
+
+def test_a_publish_killed_between_its_renames_is_finished_by_the_next_reader(tmp_path):
+    import multiprocessing as mp
+
+    prefix = str(tmp_path / "ds")
+    with mcf.megatron.Writer(prefix, dtype="int32") as w:
+        w.add_item(np.arange(3, dtype=np.int32))
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_child_killed_between_renames, args=(prefix, 5))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -9
+    assert os.path.exists(prefix + ".publish")              # the intent survived the kill, unlocked
+    with mcf.megatron.open(prefix) as ds:                   # rolled forward: the new dataset, whole
+        assert len(ds) == 5 and np.array_equal(ds[4], np.arange(5))
+    assert not os.path.exists(prefix + ".publish")
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]
+
+
+def test_a_live_publish_is_never_rolled_forward_by_a_reader(tmp_path):
+    """finish_interrupted leaves an intent alone while its writer holds the lock."""
+    from mcf.megatron._publish import Intent, finish_interrupted
+
+    prefix = str(tmp_path / "ds")
+    (tmp_path / "a.tmp").write_bytes(b"x")
+    with Intent(prefix, [(str(tmp_path / "a.tmp"), str(tmp_path / "a"))], durable=False):
+        assert finish_interrupted(prefix) is False
+        assert (tmp_path / "a.tmp").exists()
+    assert finish_interrupted(prefix) is True                # the holder is gone (here: closed without done())
+    assert (tmp_path / "a").read_bytes() == b"x" and not (tmp_path / "ds.publish").exists()

@@ -420,6 +420,24 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
     """
     p, i, b = _sources(prefix, idx, bin)
+    try:
+        return _open_pair(p, i, b, mmap, multimodal, validate)
+    except (FormatError, TruncatedError, MissingFileError):
+        from mcf.megatron._publish import finish_interrupted
+
+        # a writer killed between its two renames left its intent: finish its publish, then open
+        if p is None or _is_url(p) or not finish_interrupted(p):
+            raise
+    return _open_pair(p, i, b, mmap, multimodal, validate)
+
+
+def _is_url(p) -> bool:
+    from mcf.remote import is_url
+
+    return is_url(p)
+
+
+def _open_pair(p, i, b, mmap, multimodal, validate) -> IndexedDataset:
     for attempt in range(_OPEN_ATTEMPTS):
         before = _identity(i, b)
         try:

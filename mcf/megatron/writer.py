@@ -212,6 +212,10 @@ class Writer:
             self.dtype = MEGATRON_DTYPES[4]
         self.dtype_code = dtype_code(self.dtype)
         self.prefix = split_prefix(prefix)
+        if atomic:
+            from mcf.megatron._publish import finish_interrupted
+
+            finish_interrupted(self.prefix)  # a predecessor killed between its renames: complete it first
         self.idx_path = self.prefix + ".idx"
         self.bin_path = self.prefix + ".bin"
         self.multimodal = bool(multimodal)
@@ -436,10 +440,16 @@ class Writer:
                 held.append(os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
             except OSError:
                 pass
+        from mcf.megatron._publish import Intent
+
         try:
-            self._unlink_index_if_same_size()
-            os.replace(self._bin_tmp, self.bin_path)
-            os.replace(self._idx_tmp, self.idx_path)
+            # a crash between the two renames is finished by the next reader or writer (see _publish.py)
+            with Intent(self.prefix, [(self._bin_tmp, self.bin_path), (self._idx_tmp, self.idx_path)],
+                        self._durable) as intent:
+                self._unlink_index_if_same_size()
+                os.replace(self._bin_tmp, self.bin_path)
+                os.replace(self._idx_tmp, self.idx_path)
+                intent.done()
         finally:
             for fd in held:
                 os.close(fd)
