@@ -220,7 +220,7 @@ class Harness:
         self.next_gen = 0           # the generation the next child starts with
         self.last_done = None       # the last generation any child reported published
         self.counts = {"runs": 0, "killed": 0, "generations": 0, "temp_files_removed": 0, "refused": 0,
-                       "absent": 0}
+                       "rolled_forward": 0, "absent": 0}
         self.refs = {}
         self._megacontext_last = (0, 0, 0)
         self._bucket_ids: dict = {}     # generation -> context id, as the child reported them
@@ -355,7 +355,13 @@ class Harness:
     def _check_megatron(self, pid: int, in_progress: int) -> None:
         import mcf
         import mcf.megatron as mt
+        from mcf.megatron._publish import finish_interrupted
 
+        # a kill between the two renames leaves ds.publish: the next reader (or writer) finishes that
+        # publish from the complete temporary files it names, so do what mt.open would do, first
+        if finish_interrupted(str(self.work / "ds")):
+            self.counts["rolled_forward"] += 1
+        self._remove_temps(self.work, pid, "ds.publish")
         self._remove_temps(self.work, pid, "ds.idx")
         self._remove_temps(self.work, pid, "ds.bin")
         visible = sorted(q.name for q in self.work.iterdir() if q.name not in ("ref", "inputs"))

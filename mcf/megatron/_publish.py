@@ -27,9 +27,11 @@ class Intent:
 
     def __init__(self, prefix: str, renames: list, durable: bool):
         self.path = intent_path(prefix)
+        from mcf.writer import _create_temp
+
         d = os.path.dirname(os.path.abspath(self.path))
-        tmp = os.path.join(d, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd, tmp = _create_temp(d, os.path.basename(self.path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"renames": [[os.path.basename(a), os.path.basename(b)] for a, b in renames]}, f)
             f.flush()
             if durable:
