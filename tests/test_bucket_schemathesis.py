@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 import zlib
 
 import numpy as np
 import pytest
+from _bucket_server import serve
 
 pytest.importorskip("starlette", reason="the server needs the 'server' extra (starlette)")
 pytest.importorskip("uvicorn", reason="the server needs the 'server' extra (uvicorn)")
@@ -57,12 +53,6 @@ def _collect_tool_sockets():
         gc.collect()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("bucket-schema")
@@ -71,33 +61,12 @@ def live_server(tmp_path_factory):
     layers = [(rng.standard_normal((2, 8, 4)).astype(np.float32),) * 2 for _ in range(2)]
     seeded = b.ingest("seed-model", layers, token_ids=list(range(8)), name="seeded", compression="lz4")
     b.set_tier_preference(seeded["context_id"], "warm")  # applied by the server at start-up
-    port = _free_port()
-    env = dict(os.environ, MCB_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(base + "/mcrp/v1/openapi.json", timeout=2).close()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start: {proc.communicate(timeout=5)[1]!r}") from None
-                time.sleep(0.1)
+    with serve(root, TOKEN) as base:
         req = urllib.request.Request(base + "/mcrp/v1/models/seed-model/contexts",
                                      headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert [c["tier"] for c in json.loads(r.read())["contexts"]] == ["warm"]
         yield base, seeded["context_id"]
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 @pytest.fixture(scope="module")

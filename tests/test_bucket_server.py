@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
+from _bucket_server import serve
 
 pytest.importorskip("starlette", reason="the server needs the 'server' extra (starlette)")
 pytest.importorskip("uvicorn", reason="the server needs the 'server' extra (uvicorn)")
@@ -24,38 +20,11 @@ from mcf.bucket import open_kv
 TOKEN = "s3cret-token"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("bucket")
-    port = free_port()
-    env = dict(os.environ, MCB_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}/mcrp/v1"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(base + "/openapi.json", timeout=2).close()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start: {proc.communicate(timeout=5)[1]!r}") from None
-                time.sleep(0.1)
-        yield base, root
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    with serve(root, TOKEN) as url:
+        yield url + "/mcrp/v1", root
 
 
 def call(base, method, path, body=None, token=TOKEN, headers=None, raw=False):
