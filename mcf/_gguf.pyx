@@ -30,14 +30,7 @@ def block_info(int gtype):
     return mcf_gguf_block_size(gtype), mcf_gguf_type_size(gtype)
 
 
-cdef int _kind(object dt) except -1:
-    if dt == np.float32:
-        return 0
-    if dt == np.float16:
-        return 1
-    if dt.name == "bfloat16" or dt == np.uint16:
-        return 2
-    raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
+from mcf._kernels import out_kind as _kind  # one output-dtype table for every kernel module
 
 
 def _bytes_of(src):
