@@ -256,6 +256,23 @@ class BucketFS:
                     os.unlink(tmp, dir_fd=d)
                 raise
 
+    def temp_file(self, rel: str) -> int:
+        """A new read-write file in directory ``rel`` that has no name (``O_TMPFILE``; where the file
+        system lacks it, a hidden name unlinked at once): its space is freed when the last descriptor
+        and mapping of it go, whatever happens to the process."""
+        with self.dir(rel) as d:
+            tmpfile = getattr(os, "O_TMPFILE", 0)
+            if tmpfile:
+                try:
+                    return os.open(".", tmpfile | os.O_RDWR | _CLOEXEC, 0o600, dir_fd=d)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                        raise self._refuse(exc, rel) from None
+            name = f".spool-{uuid.uuid4().hex}"
+            fd = self.open_file_at(d, name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600, rel=f"{rel}/{name}")
+            os.unlink(name, dir_fd=d)
+            return fd
+
     # -- names ---------------------------------------------------------------------------------------
     def lstat(self, rel: str) -> os.stat_result | None:
         """``lstat`` of ``rel`` (its directories opened without following links); None when absent."""

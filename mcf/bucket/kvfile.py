@@ -138,11 +138,25 @@ def quantize_int8(x: np.ndarray) -> Int8KV:
     return Int8KV(q, scales)
 
 
+def _kv_array(t: Any, where: str) -> np.ndarray:
+    """``t`` as a numpy array of a dtype KV data can have: floats (bfloat16 included) or integers.
+    Complex, bool, datetime, string, object and structured arrays are refused, never coerced (a cast
+    would drop imaginary parts or turn text into numbers silently)."""
+    try:
+        a = t if isinstance(t, np.ndarray) else np.asarray(t)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(f"{where}: not an array of numbers ({exc})") from None
+    if a.dtype.kind not in "fiu" and not (_BF16 is not None and a.dtype == _BF16):
+        raise InvalidArgumentError(f"{where}: KV data must be floating point or integer, got dtype {a.dtype}")
+    return a
+
+
 def _encode_block(arr: Any, dtype: L.KVDType) -> bytes:
     if isinstance(arr, Int8KV):
         if dtype != L.KVDType.INT8:
             raise InvalidArgumentError("an Int8KV tensor can only be written with dtype int8")
         return np.ascontiguousarray(arr.data, np.int8).tobytes() + np.ascontiguousarray(arr.scales, "<f4").tobytes()
+    arr = _kv_array(arr, "KV tensor")
     if dtype == L.KVDType.INT8:
         q = quantize_int8(arr)
         return q.data.tobytes() + q.scales.tobytes()
@@ -175,7 +189,7 @@ def _shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidArgumentError(f"layer {i}: expected a (K, V) pair")
         for name, t in zip("KV", pair):
-            shp = tuple(t.data.shape) if isinstance(t, Int8KV) else tuple(np.shape(t))
+            shp = tuple(t.data.shape) if isinstance(t, Int8KV) else _kv_array(t, f"layer {i} {name}").shape
             if isinstance(t, Int8KV) and tuple(np.shape(t.scales)) != shp[:2]:
                 raise InvalidArgumentError(f"layer {i} {name}: scales shape {np.shape(t.scales)} != {shp[:2]}")
             if len(shp) != 3:
@@ -437,6 +451,10 @@ class KVFile:
         return out
 
     # -- checks ----------------------------------------------------------------------------------------
+    def fileno(self) -> int:
+        """The descriptor of the open file (what was validated: stream from it, not from a path)."""
+        return self._src.fileno()
+
     def identity(self) -> tuple[int, ...] | None:
         """(device, inode, size, mtime_ns, ctime_ns) of the open file, None for in-memory sources.  Any
         write to the file through the file system changes its ctime (which no user can set back), so

@@ -393,6 +393,11 @@ class Bucket:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def scratch_file(self):
+        """A new, nameless read-write binary file on the bucket's own disk (``contexts/``), freed when
+        closed and unmapped: the server spools uploads there instead of holding them in memory."""
+        return os.fdopen(self._fs.temp_file("contexts"), "w+b")
+
     # -- paths ---------------------------------------------------------------------------------------
     @property
     def registry_path(self) -> Path:
