@@ -212,20 +212,31 @@ class BucketFS:
 
     def read(self, rel: str, *, limit: int | None = None) -> bytes:
         """The whole regular file ``rel`` (FormatError when it is larger than ``limit`` bytes)."""
-        fd = self.open_file(rel)
+        head, name = self._split(rel)
+        with self.dir(head) as d:
+            return self.read_at(d, name, limit=limit, rel=rel)
+
+    def read_at(self, dir_fd: int, name: str, *, limit: int | None = None, rel: str | None = None) -> bytes:
+        rel = rel or name
+        fd = self.open_file_at(dir_fd, name, rel=rel)
         try:
             size = os.fstat(fd).st_size
             if limit is not None and size > limit:
                 raise FormatError(f"file of {size} bytes, more than the {limit} allowed", path=self.where(rel))
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read() if limit is None else f.read(limit + 1)
+            chunks, want = [], size + 1  # one byte more: a file that grew meanwhile is read to its end below
+            while True:
+                piece = os.read(fd, max(want, 1 << 16))
+                if not piece:
+                    break
+                chunks.append(piece)
+                want -= len(piece)
+                if limit is not None and sum(map(len, chunks)) > limit:
+                    raise FormatError(f"file larger than the {limit} bytes allowed", path=self.where(rel))
         except OSError as exc:
             raise self._refuse(exc, rel) from None
         finally:
             os.close(fd)
-        if limit is not None and len(data) > limit:  # grew while being read
-            raise FormatError(f"file larger than the {limit} bytes allowed", path=self.where(rel))
-        return data
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def write_atomic(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """Replace ``rel`` with ``data``: a new hidden file in the same directory, written (and fsynced

@@ -762,14 +762,7 @@ class Bucket:
                     raise FormatError("kv_data.mcb is missing", path=self._fs.where(rel)) from None
                 if not stat.S_ISREG(kv.st_mode):
                     raise FormatError(refusal(kv.st_mode), path=self._fs.where(f"{rel}/{KV_NAME}"))
-                fd = self._fs.open_file_at(d, META_NAME, rel=f"{rel}/{META_NAME}")
-                try:
-                    if os.fstat(fd).st_size > MAX_DOC_BYTES:
-                        raise FormatError(f"larger than {MAX_DOC_BYTES} bytes", path=p)
-                    with os.fdopen(os.dup(fd), "rb") as f:
-                        raw = f.read(MAX_DOC_BYTES + 1)
-                finally:
-                    os.close(fd)
+                raw = self._fs.read_at(d, META_NAME, limit=MAX_DOC_BYTES, rel=f"{rel}/{META_NAME}")
         except FileNotFoundError:
             raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
         except OSError as exc:
