@@ -135,14 +135,14 @@ _SCHEMAS = {
                  "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID,
                                 "deduplicated": {"type": "boolean"}, "token_count": {"type": "integer"},
                                 "size_bytes": {"type": "integer"}}},
-    "PromoteRequest": {"type": "object", "properties": {
+    "PromoteRequest": {"type": "object", "additionalProperties": False, "properties": {
         "target_tier": {"type": "string", "enum": ["warm", "hot"], "default": "warm"},
         "device": {"type": "string", "pattern": _DEVICE_PATTERN, "default": "cuda"}}},
-    "DemoteRequest": {"type": "object", "properties": {
+    "DemoteRequest": {"type": "object", "additionalProperties": False, "properties": {
         "target_tier": {"type": "string", "enum": ["warm", "cold"], "default": "cold"}}},
     "Tier": {"type": "object", "required": ["status", "context_id", "tier"],
              "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID, "tier": _TIER}},
-    "QueryRequest": {"type": "object", "required": ["query"],
+    "QueryRequest": {"type": "object", "required": ["query"], "additionalProperties": False,
                      "properties": {"query": {"type": "string"}, "options": {"type": "object"}}},
     "Answer": {"type": "object"},
     "Statistics": {"type": "object", "required": ["total_models", "total_contexts", "total_storage_bytes",
@@ -383,7 +383,9 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         if mt not in allowed:
             raise _UnsupportedMedia(f"content type {mt or '(none)'} is not accepted here; send {' or '.join(allowed)}")
 
-    async def body_json(request: Request) -> dict:
+    async def body_json(request: Request, schema: str) -> dict:
+        """The JSON object body of a route whose document schema is ``schema`` (unknown fields are
+        refused: a misspelt ``target_teir`` must not silently mean the default)."""
         check_type(request, _JSON_TYPES, body_required=False)
         raw = await read_body(request, max_json_bytes)
         if not raw.strip():
@@ -396,6 +398,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             raise InvalidArgumentError("request body is not a JSON object (nested too deeply)") from None
         if not isinstance(obj, dict):
             raise InvalidArgumentError("request body must be a JSON object")
+        known = _SCHEMAS[schema].get("properties", {})
+        unknown = sorted(set(obj) - set(known))
+        if unknown:
+            raise InvalidArgumentError(f"unknown field(s) {unknown} in the body; allowed: {sorted(known)}")
         return obj
 
     async def list_contexts(request: Request):
@@ -484,7 +490,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return StreamingResponse(pieces(), media_type="application/octet-stream", headers=headers)
 
     async def query(request: Request):
-        body = await body_json(request)
+        body = await body_json(request, "QueryRequest")
         cid = request.path_params["id"]
         await run_in_threadpool(b.lookup, cid)
         if backend is None:
@@ -492,11 +498,13 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                             "language model; pass a QueryBackend to create_app")
         if not isinstance(body.get("query"), str):
             raise InvalidArgumentError("'query' (a string) is required")
+        if not isinstance(body.get("options", {}), dict):
+            raise InvalidArgumentError("'options' must be an object")
         answer = await run_in_threadpool(backend.query, b, cid, body["query"], body.get("options") or {})
         return JSONResponse(answer)
 
     async def promote(request: Request):
-        body = await body_json(request)
+        body = await body_json(request, "PromoteRequest")
         cid = check_context_id(request.path_params["id"])
         target, device = body.get("target_tier", "warm"), body.get("device", "cuda")
         if target not in ("warm", "hot"):
@@ -515,7 +523,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return JSONResponse({"status": "success", "context_id": cid, "tier": tier})
 
     async def demote(request: Request):
-        body = await body_json(request)
+        body = await body_json(request, "DemoteRequest")
         cid = check_context_id(request.path_params["id"])
         await run_in_threadpool(b.lookup, cid)
         tier = await run_in_threadpool(b.demote, cid, body.get("target_tier", "cold"))
@@ -537,8 +545,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                              "last_updated": reg["last_updated"]})
 
     async def rebuild(request: Request):
-        if await body_json(request):
-            raise InvalidArgumentError("rebuild takes no options (send no body or {})")
+        await body_json(request, "RebuildRequest")  # no fields: nothing or {}
         reg = await run_in_threadpool(b.rebuild)
         return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": reg["skipped"]})
 
