@@ -86,9 +86,12 @@ def _check_directory(f: BinaryIO, size: int, name: Any) -> None:
     tail_len = min(size, _EOCD.size + 0xFFFF)
     f.seek(size - tail_len)
     tail = f.read(tail_len)
-    pos = tail.rfind(b"PK\x05\x06")
-    while pos >= 0 and pos + _EOCD.size + _EOCD.unpack_from(tail, pos)[7] != len(tail):
-        pos = tail.rfind(b"PK\x05\x06", 0, pos)  # that signature was inside the comment
+    pos = len(tail)
+    while True:  # the last signature whose record (and comment) ends exactly at the end of the archive
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+        if pos < 0 or (pos + _EOCD.size <= len(tail)
+                       and pos + _EOCD.size + _EOCD.unpack_from(tail, pos)[7] == len(tail)):
+            break
     if pos < 0:
         raise _bad("not a zip archive (.npz): no end-of-central-directory record", name, field="body")
     _, _, _, _, count, cd_size, _, _ = _EOCD.unpack_from(tail, pos)
@@ -156,7 +159,8 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
     f.seek(0)
     try:
         zf = zipfile.ZipFile(f)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, struct.error) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, struct.error,
+            NotImplementedError, RuntimeError) as exc:
         raise _bad(f"not a readable zip archive (.npz): {exc}", name, field="body") from None
     opened: list[BinaryIO] = []
     try:
@@ -166,8 +170,9 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
                        f"{sorted(i.filename for i in infos)[:MAX_MEMBERS]}", name, field="body")
         heads = {}
         for info in infos:
-            if info.flag_bits & 0x1:
-                raise _bad(f"{info.filename}: encrypted zip members are not supported", name, field=info.filename)
+            if info.flag_bits & 0x61:  # encrypted, patched data, strong encryption
+                raise _bad(f"{info.filename}: encrypted or patched zip members are not supported", name,
+                           field=info.filename)
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 raise _bad(f"{info.filename}: compression method {info.compress_type} is not supported (use "
                            "numpy.savez or numpy.savez_compressed)", name, field=info.filename)
@@ -190,7 +195,8 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
             else:
                 arrays[n] = _map_deflated(zf, info, hlen, nbytes[n], dtype, shape, fortran, scratch, opened, name)
         return NpzArrays(arrays["k.npy"], arrays["v.npy"], opened)
-    except (zipfile.BadZipFile, EOFError, zlib.error, struct.error, OSError, ValueError) as exc:
+    except (zipfile.BadZipFile, EOFError, zlib.error, struct.error, OSError, ValueError, NotImplementedError,
+            RuntimeError) as exc:
         for g in opened:
             g.close()
         if isinstance(exc, (FormatError, InvalidArgumentError)):
