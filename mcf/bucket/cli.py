@@ -193,6 +193,8 @@ def cmd_serve(args) -> int:
     from mcf.bucket.server import serve
 
     kw = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    if args.warm_budget_bytes is not None:
+        kw["warm_budget_bytes"] = args.warm_budget_bytes
     serve(args.root, host=args.host, port=args.port, token=_token(args, for_server=True), allowed_hosts=args.allow_host,
           max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
           on_warning=lambda w: print(f"mcf: warning: {w}", file=sys.stderr, flush=True), **kw)
@@ -274,6 +276,7 @@ def add_bucket_parser(sub) -> None:
                                                        "(default 256)")
     s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")
     s.add_argument("--body-timeout", type=float, help="seconds a request body may pause (default 30)")
+    s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
 
     s = cmd("verify", cmd_verify, "check a context's KV file completely (header, sizes, CRC-32s)")
     s.add_argument("context_id")

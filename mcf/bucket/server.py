@@ -648,12 +648,12 @@ class _Exposure:
 def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
           allowed_hosts: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY,
           max_connections: int | None = None, header_timeout: float | None = None,
-          body_timeout: float | None = None, log_level: str = "warning",
+          body_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
           on_warning: Callable[[str], None] | None = None) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
-    :mod:`mcf.bucket._http_limits`.  Token warnings (:func:`check_token`) go to ``on_warning`` (default:
+    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget.  Token warnings (:func:`check_token`) go to ``on_warning`` (default:
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
 
@@ -680,7 +680,8 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
         v = getattr(limits, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 86400:
             raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {v!r}")
-    app = create_app(root, token=token, max_body_bytes=max_body_bytes,
+    bucket = Bucket(root) if warm_budget_bytes is None else Bucket(root, warm_budget_bytes=warm_budget_bytes)
+    app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket,
                      allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=limits_mod.protocol_class(limits),
                             h11_max_incomplete_event_size=16 * 1024, server_header=False)
