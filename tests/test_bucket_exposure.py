@@ -338,6 +338,11 @@ def test_errors_never_show_the_bucket_path(server):
     assert any("<bucket>/contexts/" in e and "kv_data.mcb" in e for e in seen), seen
     for e in seen:
         assert str(root) not in e and os.path.realpath(root) not in e, e
+    # the reasons a rebuild lists for skipped contexts are scrubbed the same way
+    (root / "contexts" / cid / "metadata.json").write_text("{")
+    st, out, _ = request(base, "POST", "/mcrp/v1/registry/rebuild")
+    assert st == 200 and [x["context_id"] for x in out["skipped"]] == [cid]
+    assert "<bucket>/contexts/" in out["skipped"][0]["reason"] and str(root) not in json.dumps(out)
     request(base, "DELETE", f"/mcrp/v1/contexts/{cid}")
 
 

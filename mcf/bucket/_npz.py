@@ -93,23 +93,23 @@ def _check_directory(f: BinaryIO, size: int, name: Any) -> None:
                        and pos + _EOCD.size + _EOCD.unpack_from(tail, pos)[7] == len(tail)):
             break
     if pos < 0:
-        raise _bad("not a zip archive (.npz): no end-of-central-directory record", name, field="body")
+        raise _bad("not a zip archive (.npz): no end-of-central-directory record", name)
     _, _, _, _, count, cd_size, _, _ = _EOCD.unpack_from(tail, pos)
     if count == 0xFFFF or cd_size == 0xFFFFFFFF:
         lpos = pos - _ZIP64_LOCATOR.size
         if lpos < 0 or tail[lpos:lpos + 4] != b"PK\x06\x07":
-            raise _bad("zip64 end-of-central-directory locator missing", name, field="body")
+            raise _bad("zip64 end-of-central-directory locator missing", name)
         z64_off = _ZIP64_LOCATOR.unpack_from(tail, lpos)[2]
         if z64_off + _ZIP64_EOCD.size > size:
-            raise _bad("zip64 end-of-central-directory record outside the archive", name, field="body")
+            raise _bad("zip64 end-of-central-directory record outside the archive", name)
         f.seek(z64_off)
         rec = f.read(_ZIP64_EOCD.size)
         if len(rec) != _ZIP64_EOCD.size or rec[:4] != b"PK\x06\x06":
-            raise _bad("bad zip64 end-of-central-directory record", name, field="body", offset=z64_off)
+            raise _bad("bad zip64 end-of-central-directory record", name, offset=z64_off)
         count, cd_size = _ZIP64_EOCD.unpack(rec)[7:9]
     if count > MAX_MEMBERS or cd_size > MAX_DIRECTORY_BYTES:
         raise _bad(f"archive directory of {count} entries and {cd_size} bytes; an ingest body holds k.npy and "
-                   f"v.npy (at most {MAX_MEMBERS} entries, {MAX_DIRECTORY_BYTES} bytes)", name, field="body")
+                   f"v.npy (at most {MAX_MEMBERS} entries, {MAX_DIRECTORY_BYTES} bytes)", name)
 
 
 def _header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
@@ -161,13 +161,13 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
         zf = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError, struct.error,
             NotImplementedError, RuntimeError) as exc:
-        raise _bad(f"not a readable zip archive (.npz): {exc}", name, field="body") from None
+        raise _bad(f"not a readable zip archive (.npz): {exc}", name) from None
     opened: list[BinaryIO] = []
     try:
         infos = zf.infolist()
         if sorted(i.filename for i in infos) != list(MEMBERS):
             raise _bad(f"the .npz body must hold exactly the arrays 'k' and 'v', got members "
-                       f"{sorted(i.filename for i in infos)[:MAX_MEMBERS]}", name, field="body")
+                       f"{sorted(i.filename for i in infos)[:MAX_MEMBERS]}", name)
         heads = {}
         for info in infos:
             if info.flag_bits & 0x61:  # encrypted, patched data, strong encryption
@@ -179,7 +179,7 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
             heads[info.filename] = (info, *_header(zf, info, name))
         (ki, kshape, _, kdt, _), (vi, vshape, _, vdt, _) = heads["k.npy"], heads["v.npy"]
         if kshape != vshape:
-            raise _bad(f"k and v must have the same shape, got {kshape} and {vshape}", name, field="body")
+            raise _bad(f"k and v must have the same shape, got {kshape} and {vshape}", name)
         nbytes = {n: math.prod(h[1]) * h[3].itemsize for n, h in heads.items()}
         if limit is not None and sum(nbytes.values()) > limit:
             raise UploadTooLargeError(f"the arrays k and v declare {sum(nbytes.values())} bytes, more than the "
@@ -201,7 +201,7 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
             g.close()
         if isinstance(exc, (FormatError, InvalidArgumentError)):
             raise
-        raise _bad(f"damaged .npz archive: {exc}", name, field="body") from None
+        raise _bad(f"damaged .npz archive: {exc}", name) from None
     except BaseException:
         for g in opened:
             g.close()

@@ -23,7 +23,7 @@ def _print(obj) -> None:
     print(json.dumps(obj, indent=1))
 
 
-def _load_npz(path: str):
+def _load_npz(path: str, scratch=None):
     """KV arrays from an .npz holding ``k`` and ``v``, each [num_layers, num_kv_heads, seq_len, head_dim]:
     checked like an upload (no decompression bomb, float or integer data only), stored members mapped
     from the file rather than read into memory."""
@@ -33,12 +33,13 @@ def _load_npz(path: str):
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror})") from None
-    with f, read_kv_npz(f, limit=None, name=path) as arrays:
+    with f, read_kv_npz(f, limit=None, scratch=scratch, name=path) as arrays:
         return arrays.layers()
 
 
 def cmd_ingest(args) -> int:
-    layers = _load_npz(args.kv)
+    b = _bucket(args)
+    layers = _load_npz(args.kv, scratch=b.scratch_file)  # deflated members decompress onto the bucket's disk
     kw = {}
     if args.tokens is not None:
         try:
@@ -49,7 +50,7 @@ def cmd_ingest(args) -> int:
         kw["content"] = Path(args.text_file).read_bytes()
     else:
         kw["content"] = args.text
-    meta = _bucket(args).ingest(args.model, layers, name=args.name, source=args.source, dtype=args.dtype,
+    meta = b.ingest(args.model, layers, name=args.name, source=args.source, dtype=args.dtype,
                                 compression=args.compression, ttl=args.ttl, pinned=args.pin, **kw)
     _print({"context_id": meta["context_id"], "deduplicated": meta.get("deduplicated", False),
             "token_count": meta["content"]["token_count"], "size_bytes": meta["kv_cache"]["size_bytes"]})

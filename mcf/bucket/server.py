@@ -547,7 +547,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     async def rebuild(request: Request):
         await body_json(request, "RebuildRequest")  # no fields: nothing or {}
         reg = await run_in_threadpool(b.rebuild)
-        return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": reg["skipped"]})
+        skipped = [dict(x, reason=scrub(str(x.get("reason", "")))) for x in reg["skipped"]]
+        return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": skipped})
 
     async def openapi(request: Request):
         return JSONResponse(OPENAPI)
