@@ -792,3 +792,32 @@ def test_model_document_without_or_with_another_model_id_is_a_format_error(tmp_p
     p.write_text(json.dumps(doc))
     with pytest.raises(mcf.FormatError, match="another model"):
         b.model("m")
+
+
+# ------------------------------------------------------------------------------------------------
+# what KV data may be (issues 13 and 14)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_ingest_from_nested_lists_in_every_dtype(tmp_path, dtype):
+    """Issue 13: ``ingest(..., dtype="bfloat16")`` with lists raised AttributeError ('list' object has no
+    attribute 'dtype'); lists are now taken in every dtype, as arrays are."""
+    layers = kv(120)
+    as_lists = [(k.tolist(), v.tolist()) for k, v in layers]
+    b = Bucket(tmp_path)
+    from_lists = b.ingest("m", as_lists, content="lists", dtype=dtype)
+    from_arrays = b.ingest("m2", layers, content="lists", dtype=dtype)
+    for (k1, v1), (k2, v2) in zip(b.load(from_lists["context_id"]), b.load(from_arrays["context_id"])):
+        np.testing.assert_array_equal(np.asarray(k1, np.float32), np.asarray(k2, np.float32))
+        np.testing.assert_array_equal(np.asarray(v1, np.float32), np.asarray(v2, np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.complex64, np.bool_, "M8[s]", "U3", object, [("a", "<f4")]])
+def test_kv_data_of_other_kinds_is_refused_not_cast(tmp_path, bad):
+    """Issue 14, point 7: only floating-point and integer KV data; complex (its imaginary part would be
+    dropped), bool, datetime, strings, objects and structured arrays are refused."""
+    a = np.zeros((2, 8, 4), dtype=bad)
+    with pytest.raises(mcf.InvalidArgumentError, match="floating point or integer"):
+        Bucket(tmp_path).ingest("m", [(a, a)], content="bad")
+    with pytest.raises(mcf.InvalidArgumentError):
+        Bucket(tmp_path).ingest("m", [([[[1, 2]], [[3]]], [[[1, 2]], [[3]]])], content="ragged")
+    assert Bucket(tmp_path).discover("m") == []
