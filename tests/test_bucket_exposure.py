@@ -332,7 +332,8 @@ def test_errors_never_show_the_bucket_path(server):
     seen = []
     for method, path in (("GET", f"/mcrp/v1/contexts/{cid}/kv"), ("POST", f"/mcrp/v1/contexts/{cid}/promote"),
                          ("GET", "/mcrp/v1/contexts/ctx_" + "0" * 32), ("DELETE", "/mcrp/v1/contexts/ctx_" + "1" * 32)):
-        st, out, _ = request(base, method, path, b"{}" if method == "POST" else None, JSON if method == "POST" else None)
+        post = method == "POST"
+        st, out, _ = request(base, method, path, b"{}" if post else None, JSON if post else None)
         assert 400 <= st < 500, (path, st, out)
         seen.append(out["error"])
     assert any("<bucket>/contexts/" in e and "kv_data.mcb" in e for e in seen), seen
@@ -501,7 +502,8 @@ def wait_closed(socks, deadline):
 def test_half_open_connections_are_capped_and_timed_out(tmp_path):
     """Reported: connections that never finish their headers stayed open, so 1,000 of them exhausted the
     server's descriptors.  300 here against a cap of 40 and a 1 s header deadline."""
-    with serve(tmp_path, TOKEN, "--max-connections", "40", "--header-timeout", "1", "--body-timeout", "1") as (base, proc):
+    limits = ("--max-connections", "40", "--header-timeout", "1", "--body-timeout", "1")
+    with serve(tmp_path, TOKEN, *limits) as (base, proc):
         port = int(base.rsplit(":", 1)[1])
         baseline = open_fds(proc.pid)
         socks = []
@@ -518,8 +520,9 @@ def test_half_open_connections_are_capped_and_timed_out(tmp_path):
             assert open_fds(proc.pid) <= baseline + 2
             # a body that stops coming is cut off too
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
-            s.sendall(b"POST /mcrp/v1/registry/rebuild HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{")
+            s.sendall(b"POST /mcrp/v1/registry/rebuild HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nAuthorization: Bearer " + TOKEN.encode()
+                      + b"\r\nContent-Length: 100\r\n\r\n{")
             s.setblocking(False)
             socks.append(s)
             assert wait_closed([s], time.monotonic() + 15) == {0}

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mcf.bucket.store import KV_NAME, Bucket, check_context_id, check_model_id
+from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError
 
 __all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_JSON_BODY", "OPENAPI", "QueryBackend",
@@ -654,7 +654,8 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
-    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget.  Token warnings (:func:`check_token`) go to ``on_warning`` (default:
+    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget.  Token warnings
+    (:func:`check_token`) go to ``on_warning`` (default:
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
 

@@ -852,7 +852,8 @@ class Bucket:
         try:
             self._fs.mkdir(tmp_rel)
             with self._fs.dir(tmp_rel) as td:
-                fd = self._fs.open_file_at(td, KV_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, rel=f"{tmp_rel}/{KV_NAME}")
+                fd = self._fs.open_file_at(td, KV_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                           rel=f"{tmp_rel}/{KV_NAME}")
                 with os.fdopen(fd, "wb") as f:
                     header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key)
                     f.flush()
@@ -1108,7 +1109,8 @@ class Bucket:
                 # made before the arrays are allocated; each byte is then decompressed (or copied) once,
                 # straight into the arrays the tier keeps
                 for old in self._warm.make_room(context_id, warm_nbytes(meta)):
-                    self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold", reason="warm budget")
+                    self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold",
+                               reason="warm budget")
                 with self.open(context_id) as f:
                     layers = f.load_copy(threads=threads)
                 self._warm.put(context_id, layers)
@@ -1282,7 +1284,8 @@ class Bucket:
     def _scan_ids(self) -> list[str]:
         """The committed context directories (and links planted under such names, which readers refuse)."""
         return sorted(name for name, st in self._fs.listdir("contexts")
-                      if _CTX_RE.fullmatch(name) and st is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)))
+                      if _CTX_RE.fullmatch(name) and st is not None
+                      and (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)))
 
     def _rebuild_locked(self) -> dict:
         state = self._empty_state()
