@@ -30,6 +30,17 @@ run is reproducible), sends SIGKILL and checks the invariant of the writer:
     content; no half-written context directory is visible (only hidden ``.tmp-*`` directories).
 
 Exit status 0 when every run held its invariant; the counts are printed as one JSON line at the end.
+
+The bucket also has a deterministic harness (``--bucket-steps ROUNDS``, :func:`bucket_steps`): instead of
+a random delay, a forked child counts every file-system mutation an operation makes (each ``open`` for
+writing, ``write``, ``fsync``, ``rename``, ``mkdir``, ``unlink``, ``rmdir``, ``ftruncate``, and each write
+or flush of a file object) and SIGKILLs itself right before the k-th, for k = 1, 2, ... until the operation
+completes; this for an ingest and for a delete, with and without registry snapshots (journal compaction
+forced on every update), each round.  After every kill: the registry files alone (``reconcile=False``)
+are compared with the committed directories (counted: ``invisible`` committed contexts not listed,
+``ghosts`` listed but gone), then healed by opening the bucket or, for a killed ingest, by re-ingesting
+the same content in a handle that does not reconcile (the dedup repair), and must then list exactly the
+committed contexts, each loading its exact content.
 """
 
 from __future__ import annotations
@@ -450,6 +461,191 @@ class Harness:
         self._bucket_checked = max(self._bucket_ids, default=-1) + 1
 
 
+# ------------------------------------------------------------------------------------------------
+# the bucket, killed at every step of ingest and delete
+# ------------------------------------------------------------------------------------------------
+class _Steps:
+    """Counts file-system mutations in a forked child and SIGKILLs it right before mutation ``kill_at``."""
+
+    _OS = ("write", "fsync", "rename", "replace", "mkdir", "unlink", "rmdir", "ftruncate")
+    _WRITE_FLAGS = 0
+    for _f in ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND", "O_TMPFILE"):
+        _WRITE_FLAGS |= getattr(__import__("os"), _f, 0)
+
+    def __init__(self, kill_at: int) -> None:
+        import os
+
+        self.n, self.kill_at = 0, kill_at
+        real = {name: getattr(os, name) for name in self._OS}
+        real_open, real_fdopen = os.open, os.fdopen
+
+        def step():
+            self.n += 1
+            if self.n == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def counted(fn):
+            def call(*a, **k):
+                step()
+                return fn(*a, **k)
+            return call
+
+        def open_(path, flags, *a, **k):
+            if flags & self._WRITE_FLAGS:
+                step()
+            return real_open(path, flags, *a, **k)
+
+        class File:  # a file object whose writes and flushes are steps too
+            def __init__(self, f):
+                self._f = f
+
+            def write(self, data):
+                step()
+                return self._f.write(data)
+
+            def flush(self):
+                step()
+                return self._f.flush()
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._f.close()
+
+        def fdopen(fd, mode="r", *a, **k):
+            f = real_fdopen(fd, mode, *a, **k)
+            return File(f) if any(c in mode for c in "wa+") else f
+
+        for name, fn in real.items():
+            setattr(os, name, counted(fn))
+        os.open, os.fdopen = open_, fdopen
+
+
+def _committed(root: Path) -> set:
+    """Context directories that exist (a commit is one rename of a complete directory)."""
+    d = root / "contexts"
+    return {q.name for q in d.iterdir() if q.name.startswith("ctx_")} if d.exists() else set()
+
+
+def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
+    """Kill an ingest and a delete at every step, ``rounds`` times each with and without snapshots;
+    raises :class:`Failure` on any violation, returns the counts (see the module docstring)."""
+    import os
+
+    from mcf.bucket import _layout as L
+    from mcf.bucket import store
+    from mcf.bucket.store import Bucket, content_hash, context_id_for
+
+    root = Path(work) / "bucket"
+    counts = {"kills": 0, "completed": 0, "ingest_steps": 0, "delete_steps": 0, "committed_before_kill": 0,
+              "invisible_before_heal": 0, "ghosts_before_heal": 0, "healed_by_dedup": 0, "healed_on_open": 0,
+              "invisible": 0, "ghosts": 0}
+    gens: dict = {}  # context id -> generation, for content checks
+    g = 0
+    with Bucket(root) as b:
+        for _ in range(2):
+            gens[b.ingest("m", bucket_layers(g), content=f"ctx-{g}", compression="lz4")["context_id"]] = g
+            g += 1
+
+    def kill_run(op, k: int, compact: bool):
+        """Fork; the child does ``op`` and is killed before its k-th mutation.  True when it completed."""
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                if compact:
+                    store.JOURNAL_COMPACT_BYTES = 0
+                bk = Bucket(root)  # opened (and reconciled) before counting starts
+                _Steps(k)
+                op(bk)
+            except BaseException:
+                os._exit(3)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            return False
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            return True
+        raise Failure(f"bucket-steps: child failed (status {status}) at step {k}")
+
+    def check(kind: str, k: int, target: str, gen: int | None, use_dedup: bool) -> None:
+        on_disk = _committed(root)
+        with Bucket(root, reconcile=False) as raw:
+            listed = {c["context_id"] for m in raw.registry()["models"] for c in m["contexts"]}
+        inv, gho = on_disk - listed, listed - on_disk
+        counts["invisible_before_heal"] += len(inv)
+        counts["ghosts_before_heal"] += len(gho)
+        if inv or gho:
+            if use_dedup and kind == "ingest" and inv == {target} and not gho:
+                with Bucket(root, reconcile=False) as bd:
+                    m = bd.ingest("m", bucket_layers(gen), content=f"ctx-{gen}", compression="lz4")
+                if not m.get("deduplicated") or m["context_id"] != target:
+                    raise Failure(f"bucket-steps: re-ingest after a kill at {kind} step {k} did not deduplicate")
+                counts["healed_by_dedup"] += 1
+            else:
+                Bucket(root).close()
+                counts["healed_on_open"] += 1
+        with Bucket(root, reconcile=False) as after:
+            listed = {c["context_id"] for m in after.registry()["models"] for c in m["contexts"]}
+            bad_inv, bad_gho = on_disk - listed, listed - on_disk
+            counts["invisible"] += len(bad_inv)
+            counts["ghosts"] += len(bad_gho)
+            if bad_inv or bad_gho:
+                raise Failure(f"bucket-steps: after healing a kill at {kind} step {k}: invisible {sorted(bad_inv)}, "
+                              f"ghosts {sorted(bad_gho)}")
+            if kind == "ingest" and target in on_disk:
+                got = after.load(target, record_access=False)
+                want = bucket_layers(gen)
+                if not all(np.array_equal(np.asarray(kk, np.float32), w[0].astype(np.float16).astype(np.float32))
+                           for (kk, _), w in zip(got, want)):
+                    raise Failure(f"bucket-steps: context of generation {gen} does not load its content")
+
+    for r in range(rounds):
+        for compact in (False, True):
+            # ingest: a new generation for every kill point, until one completes
+            k = 1
+            while True:
+                gen, g = g, g + 1
+                target = context_id_for("m", content_hash(f"ctx-{gen}"), "float16", L.KVShape(3, 2, 16, 48))
+                done = kill_run(lambda bk, gen=gen: bk.ingest("m", bucket_layers(gen), content=f"ctx-{gen}",
+                                                              compression="lz4"), k, compact)
+                gens[target] = gen
+                if target in _committed(root) and not done:
+                    counts["committed_before_kill"] += 1
+                check("ingest", k, target, gen, use_dedup=k % 2 == 1)
+                if done:
+                    counts["completed"] += 1
+                    if target not in _committed(root):
+                        raise Failure("bucket-steps: a completed ingest is not committed")
+                    counts["ingest_steps"] = max(counts["ingest_steps"], k - 1)
+                    break
+                counts["kills"] += 1
+                k += 1
+            # delete: a committed context for every kill point (ingested first, unkilled), until one completes
+            k = 1
+            while True:
+                gen, g = g, g + 1
+                with Bucket(root) as bk:
+                    target = bk.ingest("m", bucket_layers(gen), content=f"ctx-{gen}", compression="lz4")["context_id"]
+                gens[target] = gen
+                done = kill_run(lambda bk, t=target: bk.delete(t), k, compact)
+                check("delete", k, target, gen, use_dedup=False)
+                if done:
+                    counts["completed"] += 1
+                    if target in _committed(root):
+                        raise Failure("bucket-steps: a completed delete left the context")
+                    counts["delete_steps"] = max(counts["delete_steps"], k - 1)
+                    break
+                counts["kills"] += 1
+                k += 1
+        if log:
+            log(f"bucket-steps: round {r + 1}/{rounds}: {counts}")
+    return counts
+
+
 DEFAULT_DELAY = {"mcf": 0.4, "mcf-unsafe": 0.4, "pack": 0.5, "quantize": 0.5, "megatron": 0.5, "merge": 0.5, "megacontext": 0.3,
                  "bucket": 0.4}
 WRITERS = tuple(w for w in DEFAULT_DELAY if w != "mcf-unsafe")
@@ -472,6 +668,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-delay", type=float, help="longest delay before the kill (default: per writer)")
     ap.add_argument("--dir", help="scratch directory (default: a fresh temporary one, removed at the end)")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--bucket-steps", type=int, metavar="ROUNDS",
+                    help="kill a bucket ingest and delete at every step, ROUNDS times (with and without snapshots)")
     ap.add_argument("--child", nargs=3, metavar=("WRITER", "DIR", "GEN"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -480,6 +678,19 @@ def main(argv=None) -> int:
     if args.list:
         print("\n".join(WRITERS))
         return 0
+    if args.bucket_steps:
+        base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="mcf-kill-"))
+        t0 = time.time()
+        try:
+            counts, status, rc = bucket_steps(base, args.bucket_steps,
+                                              log=lambda m: print(m, file=sys.stderr, flush=True)), "ok", 0
+        except Failure as exc:
+            counts, status, rc = {}, f"FAILED: {exc}", 1
+        finally:
+            if not args.dir:
+                shutil.rmtree(base, ignore_errors=True)
+        print(json.dumps({"writer": "bucket-steps", "status": status, "seconds": round(time.time() - t0, 1), **counts}))
+        return rc
     names = WRITERS if args.writer == "all" else [args.writer]
     if args.writer not in WRITERS + ("all", "mcf-unsafe"):
         ap.error(f"--writer must be one of {', '.join(WRITERS)} or all")

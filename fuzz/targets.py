@@ -28,6 +28,7 @@ import mcf.gguf  # noqa: F401  (imported here, inside atheris.instrument_imports
 import mcf.megacontext as mc
 import mcf.megatron as mt
 from mcf._safetensors import SafetensorsFile
+from mcf.bucket import _npz as _bucket_npz  # noqa: F401  (instrumented, as above)
 from mcf.bucket import store as _bucket_store  # noqa: F401  (instrumented, as above)
 from mcf.bucket.kvfile import KVFile
 from mcf.megatron import tokenize as _tokenize  # noqa: F401  (instrumented, as above)
@@ -293,6 +294,42 @@ def bucket_dir(data: bytes) -> None:
             pass
 
 
+# ------------------------------------------------------------------------------------------------
+# the bucket server's upload: an .npz of k and v read by mcf.bucket._npz (no decompression bomb, float or
+# integer data, k and v alike), then every array read in full
+# ------------------------------------------------------------------------------------------------
+def bucket_npz(data: bytes) -> None:
+    from mcf.bucket._npz import read_kv_npz
+
+    p = os.path.join(_scratch_dir("bucket_npz"), "body.npz")
+    with open(p, "wb") as f:
+        f.write(data)
+    with open(p, "rb") as f:
+        try:
+            arrays = read_kv_npz(f, limit=64 << 20, name="body")
+        except mcf.MCFError:
+            return
+        with arrays:
+            for k, v in arrays.layers():
+                np.asarray(k).tobytes()
+                np.asarray(v).tobytes()
+
+
+def _bucket_npz_seeds() -> list:
+    import io
+
+    r = np.random.default_rng(11)
+    k = r.standard_normal((2, 2, 6, 4)).astype(np.float32)
+    out = []
+    for save, kk, vv in ((np.savez, k, k + 1), (np.savez_compressed, k.astype(np.float16), k.astype(np.float16)),
+                         (np.savez, np.asfortranarray(k.astype(np.int16)), k.astype(np.int16)),
+                         (np.savez_compressed, k[:, :, :0], k[:, :, :0])):
+        bio = io.BytesIO()
+        save(bio, k=kk, v=vv)
+        out.append(bio.getvalue())
+    return out
+
+
 def _bucket_dir_seeds() -> list:
     """Small buckets made with the public API (fixed clock and content, so fixed bytes), their one
     context moved to BUCKET_CTX; file stamps (inode, mtime) replaced by constants."""
@@ -451,6 +488,7 @@ TARGETS = {
     "bucket": bucket,
     "gguf": gguf,
     "bucket_dir": bucket_dir,
+    "bucket_npz": bucket_npz,
     "jsonl": jsonl,
     "mcf": mcf_container,
     "megatron": megatron,
@@ -496,6 +534,8 @@ def seeds(target: str) -> list:
         return _safetensors_seeds()
     if target == "bucket_dir":
         return _bucket_dir_seeds()
+    if target == "bucket_npz":
+        return _bucket_npz_seeds()
     if target == "jsonl":
         return _jsonl_seeds()
     if target == "gguf":

@@ -166,14 +166,21 @@ cdef class Source:
     # -- construction -------------------------------------------------------------------------
     @staticmethod
     def _from_path(path, bint use_mmap):
-        cdef Source s = Source.__new__(Source)
         fspath = os.fspath(path)
-        s.path = fspath
-        s.name = os.fsdecode(fspath)
         try:
-            s._fd = os.open(fspath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(fspath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise os_error(exc, s.name) from None
+            raise os_error(exc, os.fsdecode(fspath)) from None
+        return Source._from_fd(fd, fspath, use_mmap)
+
+    @staticmethod
+    def _from_fd(int fd, path, bint use_mmap):
+        """A source over ``fd`` (an open, readable descriptor), which it owns from here on: closed with
+        the source, or at once when it is refused (not a regular file, or the mapping fails)."""
+        cdef Source s = Source.__new__(Source)
+        s.path = path
+        s.name = os.fsdecode(path) if path is not None else f"<fd {fd}>"
+        s._fd = fd
         try:
             st = os.fstat(s._fd)
         except OSError as exc:
@@ -687,6 +694,20 @@ def _reopen_fileobj(fileobj):
 def _is_url(obj):
     from mcf.remote import is_url
     return is_url(obj)
+
+
+def open_fd(fd, name=None, mmap=True):
+    """Open an already open file descriptor as a :class:`Source` (``mmap`` or ``pread`` mode).
+
+    For callers that must open the file themselves: relative to a directory descriptor, with
+    ``O_NOFOLLOW``, after checking what the descriptor is (:mod:`mcf.bucket` does all three).  The
+    source owns ``fd`` from this call on and closes it with itself, also when it refuses it (not a
+    regular file).  ``name`` names the file in error messages; pickling the source reopens ``name``
+    as a path.
+    """
+    if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+        raise TypeError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
+    return Source._from_fd(fd, os.fspath(name) if name is not None else None, bool(mmap))
 
 
 def open_source(obj, mmap=True):

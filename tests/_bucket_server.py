@@ -20,17 +20,22 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(root, token: str):
-    """Start the server on ``root`` with bearer ``token``; yields ``http://127.0.0.1:<port>`` once the
-    OpenAPI document answers; stops it on exit."""
+def serve(root, token: str | None, *args: str, env: dict | None = None, ready: bool = True):
+    """Start the server on ``root`` with bearer ``token`` (None: none) and extra command-line ``args``;
+    yields ``(base_url, process)`` (base ``http://127.0.0.1:<port>``) once the OpenAPI document
+    answers (right away when not ``ready``); stops it by PID on exit."""
     port = free_port()
-    env = dict(os.environ, MCB_TOKEN=token)
+    env = dict(os.environ, **(env or {}))
+    env.pop("MCB_TOKEN", None)
+    env.pop("MCF_BUCKET_TOKEN", None)
+    if token is not None:
+        env["MCF_BUCKET_TOKEN"] = token
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--port", str(port), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
+        while ready:
             try:
                 urllib.request.urlopen(base + "/mcrp/v1/openapi.json", timeout=2).close()
                 break
@@ -38,7 +43,7 @@ def serve(root, token: str):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"server did not start: {proc.communicate(timeout=5)[1]!r}") from None
                 time.sleep(0.1)
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         try:
@@ -46,3 +51,16 @@ def serve(root, token: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set size so far (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/<pid>/status")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))

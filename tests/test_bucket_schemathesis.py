@@ -35,7 +35,7 @@ from schemathesis.core.parameters import ParameterLocation  # noqa: E402
 from mcf.bucket import Bucket  # noqa: E402
 from mcf.bucket.server import OPENAPI  # noqa: E402
 
-TOKEN = "schema-token"
+TOKEN = "schema-token-of-at-least-32-bytes-0123456789"
 
 # schemathesis' checks (ignored_auth and others) send extra requests on sessions of their own and leave
 # those sockets to the garbage collector; that ResourceWarning is the tool's, not the server's
@@ -61,7 +61,7 @@ def live_server(tmp_path_factory):
     layers = [(rng.standard_normal((2, 8, 4)).astype(np.float32),) * 2 for _ in range(2)]
     seeded = b.ingest("seed-model", layers, token_ids=list(range(8)), name="seeded", compression="lz4")
     b.set_tier_preference(seeded["context_id"], "warm")  # applied by the server at start-up
-    with serve(root, TOKEN) as base:
+    with serve(root, TOKEN) as (base, _):
         req = urllib.request.Request(base + "/mcrp/v1/models/seed-model/contexts",
                                      headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(req, timeout=10) as r:

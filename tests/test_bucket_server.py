@@ -17,18 +17,22 @@ pytest.importorskip("uvicorn", reason="the server needs the 'server' extra (uvic
 
 from mcf.bucket import open_kv
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-at-least-32-bytes-0123456789"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("bucket")
-    with serve(root, TOKEN) as url:
+    with serve(root, TOKEN) as (url, _):
         yield url + "/mcrp/v1", root
 
 
 def call(base, method, path, body=None, token=TOKEN, headers=None, raw=False):
-    req = urllib.request.Request(base + path, data=body, method=method, headers=dict(headers or {}))
+    headers = dict(headers or {})
+    if body is not None and not any(h.lower() == "content-type" for h in headers):
+        # the upload is application/octet-stream, every other body JSON (urllib would send a form type)
+        headers["Content-Type"] = "application/octet-stream" if path.startswith("/contexts?") else "application/json"
+    req = urllib.request.Request(base + path, data=body, method=method, headers=headers)
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     try:

@@ -220,16 +220,20 @@ WORKER = textwrap.dedent("""
     from mcf.bucket import store
     root, tag, count, crash_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     if crash_at != "none":
-        real_replace, real_rename = os.replace, os.rename
-        def replace(src, dst, *a, **k):
-            # crash_at "snapshot": die right before the registry snapshot would be replaced
-            if crash_at == "snapshot" and str(dst).endswith("registry.json"):
-                os._exit(9)
-            return real_replace(src, dst, *a, **k)
+        real_rename = os.rename
+        committed = []
+        if crash_at == "snapshot":
+            store.JOURNAL_COMPACT_BYTES = 0  # every registry update then writes a new snapshot
         def rename(src, dst, *a, **k):
-            # crash_at "commit": die right before the context directory is renamed into place
-            if crash_at == "commit" and "/contexts/ctx_" in str(dst):
+            # crash_at "snapshot": die right before the registry snapshot written after the first commit
+            # would be replaced; crash_at "commit": die right before the context directory is renamed
+            # into place (renames inside a bucket are relative to a directory descriptor: bare names)
+            if crash_at == "snapshot" and str(dst) == "registry.json" and committed:
                 os._exit(9)
+            if crash_at == "commit" and str(dst).startswith("ctx_"):
+                os._exit(9)
+            if str(dst).startswith("ctx_"):
+                committed.append(dst)
             return real_rename(src, dst, *a, **k)
         real_journal_write = store._journal_write
         def journal_write(fd, payload):
@@ -238,7 +242,7 @@ WORKER = textwrap.dedent("""
                 os.write(fd, payload[: len(payload) // 2])
                 os._exit(9)
             return real_journal_write(fd, payload)
-        store.os.replace, store.os.rename, store._journal_write = replace, rename, journal_write
+        os.rename, store._journal_write = rename, journal_write
     b = store.Bucket(root)
     rng = np.random.default_rng(zlib.crc32(tag.encode()))  # stable across runs
     for i in range(count):
@@ -270,25 +274,26 @@ def assert_consistent(root: Path, committed: set[str]):
 @pytest.mark.parametrize("crash_at", ["commit", "registry", "snapshot"])
 def test_killed_at_a_fixed_point_then_rebuild(tmp_path, crash_at):
     Bucket(tmp_path).ingest("m", kv(13, n_layers=4, seq=64, dim=16), content="before")
-    if crash_at == "snapshot":
-        (tmp_path / "registry.json").unlink()  # the worker's first registry access writes a snapshot
     proc = run_worker(tmp_path, "w", 3, crash_at)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 9, err
     assert out == ""  # it died inside its first ingest
     dirs = [p.name for p in (tmp_path / "contexts").iterdir()]
+    unhealed = Bucket(tmp_path, reconcile=False).registry()  # what the registry files say by themselves
     before = {c["context_id"] for m in Bucket(tmp_path).registry()["models"] for c in m["contexts"]}
-    # "snapshot": committed, then killed while writing the first snapshot; the registry is missing, so
-    # the next open rebuilds it from contexts/ and finds both
-    assert len(before) == (2 if crash_at == "snapshot" else 1)
+    # "snapshot": committed, then killed while writing a snapshot; "registry": committed, its journal line
+    # torn.  Either way the registry files alone do not list it, and the next open's reconciliation does
+    assert len(before) == (1 if crash_at == "commit" else 2)
     if crash_at == "snapshot":
         assert len([d for d in dirs if d.startswith("ctx_")]) == 2
-    elif crash_at == "registry":  # committed, its journal line torn: not registered until a scan
+        assert unhealed["statistics"]["total_contexts"] == 1
+    elif crash_at == "registry":
         assert len([d for d in dirs if d.startswith("ctx_")]) == 2
+        assert unhealed["statistics"]["total_contexts"] == 1
         # the next writer drops the torn line and appends after it
         b = Bucket(tmp_path)
         extra = b.ingest("m", kv(14, n_layers=4, seq=64, dim=16), content="after")["context_id"]
-        assert ids(Bucket(tmp_path).discover("m")) == sorted(before | {extra})
+        assert ids(Bucket(tmp_path, reconcile=False).discover("m")) == sorted(before | {extra})
         before |= {extra}
     else:  # not committed (died before the rename)
         assert any(d.startswith(".tmp-") for d in dirs) and len([d for d in dirs if d.startswith("ctx_")]) == 1
@@ -537,11 +542,13 @@ def test_damaged_journal_is_rebuilt_and_torn_tail_ignored(tmp_path):
     made = [b.ingest("m", kv(70 + i), content=f"d{i}")["context_id"] for i in range(3)]
     j = tmp_path / "registry.journal"
     raw = j.read_bytes()
-    # a torn final line (a writer killed mid-append) is ignored: the committed context is not listed
-    # until a scan, the others are
+    # a torn final line (a writer killed mid-append) is ignored: by the registry files alone the
+    # committed context is not listed, the others are; a scan lists it, and so does opening the bucket
     j.write_bytes(raw[:-20])
-    assert ids(Bucket(tmp_path).discover("m")) == sorted(made[:2])
-    assert ids(Bucket(tmp_path).discover("m", force_scan=True)) == sorted(made)
+    assert ids(Bucket(tmp_path, reconcile=False).discover("m")) == sorted(made[:2])
+    assert ids(Bucket(tmp_path, reconcile=False).discover("m", force_scan=True)) == sorted(made)
+    j.write_bytes(raw[:-20])
+    assert ids(Bucket(tmp_path).discover("m")) == sorted(made)
     # a damaged line with good lines after it: the journal cannot be trusted, the registry is rebuilt
     lines = raw.splitlines(keepends=True)
     lines[0] = lines[0][:12] + (b"X" if lines[0][12:13] != b"X" else b"Y") + lines[0][13:]
@@ -785,3 +792,32 @@ def test_model_document_without_or_with_another_model_id_is_a_format_error(tmp_p
     p.write_text(json.dumps(doc))
     with pytest.raises(mcf.FormatError, match="another model"):
         b.model("m")
+
+
+# ------------------------------------------------------------------------------------------------
+# what KV data may be (issues 13 and 14)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_ingest_from_nested_lists_in_every_dtype(tmp_path, dtype):
+    """Issue 13: ``ingest(..., dtype="bfloat16")`` with lists raised AttributeError ('list' object has no
+    attribute 'dtype'); lists are now taken in every dtype, as arrays are."""
+    layers = kv(120)
+    as_lists = [(k.tolist(), v.tolist()) for k, v in layers]
+    b = Bucket(tmp_path)
+    from_lists = b.ingest("m", as_lists, content="lists", dtype=dtype)
+    from_arrays = b.ingest("m2", layers, content="lists", dtype=dtype)
+    for (k1, v1), (k2, v2) in zip(b.load(from_lists["context_id"]), b.load(from_arrays["context_id"])):
+        np.testing.assert_array_equal(np.asarray(k1, np.float32), np.asarray(k2, np.float32))
+        np.testing.assert_array_equal(np.asarray(v1, np.float32), np.asarray(v2, np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.complex64, np.bool_, "M8[s]", "U3", object, [("a", "<f4")]])
+def test_kv_data_of_other_kinds_is_refused_not_cast(tmp_path, bad):
+    """Issue 14, point 7: only floating-point and integer KV data; complex (its imaginary part would be
+    dropped), bool, datetime, strings, objects and structured arrays are refused."""
+    a = np.zeros((2, 8, 4), dtype=bad)
+    with pytest.raises(mcf.InvalidArgumentError, match="floating point or integer"):
+        Bucket(tmp_path).ingest("m", [(a, a)], content="bad")
+    with pytest.raises(mcf.InvalidArgumentError):
+        Bucket(tmp_path).ingest("m", [([[[1, 2]], [[3]]], [[[1, 2]], [[3]]])], content="ragged")
+    assert Bucket(tmp_path).discover("m") == []

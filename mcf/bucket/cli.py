@@ -23,25 +23,23 @@ def _print(obj) -> None:
     print(json.dumps(obj, indent=1))
 
 
-def _load_npz(path: str):
-    """KV arrays from an .npz holding ``k`` and ``v``, each [num_layers, num_kv_heads, seq_len, head_dim]."""
+def _load_npz(path: str, scratch=None):
+    """KV arrays from an .npz holding ``k`` and ``v``, each [num_layers, num_kv_heads, seq_len, head_dim]:
+    checked like an upload (no decompression bomb, float or integer data only), stored members mapped
+    from the file rather than read into memory."""
+    from mcf.bucket._npz import read_kv_npz
+
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if "k" not in z.files or "v" not in z.files:
-                raise InvalidArgumentError(f"{path}: expected arrays 'k' and 'v' (got {sorted(z.files)})")
-            k, v = z["k"], z["v"]
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, InvalidArgumentError):
-            raise
-        raise InvalidArgumentError(f"{path}: not a readable .npz file ({exc})") from None
-    if k.ndim != 4 or k.shape != v.shape:
-        raise InvalidArgumentError(f"{path}: 'k' and 'v' must both be [layers, heads, tokens, head_dim], got {k.shape} "
-                                   f"and {v.shape}")
-    return [(k[i], v[i]) for i in range(k.shape[0])]
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror})") from None
+    with f, read_kv_npz(f, limit=None, scratch=scratch, name=path) as arrays:
+        return arrays.layers()
 
 
 def cmd_ingest(args) -> int:
-    layers = _load_npz(args.kv)
+    b = _bucket(args)
+    layers = _load_npz(args.kv, scratch=b.scratch_file)  # deflated members decompress onto the bucket's disk
     kw = {}
     if args.tokens is not None:
         try:
@@ -52,7 +50,7 @@ def cmd_ingest(args) -> int:
         kw["content"] = Path(args.text_file).read_bytes()
     else:
         kw["content"] = args.text
-    meta = _bucket(args).ingest(args.model, layers, name=args.name, source=args.source, dtype=args.dtype,
+    meta = b.ingest(args.model, layers, name=args.name, source=args.source, dtype=args.dtype,
                                 compression=args.compression, ttl=args.ttl, pinned=args.pin, **kw)
     _print({"context_id": meta["context_id"], "deduplicated": meta.get("deduplicated", False),
             "token_count": meta["content"]["token_count"], "size_bytes": meta["kv_cache"]["size_bytes"]})
@@ -84,16 +82,54 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def _token(args, *, for_server: bool) -> str | None:
+    """The bearer token: ``--token-file`` (first line), ``--token``, or the ``MCF_BUCKET_TOKEN``
+    environment variable (``MCB_TOKEN``, its older name, is still read).  Given but empty is an error
+    (an unset shell variable must not mean "no authentication")."""
+    import os
+    import stat
+    import sys
+
+    token = None
+    if getattr(args, "token_file", None):
+        try:
+            with open(args.token_file, "rb") as f:
+                st = os.fstat(f.fileno())
+                token = f.read(4096).decode("utf-8", "replace").splitlines()[0:1]
+        except OSError as exc:
+            raise InvalidArgumentError(f"{args.token_file}: cannot read the token file ({exc.strerror})") from None
+        token = token[0].strip() if token else ""
+        if for_server and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            print(f"mcf: warning: {args.token_file} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                  "chmod 600 it", file=sys.stderr)
+        if not token:
+            raise InvalidArgumentError(f"{args.token_file}: the token file is empty")
+    elif args.token is not None:
+        token = args.token
+        if not token.strip():
+            raise InvalidArgumentError("--token is empty (an unset variable?); give a token or leave the option out")
+        if for_server:
+            print("mcf: warning: a token given with --token shows in the process list; use --token-file or the "
+                  "MCF_BUCKET_TOKEN environment variable", file=sys.stderr)
+    else:
+        for var in ("MCF_BUCKET_TOKEN", "MCB_TOKEN"):
+            if var in os.environ:
+                token = os.environ[var]
+                if not token.strip():
+                    raise InvalidArgumentError(f"{var} is set but empty; unset it to run without a token")
+                break
+    return token
+
+
 def _tier_via_server(args, action: str, body: dict) -> int:
     """POST .../contexts/{id}/promote|demote to a running server: the move happens in its memory now."""
-    import os
     import urllib.error
     import urllib.request
 
     url = f"{args.url.rstrip('/')}/mcrp/v1/contexts/{args.context_id}/{action}"
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
-    token = args.token or os.environ.get("MCB_TOKEN")
+    token = _token(args, for_server=False)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -153,11 +189,16 @@ def cmd_verify(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import os
+    import sys
 
     from mcf.bucket.server import serve
 
-    serve(args.root, host=args.host, port=args.port, token=args.token or os.environ.get("MCB_TOKEN"))
+    kw = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    if args.warm_budget_bytes is not None:
+        kw["warm_budget_bytes"] = args.warm_budget_bytes
+    serve(args.root, host=args.host, port=args.port, token=_token(args, for_server=True), allowed_hosts=args.allow_host,
+          max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+          on_warning=lambda w: print(f"mcf: warning: {w}", file=sys.stderr, flush=True), **kw)
     return 0
 
 
@@ -173,7 +214,10 @@ def add_bucket_parser(sub) -> None:
             where.add_argument("--root", help="bucket directory: record the tier as the context's preference")
             where.add_argument("--url", help="a running 'mcf bucket serve' (e.g. http://127.0.0.1:8765): move "
                                              "the context in that server's memory now")
-            s.add_argument("--token", help="bearer token for --url (or set MCB_TOKEN)")
+            tok = s.add_mutually_exclusive_group()
+            tok.add_argument("--token-file", help="bearer token for --url: the first line of this file (or set "
+                                                  "MCF_BUCKET_TOKEN)")
+            tok.add_argument("--token", help="bearer token for --url (visible in the process list)")
         else:
             s.add_argument("--root", required=True, help="bucket directory")
         s.set_defaults(func=func)
@@ -217,9 +261,23 @@ def add_bucket_parser(sub) -> None:
     cmd("rebuild", cmd_rebuild, "recreate registry.json from contexts/ (exit 1 if some could not be read)")
 
     s = cmd("serve", cmd_serve, "serve the REST API of seed 003 under /mcrp/v1/ (needs the 'server' extra)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: loopback only; any other address needs a token)")
     s.add_argument("--port", type=int, default=8765)
-    s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or set MCB_TOKEN)")
+    tok = s.add_mutually_exclusive_group()
+    tok.add_argument("--token-file", help="require 'Authorization: Bearer TOKEN', TOKEN being the first line of this "
+                                          "file (or set MCF_BUCKET_TOKEN)")
+    tok.add_argument("--token", help="the token itself (visible in the process list: prefer --token-file)")
+    s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeatable; '*' for any, with a token only). "
+                        "Default: localhost, 127.0.0.1, ::1 and the --host address")
+    s.add_argument("--max-body-bytes", type=int, help="largest ingest upload, and the most its arrays may declare "
+                                                      "(default 1 GiB)")
+    s.add_argument("--max-connections", type=int, help="open connections at most; more are refused with 503 "
+                                                       "(default 256)")
+    s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")
+    s.add_argument("--body-timeout", type=float, help="seconds a request body may pause (default 30)")
+    s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
 
     s = cmd("verify", cmd_verify, "check a context's KV file completely (header, sizes, CRC-32s)")
     s.add_argument("context_id")

@@ -138,11 +138,25 @@ def quantize_int8(x: np.ndarray) -> Int8KV:
     return Int8KV(q, scales)
 
 
+def _kv_array(t: Any, where: str) -> np.ndarray:
+    """``t`` as a numpy array of a dtype KV data can have: floats (bfloat16 included) or integers.
+    Complex, bool, datetime, string, object and structured arrays are refused, never coerced (a cast
+    would drop imaginary parts or turn text into numbers silently)."""
+    try:
+        a = t if isinstance(t, np.ndarray) else np.asarray(t)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgumentError(f"{where}: not an array of numbers ({exc})") from None
+    if a.dtype.kind not in "fiu" and not (_BF16 is not None and a.dtype == _BF16):
+        raise InvalidArgumentError(f"{where}: KV data must be floating point or integer, got dtype {a.dtype}")
+    return a
+
+
 def _encode_block(arr: Any, dtype: L.KVDType) -> bytes:
     if isinstance(arr, Int8KV):
         if dtype != L.KVDType.INT8:
             raise InvalidArgumentError("an Int8KV tensor can only be written with dtype int8")
         return np.ascontiguousarray(arr.data, np.int8).tobytes() + np.ascontiguousarray(arr.scales, "<f4").tobytes()
+    arr = _kv_array(arr, "KV tensor")
     if dtype == L.KVDType.INT8:
         q = quantize_int8(arr)
         return q.data.tobytes() + q.scales.tobytes()
@@ -175,7 +189,7 @@ def _shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise InvalidArgumentError(f"layer {i}: expected a (K, V) pair")
         for name, t in zip("KV", pair):
-            shp = tuple(t.data.shape) if isinstance(t, Int8KV) else tuple(np.shape(t))
+            shp = tuple(t.data.shape) if isinstance(t, Int8KV) else _kv_array(t, f"layer {i} {name}").shape
             if isinstance(t, Int8KV) and tuple(np.shape(t.scales)) != shp[:2]:
                 raise InvalidArgumentError(f"layer {i} {name}: scales shape {np.shape(t.scales)} != {shp[:2]}")
             if len(shp) != 3:
@@ -380,8 +394,11 @@ class KVFile:
         from mcf.bucket._crypto import ChunkCipher, parse_key
         from mcf.io import open_source
 
-        self.path = str(source) if isinstance(source, (str, os.PathLike)) else None
         self._src = open_source(source, mmap=mmap)
+        if isinstance(source, (str, os.PathLike)):
+            self.path = str(source)
+        else:  # a Source opened from a path or a descriptor (mcf.io.open_fd) names its file
+            self.path = self._src.name if self._src.path is not None else None
         try:
             size = self._src.size
             raw = self._src.read(0, min(size, L.HEADER_SIZE))
@@ -434,6 +451,10 @@ class KVFile:
         return out
 
     # -- checks ----------------------------------------------------------------------------------------
+    def fileno(self) -> int:
+        """The descriptor of the open file (what was validated: stream from it, not from a path)."""
+        return self._src.fileno()
+
     def identity(self) -> tuple[int, ...] | None:
         """(device, inode, size, mtime_ns, ctime_ns) of the open file, None for in-memory sources.  Any
         write to the file through the file system changes its ctime (which no user can set back), so
@@ -644,6 +665,20 @@ class KVFile:
         res = [finish(b) for b in blocks]
         return [(res[2 * k], res[2 * k + 1]) for k in range(len(sel))]
 
+    def load_copy(self, layers: Sequence[int] | int | None = None, *, tokens: int | None = None, threads: int = 2,
+                  verify: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Like :meth:`load`, but into new arrays the caller owns (writable, never views of the file),
+        each byte decompressed or copied once: lz4 chunks are decoded straight into them.  int8 comes
+        back dequantized to float32 (new arrays too)."""
+        if self.dtype == L.KVDType.INT8:
+            return self.load(layers, tokens=tokens, threads=threads, verify=verify)
+        s = self.shape
+        n = s.num_layers if layers is None else 1 if isinstance(layers, (int, np.integer)) else len(list(layers))
+        ntok = s.sequence_length if tokens is None or not isinstance(tokens, (int, np.integer)) else int(tokens)
+        shp, dt = (s.num_kv_heads, max(0, min(ntok, s.sequence_length)), s.head_dim), _NP_DTYPES[self.dtype]
+        out = [(np.empty(shp, dt), np.empty(shp, dt)) for _ in range(n)]  # not touched until filled
+        return self.load(layers, tokens=tokens, threads=threads, verify=verify, out=out)
+
     def _check_out(self, out: Any, n_layers: int, ntok: int) -> list[np.ndarray]:
         s, kd = self.shape, self.dtype
         if kd == L.KVDType.INT8:
@@ -689,6 +724,8 @@ def read_kv(source: Any, **kw: Any) -> list[tuple[Any, Any]]:
     """Convenience: open, load everything as copies owned by the caller, close."""
     load_kw = {k: kw.pop(k) for k in ("layers", "tokens", "threads", "verify", "dequantize") if k in kw}  # rest: open_kv
     with open_kv(source, **kw) as f:
-        return [(np.array(k) if isinstance(k, np.ndarray) else k, np.array(v) if isinstance(v, np.ndarray) else v)
-                for k, v in f.load(**load_kw)]
+        if load_kw.pop("dequantize", True) or f.dtype != L.KVDType.INT8:
+            return f.load_copy(**load_kw)
+        return [(Int8KV(np.array(k.data), np.array(k.scales)), Int8KV(np.array(v.data), np.array(v.scales)))
+                for k, v in f.load(dequantize=False, **load_kw)]
 

@@ -1,32 +1,55 @@
 """The REST server of seed 003 §6.1 under ``/mcrp/v1/`` (Starlette on uvicorn: the ``server`` extra).
 
 Why these choices: the bucket does blocking file I/O, so every operation runs in the thread pool; KV
-payloads are streamed from the file in 1 MiB pieces rather than buffered; errors are JSON with the
-status a client can act on (400 bad argument, 401 missing token, 404 unknown id, 413 body too large,
-422 malformed upload or stored data, 501 no query backend).  ``query`` needs a language model, which
-this engine does not contain: it goes through a :class:`QueryBackend` given to :func:`create_app`.
+payloads are streamed from the file in 1 MiB pieces rather than buffered, and uploads are spooled to a
+nameless file on the bucket's disk rather than held in memory; errors are JSON with the status a
+client can act on (400 bad argument, 401 missing token, 403 cross-origin write, 404 unknown id, 409 a
+tier this process cannot provide, 413 body too large, 415 wrong content type, 422 malformed upload or
+stored data, 501 no query backend), and never name the bucket's absolute path.
+
+Exposure (docs/bucket.md, "Deploying"): every state-changing route takes only ``application/json``
+(or the upload's ``application/octet-stream``) and refuses requests whose ``Origin`` is not the
+server's own, so a web page cannot drive it; the ``Host`` header must be in an allow-list (DNS
+rebinding); without a token :func:`serve` listens on loopback only (Redis' protected mode); bodies are
+read in pieces up to a hard limit; connections are capped and slow ones closed
+(:mod:`mcf.bucket._http_limits`).  ``query`` needs a language model, which this engine does not contain:
+it goes through a :class:`QueryBackend` given to :func:`create_app`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import io
+import ipaddress
+import json
+import logging
 import os
 import re
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
+from mcf.bucket.store import Bucket, check_context_id, check_model_id
+from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError
 
-from mcf.bucket.store import KV_NAME, Bucket, check_context_id, check_model_id
-from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError
-
-__all__ = ["OPENAPI", "QueryBackend", "create_app", "serve"]
+__all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_JSON_BODY", "OPENAPI", "QueryBackend",
+           "check_bind", "check_token", "create_app", "serve"]
 
 PREFIX = "/mcrp/v1"
+#: the ingest upload (an .npz): the body, and the arrays it declares once decompressed, each at most this
 DEFAULT_MAX_BODY = 1 << 30
+#: every other body (promote, demote, query, rebuild) is a small JSON object
+DEFAULT_MAX_JSON_BODY = 1 << 20
+#: the Host names answered by default: loopback only (a foreign Host is a DNS-rebinding page's request)
+DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: a token shorter than this draws a warning (a 32-byte random token is what ``secrets.token_urlsafe(32)`` gives)
+MIN_TOKEN_BYTES = 32
 _STREAM_PIECE = 1 << 20
+_JSON_TYPES = ("application/json",)
+_UPLOAD_TYPES = ("application/octet-stream", "application/zip")
+_UNSAFE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+_log = logging.getLogger("mcf.bucket.server")
 
 
 class QueryBackend(Protocol):
@@ -57,11 +80,20 @@ def _json(schema: str, description: str) -> dict:
 
 
 def _errors(*codes: int) -> dict:
-    why = {400: "invalid argument or id", 401: "missing or wrong bearer token", 404: "no such context, model or route",
-           409: "the tier cannot be reached here (no torch or no such device)", 413: "body too large",
-           422: "malformed upload or corrupt stored data", 500: "I/O failure",
+    why = {400: "invalid argument or id, or a Host header not in the allow-list",
+           401: "missing or wrong bearer token", 403: "a state-changing request from another origin",
+           404: "no such context, model or route",
+           409: "the tier cannot be reached here (no torch or no such device, or larger than the warm budget)",
+           413: "body too large (or, for an upload, the arrays it declares)",
+           415: "content type not accepted on this route (JSON routes take application/json, the upload "
+                "application/octet-stream)",
+           422: "malformed upload or corrupt stored data", 500: "I/O failure on the server",
            501: "no query backend configured"}
-    return {str(c): _json("Error", why[c]) for c in (401, 500, *codes)}
+    return {str(c): _json("Error", why[c]) for c in sorted({400, 401, 422, 500, *codes})}
+
+
+#: what every state-changing route may also answer: cross-origin (403), body too large (413), wrong type (415)
+_WRITE = (403, 413, 415)
 
 
 _NULLABLE_STR = {"type": "string", "nullable": True}
@@ -103,14 +135,14 @@ _SCHEMAS = {
                  "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID,
                                 "deduplicated": {"type": "boolean"}, "token_count": {"type": "integer"},
                                 "size_bytes": {"type": "integer"}}},
-    "PromoteRequest": {"type": "object", "properties": {
+    "PromoteRequest": {"type": "object", "additionalProperties": False, "properties": {
         "target_tier": {"type": "string", "enum": ["warm", "hot"], "default": "warm"},
         "device": {"type": "string", "pattern": _DEVICE_PATTERN, "default": "cuda"}}},
-    "DemoteRequest": {"type": "object", "properties": {
+    "DemoteRequest": {"type": "object", "additionalProperties": False, "properties": {
         "target_tier": {"type": "string", "enum": ["warm", "cold"], "default": "cold"}}},
     "Tier": {"type": "object", "required": ["status", "context_id", "tier"],
              "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID, "tier": _TIER}},
-    "QueryRequest": {"type": "object", "required": ["query"],
+    "QueryRequest": {"type": "object", "required": ["query"], "additionalProperties": False,
                      "properties": {"query": {"type": "string"}, "options": {"type": "object"}}},
     "Answer": {"type": "object"},
     "Statistics": {"type": "object", "required": ["total_models", "total_contexts", "total_storage_bytes",
@@ -120,6 +152,7 @@ _SCHEMAS = {
     "Registry": {"type": "object", "required": ["status", "mcrp_version", "statistics", "last_updated"],
                  "properties": {"status": {"type": "string", "enum": ["success"]}, "mcrp_version": {"type": "string"},
                                 "statistics": _ref("Statistics"), "last_updated": {"type": "string"}}},
+    "RebuildRequest": {"type": "object", "additionalProperties": False},
     "Rebuilt": {"type": "object", "required": ["status", "statistics", "skipped"],
                 "properties": {"status": {"type": "string", "enum": ["success"]}, "statistics": _ref("Statistics"),
                                "skipped": {"type": "array", "items": {"type": "object"}}}},
@@ -155,60 +188,138 @@ OPENAPI: dict = {
                                                                "minimum": 0, "maximum": 3.1e9})],
                      "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY}},
                      "responses": {"201": _json("Ingested", "ingested (or found: deduplicated)"),
-                                   **_errors(400, 413, 422)}},
+                                   **_errors(*_WRITE, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}": {
             "get": {"summary": "Context metadata", "parameters": [_ID],
                     "responses": {"200": _json("Metadata", "metadata"), **_errors(400, 404, 422)}},
             "delete": {"summary": "Delete a context", "parameters": [_ID],
-                       "responses": {"204": {"description": "deleted"}, **_errors(400, 404)}},
+                       "responses": {"204": {"description": "deleted"}, **_errors(*_WRITE, 404, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/kv": {
             "get": {"summary": "Stream the context's kv_data.mcb to a runtime", "parameters": [_ID],
                     "responses": {"200": {"description": "kv_data.mcb bytes", "content": {
-                        "application/octet-stream": _BINARY}}, **_errors(400, 404, 422)}},
+                        "application/octet-stream": _BINARY}}, **_errors(404, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/query": {
             "post": {"summary": "Query with a context (needs a query backend)", "parameters": [_ID],
                      "requestBody": _body("QueryRequest", True),
-                     "responses": {"200": _json("Answer", "the backend's answer"), **_errors(400, 404, 422, 501)}},
+                     "responses": {"200": _json("Answer", "the backend's answer"),
+                                   **_errors(*_WRITE, 404, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}/promote": {
             "post": {"summary": "Promote to warm (RAM) or hot (a torch device) in this server's memory",
                      "parameters": [_ID], "requestBody": _body("PromoteRequest"),
-                     "responses": {"200": _json("Tier", "tier"), **_errors(400, 404, 409, 422)}},
+                     "responses": {"200": _json("Tier", "tier"), **_errors(*_WRITE, 404, 409, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/demote": {
             "post": {"summary": "Demote to warm or cold in this server's memory", "parameters": [_ID],
                      "requestBody": _body("DemoteRequest"),
-                     "responses": {"200": _json("Tier", "tier"), **_errors(400, 404)}},
+                     "responses": {"200": _json("Tier", "tier"), **_errors(*_WRITE, 404, 422)}},
         },
         f"{PREFIX}/models/{{id}}/contexts": {
             "get": {"summary": "Discover a model's contexts",
                     "parameters": [_p("id", schema=_MODEL_ID), _p("force_scan", "query", False, {"type": "boolean"})],
-                    "responses": {"200": _json("Discovery", "contexts"), **_errors(400)}},
+                    "responses": {"200": _json("Discovery", "contexts"), **_errors(422)}},
         },
         f"{PREFIX}/registry": {"get": {"summary": "Registry statistics",
                                        "responses": {"200": _json("Registry", "statistics"), **_errors()}}},
         f"{PREFIX}/registry/rebuild": {"post": {"summary": "Rebuild the registry from disk",
-                                                "responses": {"200": _json("Rebuilt", "statistics"), **_errors()}}},
+                                                "requestBody": _body("RebuildRequest"),
+                                                "responses": {"200": _json("Rebuilt", "statistics"),
+                                                              **_errors(*_WRITE)}}},
     },
 }
 
 
+def check_token(token: Any) -> list[str]:
+    """Validate a bearer token (None: no authentication); returns warnings to show the operator.
+
+    An empty token is an error, not "no auth": ``--token "$UNSET_VARIABLE"`` must not open the server.
+    A token must be printable ASCII without spaces (it travels in a header); one shorter than
+    :data:`MIN_TOKEN_BYTES` is accepted with a warning."""
+    if token is None:
+        return []
+    if not isinstance(token, str) or not token.strip():
+        raise InvalidArgumentError("the bearer token is empty (an unset variable?); give a real token or none at all")
+    if not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise InvalidArgumentError("the bearer token must be printable ASCII without spaces or line breaks")
+    if len(token) < MIN_TOKEN_BYTES:
+        return [f"the bearer token has {len(token)} bytes; use at least {MIN_TOKEN_BYTES} random ones "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"]
+    return []
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Protected mode (Redis'): without a token the server answers on loopback only, so refuse to
+    listen anywhere else (``0.0.0.0``, ``::``, a LAN address, a host name)."""
+    if token is None and not _is_loopback(host):
+        raise InvalidArgumentError(
+            f"refusing to listen on {host!r} without a token: anyone who can reach that address could read and "
+            "change the bucket.  Listen on 127.0.0.1 (the default), or set a token (MCF_BUCKET_TOKEN or "
+            "--token-file) and put TLS in front (docs/bucket.md, Deploying)")
+
+
+def _host_name(value: str) -> str:
+    """The host part of a Host header or an Origin's authority, lowercased, without port or final dot."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [::1]:8765
+        return value[1:value.find("]")] if "]" in value else value
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def _media_type(request) -> str | None:
+    ct = request.headers.get("content-type")
+    return None if ct is None else ct.split(";", 1)[0].strip().lower()
+
+
 def create_app(root: str | os.PathLike, *, token: str | None = None, backend: QueryBackend | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY, bucket: Bucket | None = None):
+               max_body_bytes: int = DEFAULT_MAX_BODY, max_json_bytes: int = DEFAULT_MAX_JSON_BODY,
+               allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None):
+    """The Starlette application.  ``allowed_hosts``: the Host names answered (``"*"``: any, for a
+    server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload and the arrays
+    it declares, ``max_json_bytes`` every other body."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    b = bucket if bucket is not None else Bucket(root)
+    from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
+    from mcf.bucket.tiers import WarmBudgetError
 
-    def err(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"status": "error", "error": message}, status_code=status)
+    check_token(token)
+    for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
+    any_host = allowed_hosts == "*" or (not isinstance(allowed_hosts, str) and "*" in allowed_hosts)
+    hosts = set() if any_host else {_host_name(h) for h in ([allowed_hosts] if isinstance(allowed_hosts, str)
+                                                           else allowed_hosts)}
+    b = bucket if bucket is not None else Bucket(root)
+    # spellings of the bucket's location that must never reach a client (longest first)
+    secrets_ = sorted({os.path.abspath(b.root), os.path.realpath(b.root)}, key=len, reverse=True)
+    secrets_ = [p for p in secrets_ if len(p) > 1]
+
+    def scrub(message: str) -> str:
+        for p in secrets_:
+            message = message.replace(p, "<bucket>")
+        return message
+
+    def err(status: int, message: str, close: bool = False) -> JSONResponse:
+        return JSONResponse({"status": "error", "error": scrub(message)}, status_code=status,
+                            headers={"connection": "close"} if close else None)
 
     def endpoint(fn):
         async def handler(request: Request):
@@ -218,28 +329,79 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                     return err(401, "missing or wrong bearer token")
             try:
                 return await fn(request)
+            except UploadTooLargeError as exc:
+                return err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
+            except _UnsupportedMedia as exc:
+                return err(415, str(exc), close=True)
+            except WarmBudgetError as exc:
+                return err(409, str(exc))
             except InvalidArgumentError as exc:
                 return err(400, str(exc))
             except ContextNotFoundError as exc:
                 return err(404, str(exc))
             except FormatError as exc:
                 return err(422, str(exc))
+            except MCFIOError as exc:
+                _log.warning("I/O failure: %s", exc)
+                return err(500, f"I/O failure on the server: {exc}")
             except MCFError as exc:
-                return err(500, str(exc))
+                return err(400, str(exc))
+            except ClientDisconnect:
+                return Response(status_code=400)  # nobody is listening any more
+            except Exception:  # a bug: logged with its traceback, never shown to the client
+                _log.exception("unexpected error on %s %s", request.method, request.url.path)
+                return err(500, "internal server error (logged on the server)")
         return handler
 
-    async def body_json(request: Request) -> dict:
-        raw = await request.body()
-        if not raw:
-            return {}
-        import json
+    async def read_body(request: Request, limit: int, sink=None) -> bytes:
+        """The body, read in pieces and refused (413) as soon as it passes ``limit`` bytes; with
+        ``sink`` (a blocking write function) pieces go there, 1 MiB at a time from the thread pool."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise UploadTooLargeError(f"body of {declared} bytes, more than the limit of {limit} bytes")
+        buf, total = bytearray(), 0
+        async for piece in request.stream():
+            total += len(piece)
+            if total > limit:
+                raise UploadTooLargeError(f"body larger than the limit of {limit} bytes")
+            buf += piece
+            if sink is not None and len(buf) >= _STREAM_PIECE:
+                await run_in_threadpool(sink, bytes(buf))
+                buf.clear()
+        if sink is not None and buf:
+            await run_in_threadpool(sink, bytes(buf))
+            buf.clear()
+        return bytes(buf)
 
+    def check_type(request: Request, allowed: tuple[str, ...], body_required: bool) -> None:
+        """Only the documented content types on state-changing routes: a browser sends text/plain,
+        form and multipart bodies cross-site without asking the server first (no CORS preflight)."""
+        mt = _media_type(request)
+        if mt is None and not body_required and request.headers.get("content-length", "0") == "0" \
+                and "transfer-encoding" not in request.headers:
+            return  # no body at all: the defaults
+        if mt not in allowed:
+            raise _UnsupportedMedia(f"content type {mt or '(none)'} is not accepted here; send {' or '.join(allowed)}")
+
+    async def body_json(request: Request, schema: str) -> dict:
+        """The JSON object body of a route whose document schema is ``schema`` (unknown fields are
+        refused: a misspelt ``target_teir`` must not silently mean the default)."""
+        check_type(request, _JSON_TYPES, body_required=False)
+        raw = await read_body(request, max_json_bytes)
+        if not raw.strip():
+            return {}
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgumentError(f"request body is not JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidArgumentError("request body is not a JSON object (nested too deeply)") from None
         if not isinstance(obj, dict):
             raise InvalidArgumentError("request body must be a JSON object")
+        known = _SCHEMAS[schema].get("properties", {})
+        unknown = sorted(set(obj) - set(known))
+        if unknown:
+            raise InvalidArgumentError(f"unknown field(s) {unknown} in the body; allowed: {sorted(known)}")
         return obj
 
     async def list_contexts(request: Request):
@@ -253,27 +415,22 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             out += [dict(c, model_id=m) for c in await run_in_threadpool(b.discover, m)]
         return JSONResponse({"status": "success", "contexts": out})
 
-    async def ingest(request: Request):
-        q = request.query_params
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
-            return err(413, f"body larger than {max_body_bytes} bytes")
-        chunks, total = [], 0
-        async for piece in request.stream():
-            total += len(piece)
-            if total > max_body_bytes:
-                return err(413, f"body larger than {max_body_bytes} bytes")
-            chunks.append(piece)
+    token_ids_re = re.compile(OPENAPI["paths"][f"{PREFIX}/contexts"]["post"]["parameters"][2]["schema"]["pattern"])
+
+    def ingest_args(q) -> dict:
+        """The query parameters of an ingest, checked before any of the body is read."""
         if "model_id" not in q:
             raise InvalidArgumentError("model_id is required")
+        check_model_id(q["model_id"])
         kw: dict[str, Any] = {}
         if "token_ids" in q:
-            try:
-                kw["token_ids"] = [int(t) for t in q["token_ids"].split(",") if t.strip()]
-            except ValueError:
-                raise InvalidArgumentError("token_ids must be comma-separated integers") from None
-        else:
-            kw["content"] = q.get("content")
+            if not token_ids_re.fullmatch(q["token_ids"]):
+                raise InvalidArgumentError("token_ids must be comma-separated decimal integers of 1-18 digits")
+            kw["token_ids"] = [int(t) for t in q["token_ids"].split(",")]
+        if "content" in q:
+            kw["content"] = q["content"]
+        if ("content" in kw) == ("token_ids" in kw):
+            raise InvalidArgumentError("give exactly one of content or token_ids")
         for k in ("name", "source", "dtype", "compression"):
             if k in q:
                 kw[k] = q[k]
@@ -282,23 +439,24 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 kw["ttl"] = float(q["ttl"])
             except ValueError:
                 raise InvalidArgumentError("ttl must be a number") from None
-        data = b"".join(chunks)
+        return kw
 
-        def work():
-            try:
-                with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                    if "k" not in z.files or "v" not in z.files:
-                        raise FormatError("the .npz body needs arrays 'k' and 'v'", field="body")
-                    k, v = z["k"], z["v"]
-            except (OSError, ValueError, EOFError) as exc:
-                if isinstance(exc, MCFError):
-                    raise
-                raise FormatError(f"body is not a readable .npz: {exc}", field="body") from None
-            if k.ndim != 4 or k.shape != v.shape:
-                raise InvalidArgumentError(f"k and v must both be [layers, heads, tokens, head_dim], got {k.shape}, {v.shape}")
-            return b.ingest(q["model_id"], [(k[i], v[i]) for i in range(k.shape[0])], **kw)
+    async def ingest(request: Request):
+        q = request.query_params
+        kw = ingest_args(q)
+        check_type(request, _UPLOAD_TYPES, body_required=True)
+        spool = await run_in_threadpool(b.scratch_file)
+        try:
+            await read_body(request, max_body_bytes, sink=spool.write)
 
-        meta = await run_in_threadpool(work)
+            def work():
+                spool.flush()
+                with read_kv_npz(spool, limit=max_body_bytes, scratch=b.scratch_file, name="body") as arrays:
+                    return b.ingest(q["model_id"], arrays.layers(), **kw)
+
+            meta = await run_in_threadpool(work)
+        finally:
+            spool.close()
         return JSONResponse({"status": "success", "context_id": meta["context_id"],
                              "deduplicated": meta.get("deduplicated", False),
                              "token_count": meta["content"]["token_count"],
@@ -315,12 +473,9 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         cid = request.path_params["id"]
         meta = await run_in_threadpool(b.lookup, cid)
         f = await run_in_threadpool(b.open, cid)  # validates header, sizes and chunk table first
+        # the bytes come from the descriptor that was validated, not from a second open of the path
+        fh = os.fdopen(os.dup(f.fileno()), "rb")  # noqa: SIM115 - closed by the generator
         f.close()
-        path = b.root / "contexts" / cid / KV_NAME
-        try:
-            fh = open(path, "rb")  # noqa: SIM115 - closed by the generator
-        except FileNotFoundError:
-            raise ContextNotFoundError(f"no context {cid!r}") from None
 
         def pieces():
             with fh:
@@ -335,7 +490,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return StreamingResponse(pieces(), media_type="application/octet-stream", headers=headers)
 
     async def query(request: Request):
-        body = await body_json(request)
+        body = await body_json(request, "QueryRequest")
         cid = request.path_params["id"]
         await run_in_threadpool(b.lookup, cid)
         if backend is None:
@@ -343,11 +498,13 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                             "language model; pass a QueryBackend to create_app")
         if not isinstance(body.get("query"), str):
             raise InvalidArgumentError("'query' (a string) is required")
+        if not isinstance(body.get("options", {}), dict):
+            raise InvalidArgumentError("'options' must be an object")
         answer = await run_in_threadpool(backend.query, b, cid, body["query"], body.get("options") or {})
         return JSONResponse(answer)
 
     async def promote(request: Request):
-        body = await body_json(request)
+        body = await body_json(request, "PromoteRequest")
         cid = check_context_id(request.path_params["id"])
         target, device = body.get("target_tier", "warm"), body.get("device", "cuda")
         if target not in ("warm", "hot"):
@@ -366,7 +523,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return JSONResponse({"status": "success", "context_id": cid, "tier": tier})
 
     async def demote(request: Request):
-        body = await body_json(request)
+        body = await body_json(request, "DemoteRequest")
         cid = check_context_id(request.path_params["id"])
         await run_in_threadpool(b.lookup, cid)
         tier = await run_in_threadpool(b.demote, cid, body.get("target_tier", "cold"))
@@ -388,8 +545,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                              "last_updated": reg["last_updated"]})
 
     async def rebuild(request: Request):
+        await body_json(request, "RebuildRequest")  # no fields: nothing or {}
         reg = await run_in_threadpool(b.rebuild)
-        return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": reg["skipped"]})
+        skipped = [dict(x, reason=scrub(str(x.get("reason", "")))) for x in reg["skipped"]]
+        return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": skipped})
 
     async def openapi(request: Request):
         return JSONResponse(OPENAPI)
@@ -413,6 +572,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         "/registry": {"get": registry},
         "/registry/rebuild": {"post": rebuild},
     }
+
     def strict(path: str, method: str, fn):
         """Refuse query parameters the document does not declare (a typo like ``force_scna=true`` must
         not be silently ignored)."""
@@ -435,6 +595,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return JSONResponse({"status": "error", "error": exc.detail}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    async def unexpected(request: Request, exc: Exception):
+        _log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return err(500, "internal server error (logged on the server)")
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         # contexts whose recorded preference is warm or hot (mcf bucket promote --root) are loaded before
@@ -442,13 +606,85 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         await run_in_threadpool(b.apply_tier_preferences)
         yield
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected},
+                    lifespan=lifespan)
+    return _Exposure(app, hosts, any_host, err)
 
 
-def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None) -> None:
-    """Run the server until interrupted (loopback by default)."""
+class _UnsupportedMedia(InvalidArgumentError):
+    """415: a body of a type the route does not take."""
+
+
+class _Exposure:
+    """The checks made before any route sees a request (a plain ASGI wrapper: cheap, and it also covers
+    404s and 405s): the ``Host`` header must be an allowed name (DNS rebinding: a page on evil.example
+    whose name now resolves to 127.0.0.1 still sends ``Host: evil.example``), and a state-changing
+    request that carries an ``Origin`` must come from this server's own origin (a page elsewhere, or
+    on another port of localhost, cannot drive it: browsers always send Origin on cross-origin POST
+    and DELETE, even when they skip the CORS preflight)."""
+
+    def __init__(self, app, hosts: set[str], any_host: bool, err) -> None:
+        self.app, self.hosts, self.any_host, self.err = app, hosts, any_host, err
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                       if k in (b"host", b"origin", b"content-type")}
+            host = headers.get("host")
+            if host is None:
+                return await self.err(400, "a Host header is required")(scope, receive, send)
+            if not self.any_host and _host_name(host) not in self.hosts:
+                return await self.err(400, f"Host {host!r} is not served here (allowed: {sorted(self.hosts)}; "
+                                           "see --allow-host)")(scope, receive, send)
+            origin = headers.get("origin")
+            if origin is not None and scope["method"] in _UNSAFE_METHODS:
+                own = {f"{scope.get('scheme', 'http')}://{host}".lower()}
+                if origin.strip().lower().rstrip("/") not in own:
+                    return await self.err(403, f"cross-origin request from {origin!r} refused: this API takes "
+                                               "state-changing requests only from programs, not from web pages "
+                                               "of other origins")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+          allowed_hosts: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+          max_connections: int | None = None, header_timeout: float | None = None,
+          body_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
+          on_warning: Callable[[str], None] | None = None) -> None:
+    """Run the server until interrupted: loopback by default, and only loopback without a token
+    (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
+    address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
+    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget.  Token warnings
+    (:func:`check_token`) go to ``on_warning`` (default:
+    :func:`warnings.warn`)."""
+    from mcf.bucket import _http_limits as limits_mod
+
     try:
         import uvicorn
     except ImportError:
         raise InvalidArgumentError("the server needs the 'server' extra: pip install mcf[server]") from None
-    uvicorn.run(create_app(root, token=token), host=host, port=port, log_level="warning")
+    for w in check_token(token):
+        (on_warning or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(w)
+    check_bind(host, token)
+    extra = list(allowed_hosts or ())
+    if "*" in extra and token is None:
+        raise InvalidArgumentError("--allow-host '*' needs a token: without one, any web page could reach the "
+                                   "server through DNS rebinding")
+    if host not in ("0.0.0.0", "::", ""):
+        extra.append(host)
+    limits = limits_mod.Limits(
+        max_connections=limits_mod.DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
+        header_timeout=limits_mod.DEFAULT_HEADER_TIMEOUT if header_timeout is None else header_timeout,
+        body_timeout=limits_mod.DEFAULT_BODY_TIMEOUT if body_timeout is None else body_timeout)
+    if not isinstance(limits.max_connections, int) or limits.max_connections < 1:
+        raise InvalidArgumentError(f"max_connections must be a positive integer, got {limits.max_connections!r}")
+    for name in ("header_timeout", "body_timeout"):
+        v = getattr(limits, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 86400:
+            raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {v!r}")
+    bucket = Bucket(root) if warm_budget_bytes is None else Bucket(root, warm_budget_bytes=warm_budget_bytes)
+    app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket,
+                     allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=limits_mod.protocol_class(limits),
+                            h11_max_incomplete_event_size=16 * 1024, server_header=False)
+    uvicorn.Server(config).run()

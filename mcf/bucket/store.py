@@ -24,17 +24,24 @@ Why the design:
   unreadable it is rebuilt from ``contexts/``.  Nothing committed depends on it.
 * **Writers are serialized with ``fcntl.flock``** on ``.lock``; the KV data itself is written before the
   lock is taken, so concurrent ingests only queue for the rename and the registry update.
+* **Nothing planted in the directory is followed.**  Every file operation goes through
+  :class:`mcf.bucket._fs.BucketFS`: relative to the root's descriptor, ``O_NOFOLLOW`` on every
+  component, ``fstat`` on what was opened; links, FIFOs and devices are refused, never followed.
+* **The registry heals itself.**  Opening a bucket reconciles the registry with ``contexts/`` (the
+  incremental :meth:`Bucket.scan`), and an ingest that finds its context already committed but not
+  listed (a writer killed between the commit rename and the journal append) lists it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
-import shutil
+import stat
 import threading
 import time
 import uuid
@@ -47,20 +54,26 @@ from typing import Any
 import numpy as np
 
 from mcf.bucket import _layout as L
+from mcf.bucket._fs import BucketFS, refusal
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
 from mcf.errors import (
     ContextNotFoundError,
     FormatError,
     InvalidArgumentError,
+    MCFError,
     MCFIOError,
     os_error,
 )
+from mcf.io import open_fd
 
 __all__ = ["Bucket", "content_hash", "context_id_for"]
 
 REGISTRY_VERSION = "1.0"
 KV_NAME = "kv_data.mcb"
 META_NAME = "metadata.json"
+REGISTRY_NAME = "registry.json"
+JOURNAL_NAME = "registry.journal"
+LOCK_NAME = ".lock"
 #: written next to kv_data.mcb after a complete successful CRC check (see Bucket.load's verify="once")
 VERIFIED_NAME = ".verified.json"
 _CTX_RE = re.compile(r"^ctx_[0-9a-f]{32}$")
@@ -89,18 +102,39 @@ def check_context_id(context_id: Any) -> str:
     return context_id
 
 
+#: token ids are hashed as signed 64-bit little-endian integers: the range every ids dtype in use fits
+_TOKEN_MIN, _TOKEN_MAX = -(2**63), 2**63 - 1
+
+
+def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` in their canonical encoding (int64, little-endian), every id range-checked first.
+
+    Why checked: a plain ``astype("<i8")`` wraps around, so uint64 ``2**64 - 1`` and ``-1`` would
+    hash alike and an ingest would deduplicate to the wrong context.  Ids outside the int64 range,
+    booleans, floats, strings and anything not one-dimensional are refused instead."""
+    try:
+        arr = np.asarray(token_ids)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise InvalidArgumentError(f"token_ids must be a 1-D sequence of integers: {exc}") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        kind = "integers beyond 64 bits" if arr.dtype == object else f"dtype {arr.dtype}, shape {arr.shape}"
+        raise InvalidArgumentError(f"token_ids must be a 1-D sequence of integers (got {kind})")
+    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _TOKEN_MAX:
+        raise InvalidArgumentError(f"token id {int(arr.max())} does not fit a signed 64-bit integer "
+                                   f"(ids must be in {_TOKEN_MIN}..{_TOKEN_MAX})")
+    return arr.astype("<i8", copy=False)
+
+
 def content_hash(content: str | bytes | None = None, token_ids: Sequence[int] | np.ndarray | None = None) -> str:
-    """``sha256:<hex>`` of the text (UTF-8) or of the token ids (as little-endian int64); the two
-    kinds are domain-separated so a text never collides with a token list."""
+    """``sha256:<hex>`` of the text (UTF-8) or of the token ids (as little-endian int64, range-checked:
+    :func:`token_array`); the two kinds are domain-separated so a text never collides with a token
+    list."""
     if (content is None) == (token_ids is None):
         raise InvalidArgumentError("give exactly one of content or token_ids")
     h = hashlib.sha256()
     if token_ids is not None:
-        arr = np.asarray(token_ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidArgumentError("token_ids must be a 1-D sequence of integers")
         h.update(b"tokens\0")
-        h.update(arr.astype("<i8").tobytes())
+        h.update(token_array(token_ids).tobytes())
     else:
         if isinstance(content, str):
             content = content.encode("utf-8")
@@ -109,6 +143,14 @@ def content_hash(content: str | bytes | None = None, token_ids: Sequence[int] | 
         h.update(b"text\0")
         h.update(bytes(content))
     return "sha256:" + h.hexdigest()
+
+
+def _ctx_rel(context_id: str) -> str:
+    return "contexts/" + check_context_id(context_id)
+
+
+def _model_rel(model_id: str) -> str:
+    return f"models/{check_model_id(model_id)}.json"
 
 
 def context_id_for(model_id: str, chash: str, dtype: Any, shape: L.KVShape) -> str:
@@ -129,10 +171,7 @@ def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, chunk_to
     and the chunk size.  Equal ``h[i]`` means equal first ``(i+1) * chunk_tokens`` tokens."""
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise InvalidArgumentError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidArgumentError("token_ids must be a 1-D sequence of integers")
-    arr = arr.astype("<i8")
+    arr = token_array(token_ids)
     prev = hashlib.sha256(f"mcb-prefix\0{model_id}\0{chunk_tokens}".encode()).digest()
     out = []
     for i in range(arr.size // chunk_tokens):
@@ -168,46 +207,16 @@ def _dumps(obj: Any, compact: bool) -> bytes:
     return json.dumps(obj, indent=None if compact else 1, separators=(",", ":") if compact else None).encode()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, obj: Any, *, durable: bool = True, compact: bool = False) -> None:
-    """Replace ``path`` atomically (temp + rename); ``durable`` also fsyncs the file and its directory
-    (skipped only for access statistics, which may be lost in a crash but never half-written).
-    ``compact`` drops the indentation (the registry snapshot, read by programs)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(_dumps(obj, compact))
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if durable:
-            _fsync_dir(path.parent)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise os_error(exc, path) from exc
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise os_error(exc, path) from exc
+def _parse_json(raw: bytes, path: Path) -> Any:
     try:
         return _loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"malformed JSON: {exc}", path=path) from None
+
+
+#: metadata.json, models/<id>.json and .verified.json larger than this are refused unread (a planted
+#: multi-gigabyte file must not be read into memory); prefix hashes of a 10M-token context take ~1.4 MB
+MAX_DOC_BYTES = 64 << 20
 
 
 def _journal_line(rec: dict) -> bytes:
@@ -322,7 +331,7 @@ class Bucket:
 
     def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
                  prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30,
-                 verify: bool | str = "always", key: Any = None) -> None:
+                 verify: bool | str = "always", key: Any = None, reconcile: bool = True) -> None:
         from mcf.bucket._crypto import key_from_env, parse_key
         from mcf.bucket.tiers import WarmCache
 
@@ -348,32 +357,59 @@ class Bucket:
         # registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
         self._mem = threading.RLock()
         self._tier_mutex = threading.RLock()
+        self._fs = BucketFS(self.root, create=create)
         try:
             if create:
-                (self.root / "contexts").mkdir(parents=True, exist_ok=True)
-                (self.root / "models").mkdir(exist_ok=True)
-            elif not (self.root / "contexts").is_dir():
-                raise InvalidArgumentError(f"{self.root} is not a bucket (no contexts/ directory)")
-        except OSError as exc:
-            raise os_error(exc, self.root) from exc
+                self._fs.mkdir("contexts", exist_ok=True)
+                self._fs.mkdir("models", exist_ok=True)
+            try:
+                os.close(self._fs.open_dir("contexts"))
+            except FileNotFoundError:
+                raise InvalidArgumentError(f"{self.root} is not a bucket (no contexts/ directory)") from None
+            if reconcile:
+                self._reconcile()
+        except BaseException:
+            self._fs.close()
+            raise
+
+    def _reconcile(self) -> None:
+        """Bring the registry in line with ``contexts/`` (:meth:`scan`): a writer killed between its
+        commit rename and its journal line left a committed context unlisted, a delete killed at the same
+        point a listed ghost.  Skipped when the bucket is read-only to this process (nothing can be
+        written; readers still see every committed context through ``lookup``)."""
+        try:
+            self.scan()
+        except MCFIOError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+
+    def close(self) -> None:
+        """Release the root directory's descriptor (the object cannot be used afterwards)."""
+        self._fs.close()
+
+    def __enter__(self) -> Bucket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def scratch_file(self):
+        """A new, nameless read-write binary file on the bucket's own disk (``contexts/``), freed when
+        closed and unmapped: the server spools uploads there instead of holding them in memory."""
+        return os.fdopen(self._fs.temp_file("contexts"), "w+b")
 
     # -- paths ---------------------------------------------------------------------------------------
     @property
     def registry_path(self) -> Path:
-        return self.root / "registry.json"
+        return self.root / REGISTRY_NAME
 
     def _ctx_dir(self, context_id: str) -> Path:
-        return self.root / "contexts" / check_context_id(context_id)
-
-    def _model_path(self, model_id: str) -> Path:
-        return self.root / "models" / f"{check_model_id(model_id)}.json"
+        """For messages only: every access goes through ``self._fs``."""
+        return self.root / _ctx_rel(context_id)
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
-        try:
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise os_error(exc, self.root / ".lock") from exc
+        fd = self._fs.open_file(LOCK_NAME, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -406,14 +442,15 @@ class Bucket:
         doc = {"model_id": check_model_id(model_id), "model_hash": model_hash, "created_at": _iso(self.clock()),
                "model_compatibility": compat}
         with self._lock():
-            _write_json_atomic(self._model_path(model_id), doc)
+            self._fs.write_atomic(_model_rel(model_id), _dumps(doc, False))
         return doc
 
     def model(self, model_id: str) -> dict | None:
         """The model document, or None when the model was never registered."""
-        p = self._model_path(model_id)
+        rel = _model_rel(model_id)
+        p = self._fs.where(rel)
         try:
-            doc = _read_json(p)
+            doc = _parse_json(self._fs.read(rel, limit=MAX_DOC_BYTES), p)
         except FileNotFoundError:
             return None
         _get(doc, p, "model_compatibility", types=dict)
@@ -422,6 +459,15 @@ class Bucket:
             raise FormatError("model document names another model", path=p, field="model_id", expected=model_id,
                               got=doc["model_id"])
         return doc
+
+    def _model_hash(self, model_id: str) -> str | None:
+        """The registered model's hash for the registry; None when unregistered or unreadable (the
+        registry is a cache: a damaged model document must not stop contexts from being listed)."""
+        try:
+            doc = self.model(model_id)
+        except (FormatError, MCFIOError):
+            return None
+        return (doc or {}).get("model_hash")
 
     def check_compatible(self, context_id: str, model: dict | str) -> dict:
         """Raise InvalidArgumentError unless the context's shape and dtype match ``model`` (a model id
@@ -452,7 +498,7 @@ class Bucket:
     # crash between writing a snapshot and starting a new journal loses nothing.
     @property
     def journal_path(self) -> Path:
-        return self.root / "registry.journal"
+        return self.root / JOURNAL_NAME
 
     @staticmethod
     def _summary(meta: dict) -> dict:
@@ -473,21 +519,19 @@ class Bucket:
         return {"created_at": _iso(self.clock()), "last_updated": _iso(self.clock()), "models": {}, "stamps": {},
                 "skipped": []}
 
-    @staticmethod
-    def _meta_stamp(path: Path) -> list[int] | None:
+    def _meta_stamp(self, context_id: str) -> list[int] | None:
+        """[inode, mtime_ns, size] of the context's metadata.json (what :meth:`scan` compares)."""
         try:
-            st = os.lstat(path)
-        except OSError:
+            st = self._fs.lstat(f"{_ctx_rel(context_id)}/{META_NAME}")
+        except (FormatError, MCFIOError):
             return None
-        return [st.st_ino, st.st_mtime_ns, st.st_size]
+        return None if st is None else [st.st_ino, st.st_mtime_ns, st.st_size]
 
-    @staticmethod
-    def _file_stamp(path: Path) -> tuple | None:
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+    def _file_stamp(self, name: str) -> tuple | None:
+        """(inode, mtime_ns, size) of registry.json or the journal (the link itself if one was planted:
+        reading it is then refused, and the registry rebuilt)."""
+        st = self._fs.lstat(name)
+        return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _apply(self, state: dict, rec: dict) -> None:
         """One journal record applied to the in-memory registry (idempotent)."""
@@ -532,7 +576,7 @@ class Bucket:
     def _read_snapshot(self) -> dict:
         """registry.json as in-memory state (FileNotFoundError / FormatError when unusable)."""
         p = self.registry_path
-        doc = _read_json(p)
+        doc = _parse_json(self._fs.read(REGISTRY_NAME), p)
         state = self._empty_state()
         state["created_at"] = doc.get("created_at", state["created_at"]) if isinstance(doc, dict) else None
         for i, m in enumerate(_get(doc, p, "models", types=list)):
@@ -555,11 +599,13 @@ class Bucket:
         A torn final line (a writer killed mid-append) ends the replay; a bad line followed by good
         ones means the journal was damaged: FormatError (the caller rebuilds)."""
         try:
-            with open(self.journal_path, "rb") as f:
-                f.seek(start)
-                data = f.read()
+            fd = self._fs.open_file(JOURNAL_NAME)
         except FileNotFoundError:
             return start
+        try:
+            with os.fdopen(fd, "rb") as f:
+                f.seek(start)
+                data = f.read()
         except OSError as exc:
             raise os_error(exc, self.journal_path) from exc
         pos = start
@@ -581,7 +627,7 @@ class Bucket:
             return self._load_locked_mem()
 
     def _load_locked_mem(self) -> dict:
-        snap, jst = self._file_stamp(self.registry_path), self._file_stamp(self.journal_path)
+        snap, jst = self._file_stamp(REGISTRY_NAME), self._file_stamp(JOURNAL_NAME)
         st = self._cache
         jino, jsize = (jst[0], jst[2]) if jst is not None else (None, 0)
         if (st is not None and snap is not None and snap == self._snap_stamp and jino == self._journal_ino
@@ -610,18 +656,9 @@ class Bucket:
         state["last_updated"] = _iso(self.clock())
         doc = self._document(state)
         doc["stamps"] = state["stamps"]
-        _write_json_atomic(self.registry_path, doc, compact=True)
-        tmp = self.journal_path.with_name(f".registry.journal.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.journal_path)  # after the snapshot: replaying the old journal is harmless
-            _fsync_dir(self.root)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise os_error(exc, self.journal_path) from exc
-        self._set_cache(state, self._file_stamp(self.registry_path), self._file_stamp(self.journal_path), 0)
+        self._fs.write_atomic(REGISTRY_NAME, _dumps(doc, True))
+        self._fs.write_atomic(JOURNAL_NAME, b"")  # after the snapshot: replaying the old journal is harmless
+        self._set_cache(state, self._file_stamp(REGISTRY_NAME), self._file_stamp(JOURNAL_NAME), 0)
 
     def _journal_locked(self, records: list[dict]) -> None:
         """Append records (caller holds the lock and has just loaded the state): applied in memory,
@@ -639,7 +676,11 @@ class Bucket:
             return
         payload = b"".join(_journal_line(r) for r in records)
         try:
-            fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT, 0o644)
+            fd = self._fs.open_file(JOURNAL_NAME, os.O_WRONLY | os.O_CREAT)
+        except FormatError:  # something planted in its place: a new snapshot replaces it (the link itself)
+            self._write_snapshot_locked(state)
+            return
+        try:
             try:
                 if os.fstat(fd).st_size != self._journal_pos or self._journal_ino != os.fstat(fd).st_ino:
                     os.ftruncate(fd, self._journal_pos)  # drop a torn line left by a killed writer
@@ -654,15 +695,14 @@ class Bucket:
         self._journal_ino, self._journal_pos = ino, self._journal_pos + len(payload)
 
     def _put_record(self, meta: dict, stamp: list[int] | None) -> dict:
-        doc = self.model(meta["model_id"]) if self._model_path(meta["model_id"]).exists() else None
-        return {"op": "put", "model_id": meta["model_id"], "model_hash": (doc or {}).get("model_hash"),
+        return {"op": "put", "model_id": meta["model_id"], "model_hash": self._model_hash(meta["model_id"]),
                 "summary": self._summary(meta), "stamp": stamp}
 
     def _registry(self) -> dict:
         """The in-memory registry, refreshed when registry.json or the journal changed on disk
         (another process wrote them): two stat() calls when nothing changed."""
         if self._cache is not None:
-            snap, jst = self._file_stamp(self.registry_path), self._file_stamp(self.journal_path)
+            snap, jst = self._file_stamp(REGISTRY_NAME), self._file_stamp(JOURNAL_NAME)
             jkey = (jst[0], jst[2]) if jst is not None else (None, 0)
             if snap is not None and snap == self._snap_stamp and jkey == (self._journal_ino, self._journal_pos):
                 return self._cache
@@ -709,22 +749,27 @@ class Bucket:
 
     # -- metadata ------------------------------------------------------------------------------------
     def _read_meta(self, context_id: str) -> dict:
-        d = self._ctx_dir(context_id)
-        p = d / META_NAME
-        self._no_symlinks(d, p, d / KV_NAME)
+        """The validated metadata.json of a committed context.  The context directory, metadata.json and
+        kv_data.mcb must be what they claim (no link, FIFO or device: FormatError); a missing one is
+        ContextNotFoundError."""
+        rel = _ctx_rel(context_id)
+        p = self._fs.where(f"{rel}/{META_NAME}")
         try:
-            meta = _read_json(p)
+            with self._fs.dir(rel) as d:
+                try:
+                    kv = os.stat(KV_NAME, dir_fd=d, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise FormatError("kv_data.mcb is missing", path=self._fs.where(rel)) from None
+                if not stat.S_ISREG(kv.st_mode):
+                    raise FormatError(refusal(kv.st_mode), path=self._fs.where(f"{rel}/{KV_NAME}"))
+                raw = self._fs.read_at(d, META_NAME, limit=MAX_DOC_BYTES, rel=f"{rel}/{META_NAME}")
         except FileNotFoundError:
             raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
+        except OSError as exc:
+            raise os_error(exc, p) from None
+        meta = _parse_json(raw, p)
         self._validate_meta(meta, p, context_id)
         return meta
-
-    @staticmethod
-    def _no_symlinks(*paths: Path) -> None:
-        """A planted symlink must not make the bucket read or delete files outside its root."""
-        for q in paths:
-            if q.is_symlink():
-                raise FormatError("symbolic links are not followed inside a bucket", path=q)
 
     @staticmethod
     def _validate_meta(meta: Any, p: Path, context_id: str) -> None:
@@ -793,69 +838,90 @@ class Bucket:
                 if compat.get(k) is not None and compat[k] != have:
                     raise InvalidArgumentError(f"model {model_id!r} needs {k}={compat[k]!r}, the KV data has {have!r}")
         cid = context_id_for(model_id, chash, kd, shape)
-        final = self._ctx_dir(cid)
-        if (final / META_NAME).exists():
-            meta = self._read_meta(cid)
-            meta["deduplicated"] = True
-            return meta
+        rel = _ctx_rel(cid)
+        if self._fs.lstat(rel) is not None:
+            with self._lock():
+                return self._deduplicated_locked(cid)
 
         ntok = shape.sequence_length
         prefix = None
         if token_ids is not None:
             prefix = {"chunk_tokens": self.prefix_chunk_tokens,
                       "hashes": prefix_hashes(model_id, token_ids, self.prefix_chunk_tokens)}
-        tmp = self.root / "contexts" / f".tmp-{uuid.uuid4().hex}"
+        tmp_rel = f"contexts/.tmp-{uuid.uuid4().hex}"
         try:
-            tmp.mkdir()
-            kv_path = tmp / KV_NAME
-            header = write_kv(kv_path, layers, dtype=kd, compression=comp, threads=threads, key=self._key)
-            with open(kv_path, "rb+") as f:
-                os.fsync(f.fileno())
-            now = self.clock()
-            meta = {
-                "context_id": cid,
-                "model_id": model_id,
-                "version": 1,
-                "content": {"name": name, "source": source, "hash": chash, "token_count": ntok},
-                "kv_cache": {
-                    "format": "mcb-v1",
-                    "shape": {"num_layers": shape.num_layers, "num_heads": shape.num_kv_heads,
-                              "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-                              "sequence_length": shape.sequence_length},
-                    "dtype": L.DTYPE_NAMES[kd],
-                    "size_bytes": L.HEADER_SIZE + header.compressed_size,
-                    "original_size": header.original_size,
-                    "compressed": comp != L.Compression.NONE,
-                    "compression": L.COMPRESSION_NAMES[comp],
-                    "chunked": header.chunked,
-                    "encrypted": header.encrypted,
-                },
-                "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
-                            "checksum": f"crc32:{header.checksum:08x}"},
-                "timestamps": {"created_at": _iso(now), "last_accessed": _iso(now),
-                               "expires_at": None if ttl is None else _iso(now + ttl)},
-                "access": {"count": 0, "last_query": None},
-                "pinned": bool(pinned),
-                "prefix": prefix,
-            }
-            _write_json_atomic(tmp / META_NAME, meta)
-            _fsync_dir(tmp)
+            self._fs.mkdir(tmp_rel)
+            with self._fs.dir(tmp_rel) as td:
+                fd = self._fs.open_file_at(td, KV_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                           rel=f"{tmp_rel}/{KV_NAME}")
+                with os.fdopen(fd, "wb") as f:
+                    header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key)
+                    f.flush()
+                    os.fsync(f.fileno())
+                now = self.clock()
+                meta = {
+                    "context_id": cid,
+                    "model_id": model_id,
+                    "version": 1,
+                    "content": {"name": name, "source": source, "hash": chash, "token_count": ntok},
+                    "kv_cache": {
+                        "format": "mcb-v1",
+                        "shape": {"num_layers": shape.num_layers, "num_heads": shape.num_kv_heads,
+                                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+                                  "sequence_length": shape.sequence_length},
+                        "dtype": L.DTYPE_NAMES[kd],
+                        "size_bytes": L.HEADER_SIZE + header.compressed_size,
+                        "original_size": header.original_size,
+                        "compressed": comp != L.Compression.NONE,
+                        "compression": L.COMPRESSION_NAMES[comp],
+                        "chunked": header.chunked,
+                        "encrypted": header.encrypted,
+                    },
+                    "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
+                                "checksum": f"crc32:{header.checksum:08x}"},
+                    "timestamps": {"created_at": _iso(now), "last_accessed": _iso(now),
+                                   "expires_at": None if ttl is None else _iso(now + ttl)},
+                    "access": {"count": 0, "last_query": None},
+                    "pinned": bool(pinned),
+                    "prefix": prefix,
+                }
+                fd = self._fs.open_file_at(td, META_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                           rel=f"{tmp_rel}/{META_NAME}")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_dumps(meta, False))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.fsync(td)
             with self._lock():
-                if (final / META_NAME).exists():  # another process committed the same content meanwhile
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    meta = self._read_meta(cid)
-                    meta["deduplicated"] = True
-                    return meta
-                os.rename(tmp, final)  # the commit point
-                _fsync_dir(final.parent)
-                self._journal_locked([self._put_record(meta, self._meta_stamp(final / META_NAME))])
+                if self._fs.lstat(rel) is not None:  # another process committed the same content meanwhile
+                    self._fs.remove_tree(tmp_rel)
+                    return self._deduplicated_locked(cid)
+                self._fs.rename(tmp_rel, rel)  # the commit point
+                self._fs.fsync_dir("contexts")
+                self._journal_locked([self._put_record(meta, self._meta_stamp(cid))])
         except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise os_error(exc, tmp) from exc
+            self._fs.remove_tree(tmp_rel)
+            if isinstance(exc, MCFError):
+                raise
+            raise os_error(exc, self._fs.where(tmp_rel)) from exc
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._fs.remove_tree(tmp_rel)  # gone already once committed
             raise
         self._emit("context.ingested", model_id=model_id, context_id=cid)
+        return meta
+
+    def _deduplicated_locked(self, context_id: str) -> dict:
+        """The metadata of an already committed context, which is listed from now on: a writer killed
+        between its commit rename and its journal line left it unlisted, and re-ingesting the same
+        content is how a user finds out (caller holds the lock)."""
+        meta = self._read_meta(context_id)
+        state = self._load_locked()
+        stamp = self._meta_stamp(context_id)
+        with self._mem:
+            listed = state["stamps"].get(context_id, False) == stamp
+        if not listed:
+            self._journal_locked([self._put_record(meta, stamp)])
+        meta["deduplicated"] = True
         return meta
 
     def discover(self, model_id: str, *, force_scan: bool = False, include_expired: bool = False) -> list[dict]:
@@ -881,31 +947,29 @@ class Bucket:
         stamp (new, rewritten or replaced contexts); contexts gone from disk are dropped.  Changes are
         journaled.  Cheaper than :meth:`rebuild`, which re-reads every metadata.json; it does not
         notice a kv_data.mcb removed by hand behind an unchanged metadata.json (rebuild does)."""
-        cdir = self.root / "contexts"
         with self._lock():
             state = self._load_locked()
             stamps = state["stamps"]
             on_disk: dict[str, list[int] | None] = {}
-            match, lstat, tail = _CTX_RE.fullmatch, os.lstat, "/" + META_NAME
-            try:
-                with os.scandir(cdir) as it:  # plain strings: pathlib would triple the cost per context
-                    for e in it:
-                        if match(e.name):
-                            try:
-                                st = lstat(e.path + tail)
-                                on_disk[e.name] = [st.st_ino, st.st_mtime_ns, st.st_size]
-                            except OSError:
-                                on_disk[e.name] = None
-            except OSError as exc:
-                raise os_error(exc, cdir) from exc
+            match, stat_at, tail = _CTX_RE.fullmatch, os.stat, "/" + META_NAME
+            with self._fs.dir("contexts") as cfd:
+                try:
+                    with os.scandir(cfd) as it:  # plain strings: pathlib would triple the cost per context
+                        for e in it:
+                            if match(e.name):
+                                try:  # a stamp only: reading goes through _read_meta's checks
+                                    st = stat_at(e.name + tail, dir_fd=cfd, follow_symlinks=False)
+                                    on_disk[e.name] = [st.st_ino, st.st_mtime_ns, st.st_size]
+                                except OSError:
+                                    on_disk[e.name] = None
+                except OSError as exc:
+                    raise os_error(exc, self._fs.where("contexts")) from exc
             records, skipped = [], []
             for cid, stamp in on_disk.items():
                 if stamp is not None and stamps.get(cid) == stamp:
                     continue
                 try:
                     meta = self._read_meta(cid)
-                    if not (self._ctx_dir(cid) / KV_NAME).is_file():
-                        raise FormatError("kv_data.mcb is missing", path=self._ctx_dir(cid))
                 except (FormatError, ContextNotFoundError, InvalidArgumentError, MCFIOError) as exc:
                     skipped.append({"context_id": cid, "reason": str(exc)})
                     if cid in stamps:
@@ -952,8 +1016,9 @@ class Bucket:
     def open(self, context_id: str, *, mmap: bool = True) -> KVFile:
         """The context's KV file, validated against its metadata."""
         meta = self.lookup(context_id)
-        path = self._ctx_dir(context_id) / KV_NAME
-        f = open_kv(path, mmap=mmap, key=self._key)
+        rel = f"{_ctx_rel(context_id)}/{KV_NAME}"
+        path = self._fs.where(rel)
+        f = open_kv(open_fd(self._fs.open_file(rel), path, mmap=mmap), key=self._key)
         s, want = f.shape, meta["kv_cache"]["shape"]
         got = {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
                "sequence_length": s.sequence_length}
@@ -993,9 +1058,11 @@ class Bucket:
         hot = self._hot.get(context_id)
         warm = self._warm.get(context_id)
         if as_torch and hot is not None:
-            res = select(hot[1], layers, tokens)
+            # copies on the device: the tier's own tensors stay what every later load returns
+            res = [(k.clone(), v.clone()) for k, v in select(hot[1], layers, tokens)]
         elif warm is not None:
-            res = select(warm, layers, tokens)
+            # views of the tier's read-only arrays (the flag cannot be set back on a view)
+            res = [(k.view(), v.view()) for k, v in select(warm, layers, tokens)]
             if out is not None:
                 res = _copy_into(out, res)
         else:
@@ -1025,10 +1092,11 @@ class Bucket:
 
     def promote(self, context_id: str, target_tier: str = "warm", *, device: Any = "cuda", threads: int = 2) -> str:
         """Move a context to a faster tier: ``warm`` loads and decompresses it into RAM (evicting the
-        least recently used warm contexts past the budget); ``hot`` also places it on ``device``
+        least recently used warm contexts past the budget; :class:`~mcf.bucket.tiers.WarmBudgetError`,
+        with nothing read, when it is larger than the whole budget); ``hot`` also places it on ``device``
         through torch (InvalidArgumentError when torch or the device is missing)."""
         with self._tier_mutex:
-            from mcf.bucket.tiers import check_device, to_torch
+            from mcf.bucket.tiers import check_device, to_torch, warm_nbytes
 
             if target_tier not in ("warm", "hot"):
                 raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
@@ -1037,10 +1105,15 @@ class Bucket:
                 dev = check_device(device)
             layers = self._warm.get(context_id)
             if layers is None:
+                # the budget is checked against the metadata's size before anything is read, and room is
+                # made before the arrays are allocated; each byte is then decompressed (or copied) once,
+                # straight into the arrays the tier keeps
+                for old in self._warm.make_room(context_id, warm_nbytes(meta)):
+                    self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold",
+                               reason="warm budget")
                 with self.open(context_id) as f:
-                    layers = [(np.array(k), np.array(v)) for k, v in f.load(threads=threads)]
-                for old in self._warm.put(context_id, layers):
-                    self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold", reason="warm budget")
+                    layers = f.load_copy(threads=threads)
+                self._warm.put(context_id, layers)
             if target_tier == "hot":
                 self._hot[context_id] = (dev, [(to_torch(k, dev), to_torch(v, dev)) for k, v in layers])
             self._tier_set_at[context_id] = self.clock()
@@ -1065,25 +1138,23 @@ class Bucket:
     # -- the "once" verification record -----------------------------------------------------------------
     def _read_verified(self, context_id: str) -> tuple | None:
         """The (identity, checksum) recorded in the context's .verified.json by the last process that
-        checked its kv_data.mcb completely; None when absent, unreadable or a symlink."""
-        p = self._ctx_dir(context_id) / VERIFIED_NAME
+        checked its kv_data.mcb completely; None when absent, unreadable, too large or not a regular
+        file."""
         try:
-            if p.is_symlink():
-                return None
-            doc = json.loads(p.read_bytes())
+            doc = json.loads(self._fs.read(f"{_ctx_rel(context_id)}/{VERIFIED_NAME}", limit=4096))
             ident = tuple(doc["identity"])
             if len(ident) != 5 or not all(isinstance(x, int) for x in ident) or not isinstance(doc["checksum"], int):
                 return None
             return (ident, doc["checksum"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return None
 
     def _write_verified(self, context_id: str, rec: tuple) -> None:
         """Record a complete, successful check so other processes with verify="once" can skip it.  A
         cache: written atomically without fsync, and a bucket that cannot be written just goes without."""
         doc = {"identity": list(rec[0]), "checksum": rec[1], "verified_at": _iso(self.clock())}
-        with contextlib.suppress(MCFIOError, OSError):
-            _write_json_atomic(self._ctx_dir(context_id) / VERIFIED_NAME, doc, durable=False)
+        with contextlib.suppress(MCFError, OSError):
+            self._fs.write_atomic(f"{_ctx_rel(context_id)}/{VERIFIED_NAME}", _dumps(doc, False), durable=False)
 
     # -- persistent tier preferences -----------------------------------------------------------------
     def set_tier_preference(self, context_id: str, tier: str, *, device: str | None = None) -> dict:
@@ -1103,9 +1174,8 @@ class Bucket:
             if self._expired(meta, self.clock()):
                 raise ContextNotFoundError(f"context {context_id!r} expired at {meta['timestamps']['expires_at']}")
             meta.setdefault("storage", {})["preference"] = {"tier": tier, "device": device, "set_at": self.clock()}
-            mpath = self._ctx_dir(context_id) / META_NAME
-            _write_json_atomic(mpath, meta)
-            self._journal_locked([self._put_record(meta, self._meta_stamp(mpath))])
+            self._write_meta(meta)
+            self._journal_locked([self._put_record(meta, self._meta_stamp(context_id))])
         return meta
 
     def _honour_preference(self, context_id: str, meta: dict) -> None:
@@ -1149,6 +1219,11 @@ class Bucket:
                 out[c["context_id"]] = self.tier(c["context_id"])
         return out
 
+    def _write_meta(self, meta: dict, *, durable: bool = True) -> None:
+        """Replace a committed context's metadata.json (caller holds the lock).  Access statistics are
+        written without fsync (``durable=False``): a crash may lose the last counts, never the file."""
+        self._fs.write_atomic(f"{_ctx_rel(meta['context_id'])}/{META_NAME}", _dumps(meta, False), durable=durable)
+
     def _touch(self, context_id: str) -> None:
         with self._lock():
             try:
@@ -1157,41 +1232,33 @@ class Bucket:
                 return  # deleted meanwhile: the caller already holds its arrays
             meta["access"]["count"] += 1
             meta["timestamps"]["last_accessed"] = _iso(self.clock())
-            _write_json_atomic(self._ctx_dir(context_id) / META_NAME, meta, durable=False)
+            self._write_meta(meta, durable=False)
 
     def pin(self, context_id: str, pinned: bool = True) -> dict:
         """Pinned contexts never expire and are never reaped by gc."""
         with self._lock():
             meta = self._read_meta(check_context_id(context_id))
             meta["pinned"] = bool(pinned)
-            mpath = self._ctx_dir(context_id) / META_NAME
-            _write_json_atomic(mpath, meta)
-            self._journal_locked([self._put_record(meta, self._meta_stamp(mpath))])
+            self._write_meta(meta)
+            self._journal_locked([self._put_record(meta, self._meta_stamp(context_id))])
         return meta
 
     def delete(self, context_id: str, *, _event: str = "context.deleted") -> None:
-        check_context_id(context_id)
+        rel = _ctx_rel(context_id)
         self._hot.pop(context_id, None)
         self._warm.pop(context_id)
         with self._lock():
-            d = self._ctx_dir(context_id)
-            if not d.is_dir():
+            if self._fs.lstat(rel) is None:
                 raise ContextNotFoundError(f"no context {context_id!r} in {self.root}")
             try:
                 model_id = self._read_meta(context_id)["model_id"]
-            except (FormatError, ContextNotFoundError):
+            except (FormatError, ContextNotFoundError, MCFIOError):
                 model_id = None
-            grave = d.with_name(f".del-{uuid.uuid4().hex}")
-            try:
-                os.rename(d, grave)
-                _fsync_dir(d.parent)
-            except OSError as exc:
-                raise os_error(exc, d) from exc
+            grave = f"contexts/.del-{uuid.uuid4().hex}"
+            self._fs.rename(rel, grave)  # a planted link is moved (and removed) as itself
+            self._fs.fsync_dir("contexts")
             self._journal_locked([{"op": "del", "context_id": context_id}])
-            if grave.is_symlink():
-                grave.unlink()  # remove the link itself, never what it points to
-            else:
-                shutil.rmtree(grave, ignore_errors=True)
+            self._fs.remove_tree(grave)
         self._emit(_event, model_id=model_id, context_id=context_id)
 
     def gc(self) -> list[str]:
@@ -1201,44 +1268,39 @@ class Bucket:
         for cid in self._scan_ids():
             try:
                 meta = self._read_meta(cid)
-            except (FormatError, ContextNotFoundError):
+            except (FormatError, ContextNotFoundError, MCFIOError):
                 continue
             if self._expired(meta, now):
                 with contextlib.suppress(ContextNotFoundError):
                     self.delete(cid, _event="context.expired")
                     gone.append(cid)
-        cdir = self.root / "contexts"
-        with self._lock():
-            for entry in os.scandir(cdir):
-                if entry.name.startswith(".del-") or (
-                        entry.name.startswith(".tmp-") and time.time() - entry.stat().st_mtime > STALE_TMP_SECONDS):
-                    shutil.rmtree(entry.path, ignore_errors=True)
+        with self._lock(), self._fs.dir("contexts") as cfd:
+            for name, st in self._fs.listdir("contexts"):
+                if st is not None and (name.startswith(".del-") or (
+                        name.startswith(".tmp-") and time.time() - st.st_mtime > STALE_TMP_SECONDS)):
+                    self._fs.remove_tree_at(cfd, name)
         return gone
 
     def _scan_ids(self) -> list[str]:
-        try:
-            return sorted(e.name for e in os.scandir(self.root / "contexts")
-                          if _CTX_RE.fullmatch(e.name) and (e.is_dir(follow_symlinks=False) or e.is_symlink()))
-        except OSError as exc:
-            raise os_error(exc, self.root / "contexts") from exc
+        """The committed context directories (and links planted under such names, which readers refuse)."""
+        return sorted(name for name, st in self._fs.listdir("contexts")
+                      if _CTX_RE.fullmatch(name) and st is not None
+                      and (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)))
 
     def _rebuild_locked(self) -> dict:
         state = self._empty_state()
         skipped = []
         hashes: dict[str, Any] = {}
         for cid in self._scan_ids():
-            stamp = self._meta_stamp(self._ctx_dir(cid) / META_NAME)
+            stamp = self._meta_stamp(cid)
             try:
-                meta = self._read_meta(cid)
-                if not (self._ctx_dir(cid) / KV_NAME).is_file():
-                    raise FormatError("kv_data.mcb is missing", path=self._ctx_dir(cid))
+                meta = self._read_meta(cid)  # also checks that kv_data.mcb is a regular file
             except (FormatError, ContextNotFoundError, InvalidArgumentError, MCFIOError) as exc:
                 skipped.append({"context_id": cid, "reason": str(exc)})
                 continue
             mid = meta["model_id"]
             if mid not in hashes:
-                doc = self.model(mid) if self._model_path(mid).exists() else None
-                hashes[mid] = (doc or {}).get("model_hash")
+                hashes[mid] = self._model_hash(mid)
             m = state["models"].setdefault(mid, {"model_hash": hashes[mid], "contexts": {}})
             m["contexts"][cid] = self._summary(meta)
             state["stamps"][cid] = stamp

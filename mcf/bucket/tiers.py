@@ -2,7 +2,11 @@
 
 Cold is the disk (``kv_data.mcb``).  Warm holds decompressed numpy arrays under a byte budget and
 evicts the least recently used context when a new one would pass it, so a server can keep its hottest
-contexts ready without growing without bound.  Hot holds torch tensors on a device (a GPU when one
+contexts ready without growing without bound.  The budget is checked against the size the metadata
+records *before* anything is read, and room is made before the new arrays are allocated, so a
+promotion never holds more than the budget plus nothing (a context larger than the budget is refused
+unread).  Warm arrays are read-only: a caller's ``k *= 10`` on a loaded array must not change what every
+later load of the context returns.  Hot holds torch tensors on a device (a GPU when one
 exists); it needs torch and says so clearly when torch or the device is missing.  Tiers are per
 process: they are not persisted (the file on disk stays the source of truth).
 """
@@ -17,11 +21,26 @@ import numpy as np
 
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["WarmCache", "nbytes_of", "select", "to_torch"]
+__all__ = ["WarmBudgetError", "WarmCache", "nbytes_of", "select", "to_torch", "warm_nbytes"]
+
+
+class WarmBudgetError(InvalidArgumentError):
+    """A context does not fit the warm tier's byte budget (a well-formed request this process cannot
+    satisfy: the server answers 409)."""
 
 
 def nbytes_of(layers: Sequence[tuple[Any, Any]]) -> int:
     return sum(int(k.nbytes) + int(v.nbytes) for k, v in layers)
+
+
+def warm_nbytes(meta: dict) -> int:
+    """Bytes a context takes in the warm tier, from its (validated) metadata: its K and V arrays as
+    loaded (int8 is dequantized to float32)."""
+    from mcf.bucket import _layout as L
+
+    shape, kd = meta["kv_cache"]["shape"], L.parse_dtype(meta["kv_cache"]["dtype"])
+    itemsize = 4 if kd == L.KVDType.INT8 else L.DTYPE_ITEMSIZE[kd]
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["sequence_length"] * shape["head_dim"] * itemsize
 
 
 def select(layers: list[tuple[Any, Any]], which: Sequence[int] | int | None, tokens: int | None) -> list[tuple[Any, Any]]:
@@ -62,19 +81,27 @@ class WarmCache:
         self._items.move_to_end(cid)
         return item[0]
 
-    def put(self, cid: str, layers: list[tuple[np.ndarray, np.ndarray]]) -> list[str]:
-        """Insert (most recently used); returns the ids evicted to stay within the budget."""
-        size = nbytes_of(layers)
+    def make_room(self, cid: str, size: int) -> list[str]:
+        """Drop ``cid`` and evict least recently used contexts until ``size`` more bytes fit; returns the
+        ids evicted.  WarmBudgetError (nothing evicted) when ``size`` exceeds the whole budget."""
         if size > self.budget_bytes:
-            raise InvalidArgumentError(f"{cid} needs {size} bytes, more than the warm budget of {self.budget_bytes}")
+            raise WarmBudgetError(f"{cid} needs {size} bytes, more than the warm budget of {self.budget_bytes}")
         self.pop(cid)
         evicted = []
         while self.used_bytes + size > self.budget_bytes:
             old, (_, n) = self._items.popitem(last=False)
             self.used_bytes -= n
             evicted.append(old)
-        self._items[cid] = (layers, size)
-        self.used_bytes += size
+        return evicted
+
+    def put(self, cid: str, layers: list[tuple[np.ndarray, np.ndarray]]) -> list[str]:
+        """Insert (most recently used), read-only; returns the ids evicted to stay within the budget."""
+        evicted = self.make_room(cid, nbytes_of(layers))
+        for k, v in layers:
+            k.flags.writeable = False
+            v.flags.writeable = False
+        self._items[cid] = (layers, nbytes_of(layers))
+        self.used_bytes += nbytes_of(layers)
         return evicted
 
     def pop(self, cid: str) -> bool:
