@@ -4,7 +4,12 @@
  * f16->f32 with subnormal flush; k*: super * (u6 / 32.0f); then scale * (float)q; int*: scale *
  * ((float)q - zero)), with no FMA contraction (-ffp-contract=off), so their results are bit-identical.
  * f16 output rounds to nearest even (F16C does exactly that); bf16 output uses the same integer
- * rounding in every variant. */
+ * rounding in every variant.
+ *
+ * A block whose scale is zero decodes to +0.0 in every element, as the Go decoder does: it skips
+ * such blocks (q*: f16 scale == 0 after the subnormal flush; k*: super == 0 or u6 == 0) and leaves
+ * their values at +0.0.  Multiplying would give -0.0 for negative codes (and NaN for an infinite
+ * super scale with u6 = 0).  int8/int4 follow the same rule for their per-tensor scale. */
 #include <string.h>
 
 #include "cpu.h"
@@ -27,11 +32,15 @@ float mcf_scale_from_f16(uint16_t h)
     return mcf_f16_to_f32_one(h);
 }
 
+/* The scale of block b of row r; a block that decodes to zeros (see the top of the file) gives a zero,
+ * and every variant then writes +0.0 for the whole block. */
 static inline float block_scale(const mcf_qtensor *t, size_t r, size_t b)
 {
     if (t->family == MCF_FAM_BLOCK) return mcf_scale_from_f16(t->scales[r * t->bpr + b]);
+    unsigned u6 = t->sub[r * t->bpr + b] & 0x3f;
+    if (u6 == 0) return 0.0f;
     float s = mcf_scale_from_f16(t->scales[r * t->spr + b / 8]);
-    return s * ((float)(t->sub[r * t->bpr + b] & 0x3f) / 32.0f);
+    return s * ((float)u6 / 32.0f);
 }
 
 static inline int8_t sext(unsigned v, int bits)
@@ -96,8 +105,12 @@ static void dequant_scalar(const mcf_qtensor *t, size_t r0, size_t r1, void *out
     for (size_t r = r0; r < r1; r++) {
         for (size_t b = 0; b < t->bpr; b++) {
             float s = block_scale(t, r, b);
-            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, q);
             size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+            if (s == 0.0f) {
+                for (size_t i = 0; i < n; i++) store_out(out, o++, 0.0f, kind);
+                continue;
+            }
+            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, q);
             for (size_t i = 0; i < n; i++) store_out(out, o++, s * (float)q[i], kind);
         }
     }
@@ -159,7 +172,9 @@ __attribute__((target("f16c"))) static inline float block_scale_f16c_super(uint1
 __attribute__((target("f16c"))) static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
 {
     if (t->family == MCF_FAM_BLOCK) return scale16_f16c(t->scales[r * t->bpr + b]);
-    return scale16_f16c(t->scales[r * t->spr + b / 8]) * ((float)(t->sub[r * t->bpr + b] & 0x3f) / 32.0f);
+    unsigned u6 = t->sub[r * t->bpr + b] & 0x3f;
+    if (u6 == 0) return 0.0f;
+    return scale16_f16c(t->scales[r * t->spr + b / 8]) * ((float)u6 / 32.0f);
 }
 
 /* bf16 rounding on 8 / 16 lanes, identical to mcf_f32_to_bf16_one (NaN kept, quiet bit set). */
@@ -237,9 +252,15 @@ __attribute__((target("avx2,f16c,bmi2"))) static void dequant_avx2(const mcf_qte
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
-            __m256 s = _mm256_set1_ps(block_scale_f16c(t, r, b));
+            float sb = block_scale_f16c(t, r, b);
+            __m256 s = _mm256_set1_ps(sb);
             __m256i q;
-            decode_block_avx2(rowdata + b * bb, t->bits, &q);
+            if (sb == 0.0f) {            /* a zero-scale block is +0.0 everywhere */
+                s = _mm256_setzero_ps();
+                q = _mm256_setzero_si256();
+            } else {
+                decode_block_avx2(rowdata + b * bb, t->bits, &q);
+            }
             __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
             __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
             __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
@@ -352,9 +373,11 @@ __attribute__((target(T512))) static inline void scales16_avx512(const mcf_qtens
     float h0 = block_scale_f16c_super(t->scales[s0]);
     float h1 = b / 8 + 1 < t->spr ? block_scale_f16c_super(t->scales[s0 + 1]) : 0.0f;
     __m512 sup = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(h0), _mm512_set1_ps(h1));
-    __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, t->sub + r * t->bpr + b));
-    __m512 u6 = _mm512_cvtepi32_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x3f)));
-    _mm512_storeu_ps(sc, _mm512_mul_ps(sup, _mm512_div_ps(u6, _mm512_set1_ps(32.0f))));
+    __m512i u = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, t->sub + r * t->bpr + b)),
+                                 _mm512_set1_epi32(0x3f));
+    __mmask16 live = _mm512_test_epi32_mask(u, u);                              /* u6 != 0 */
+    __m512 u6 = _mm512_cvtepi32_ps(u);
+    _mm512_storeu_ps(sc, _mm512_maskz_mul_ps(live, sup, _mm512_div_ps(u6, _mm512_set1_ps(32.0f))));
 }
 
 /* int8/int4 (one scale and zero point per tensor): 32 codes at a time straight from the row bytes,
@@ -413,8 +436,15 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
             if ((b & 15) == 0) scales16_avx512(t, r, b, sc);
-            __m512 s = _mm512_set1_ps(sc[b & 15]);
-            __m256i q = decode32_avx512(rowdata + b * bb, t->bits);
+            float sb = sc[b & 15];
+            __m512 s = _mm512_set1_ps(sb);
+            __m256i q;
+            if (sb == 0.0f) {            /* a zero-scale block is +0.0 everywhere */
+                s = _mm512_setzero_ps();
+                q = _mm256_setzero_si256();
+            } else {
+                q = decode32_avx512(rowdata + b * bb, t->bits);
+            }
             __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
             __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
             size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
@@ -443,6 +473,10 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
 void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
 {
     if (r1 <= r0) return;
+    if (t->family == MCF_FAM_RAW && t->scale == 0.0f) {   /* +0.0 everywhere, whatever the codes say */
+        memset(out, 0, (r1 - r0) * t->cols * (kind == MCF_OUT_F32 ? 4u : 2u));
+        return;
+    }
 #ifdef MCF_X86
     if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
     if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }

@@ -79,6 +79,8 @@ def dequant(payload, method, rows, cols, domain=0):
     if fam == "raw":
         scale = reg("scale").view("<f4")[0]
         zero = reg("zero").view("<f4")[0] if "zero" in regs else np.float32(0)
+        if scale == 0:  # a zero scale decodes to +0.0, whatever the codes and the zero point say
+            return np.zeros((rows, cols), np.float32)
         q = raw_codes(reg("data"), bits, rows, cols).astype(np.float32)
         return (scale * (q - zero)).astype(np.float32)
     bpr = -(-cols // 32)
@@ -89,8 +91,14 @@ def dequant(payload, method, rows, cols, domain=0):
         spr = -(-bpr // 8)
         sup = f16_scale(reg("super_scales").view("<u2")).reshape(rows, spr)
         u6 = (reg("sub_scales") & 0x3F).astype(np.float32).reshape(rows, bpr)
-        s = (np.repeat(sup, 8, axis=1)[:, :bpr] * (u6 / np.float32(32.0))).astype(np.float32)
-    w = (s[:, :, None] * q).astype(np.float32)
+        with np.errstate(invalid="ignore"):  # an infinite super scale times u6 = 0 (masked below)
+            s = (np.repeat(sup, 8, axis=1)[:, :bpr] * (u6 / np.float32(32.0))).astype(np.float32)
+        s = np.where(u6 == 0, np.float32(0), s)
+    with np.errstate(invalid="ignore"):  # infinite scales times code 0 are NaN, as in the C
+        w = (s[:, :, None] * q).astype(np.float32)
+    # The Go decoder skips a block whose scale is zero (q*: the f16 scale after the subnormal flush;
+    # k*: super == 0 or u6 == 0): every value of it is +0.0, never -0.0 for a negative code.
+    w = np.where((s == 0)[:, :, None], np.float32(0), w).astype(np.float32)
     return w.reshape(rows, bpr * 32)[:, :cols]
 
 
