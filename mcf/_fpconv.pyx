@@ -68,6 +68,8 @@ def _halves(src, what):
     a = _contig(src)
     if a.dtype.itemsize != 2 or (a.dtype.kind not in "uf" and a.dtype.name != "bfloat16"):
         raise TypeError(f"expected {what}, got {a.dtype}")
+    if a.dtype.byteorder == ">":  # the bits of a big-endian half are byte-swapped: read them as values
+        a = a.astype(a.dtype.newbyteorder("<"))
     return a.view(np.uint16)
 
 

@@ -32,6 +32,7 @@ from mcf.errors import (
     TensorNotFoundError,
     TruncatedError,
     UnsupportedVersionError,
+    in_tensor,
 )
 
 __all__ = [
@@ -792,7 +793,10 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
             for i, name in enumerate(names):
                 t = g.tensors[name]
                 m = _method_for(name, method, ov)
-                stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk))
+                try:
+                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk))
+                except MCFError as exc:  # name the file and the tensor, whatever failed
+                    raise in_tensor(exc, g.path, name) from exc
                 rd.release()
                 if progress is not None:
                     progress(i + 1, len(names), name)
