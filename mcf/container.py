@@ -401,21 +401,26 @@ class Container:
             src = self.tensor(name)[r0:r1]
         else:
             src = self.tensor(name)
-        if src.dtype.name == "bfloat16" or t.dtype.code == DType.BF16:
-            f32 = _fpconv.bf16_to_f32(np.ascontiguousarray(src).view(np.uint16))
-        elif t.dtype.code == DType.F16:
-            f32 = _fpconv.f16_to_f32(src)
-        else:
-            with np.errstate(over="ignore"):
-                f32 = np.asarray(src, dtype=np.float32)
-        if dt == np.float32:
-            res = f32
-        elif dt == np.float16:
-            res = _fpconv.f32_to_f16(f32).view(np.float16)
-        elif dt.name == "bfloat16" or dt == np.uint16:
-            res = _fpconv.f32_to_bf16(f32).view(dt)
-        else:
+        half = dt == np.float16 or dt.name == "bfloat16" or dt == np.uint16
+        if dt != np.float32 and not half:
             raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
+        if t.dtype.code == DType.F64 and half:  # one rounding from the exact value, not two via float32
+            conv = _fpconv.f64_to_f16 if dt == np.float16 else _fpconv.f64_to_bf16
+            res = conv(src).view(dt)
+        else:
+            if src.dtype.name == "bfloat16" or t.dtype.code == DType.BF16:
+                f32 = _fpconv.bf16_to_f32(np.ascontiguousarray(src).view(np.uint16))
+            elif t.dtype.code == DType.F16:
+                f32 = _fpconv.f16_to_f32(src)
+            else:
+                with np.errstate(over="ignore"):
+                    f32 = np.asarray(src, dtype=np.float32)
+            if dt == np.float32:
+                res = f32
+            elif dt == np.float16:
+                res = _fpconv.f32_to_f16(f32).view(np.float16)
+            else:
+                res = _fpconv.f32_to_bf16(f32).view(dt)
         if out is None:
             if res.size and np.shares_memory(res, src):
                 res = res.copy()

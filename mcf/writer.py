@@ -230,13 +230,16 @@ class Writer:
                    min_clip: float | None = None, max_clip: float | None = None) -> None:
         """Add a tensor from an array.
 
-        ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; round to nearest even);
-        non-float tensors are stored as they are.  An ``ml_dtypes.bfloat16`` array is stored as BF16.
+        ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; rounded once to nearest even,
+        from float64 too); non-float tensors are stored as they are.  Big-endian arrays are stored as
+        their values (little-endian, as MCF requires).  An ``ml_dtypes.bfloat16`` array is stored as BF16.
         ``method`` ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4") quantizes a rank-2 float tensor
         (other tensors are stored plain), with ``compat``/``min_clip``/``max_clip`` as in
         :func:`mcf.quant.quantize`; its QuantInfo record is written with the file.
         """
         a = np.asarray(array)
+        if a.dtype.byteorder == ">":  # the values count, not their byte order: MCF stores little-endian
+            a = a.astype(a.dtype.newbyteorder("<"))
         if method is not None:
             minfo = parse_dtype(method)
             if not minfo.quantized:
@@ -432,14 +435,16 @@ def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
     elif src.code == DType.F16:
         x32 = _fpconv.f16_to_f32(x.view(np.uint16))
     elif src.code == DType.F64:
-        x32 = x.astype(np.float32) if dst.code != DType.F64 else x
+        x32 = x.astype(np.float32) if dst.code == DType.F32 else x
     else:
         x32 = x
     if dst.code == DType.F16:
         if src.code == DType.F64:
-            return x.astype("<f2")  # one rounding, from the exact value
+            return _fpconv.f64_to_f16(x)  # one rounding, from the exact value
         return _fpconv.f32_to_f16(x32)
     if dst.code == DType.BF16:
+        if src.code == DType.F64:
+            return _fpconv.f64_to_bf16(x)  # one rounding, from the exact value
         return _fpconv.f32_to_bf16(x32)
     if dst.code == DType.F32:
         return np.ascontiguousarray(x32, dtype="<f4")

@@ -204,3 +204,48 @@ def raw_quantize_codes(x, bits, scale, zero):
     if cols % 2:
         u = np.concatenate([u, np.zeros((rows, 1), np.uint8)], axis=1)
     return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def exact_round_bits(x, kind):
+    """float64 values -> f16 or bf16 bit patterns (uint16), rounded ONCE to nearest even from the exact
+    value, with exact rational arithmetic (fractions): the independent reference for every
+    float64 -> half conversion.  Overflow gives infinity; NaN a quiet NaN of the same sign."""
+    import math
+    from fractions import Fraction
+
+    man, emin, ebits = {"f16": (10, -14, 5), "bf16": (7, -126, 8)}[kind]
+    bias = (1 << (ebits - 1)) - 1
+    top = (2 - Fraction(1, 1 << man)) * Fraction(2) ** bias          # the largest finite value
+    halfway = top + Fraction(2) ** (bias - man - 1)                  # ties to even round to infinity
+    out = []
+    for v in np.asarray(x, np.float64).reshape(-1):
+        v = float(v)
+        sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+        if math.isnan(v):
+            out.append(sign | (((1 << ebits) - 1) << man) | (1 << (man - 1)))
+            continue
+        a = Fraction(abs(v)) if math.isfinite(v) else None
+        if a is None or a >= halfway:
+            out.append(sign | (((1 << ebits) - 1) << man))
+            continue
+        e = max(math.floor(math.log2(a)) if a else emin, emin)
+        if a and Fraction(2) ** e > a:  # log2 rounding at exact powers of two
+            e -= 1
+        e = max(e, emin)
+        ulp = Fraction(2) ** (e - man)
+        q = a / ulp
+        n = math.floor(q)
+        r = q - n
+        if r > Fraction(1, 2) or (r == Fraction(1, 2) and n % 2):
+            n += 1
+        if n == 0:
+            out.append(sign)
+            continue
+        if n >= 2 << man:   # carried into the next binade
+            n //= 2
+            e += 1
+        if n < 1 << man:    # subnormal
+            out.append(sign | n)
+        else:
+            out.append(sign | ((e + bias) << man) | (n - (1 << man)))
+    return np.array(out, np.uint16).reshape(np.shape(x))
