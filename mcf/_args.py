@@ -15,7 +15,7 @@ import numpy as np
 
 from mcf.errors import InvalidArgumentError, OutOfBoundsError
 
-__all__ = ["integer", "integers", "index_array"]
+__all__ = ["integer", "integers", "index_array", "out_array", "byte_order_problem"]
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -61,3 +61,31 @@ def index_array(indices, n: int, what: str = "indices") -> np.ndarray:
             raise InvalidArgumentError(f"a boolean mask as {what} needs one entry per item ({n}), got {a.shape[0]}")
         return np.flatnonzero(a).astype(np.int64, copy=False)
     return integers(a, what)
+
+
+def byte_order_problem(dt: np.dtype, what: str = "out") -> str | None:
+    """The message for an output array in non-native byte order (the kernels write native values), or
+    None: "must be float32, got >f4" would leave the reader wondering what is wrong with float32."""
+    if dt.byteorder == ">":
+        return (f"{what} is big-endian ({dt}); mcf writes native (little-endian) values: use "
+                f"{dt.newbyteorder('=')} (and byteswap() afterwards if you need big-endian)")
+    return None
+
+
+def out_array(out, dtype, size: int, what: str = "out") -> np.ndarray:
+    """``out`` checked as an output buffer, returned flat: a writeable, C-contiguous numpy array of
+    exactly ``dtype`` (native byte order) with ``size`` elements, else :class:`mcf.InvalidArgumentError`
+    saying which of these it is not."""
+    want = np.dtype(dtype)
+    if not isinstance(out, np.ndarray):
+        raise InvalidArgumentError(f"{what} must be a numpy array of {want}, got {type(out).__name__}")
+    msg = byte_order_problem(out.dtype, what)
+    if msg:
+        raise InvalidArgumentError(msg)
+    if out.dtype != want:
+        raise InvalidArgumentError(f"{what} must be a {want} array, got {out.dtype}")
+    if out.size != size:
+        raise InvalidArgumentError(f"{what} has {out.size} elements, {size} needed")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError(f"{what} must be C-contiguous and writeable")
+    return out.reshape(-1)

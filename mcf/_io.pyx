@@ -692,11 +692,14 @@ def _is_url(obj):
 def open_source(obj, mmap=True):
     """Open ``obj`` as a :class:`Source`.
 
-    ``obj`` may be a path (str, bytes or ``os.PathLike``), an existing :class:`Source` (returned as
-    is), an in-memory buffer (``bytearray``, ``memoryview`` or numpy array; wrap ``bytes`` in a
-    ``memoryview``) read in place, or
-    a binary file-like object with ``seek`` and ``readinto``/``read``.  ``mmap=False`` reads paths with
-    positional reads instead of mapping them.
+    ``obj`` may be a path (``str`` or ``os.PathLike``), an existing :class:`Source` (returned as is),
+    the file's content in memory (``bytes``, ``bytearray``, ``memoryview`` or a numpy array) read in
+    place, or a binary file-like object with ``seek`` and ``readinto``/``read``.  ``mmap=False`` reads
+    paths with positional reads instead of mapping them.
+
+    ``bytes`` are content, never a path, for every reader alike (as ``safetensors.load`` and
+    ``mcf.gguf.open`` take them): a path given as bytes would be ambiguous.  Decode such a path with
+    ``os.fsdecode`` first.
 
     A URL string (``http(s)://``, ``s3://``, ``gs://``, ``memory://``, ``file://``..., anything fsspec
     knows) opens a ``fileobj`` source over :class:`mcf.remote.RemoteFile` (range requests, a block
@@ -704,10 +707,15 @@ def open_source(obj, mmap=True):
     """
     if isinstance(obj, Source):
         return obj
-    if isinstance(obj, (str, bytes)) and _is_url(obj):
+    if isinstance(obj, bytes):
+        if len(obj) < 4096 and b"\0" not in obj and os.path.exists(os.fsdecode(obj)):
+            raise InvalidArgumentError(f"bytes are read as the file's content, but {obj!r} names an existing "
+                                       "path: pass the path as str (os.fsdecode(path))")
+        obj = memoryview(obj)
+    if isinstance(obj, str) and _is_url(obj):
         from mcf.remote import open_remote
         return open_remote(obj)
-    if isinstance(obj, (str, bytes, os.PathLike)):
+    if isinstance(obj, (str, os.PathLike)):
         return Source._from_path(obj, bool(mmap))
     if isinstance(obj, (bytearray, memoryview, np.ndarray)):
         return Source._from_memory(obj)

@@ -12,6 +12,7 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 
+from mcf._args import byte_order_problem, integer
 from mcf._io import aligned_empty
 from mcf.errors import InvalidArgumentError
 from mcf.layout import Domain, quant_layout
@@ -78,6 +79,9 @@ def kernel_info():
 
 
 cdef int _out_kind(object dt) except -1:
+    msg = byte_order_problem(dt, "the output dtype")
+    if msg:
+        raise InvalidArgumentError(msg)
     if dt == np.float32:
         return 0
     if dt == np.float16:
@@ -187,7 +191,9 @@ def _row_range(rows, total):
         if step != 1:
             raise InvalidArgumentError("row ranges must be contiguous (step 1)")
         return start, max(start, stop)
-    r0, r1 = (int(x) for x in rows)
+    if len(rows) != 2:
+        raise InvalidArgumentError(f"rows must be (start, stop) or a slice, got {rows!r}")
+    r0, r1 = integer(rows[0], "rows[0]"), integer(rows[1], "rows[1]")
     if not 0 <= r0 <= r1 <= total:
         raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{total}")
     return r0, r1
@@ -219,7 +225,7 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
     cdef size_t c = cols
     if n == 0:
         return out
-    nthreads = max(1, min(int(threads), int(b - a)))
+    nthreads = max(1, min(integer(threads, "threads"), int(b - a)))
     if nthreads == 1:
         with nogil:
             mcf_dequant_rows(&qt.t, r0, r1, <void*>optr, kind, im)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import byte_order_problem
 from mcf.errors import (
     DTypeError,
     FormatError,
@@ -531,6 +532,8 @@ def _out_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype)
     if dt.name == "bfloat16":
         return dt
+    if byte_order_problem(dt, "the output dtype"):
+        raise InvalidArgumentError(byte_order_problem(dt, "the output dtype"))
     if dt not in (np.float32, np.float16, np.uint16):
         raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
     return dt

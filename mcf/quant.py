@@ -16,6 +16,7 @@ import numpy as np
 
 from mcf import _fpconv
 from mcf import _kernels as K
+from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import DTypeError, InvalidArgumentError, MCFError, in_tensor
 from mcf.layout import Domain, SectionType, quant_layout
@@ -106,7 +107,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
         raise InvalidArgumentError(f"bad clip range [{min_clip}, {max_clip}]")
     if compat and info.family == "raw":
         raise InvalidArgumentError("the Go tool has no int8/int4 quantizer to be compatible with")
-    domain = int(domain)
+    domain = integer(domain, "domain")
     if info.family != "raw" and domain != Domain.WEIGHTS:
         raise InvalidArgumentError(f"{info.name} supports only the weights domain")
     lay = quant_layout(info, (rows, cols), domain)
@@ -127,7 +128,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             return m
 
         starts = list(range(0, rows, step))
-        nthreads = max(1, min(int(threads), len(starts)))
+        nthreads = max(1, min(integer(threads, "threads"), len(starts)))
         if nthreads == 1:
             amax = run(starts)
         else:  # chunks write disjoint rows of the payload; the kernels release the GIL
@@ -193,7 +194,8 @@ def dequantize(payload, method, shape, *, domain: int = Domain.WEIGHTS, dtype=np
         raise InvalidArgumentError(f"{info.name} is not a quantized dtype")
     if len(shape) != 2:
         raise InvalidArgumentError(f"quantized tensors are rank 2, got shape {tuple(shape)}")
-    return K.dequantize(payload, info.code, int(shape[0]), int(shape[1]), domain=domain, dtype=dtype,
+    return K.dequantize(payload, info.code, integer(shape[0], "shape[0]"), integer(shape[1], "shape[1]"),
+                        domain=integer(domain, "domain"), dtype=dtype,
                         row_range=rows, out=out, impl=impl, threads=threads)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf import _fpconv
+from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, os_error
 from mcf.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
@@ -284,7 +285,7 @@ class Writer:
         ``quant`` may give the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
         """
         info = parse_dtype(dtype)
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(integer(d, "every dimension of shape") for d in shape)
         domain = int((quant or {}).get("domain", Domain.WEIGHTS))
         for key in ("min_clip", "max_clip"):  # stored as f32: refuse what cannot be, before writing
             v = (quant or {}).get(key, 0.0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext import _megacontext as _mc
 
@@ -116,9 +117,11 @@ def _counts(tree_or_counts, block_size):
     if hasattr(tree_or_counts, "counts") and hasattr(tree_or_counts, "block_size"):
         return tuple(tree_or_counts.counts), tree_or_counts.block_size
     try:
-        t, n1, n2 = (int(x) for x in tree_or_counts)
+        t, n1, n2 = tree_or_counts
     except (TypeError, ValueError):
         raise InvalidArgumentError("plan_tail needs a tree or (num_tokens, lod1_gists, lod2_gists)") from None
+    t, n1, n2 = integer(t, "num_tokens"), integer(n1, "lod1_gists"), integer(n2, "lod2_gists")
+    block_size = integer(block_size, "block_size")
     if min(t, n1, n2) < 0 or n1 > t // block_size or n2 > n1 // block_size:
         raise InvalidArgumentError(f"inconsistent counts {(t, n1, n2)} for block_size {block_size}")
     return (t, n1, n2), block_size

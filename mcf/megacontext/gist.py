@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext import _megacontext as _mc
 
@@ -58,7 +59,7 @@ def build_gists(tree, pooler: MeanPool, *, chunk_blocks: int = 4096, commit: boo
         lower = tree.num_tokens if level == 1 else tree.num_gists(1)
         have = tree.num_gists(level)
         want = lower // k
-        step = max(1, int(chunk_blocks))
+        step = max(1, integer(chunk_blocks, "chunk_blocks"))
         for g in range(have, want, step):
             h = min(want, g + step)
             if level == 1:
