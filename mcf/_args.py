@@ -15,7 +15,7 @@ import numpy as np
 
 from mcf.errors import InvalidArgumentError, OutOfBoundsError
 
-__all__ = ["integer", "integers", "index_array", "out_array", "byte_order_problem"]
+__all__ = ["integer", "integers", "index_array", "row_range", "out_array", "byte_order_problem"]
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -61,6 +61,27 @@ def index_array(indices, n: int, what: str = "indices") -> np.ndarray:
             raise InvalidArgumentError(f"a boolean mask as {what} needs one entry per item ({n}), got {a.shape[0]}")
         return np.flatnonzero(a).astype(np.int64, copy=False)
     return integers(a, what)
+
+
+def row_range(rows, total: int, exc=OutOfBoundsError) -> tuple:
+    """``rows`` as ``(start, stop)`` within ``[0, total]``: None is every row, a slice follows Python's
+    rules (step 1 only; out-of-range bounds are clipped), a pair must be two integers inside the range
+    (else ``exc``)."""
+    if rows is None:
+        return 0, total
+    if isinstance(rows, slice):
+        start, stop, step = rows.indices(total)
+        if step != 1:
+            raise InvalidArgumentError("row ranges must be contiguous (step 1)")
+        return start, max(start, stop)
+    try:
+        r0, r1 = rows
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"rows must be (start, stop) or a slice, got {rows!r}") from None
+    r0, r1 = integer(r0, "rows[0]"), integer(r1, "rows[1]")
+    if not 0 <= r0 <= r1 <= total:
+        raise exc(f"row range ({r0}, {r1}) outside 0..{total}")
+    return r0, r1
 
 
 def byte_order_problem(dt: np.dtype, what: str = "out") -> str | None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 
-from mcf._args import byte_order_problem, integer
+from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import aligned_empty
 from mcf.errors import InvalidArgumentError
 from mcf.layout import Domain, quant_layout
@@ -184,19 +184,7 @@ cdef class QTensor(_Tensor):
 
 
 def _row_range(rows, total):
-    if rows is None:
-        return 0, total
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(total)
-        if step != 1:
-            raise InvalidArgumentError("row ranges must be contiguous (step 1)")
-        return start, max(start, stop)
-    if len(rows) != 2:
-        raise InvalidArgumentError(f"rows must be (start, stop) or a slice, got {rows!r}")
-    r0, r1 = integer(rows[0], "rows[0]"), integer(rows[1], "rows[1]")
-    if not 0 <= r0 <= r1 <= total:
-        raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{total}")
-    return r0, r1
+    return row_range(rows, total, InvalidArgumentError)
 
 
 def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.float32, row_range=None,

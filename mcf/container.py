@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._args import byte_order_problem, integer
+from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import Source, open_source
 from mcf.dtypes import DType
 from mcf import _fpconv
@@ -401,7 +401,7 @@ class Container:
         if rows is not None:
             if len(t.shape) < 1:
                 raise DTypeError(f"{self.path}: tensor {name!r} is a scalar; it has no rows")
-            r0, r1 = _kernels._row_range(rows, t.shape[0])
+            r0, r1 = row_range(rows, t.shape[0], InvalidArgumentError)
             src = self.tensor(name)[r0:r1]
         else:
             src = self.tensor(name)

@@ -103,8 +103,7 @@ def assemble(tree, plan, embeddings=None, *, out=None, dtype=None, threads: int 
     against the table's rows."""
     tree._check_open()
     p = Plan.of(plan)
-    if not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+    threads = integer(threads, "threads", minimum=1)
     t, n1, n2 = tree.counts
     srcs = (tree._src(0, t), tree._src(1, n1) if n1 else None, tree._src(2, n2) if n2 else None)
     levels, positions, token_ids, gists, matrix = _mc.assemble(
