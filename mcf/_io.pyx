@@ -40,6 +40,7 @@ cdef extern from "numpy/arrayobject.h":
     object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
+from mcf._args import integer, integers
 from mcf.errors import ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError, TruncatedError, os_error
 
 __all__ = ["Source", "open_source", "aligned_empty", "alloc_buffer", "PAGE_SIZE"]
@@ -292,7 +293,7 @@ cdef class Source:
 
     def check(self, offset, size):
         """Raise :class:`OutOfBoundsError` unless ``[offset, offset+size)`` lies inside the file."""
-        self.check_range(int(offset), int(size))
+        self.check_range(integer(offset, "offset"), integer(size, "size"))
 
     # -- reads --------------------------------------------------------------------------------
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1:
@@ -359,8 +360,8 @@ cdef class Source:
 
     def read(self, offset, size):
         """Return ``size`` bytes at ``offset`` as ``bytes`` (a copy)."""
-        offset = int(offset)
-        size = int(size)
+        offset = integer(offset, "offset")
+        size = integer(size, "size")
         self.check_range(offset, size)
         if self.base != NULL:
             return bytes(self._whole[offset:offset + size])
@@ -373,7 +374,7 @@ cdef class Source:
 
     def readinto(self, offset, buffer):
         """Fill the whole of ``buffer`` (any writable contiguous buffer) from ``offset``."""
-        offset = int(offset)
+        offset = integer(offset, "offset")
         cdef Py_buffer view
         _get_writable(buffer, &view)
         try:
@@ -390,8 +391,8 @@ cdef class Source:
         Zero-copy when mapped (the array keeps the mapping alive); otherwise the bytes are read into a
         fresh page-aligned array.
         """
-        offset = int(offset)
-        size = int(size)
+        offset = integer(offset, "offset")
+        size = integer(size, "size")
         self.check_range(offset, size)
         if self.base != NULL or self.mode in ("mmap", "memory"):
             return self._whole[offset:offset + size]
@@ -405,16 +406,16 @@ cdef class Source:
     def array(self, offset, dtype, shape):
         """An array of ``dtype`` and ``shape`` read at ``offset`` (zero-copy when mapped)."""
         dt = np.dtype(dtype)
-        if isinstance(shape, int):
+        if isinstance(shape, (int, np.integer)):
             shape = (shape,)
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(integer(d, "every dimension of shape") for d in shape)
         count = 1
         for d in shape:
             if d < 0:
                 raise ValueError(f"negative dimension in shape {shape}")
             count *= d
         nbytes = count * dt.itemsize
-        offset = int(offset)
+        offset = integer(offset, "offset")
         self.check_range(offset, nbytes)
         if self.base != NULL or self.mode in ("mmap", "memory"):
             if nbytes == 0:
@@ -468,9 +469,9 @@ cdef class Source:
         """
         cdef Py_buffer view
         cdef Py_ssize_t k, n
-        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
-        szs = np.asarray(sizes, dtype=np.int64).reshape(-1)
-        dsts = np.asarray(out_offsets, dtype=np.int64).reshape(-1)
+        offs = integers(offsets, "offsets")
+        szs = integers(sizes, "sizes")
+        dsts = integers(out_offsets, "out_offsets")
         n = offs.shape[0]
         if szs.shape[0] != n or dsts.shape[0] != n:
             raise ValueError("offsets, sizes and out_offsets must have the same length")
@@ -577,8 +578,8 @@ cdef class Source:
             raise ValueError(f"unknown advice {advice!r}; expected one of {sorted(_ADVICE)}")
         if self.mode != "mmap" or self.base == NULL:
             return
-        offset = int(offset)
-        size = self._size - offset if size is None else int(size)
+        offset = integer(offset, "offset")
+        size = self._size - offset if size is None else integer(size, "size")
         self.check_range(offset, size)
         cdef uint64_t start = offset - offset % PAGE_SIZE
         cdef uint64_t length = offset + size - start

@@ -24,6 +24,8 @@ class MeanPool:
 
     def __init__(self, table, checkpoint: str = "mean-pooling"):
         t = np.asarray(table)
+        if t.dtype.byteorder == ">":  # big-endian values are values: a native copy
+            t = t.astype(t.dtype.newbyteorder("="))
         if t.ndim != 2 or _mc.float_code(t.dtype) < 0:
             raise InvalidArgumentError(f"the embedding table must be a 2-D float16/bfloat16/float32 array, got "
                                        f"{t.dtype} {t.shape}")
