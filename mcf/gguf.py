@@ -29,7 +29,6 @@ from mcf.errors import (
     FormatError,
     InvalidArgumentError,
     MCFError,
-    OutOfBoundsError,
     TensorNotFoundError,
     TruncatedError,
     UnsupportedVersionError,

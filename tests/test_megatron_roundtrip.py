@@ -448,20 +448,6 @@ def test_hypothesis_round_trip(tmp_path, case):
             check_against_reference(ds, ref, docs, multimodal)
 
 
-def test_docs_examples_run(tmp_path, monkeypatch, capsys):
-    import re
-
-    page = Path(__file__).parent.parent / "docs" / "megatron.md"
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
-    assert len(blocks) >= 2
-    monkeypatch.chdir(tmp_path)
-    ns: dict = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"megatron.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
-    out = capsys.readouterr().out
-    assert "[1 2 3]" in out and "[7 8]" in out and "[6 7 8 1 2 3 4 5] [0 3 6 8]" in out
-
-
 def _child_killed_between_renames(prefix: str, n: int) -> None:
     """Runs in a child process: publish a dataset of ``n`` items and die (SIGKILL) right after the .bin
     rename, before the .idx one: the state a kill at that instant leaves."""

@@ -260,7 +260,6 @@ def _plan(ctx, x):
 def _read_ranges(ctx, x):
     src = mcf.io.open_source(str(ctx["dir"] / "m.mcf"))
     try:
-        k = x.size
         out = np.zeros(int(x.sum()) + 8, np.uint8)
         src.read_ranges(x % 7, x, out, np.concatenate([[0], np.cumsum(x, dtype=np.int64)[:-1]]))
     finally:

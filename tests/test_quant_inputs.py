@@ -4,7 +4,6 @@ quantizing an already-clipped copy; ``src_dtype`` must describe the array; every
 names the source file and the tensor."""
 
 import hashlib
-import os
 import zlib
 
 import numpy as np
