@@ -632,3 +632,24 @@ def test_big_endian_is_named_not_called_a_wrong_dtype(ctx):
         wr.add_tensor("x", x)
     with mcf.open(ctx["dir"] / "be.mcf") as c:
         assert np.array_equal(c.tensor("x"), x) and c.tensor("x").dtype == np.dtype("<f4")
+
+
+def test_every_writer_refuses_a_url(ctx, tmp_path, monkeypatch):
+    """Remote files are read-only: every writer given a URL raises InvalidArgumentError before it
+    creates anything (mcf.export used to create a local directory named "https:")."""
+    monkeypatch.chdir(tmp_path)
+    src = str(ctx["dir"] / "m.mcf")
+    from _vectors import MANTLE_MODEL
+    from mcf.bucket import write_kv
+
+    calls = [lambda u: mcf.Writer(u + "/x.mcf"), lambda u: mm.Writer(u + "/x"),
+             lambda u: mcf.export(src, u + "/x.safetensors"), lambda u: mcf.export(src, u + "/dir"),
+             lambda u: mcf.convert(MANTLE_MODEL, u + "/x.mcf"), lambda u: mcf.pack(MANTLE_MODEL, u + "/x.mcf"),
+             lambda u: mcf.quant.quantize_file(src, u + "/x.mcf", "q8"),
+             lambda u: mc.create(u + "/tree", embedding_dim=4),
+             lambda u: write_kv(u + "/kv.mcb", [(np.zeros((1, 2, 4), np.float16),) * 2])]
+    for url in ("https://example.invalid/m", "s3://bucket/m", "memory://m"):
+        for call in calls:
+            with pytest.raises(mcf.InvalidArgumentError, match="remote"):
+                call(url)
+    assert os.listdir(tmp_path) == []
