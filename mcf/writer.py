@@ -23,7 +23,7 @@ import numpy as np
 from mcf import _fpconv
 from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, os_error
+from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
 from mcf.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
                         RESOURCE_BY_FILE, SECTION_ALIGN, TENSOR_ALIGN, Domain, SectionType, align,
                         tensor_nbytes)
@@ -249,7 +249,10 @@ class Writer:
             if a.ndim == 2 and is_float:
                 from mcf.quant import quantize
 
-                payload, q = quantize(a, minfo, compat=compat, min_clip=min_clip, max_clip=max_clip)
+                try:
+                    payload, q = quantize(a, minfo, compat=compat, min_clip=min_clip, max_clip=max_clip)
+                except MCFError as exc:  # which tensor of the file being written
+                    raise in_tensor(exc, None, name) from exc
                 self.add_tensor_bytes(name, minfo, a.shape, payload, quant=q)
                 return
         src = from_numpy(a.dtype)

@@ -200,3 +200,16 @@ def test_in_tensor_keeps_the_class_and_the_structure():
     assert isinstance(f, mcf.FormatError) and f.path == "/x/a" and f.field == "tensor 'w'" and f.offset == 8
     io_err = mcf.MissingFileError(2, "gone", "/x/c")
     assert mcf.errors.in_tensor(io_err, "/x/c", "w") is io_err
+
+
+def test_writer_quantize_errors_name_the_tensor(tmp_path):
+    with mcf.Writer(tmp_path / "w.mcf") as w:
+        with pytest.raises(mcf.InvalidArgumentError, match="tensor 'layers.3.w': values too large"):
+            w.add_tensor("layers.3.w", np.full((2, 32), 1e10, np.float64), method="q8")
+        x = np.ones((2, 32), np.float32)
+        x[0, 1] = np.inf
+        with pytest.raises(mcf.InvalidArgumentError, match="tensor 'layers.4.w': .*non-finite"):
+            w.add_tensor("layers.4.w", x, method="k4")
+        w.add_tensor("ok", np.ones((2, 32), np.float32), method="k4")
+    with mcf.open(tmp_path / "w.mcf") as c:
+        assert list(c) == ["ok"]
