@@ -488,7 +488,24 @@ INTEGER_SLOTS = {
     "Source.array(offset)": _source(lambda s, v: s.array(v, np.uint8, 4)),
     "gguf dequantize(rows)": _gguf_rows,
     "Writer.add_tensor_bytes(shape)": lambda ctx, v: _bytes_writer_shape(ctx, v),
+    "megatron Writer(vocab_size)": (lambda ctx, v: _vocab_writer(ctx, v), 1000),
+    "megacontext create(embedding_dim)": (lambda ctx, v: _create_tree(ctx, embedding_dim=v), 8),
+    "megacontext create(block_size)": (lambda ctx, v: _create_tree(ctx, block_size=v), 4),
+    "megacontext create(vocab_size)": (lambda ctx, v: _create_tree(ctx, vocab_size=v), 100),
 }
+
+
+def _vocab_writer(ctx, v):
+    w = _mwriter(ctx, vocab_size=v)
+    dt = w.dtype
+    w.abort()
+    return dt
+
+
+def _create_tree(ctx, **kw):
+    args = {"embedding_dim": 8, "block_size": 2, **kw}
+    with mc.create(ctx["dir"] / f"c-{os.urandom(4).hex()}", **args) as t:
+        return t.embedding_dim, t.block_size, t.vocab_size
 
 
 def _bytes_writer_shape(ctx, v):
@@ -505,7 +522,8 @@ def bad_integers(good: int) -> list:
 
 
 def good_integers(good: int) -> list:
-    return [np.int8(good), np.uint8(good), np.int64(good), np.uint64(good), np.intp(good)]
+    return [t(good) for t in (np.int8, np.uint8, np.int16, np.int64, np.uint64, np.intp)
+            if np.iinfo(t).min <= good <= np.iinfo(t).max]
 
 
 def _same(a, b) -> bool:

@@ -809,9 +809,7 @@ class Tree:
 # -- module-level entry points ---------------------------------------------------------------------------
 def _check_geometry(embedding_dim, block_size):
     for name, v in (("embedding_dim", embedding_dim), ("block_size", block_size)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise InvalidArgumentError(f"{name} must be an integer, got {v!r}")
-        if not 1 <= int(v) <= 0xFFFF:
+        if not 1 <= integer(v, name) <= 0xFFFF:
             raise InvalidArgumentError(f"{name} must lie in 1..65535 (a u16 in the header), got {v}")
 
 
@@ -828,7 +826,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise InvalidArgumentError(f"gists are stored as fp16, bf16 or fp32, not {gdt.name}")
     if not isinstance(model_name, str):
         raise InvalidArgumentError("model_name must be a string")
-    if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or not 1 <= int(vocab_size) <= 2**32):
+    if vocab_size is not None and not 1 <= integer(vocab_size, "vocab_size") <= 2**32:
         raise InvalidArgumentError(f"vocab_size must be in 1..2**32, got {vocab_size!r}")
     if gistnet_checkpoint is not None and not isinstance(gistnet_checkpoint, str):
         raise InvalidArgumentError("gistnet_checkpoint must be a string or None")

@@ -239,7 +239,7 @@ class Writer:
         if dtype is not None:
             self.dtype = MEGATRON_DTYPES[dtype_code(dtype)]
         elif vocab_size is not None:
-            self.dtype = dtype_for_vocab(int(vocab_size), dtype_rule)
+            self.dtype = dtype_for_vocab(integer(vocab_size, "vocab_size"), dtype_rule)
         else:
             self.dtype = MEGATRON_DTYPES[4]
         self.dtype_code = dtype_code(self.dtype)
