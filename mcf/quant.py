@@ -156,7 +156,11 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             m = max(abs(float(cmin)), abs(float(cmax)))
             scale = float(np.float32(m / qmax)) if m > 0 else 0.0
         else:
-            lo_c, hi_c = (max(lo, float(cmin)), min(hi, float(cmax))) if min_clip is not None else (lo, hi)
+            if min_clip is not None:  # the range of the clipped values (data outside the clips included)
+                lo_c = min(max(lo, float(cmin)), float(cmax))
+                hi_c = min(max(hi, float(cmin)), float(cmax))
+            else:
+                lo_c, hi_c = lo, hi
             lo_c, hi_c = min(lo_c, 0.0), max(hi_c, 0.0)  # zero must be representable
             levels = (1 << info.bits) - 1
             scale = float(np.float32((hi_c - lo_c) / levels)) if hi_c > lo_c else 0.0

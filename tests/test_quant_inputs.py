@@ -213,3 +213,17 @@ def test_writer_quantize_errors_name_the_tensor(tmp_path):
         w.add_tensor("ok", np.ones((2, 32), np.float32), method="k4")
     with mcf.open(tmp_path / "w.mcf") as c:
         assert list(c) == ["ok"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("lo,hi", [(0.5, 0.8), (-0.8, -0.5), (0.3, 0.3)])
+def test_activation_clips_outside_the_data_range(method, lo, hi):
+    """int8/int4 activations (asymmetric) with a clip range that the data lies entirely outside: every
+    value clips to a bound, so that bound must decode back (the range was taken as [max(lo, min_clip),
+    min(hi, max_clip)], an empty interval, and 0.5 came back as 0.2)."""
+    x = (np.random.default_rng(0).standard_normal((3, 40)) * 0.1).astype(np.float32)
+    got, _ = mcf.quantize(x, method, domain=1, min_clip=lo, max_clip=hi)
+    y = mcf.dequantize(got, method, x.shape, domain=1)
+    want = np.clip(x, np.float32(lo), np.float32(hi))
+    step = max(abs(lo), abs(hi)) / ((1 << (8 if method == "int8" else 4)) - 1)
+    assert np.abs(y - want).max() <= step * 0.51 + 1e-7
