@@ -36,8 +36,8 @@ cdef extern from "quant.h" nogil:
     void mcf_unpack_rows(const mcf_qtensor* t, size_t r0, size_t r1, int8_t* out, int impl)
     int mcf_quantize_rows(int family, int bits, const float* src, size_t nrows, size_t cols, float min_clip,
                           float max_clip, int compat, uint16_t* scales, uint8_t* sub, uint8_t* codes, int impl)
-    void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float scale, float zero,
-                               uint8_t* codes, size_t row_bytes, int impl)
+    void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float min_clip,
+                               float max_clip, float scale, float zero, uint8_t* codes, size_t row_bytes, int impl)
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
     long long mcf_absmax(const float* src, size_t n, float* absmax, int impl)
 
@@ -347,7 +347,7 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     if fam == 0:
         codes_p = base + reg["data"].offset + row0 * lay.row_bytes
         with nogil:
-            mcf_quantize_raw_rows(bits, <const float*>sp, nrows, ncols, fs, fz, <uint8_t*>codes_p, rb, im)
+            mcf_quantize_raw_rows(bits, <const float*>sp, nrows, ncols, lo, hi, fs, fz, <uint8_t*>codes_p, rb, im)
         return
     bb = bits * 4
     codes_p = base + reg["data"].offset + row0 * lay.blocks_per_row * bb

@@ -172,19 +172,12 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             payload[reg["zero"].offset:reg["zero"].offset + 4] = np.frombuffer(np.float32(zero).tobytes(), np.uint8)
         if not math.isfinite(scale) or not math.isfinite(zero):
             raise InvalidArgumentError("values too large for a float32 scale")
-    scratch = None
     for r in range(0, rows, step):
+        # the kernels clamp each value to the clips as they read it: x (often a view of the caller's
+        # array, or of a read-only mapping) is never written
         x = _rows_f32(a, r, min(rows, r + step), src)
-        if min_clip is not None and info.family == "raw":
-            # int8/int4 codes need the clipped values (the q*/k* kernels clamp as they load).  Never
-            # clip in place when x is a view of the caller's array (or of a read-only mapping).
-            if np.may_share_memory(x, a):
-                if scratch is None:
-                    scratch = np.empty(min(rows, step) * cols, np.float32)
-                x = np.clip(x, cmin, cmax, out=scratch[:x.size].reshape(x.shape))
-            else:
-                np.clip(x, cmin, cmax, out=x)
-        K.quantize_rows(x, info.code, payload, r, min_clip=float(cmin), max_clip=float(cmax), compat=compat,
+        lo_k, hi_k = (float(cmin), float(cmax)) if min_clip is not None else (-math.inf, math.inf)
+        K.quantize_rows(x, info.code, payload, r, min_clip=lo_k, max_clip=hi_k, compat=compat,
                         rows=rows, cols=cols, scale=scale, zero=zero, domain=domain, impl=impl)
     return payload, {"min_clip": float(cmin), "max_clip": float(cmax), "domain": domain}
 

@@ -195,8 +195,12 @@ def raw_quantize_codes(x, bits, scale, zero):
     if scale == 0:
         q = np.zeros(x.shape, np.int64)
     else:
-        inv = np.float32(1.0) / np.float32(scale)
-        p = ((x * inv).astype(np.float32) + np.float32(zero)).astype(np.float32)
+        with np.errstate(over="ignore"):
+            inv = np.float32(1.0) / np.float32(scale)
+        if np.isfinite(inv):
+            p = ((x * inv).astype(np.float32) + np.float32(zero)).astype(np.float32)
+        else:  # a scale below 2**-128: x / scale (x * inf would be NaN for x = 0)
+            p = ((x / np.float32(scale)).astype(np.float32) + np.float32(zero)).astype(np.float32)
         q = np.clip(round_half_away(p), qmin, qmax).astype(np.int64)
     if bits == 8:
         return q.astype(np.int8).view(np.uint8)

@@ -415,3 +415,47 @@ def test_int_quantizer_matches_reference_all_variants(method, domain, rows, cols
     assert payload[o:o + n].tobytes() == want
     for impl in IMPLS:
         assert mcf.quantize(x, method, domain=domain, impl=impl)[0].tobytes() == payload.tobytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(["int8", "int4"]), domain=st.sampled_from([0, 1]), rows=st.integers(1, 4),
+       cols=st.integers(1, 200), seed=st.integers(0, 2**32 - 1), lo=st.floats(-2, 0.5), width=st.floats(0, 3))
+def test_int_quantizer_clips_in_every_variant(method, domain, rows, cols, seed, lo, width):
+    """int8/int4 clamp each value to the clips inside the kernel (the input is only read): every
+    variant gives the codes of the spec's formula applied to the clipped values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    before = x.tobytes()
+    hi = lo + width
+    payload, _ = mcf.quantize(x, method, domain=domain, min_clip=lo, max_clip=hi)
+    assert x.tobytes() == before
+    regs, _ = ref.layout(method, rows, cols, domain)
+    scale = float(np.frombuffer(payload[0:4].tobytes(), np.float32)[0])
+    zero = float(np.frombuffer(payload[64:68].tobytes(), np.float32)[0]) if "zero" in regs else 0.0
+    o, n = regs["data"]
+    clipped = np.clip(x, np.float32(lo), np.float32(hi))
+    assert payload[o:o + n].tobytes() == ref.raw_quantize_codes(clipped, ref.BITS[method], scale, zero).tobytes()
+    for impl in IMPLS:
+        assert mcf.quantize(x, method, domain=domain, min_clip=lo, max_clip=hi, impl=impl)[0].tobytes() == \
+            payload.tobytes()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int_quantizer_with_a_scale_whose_inverse_overflows(method):
+    """A clip range (or data) so small that the float32 scale's inverse overflows: the codes come from
+    x / scale (x * inf was NaN for x = 0, and NaN to int is undefined), the same in every variant."""
+    x = np.zeros((2, 70), np.float32)
+    x[0, ::3] = 5e-40
+    x[1, ::5] = -1e-39
+    for kw in ({"min_clip": -2e-39, "max_clip": 2e-39}, {}):
+        payload, _ = mcf.quantize(x, method, **kw)
+        regs, _ = ref.layout(method, 2, 70)
+        scale = float(np.frombuffer(payload[0:4].tobytes(), np.float32)[0])
+        assert 0 < scale < 2.0**-126
+        o, n = regs["data"]
+        clipped = np.clip(x, np.float32(kw.get("min_clip", -1)), np.float32(kw.get("max_clip", 1)))
+        assert payload[o:o + n].tobytes() == ref.raw_quantize_codes(clipped, ref.BITS[method], scale, 0.0).tobytes()
+        codes = K.unpack_codes(payload, mcf.dtypes.parse_dtype(method).code, 2, 70)
+        assert codes[0, 1] == 0 and codes[1, 0] < 0 and codes[0, 0] > 0
+        for impl in IMPLS:
+            assert mcf.quantize(x, method, impl=impl, **kw)[0].tobytes() == payload.tobytes()
