@@ -4,7 +4,12 @@
  * f16->f32 with subnormal flush; k*: super * (u6 / 32.0f); then scale * (float)q; int*: scale *
  * ((float)q - zero)), with no FMA contraction (-ffp-contract=off), so their results are bit-identical.
  * f16 output rounds to nearest even (F16C does exactly that); bf16 output uses the same integer
- * rounding in every variant. */
+ * rounding in every variant.
+ *
+ * A block whose scale is zero decodes to +0.0 in every element, as the Go decoder does: it skips
+ * such blocks (q*: f16 scale == 0 after the subnormal flush; k*: super == 0 or u6 == 0) and leaves
+ * their values at +0.0.  Multiplying would give -0.0 for negative codes (and NaN for an infinite
+ * super scale with u6 = 0).  int8/int4 follow the same rule for their per-tensor scale. */
 #include <string.h>
 
 #include "cpu.h"
@@ -27,11 +32,15 @@ float mcf_scale_from_f16(uint16_t h)
     return mcf_f16_to_f32_one(h);
 }
 
+/* The scale of block b of row r; a block that decodes to zeros (see the top of the file) gives a zero,
+ * and every variant then writes +0.0 for the whole block. */
 static inline float block_scale(const mcf_qtensor *t, size_t r, size_t b)
 {
     if (t->family == MCF_FAM_BLOCK) return mcf_scale_from_f16(t->scales[r * t->bpr + b]);
+    unsigned u6 = t->sub[r * t->bpr + b] & 0x3f;
+    if (u6 == 0) return 0.0f;
     float s = mcf_scale_from_f16(t->scales[r * t->spr + b / 8]);
-    return s * ((float)(t->sub[r * t->bpr + b] & 0x3f) / 32.0f);
+    return s * ((float)u6 / 32.0f);
 }
 
 static inline int8_t sext(unsigned v, int bits)
@@ -96,8 +105,12 @@ static void dequant_scalar(const mcf_qtensor *t, size_t r0, size_t r1, void *out
     for (size_t r = r0; r < r1; r++) {
         for (size_t b = 0; b < t->bpr; b++) {
             float s = block_scale(t, r, b);
-            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, q);
             size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+            if (s == 0.0f) {
+                for (size_t i = 0; i < n; i++) store_out(out, o++, 0.0f, kind);
+                continue;
+            }
+            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, q);
             for (size_t i = 0; i < n; i++) store_out(out, o++, s * (float)q[i], kind);
         }
     }
@@ -159,7 +172,9 @@ __attribute__((target("f16c"))) static inline float block_scale_f16c_super(uint1
 __attribute__((target("f16c"))) static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
 {
     if (t->family == MCF_FAM_BLOCK) return scale16_f16c(t->scales[r * t->bpr + b]);
-    return scale16_f16c(t->scales[r * t->spr + b / 8]) * ((float)(t->sub[r * t->bpr + b] & 0x3f) / 32.0f);
+    unsigned u6 = t->sub[r * t->bpr + b] & 0x3f;
+    float s = scale16_f16c(t->scales[r * t->spr + b / 8]) * ((float)u6 / 32.0f);
+    return u6 ? s : 0.0f;   /* u6 = 0 is a zero scale even under an infinite super scale */
 }
 
 /* bf16 rounding on 8 / 16 lanes, identical to mcf_f32_to_bf16_one (NaN kept, quiet bit set). */
@@ -237,9 +252,15 @@ __attribute__((target("avx2,f16c,bmi2"))) static void dequant_avx2(const mcf_qte
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
         for (size_t b = 0; b < t->bpr; b++) {
-            __m256 s = _mm256_set1_ps(block_scale_f16c(t, r, b));
+            float sb = block_scale_f16c(t, r, b);
+            __m256 s = _mm256_set1_ps(sb);
             __m256i q;
-            decode_block_avx2(rowdata + b * bb, t->bits, &q);
+            if (__builtin_expect(sb == 0.0f, 0)) {   /* a zero-scale block is +0.0 everywhere */
+                s = _mm256_setzero_ps();
+                q = _mm256_setzero_si256();
+            } else {
+                decode_block_avx2(rowdata + b * bb, t->bits, &q);
+            }
             __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
             __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
             __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
@@ -335,7 +356,8 @@ __attribute__((target(T512))) static inline __m256i decode32_avx512(const uint8_
 /* The scales of blocks b .. b+15 of row r (fewer at the row's end) in one go, with the same operations
  * as block_scale(): f16 -> f32 with subnormals flushed to a zero of the same sign; for k*, the super
  * scale times (sub & 0x3f) / 32.  b is a multiple of 16, so the 16 blocks span super-blocks b/8, b/8+1. */
-__attribute__((target(T512))) static inline void scales16_avx512(const mcf_qtensor *t, size_t r, size_t b, float sc[16])
+__attribute__((target(T512))) static inline __mmask16 scales16_avx512(const mcf_qtensor *t, size_t r, size_t b,
+                                                                     float sc[16])
 {
     size_t n = t->bpr - b < 16 ? t->bpr - b : 16;
     __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
@@ -346,15 +368,19 @@ __attribute__((target(T512))) static inline void scales16_avx512(const mcf_qtens
         f = _mm512_castsi512_ps(_mm512_mask_and_epi32(_mm512_castps_si512(f), sub, _mm512_castps_si512(f),
                                                       _mm512_set1_epi32((int)0x80000000u)));  /* keep the sign */
         _mm512_storeu_ps(sc, f);
-        return;
+        return _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_EQ_OQ);
     }
     size_t s0 = r * t->spr + b / 8;
     float h0 = block_scale_f16c_super(t->scales[s0]);
     float h1 = b / 8 + 1 < t->spr ? block_scale_f16c_super(t->scales[s0 + 1]) : 0.0f;
     __m512 sup = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(h0), _mm512_set1_ps(h1));
-    __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, t->sub + r * t->bpr + b));
-    __m512 u6 = _mm512_cvtepi32_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x3f)));
-    _mm512_storeu_ps(sc, _mm512_mul_ps(sup, _mm512_div_ps(u6, _mm512_set1_ps(32.0f))));
+    __m512i u = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, t->sub + r * t->bpr + b)),
+                                 _mm512_set1_epi32(0x3f));
+    __mmask16 live = _mm512_test_epi32_mask(u, u);                              /* u6 != 0 */
+    __m512 u6 = _mm512_cvtepi32_ps(u);
+    __m512 v = _mm512_maskz_mul_ps(live, sup, _mm512_div_ps(u6, _mm512_set1_ps(32.0f)));
+    _mm512_storeu_ps(sc, v);
+    return _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_EQ_OQ);
 }
 
 /* int8/int4 (one scale and zero point per tensor): 32 codes at a time straight from the row bytes,
@@ -397,6 +423,29 @@ __attribute__((target(T512))) static void dequant_raw_avx512(const mcf_qtensor *
     }
 }
 
+/* One decoded block (32 codes, scale s) as n <= 32 outputs at out[o]. */
+__attribute__((target(T512))) static inline void block_out_avx512(void *out, size_t o, __m512 s, __m256i q, size_t n,
+                                                                  int kind, int stream)
+{
+    __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+    if (n == 32 && kind == MCF_OUT_F32) {      /* full block, float32: plain 64-byte stores */
+        float *dst = (float *)out + o;
+        if (stream) {
+            _mm512_stream_ps(dst, _mm512_mul_ps(s, f0));
+            _mm512_stream_ps(dst + 16, _mm512_mul_ps(s, f1));
+        } else {
+            _mm512_storeu_ps(dst, _mm512_mul_ps(s, f0));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, f1));
+        }
+        return;
+    }
+    __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
+    store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
+    if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
+}
+
 __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
                                                         int kind)
 {
@@ -411,29 +460,26 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
     float sc[16];
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
-        for (size_t b = 0; b < t->bpr; b++) {
-            if ((b & 15) == 0) scales16_avx512(t, r, b, sc);
-            __m512 s = _mm512_set1_ps(sc[b & 15]);
-            __m256i q = decode32_avx512(rowdata + b * bb, t->bits);
-            __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-            __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-            size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
-            if (n == 32 && kind == MCF_OUT_F32) {      /* full block, float32: plain 64-byte stores */
-                float *dst = (float *)out + o;
-                if (stream) {
-                    _mm512_stream_ps(dst, _mm512_mul_ps(s, f0));
-                    _mm512_stream_ps(dst + 16, _mm512_mul_ps(s, f1));
-                } else {
-                    _mm512_storeu_ps(dst, _mm512_mul_ps(s, f0));
-                    _mm512_storeu_ps(dst + 16, _mm512_mul_ps(s, f1));
+        for (size_t g = 0; g < t->bpr; g += 16) {      /* 16 blocks per scale vector */
+            __mmask16 zero = scales16_avx512(t, r, g, sc);
+            size_t ge = g + 16 < t->bpr ? g + 16 : t->bpr;
+            if (__builtin_expect(zero == 0, 1)) {
+                for (size_t b = g; b < ge; b++) {
+                    size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+                    block_out_avx512(out, o, _mm512_set1_ps(sc[b - g]), decode32_avx512(rowdata + b * bb, t->bits),
+                                     n, kind, stream);
+                    o += n;
                 }
-            } else {
-                __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-                __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
-                store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
-                if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
+            } else {   /* a zero-scale block is +0.0 everywhere: +0 times code 0, never 0 * -q */
+                for (size_t b = g; b < ge; b++) {
+                    size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+                    int z = (zero >> (b - g)) & 1;
+                    block_out_avx512(out, o, z ? _mm512_setzero_ps() : _mm512_set1_ps(sc[b - g]),
+                                     z ? _mm256_setzero_si256() : decode32_avx512(rowdata + b * bb, t->bits),
+                                     n, kind, stream);
+                    o += n;
+                }
             }
-            o += n;
         }
     }
     if (stream) _mm_sfence();
@@ -443,6 +489,10 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
 void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
 {
     if (r1 <= r0) return;
+    if (t->family == MCF_FAM_RAW && t->scale == 0.0f) {   /* +0.0 everywhere, whatever the codes say */
+        memset(out, 0, (r1 - r0) * t->cols * (kind == MCF_OUT_F32 ? 4u : 2u));
+        return;
+    }
 #ifdef MCF_X86
     if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
     if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }

@@ -45,9 +45,10 @@ float mcf_scale_from_f16(uint16_t h);
 int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                       float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl);
 
-/* int8/int4 per-tensor quantization of rows: q = clamp(round(x / scale + zero)), row-packed. */
-void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float scale, float zero,
-                           uint8_t *codes, size_t row_bytes, int impl);
+/* int8/int4 per-tensor quantization of rows: x clamped to [min_clip, max_clip] (pass -inf, +inf for no
+ * clip), then q = clamp(round(x / scale + zero)), row-packed.  `src` is only read. */
+void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float min_clip, float max_clip,
+                           float scale, float zero, uint8_t *codes, size_t row_bytes, int impl);
 
 /* max |x| over n values (variant `impl`); returns the index of the first non-finite value, or -1. */
 long long mcf_absmax(const float *src, size_t n, float *absmax, int impl);

@@ -473,12 +473,19 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
 #if defined(__x86_64__)
 /* 32 values of an int8/int4 row: q = clamp(round_half_away(x * inv + zero), qmin, qmax), the scalar
  * code's f32 operations, then packed (int4: item 0 in the low nibble). */
-__attribute__((target(T512Q))) static void raw32_avx512(const float *x, int bits, float inv, float zero, uint8_t *dst)
+__attribute__((target(T512Q))) static inline void raw32_avx512(const float *x, int bits, int clip, float clip_lo,
+                                                                float clip_hi, float inv, float zero, uint8_t *dst)
 {
     const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));
+    const __m512 vlo = _mm512_set1_ps(clip_lo), vhi = _mm512_set1_ps(clip_hi);
     __m512i q[2];
     for (int h = 0; h < 2; h++) {
-        __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), _mm512_set1_ps(inv)), _mm512_set1_ps(zero));
+        __m512 v = _mm512_loadu_ps(x + 16 * h);
+        if (clip) {   /* clampf, lane for lane */
+            v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vlo, _CMP_LT_OQ), v, vlo);
+            v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ), v, vhi);
+        }
+        __m512 p = _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), _mm512_set1_ps(zero));
         __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(p, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
         __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(p, _mm512_set1_ps(-0.0f)));
@@ -499,11 +506,13 @@ __attribute__((target(T512Q))) static void raw32_avx512(const float *x, int bits
 }
 #endif
 
-void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float scale, float zero,
-                           uint8_t *codes, size_t row_bytes, int impl)
+void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float min_clip, float max_clip,
+                           float scale, float zero, uint8_t *codes, size_t row_bytes, int impl)
 {
     int32_t qmax = (1 << (bits - 1)) - 1, qmin = -(1 << (bits - 1));
     float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int clip = !(isinf(min_clip) && min_clip < 0 && isinf(max_clip) && max_clip > 0);
+    (void)clip;
     /* the vector path needs a finite 1 / scale; scale == 0 writes zeros below */
     int fast = 0;
 #if defined(__x86_64__)
@@ -516,11 +525,20 @@ void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols
         memset(dst, 0, row_bytes);
         size_t c = 0;
 #if defined(__x86_64__)
-        if (fast)
-            for (; c + 32 <= cols; c += 32) raw32_avx512(row + c, bits, inv, zero, dst + (bits == 8 ? c : c / 2));
+        if (fast && clip) {
+            for (; c + 32 <= cols; c += 32)
+                raw32_avx512(row + c, bits, 1, min_clip, max_clip, inv, zero, dst + (bits == 8 ? c : c / 2));
+        } else if (fast) {
+            for (; c + 32 <= cols; c += 32)
+                raw32_avx512(row + c, bits, 0, min_clip, max_clip, inv, zero, dst + (bits == 8 ? c : c / 2));
+        }
 #endif
         for (; c < cols; c++) {
-            double x = scale != 0.0f ? round((double)(row[c] * inv + zero)) : 0.0;
+            /* a scale below 2**-128 has no finite float32 inverse: divide instead (x * inf would be NaN
+             * for x = 0, and converting NaN to an integer is undefined) */
+            float xc = clampf(row[c], min_clip, max_clip);
+            float p = isfinite(inv) ? xc * inv + zero : xc / scale + zero;
+            double x = scale != 0.0f ? round((double)p) : 0.0;
             int32_t v = x > qmax ? qmax : (x < qmin ? qmin : (int32_t)x);
             if (bits == 8) dst[c] = (uint8_t)(int8_t)v;
             else dst[c >> 1] |= (uint8_t)(((uint32_t)v & 0xfu) << ((c & 1) * 4));

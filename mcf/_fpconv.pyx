@@ -68,6 +68,8 @@ def _halves(src, what):
     a = _contig(src)
     if a.dtype.itemsize != 2 or (a.dtype.kind not in "uf" and a.dtype.name != "bfloat16"):
         raise TypeError(f"expected {what}, got {a.dtype}")
+    if a.dtype.byteorder == ">":  # the bits of a big-endian half are byte-swapped: read them as values
+        a = a.astype(a.dtype.newbyteorder("<"))
     return a.view(np.uint16)
 
 
@@ -93,3 +95,30 @@ def f32_to_f16(src, out=None, impl=None):
     """Narrow float32 to float16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
     return _run(3, a, _prep_out(a, out, np.uint16), impl)
+
+
+def f64_to_f16(src):
+    """Narrow float64 to float16 bit patterns (uint16), rounded once to nearest even from the exact
+    value.  Going through float32 would round twice: 1 + 2**-11 + 2**-40 becomes 1.0 instead of the
+    next float16 up.  numpy's float64 -> float16 cast rounds once."""
+    a = np.asarray(src, dtype=np.float64)
+    with np.errstate(over="ignore"):  # beyond the float16 range is infinity, as a cast should
+        return a.astype(np.float16).view(np.uint16)
+
+
+def f64_to_bf16(src, impl=None):
+    """Narrow float64 to bfloat16 bit patterns (uint16), rounded once to nearest even.
+
+    float64 -> float32 is rounded to odd (truncate, then set the last bit when anything was cut
+    off), which keeps the information a second rounding needs: float32 has 16 more significand bits
+    than bfloat16, so the float32 -> bfloat16 step then rounds exactly as a direct conversion would."""
+    a = np.ascontiguousarray(src, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = a.astype(np.float32)                     # nearest even
+        back = t.astype(np.float64)
+        inexact = (back != a) & ~np.isnan(a)
+        away = inexact & (np.abs(back) > np.abs(a))  # rounded away from zero (or to infinity)
+    bits = t.view(np.uint32)
+    bits -= away.astype(np.uint32)                   # one step toward zero: the truncation
+    bits |= inexact.astype(np.uint32)                # odd when inexact
+    return f32_to_bf16(t, impl=impl)

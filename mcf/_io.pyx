@@ -40,6 +40,7 @@ cdef extern from "numpy/arrayobject.h":
     object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
+from mcf._args import integer, integers
 from mcf.errors import ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError, TruncatedError, os_error
 
 __all__ = ["Source", "open_source", "aligned_empty", "alloc_buffer", "PAGE_SIZE"]
@@ -299,7 +300,7 @@ cdef class Source:
 
     def check(self, offset, size):
         """Raise :class:`OutOfBoundsError` unless ``[offset, offset+size)`` lies inside the file."""
-        self.check_range(int(offset), int(size))
+        self.check_range(integer(offset, "offset"), integer(size, "size"))
 
     # -- reads --------------------------------------------------------------------------------
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1:
@@ -366,8 +367,8 @@ cdef class Source:
 
     def read(self, offset, size):
         """Return ``size`` bytes at ``offset`` as ``bytes`` (a copy)."""
-        offset = int(offset)
-        size = int(size)
+        offset = integer(offset, "offset")
+        size = integer(size, "size")
         self.check_range(offset, size)
         if self.base != NULL:
             return bytes(self._whole[offset:offset + size])
@@ -380,7 +381,7 @@ cdef class Source:
 
     def readinto(self, offset, buffer):
         """Fill the whole of ``buffer`` (any writable contiguous buffer) from ``offset``."""
-        offset = int(offset)
+        offset = integer(offset, "offset")
         cdef Py_buffer view
         _get_writable(buffer, &view)
         try:
@@ -397,8 +398,8 @@ cdef class Source:
         Zero-copy when mapped (the array keeps the mapping alive); otherwise the bytes are read into a
         fresh page-aligned array.
         """
-        offset = int(offset)
-        size = int(size)
+        offset = integer(offset, "offset")
+        size = integer(size, "size")
         self.check_range(offset, size)
         if self.base != NULL or self.mode in ("mmap", "memory"):
             return self._whole[offset:offset + size]
@@ -412,16 +413,16 @@ cdef class Source:
     def array(self, offset, dtype, shape):
         """An array of ``dtype`` and ``shape`` read at ``offset`` (zero-copy when mapped)."""
         dt = np.dtype(dtype)
-        if isinstance(shape, int):
+        if isinstance(shape, (int, np.integer)):
             shape = (shape,)
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(integer(d, "every dimension of shape") for d in shape)
         count = 1
         for d in shape:
             if d < 0:
                 raise ValueError(f"negative dimension in shape {shape}")
             count *= d
         nbytes = count * dt.itemsize
-        offset = int(offset)
+        offset = integer(offset, "offset")
         self.check_range(offset, nbytes)
         if self.base != NULL or self.mode in ("mmap", "memory"):
             if nbytes == 0:
@@ -475,9 +476,9 @@ cdef class Source:
         """
         cdef Py_buffer view
         cdef Py_ssize_t k, n
-        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
-        szs = np.asarray(sizes, dtype=np.int64).reshape(-1)
-        dsts = np.asarray(out_offsets, dtype=np.int64).reshape(-1)
+        offs = integers(offsets, "offsets")
+        szs = integers(sizes, "sizes")
+        dsts = integers(out_offsets, "out_offsets")
         n = offs.shape[0]
         if szs.shape[0] != n or dsts.shape[0] != n:
             raise ValueError("offsets, sizes and out_offsets must have the same length")
@@ -584,8 +585,8 @@ cdef class Source:
             raise ValueError(f"unknown advice {advice!r}; expected one of {sorted(_ADVICE)}")
         if self.mode != "mmap" or self.base == NULL:
             return
-        offset = int(offset)
-        size = self._size - offset if size is None else int(size)
+        offset = integer(offset, "offset")
+        size = self._size - offset if size is None else integer(size, "size")
         self.check_range(offset, size)
         cdef uint64_t start = offset - offset % PAGE_SIZE
         cdef uint64_t length = offset + size - start
@@ -713,11 +714,14 @@ def open_fd(fd, name=None, mmap=True):
 def open_source(obj, mmap=True):
     """Open ``obj`` as a :class:`Source`.
 
-    ``obj`` may be a path (str, bytes or ``os.PathLike``), an existing :class:`Source` (returned as
-    is), an in-memory buffer (``bytearray``, ``memoryview`` or numpy array; wrap ``bytes`` in a
-    ``memoryview``) read in place, or
-    a binary file-like object with ``seek`` and ``readinto``/``read``.  ``mmap=False`` reads paths with
-    positional reads instead of mapping them.
+    ``obj`` may be a path (``str`` or ``os.PathLike``), an existing :class:`Source` (returned as is),
+    the file's content in memory (``bytes``, ``bytearray``, ``memoryview`` or a numpy array) read in
+    place, or a binary file-like object with ``seek`` and ``readinto``/``read``.  ``mmap=False`` reads
+    paths with positional reads instead of mapping them.
+
+    ``bytes`` are content, never a path, for every reader alike (as ``safetensors.load`` and
+    ``mcf.gguf.open`` take them): a path given as bytes would be ambiguous.  Decode such a path with
+    ``os.fsdecode`` first.
 
     A URL string (``http(s)://``, ``s3://``, ``gs://``, ``memory://``, ``file://``..., anything fsspec
     knows) opens a ``fileobj`` source over :class:`mcf.remote.RemoteFile` (range requests, a block
@@ -725,10 +729,15 @@ def open_source(obj, mmap=True):
     """
     if isinstance(obj, Source):
         return obj
-    if isinstance(obj, (str, bytes)) and _is_url(obj):
+    if isinstance(obj, bytes):
+        if len(obj) < 4096 and b"\0" not in obj and os.path.exists(os.fsdecode(obj)):
+            raise InvalidArgumentError(f"bytes are read as the file's content, but {obj!r} names an existing "
+                                       "path: pass the path as str (os.fsdecode(path))")
+        obj = memoryview(obj)
+    if isinstance(obj, str) and _is_url(obj):
         from mcf.remote import open_remote
         return open_remote(obj)
-    if isinstance(obj, (str, bytes, os.PathLike)):
+    if isinstance(obj, (str, os.PathLike)):
         return Source._from_path(obj, bool(mmap))
     if isinstance(obj, (bytearray, memoryview, np.ndarray)):
         return Source._from_memory(obj)

@@ -12,6 +12,7 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 
+from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import aligned_empty
 from mcf.errors import InvalidArgumentError
 from mcf.layout import Domain, quant_layout
@@ -35,8 +36,8 @@ cdef extern from "quant.h" nogil:
     void mcf_unpack_rows(const mcf_qtensor* t, size_t r0, size_t r1, int8_t* out, int impl)
     int mcf_quantize_rows(int family, int bits, const float* src, size_t nrows, size_t cols, float min_clip,
                           float max_clip, int compat, uint16_t* scales, uint8_t* sub, uint8_t* codes, int impl)
-    void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float scale, float zero,
-                               uint8_t* codes, size_t row_bytes, int impl)
+    void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float min_clip,
+                               float max_clip, float scale, float zero, uint8_t* codes, size_t row_bytes, int impl)
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
     long long mcf_absmax(const float* src, size_t n, float* absmax, int impl)
 
@@ -78,6 +79,9 @@ def kernel_info():
 
 
 cdef int _out_kind(object dt) except -1:
+    msg = byte_order_problem(dt, "the output dtype")
+    if msg:
+        raise InvalidArgumentError(msg)
     if dt == np.float32:
         return 0
     if dt == np.float16:
@@ -149,48 +153,70 @@ cdef class QTensor(_Tensor):
         _Tensor.__init__(self, payload, code, rows, cols, domain)
         self._impl = resolve_impl(impl)
 
-    def rows_into(self, size_t r0, size_t r1, float[::1] out):
-        """Decode rows [r0, r1) as float32 into the flat buffer ``out`` (at least (r1-r0)*cols)."""
-        if r1 < r0 or r1 > self.t.rows:
-            raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{self.t.rows}")
-        if <size_t>out.shape[0] < (r1 - r0) * self.t.cols:
+    def rows_into(self, r0, r1, out):
+        """Decode rows [r0, r1) as float32 into ``out``: a C-contiguous float32 buffer of at least
+        (r1-r0)*cols items, flat or shaped (a [rows, cols] tile works as it is)."""
+        cdef size_t a = _row(r0, "r0"), b = _row(r1, "r1")
+        cdef float[::1] buf
+        try:
+            buf = out                   # the common case: a flat float32 buffer, no Python-level checks
+        except (ValueError, TypeError):
+            buf = _flat_f32(out)
+        if b < a or b > self.t.rows:
+            raise InvalidArgumentError(f"row range ({a}, {b}) outside 0..{self.t.rows}")
+        if <size_t>buf.shape[0] < (b - a) * self.t.cols:
             raise InvalidArgumentError("out is too small for the rows")
-        if r1 == r0:
+        if b == a:
             return
         with nogil:
-            mcf_dequant_rows(&self.t, r0, r1, &out[0], 0, self._impl)
+            mcf_dequant_rows(&self.t, a, b, &buf[0], 0, self._impl)
 
 
-    def decode_tiles(self, size_t r0, size_t r1, size_t tile_rows, float[::1] tile):
-        """Decode rows [r0, r1) ``tile_rows`` at a time into the same small float32 buffer, in one C
-        loop: the access pattern of a consumer that uses each tile and moves on (the tile stays in
-        L1/L2).  Returns the number of tiles decoded."""
-        if r1 < r0 or r1 > self.t.rows:
-            raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{self.t.rows}")
-        if tile_rows == 0 or <size_t>tile.shape[0] < tile_rows * self.t.cols:
+    def decode_tiles(self, r0, r1, tile_rows, tile):
+        """Decode rows [r0, r1) ``tile_rows`` at a time into the same small float32 buffer ``tile`` (flat
+        or shaped, C-contiguous), in one C loop: the access pattern of a consumer that uses each tile and
+        moves on (the tile stays in L1/L2).  Returns the number of tiles decoded."""
+        cdef size_t a = _row(r0, "r0"), b = _row(r1, "r1"), k = _row(tile_rows, "tile_rows")
+        cdef float[::1] buf
+        try:
+            buf = tile
+        except (ValueError, TypeError):
+            buf = _flat_f32(tile)
+        if b < a or b > self.t.rows:
+            raise InvalidArgumentError(f"row range ({a}, {b}) outside 0..{self.t.rows}")
+        if k == 0 or <size_t>buf.shape[0] < k * self.t.cols:
             raise InvalidArgumentError("tile must hold tile_rows rows (tile_rows >= 1)")
-        cdef size_t r = r0, n = 0, e
+        cdef size_t r = a, n = 0, e
         with nogil:
-            while r < r1:
-                e = r + tile_rows if r + tile_rows < r1 else r1
-                mcf_dequant_rows(&self.t, r, e, &tile[0], 0, self._impl)
+            while r < b:
+                e = r + k if r + k < b else b
+                mcf_dequant_rows(&self.t, r, e, &buf[0], 0, self._impl)
                 r = e
                 n += 1
         return n
 
 
+cdef inline Py_ssize_t _row(object v, str what) except -1:
+    """A row number or count: an integer (a float or a bool is refused, not truncated), >= 0."""
+    if type(v) is not int:
+        v = integer(v, what)
+    if v < 0:
+        raise InvalidArgumentError(f"{what} must be >= 0, got {v}")
+    return v
+
+
+cdef inline _flat_f32(out):
+    """A C-contiguous float32 array of any shape as the flat buffer the kernels write (the memoryview
+    conversion then checks dtype, byte order and writability)."""
+    if isinstance(out, np.ndarray) and (<object>out).ndim != 1:
+        if not out.flags.c_contiguous:
+            raise InvalidArgumentError("out must be C-contiguous")
+        return out.reshape(-1)
+    return out
+
+
 def _row_range(rows, total):
-    if rows is None:
-        return 0, total
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(total)
-        if step != 1:
-            raise InvalidArgumentError("row ranges must be contiguous (step 1)")
-        return start, max(start, stop)
-    r0, r1 = (int(x) for x in rows)
-    if not 0 <= r0 <= r1 <= total:
-        raise InvalidArgumentError(f"row range ({r0}, {r1}) outside 0..{total}")
-    return r0, r1
+    return row_range(rows, total, InvalidArgumentError)
 
 
 def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.float32, row_range=None,
@@ -219,7 +245,7 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
     cdef size_t c = cols
     if n == 0:
         return out
-    nthreads = max(1, min(int(threads), int(b - a)))
+    nthreads = max(1, min(integer(threads, "threads"), int(b - a)))
     if nthreads == 1:
         with nogil:
             mcf_dequant_rows(&qt.t, r0, r1, <void*>optr, kind, im)
@@ -321,7 +347,7 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     if fam == 0:
         codes_p = base + reg["data"].offset + row0 * lay.row_bytes
         with nogil:
-            mcf_quantize_raw_rows(bits, <const float*>sp, nrows, ncols, fs, fz, <uint8_t*>codes_p, rb, im)
+            mcf_quantize_raw_rows(bits, <const float*>sp, nrows, ncols, lo, hi, fs, fz, <uint8_t*>codes_p, rb, im)
         return
     bb = bits * 4
     codes_p = base + reg["data"].offset + row0 * lay.blocks_per_row * bb

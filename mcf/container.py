@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import Source, open_source
 from mcf.dtypes import DType
 from mcf import _fpconv
@@ -344,7 +345,7 @@ class Container:
             dsts.append(pos)
             pos += (t.nbytes + 63) & ~63
         arena = alloc_buffer(pos)
-        self._src.read_ranges(offs, sizes, arena, dsts, threads=max(1, int(threads)))
+        self._src.read_ranges(offs, sizes, arena, dsts, threads=max(1, integer(threads, "threads")))
         out = {}
         for t, d in zip(infos, dsts):
             raw = arena[d:d + t.nbytes]
@@ -356,23 +357,26 @@ class Container:
         return out
 
     def to_float32(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array (or ``out``)."""
+        """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array, or into ``out``:
+        a writeable C-contiguous float32 array of the tensor's size (any shape), which is returned."""
         from mcf import _fpconv
+        from mcf._args import out_array
 
         t = self.index[name]
         code = t.dtype.code
-        if code == DType.BF16:
-            return _fpconv.bf16_to_f32(self._src.array(t.offset, np.uint16, t.shape), out)
-        if code == DType.F16:
-            return _fpconv.f16_to_f32(self._src.array(t.offset, np.uint16, t.shape), out)
-        if code in (DType.F32, DType.F64):
-            a = self._src.array(t.offset, t.dtype.numpy, t.shape)
-            with np.errstate(over="ignore"):  # F64 beyond the F32 range becomes inf, as a cast should
-                if out is None:
-                    return a.astype(np.float32)
-                np.copyto(out, a.reshape(out.shape), casting="same_kind")
-            return out
-        raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
+        if code not in (DType.F32, DType.F16, DType.BF16, DType.F64):
+            raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
+        flat = None if out is None else out_array(out, np.float32, t.numel, "out")
+        if code in (DType.BF16, DType.F16):
+            conv = _fpconv.bf16_to_f32 if code == DType.BF16 else _fpconv.f16_to_f32
+            res = conv(self._src.array(t.offset, np.uint16, t.shape), flat)
+            return res if out is None else out
+        a = self._src.array(t.offset, t.dtype.numpy, t.shape)
+        with np.errstate(over="ignore"):  # F64 beyond the F32 range becomes inf, as a cast should
+            if out is None:
+                return a.astype(np.float32)
+            np.copyto(flat, a.reshape(-1), casting="same_kind")
+        return out
 
     def dequantize(self, name: str, dtype=np.float32, rows=None, out: np.ndarray | None = None,
                    impl: str | None = None, threads: int = 1) -> np.ndarray:
@@ -397,25 +401,32 @@ class Container:
         if rows is not None:
             if len(t.shape) < 1:
                 raise DTypeError(f"{self.path}: tensor {name!r} is a scalar; it has no rows")
-            r0, r1 = _kernels._row_range(rows, t.shape[0])
+            r0, r1 = row_range(rows, t.shape[0], InvalidArgumentError)
             src = self.tensor(name)[r0:r1]
         else:
             src = self.tensor(name)
-        if src.dtype.name == "bfloat16" or t.dtype.code == DType.BF16:
-            f32 = _fpconv.bf16_to_f32(np.ascontiguousarray(src).view(np.uint16))
-        elif t.dtype.code == DType.F16:
-            f32 = _fpconv.f16_to_f32(src)
-        else:
-            with np.errstate(over="ignore"):
-                f32 = np.asarray(src, dtype=np.float32)
-        if dt == np.float32:
-            res = f32
-        elif dt == np.float16:
-            res = _fpconv.f32_to_f16(f32).view(np.float16)
-        elif dt.name == "bfloat16" or dt == np.uint16:
-            res = _fpconv.f32_to_bf16(f32).view(dt)
-        else:
+        half = dt == np.float16 or dt.name == "bfloat16" or dt == np.uint16
+        if byte_order_problem(dt, "the output dtype"):
+            raise InvalidArgumentError(byte_order_problem(dt, "the output dtype"))
+        if dt != np.float32 and not half:
             raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
+        if t.dtype.code == DType.F64 and half:  # one rounding from the exact value, not two via float32
+            conv = _fpconv.f64_to_f16 if dt == np.float16 else _fpconv.f64_to_bf16
+            res = conv(src).view(dt)
+        else:
+            if src.dtype.name == "bfloat16" or t.dtype.code == DType.BF16:
+                f32 = _fpconv.bf16_to_f32(np.ascontiguousarray(src).view(np.uint16))
+            elif t.dtype.code == DType.F16:
+                f32 = _fpconv.f16_to_f32(src)
+            else:
+                with np.errstate(over="ignore"):
+                    f32 = np.asarray(src, dtype=np.float32)
+            if dt == np.float32:
+                res = f32
+            elif dt == np.float16:
+                res = _fpconv.f32_to_f16(f32).view(np.float16)
+            else:
+                res = _fpconv.f32_to_bf16(f32).view(dt)
         if out is None:
             if res.size and np.shares_memory(res, src):
                 res = res.copy()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf.errors import InvalidArgumentError
+
 __all__ = ["DType", "DTypeInfo", "dtype_info", "parse_dtype", "PLAIN", "QUANTIZED"]
 
 
@@ -115,17 +117,17 @@ def parse_dtype(value) -> DTypeInfo:
         try:
             return _BY_CODE[value]
         except KeyError:
-            raise ValueError(f"unknown MCF dtype code {value!r}") from None
+            raise InvalidArgumentError(f"unknown MCF dtype code {value!r}") from None
     if isinstance(value, str):
         key = value.strip().lower()
         key = _ALIASES.get(key, key)
         if key in _BY_NAME:
             return _BY_NAME[key]
-        raise ValueError(f"unknown MCF dtype {value!r}; expected one of {sorted(_BY_NAME)}")
+        raise InvalidArgumentError(f"unknown MCF dtype {value!r}; expected one of {sorted(_BY_NAME)}")
     try:
         npdt = np.dtype(value)
     except TypeError:
-        raise ValueError(f"cannot interpret {value!r} as an MCF dtype") from None
+        raise InvalidArgumentError(f"cannot interpret {value!r} as an MCF dtype") from None
     return from_numpy(npdt)
 
 
@@ -134,8 +136,9 @@ def from_numpy(npdt: np.dtype) -> DTypeInfo:
     if npdt.name == "bfloat16":
         return _BY_CODE[DType.BF16]
     if npdt.byteorder == ">":
-        raise ValueError("MCF stores little-endian data; convert big-endian arrays first")
+        raise InvalidArgumentError(f"MCF stores little-endian data; {npdt} is big-endian (convert it with "
+                                   "a.astype(a.dtype.newbyteorder('<')))")
     for info in _TABLE:
         if info.numpy is not None and info.code != DType.BF16 and info.numpy == npdt.newbyteorder("<"):
             return info
-    raise ValueError(f"numpy dtype {npdt} has no MCF equivalent")
+    raise InvalidArgumentError(f"numpy dtype {npdt} has no MCF equivalent")

@@ -151,6 +151,30 @@ def os_error(exc: OSError, path: Any) -> MCFIOError:
     return err
 
 
+def in_tensor(exc: MCFError, path: Any, name: str) -> MCFError:
+    """``exc`` again, of the same class, with the source file and the tensor in front of its message.
+
+    Converters and quantizers handle one tensor at a time; an error deep in a kernel ("a block scale
+    overflows float16") is useless without "which file, which tensor" when a checkpoint holds hundreds.
+    Format errors keep their structured fields (the tensor goes into ``field`` when it has none); OS
+    errors already name their file and are returned as they are."""
+    where = f"tensor {name!r}"
+    if isinstance(exc, MCFIOError):
+        return exc
+    if isinstance(exc, FormatError):
+        field = where if exc.field is None else (exc.field if repr(name) in exc.field else f"{where} {exc.field}")
+        return type(exc)(exc.reason, path=exc.path if exc.path is not None else path, field=field,
+                         offset=exc.offset, expected=exc.expected, got=exc.got)
+    msg = str(exc)
+    prefix = f"{path}: {where}" if path is not None else where
+    if not msg.startswith(prefix):
+        msg = f"{prefix}: {msg}"
+    try:
+        return type(exc)(msg)
+    except TypeError:  # a subclass with a different constructor: keep it, the cause names the tensor
+        return exc
+
+
 class ContextNotFoundError(MCFError, KeyError):
     """No (unexpired) context with that id exists in the bucket, or no model with that id is known."""
 

@@ -23,15 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import byte_order_problem, row_range
 from mcf.errors import (
     DTypeError,
     FormatError,
     InvalidArgumentError,
     MCFError,
-    OutOfBoundsError,
     TensorNotFoundError,
     TruncatedError,
     UnsupportedVersionError,
+    in_tensor,
 )
 
 __all__ = [
@@ -481,7 +482,7 @@ class GGUFFile:
         if t.type.kind not in ("float", "quant"):
             raise DTypeError(f"{self.path}: tensor {name!r} has ggml type {t.type.name}, which mcf cannot "
                              f"decode (supported: {', '.join(SUPPORTED_TYPES)})")
-        r0, r1 = _row_range(rows, t.shape[0] if t.shape else 1)
+        r0, r1 = row_range(rows, t.shape[0] if t.shape else 1)
         per_row = t.row_elements
         e0, e1 = r0 * per_row, r1 * per_row
         oshape = (r1 - r0, *t.shape[1:]) if t.shape else ()
@@ -530,26 +531,11 @@ def _out_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype)
     if dt.name == "bfloat16":
         return dt
+    if byte_order_problem(dt, "the output dtype"):
+        raise InvalidArgumentError(byte_order_problem(dt, "the output dtype"))
     if dt not in (np.float32, np.float16, np.uint16):
         raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
     return dt
-
-
-def _row_range(rows, total: int):
-    if rows is None:
-        return 0, total
-    if isinstance(rows, slice):
-        start, stop, step = rows.indices(total)
-        if step != 1:
-            raise InvalidArgumentError("row ranges must be contiguous (step 1)")
-        return start, max(start, stop)
-    try:
-        r0, r1 = (int(x) for x in rows)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"rows must be (start, stop) or a slice, got {rows!r}") from None
-    if not 0 <= r0 <= r1 <= total:
-        raise OutOfBoundsError(f"row range ({r0}, {r1}) outside 0..{total}")
-    return r0, r1
 
 
 def open(obj, *, mmap: bool = True) -> GGUFFile:
@@ -792,7 +778,10 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
             for i, name in enumerate(names):
                 t = g.tensors[name]
                 m = _method_for(name, method, ov)
-                stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk))
+                try:
+                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk))
+                except MCFError as exc:  # name the file and the tensor, whatever failed
+                    raise in_tensor(exc, g.path, name) from exc
                 rd.release()
                 if progress is not None:
                     progress(i + 1, len(names), name)

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 
 from mcf.dtypes import DType, DTypeInfo, parse_dtype
+from mcf.errors import InvalidArgumentError
 
 __all__ = [
     "MAGIC", "MAJOR", "MINOR", "HEADER", "HEADER_SIZE", "DIR_ENTRY", "DIR_ENTRY_SIZE",
@@ -148,13 +149,13 @@ def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
     """
     info = parse_dtype(dtype)
     if not info.quantized:
-        raise ValueError(f"{info.name} is not a quantized dtype")
+        raise InvalidArgumentError(f"{info.name} is not a quantized dtype")
     shape = tuple(int(d) for d in shape)
     if len(shape) != 2:
-        raise ValueError(f"quantized tensors are rank 2; got shape {shape}")
+        raise InvalidArgumentError(f"quantized tensors are rank 2; got shape {shape}")
     rows, cols = shape
     if rows < 0 or cols < 0:
-        raise ValueError(f"negative dimension in {shape}")
+        raise InvalidArgumentError(f"negative dimension in {shape}")
     domain = int(domain)
     regions = []
     if info.family == "raw":
@@ -169,7 +170,7 @@ def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
         regions.append(Region("data", off, data, "u1", data))
         return QuantLayout(info, rows, cols, 0, 0, 0, row_bytes, tuple(regions), off + data)
     if domain != Domain.WEIGHTS:
-        raise ValueError(f"{info.name} supports only the weights domain")
+        raise InvalidArgumentError(f"{info.name} supports only the weights domain")
     bpr = (cols + BLOCK - 1) // BLOCK
     spr = (bpr + SUPER_BLOCKS - 1) // SUPER_BLOCKS
     tb = rows * bpr

@@ -22,7 +22,7 @@ from mcf._gojson import go_marshal
 from mcf._io import alloc_buffer
 from mcf._safetensors import Checkpoint, open_checkpoint
 from mcf.dtypes import DType, DTypeInfo, parse_dtype
-from mcf.errors import FormatError, InvalidArgumentError, MissingFileError, os_error
+from mcf.errors import FormatError, InvalidArgumentError, MCFError, MissingFileError, in_tensor, os_error
 from mcf.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
 from mcf.modelinfo import ModelInfo
 from mcf.writer import Writer, _cast_chunk
@@ -163,19 +163,22 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
     names = ckpt.sorted_names()
     for i, name in enumerate(names):
         t = ckpt.tensors[name]
-        raw = _raw_quantized(t)
-        m = None if raw is not None else plan_method(name, t.shape, t.dtype, method, ov)
-        if raw is not None:  # a quantized payload exported with dtype="raw": stored again as it was
-            qinfo, shape, q = raw
-            w.add_tensor_bytes(name, qinfo, shape, _stream_plain(t, t.dtype, buf), quant=q)
-        elif m is not None:
-            st = add_quantized(w, name, t.array(), t.dtype, m, compat=compat, report=report)
-            t.file.source.advise("dontneed", t.offset, t.nbytes)
-            if st is not None:
-                stats.append(st)
-        else:
-            tgt = target if target is not None and t.dtype.family == "float" else t.dtype
-            w.add_tensor_bytes(name, tgt, t.shape, _stream_plain(t, tgt, buf))
+        try:
+            raw = _raw_quantized(t)
+            m = None if raw is not None else plan_method(name, t.shape, t.dtype, method, ov)
+            if raw is not None:  # a quantized payload exported with dtype="raw": stored again as it was
+                qinfo, shape, q = raw
+                w.add_tensor_bytes(name, qinfo, shape, _stream_plain(t, t.dtype, buf), quant=q)
+            elif m is not None:
+                st = add_quantized(w, name, t.array(), t.dtype, m, compat=compat, report=report)
+                t.file.source.advise("dontneed", t.offset, t.nbytes)
+                if st is not None:
+                    stats.append(st)
+            else:
+                tgt = target if target is not None and t.dtype.family == "float" else t.dtype
+                w.add_tensor_bytes(name, tgt, t.shape, _stream_plain(t, tgt, buf))
+        except MCFError as exc:  # name the file and the tensor, whatever failed
+            raise in_tensor(exc, t.file.source.name, name) from exc
         if progress is not None:
             progress(i + 1, len(names), name)
     return stats

@@ -16,8 +16,9 @@ import numpy as np
 
 from mcf import _fpconv
 from mcf import _kernels as K
+from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, parse_dtype
-from mcf.errors import DTypeError, InvalidArgumentError
+from mcf.errors import DTypeError, InvalidArgumentError, MCFError, in_tensor
 from mcf.layout import Domain, SectionType, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "quantize_file", "QuantStats", "tensor_error_stats",
@@ -30,12 +31,19 @@ kernel_info = K.kernel_info
 
 
 def _rows_f32(a: np.ndarray, r0: int, r1: int, src_dtype: DTypeInfo) -> np.ndarray:
+    """Rows [r0, r1) as contiguous float32: a view of ``a`` when it already is, else a new array (the
+    caller must not write into the result unless it checked which)."""
     part = a[r0:r1]
+    if part.dtype.kind in "iu":  # raw bit patterns of src_dtype (e.g. bf16 as uint16), any byte order
+        bits = np.ascontiguousarray(part, dtype=part.dtype.newbyteorder("<"))
+        if src_dtype.code == DType.BF16:
+            return _fpconv.bf16_to_f32(bits)
+        part = bits.view(src_dtype.numpy)
     if src_dtype.code == DType.F32:
         return np.ascontiguousarray(part, dtype=np.float32)
     if src_dtype.code == DType.F16:
-        return _fpconv.f16_to_f32(np.ascontiguousarray(part).view(np.uint16))
-    if src_dtype.code == DType.BF16:
+        return _fpconv.f16_to_f32(np.ascontiguousarray(part, dtype="<f2").view(np.uint16))
+    if src_dtype.code == DType.BF16:  # ml_dtypes.bfloat16
         return _fpconv.bf16_to_f32(np.ascontiguousarray(part).view(np.uint16))
     if src_dtype.code == DType.F64:
         with np.errstate(over="ignore"):
@@ -48,12 +56,24 @@ def _chunk_rows(cols: int) -> int:
 
 
 def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
-    if src_dtype is not None:
-        info = parse_dtype(src_dtype)
-    elif a.dtype.name == "bfloat16":
-        info = parse_dtype("bf16")
+    """The float dtype the values of ``a`` are in: its own (either byte order), or ``src_dtype`` when
+    given, which must then be ``a``'s dtype or describe ``a`` as raw bit patterns of the same size."""
+    own = None
+    if a.dtype.name == "bfloat16":
+        own = parse_dtype("bf16")
+    elif a.dtype.kind == "f":
+        own = parse_dtype(a.dtype.newbyteorder("<"))
+    if src_dtype is None:
+        if own is None:
+            raise DTypeError(f"only float tensors can be quantized, got {a.dtype}")
+        info = own
     else:
-        info = parse_dtype(a.dtype)
+        info = parse_dtype(src_dtype)
+        if own is not None and own.code != info.code:
+            raise DTypeError(f"src_dtype={info.name} does not describe a {a.dtype} array")
+        if own is None and not (a.dtype.kind in "iu" and a.dtype.itemsize == info.itemsize):
+            raise DTypeError(f"src_dtype={info.name} needs {info.name} values or their raw bits "
+                             f"({info.itemsize}-byte integers), got {a.dtype}")
     if info.family != "float":
         raise DTypeError(f"only float tensors can be quantized, got {info.name}")
     return info
@@ -62,13 +82,15 @@ def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
 def quantize(array, method, *, compat: bool = False, min_clip: float | None = None,
              max_clip: float | None = None, domain: int = Domain.WEIGHTS, src_dtype=None, impl=None,
              threads: int = 1):
-    """Quantize a rank-2 float array (float32, float16, bfloat16; ``src_dtype="bf16"`` for raw uint16
-    bits) to ``method``.  Returns ``(payload, params)``: the payload bytes laid out as
-    :func:`mcf.quant_layout` says, and the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
+    """Quantize a rank-2 float array (float32, float16, bfloat16, float64, either byte order;
+    ``src_dtype="bf16"`` for raw uint16 bits) to ``method``.  Returns ``(payload, params)``: the payload
+    bytes laid out as :func:`mcf.quant_layout` says, and the QuantInfo fields (``min_clip``,
+    ``max_clip``, ``domain``).  ``array`` is only read, never modified (it may be a read-only mapping).
 
     ``compat=True`` reproduces the Go quantizer byte for byte (truncating f16 scales).  Clips default to
-    -max|x| and +max|x|, as the Go tool records them.  NaN and infinity are refused.  ``threads`` splits
-    the rows across threads (q*/k* without explicit clips); the bytes do not depend on it.
+    -max|x| and +max|x|, as the Go tool records them; explicit ones clamp the values before they are
+    quantized.  NaN and infinity are refused.  ``threads`` splits the rows across threads (q*/k*
+    without explicit clips); the bytes do not depend on it.
     """
     a = np.asarray(array)
     info = parse_dtype(method)
@@ -85,7 +107,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
         raise InvalidArgumentError(f"bad clip range [{min_clip}, {max_clip}]")
     if compat and info.family == "raw":
         raise InvalidArgumentError("the Go tool has no int8/int4 quantizer to be compatible with")
-    domain = int(domain)
+    domain = integer(domain, "domain")
     if info.family != "raw" and domain != Domain.WEIGHTS:
         raise InvalidArgumentError(f"{info.name} supports only the weights domain")
     lay = quant_layout(info, (rows, cols), domain)
@@ -106,7 +128,7 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             return m
 
         starts = list(range(0, rows, step))
-        nthreads = max(1, min(int(threads), len(starts)))
+        nthreads = max(1, min(integer(threads, "threads"), len(starts)))
         if nthreads == 1:
             amax = run(starts)
         else:  # chunks write disjoint rows of the payload; the kernels release the GIL
@@ -134,7 +156,11 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
             m = max(abs(float(cmin)), abs(float(cmax)))
             scale = float(np.float32(m / qmax)) if m > 0 else 0.0
         else:
-            lo_c, hi_c = (max(lo, float(cmin)), min(hi, float(cmax))) if min_clip is not None else (lo, hi)
+            if min_clip is not None:  # the range of the clipped values (data outside the clips included)
+                lo_c = min(max(lo, float(cmin)), float(cmax))
+                hi_c = min(max(hi, float(cmin)), float(cmax))
+            else:
+                lo_c, hi_c = lo, hi
             lo_c, hi_c = min(lo_c, 0.0), max(hi_c, 0.0)  # zero must be representable
             levels = (1 << info.bits) - 1
             scale = float(np.float32((hi_c - lo_c) / levels)) if hi_c > lo_c else 0.0
@@ -147,10 +173,11 @@ def quantize(array, method, *, compat: bool = False, min_clip: float | None = No
         if not math.isfinite(scale) or not math.isfinite(zero):
             raise InvalidArgumentError("values too large for a float32 scale")
     for r in range(0, rows, step):
+        # the kernels clamp each value to the clips as they read it: x (often a view of the caller's
+        # array, or of a read-only mapping) is never written
         x = _rows_f32(a, r, min(rows, r + step), src)
-        if min_clip is not None:
-            np.clip(x, cmin, cmax, out=x)
-        K.quantize_rows(x, info.code, payload, r, min_clip=float(cmin), max_clip=float(cmax), compat=compat,
+        lo_k, hi_k = (float(cmin), float(cmax)) if min_clip is not None else (-math.inf, math.inf)
+        K.quantize_rows(x, info.code, payload, r, min_clip=lo_k, max_clip=hi_k, compat=compat,
                         rows=rows, cols=cols, scale=scale, zero=zero, domain=domain, impl=impl)
     return payload, {"min_clip": float(cmin), "max_clip": float(cmax), "domain": domain}
 
@@ -164,7 +191,8 @@ def dequantize(payload, method, shape, *, domain: int = Domain.WEIGHTS, dtype=np
         raise InvalidArgumentError(f"{info.name} is not a quantized dtype")
     if len(shape) != 2:
         raise InvalidArgumentError(f"quantized tensors are rank 2, got shape {tuple(shape)}")
-    return K.dequantize(payload, info.code, int(shape[0]), int(shape[1]), domain=domain, dtype=dtype,
+    return K.dequantize(payload, info.code, integer(shape[0], "shape[0]"), integer(shape[1], "shape[1]"),
+                        domain=integer(domain, "domain"), dtype=dtype,
                         row_range=rows, out=out, impl=impl, threads=threads)
 
 
@@ -284,19 +312,22 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
         names = list(c)
         for i, name in enumerate(names):
             t = c.info(name)
-            m = plan_method(name, t.shape, t.dtype, method, ov)
-            if m is not None:
-                st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, min_clip=min_clip,
-                                   max_clip=max_clip, report=report)
-                if st is not None:
-                    stats.append(st)
-            elif t.dtype.quantized:
-                rec = c.quant_record(name)
-                q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
-                                              "domain": rec.domain}
-                w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
-            else:
-                w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
+            try:
+                m = plan_method(name, t.shape, t.dtype, method, ov)
+                if m is not None:
+                    st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, min_clip=min_clip,
+                                       max_clip=max_clip, report=report)
+                    if st is not None:
+                        stats.append(st)
+                elif t.dtype.quantized:
+                    rec = c.quant_record(name)
+                    q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
+                                                  "domain": rec.domain}
+                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
+                else:
+                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
+            except MCFError as exc:  # name the file and the tensor, whatever failed
+                raise in_tensor(exc, c.path, name) from exc
             if progress is not None:
                 progress(i + 1, len(names), name)
     return stats

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.container import Container, open as _open_container
 from mcf.dtypes import DType
 from mcf.errors import DTypeError, InvalidArgumentError
@@ -82,7 +83,7 @@ def _check_tp(tp_rank, tp_size):
         return None
     if tp_rank is None or tp_size is None:
         raise InvalidArgumentError("pass both tp_rank and tp_size, or neither")
-    tp_rank, tp_size = int(tp_rank), int(tp_size)
+    tp_rank, tp_size = integer(tp_rank, "tp_rank"), integer(tp_size, "tp_size")
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise InvalidArgumentError(f"tp_rank must be in 0..tp_size-1 and tp_size >= 1, got {tp_rank} of {tp_size}")
     return tp_rank, tp_size

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf import _fpconv
+from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, os_error
+from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
 from mcf.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
                         RESOURCE_BY_FILE, SECTION_ALIGN, TENSOR_ALIGN, Domain, SectionType, align,
                         tensor_nbytes)
@@ -230,13 +231,16 @@ class Writer:
                    min_clip: float | None = None, max_clip: float | None = None) -> None:
         """Add a tensor from an array.
 
-        ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; round to nearest even);
-        non-float tensors are stored as they are.  An ``ml_dtypes.bfloat16`` array is stored as BF16.
+        ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; rounded once to nearest even,
+        from float64 too); non-float tensors are stored as they are.  Big-endian arrays are stored as
+        their values (little-endian, as MCF requires).  An ``ml_dtypes.bfloat16`` array is stored as BF16.
         ``method`` ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4") quantizes a rank-2 float tensor
         (other tensors are stored plain), with ``compat``/``min_clip``/``max_clip`` as in
         :func:`mcf.quant.quantize`; its QuantInfo record is written with the file.
         """
         a = np.asarray(array)
+        if a.dtype.byteorder == ">":  # the values count, not their byte order: MCF stores little-endian
+            a = a.astype(a.dtype.newbyteorder("<"))
         if method is not None:
             minfo = parse_dtype(method)
             if not minfo.quantized:
@@ -245,7 +249,10 @@ class Writer:
             if a.ndim == 2 and is_float:
                 from mcf.quant import quantize
 
-                payload, q = quantize(a, minfo, compat=compat, min_clip=min_clip, max_clip=max_clip)
+                try:
+                    payload, q = quantize(a, minfo, compat=compat, min_clip=min_clip, max_clip=max_clip)
+                except MCFError as exc:  # which tensor of the file being written
+                    raise in_tensor(exc, None, name) from exc
                 self.add_tensor_bytes(name, minfo, a.shape, payload, quant=q)
                 return
         src = from_numpy(a.dtype)
@@ -281,7 +288,7 @@ class Writer:
         ``quant`` may give the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
         """
         info = parse_dtype(dtype)
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(integer(d, "every dimension of shape") for d in shape)
         domain = int((quant or {}).get("domain", Domain.WEIGHTS))
         for key in ("min_clip", "max_clip"):  # stored as f32: refuse what cannot be, before writing
             v = (quant or {}).get(key, 0.0)
@@ -432,14 +439,16 @@ def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
     elif src.code == DType.F16:
         x32 = _fpconv.f16_to_f32(x.view(np.uint16))
     elif src.code == DType.F64:
-        x32 = x.astype(np.float32) if dst.code != DType.F64 else x
+        x32 = x.astype(np.float32) if dst.code == DType.F32 else x
     else:
         x32 = x
     if dst.code == DType.F16:
         if src.code == DType.F64:
-            return x.astype("<f2")  # one rounding, from the exact value
+            return _fpconv.f64_to_f16(x)  # one rounding, from the exact value
         return _fpconv.f32_to_f16(x32)
     if dst.code == DType.BF16:
+        if src.code == DType.F64:
+            return _fpconv.f64_to_bf16(x)  # one rounding, from the exact value
         return _fpconv.f32_to_bf16(x32)
     if dst.code == DType.F32:
         return np.ascontiguousarray(x32, dtype="<f4")

@@ -79,6 +79,8 @@ def dequant(payload, method, rows, cols, domain=0):
     if fam == "raw":
         scale = reg("scale").view("<f4")[0]
         zero = reg("zero").view("<f4")[0] if "zero" in regs else np.float32(0)
+        if scale == 0:  # a zero scale decodes to +0.0, whatever the codes and the zero point say
+            return np.zeros((rows, cols), np.float32)
         q = raw_codes(reg("data"), bits, rows, cols).astype(np.float32)
         return (scale * (q - zero)).astype(np.float32)
     bpr = -(-cols // 32)
@@ -89,8 +91,14 @@ def dequant(payload, method, rows, cols, domain=0):
         spr = -(-bpr // 8)
         sup = f16_scale(reg("super_scales").view("<u2")).reshape(rows, spr)
         u6 = (reg("sub_scales") & 0x3F).astype(np.float32).reshape(rows, bpr)
-        s = (np.repeat(sup, 8, axis=1)[:, :bpr] * (u6 / np.float32(32.0))).astype(np.float32)
-    w = (s[:, :, None] * q).astype(np.float32)
+        with np.errstate(invalid="ignore"):  # an infinite super scale times u6 = 0 (masked below)
+            s = (np.repeat(sup, 8, axis=1)[:, :bpr] * (u6 / np.float32(32.0))).astype(np.float32)
+        s = np.where(u6 == 0, np.float32(0), s)
+    with np.errstate(invalid="ignore"):  # infinite scales times code 0 are NaN, as in the C
+        w = (s[:, :, None] * q).astype(np.float32)
+    # The Go decoder skips a block whose scale is zero (q*: the f16 scale after the subnormal flush;
+    # k*: super == 0 or u6 == 0): every value of it is +0.0, never -0.0 for a negative code.
+    w = np.where((s == 0)[:, :, None], np.float32(0), w).astype(np.float32)
     return w.reshape(rows, bpr * 32)[:, :cols]
 
 
@@ -187,8 +195,12 @@ def raw_quantize_codes(x, bits, scale, zero):
     if scale == 0:
         q = np.zeros(x.shape, np.int64)
     else:
-        inv = np.float32(1.0) / np.float32(scale)
-        p = ((x * inv).astype(np.float32) + np.float32(zero)).astype(np.float32)
+        with np.errstate(over="ignore"):
+            inv = np.float32(1.0) / np.float32(scale)
+        if np.isfinite(inv):
+            p = ((x * inv).astype(np.float32) + np.float32(zero)).astype(np.float32)
+        else:  # a scale below 2**-128: x / scale (x * inf would be NaN for x = 0)
+            p = ((x / np.float32(scale)).astype(np.float32) + np.float32(zero)).astype(np.float32)
         q = np.clip(round_half_away(p), qmin, qmax).astype(np.int64)
     if bits == 8:
         return q.astype(np.int8).view(np.uint8)
@@ -196,3 +208,48 @@ def raw_quantize_codes(x, bits, scale, zero):
     if cols % 2:
         u = np.concatenate([u, np.zeros((rows, 1), np.uint8)], axis=1)
     return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def exact_round_bits(x, kind):
+    """float64 values -> f16 or bf16 bit patterns (uint16), rounded ONCE to nearest even from the exact
+    value, with exact rational arithmetic (fractions): the independent reference for every
+    float64 -> half conversion.  Overflow gives infinity; NaN a quiet NaN of the same sign."""
+    import math
+    from fractions import Fraction
+
+    man, emin, ebits = {"f16": (10, -14, 5), "bf16": (7, -126, 8)}[kind]
+    bias = (1 << (ebits - 1)) - 1
+    top = (2 - Fraction(1, 1 << man)) * Fraction(2) ** bias          # the largest finite value
+    halfway = top + Fraction(2) ** (bias - man - 1)                  # ties to even round to infinity
+    out = []
+    for v in np.asarray(x, np.float64).reshape(-1):
+        v = float(v)
+        sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+        if math.isnan(v):
+            out.append(sign | (((1 << ebits) - 1) << man) | (1 << (man - 1)))
+            continue
+        a = Fraction(abs(v)) if math.isfinite(v) else None
+        if a is None or a >= halfway:
+            out.append(sign | (((1 << ebits) - 1) << man))
+            continue
+        e = max(math.floor(math.log2(a)) if a else emin, emin)
+        if a and Fraction(2) ** e > a:  # log2 rounding at exact powers of two
+            e -= 1
+        e = max(e, emin)
+        ulp = Fraction(2) ** (e - man)
+        q = a / ulp
+        n = math.floor(q)
+        r = q - n
+        if r > Fraction(1, 2) or (r == Fraction(1, 2) and n % 2):
+            n += 1
+        if n == 0:
+            out.append(sign)
+            continue
+        if n >= 2 << man:   # carried into the next binade
+            n //= 2
+            e += 1
+        if n < 1 << man:    # subnormal
+            out.append(sign | n)
+        else:
+            out.append(sign | ((e + bias) << man) | (n - (1 << man)))
+    return np.array(out, np.uint16).reshape(np.shape(x))

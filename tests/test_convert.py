@@ -352,20 +352,6 @@ def test_cli_round_trip_in_a_subprocess(tmp_path):
     assert all(got[k].tobytes() == ref[k].tobytes() for k in ref) and sorted(got) == sorted(ref)
 
 
-# -- docs -----------------------------------------------------------------------------------------
-def test_docs_examples_run(tmp_path, monkeypatch, capsys):
-    """The Python blocks of docs/convert.md run in order in a scratch directory (as test_docs does
-    for the guide)."""
-    with open(os.path.join(ROOT, "docs", "convert.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
-    assert len(blocks) >= 3
-    monkeypatch.chdir(tmp_path)
-    ns = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"convert.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
-    assert "round trip: bit-exact" in capsys.readouterr().out
-
-
 # -- memory ---------------------------------------------------------------------------------------
 RSS_SCRIPT = textwrap.dedent("""
     import json, sys

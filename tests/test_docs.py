@@ -1,56 +1,293 @@
-"""The Python examples in docs/guide.md run, in order, in a scratch directory."""
+"""Every example on every documentation page runs, as a newcomer would run it.
+
+A fenced block whose language is ``python``/``py`` or a shell (``sh``, ``bash``, ``console``,
+``shell``) is an example. Each page's examples run in document order in one scratch directory: Python
+blocks share one namespace, shell blocks run under ``bash -e`` with this interpreter's ``mcf`` and
+``python`` first on ``PATH``. An example that cannot run here says so, with its reason, in an HTML
+comment on the line directly before its fence::
+
+    <!-- not run: installs packages from the network -->
+
+Blocks without a language, or with ``text``/``json``, are not examples (byte layouts, command
+synopses, output). Some pages need inputs that a reader would have (a checkpoint directory, a GGUF
+file): ``SETUP`` creates them under the names the page uses. ``CHECKS`` then compares what the page
+printed with what its comments say.
+"""
+
+from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
-DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+PAGES = sorted(n for n in os.listdir(DOCS) if n.endswith(".md")) + ["README.md"]
+EXAMPLE_LANGS = {"python", "py", "sh", "bash", "console", "shell"}
+NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>\S.*?) -->$")
+FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 
 
-def python_blocks(path):
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+@dataclass
+class Block:
+    page: str
+    line: int            # 1-based line of the opening fence
+    lang: str
+    body: str
+    not_run: str | None  # the reason, when marked
+
+    @property
+    def example(self) -> bool:
+        return self.lang in EXAMPLE_LANGS
+
+    @property
+    def python(self) -> bool:
+        return self.lang in ("python", "py")
 
 
-@pytest.mark.parametrize("page", ["guide.md"])
-def test_guide_examples_run(page, tmp_path, monkeypatch, capsys):
-    blocks = python_blocks(os.path.join(DOCS, page))
-    assert len(blocks) >= 5
-    monkeypatch.chdir(tmp_path)
-    ns = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"{page}[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
-    out = capsys.readouterr().out
+def page_path(page: str) -> str:
+    return os.path.join(ROOT, page) if page == "README.md" else os.path.join(DOCS, page)
+
+
+def blocks_of(page: str) -> list:
+    with open(page_path(page), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        assert j < len(lines), f"{page}:{i + 1}: unclosed fence"
+        mark = NOT_RUN.match(lines[i - 1].strip()) if i else None
+        out.append(Block(page, i + 1, m.group("lang"), "\n".join(lines[i + 1:j]) + "\n",
+                         mark.group("reason") if mark else None))
+        i = j + 1
+    return out
+
+
+# -- inputs a page assumes its reader has -----------------------------------------------------------------
+def _mantle_model(dst):
+    from _vectors import MANTLE_MODEL
+
+    shutil.copytree(MANTLE_MODEL, dst)
+
+
+def _small_gguf(path):
+    """A small llama-shaped GGUF with the tensor names docs/gguf.md uses (random block bytes)."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(1021)])
+    qk = gguf.GGMLQuantizationType.Q4_K
+    bs, ts = gguf.GGML_QUANT_SIZES[qk]
+    blocks = rng.integers(0, 256, (64, 512 // bs, ts), dtype=np.uint8)
+    blocks[:, :, 0:4] = np.frombuffer(np.array([0.01, 0.001], np.float16).tobytes(), np.uint8)  # sane d, dmin
+    w.add_tensor("blk.0.ffn_down.weight", blocks.reshape(64, -1), raw_dtype=qk)
+    q8 = gguf.quants.quantize(rng.standard_normal((1024, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    w.add_tensor("output.weight", rng.standard_normal((16, 64)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _setup_guide(tmp, request):
+    _mantle_model(tmp / "path" / "to" / "checkpoint")
+
+
+def _setup_convert(tmp, request):
+    _mantle_model(tmp / "path" / "to" / "hf-model")
+    _small_gguf(tmp / "model.gguf")
+
+
+def _setup_gguf(tmp, request):
+    _small_gguf(tmp / "model.gguf")
+
+
+def _setup_kernels(tmp, request):
+    from _vectors import mantle_file
+
+    import mcf
+
+    _mantle_model(tmp / "ckpt")
+    mcf.pack(str(tmp / "ckpt"), str(tmp / "model.mcf"))
+    shutil.copy(mantle_file("f32"), tmp / "f32.mcf")
+
+
+def _setup_mcf(tmp, request):
+    from _vectors import mantle_file
+
+    shutil.copy(mantle_file("q4"), tmp / "model.mcf")   # resources, quantized tensors, QuantInfo
+
+
+def _setup_io(tmp, request):
+    (tmp / "data.bin").write_bytes(bytes(range(256)) * 64)
+
+
+def _needs_minilm(tmp, request):
+    for mod in ("torch", "safetensors", "tokenizers"):
+        pytest.importorskip(mod, reason=f"{mod} is in the test extra")
+    request.getfixturevalue("minilm_dir")   # present (installed, cached or fetched) before the page runs
+
+
+SETUP = {
+    "guide.md": _setup_guide,
+    "convert.md": _setup_convert,
+    "gguf.md": _setup_gguf,
+    "kernels.md": _setup_kernels,
+    "mcf.md": _setup_mcf,
+    "io.md": _setup_io,
+    "quickstart.md": _needs_minilm,
+    "quantization.md": _needs_minilm,
+    "README.md": _needs_minilm,
+}
+
+
+# -- what each page says it prints ------------------------------------------------------------------------
+def _check_guide(out):
     assert "broken.mcf: file_size at offset 24" in out
     assert "missing:" in out
 
 
-def test_quickstart_runs(tmp_path, monkeypatch, capsys, minilm_dir):
-    """docs/quickstart.md is a newcomer's first five minutes: every Python block runs, in order, and
-    prints what the page says it prints."""
-    pytest.importorskip("torch")
-    pytest.importorskip("safetensors")
-    pytest.importorskip("tokenizers")
-    blocks = python_blocks(os.path.join(DOCS, "quickstart.md"))
-    assert len(blocks) >= 6
+def _check_quickstart(out):
+    lines = out.splitlines()
+    assert "k4 (384, 384)" in lines
+    assert lines.count("True") == 2                      # bit-exact export, bucket found after a restart
+    assert lines[-1].startswith("TruncatedError - <memory>: file_size at offset 24")
+
+
+def _check_megacontext(out):
+    assert "5000 tokens, 156 LOD1 + 4 LOD2 gists, d=64 fp16, K=32" in out
+    assert "(5000, 156, 4)" in out
+    assert "(0, 10, 'gistnet_epoch11.pt', False), (10, 156, 'mean-pooling', False)" in out
+    assert "broken:" in out and "LOD1.ctx: embedding_dim at offset 10: embedding_dim is 0" in out
+    assert "[]" in out
+
+
+def _check_megatron(out):
+    assert "[1 2 3]" in out and "[7 8]" in out and "[6 7 8 1 2 3 4 5] [0 3 6 8]" in out
+
+
+def _check_convert(out):
+    assert "round trip: bit-exact" in out and "raw round trip: True" in out
+    assert "['config.json', 'model.safetensors']" in out
+    assert "k4 f16 256" in out and "False" in out.splitlines()       # no output after a refused input
+
+
+def _check_torch(out):
+    assert out.splitlines() == ["torch.float32 torch.float32", "torch.bfloat16", "True",
+                                "torch.Size([32, 32]) torch.Size([32, 128])", "True",
+                                "{'fc.weight': ('float16', (64, 32)), 'proj.weight': ('float16', (32, 256))}"]
+
+
+def _check_remote(out):
+    assert out.splitlines() == ["fileobj [4. 5. 6. 7.]", "(64, 256)", "['emb', 'proj'] float16", "66.0"]
+
+
+def _check_quantization(out):
+    # the page's claim: 104 tensors, 103 float32 and one int64, 40 of them quantized
+    for m in ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"):
+        assert f"minilm-{m}.mcf" in out
+    import mcf
+
+    with mcf.open("minilm.mcf") as c:
+        kinds = [c.info(n).dtype.name for n in c]
+    assert len(kinds) == 104 and kinds.count("f32") == 103 and kinds.count("i64") == 1
+    with mcf.open("minilm-k4.mcf") as c:
+        assert sum(c.info(n).dtype.quantized for n in c) == 40
+
+
+def _check_readme(out):
+    assert out.splitlines()[0] == "384 104"
+
+
+def _check_kernels(out):
+    assert "(512, 256) float16" in out and "True" in out.splitlines()
+
+
+def _check_io(out):
+    assert "b'\\x00\\x01\\x02\\x03' 16384" in out
+
+
+CHECKS = {
+    "guide.md": _check_guide, "quickstart.md": _check_quickstart, "megacontext.md": _check_megacontext,
+    "megatron.md": _check_megatron, "convert.md": _check_convert, "torch.md": _check_torch,
+    "remote.md": _check_remote, "quantization.md": _check_quantization, "README.md": _check_readme,
+    "kernels.md": _check_kernels, "io.md": _check_io,
+}
+
+
+# -- the tests -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page", PAGES)
+def test_every_example_runs_or_says_why_not(page):
+    """The convention holds: a ``not run`` comment sits directly before an example's fence and gives
+    a reason, and every other example is run by :func:`test_page_examples_run`."""
+    with open(page_path(page), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    fences = {b.line: b for b in blocks_of(page)}
+    for k, line in enumerate(lines):
+        if "not run" in line and line.strip().startswith("<!--"):
+            assert NOT_RUN.match(line.strip()), f"{page}:{k + 1}: write it as <!-- not run: <reason> -->"
+            b = fences.get(k + 2)
+            assert b is not None and b.example, f"{page}:{k + 1}: a not-run comment must sit directly " \
+                                                 "before an example's fence"
+
+
+RUNNABLE = [p for p in PAGES if any(b.example and b.not_run is None for b in blocks_of(p))]
+
+
+@pytest.mark.parametrize("page", RUNNABLE)
+def test_page_examples_run(page, tmp_path, monkeypatch, capsys, request):
+    from pathlib import Path
+
     monkeypatch.chdir(tmp_path)
-    ns = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"quickstart.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
-    out = capsys.readouterr().out.splitlines()
-    assert "k4 (384, 384)" in out
-    assert out.count("True") == 2                      # bit-exact export, bucket found after a restart
-    assert out[-1].startswith("TruncatedError - <memory>: file_size at offset 24")
+    if page in SETUP:
+        SETUP[page](Path(tmp_path), request)
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    ns: dict = {"__name__": "__main__"}
+    shell_out = []
+    for b in blocks_of(page):
+        if not b.example or b.not_run is not None:
+            continue
+        where = f"{page}:{b.line}"
+        if b.python:
+            exec(compile(b.body, where, "exec"), ns)  # noqa: S102 - our own documentation
+        else:
+            p = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", b.body], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+            assert p.returncode == 0, f"{where} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+            shell_out.append(p.stdout)
+    out = capsys.readouterr().out + "".join(shell_out)
+    if page in CHECKS:
+        CHECKS[page](out)
+
+
+def test_not_run_examples_are_few_and_explained():
+    """What the pages leave out, for a reader of this test's log: every reason is specific."""
+    skipped = [(b.page, b.line, b.not_run) for p in PAGES for b in blocks_of(p) if b.example and b.not_run]
+    for page, line, reason in skipped:
+        assert len(reason) >= 15, f"{page}:{line}: say why it is not run"
+    runs = sum(1 for p in PAGES for b in blocks_of(p) if b.example and not b.not_run)
+    assert runs >= 4 * len(skipped), skipped
 
 
 def test_api_reference_matches_the_docstrings():
     """docs/api.md is generated from the docstrings (docs/gen_api.py): a changed docstring or a new public
     name must come with a regenerated page."""
-    import subprocess
-    import sys
-
     gen = os.path.join(DOCS, "gen_api.py")
     p = subprocess.run([sys.executable, gen, "--check"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr

@@ -29,8 +29,9 @@ def random_payload(method, rows, cols, rng, domain=0, scale_kind="normal"):
         if name in ("scales", "super_scales"):
             if scale_kind == "normal":
                 h = rng.uniform(1e-4, 2.0, n // 2).astype(np.float16).view(np.uint16)
-            else:  # every finite bit pattern: zeros, subnormals (flushed), huge values
-                h = rng.integers(0, 0x7C00, n // 2, dtype=np.uint16) | (rng.integers(0, 2, n // 2, dtype=np.uint16) << 15)
+            else:  # every finite bit pattern and infinity: zeros, subnormals (flushed), huge values
+                h = rng.integers(0, 0x7C01, n // 2, dtype=np.uint16) | (rng.integers(0, 2, n // 2, dtype=np.uint16) << 15)
+                h[rng.random(n // 2) < 0.1] = rng.choice(np.array([0, 0x8000, 1, 0x83FF], np.uint16))
             p[o:o + n] = h.view(np.uint8)
         elif name in ("scale", "zero"):
             p[o:o + 4] = np.frombuffer(np.float32(rng.uniform(-2, 2)).tobytes(), np.uint8)
@@ -52,6 +53,89 @@ def test_dequant_matches_reference(method, shape, impl):
     assert got16.view(np.uint16).tobytes() == ref.to_f16_bits(want).tobytes()
     gotbf = K.dequantize(p, code, *shape, domain=domain, dtype=np.uint16, impl=impl)
     assert gotbf.tobytes() == ref.to_bf16_bits(want).tobytes()
+
+
+ZERO_SCALES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF], np.uint16)  # +-0 and subnormals
+
+
+def zero_scale_payload(method, rows, cols, rng):
+    """Random codes (the most negative ones included) under scales that decode to zero: q* blocks
+    with a zero or subnormal f16 scale, k* blocks under such a super scale or with u6 = 0 (under a
+    normal, a huge or an infinite super scale), int* with a zero per-tensor scale (+0.0 or -0.0).
+    Every other block keeps a normal scale.  Returns (payload, mask of values that must be +0.0)."""
+    regs, total = ref.layout(method, rows, cols)
+    p = rng.integers(0, 256, total, dtype=np.uint8)
+    bpr, fam = -(-cols // 32), ref.FAMILY[method]
+    zero = np.zeros((rows, bpr), bool)
+    if fam == "raw":
+        o, _ = regs["scale"]
+        p[o:o + 4] = np.frombuffer(np.float32(rng.choice([0.0, -0.0])).tobytes(), np.uint8)
+        return p, np.ones((rows, cols), bool)
+    if fam == "block":
+        h = rng.uniform(1e-3, 2.0, rows * bpr).astype(np.float16).view(np.uint16).reshape(rows, bpr)
+        zero = rng.random((rows, bpr)) < 0.5
+        zero[0, 0] = True
+        h[zero] = rng.choice(ZERO_SCALES, int(zero.sum()))
+        o, n = regs["scales"]
+        p[o:o + n] = h.reshape(-1).view(np.uint8)
+    else:
+        spr = -(-bpr // 8)
+        sup = rng.uniform(1e-3, 2.0, rows * spr).astype(np.float16).view(np.uint16).reshape(rows, spr)
+        zsup = rng.random((rows, spr)) < 0.3
+        zsup[0, 0] = True
+        sup[zsup] = rng.choice(ZERO_SCALES, int(zsup.sum()))
+        big = ~zsup & (rng.random((rows, spr)) < 0.3)
+        sup[big] = rng.choice(np.array([0x7BFF, 0x7C00, 0xFC00], np.uint16), int(big.sum()))  # max, +-inf
+        sub = p[regs["sub_scales"][0]:regs["sub_scales"][0] + rows * bpr].reshape(rows, bpr)
+        u0 = rng.random((rows, bpr)) < 0.3
+        sub[u0] &= 0xC0          # u6 = 0 (the unused top bits stay random)
+        sub[~u0 & ((sub & 0x3F) == 0)] |= 1
+        zero = u0 | np.repeat(zsup, 8, axis=1)[:, :bpr]
+        o, n = regs["super_scales"]
+        p[o:o + n] = sup.reshape(-1).view(np.uint8)
+    mask = np.repeat(zero, 32, axis=1)[:, :cols]
+    return p, mask
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 40), (2, 300), (4, 1100)])
+def test_zero_scale_blocks_decode_to_positive_zero(method, shape, impl):
+    """The Go decoder skips a block whose scale is zero and leaves +0.0 in it; every variant must
+    give +0.0 (not -0.0 for a negative code, not NaN for an infinite super scale with u6 = 0), in
+    every output dtype, whole or by rows or tiles, and agree with the reference elsewhere."""
+    rng = np.random.default_rng(zlib.crc32(repr(("zero", method, shape)).encode()))
+    rows, cols = shape
+    p, mask = zero_scale_payload(method, rows, cols, rng)
+    code = mcf.dtypes.parse_dtype(method).code
+    want = ref.dequant(p, method, rows, cols)
+    assert not (want.view(np.uint32)[mask]).any()          # the reference says +0.0 too
+    got = K.dequantize(p, code, rows, cols, impl=impl)
+    assert got.tobytes() == want.tobytes()
+    assert not got.view(np.uint32)[mask].any()
+    for dt in (np.float16, np.uint16):
+        assert not K.dequantize(p, code, rows, cols, dtype=dt, impl=impl).view(np.uint16)[mask].any()
+    part = K.dequantize(p, code, rows, cols, row_range=(rows - 1, rows), impl=impl)
+    assert part.tobytes() == want[rows - 1:].tobytes()
+    qt = K.QTensor(p, code, rows, cols, impl=impl)
+    buf = np.empty(cols, np.float32)
+    qt.rows_into(0, 1, buf)
+    assert buf.tobytes() == want[0].tobytes()
+
+
+@pytest.mark.parametrize("method", QK)
+def test_compat_quantized_underflowing_blocks_decode_to_positive_zero(method):
+    """The Go quantizer computes codes from the unrounded f32 scale and stores a truncated f16 one:
+    a block of values so small that the stored scale flushes to zero keeps nonzero codes (negative
+    ones too).  Decoding it gives +0.0 everywhere, as the Go decoder does."""
+    x = np.full((2, 64), 1e-7, np.float32)
+    x[:, 1::2] = -3e-7
+    payload, _ = mcf.quantize(x, method, compat=True)
+    codes = K.unpack_codes(payload, mcf.dtypes.parse_dtype(method).code, 2, 64)
+    assert (codes < 0).any()                  # the codes say "negative"
+    for impl in IMPLS:
+        y = mcf.dequantize(payload, method, x.shape, impl=impl)
+        assert not y.view(np.uint32).any()    # every value is +0.0
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -331,3 +415,47 @@ def test_int_quantizer_matches_reference_all_variants(method, domain, rows, cols
     assert payload[o:o + n].tobytes() == want
     for impl in IMPLS:
         assert mcf.quantize(x, method, domain=domain, impl=impl)[0].tobytes() == payload.tobytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(["int8", "int4"]), domain=st.sampled_from([0, 1]), rows=st.integers(1, 4),
+       cols=st.integers(1, 200), seed=st.integers(0, 2**32 - 1), lo=st.floats(-2, 0.5), width=st.floats(0, 3))
+def test_int_quantizer_clips_in_every_variant(method, domain, rows, cols, seed, lo, width):
+    """int8/int4 clamp each value to the clips inside the kernel (the input is only read): every
+    variant gives the codes of the spec's formula applied to the clipped values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    before = x.tobytes()
+    hi = lo + width
+    payload, _ = mcf.quantize(x, method, domain=domain, min_clip=lo, max_clip=hi)
+    assert x.tobytes() == before
+    regs, _ = ref.layout(method, rows, cols, domain)
+    scale = float(np.frombuffer(payload[0:4].tobytes(), np.float32)[0])
+    zero = float(np.frombuffer(payload[64:68].tobytes(), np.float32)[0]) if "zero" in regs else 0.0
+    o, n = regs["data"]
+    clipped = np.clip(x, np.float32(lo), np.float32(hi))
+    assert payload[o:o + n].tobytes() == ref.raw_quantize_codes(clipped, ref.BITS[method], scale, zero).tobytes()
+    for impl in IMPLS:
+        assert mcf.quantize(x, method, domain=domain, min_clip=lo, max_clip=hi, impl=impl)[0].tobytes() == \
+            payload.tobytes()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int_quantizer_with_a_scale_whose_inverse_overflows(method):
+    """A clip range (or data) so small that the float32 scale's inverse overflows: the codes come from
+    x / scale (x * inf was NaN for x = 0, and NaN to int is undefined), the same in every variant."""
+    x = np.zeros((2, 70), np.float32)
+    x[0, ::3] = 5e-40
+    x[1, ::5] = -1e-39
+    for kw in ({"min_clip": -2e-39, "max_clip": 2e-39}, {}):
+        payload, _ = mcf.quantize(x, method, **kw)
+        regs, _ = ref.layout(method, 2, 70)
+        scale = float(np.frombuffer(payload[0:4].tobytes(), np.float32)[0])
+        assert 0 < scale < 2.0**-126
+        o, n = regs["data"]
+        clipped = np.clip(x, np.float32(kw.get("min_clip", -1)), np.float32(kw.get("max_clip", 1)))
+        assert payload[o:o + n].tobytes() == ref.raw_quantize_codes(clipped, ref.BITS[method], scale, 0.0).tobytes()
+        codes = K.unpack_codes(payload, mcf.dtypes.parse_dtype(method).code, 2, 70)
+        assert codes[0, 1] == 0 and codes[1, 0] < 0 and codes[0, 0] > 0
+        for impl in IMPLS:
+            assert mcf.quantize(x, method, impl=impl, **kw)[0].tobytes() == payload.tobytes()

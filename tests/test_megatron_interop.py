@@ -295,3 +295,85 @@ def test_tokenize_equals_datatrove_megatron_step(datatrove, tmp_path, minilm_tok
             assert Path(ours + ext).read_bytes() == Path(dt_prefix + ext).read_bytes(), (workers, ext)
     with mm.open(dt_prefix) as ds:
         assert ds.verify() == [] and len(ds) == len(docs)
+
+
+# Texts with nothing to tokenize, next to ordinary ones: an empty string (datatrove's reader drops it
+# with a warning), whitespace only and a zero-width space (no token with this vocabulary).
+EMPTY_TEXTS = ["Hello world.", "", "   ", "\u200b", "Second one.", "", "last"]
+
+
+def _run_datatrove(tmp_path, name, texts, tok, eos):
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
+
+    inp = tmp_path / f"{name}-in"
+    inp.mkdir()
+    with open(inp / "docs.jsonl", "w", encoding="utf-8") as f:
+        for d in texts:
+            f.write(json.dumps({"text": d}) + "\n")
+    LocalPipelineExecutor(
+        pipeline=[JsonlReader(str(inp)),
+                  MegatronDocumentTokenizer(output_folder=str(tmp_path / name), tokenizer_name_or_path=tok,
+                                            eos_token=eos)],
+        tasks=1, workers=1, logging_dir=str(tmp_path / f"{name}-logs")).run()
+    return str(inp / "docs.jsonl"), str(tmp_path / name / "00000_tokens")
+
+
+@pytest.mark.parametrize("eos", ["[SEP]", None])
+def test_empty_texts_datatrove_rule_equals_datatrove(datatrove, tmp_path, minilm_tokenizer, eos):
+    """``empty_text="datatrove"`` writes datatrove's bytes for texts without tokens: one sequence of
+    just the EOS (an empty one without ``eos_token``), and no document at all for an empty string."""
+    tok = str(tmp_path / "tokenizer.json")
+    _strip_inference_settings(minilm_tokenizer, tok)
+    if eos is None:  # datatrove then keeps the tokenizer's own post-processor: drop it, as ours does
+        with open(tok, encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg["post_processor"] = None
+        with open(tok, "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+    src, dt_prefix = _run_datatrove(tmp_path, "dt", EMPTY_TEXTS, tok, eos)
+    for workers, batch in ((1, 1000), (2, 2)):
+        ours = str(tmp_path / f"ours{workers}")
+        stats = tokenize(src, ours, tok, append_eod=eos is not None, eod_token=eos, dtype_rule="datatrove",
+                         empty_text="datatrove", workers=workers, batch_size=batch)
+        for ext in (".idx", ".bin"):
+            assert Path(ours + ext).read_bytes() == Path(dt_prefix + ext).read_bytes(), (eos, workers, ext)
+        assert stats["documents"] == len([t for t in EMPTY_TEXTS if t])
+    from mcf.cli import main
+
+    cli = str(tmp_path / "cli")
+    argv = ["megatron", "tokenize", src, "--tokenizer", tok, "--output-prefix", cli, "--dtype-rule", "datatrove",
+            "--empty-text", "datatrove", "-q"] + (["--append-eod", "--eod-token", eos] if eos else [])
+    assert main(argv) == 0
+    assert Path(cli + ".bin").read_bytes() == Path(dt_prefix + ".bin").read_bytes()
+    assert Path(cli + ".idx").read_bytes() == Path(dt_prefix + ".idx").read_bytes()
+    with mm.open(dt_prefix) as ds:
+        lens = ds.sequence_lengths.tolist()
+        assert len(ds) == ds.num_documents == 5            # the two "" were dropped
+        assert lens[1:3] == ([1, 1] if eos else [0, 0])     # "   " and "\u200b": EOS alone, or empty
+    # the default (Megatron's rule) differs exactly there: those texts are documents without sequences
+    meg = str(tmp_path / "meg")
+    tokenize(src, meg, tok, append_eod=eos is not None, eod_token=eos, dtype_rule="datatrove")
+    with mm.open(meg) as ds, mm.open(dt_prefix) as dt:
+        assert ds.num_documents == len(EMPTY_TEXTS) and len(ds) == 3
+        assert [ds[i].tolist() for i in range(3)] == [dt[i].tolist() for i in (0, 3, 4)]
+
+
+def test_empty_texts_datatrove_rule_with_sentence_lists(tmp_path, minilm_tokenizer):
+    """Sentence lists keep Megatron's one-sequence-per-non-empty-sentence rule under either setting; an
+    empty list is dropped with ``empty_text="datatrove"`` as an empty string is."""
+    tok = str(tmp_path / "tokenizer.json")
+    _strip_inference_settings(minilm_tokenizer, tok)
+    src = tmp_path / "s.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        for d in (["One.", "", "Two."], [], "   ", "", ["   "], "x"):
+            f.write(json.dumps({"text": d}) + "\n")
+    out = str(tmp_path / "o")
+    tokenize(str(src), out, tok, append_eod=True, eod_token="[SEP]", empty_text="datatrove", batch_size=4)
+    with mm.open(out) as ds:
+        sep = ds[2].tolist()
+        assert ds.document_indices.tolist() == [0, 2, 3, 3, 4]   # list, "   ", ["   "], "x"
+        assert sep == [102] and ds[1].tolist()[-1] == 102 and ds[3].tolist()[-1] == 102
+    with pytest.raises(mcf.InvalidArgumentError, match="empty_text"):
+        tokenize(str(src), out, tok, empty_text="skip")

@@ -8,7 +8,6 @@ Every format is read twice, from its local path and from its URL, and the result
 from __future__ import annotations
 
 import http.server
-import os
 import pickle
 import threading
 import zlib
@@ -501,22 +500,6 @@ def test_bad_arguments():
         RemoteFile("/not/a/url")
     with pytest.raises(InvalidArgumentError):
         RemoteFile("memory:///x", block_size=0)
-
-
-def test_docs_remote_examples_run(tmp_path, monkeypatch, capsys):
-    """docs/remote.md: every python block runs, in order, and prints what its comments say."""
-    import re
-
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "remote.md"),
-              encoding="utf-8") as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
-    assert len(blocks) >= 2
-    monkeypatch.chdir(tmp_path)
-    ns = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"remote.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
-    out = capsys.readouterr().out.splitlines()
-    assert out == ["fileobj [4. 5. 6. 7.]", "(64, 256)", "['emb', 'proj'] float16", "66.0"]
 
 
 # -- the block cache against plain slicing --------------------------------------------------------------

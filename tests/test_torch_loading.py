@@ -192,25 +192,3 @@ def test_missing_torch_names_the_package():
             "try:\n    import mcf.torch\nexcept ImportError as e:\n    print('ERR', e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERR" in r.stdout and "'torch'" in r.stdout and "pip install" in r.stdout, r.stdout + r.stderr
-
-
-def _doc_blocks(page):
-    import os
-    import re
-
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", page), encoding="utf-8") as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
-
-
-def test_docs_torch_examples_run(tmp_path, monkeypatch, capsys):
-    """docs/torch.md: every python block runs, in order, and prints what its comments say."""
-    blocks = _doc_blocks("torch.md")
-    assert len(blocks) >= 4
-    monkeypatch.chdir(tmp_path)
-    ns = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"torch.md[block {i}]", "exec"), ns)  # noqa: S102 - our own documentation
-    out = capsys.readouterr().out.splitlines()
-    assert out == ["torch.float32 torch.float32", "torch.bfloat16", "True",
-                   "torch.Size([32, 32]) torch.Size([32, 128])", "True",
-                   "{'fc.weight': ('float16', (64, 32)), 'proj.weight': ('float16', (32, 256))}"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import FormatError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 
 __all__ = [
@@ -114,12 +115,14 @@ def ctx_dtype(value) -> CtxDType:
 # -- offsets (seed 000's formulas) -------------------------------------------------------------------------
 def token_offset(block_index: int, token_index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Byte offset of token ``token_index`` of block ``block_index`` in LOD0.ctx."""
-    return HEADER_SIZE + (block_index * block_size + token_index) * 4
+    b, t, k = integer(block_index, "block_index"), integer(token_index, "token_index"), integer(block_size, "block_size")
+    return HEADER_SIZE + (b * k + t) * 4
 
 
 def gist_offset(gist_index: int, embedding_dim: int, dtype_bytes: int) -> int:
     """Byte offset of gist ``gist_index`` in LOD1.ctx / LOD2.ctx."""
-    return HEADER_SIZE + gist_index * embedding_dim * dtype_bytes
+    return (HEADER_SIZE + integer(gist_index, "gist_index") * integer(embedding_dim, "embedding_dim")
+            * integer(dtype_bytes, "dtype_bytes"))
 
 
 def entry_size(level: int, embedding_dim: int, dtype: CtxDType) -> int:
@@ -137,8 +140,9 @@ def span_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tup
     tokens [K*i, K*i+K) for LOD1 gist i, tokens [K*K*j, K*K*j+K*K) for LOD2 gist j."""
     if level not in LEVELS:
         raise InvalidArgumentError(f"unknown level {level!r}; expected 0, 1 or 2")
-    w = block_size ** level
-    return index * w, index * w + w
+    w = integer(block_size, "block_size") ** level
+    i = integer(index, "index")
+    return i * w, i * w + w
 
 
 def children_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> range:
@@ -146,14 +150,15 @@ def children_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) ->
     gists 32j..32j+31, LOD1 gist i covers tokens 32i..32i+31)."""
     if level not in (1, 2):
         raise InvalidArgumentError(f"only LOD1 and LOD2 entries have children, not level {level!r}")
-    return range(index * block_size, index * block_size + block_size)
+    i, k = integer(index, "index"), integer(block_size, "block_size")
+    return range(i * k, i * k + k)
 
 
 def parent_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The entry of ``level + 1`` whose span holds entry ``index`` of ``level``."""
     if level not in (0, 1):
         raise InvalidArgumentError(f"only LOD0 and LOD1 entries have parents, not level {level!r}")
-    return index // block_size
+    return integer(index, "index") // integer(block_size, "block_size")
 
 
 # -- header ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from libc.string cimport memcpy
 
 from mcf._io cimport Source
 
+from mcf._args import byte_order_problem
 from mcf.errors import InvalidArgumentError, OutOfBoundsError
 
 cnp.import_array()
@@ -106,9 +107,14 @@ cdef int _check_level_source(Source src, uint64_t count, uint64_t entry, str wha
     return 0
 
 
+cdef _native(a):
+    """An input array in native byte order: big-endian values are values (a converted copy)."""
+    return a.astype(a.dtype.newbyteorder("=")) if a.dtype.byteorder == ">" else a
+
+
 cdef _table_info(table, uint32_t dim):
     """(array, code, vocab, row stride in bytes) of an embedding table; rows must be contiguous."""
-    t = table if isinstance(table, np.ndarray) else np.asarray(table)
+    t = _native(table if isinstance(table, np.ndarray) else np.asarray(table))
     if t.ndim != 2:
         raise InvalidArgumentError(f"the embedding table must be 2-D [vocab, d], got shape {t.shape}")
     if t.shape[1] != dim:
@@ -254,6 +260,8 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
             if not isinstance(out, np.ndarray):
                 raise InvalidArgumentError("out must be a numpy array")
             ocode = float_code(out.dtype)
+            if byte_order_problem(out.dtype, "out"):
+                raise InvalidArgumentError(byte_order_problem(out.dtype, "out"))
             if ocode < 0:
                 raise InvalidArgumentError(f"out dtype {out.dtype} is not float16, bfloat16 or float32")
             if out_dtype is not None and float_code(out_dtype) != ocode:
@@ -374,7 +382,7 @@ def gather_rows(Source src, uint64_t count, size_t row_bytes, indices, out):
 def convert(src, out):
     """Convert a float array into ``out`` (same element count; fp16/bf16/fp32 each way), rounding to
     nearest even."""
-    s = np.ascontiguousarray(src)
+    s = np.ascontiguousarray(_native(np.asarray(src)))
     cdef int sc = float_code(s.dtype), dc = float_code(out.dtype)
     if sc < 0 or dc < 0:
         raise InvalidArgumentError(f"cannot convert {s.dtype} to {out.dtype}")
@@ -390,7 +398,7 @@ def convert(src, out):
 
 def pool_rows(rows, uint32_t group, out_dtype):
     """Mean of each run of ``group`` rows of a [G*group, d] float array -> [G, d] of ``out_dtype``."""
-    r = np.ascontiguousarray(rows)
+    r = np.ascontiguousarray(_native(np.asarray(rows)))
     cdef int sc = float_code(r.dtype), oc = float_code(out_dtype)
     if sc < 0 or oc < 0:
         raise InvalidArgumentError(f"pooling needs float16, bfloat16 or float32 (got {r.dtype} -> {out_dtype})")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext import _megacontext as _mc
 
@@ -102,8 +103,7 @@ def assemble(tree, plan, embeddings=None, *, out=None, dtype=None, threads: int 
     against the table's rows."""
     tree._check_open()
     p = Plan.of(plan)
-    if not isinstance(threads, int) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+    threads = integer(threads, "threads", minimum=1)
     t, n1, n2 = tree.counts
     srcs = (tree._src(0, t), tree._src(1, n1) if n1 else None, tree._src(2, n2) if n2 else None)
     levels, positions, token_ids, gists, matrix = _mc.assemble(
@@ -116,9 +116,11 @@ def _counts(tree_or_counts, block_size):
     if hasattr(tree_or_counts, "counts") and hasattr(tree_or_counts, "block_size"):
         return tuple(tree_or_counts.counts), tree_or_counts.block_size
     try:
-        t, n1, n2 = (int(x) for x in tree_or_counts)
+        t, n1, n2 = tree_or_counts
     except (TypeError, ValueError):
         raise InvalidArgumentError("plan_tail needs a tree or (num_tokens, lod1_gists, lod2_gists)") from None
+    t, n1, n2 = integer(t, "num_tokens"), integer(n1, "lod1_gists"), integer(n2, "lod2_gists")
+    block_size = integer(block_size, "block_size")
     if min(t, n1, n2) < 0 or n1 > t // block_size or n2 > n1 // block_size:
         raise InvalidArgumentError(f"inconsistent counts {(t, n1, n2)} for block_size {block_size}")
     return (t, n1, n2), block_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext import _megacontext as _mc
 
@@ -23,6 +24,8 @@ class MeanPool:
 
     def __init__(self, table, checkpoint: str = "mean-pooling"):
         t = np.asarray(table)
+        if t.dtype.byteorder == ">":  # big-endian values are values: a native copy
+            t = t.astype(t.dtype.newbyteorder("="))
         if t.ndim != 2 or _mc.float_code(t.dtype) < 0:
             raise InvalidArgumentError(f"the embedding table must be a 2-D float16/bfloat16/float32 array, got "
                                        f"{t.dtype} {t.shape}")
@@ -58,7 +61,7 @@ def build_gists(tree, pooler: MeanPool, *, chunk_blocks: int = 4096, commit: boo
         lower = tree.num_tokens if level == 1 else tree.num_gists(1)
         have = tree.num_gists(level)
         want = lower // k
-        step = max(1, int(chunk_blocks))
+        step = max(1, integer(chunk_blocks, "chunk_blocks"))
         for g in range(have, want, step):
             h = min(want, g + step)
             if level == 1:

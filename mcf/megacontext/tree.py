@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf import _fpconv
+from mcf._args import index_array, integer
 from mcf._io import Source, open_source
 from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingFileError, OutOfBoundsError,
                         TruncatedError, os_error)
@@ -461,8 +463,8 @@ class Tree:
         return lv.src
 
     def _range(self, n, start, stop, what):
-        start = 0 if start is None else int(start)
-        stop = n if stop is None else int(stop)
+        start = 0 if start is None else integer(start, "start")
+        stop = n if stop is None else integer(stop, "stop")
         if not 0 <= start <= stop <= n:
             raise OutOfBoundsError(f"{self.path}: {what} [{start}, {stop}) outside [0, {n})")
         return start, stop
@@ -476,7 +478,7 @@ class Tree:
     def block(self, block: int) -> np.ndarray:
         """The token ids of LOD0 block ``block`` (fewer than block_size for the partial last block)."""
         nb = -(-self.num_tokens // self.block_size)
-        b = int(block)
+        b = integer(block, "block")
         if not 0 <= b < nb:
             raise OutOfBoundsError(f"{self.path}: block {b} outside [0, {nb})")
         return self.tokens(b * self.block_size, min(self.num_tokens, (b + 1) * self.block_size))
@@ -484,7 +486,7 @@ class Tree:
     def gist(self, level: int, index: int) -> np.ndarray:
         """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped)."""
         n = self.num_gists(level)
-        i = int(index)
+        i = integer(index, "gist index")
         if not 0 <= i < n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gist {i} outside [0, {n})")
         return self.gists(level, slice(i, i + 1))[0]
@@ -506,9 +508,9 @@ class Tree:
                                                      (stop - start, d))
             which = np.arange(start, stop, step)
         ix = np.asarray(which)
-        if ix.dtype.kind not in "iu" and ix.size:
-            raise InvalidArgumentError("gist indices must be integers")
-        ix = ix.astype(np.int64).reshape(-1)
+        if ix.ndim == 0:
+            raise InvalidArgumentError("gist indices must be a slice or a 1-D array (use gist() for one)")
+        ix = index_array(ix, n, "gist indices")   # numpy's rules: integers, or a mask of n bools
         ix = np.where(ix < 0, ix + n, ix)
         out = np.empty((ix.shape[0], d), dtype=dt.numpy)
         return _mc.gather_rows(self._src(level, n), n, d * dt.itemsize, ix, out)
@@ -602,9 +604,14 @@ class Tree:
             a = a.reshape(1, d)
         if a.ndim != 2 or a.shape[1] != d:
             raise InvalidArgumentError(f"gists must have shape (n, {d}), got {a.shape}")
+        if a.dtype.byteorder == ">":  # big-endian values are values: read them in native order
+            a = a.astype(a.dtype.newbyteorder("="))
         if a.dtype == dt.numpy or (dt.code == 2 and a.dtype == np.dtype("<u2")):
             return np.ascontiguousarray(a)
         if a.dtype == np.float64:
+            if dt.code in (1, 2):  # one rounding from the exact value (float32 on the way would round twice)
+                bits = (_fpconv.f64_to_f16 if dt.code == 1 else _fpconv.f64_to_bf16)(a)
+                return np.ascontiguousarray(bits).view(_mc.numpy_dtype(dt.code))
             a = a.astype(np.float32)
         if _mc.float_code(a.dtype) < 0:
             raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
@@ -651,7 +658,7 @@ class Tree:
         self._check_writable()
         n = self.num_gists(level)
         a = self._as_gist_rows(rows)
-        start = int(start)
+        start = integer(start, "start")
         if not 0 <= start <= start + a.shape[0] <= n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gists [{start}, {start + a.shape[0]}) outside [0, {n}); "
                                    "append_gists adds new ones")
@@ -802,9 +809,7 @@ class Tree:
 # -- module-level entry points ---------------------------------------------------------------------------
 def _check_geometry(embedding_dim, block_size):
     for name, v in (("embedding_dim", embedding_dim), ("block_size", block_size)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise InvalidArgumentError(f"{name} must be an integer, got {v!r}")
-        if not 1 <= int(v) <= 0xFFFF:
+        if not 1 <= integer(v, name) <= 0xFFFF:
             raise InvalidArgumentError(f"{name} must lie in 1..65535 (a u16 in the header), got {v}")
 
 
@@ -821,7 +826,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise InvalidArgumentError(f"gists are stored as fp16, bf16 or fp32, not {gdt.name}")
     if not isinstance(model_name, str):
         raise InvalidArgumentError("model_name must be a string")
-    if vocab_size is not None and (not isinstance(vocab_size, (int, np.integer)) or not 1 <= int(vocab_size) <= 2**32):
+    if vocab_size is not None and not 1 <= integer(vocab_size, "vocab_size") <= 2**32:
         raise InvalidArgumentError(f"vocab_size must be in 1..2**32, got {vocab_size!r}")
     if gistnet_checkpoint is not None and not isinstance(gistnet_checkpoint, str):
         raise InvalidArgumentError("gistnet_checkpoint must be a string or None")

@@ -35,6 +35,7 @@ cdef extern from *:
     int mg_mul_i64(long long a, long long b, long long* r) nogil
     void mg_prefetch(const void* p) nogil
 
+from mcf._args import index_array, integer
 from mcf.errors import ClosedError, InvalidArgumentError, OutOfBoundsError
 
 INT32_MAX = 2**31 - 1
@@ -375,7 +376,13 @@ cdef class SequenceTable:
         return 0
 
     cdef Py_ssize_t _norm(self, object idx) except -2:
-        cdef Py_ssize_t i = PyLong_AsSsize_t(idx) if type(idx) is int else PyLong_AsSsize_t(idx.__index__())
+        cdef Py_ssize_t i
+        if type(idx) is not int:
+            idx = integer(idx, "a sequence index")   # numpy integers; never a bool or a float
+        try:
+            i = PyLong_AsSsize_t(idx)
+        except OverflowError:
+            raise OutOfBoundsError(f"sequence index {idx} out of range for {self._n} sequences") from None
         if i < 0:
             i += self._n
         if i < 0 or i >= self._n:
@@ -425,10 +432,10 @@ cdef class SequenceTable:
         self._check_open()
         cdef Py_ssize_t i = self._norm(idx)
         cdef int64_t ln = ld32(self._lens + 4 * i)
-        off = int(offset)
+        off = integer(offset, "offset")
         if off < 0 or off > ln:
             raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
-        cnt = ln - off if length is None else int(length)
+        cnt = ln - off if length is None else integer(length, "length")
         if cnt < 0 or cnt > ln - off:
             raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} "
                                    f"(length {ln})")
@@ -454,9 +461,7 @@ cdef class SequenceTable:
         cdef const uint8_t* ptrs = self._ptrs
         cdef const uint8_t* lens = self._lens
         cdef uint64_t size = self._bin_size
-        idx_arr = np.ascontiguousarray(indices, dtype=np.int64)
-        if idx_arr.ndim != 1:
-            raise InvalidArgumentError("indices must be one-dimensional")
+        idx_arr = index_array(indices, self._n)   # numpy's rules: integers, or a mask of N bools
         cdef const int64_t[::1] ix = idx_arr
         cdef Py_ssize_t m = ix.shape[0], k, bad = -1
         cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)

@@ -111,7 +111,7 @@ def cmd_tokenize(args) -> int:
     stats = tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
                      append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
-                     add_special_tokens=args.add_special_tokens,
+                     add_special_tokens=args.add_special_tokens, empty_text=args.empty_text,
                      progress=Progress("tokenize", None if not args.quiet else False))
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
@@ -157,5 +157,8 @@ def add_megatron_parser(sub) -> None:
                    help="uint16 below 65500 (megatron) or up to 65536 (datatrove) vocabulary entries")
     s.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer's post-processor add its special tokens (e.g. [CLS] ... [SEP])")
+    s.add_argument("--empty-text", choices=("megatron", "datatrove"), default="megatron",
+                   help="a text without tokens: a document with no sequence (megatron), or one sequence "
+                        "holding just the EOD, with empty strings dropped (datatrove)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_tokenize)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import integer
 from mcf._io import Source, open_source
 from mcf.errors import (FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
                         UnsupportedVersionError)
@@ -305,7 +306,8 @@ class IndexedDataset(_megatron.SequenceTable):
         """The sequence ids of document ``k`` (negative ``k`` counts from the end)."""
         di = self.document_indices
         nd = len(di) - 1
-        kk = int(k) + nd if int(k) < 0 else int(k)
+        kk = integer(k, "a document index")
+        kk = kk + nd if kk < 0 else kk
         if not 0 <= kk < nd:
             raise OutOfBoundsError(f"document index {k} out of range for {nd} documents")
         first, stop = int(di[kk]), int(di[kk + 1])

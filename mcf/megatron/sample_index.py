@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mcf._args import index_array, integer
 from mcf.errors import InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 
@@ -48,12 +49,7 @@ def _int32_array(a, name: str, lo: int = 0) -> np.ndarray:
 
 
 def _int_arg(v, name: str, lo: int, hi: int) -> int:
-    try:
-        x = int(v)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be an integer, not {v!r}") from None
-    if isinstance(v, float) and v != x:
-        raise InvalidArgumentError(f"{name} must be an integer, not {v!r}")
+    x = integer(v, name)
     if not lo <= x <= hi:
         raise InvalidArgumentError(f"{name} must lie in [{lo}, {hi}], got {x}")
     return x
@@ -152,8 +148,9 @@ def num_epochs_for(num_samples: int | None, tokens_per_epoch: int, seq_length: i
     """Megatron's ``_get_num_epochs``: the fewest epochs whose tokens cover ``num_samples`` samples."""
     if num_samples is None:
         return 1
-    want = int(num_samples) * int(seq_length) + int(add_extra_token_to_sequence)
-    tpe = int(tokens_per_epoch)
+    want = (integer(num_samples, "num_samples") * integer(seq_length, "seq_length")
+            + int(bool(add_extra_token_to_sequence)))
+    tpe = integer(tokens_per_epoch, "tokens_per_epoch")
     if tpe <= 0:
         raise InvalidArgumentError("tokens_per_epoch must be > 0")
     return max(1, -(-want // tpe))
@@ -183,7 +180,12 @@ def build_gpt_indices(sizes, seq_length: int, *, num_samples: int | None = None,
     if hasattr(sizes, "sequence_lengths"):
         sizes = sizes.sequence_lengths
     sz = _int32_array(sizes, "sizes")
-    idx = np.arange(sz.size, dtype=np.int32) if indices is None else _int32_array(indices, "indices")
+    seq_length = _int_arg(seq_length, "seq_length", 1, INT32_MAX)
+    if num_samples is not None:
+        num_samples = _int_arg(num_samples, "num_samples", 0, INT64_MAX)
+    # numpy's meaning of an index array: integers, or a mask with one entry per sequence
+    idx = np.arange(sz.size, dtype=np.int32) if indices is None else \
+        _int32_array(index_array(indices, sz.size), "indices")
     if idx.size and int(idx.max()) >= sz.size:
         raise OutOfBoundsError(f"indices reach {int(idx.max())}, but there are {sz.size} sequences")
     extra = int(bool(add_extra_token_to_sequence))
@@ -214,9 +216,9 @@ class GPTSamples:
                  indices=None, add_extra_token_to_sequence: bool = True, drop_last_partial_sequence: bool = True,
                  pad_token_id: int = -1):
         self.dataset = dataset
-        self.seq_length = int(seq_length)
+        self.seq_length = integer(seq_length, "seq_length")
         self.extra = int(bool(add_extra_token_to_sequence))
-        self.pad_token_id = int(pad_token_id)
+        self.pad_token_id = integer(pad_token_id, "pad_token_id")
         self.document_index, self.sample_index, self.shuffle_index = build_gpt_indices(
             dataset, seq_length, num_samples=num_samples, seed=seed, indices=indices,
             add_extra_token_to_sequence=add_extra_token_to_sequence,
@@ -227,7 +229,8 @@ class GPTSamples:
 
     def _parts(self, idx: int):
         n = len(self)
-        i = int(idx) + n if int(idx) < 0 else int(idx)
+        i = integer(idx, "a sample index")
+        i = i + n if i < 0 else i
         if not 0 <= i < n:
             raise OutOfBoundsError(f"sample {idx} out of range for {n} samples")
         j = int(self.shuffle_index[i])

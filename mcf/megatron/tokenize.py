@@ -8,7 +8,8 @@ of several sequences, as in Megatron's ``preprocess_data.py``.
 The output is what Megatron's builder writes for the same token ids: one sequence per text (per
 sentence for list values), one document per line, ``--append-eod`` adding the end-of-document token
 to the last sequence of a non-empty document, and a text without tokens giving a document without
-sequences.  The token dtype follows Megatron's rule (uint16 below 65500 tokens of vocabulary, else
+sequences (``empty_text="datatrove"``: one sequence of just the EOD, and no document for an empty
+string, as datatrove's reader and tokenizer step write).  The token dtype follows Megatron's rule (uint16 below 65500 tokens of vocabulary, else
 int32) or datatrove's (``dtype_rule="datatrove"``: uint16 up to 65536).
 
 ``workers`` threads tokenize batches in parallel (``tokenizers`` releases the GIL while encoding);
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
@@ -39,7 +41,7 @@ try:  # faster JSON when available
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
-__all__ = ["tokenize", "iter_documents", "load_tokenizer", "eod_token_id", "TokenizeStats"]
+__all__ = ["tokenize", "iter_documents", "load_tokenizer", "eod_token_id", "TokenizeStats", "EMPTY_TEXT_RULES"]
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
 _COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -177,21 +179,28 @@ class TokenizeStats(dict):
     """``documents``, ``sequences``, ``tokens``, ``bytes_in``, ``seconds`` of a run."""
 
 
-def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype):
+EMPTY_TEXT_RULES = ("megatron", "datatrove")
+
+
+def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype, empty_text: str = "megatron"):
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    datatrove = empty_text == "datatrove"
 
     def run(batch):
         """(flat tokens, per-document sequence lengths or None, document count) for one batch."""
+        if datatrove:  # datatrove's readers drop a document whose text is empty before tokenizing
+            batch = [d for d in batch if d]
         simple = all(type(d) is str for d in batch)
         if simple:
-            ids = [e.ids for e in encode(batch, add_special_tokens=add_special_tokens)]
+            ids = [e.ids for e in encode(batch, add_special_tokens=add_special_tokens)] if batch else []
             if eod is not None:
                 for x in ids:
-                    if x:
+                    if x or datatrove:  # datatrove: even a text without tokens gets its EOS
                         x.append(eod)
             flat, lens = _megatron.flat_tokens(ids, dtype)
             return flat, lens, None
-        # documents of several sentences: one sequence per non-empty sentence
+        # documents of several sentences: one sequence per non-empty sentence (datatrove: a plain text
+        # is one sequence even when it has no tokens)
         sents, owner = [], []
         for k, d in enumerate(batch):
             for s in ([d] if type(d) is str else d):
@@ -200,7 +209,7 @@ def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype):
         ids = [e.ids for e in encode(sents, add_special_tokens=add_special_tokens)] if sents else []
         per_doc: list = [[] for _ in batch]
         for k, x in zip(owner, ids):
-            if x:
+            if x or (datatrove and type(batch[k]) is str):
                 per_doc[k].append(x)
         if eod is not None:
             for seqs in per_doc:
@@ -215,18 +224,26 @@ def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype):
 
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
-             dtype_rule: str = "megatron", add_special_tokens: bool = False, progress=None) -> TokenizeStats:
+             dtype_rule: str = "megatron", add_special_tokens: bool = False, empty_text: str = "megatron",
+             progress=None) -> TokenizeStats:
     """Tokenize ``inputs`` (one path or several, concatenated in order) into ``output_prefix``.
 
+    ``empty_text`` says what a text without tokens becomes: ``"megatron"`` (``preprocess_data.py``) a
+    document with no sequence, and no EOD; ``"datatrove"`` (its reader + ``MegatronDocumentTokenizer``)
+    one sequence holding just the EOD with ``append_eod`` (an empty sequence without), while an empty
+    string (``""``, or ``[]``) is dropped, as datatrove's readers drop it.
     ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes)."""
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
     inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
-    workers = int(workers)
+    workers = integer(workers, "workers")
     if workers < 1:
         raise InvalidArgumentError(f"workers must be >= 1, got {workers}")
-    if int(batch_size) < 1:
+    batch_size = integer(batch_size, "batch_size")
+    if batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
+    if empty_text not in EMPTY_TEXT_RULES:
+        raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(tokenizer)
     eod = eod_token_id(tok, eod_token) if append_eod else None
@@ -240,13 +257,13 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     t0 = time.perf_counter()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule)
-    run = _encoder(tok, add_special_tokens, eod, w.dtype)
+    run = _encoder(tok, add_special_tokens, eod, w.dtype, empty_text)
     done_before = 0
 
     def write(result):
         flat, lens, nseq = result
         if nseq is None:
-            w.add_documents(flat, lens, empty="skip")
+            w.add_documents(flat, lens, empty="skip" if empty_text == "megatron" else "sequence")
             stats["documents"] += len(lens)
         else:
             pos = 0

@@ -25,6 +25,7 @@ import tempfile
 
 import numpy as np
 
+from mcf._args import integer, integers
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MEGATRON_DTYPES, MODE_DTYPE, VERSION,
@@ -34,6 +35,37 @@ from mcf.writer import _create_temp, _fsync_dir
 __all__ = ["Writer"]
 
 INT32_MAX = 2**31 - 1
+
+
+def _exact_float(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Token values ``a`` as the float ``dtype`` of the dataset.  A float dataset stores every id as a
+    value, so an id it cannot represent exactly (16777217 in float32, 0.1 from float64 in float32) is
+    refused, as an integer dataset refuses an id outside its range, instead of being rounded."""
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(a, dtype=dtype)
+    if a.dtype.kind == "b":
+        return out
+    if a.dtype.kind == "f":
+        if np.can_cast(a.dtype, dtype, "safe"):  # float16 -> float32 -> float64 are exact
+            return out
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = np.flatnonzero((out.astype(a.dtype) != a) & ~np.isnan(a))
+    else:  # integers up to 2**(mantissa bits + 1) are exact (numpy calls int64 -> float64 "safe": it
+        # is not); past that, check each one as a Python int
+        lim = 1 << (np.finfo(dtype).nmant + 1)
+        if a.dtype.itemsize * 8 - (a.dtype.kind == "i") <= np.finfo(dtype).nmant + 1:
+            return out
+        big = np.flatnonzero((a > lim) | (a < -lim))
+        f = out[big].astype(np.float64)    # integral values (|f| > 2**24): they convert back exactly
+        top = 2.0 ** (64 if a.dtype.kind == "u" else 63)
+        inside = f < top                   # float(2**63 - 1) rounds up to 2**63, outside int64
+        back = np.where(inside, f, 0).astype(a.dtype)
+        bad = big[~inside | (back != a[big])]
+    if len(bad):
+        i = int(bad[0])
+        raise InvalidArgumentError(f"token id {a[i].item()!r} at position {i} cannot be stored exactly in a {dtype} "
+                                   f"dataset (it would become {out[i].item()!r})")
+    return out
 _CHUNK = 1 << 20            # items per chunk when streaming the index out
 _BIN_BUFFER = 1 << 20       # bytes buffered before a write(2) to the .bin
 
@@ -207,7 +239,7 @@ class Writer:
         if dtype is not None:
             self.dtype = MEGATRON_DTYPES[dtype_code(dtype)]
         elif vocab_size is not None:
-            self.dtype = dtype_for_vocab(int(vocab_size), dtype_rule)
+            self.dtype = dtype_for_vocab(integer(vocab_size, "vocab_size"), dtype_rule)
         else:
             self.dtype = MEGATRON_DTYPES[4]
         self.dtype_code = dtype_code(self.dtype)
@@ -273,7 +305,7 @@ class Writer:
         if not self._int:
             if a.dtype.kind not in "iubf":
                 raise InvalidArgumentError(f"tokens must be numbers, not {a.dtype}")
-            return np.ascontiguousarray(a, dtype=self.dtype)
+            return _exact_float(a, self.dtype)
         if a.dtype.kind == "b":
             a = a.view(np.uint8)
         if a.dtype.kind not in "iu":
@@ -291,7 +323,7 @@ class Writer:
         return a.astype(self.dtype, copy=False)
 
     def _check_mode(self, mode) -> int:
-        m = int(mode)
+        m = integer(mode, "sequence mode")
         if not -128 <= m <= 127:
             raise InvalidArgumentError(f"sequence mode {m} does not fit int8")
         return m
@@ -318,14 +350,14 @@ class Writer:
         concatenated (``sum(lengths)`` must equal the number of tokens)."""
         self._check_open()
         a = self._tokens(tokens)
-        ln = np.asarray(lengths, dtype=np.int64).reshape(-1) if len(lengths) else np.empty(0, np.int64)
+        ln = integers(lengths, "lengths")
         if ln.size and (int(ln.min()) < 0 or int(ln.max()) > INT32_MAX):
             raise InvalidArgumentError(f"sequence lengths must lie in [0, {INT32_MAX}]")
         if int(ln.sum()) != a.size:
             raise InvalidArgumentError(f"lengths sum to {int(ln.sum())} but {a.size} tokens were given")
         md = None
         if self.multimodal:
-            md = np.zeros(ln.size, MODE_DTYPE) if modes is None else np.asarray(modes, dtype=np.int64).reshape(-1)
+            md = np.zeros(ln.size, MODE_DTYPE) if modes is None else integers(modes, "modes")
             if md.size != ln.size:
                 raise InvalidArgumentError(f"{md.size} modes for {ln.size} sequences")
             if md.size and (int(md.min()) < -128 or int(md.max()) > 127):
@@ -345,7 +377,7 @@ class Writer:
         if empty not in ("sequence", "skip"):
             raise InvalidArgumentError(f"empty must be 'sequence' or 'skip', not {empty!r}")
         a = self._tokens(tokens)
-        ln = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        ln = integers(lengths, "lengths")
         if ln.size == 0:
             if a.size:
                 raise InvalidArgumentError(f"no lengths for {a.size} tokens")

@@ -1,0 +1,229 @@
+"""What quantization accepts and never does to its input: explicit clips leave the caller's array (and a
+read-only mapping) untouched for every method and every input dtype and byte order; the bytes equal
+quantizing an already-clipped copy; ``src_dtype`` must describe the array; every convert/quantize error
+names the source file and the tensor."""
+
+import hashlib
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mcf
+from _vectors import mantle_file
+from mcf.cli import main as cli_main
+from mcf.quant import quantize_file
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
+stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
+
+METHODS = ["q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"]
+# every float dtype quantize reads, in both byte orders, and bfloat16 as ml_dtypes or raw uint16 bits
+DTYPES = ["<f4", ">f4", "<f2", ">f2", "<f8", ">f8", "bf16", "bf16-bits", "bf16-bits-be"]
+
+
+def as_dtype(x32: np.ndarray, kind: str):
+    """(array, src_dtype) holding the float32 values ``x32`` rounded to ``kind``, and the float32
+    values the quantizer must see."""
+    if kind.startswith("bf16"):
+        b = x32.astype(ml_dtypes.bfloat16)
+        seen = b.astype(np.float32)
+        if kind == "bf16":
+            return b, None, seen
+        bits = b.view(np.uint16)
+        return (bits.astype(">u2") if kind.endswith("-be") else bits), "bf16", seen
+    a = x32.astype(kind)
+    with np.errstate(over="ignore"):
+        return a, None, a.astype(np.float32)
+
+
+def digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+
+
+def file_digest(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def check_untouched_and_clipped(x, src_dtype, seen, method, lo, hi):
+    before = digest(x)
+    got, q = mcf.quantize(x, method, min_clip=lo, max_clip=hi, src_dtype=src_dtype)
+    assert digest(x) == before, "quantize changed its input"
+    want, q2 = mcf.quantize(np.clip(seen, np.float32(lo), np.float32(hi)), method, min_clip=lo, max_clip=hi)
+    assert got.tobytes() == want.tobytes()
+    assert q == q2 and q["min_clip"] == float(np.float32(lo)) and q["max_clip"] == float(np.float32(hi))
+    ro = x.copy()
+    ro.flags.writeable = False  # a read-only input (a mapped file) works too
+    assert mcf.quantize(ro, method, min_clip=lo, max_clip=hi, src_dtype=src_dtype)[0].tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+@pytest.mark.parametrize("method", METHODS)
+def test_clips_never_modify_the_input(method, kind):
+    rng = np.random.default_rng(zlib.crc32(repr((method, kind)).encode()))
+    x32 = (rng.standard_normal((5, 70)) * 0.1).astype(np.float32)
+    x, src_dtype, seen = as_dtype(x32, kind)
+    check_untouched_and_clipped(x, src_dtype, seen, method, -0.05, 0.05)
+    check_untouched_and_clipped(x, src_dtype, seen, method, -0.02, 0.07)   # asymmetric
+    check_untouched_and_clipped(x, src_dtype, seen, method, 0.01, 0.03)    # zero outside the range
+
+
+def test_clips_on_views_of_a_larger_array():
+    """Non-contiguous and offset views: the clip must not reach the parent array either."""
+    rng = np.random.default_rng(3)
+    parent = rng.standard_normal((40, 96)).astype(np.float32)
+    before = digest(parent)
+    for view in (parent[3:9], parent[:, 10:74], parent[::2, ::3], parent.T[:64]):
+        for method in ("q4", "k3", "int8", "int4"):
+            seen = np.ascontiguousarray(view)
+            got, _ = mcf.quantize(view, method, min_clip=-0.5, max_clip=0.25)
+            want, _ = mcf.quantize(np.clip(seen, -0.5, 0.25), method, min_clip=-0.5, max_clip=0.25)
+            assert got.tobytes() == want.tobytes()
+    assert digest(parent) == before
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(METHODS), kind=st.sampled_from(DTYPES), rows=st.integers(1, 5),
+       cols=st.integers(1, 300), seed=st.integers(0, 2**32 - 1), lo=st.floats(-2, 0.5), width=st.floats(0, 3),
+       domain=st.sampled_from([0, 1]))
+def test_clip_property(method, kind, rows, cols, seed, lo, width, domain):
+    """Any clip range, shape, method, dtype and (int*) domain: the input is untouched and the bytes are
+    those of the already-clipped values."""
+    if domain and not method.startswith("int"):
+        domain = 0
+    rng = np.random.default_rng(seed)
+    x32 = rng.standard_normal((rows, cols)).astype(np.float32)
+    x, src_dtype, seen = as_dtype(x32, kind)
+    hi = lo + width
+    before = digest(x)
+    got, _ = mcf.quantize(x, method, min_clip=lo, max_clip=hi, src_dtype=src_dtype, domain=domain)
+    assert digest(x) == before
+    want, _ = mcf.quantize(np.clip(seen, np.float32(lo), np.float32(hi)), method, min_clip=lo, max_clip=hi,
+                           domain=domain)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["<f4", ">f4", "<f2", ">f2", "<f8", ">f8", "bf16"])
+def test_byte_order_does_not_change_the_bytes(kind):
+    rng = np.random.default_rng(8)
+    x32 = rng.standard_normal((3, 100)).astype(np.float32)
+    x, src_dtype, seen = as_dtype(x32, kind)
+    for method in METHODS:
+        assert mcf.quantize(x, method)[0].tobytes() == mcf.quantize(seen, method)[0].tobytes()
+
+
+def test_src_dtype_must_describe_the_array():
+    x = np.ones((2, 32), np.float32)
+    with pytest.raises(mcf.DTypeError, match="does not describe"):
+        mcf.quantize(x, "q8", src_dtype="bf16")          # float32 values are not bf16 bits
+    with pytest.raises(mcf.DTypeError, match="raw bits"):
+        mcf.quantize(x.view(np.uint32).astype(np.uint64), "q8", src_dtype="f32")
+    with pytest.raises(mcf.DTypeError, match="only float"):
+        mcf.quantize(np.ones((2, 32), np.int32), "q8")
+    bits = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert mcf.quantize(bits, "q8", src_dtype="bf16")[0].tobytes() == mcf.quantize(x, "q8")[0].tobytes()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cli_quantize_with_clips_reads_the_mapped_input(tmp_path, method, capsys):
+    """The input file is mapped read-only: clipping used to write into it (ValueError: output array is
+    read-only)."""
+    src = mantle_file("f32")
+    before = file_digest(src)
+    out = tmp_path / "o.mcf"
+    assert cli_main(["quantize", src, str(out), "--method", method, "--min-clip", "-0.05", "--max-clip", "0.05",
+                     "-q"]) == 0
+    assert file_digest(src) == before
+    with mcf.open(src) as c, mcf.open(out) as q:
+        for name in q:
+            if not q.info(name).dtype.quantized:
+                continue
+            rec = q.quant_record(name)
+            assert (rec.min_clip, rec.max_clip) == (float(np.float32(-0.05)), float(np.float32(0.05)))
+            want, _ = mcf.quantize(np.clip(c.to_float32(name), np.float32(-0.05), np.float32(0.05)), method,
+                                   min_clip=-0.05, max_clip=0.05)
+            assert q.raw(name).tobytes() == want.tobytes(), name
+    capsys.readouterr()
+
+
+# -- errors name the source file and the tensor -------------------------------------------------------
+def test_convert_errors_name_file_and_tensor(tmp_path):
+    empty = tmp_path / "empty.safetensors"
+    stnp.save_file({"": np.ones((2, 32), np.float32), "b": np.ones(3, np.float32)}, str(empty))
+    with pytest.raises(mcf.InvalidArgumentError) as ei:
+        mcf.convert(empty, tmp_path / "o.mcf")
+    assert str(empty) in str(ei.value) and "tensor ''" in str(ei.value)
+    big = tmp_path / "big.safetensors"
+    stnp.save_file({"a.ok": np.ones((2, 32), np.float32), "w.big": np.full((2, 32), 1e10, np.float64)}, str(big))
+    for method in ("q8", "q4", "k6", "k2"):
+        with pytest.raises(mcf.InvalidArgumentError, match="overflows float16") as ei:
+            mcf.convert(big, tmp_path / "o.mcf", method=method)
+        assert str(big) in str(ei.value) and "tensor 'w.big'" in str(ei.value)
+    nan = tmp_path / "nan.safetensors"
+    x = np.ones((2, 32), np.float32)
+    x[1, 3] = np.nan
+    stnp.save_file({"layer.0": x}, str(nan))
+    with pytest.raises(mcf.InvalidArgumentError, match="non-finite") as ei:
+        mcf.convert(nan, tmp_path / "o.mcf", method="k4")
+    assert str(nan) in str(ei.value) and "tensor 'layer.0'" in str(ei.value)
+    assert not (tmp_path / "o.mcf").exists()
+
+
+def test_quantize_file_errors_name_file_and_tensor(tmp_path):
+    src = tmp_path / "big.mcf"
+    with mcf.Writer(src) as w:
+        w.add_tensor("fine", np.ones((2, 32), np.float32))
+        w.add_tensor("huge", np.full((2, 32), 1e10, np.float64))
+    with pytest.raises(mcf.InvalidArgumentError, match="overflows float16") as ei:
+        quantize_file(src, tmp_path / "o.mcf", "q8")
+    assert str(src) in str(ei.value) and "tensor 'huge'" in str(ei.value)
+    assert main_err(["quantize", str(src), str(tmp_path / "o.mcf"), "--method", "k4"], "tensor 'huge'")
+
+
+def main_err(argv, needle):
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli_main(argv)
+    return rc != 0 and needle in err.getvalue()
+
+
+def test_in_tensor_keeps_the_class_and_the_structure():
+    e = mcf.errors.in_tensor(mcf.InvalidArgumentError("boom"), "/x/m.safetensors", "w")
+    assert type(e) is mcf.InvalidArgumentError and str(e) == "/x/m.safetensors: tensor 'w': boom"
+    f = mcf.errors.in_tensor(mcf.FormatError("bad", path="/x/a", offset=8), "/x/b", "w")
+    assert isinstance(f, mcf.FormatError) and f.path == "/x/a" and f.field == "tensor 'w'" and f.offset == 8
+    io_err = mcf.MissingFileError(2, "gone", "/x/c")
+    assert mcf.errors.in_tensor(io_err, "/x/c", "w") is io_err
+
+
+def test_writer_quantize_errors_name_the_tensor(tmp_path):
+    with mcf.Writer(tmp_path / "w.mcf") as w:
+        with pytest.raises(mcf.InvalidArgumentError, match="tensor 'layers.3.w': values too large"):
+            w.add_tensor("layers.3.w", np.full((2, 32), 1e10, np.float64), method="q8")
+        x = np.ones((2, 32), np.float32)
+        x[0, 1] = np.inf
+        with pytest.raises(mcf.InvalidArgumentError, match="tensor 'layers.4.w': .*non-finite"):
+            w.add_tensor("layers.4.w", x, method="k4")
+        w.add_tensor("ok", np.ones((2, 32), np.float32), method="k4")
+    with mcf.open(tmp_path / "w.mcf") as c:
+        assert list(c) == ["ok"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("lo,hi", [(0.5, 0.8), (-0.8, -0.5), (0.3, 0.3)])
+def test_activation_clips_outside_the_data_range(method, lo, hi):
+    """int8/int4 activations (asymmetric) with a clip range that the data lies entirely outside: every
+    value clips to a bound, so that bound must decode back (the range was taken as [max(lo, min_clip),
+    min(hi, max_clip)], an empty interval, and 0.5 came back as 0.2)."""
+    x = (np.random.default_rng(0).standard_normal((3, 40)) * 0.1).astype(np.float32)
+    got, _ = mcf.quantize(x, method, domain=1, min_clip=lo, max_clip=hi)
+    y = mcf.dequantize(got, method, x.shape, domain=1)
+    want = np.clip(x, np.float32(lo), np.float32(hi))
+    step = max(abs(lo), abs(hi)) / ((1 << (8 if method == "int8" else 4)) - 1)
+    assert np.abs(y - want).max() <= step * 0.51 + 1e-7
