@@ -5,6 +5,7 @@ budget against the metadata before reading anything and copies each byte once.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -159,3 +160,24 @@ def test_promote_peak_memory(tmp_path, compression):
     refused = run(size - 1)
     assert refused["outcome"] == "WarmBudgetError"
     assert refused["peak"] < 1 << 20, refused
+
+
+def test_bucket_refuses_a_url(tmp_path, monkeypatch):
+    """A URL is not a directory: Bucket("https://h/b") must not create ``https:/h/b`` locally."""
+    from mcf.errors import InvalidArgumentError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="remote URLs"):
+        Bucket("https://h/b")
+    assert not os.path.exists(tmp_path / "https:")
+
+
+def test_float64_to_bfloat16_rounds_once(tmp_path):
+    """float64 KV data stored as bfloat16 rounds once from the exact value (through float32 it would
+    round twice: 1 + 2**-8 + 2**-40 would become 1.0 instead of 1.0078125)."""
+    b = Bucket(tmp_path / "b")
+    x = np.full((1, 2, 4), 1 + 2.0 ** -8 + 2.0 ** -40, dtype=np.float64)
+    info = b.ingest("m", [(x, -x)], token_ids=[1, 2], dtype="bfloat16")
+    k, v = b.load(info["context_id"])[0]
+    assert np.asarray(k, dtype=np.float32).ravel()[0] == np.float32(1.0078125)
+    assert np.asarray(v, dtype=np.float32).ravel()[0] == np.float32(-1.0078125)

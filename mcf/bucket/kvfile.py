@@ -117,6 +117,11 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float -> bfloat16 bits, rounding to nearest even (NaN stays NaN), the rounding ml_dtypes uses."""
     if _BF16 is not None and x.dtype == _BF16:
         return x.view(np.uint16)
+    if x.dtype.itemsize > 4 or x.dtype.kind in "iu":
+        # float64 (and integers past 2**24) through float32 would round twice: round once from the exact value
+        from mcf._fpconv import f64_to_bf16
+
+        return f64_to_bf16(np.asarray(x, dtype=np.float64))
     f = np.ascontiguousarray(x, dtype=np.float32)
     u = f.view(np.uint32)
     rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)

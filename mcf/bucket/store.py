@@ -56,6 +56,7 @@ import numpy as np
 from mcf.bucket import _layout as L
 from mcf.bucket._fs import BucketFS, refusal
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
+from mcf.remote import refuse_url
 from mcf.errors import (
     ContextNotFoundError,
     FormatError,
@@ -357,6 +358,7 @@ class Bucket:
         # registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
         self._mem = threading.RLock()
         self._tier_mutex = threading.RLock()
+        refuse_url(root, "a bucket")   # a URL is not a directory: never create "https:/host/..." locally
         self._fs = BucketFS(self.root, create=create)
         try:
             if create:
