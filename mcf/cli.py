@@ -208,8 +208,12 @@ def cmd_imatrix(args) -> int:
 
     texts = []
     for p in args.text:
-        with open(p, encoding="utf-8") as f:
-            texts.append(f.read())
+        try:
+            with open(p, encoding="utf-8") as f:
+                texts.append(f.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"mcf: error: calibration text {p}: {exc}", file=sys.stderr)
+            return 1
     t0 = time.perf_counter()
     col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk,
                                progress=Progress("imatrix", False if args.quiet else None))

@@ -138,9 +138,14 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
     llama.cpp ``.dat`` file: name -> float32 mean squared input per column (``[experts, columns]`` for
     3-D entries).  Every length, count and value is checked: a bad file raises
     :class:`mcf.FormatError` naming the field."""
+    from mcf.errors import os_error
+
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise os_error(exc, path) from None
     if magic == _GGUF_MAGIC:
         return _read_gguf(path)
     return _read_legacy(path)
@@ -283,6 +288,22 @@ def _model_parts(model):
     return weights, cfg, tok
 
 
+def _model_config(path) -> dict:
+    import json
+
+    if os.path.isdir(path):
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f)
+    import mcf
+
+    with mcf.open(path) as c:
+        cfg = c.resource_json("config.json")
+    if cfg is None:
+        raise InvalidArgumentError(f"{path}: the file holds no config.json resource; pack it with its resources "
+                                   "(mcf pack)")
+    return cfg
+
+
 def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tuple[ImportanceCollector, int]:
     """Run the numpy BERT encoder (:mod:`mcf._bert`) of ``model`` (an MCF file with its config.json and
     tokenizer.json, or a checkpoint directory) over ``texts`` cut into chunks of ``chunk_tokens`` tokens
@@ -290,11 +311,13 @@ def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tup
     the number of chunks."""
     from mcf._bert import bert_forward
 
+    cfg = _model_config(os.fspath(model))
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "bert":
+        got = cfg.get("model_type") if isinstance(cfg, dict) else cfg
+        raise InvalidArgumentError(f"{os.fspath(model)}: model_type {got!r}; the numpy forward pass runs BERT "
+                                   "encoders only (for other models, llama.cpp's llama-imatrix writes the same "
+                                   "file format)")
     weights, cfg, tok = _model_parts(model)
-    if cfg.get("model_type") != "bert":
-        raise InvalidArgumentError(f"{os.fspath(model)}: model_type {cfg.get('model_type')!r}; the numpy "
-                                   "forward pass runs BERT encoders only (for other models, llama.cpp's "
-                                   "llama-imatrix writes the same file format)")
     if not 3 <= chunk_tokens <= int(cfg["max_position_embeddings"]):
         raise InvalidArgumentError(f"chunk_tokens must be 3..{cfg['max_position_embeddings']}")
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
