@@ -127,6 +127,8 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
         # One pass over memory: each chunk (small enough to stay in L2) is checked and measured, then
         # quantized.  Clipping to -+max|x| changes nothing, so no clip is applied; the range is recorded.
         step = max(1, (1 << 20) // max(1, 4 * cols))
+        if search:  # the search runs 16 rows at once, one per vector lane: whole groups keep every lane busy
+            step = max(16, step - step % 16)
 
         def run(starts):
             m = 0.0
