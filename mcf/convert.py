@@ -56,9 +56,10 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     float tensors; ``overrides`` (``["embed*=q8",
     "lm_head.weight=none"]``, first match wins) picks a method per name; ``compat=True`` reproduces
     the Go quantizer's bytes; ``fast=True`` keeps the single-pass quantizer; ``imatrix`` (a file or a
-    mapping name -> importance, see :mod:`mcf.imatrix`) weights the quantization error per column.  ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that
-    are not quantized.  ``progress(done, total, name)`` is called after each tensor.  ``mmap=False``
-    reads safetensors inputs with ``pread`` instead of mapping them.  For GGUF input the report is
+    mapping name -> importance, see :mod:`mcf.imatrix`) weights the quantization error per column.
+    ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that are not quantized.
+    ``progress(done, total, name)`` is called after each tensor.  ``mmap=False`` reads safetensors
+    inputs with ``pread`` instead of mapping them.  For GGUF input the report is
     :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
     stored), as GGUF's own blocks are already lossy.
 
