@@ -186,8 +186,9 @@ def _read_gguf(path) -> dict[str, np.ndarray]:
                                   got=cnt.shape[0])
             _checked(path, tname, sums)
             _checked(path, cname, cnt)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                mean = np.where(cnt[:, None] > 0, sums / np.where(cnt > 0, cnt, 1)[:, None], 0.0)
+            mean = np.where(cnt[:, None] > 0, sums / np.where(cnt > 0, cnt, 1)[:, None], 0.0)
+            if mean.size and float(mean.max()) > float(np.finfo(np.float32).max):
+                raise FormatError("in_sum2 / counts overflows float32", path=path, field=tname)
             out[base] = (mean[0] if mean.shape[0] == 1 else mean).astype(np.float32)
     if not out:
         raise FormatError("no importance entries (NAME.in_sum2 / NAME.counts tensors)", path=path)
