@@ -151,10 +151,15 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
     return _read_legacy(path)
 
 
-def _checked(path, name, v):
-    if not (np.isfinite(v).all() and (v >= 0).all()):
-        raise FormatError("importance values must be finite and >= 0", path=path, field=name)
-    return v
+def _checked(path, name, v) -> np.ndarray:
+    """float32 values checked on their bits (no float operation, so a signalling NaN raises nothing
+    either): finite and not negative (-0.0 is allowed).  Returned as float64."""
+    bits = np.ascontiguousarray(v, dtype="<f4").view("<u4")
+    bad = ((bits & 0x7F800000) == 0x7F800000) | ((bits >> 31).astype(bool) & ((bits & 0x7FFFFFFF) != 0))
+    if bad.any():
+        raise FormatError("importance values must be finite and >= 0", path=path, field=name,
+                          got=f"bits 0x{int(bits.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]):08x}")
+    return bits.view("<f4").astype(np.float64)
 
 
 def _read_gguf(path) -> dict[str, np.ndarray]:
@@ -178,14 +183,14 @@ def _read_gguf(path) -> dict[str, np.ndarray]:
                 if ti.type.name != "F32" or len(ti.shape) not in (1, 2):
                     raise FormatError("importance tensors are 1-D or 2-D F32", path=path, field=n,
                                       got=f"{ti.type.name} {list(ti.dims)}")
-            sums = np.array(g.array(tname), dtype=np.float64)
-            cnt = np.array(g.array(cname), dtype=np.float64).reshape(-1)
-            sums = sums.reshape(-1, sums.shape[-1]) if sums.ndim == 2 else sums.reshape(1, -1)
+            s32 = np.asarray(g.array(tname))
+            if s32.size == 0:
+                raise FormatError("empty importance entry", path=path, field=tname)
+            sums = _checked(path, tname, s32).reshape(s32.shape[0] if s32.ndim == 2 else 1, s32.shape[-1])
+            cnt = _checked(path, cname, g.array(cname)).reshape(-1)
             if cnt.shape[0] != sums.shape[0]:
                 raise FormatError("one count per matrix", path=path, field=cname, expected=sums.shape[0],
                                   got=cnt.shape[0])
-            _checked(path, tname, sums)
-            _checked(path, cname, cnt)
             mean = np.where(cnt[:, None] > 0, sums / np.where(cnt > 0, cnt, 1)[:, None], 0.0)
             if mean.size and float(mean.max()) > float(np.finfo(np.float32).max):
                 raise FormatError("in_sum2 / counts overflows float32", path=path, field=tname)
@@ -228,11 +233,10 @@ def _read_legacy(path) -> dict[str, np.ndarray]:
         nval = i32(f"{name}.nval")
         if nval <= 0 or pos + 4 * nval > len(data):
             raise FormatError("bad value count", path=path, field=f"{name}.nval", offset=at, got=nval)
-        v = np.frombuffer(data, "<f4", nval, pos).astype(np.float64)
+        v = _checked(path, name, np.frombuffer(data, "<f4", nval, pos))
         pos += 4 * nval
         if name in out:
             raise FormatError("duplicate entry", path=path, field=name, offset=at)
-        _checked(path, name, v)
         out[name] = (v / ncall if ncall > 0 else v).astype(np.float32)
     if pos != len(data):  # optional trailer: int32 chunk count, int32 length, dataset name
         i32("chunk_count")

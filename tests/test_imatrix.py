@@ -256,3 +256,56 @@ def test_cli_imatrix_refuses_other_models(tmp_path):
     assert not (tmp_path / "o.gguf").exists()
     r = run_cli("imatrix", str(tmp_path / "m.mcf"), "--text", str(tmp_path / "missing.txt"), "-o", "o.gguf")
     assert r.returncode == 1 and "missing.txt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_convert_gguf_with_llama_cpp_imatrix(tmp_path):
+    """A GGUF model and an importance matrix in llama.cpp's format name tensors alike: mcf convert --imatrix
+    weights exactly the tensors the file names; --fast keeps the single-pass quantizer."""
+    from mcf.convert import convert
+
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((16, 64)).astype(np.float32)
+    up = rng.standard_normal((8, 96)).astype(np.float32)
+    model = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(model), "llama")
+    w.add_tensor("blk.0.attn_q.weight", q)
+    w.add_tensor("blk.0.ffn_up.weight", up)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    im = tmp_path / "imatrix.gguf"
+    sums = rng.random(64) * 50
+    write_llama_style(im, {"blk.0.attn_q.weight": (sums, [10.0])})
+    convert(model, tmp_path / "w.mcf", method="k4", imatrix=im)
+    convert(model, tmp_path / "f.mcf", method="k4", fast=True)
+    with mcf.open(tmp_path / "w.mcf") as c, mcf.open(tmp_path / "f.mcf") as f:
+        imp = (sums.astype(np.float32) / 10).astype(np.float32)
+        assert c.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", importance=imp)[0].tobytes()
+        assert c.raw("blk.0.ffn_up.weight").tobytes() == mcf.quantize(up, "k4")[0].tobytes()
+        assert f.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", fast=True)[0].tobytes()
+    with pytest.raises(mcf.InvalidArgumentError, match="fast"):
+        convert(model, tmp_path / "x.mcf", method="k4", fast=True, imatrix=im)
+    assert not (tmp_path / "x.mcf").exists()
+
+
+def test_convert_and_quantize_file_weight_alike(tmp_path):
+    """The safetensors path of mcf convert and mcf quantize apply an importance mapping the same way
+    (names with an entry weighted; int8 ignores it; other names unweighted)."""
+    from _vectors import MANTLE_MODEL
+    from mcf.convert import convert
+    from mcf.quant import quantize_file
+
+    mcf.pack(MANTLE_MODEL, tmp_path / "p.mcf")
+    with mcf.open(tmp_path / "p.mcf") as c:
+        names = [n for n in c if len(c.info(n).shape) == 2 and c.info(n).dtype.family == "float"]
+        imat = {n: np.random.default_rng(len(n)).random(c.info(n).shape[1]) for n in names[::2]}
+    for method in ("k3", "int8"):
+        convert(MANTLE_MODEL, tmp_path / "c.mcf", method=method, imatrix=imat)
+        quantize_file(tmp_path / "p.mcf", tmp_path / "q.mcf", method, imatrix=imat)
+        with mcf.open(tmp_path / "c.mcf") as a, mcf.open(tmp_path / "q.mcf") as b, mcf.open(tmp_path / "p.mcf") as c:
+            assert {n: a.raw(n).tobytes() for n in a} == {n: b.raw(n).tobytes() for n in b}
+            for n in names:
+                kw = {"importance": imat[n]} if n in imat and method == "k3" else {}
+                assert b.raw(n).tobytes() == mcf.quantize(c.tensor(n), method, **kw)[0].tobytes(), n
