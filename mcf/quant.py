@@ -91,7 +91,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     the single-pass scale max|x| / qmax and any MCF decoder reads it (docs/quantization.md).
     ``importance`` (one value >= 0 per column, e.g. the mean squared input of that column from
     :mod:`mcf.imatrix`) weights each column's error in that search.  ``fast=True`` keeps the single-pass
-    quantizer (2-8x faster, ~0.6 dB worse at 4 bits); ``compat=True`` reproduces the Go quantizer
+    quantizer (3-4x faster, ~0.6 dB worse at 4 bits); ``compat=True`` reproduces the Go quantizer
     byte for byte (truncating f16 scales).  Clips default to -max|x| and +max|x|, as the Go tool records
     them.  NaN and infinity are refused.  ``threads`` splits the rows across threads (q*/k* without
     explicit clips); the bytes do not depend on it.
