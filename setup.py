@@ -53,7 +53,7 @@ extensions = [
     ext("mcf._io", ["mcf/_io.pyx"]),
     ext("mcf._fpconv", ["mcf/_fpconv.pyx", "csrc/fpconv.c", "csrc/fpconv_simd.c", "csrc/cpu.c"]),
     ext("mcf._index", ["mcf/_index.pyx"]),
-    ext("mcf._kernels", ["mcf/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/cpu.c", "csrc/fpconv.c"]),
+    ext("mcf._kernels", ["mcf/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/quant_search.c", "csrc/cpu.c", "csrc/fpconv.c"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
     ext("mcf.megacontext._megacontext", ["mcf/megacontext/_megacontext.pyx", "csrc/megacontext.c", "csrc/fpconv.c"]),
     ext("mcf.bucket._codec", ["mcf/bucket/_codec.pyx", "csrc/lz4block.c"]),

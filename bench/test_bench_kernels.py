@@ -171,8 +171,9 @@ def test_dequant_l2_payload_two_threads(benchmark, weights, method):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.benchmark(group="quantize-4096x4096")
 def test_quantize(benchmark, weights, method, threads):
-    benchmark.pedantic(lambda: mcf.quantize(weights, method, threads=threads), rounds=3, warmup_rounds=0,
-                       iterations=1)
+    """The single-pass quantizer (fast=True); the default scale search: bench/test_bench_quant_search.py."""
+    benchmark.pedantic(lambda: mcf.quantize(weights, method, fast=True, threads=threads), rounds=3,
+                       warmup_rounds=0, iterations=1)
     t = benchmark.stats.stats.median
     gbps = N * N * 4 / t / 1e9
     info = {"gbps_in": gbps}

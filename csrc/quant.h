@@ -45,6 +45,20 @@ float mcf_scale_from_f16(uint16_t h);
 int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                       float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl);
 
+/* The error-minimizing quantizer (the default for the q and k methods; csrc/quant_search.c, docs/quantization.md): per block,
+ * the scale whose codes minimize sum_i w_i * (x_i - scale * q_i)^2, evaluated with the scale the decoder reads
+ * (f16 rounding, subnormal flush, super * u6/32), and never worse than the single-pass quantizer's scale;
+ * k*: the super scale and the sub-scales chosen together.  `weights` holds one float per column (>= 0,
+ * finite), or NULL for all 1.  Arguments and outputs as mcf_quantize_rows; returns 0, or -1 when the
+ * single-pass quantizer's scale would overflow f16 (the same condition, so the same error).  Codes are
+ * clamp(rint(x / scale), -qmax, qmax).  All variants (`impl`) write the same bytes. */
+int mcf_quantize_rows_search(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
+                             float max_clip, const float *weights, uint16_t *scales, uint8_t *sub, uint8_t *codes,
+                             int impl);
+
+/* Pack 32 codes of `bits` bits into one block's LSB-first bit stream (q4/k4: item 0 in the low nibble). */
+void mcf_pack_block(const int32_t q[32], int bits, uint8_t *dst);
+
 /* int8/int4 per-tensor quantization of rows: x clamped to [min_clip, max_clip] (pass -inf, +inf for no
  * clip), then q = clamp(round(x / scale + zero)), row-packed.  `src` is only read. */
 void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float min_clip, float max_clip,

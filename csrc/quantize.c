@@ -545,3 +545,6 @@ void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols
         }
     }
 }
+
+/* The packer above, for the search quantizer (csrc/quant_search.c). */
+void mcf_pack_block(const int32_t q[32], int bits, uint8_t *dst) { pack_block(q, bits, dst); }

@@ -484,8 +484,71 @@ def _gguf_seeds() -> list:
     return [one(floats), one(quants), one(kquants)]
 
 
+# ------------------------------------------------------------------------------------------------
+# importance matrices (mcf.imatrix): llama.cpp's GGUF imatrix and legacy .dat
+# ------------------------------------------------------------------------------------------------
+def imatrix(data: bytes) -> None:
+    from mcf.imatrix import read_imatrix
+
+    p = os.path.join(_scratch_dir("imatrix"), "in.imatrix")
+    with open(p, "wb") as f:
+        f.write(data)
+    try:
+        imat = read_imatrix(p)
+    except mcf.MCFError:
+        return
+    for v in imat.values():  # what the quantizer does with an entry
+        if v.ndim == 1 and 0 < v.shape[0] <= 4096:
+            _each_mcf_error(lambda v=v: mcf.quantize(np.ones((2, v.shape[0]), np.float32), "k4", importance=v))
+
+
+def _imatrix_seeds() -> list:
+    """Our writer's GGUF, a llama-imatrix-style GGUF written by gguf-py (in_sum, 3-D expert entries), a
+    legacy .dat with and without its trailer."""
+    import struct
+
+    import gguf as gg
+
+    from mcf.imatrix import ImportanceCollector
+
+    r = np.random.default_rng(zlib.crc32(b"imatrix-seeds"))
+    out = []
+    with tempfile.TemporaryDirectory() as d:
+        col = ImportanceCollector()
+        col.add("blk.0.attn_q.weight", r.standard_normal((5, 64)).astype(np.float32))
+        col.add("blk.0.ffn_down.weight", r.standard_normal((3, 40)).astype(np.float32))
+        p = os.path.join(d, "a.gguf")
+        col.write(p, datasets=["calib.txt"], chunk_count=2, chunk_size=64)
+        out.append(Path(p).read_bytes())
+        p = os.path.join(d, "b.gguf")
+        w = gg.GGUFWriter(p, arch="")
+        w.kv_data[0].pop("general.architecture", None)
+        w.add_string("general.type", "imatrix")
+        w.add_array("imatrix.datasets", ["wiki"])
+        w.add_uint32("imatrix.chunk_count", 3)
+        w.add_uint32("imatrix.chunk_size", 512)
+        w.add_tensor("blk.0.attn_k.weight.in_sum", r.random((1, 32)).astype(np.float32))
+        w.add_tensor("blk.0.attn_k.weight.in_sum2", r.random((1, 32)).astype(np.float32))
+        w.add_tensor("blk.0.attn_k.weight.counts", np.array([[7.0]], np.float32))
+        w.add_tensor("blk.0.ffn_up_exps.weight.in_sum2", r.random((3, 16)).astype(np.float32))
+        w.add_tensor("blk.0.ffn_up_exps.weight.counts", np.array([[1.0], [0.0], [2.0]], np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        out.append(Path(p).read_bytes())
+    legacy = [struct.pack("<i", 2)]
+    for name, ncall, n in (("blk.0.attn_v.weight", 4, 16), ("output.weight", 0, 8)):
+        legacy += [struct.pack("<i", len(name)), name.encode(), struct.pack("<ii", ncall, n),
+                   r.random(n).astype("<f4").tobytes()]
+    out.append(b"".join(legacy))
+    out.append(b"".join(legacy) + struct.pack("<ii", 5, 4) + b"wiki")
+    return out
+
+
 TARGETS = {
     "bucket": bucket,
+    "imatrix": imatrix,
     "gguf": gguf,
     "bucket_dir": bucket_dir,
     "bucket_npz": bucket_npz,
@@ -540,6 +603,8 @@ def seeds(target: str) -> list:
         return _jsonl_seeds()
     if target == "gguf":
         return _gguf_seeds()
+    if target == "imatrix":
+        return _imatrix_seeds()
     raise KeyError(target)
 
 

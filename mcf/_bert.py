@@ -32,11 +32,13 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + _erf(x / np.float32(np.sqrt(2.0))))
 
 
-def bert_forward(weights, config: dict, token_ids, progress=None) -> tuple[np.ndarray, list]:
+def bert_forward(weights, config: dict, token_ids, progress=None, observe=None) -> tuple[np.ndarray, list]:
     """Run the encoder on one sequence.  ``weights``: name -> array (any mapping with the Hugging Face
     names, e.g. ``mcf.open(path)`` or a safetensors checkpoint's arrays).  Returns the last hidden state
     ``[T, hidden]`` and ``[(K, V), ...]`` per layer, each ``[heads, T, head_dim]`` float32: the keys and
-    values the attention of that layer used.  ``progress(done, total, what)`` is called per layer."""
+    values the attention of that layer used.  ``progress(done, total, what)`` is called per layer;
+    ``observe(weight_name, inputs)`` with the ``[T, in]`` input of every linear layer before it is applied
+    (the importance-matrix collector of :mod:`mcf.imatrix`)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     t = len(ids)
     if not 0 < t <= int(config["max_position_embeddings"]):
@@ -50,6 +52,8 @@ def bert_forward(weights, config: dict, token_ids, progress=None) -> tuple[np.nd
         return np.asarray(weights[name], dtype=np.float32)
 
     def linear(x, prefix):
+        if observe is not None:
+            observe(prefix + ".weight", x)
         return x @ w(prefix + ".weight").T + w(prefix + ".bias")
 
     x = w("embeddings.word_embeddings.weight")[ids] + w("embeddings.position_embeddings.weight")[:t] \

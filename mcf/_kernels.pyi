@@ -21,7 +21,8 @@ def absmax_finite(src: npt.ArrayLike) -> tuple[float, float, float]: ...
 def quantize_rows(
     src: npt.ArrayLike, code: int | str, out_payload: npt.NDArray[np.uint8], row0: int, *, min_clip: float,
     max_clip: float, compat: bool = ..., cols: int | None = ..., rows: int | None = ..., scale: float = ...,
-    zero: float = ..., domain: int = ..., impl: str | None = ...,
+    zero: float = ..., domain: int = ..., impl: str | None = ..., search: bool = ...,
+    weights: npt.NDArray[np.float32] | None = ...,
 ) -> None: ...
 
 class QTensor:

@@ -36,6 +36,9 @@ cdef extern from "quant.h" nogil:
     void mcf_unpack_rows(const mcf_qtensor* t, size_t r0, size_t r1, int8_t* out, int impl)
     int mcf_quantize_rows(int family, int bits, const float* src, size_t nrows, size_t cols, float min_clip,
                           float max_clip, int compat, uint16_t* scales, uint8_t* sub, uint8_t* codes, int impl)
+    int mcf_quantize_rows_search(int family, int bits, const float* src, size_t nrows, size_t cols, float min_clip,
+                                 float max_clip, const float* weights, uint16_t* scales, uint8_t* sub, uint8_t* codes,
+                                 int impl)
     void mcf_quantize_raw_rows(int bits, const float* src, size_t nrows, size_t cols, float min_clip,
                                float max_clip, float scale, float zero, uint8_t* codes, size_t row_bytes, int impl)
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
@@ -314,9 +317,13 @@ def absmax_finite(src):
 
 
 def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=False, cols=None, rows=None,
-                  scale=0.0, zero=0.0, domain=Domain.WEIGHTS, impl=None):
+                  scale=0.0, zero=0.0, domain=Domain.WEIGHTS, impl=None, search=False, weights=None):
     """Quantize float32 rows ``src`` ([n, cols]) into the regions of ``out_payload`` (the whole
-    tensor's payload, laid out for ``rows`` x ``cols``) at rows row0 .. row0 + n."""
+    tensor's payload, laid out for ``rows`` x ``cols``) at rows row0 .. row0 + n.
+
+    q*/k*: ``search=True`` runs the error-minimizing quantizer (csrc/quant_search.c), optionally with
+    ``weights`` (float32, one finite value >= 0 per column, weighting that column's squared error);
+    ``search=False`` the single-pass one (``compat`` picks its Go-compatible mode)."""
     a = np.ascontiguousarray(src, dtype=np.float32)
     if a.ndim != 2:
         raise InvalidArgumentError("src must be 2-D")
@@ -339,8 +346,22 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     cdef float lo = min_clip, hi = max_clip, fs = scale, fz = zero
     cdef int fam = _FAMILY[lay.dtype.family], bits = lay.dtype.bits, cm = 1 if compat else 0, rc = 0
     cdef int im = resolve_impl(impl)
-    cdef uintptr_t scales_p = 0, sub_p = 0, codes_p = 0
+    cdef uintptr_t scales_p = 0, sub_p = 0, codes_p = 0, w_p = 0
     cdef size_t rb = lay.row_bytes
+    cdef int srch = 1 if search else 0
+    if search and (compat or fam == 0):
+        raise InvalidArgumentError("the search quantizer is for q*/k* and has no Go-compatible mode")
+    if weights is not None:
+        if not search:
+            raise InvalidArgumentError("weights need the search quantizer (search=True)")
+        wa = weights
+        if not isinstance(wa, np.ndarray) or wa.dtype != np.float32 or wa.ndim != 1 or not wa.flags.c_contiguous:
+            raise InvalidArgumentError("weights must be a contiguous 1-D float32 array")
+        if wa.shape[0] != cols:
+            raise InvalidArgumentError(f"weights has {wa.shape[0]} values, the tensor has {cols} columns")
+        if cols and not (np.isfinite(wa).all() and (wa >= 0).all()):
+            raise InvalidArgumentError("weights must be finite and >= 0")
+        w_p = wa.ctypes.data if cols else 0
     if nrows == 0:
         return
     reg = {r.name: r for r in lay.regions}
@@ -357,7 +378,11 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
         scales_p = base + reg["super_scales"].offset + 2 * row0 * lay.supers_per_row
         sub_p = base + reg["sub_scales"].offset + row0 * lay.blocks_per_row
     with nogil:
-        rc = mcf_quantize_rows(fam, bits, <const float*>sp, nrows, ncols, lo, hi, cm, <uint16_t*>scales_p,
-                               <uint8_t*>sub_p, <uint8_t*>codes_p, im)
+        if srch:
+            rc = mcf_quantize_rows_search(fam, bits, <const float*>sp, nrows, ncols, lo, hi, <const float*>w_p,
+                                          <uint16_t*>scales_p, <uint8_t*>sub_p, <uint8_t*>codes_p, im)
+        else:
+            rc = mcf_quantize_rows(fam, bits, <const float*>sp, nrows, ncols, lo, hi, cm, <uint16_t*>scales_p,
+                                   <uint8_t*>sub_p, <uint8_t*>codes_p, im)
     if rc != 0:
         raise InvalidArgumentError("values too large: a block scale overflows float16")

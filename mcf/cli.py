@@ -144,10 +144,16 @@ def cmd_quantize(args) -> int:
         print("mcf: error: give both --min-clip and --max-clip", file=sys.stderr)
         return 2
     method = None if args.method in ("none", "keep") else args.method
+    compat = args.compat == "mantle"
+    if args.imatrix and (compat or args.fast):
+        print(f"mcf: error: --imatrix weights the error-minimizing search; it does not apply with "
+              f"{'--compat mantle' if compat else '--fast'}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
-                          compat=args.compat == "mantle", min_clip=args.min_clip, max_clip=args.max_clip,
-                          report=args.report, progress=Progress("quantize", False if args.quiet else None))
+                          compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
+                          max_clip=args.max_clip, report=args.report,
+                          progress=Progress("quantize", False if args.quiet else None))
     dt = time.perf_counter() - t0
     size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
@@ -160,9 +166,14 @@ def cmd_convert(args) -> int:
     from mcf.convert import convert, files_left_out
 
     method = None if args.method in (None, "none", "keep") else args.method
+    compat = args.compat == "mantle"
+    if args.imatrix and (compat or args.fast):
+        print(f"mcf: error: --imatrix weights the error-minimizing search; it does not apply with "
+              f"{'--compat mantle' if compat else '--fast'}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    stats = convert(args.src, args.output, method=method, overrides=args.override, compat=args.compat == "mantle",
-                    dtype=args.dtype, resources=not args.no_resources, report=args.report,
+    stats = convert(args.src, args.output, method=method, overrides=args.override, compat=compat, fast=args.fast,
+                    imatrix=args.imatrix, dtype=args.dtype, resources=not args.no_resources, report=args.report,
                     progress=Progress("convert", False if args.quiet else None), durable=not args.no_fsync)
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
@@ -189,6 +200,27 @@ def cmd_export(args) -> int:
     dt = time.perf_counter() - t0
     total = sum(os.path.getsize(p) for p in paths)
     print(f"wrote {args.output}: {len(paths)} file{'s' if len(paths) != 1 else ''}, {_human(total)} in {dt:.2f}s")
+    return 0
+
+
+def cmd_imatrix(args) -> int:
+    from mcf.imatrix import collect_bert
+
+    texts = []
+    for p in args.text:
+        try:
+            with open(p, encoding="utf-8") as f:
+                texts.append(f.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"mcf: error: calibration text {p}: {exc}", file=sys.stderr)
+            return 1
+    t0 = time.perf_counter()
+    col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk,
+                               progress=Progress("imatrix", False if args.quiet else None))
+    col.write(args.output, datasets=[os.path.basename(p) for p in args.text], chunk_count=chunks,
+              chunk_size=args.chunk)
+    print(f"wrote {args.output}: importance of {len(col.sums)} weight tensors from {chunks} chunks "
+          f"({sum(col.counts.values()) // max(1, len(col.sums))} tokens) in {time.perf_counter() - t0:.2f}s")
     return 0
 
 
@@ -262,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="k4", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"))
     s.add_argument("--compat", choices=("default", "mantle"), default="default",
                    help="mantle: byte-identical to the Go quantizer (truncating f16 scales)")
+    s.add_argument("--fast", action="store_true",
+                   help="single-pass scales (max|x| / qmax) instead of the error-minimizing search: 3-4x faster, "
+                        "~0.6 dB lower SNR at 4 bits")
+    s.add_argument("--imatrix", metavar="FILE",
+                   help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix, .gguf or .dat): weights each "
+                        "column's error by the mean squared input of that column")
     s.add_argument("--min-clip", type=float)
     s.add_argument("--max-clip", type=float)
     s.add_argument("--override", action="append", default=[], metavar="PATTERN=METHOD",
@@ -280,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-name method, glob patterns, first match wins (e.g. 'embed*=q8', 'lm_head*=none')")
     s.add_argument("--compat", choices=("default", "mantle"), default="default",
                    help="mantle: byte-identical to the Go quantizer (truncating f16 scales)")
+    s.add_argument("--fast", action="store_true",
+                   help="single-pass quantizer scales instead of the error-minimizing search")
+    s.add_argument("--imatrix", metavar="FILE",
+                   help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix) weighting the quantization error")
     s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16"), default="keep",
                    help="cast the float tensors that are not quantized")
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
@@ -288,6 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish atomically but skip the fsyncs (faster; not power-loss safe)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("imatrix", help="measure an importance matrix (mean squared input of every linear layer) "
+                                       "of a BERT model over calibration text, for quantize --imatrix")
+    s.add_argument("model", help="an MCF file packed with its config.json and tokenizer.json, or a checkpoint "
+                                 "directory")
+    s.add_argument("--text", action="append", required=True, metavar="FILE",
+                   help="calibration text (UTF-8; repeatable); use other text than you evaluate on")
+    s.add_argument("-o", "--output", required=True, help="the importance matrix (GGUF, llama.cpp's format)")
+    s.add_argument("--chunk", type=int, default=128, help="tokens per forward pass, [CLS] and [SEP] included")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_imatrix)
 
     s = sub.add_parser("export", help="write an MCF file's tensors (and resources) back as safetensors")
     s.add_argument("input")

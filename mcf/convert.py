@@ -43,9 +43,9 @@ def files_left_out(src) -> list:
                   if n not in kept and not n.endswith(".safetensors") and not n.startswith("."))
 
 
-def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, dtype: str = "keep",
-            resources: bool = True, progress=None, report: bool = False, mmap: bool = True,
-            durable: bool = True) -> list:
+def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, fast: bool = False,
+            imatrix=None, dtype: str = "keep", resources: bool = True, progress=None, report: bool = False,
+            mmap: bool = True, durable: bool = True) -> list:
     """Convert checkpoint ``src`` into the MCF file ``dst``; returns per-tensor
     :class:`mcf.quant.QuantStats` when ``report`` is true (else an empty list).
 
@@ -55,9 +55,11 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     "k2", "int8", "int4"; for GGUF also "native", see :func:`mcf.gguf.convert_gguf`) quantizes rank-2
     float tensors; ``overrides`` (``["embed*=q8",
     "lm_head.weight=none"]``, first match wins) picks a method per name; ``compat=True`` reproduces
-    the Go quantizer's bytes.  ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that
-    are not quantized.  ``progress(done, total, name)`` is called after each tensor.  ``mmap=False``
-    reads safetensors inputs with ``pread`` instead of mapping them.  For GGUF input the report is
+    the Go quantizer's bytes; ``fast=True`` keeps the single-pass quantizer; ``imatrix`` (a file or a
+    mapping name -> importance, see :mod:`mcf.imatrix`) weights the quantization error per column.
+    ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that are not quantized.
+    ``progress(done, total, name)`` is called after each tensor.  ``mmap=False`` reads safetensors
+    inputs with ``pread`` instead of mapping them.  For GGUF input the report is
     :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
     stored), as GGUF's own blocks are already lossy.
 
@@ -66,19 +68,22 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     Every input is validated before the output is created; a bad input raises a
     :class:`mcf.MCFError` subclass naming the file and field, and leaves ``dst`` untouched.
     """
+    from mcf.imatrix import as_importance
     from mcf.pack import pack_checkpoint
-    from mcf.quant import resolve_policy
+    from mcf.quant import check_imatrix_mode, resolve_policy
 
     path = os.fspath(src)
     dtype = str(dtype).strip().lower()
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    check_imatrix_mode(imatrix, compat, fast)
+    imatrix = as_importance(imatrix)
     if _is_gguf(path):
         from mcf.gguf import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
-                             progress=progress, durable=durable)
+                             progress=progress, durable=durable, fast=fast, imatrix=imatrix)
         return list(stats) if report else []
     method, overrides = resolve_policy(method, overrides)
     return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,
-                           report=report, resources=resources, mmap=mmap, progress=progress, durable=durable)
+                           fast=fast, imatrix=imatrix, report=report, resources=resources, mmap=mmap, progress=progress, durable=durable)

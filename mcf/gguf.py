@@ -726,7 +726,8 @@ def _float_target(t: GGUFTensor, dtype: str):
 
 
 def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="keep", progress=None,
-                 mmap: bool = False, threads: int = 1, durable: bool = True) -> list:
+                 mmap: bool = False, threads: int = 1, durable: bool = True, fast: bool = False,
+                 imatrix=None) -> list:
     """Convert a GGUF file to MCF, one tensor at a time (peak memory near one tensor).
 
     - ``dtype="keep"``: F32/F16/BF16/F64 tensors are stored as they are; quantized ggml types are
@@ -734,7 +735,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     - ``method`` (``"q8"``, ``"q4"``, ``"k6"``, ``"k4"``, ``"k3"``, ``"k2"``, ``"int8"``, ``"int4"``)
       requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant.quantize_file` does (the
       ggml blocks are decoded to float32 first); ``overrides`` (``["*.ffn_down.*=q8", "output.*=none"]``)
-      choose per tensor name, first match wins, ``compat`` as in ``mcf quantize``.
+      choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (a mapping name ->
+      importance; llama.cpp's importance matrices use GGUF names) as in ``mcf quantize``.
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
       subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32
@@ -748,7 +750,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     (see :class:`mcf.Writer`).  Returns a :class:`ConvertStats` per tensor.
     """
     from mcf.dtypes import parse_dtype
-    from mcf.quant import METHODS, _method_for, parse_overrides, quantize
+    from mcf.quant import METHODS, _method_for, importance_for, parse_overrides, quantize
     from mcf.writer import Writer, _cast_chunk
 
     if method is not None and method != "native" and method not in METHODS:
@@ -778,8 +780,10 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
             for i, name in enumerate(names):
                 t = g.tensors[name]
                 m = _method_for(name, method, ov)
+                imp = importance_for(imatrix, name, m) if m not in (None, "native") else None
                 try:
-                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk))
+                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk, fast,
+                                              imp))
                 except MCFError as exc:  # name the file and the tensor, whatever failed
                     raise in_tensor(exc, g.path, name) from exc
                 rd.release()
@@ -824,7 +828,7 @@ def _decode_all_f32(g: GGUFFile, rd: _Reader, t: GGUFTensor, threads) -> np.ndar
     return out
 
 
-def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, cast):
+def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, cast, fast=False, importance=None):
     from mcf.dtypes import parse_dtype
 
     tn = t.type.name
@@ -848,7 +852,13 @@ def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, c
             arr = rd.read(t.offset, t.nbytes).view(t.type.numpy).reshape(t.shape)
             if not rd.mapped:
                 arr = arr.copy()  # the reader's buffer is reused
-        payload, q = quantize(arr, m, compat=compat, src_dtype=sd, threads=threads)
+        try:
+            payload, q = quantize(arr, m, compat=compat, fast=fast, importance=importance, src_dtype=sd,
+                                  threads=threads)
+        except InvalidArgumentError as exc:
+            if importance is None:
+                raise
+            raise InvalidArgumentError(f"{g.path}: tensor {t.name!r}: {exc}") from None
         del arr
         w.add_tensor_bytes(t.name, m, t.shape, payload, quant=q)
         return ConvertStats(t.name, tn, m, "quantize", t.shape, t.nbytes, payload.nbytes)

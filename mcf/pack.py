@@ -149,12 +149,14 @@ def _raw_quantized(t):
 
 
 def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None = None, overrides=(),
-                     compat: bool = False, report: bool = False, progress=None) -> list:
+                     compat: bool = False, fast: bool = False, imatrix=None, report: bool = False,
+                     progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
-    tensors picked by ``method``/``overrides`` (:func:`mcf.quant.plan_method`) are quantized, the
+    tensors picked by ``method``/``overrides`` (:func:`mcf.quant.plan_method`) are quantized (``compat``,
+    ``fast``, and ``imatrix``, a mapping name -> importance, as in :func:`mcf.quant.quantize_file`), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
     :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
-    from mcf.quant import add_quantized, plan_method, resolve_policy
+    from mcf.quant import add_quantized, importance_for, plan_method, resolve_policy
 
     target = None if dtype == "keep" else parse_dtype(dtype)
     method, ov = resolve_policy(method, overrides)
@@ -170,7 +172,8 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                 qinfo, shape, q = raw
                 w.add_tensor_bytes(name, qinfo, shape, _stream_plain(t, t.dtype, buf), quant=q)
             elif m is not None:
-                st = add_quantized(w, name, t.array(), t.dtype, m, compat=compat, report=report)
+                st = add_quantized(w, name, t.array(), t.dtype, m, compat=compat, fast=fast,
+                                   importance=importance_for(imatrix, name, m), report=report)
                 t.file.source.advise("dontneed", t.offset, t.nbytes)
                 if st is not None:
                     stats.append(st)
@@ -278,7 +281,7 @@ def _open_checkpoint(path: str, mmap: bool):
 
 
 def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
-                    compat: bool = False, report: bool = False, align: int = 64, dedup: bool = False,
+                    compat: bool = False, fast: bool = False, imatrix=None, report: bool = False, align: int = 64, dedup: bool = False,
                     resources: bool = True, mmap: bool = True, model_name: str | None = None,
                     progress=None, durable: bool = True) -> list:
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
@@ -306,4 +309,4 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
                 stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem
                 w.add_model_info(ModelInfo(model_name=model_name or stem))
             return write_checkpoint(ckpt, w, dtype=dtype, method=method, overrides=overrides, compat=compat,
-                                    report=report, progress=progress)
+                                    fast=fast, imatrix=imatrix, report=report, progress=progress)

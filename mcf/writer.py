@@ -227,16 +227,16 @@ class Writer:
                 return False
         return True
 
-    def add_tensor(self, name: str, array, *, dtype=None, method=None, compat: bool = False,
-                   min_clip: float | None = None, max_clip: float | None = None) -> None:
+    def add_tensor(self, name: str, array, *, dtype=None, method=None, compat: bool = False, fast: bool = False,
+                   importance=None, min_clip: float | None = None, max_clip: float | None = None) -> None:
         """Add a tensor from an array.
 
         ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; rounded once to nearest even,
         from float64 too); non-float tensors are stored as they are.  Big-endian arrays are stored as
         their values (little-endian, as MCF requires).  An ``ml_dtypes.bfloat16`` array is stored as BF16.
         ``method`` ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4") quantizes a rank-2 float tensor
-        (other tensors are stored plain), with ``compat``/``min_clip``/``max_clip`` as in
-        :func:`mcf.quant.quantize`; its QuantInfo record is written with the file.
+        (other tensors are stored plain), with ``compat``, ``fast``, ``importance``, ``min_clip`` and
+        ``max_clip`` as in :func:`mcf.quant.quantize`; its QuantInfo record is written with the file.
         """
         a = np.asarray(array)
         if a.dtype.byteorder == ">":  # the values count, not their byte order: MCF stores little-endian
@@ -250,7 +250,8 @@ class Writer:
                 from mcf.quant import quantize
 
                 try:
-                    payload, q = quantize(a, minfo, compat=compat, min_clip=min_clip, max_clip=max_clip)
+                    payload, q = quantize(a, minfo, compat=compat, fast=fast, importance=importance,
+                                          min_clip=min_clip, max_clip=max_clip)
                 except MCFError as exc:  # which tensor of the file being written
                     raise in_tensor(exc, None, name) from exc
                 self.add_tensor_bytes(name, minfo, a.shape, payload, quant=q)

@@ -253,3 +253,176 @@ def exact_round_bits(x, kind):
         else:
             out.append(sign | ((e + bias) << man) | (n - (1 << man)))
     return np.array(out, np.uint16).reshape(np.shape(x))
+
+
+# ---- the error-minimizing ("search") quantizer, written from docs/quantization.md ---------------------------------
+#
+# Every value below is a float32 and every operation one IEEE float32 operation, in the order the description
+# gives; sums run over the 32 values of a block in index order, starting from +0.  numpy evaluates each step for
+# all blocks at once (one array element per block), which is exactly the "one lane per block" of the C variants.
+
+F32 = np.float32
+# candidate inverse scales of the block search: (qmax + a0 + j*step) / max|x|, j = 0 .. n-1, per bit width
+SEARCH_GRID = {2: (0.0, 0.25, 8), 3: (-0.5, 0.25, 8), 4: (-1.0, 0.375, 10), 6: (-1.5, 1.0, 12), 8: (-1.0, 0.75, 12)}
+SUPER_CANDIDATES = 2  # super scales tried per super-block: f16(D * 32 / (63 - c)), c = 0 .. n-1
+F16_MIN_NORMAL, F16_MAX_FINITE = 0x0400, 0x7BFF
+
+
+def _f16_rne(x):
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
+
+
+def _codes_rne(v, s, qmax):
+    """q = clamp(rint(v * (1 / s)), -qmax, qmax); all zero where s == 0.  v [..., 32], s [...]."""
+    with np.errstate(divide="ignore"):
+        inv = np.where(s != 0, F32(1.0) / np.where(s != 0, s, F32(1.0)), F32(0.0)).astype(np.float32)
+    q = np.clip(np.rint((v * inv[..., None]).astype(np.float32)), -F32(qmax), F32(qmax)).astype(np.float32)
+    return np.where((s != 0)[..., None], q, F32(0.0)).astype(np.float32)
+
+
+def search_error(v, w, s, qmax):
+    """Weighted squared error of the codes for scale s: sum_i w_i * ((v_i - s*q_i) * (v_i - s*q_i))."""
+    q = _codes_rne(v, s, qmax)
+    e = np.zeros(v.shape[:-1], np.float32)
+    for i in range(32):
+        r = (v[..., i] - (s * q[..., i]).astype(np.float32)).astype(np.float32)
+        e = (e + (w[..., i] * (r * r).astype(np.float32)).astype(np.float32)).astype(np.float32)
+    return e
+
+
+def search_best_scale(v, w, bits):
+    """The block search: for each candidate inverse scale, round to the nearest code, take the least-squares
+    scale of those codes (sum w*v*L / sum w*L*L) and keep the candidate with the largest (sum w*v*L)^2 / sum
+    w*L*L (the smallest weighted error).  Returns (best scale, max |v|); max|v| / qmax when no candidate
+    has a positive score (all-zero weights), 0 for an all-zero block."""
+    qmax = (1 << (bits - 1)) - 1
+    qf = F32(qmax)
+    amax = np.abs(v).max(axis=-1).astype(np.float32)
+    live = amax > 0
+    safe = np.where(live, amax, F32(1.0)).astype(np.float32)
+    d = np.where(live, (safe / qf).astype(np.float32), F32(0.0)).astype(np.float32)
+    best = np.zeros(amax.shape, np.float32)
+    wv = (w * v).astype(np.float32)
+    a0, step, n = SEARCH_GRID[bits]
+    for j in range(n):
+        a = F32(a0 + j * step)  # exact: a few binary digits
+        isc = ((qf + a) / safe).astype(np.float32)
+        slx = np.zeros(amax.shape, np.float32)
+        sl2 = np.zeros(amax.shape, np.float32)
+        for i in range(32):
+            L = np.clip(np.rint((v[..., i] * isc).astype(np.float32)), -qf, qf).astype(np.float32)
+            slx = (slx + (wv[..., i] * L).astype(np.float32)).astype(np.float32)
+            sl2 = (sl2 + ((w[..., i] * L).astype(np.float32) * L).astype(np.float32)).astype(np.float32)
+        pos = sl2 > 0
+        den = np.where(pos, sl2, F32(1.0)).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            score = (((slx * slx).astype(np.float32)) / den).astype(np.float32)
+            better = pos & live & (score > best)
+        best = np.where(better, score, best).astype(np.float32)
+        d = np.where(better, (slx / den).astype(np.float32), d).astype(np.float32)
+    return d, amax
+
+
+def _clamp_f16(h):
+    return np.clip(h, F16_MIN_NORMAL, F16_MAX_FINITE).astype(np.uint16)
+
+
+def quantize_search(x, method, weights=None):
+    """Payload bytes of the search quantizer for q*/k* (weights domain, no clips): see docs/quantization.md.
+    ``weights``: float32 per column (None: all 1)."""
+    x = np.asarray(x, np.float32)
+    rows, cols = x.shape
+    bits, fam = BITS[method], FAMILY[method]
+    qmax = (1 << (bits - 1)) - 1
+    qf = F32(qmax)
+    bpr = -(-cols // 32)
+    pad = np.zeros((rows, bpr * 32), np.float32)
+    pad[:, :cols] = x
+    w = np.zeros(bpr * 32, np.float32)
+    w[:cols] = 1.0 if weights is None else np.asarray(weights, np.float32)
+    V = pad.reshape(rows, bpr, 32)
+    Wb = np.broadcast_to(w.reshape(bpr, 32), V.shape)
+    d, amax = search_best_scale(V, Wb, bits)
+    base = np.where(amax > 0, (amax / qf).astype(np.float32), F32(0.0)).astype(np.float32)
+    regs, total = layout(method, rows, cols)
+    out = np.zeros(total, np.uint8)
+    if fam == "block":
+        h0 = _f16_rne(base)
+        h1 = _clamp_f16(_f16_rne(d))
+        s0, s1 = f16_scale(h0), f16_scale(h1)
+        take = search_error(V, Wb, s1, qmax) < search_error(V, Wb, s0, qmax)
+        h = np.where(take, h1, h0).astype(np.uint16)
+        scale = f16_scale(h)
+        o, n = regs["scales"]
+        out[o:o + n] = h.reshape(-1).view(np.uint8)
+    else:
+        spr = -(-bpr // 8)
+        nsb = spr * 8
+
+        def per_super(a, fill=0):
+            p = np.full((rows, nsb) + a.shape[2:], fill, a.dtype)
+            p[:, :bpr] = a
+            return p.reshape((rows, spr, 8) + a.shape[2:])
+
+        Vs = per_super(V)
+        Ws = per_super(np.ascontiguousarray(Wb))
+        bs, ds, am = per_super(base), per_super(d), per_super(amax)
+        live = am > 0
+        # the baseline: the single-pass quantizer's scales (super = f16(max block scale))
+        smax = np.zeros((rows, spr), np.float32)
+        dmax = np.zeros((rows, spr), np.float32)
+        for k in range(8):  # sequential max, as the C code does it (order does not matter for max)
+            smax = np.maximum(smax, bs[:, :, k])
+            dmax = np.maximum(dmax, ds[:, :, k])
+        H0 = _f16_rne(smax)
+        S0 = f16_scale(H0)
+        S0b = np.repeat(S0[:, :, None], 8, axis=2)
+        ok = (bs > 0) & (S0b > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(ok, (bs / np.where(ok, S0b, F32(1.0))).astype(np.float32), F32(0.0))
+            u0 = np.clip(round_half_away((ratio * F32(32.0)).astype(np.float32)), 1, 63)
+        u0 = np.where(ok, u0, 0).astype(np.float32)
+        sc0 = np.where(u0 > 0, (S0b * (u0 / F32(32.0)).astype(np.float32)).astype(np.float32), F32(0.0))
+        e0 = search_error(Vs, Ws, sc0.astype(np.float32), qmax)
+        E0 = np.zeros((rows, spr), np.float32)
+        for k in range(8):
+            E0 = (E0 + e0[:, :, k]).astype(np.float32)
+        bestT = np.full((rows, spr), np.inf, np.float32)
+        bestH = np.zeros((rows, spr), np.uint16)
+        bestU = np.zeros((rows, spr, 8), np.float32)
+        for c in range(SUPER_CANDIDATES):
+            Hc = _clamp_f16(_f16_rne(((dmax * F32(32.0)).astype(np.float32) / F32(63 - c)).astype(np.float32)))
+            Sc = np.repeat(f16_scale(Hc)[:, :, None], 8, axis=2)
+            r = ((ds * F32(32.0)).astype(np.float32) / Sc).astype(np.float32)
+            f = np.floor(r)
+            ua = np.clip(f, F32(1.0), F32(63.0)).astype(np.float32)
+            ub = np.clip((f + F32(1.0)).astype(np.float32), F32(1.0), F32(63.0)).astype(np.float32)
+            ea = search_error(Vs, Ws, (Sc * (ua / F32(32.0)).astype(np.float32)).astype(np.float32), qmax)
+            eb = search_error(Vs, Ws, (Sc * (ub / F32(32.0)).astype(np.float32)).astype(np.float32), qmax)
+            pick_b = eb < ea
+            u = np.where(live, np.where(pick_b, ub, ua), F32(0.0)).astype(np.float32)
+            e = np.where(live, np.where(pick_b, eb, ea), F32(0.0)).astype(np.float32)
+            T = np.zeros((rows, spr), np.float32)
+            for k in range(8):
+                T = (T + e[:, :, k]).astype(np.float32)
+            better = T < bestT
+            bestT = np.where(better, T, bestT)
+            bestH = np.where(better, Hc, bestH).astype(np.uint16)
+            bestU = np.where(better[:, :, None], u, bestU)
+        take = (dmax > 0) & (bestT < E0)
+        H = np.where(take, bestH, H0).astype(np.uint16)
+        U = np.where(take[:, :, None], bestU, u0).astype(np.float32)
+        Sd = np.repeat(f16_scale(H)[:, :, None], 8, axis=2)
+        scale_s = np.where(U > 0, (Sd * (U / F32(32.0)).astype(np.float32)).astype(np.float32), F32(0.0))
+        scale = scale_s.reshape(rows, nsb)[:, :bpr].astype(np.float32)
+        o, n = regs["super_scales"]
+        out[o:o + n] = H.reshape(-1).view(np.uint8)
+        o, n = regs["sub_scales"]
+        out[o:o + n] = U.reshape(rows, nsb)[:, :bpr].astype(np.uint8).reshape(-1)
+    q = _codes_rne(V, scale.astype(np.float32), qmax).astype(np.int64)
+    u = (q & ((1 << bits) - 1)).astype(np.uint8).reshape(rows * bpr, 32)
+    bitsarr = ((u[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows * bpr, 32 * bits)
+    o, n = regs["data"]
+    out[o:o + n] = np.packbits(bitsarr, axis=1, bitorder="little").reshape(-1)
+    return out

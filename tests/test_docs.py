@@ -198,9 +198,10 @@ def _check_remote(out):
 
 
 def _check_quantization(out):
+    # the example: the search beats the single-pass quantizers at the same size
+    snr = {line.split(" ")[0]: float(line.split("SNR ")[1].split()[0]) for line in out.splitlines() if "SNR" in line}
+    assert snr["search"] > snr["{'fast':"] and snr["search"] > snr["{'compat':"]
     # the page's claim: 104 tensors, 103 float32 and one int64, 40 of them quantized
-    for m in ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4"):
-        assert f"minilm-{m}.mcf" in out
     import mcf
 
     with mcf.open("minilm.mcf") as c:

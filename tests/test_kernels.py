@@ -159,12 +159,13 @@ def test_unpack_matches_reference(method, impl):
 @given(method=st.sampled_from(QK), rows=st.integers(1, 4), cols=st.integers(1, 1100), seed=st.integers(0, 2**32 - 1),
        compat=st.booleans(), scale=st.sampled_from([1e-6, 0.01, 1.0, 300.0]))
 def test_quantize_property_all_variants(method, rows, cols, seed, compat, scale):
+    """The single-pass quantizer (fast=True) and the Go-compatible one against ref.quantize."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
     x[rng.random((rows, cols)) < 0.1] = 0.0
     want = ref.quantize(x, method, compat).tobytes()
     for impl in IMPLS:
-        assert mcf.quantize(x, method, compat=compat, impl=impl)[0].tobytes() == want
+        assert mcf.quantize(x, method, compat=compat, fast=True, impl=impl)[0].tobytes() == want
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -226,16 +227,17 @@ def test_quantizer_matches_reference(method, compat, impl):
         x = (rng.standard_normal(shape) * rng.choice([1e-4, 0.02, 3.0, 1e3], size=(shape[0], 1))).astype(np.float32)
         x[0, : min(5, shape[1])] = 0.0
         x.reshape(-1)[-1] = 0.5 * np.float32(3.0)  # exact ties of the rounding rule appear in the codes
-        payload, q = mcf.quantize(x, method, compat=compat, impl=impl)
+        payload, q = mcf.quantize(x, method, compat=compat, fast=True, impl=impl)
         assert payload.tobytes() == ref.quantize(x, method, compat).tobytes(), shape
         assert q["max_clip"] == np.abs(x).max() and q["min_clip"] == -np.abs(x).max()
 
 
 @pytest.mark.parametrize("method", QK)
-def test_default_quantizer_error_is_bounded(method):
+def test_single_pass_quantizer_error_is_bounded(method):
+    """fast=True: scale = max|x| / qmax, so no value is off by more than half a step (k*: one step)."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((16, 512)).astype(np.float32)
-    payload, _ = mcf.quantize(x, method)
+    payload, _ = mcf.quantize(x, method, fast=True)
     y = mcf.dequantize(payload, method, x.shape)
     bits = ref.BITS[method]
     qmax = (1 << (bits - 1)) - 1
@@ -391,7 +393,7 @@ def test_quantize_wide_rows_every_group_path(method):
         x[2, 96:128] = np.float32(0.5) * np.arange(32, dtype=np.float32)
         want = ref.quantize(x, method, False).tobytes()
         for impl in IMPLS:
-            assert mcf.quantize(x, method, impl=impl)[0].tobytes() == want, (cols, impl)
+            assert mcf.quantize(x, method, fast=True, impl=impl)[0].tobytes() == want, (cols, impl)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,341 @@
+"""Importance matrices: how much each input column of a weight matrix matters, measured on activations.
+
+A linear layer ``y = x @ W.T`` turns an error ``dW`` in its weights into an output error ``x @ dW.T``;
+on average over inputs its square is ``sum_j E[x_j^2] * dW_ij^2`` (keeping the diagonal).  So the
+quantizer should weight the squared error of column ``j`` of ``W`` by ``E[x_j^2]``, the mean squared
+input of that column: that vector is the tensor's *importance*.  :func:`mcf.quant.quantize` takes it as
+``importance=``, ``mcf quantize --imatrix FILE`` reads it from a file.
+
+The file format is llama.cpp's GGUF importance matrix (``llama-imatrix -o imatrix.gguf``), so files
+from either tool work with both:
+
+- a GGUF v3 file with ``general.type = "imatrix"``, ``imatrix.datasets`` (array of strings: what the
+  activations came from), ``imatrix.chunk_count`` and ``imatrix.chunk_size`` (u32: calibration chunks
+  and tokens per chunk);
+- per weight tensor ``NAME``: ``NAME.in_sum2``, F32 with GGUF dims ``[columns, 1]``, the sum over all
+  calibration tokens of the squared input of each column, and ``NAME.counts``, F32 ``[1, 1]``, the
+  number of tokens.  The importance is ``in_sum2 / counts``.  (llama.cpp also writes ``NAME.in_sum``,
+  the plain sums; it is read and ignored.  3-D mixture-of-experts entries, ``[columns, experts]``,
+  read as one row per expert; MCF quantizes rank-2 tensors, so they never apply.)
+
+Tensor names are the names of the MCF file being quantized: Hugging Face names for files packed from a
+checkpoint, GGUF names (``blk.0.attn_q.weight``) for files converted from GGUF, so an imatrix made by
+llama.cpp for the same GGUF model applies to its conversion.  The legacy llama.cpp ``.dat`` format
+(``int32 n_entries``, then per entry ``int32 len, name, int32 ncall, int32 nval, float32[nval]``
+holding ``mean * ncall``, then optionally ``int32 chunks, int32 len, dataset name``) is read too.
+
+:func:`collect_bert` measures one for the BERT encoders :mod:`mcf._bert` runs (the demo's
+all-MiniLM-L6-v2), and ``mcf imatrix`` is its command line.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
+
+__all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
+
+_GGUF_MAGIC = b"GGUF"
+_ALIGN = 32                     # GGUF's default alignment (no general.alignment key is written)
+_SUM2, _COUNTS, _SUM = ".in_sum2", ".counts", ".in_sum"
+_MAX_LEGACY_ENTRIES = 1 << 20   # far more weight tensors than any model has
+_MAX_NAME = 1 << 16
+
+
+class ImportanceCollector:
+    """Running sums of squared inputs per weight tensor: ``add(name, x)`` with the ``[tokens, columns]``
+    input of that tensor's layer; :meth:`means` gives the importance vectors, :meth:`write` the file."""
+
+    def __init__(self):
+        self.sums: dict[str, np.ndarray] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, x) -> None:
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {x.shape}")
+        sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
+        if name in self.sums:
+            if self.sums[name].shape != sq.shape:
+                raise InvalidArgumentError(f"{name}: {sq.shape[0]} columns, earlier inputs had "
+                                           f"{self.sums[name].shape[0]}")
+            self.sums[name] += sq
+            self.counts[name] += x.shape[0]
+        else:
+            self.sums[name] = sq
+            self.counts[name] = x.shape[0]
+
+    def means(self) -> dict[str, np.ndarray]:
+        """name -> mean squared input per column (float32)."""
+        return {n: (s / max(1, self.counts[n])).astype(np.float32) for n, s in sorted(self.sums.items())}
+
+    def write(self, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0) -> None:
+        write_imatrix(path, self.sums, self.counts, datasets=datasets, chunk_count=chunk_count,
+                      chunk_size=chunk_size)
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+def _gguf_str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_count: int = 0,
+                  chunk_size: int = 0) -> None:
+    """Write llama.cpp's GGUF importance-matrix file: ``sums[name]`` (per-column sums of squared inputs)
+    and ``counts[name]`` (tokens).  Tensors are sorted by name, as llama-imatrix writes them.  The file
+    is written to a temporary name and renamed into place."""
+    names = sorted(sums)
+    for n in names:
+        if n not in counts:
+            raise InvalidArgumentError(f"no token count for {n!r}")
+    kv = [("general.type", 8, _gguf_str("imatrix")),
+          ("imatrix.datasets", 9, struct.pack("<IQ", 8, len(datasets)) + b"".join(_gguf_str(str(d)) for d in datasets)),
+          ("imatrix.chunk_count", 4, struct.pack("<I", int(chunk_count))),
+          ("imatrix.chunk_size", 4, struct.pack("<I", int(chunk_size)))]
+    tensors = []
+    for n in names:
+        s = np.ascontiguousarray(sums[n], dtype="<f4").reshape(-1)
+        tensors.append((n + _SUM2, (s.shape[0], 1), s))
+        tensors.append((n + _COUNTS, (1, 1), np.array([counts[n]], "<f4")))
+    head = [_GGUF_MAGIC, struct.pack("<IQQ", 3, len(tensors), len(kv))]
+    for key, vtype, value in kv:
+        head += [_gguf_str(key), struct.pack("<I", vtype), value]
+    off = 0
+    for name, dims, data in tensors:
+        head += [_gguf_str(name), struct.pack("<I", len(dims)), struct.pack(f"<{len(dims)}Q", *dims),
+                 struct.pack("<IQ", 0, off)]   # type 0 = F32, offset from the start of the data
+        off += -(-data.nbytes // _ALIGN) * _ALIGN
+    header = b"".join(head)
+    header += b"\0" * (-len(header) % _ALIGN)
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for _name, _dims, data in tensors:
+                f.write(data.tobytes())
+                f.write(b"\0" * (-data.nbytes % _ALIGN))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def read_imatrix(path) -> dict[str, np.ndarray]:
+    """Importance vectors from a GGUF importance-matrix file (ours or llama.cpp's) or a legacy
+    llama.cpp ``.dat`` file: name -> float32 mean squared input per column (``[experts, columns]`` for
+    3-D entries).  Every length, count and value is checked: a bad file raises
+    :class:`mcf.FormatError` naming the field."""
+    from mcf.errors import os_error
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    if magic == _GGUF_MAGIC:
+        return _read_gguf(path)
+    return _read_legacy(path)
+
+
+def _checked(path, name, v) -> np.ndarray:
+    """float32 values checked on their bits (no float operation, so a signalling NaN raises nothing
+    either): finite and not negative (-0.0 is allowed).  Returned as float64."""
+    bits = np.ascontiguousarray(v, dtype="<f4").view("<u4")
+    bad = ((bits & 0x7F800000) == 0x7F800000) | ((bits >> 31).astype(bool) & ((bits & 0x7FFFFFFF) != 0))
+    if bad.any():
+        raise FormatError("importance values must be finite and >= 0", path=path, field=name,
+                          got=f"bits 0x{int(bits.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]):08x}")
+    return bits.view("<f4").astype(np.float64)
+
+
+def _read_gguf(path) -> dict[str, np.ndarray]:
+    from mcf import gguf
+
+    out = {}
+    with gguf.open(path, mmap=False) as g:
+        kind = g.metadata.get("general.type")
+        if kind is not None and kind != "imatrix":
+            raise FormatError("not an importance matrix", path=path, field="general.type", expected="imatrix",
+                              got=kind)
+        for tname, t in g.tensors.items():
+            if not tname.endswith(_SUM2):
+                continue  # NAME.counts (read with its sums), NAME.in_sum (unused), anything newer
+            base = tname[: -len(_SUM2)]
+            cname = base + _COUNTS
+            if cname not in g.tensors:
+                raise FormatError("in_sum2 without counts", path=path, field=tname, expected=cname)
+            for n in (tname, cname):
+                ti = g.tensors[n]
+                if ti.type.name != "F32" or len(ti.shape) not in (1, 2):
+                    raise FormatError("importance tensors are 1-D or 2-D F32", path=path, field=n,
+                                      got=f"{ti.type.name} {list(ti.dims)}")
+            s32 = np.asarray(g.array(tname))
+            if s32.size == 0:
+                raise FormatError("empty importance entry", path=path, field=tname)
+            sums = _checked(path, tname, s32).reshape(s32.shape[0] if s32.ndim == 2 else 1, s32.shape[-1])
+            cnt = _checked(path, cname, g.array(cname)).reshape(-1)
+            if cnt.shape[0] != sums.shape[0]:
+                raise FormatError("one count per matrix", path=path, field=cname, expected=sums.shape[0],
+                                  got=cnt.shape[0])
+            mean = np.where(cnt[:, None] > 0, sums / np.where(cnt > 0, cnt, 1)[:, None], 0.0)
+            if mean.size and float(mean.max()) > float(np.finfo(np.float32).max):
+                raise FormatError("in_sum2 / counts overflows float32", path=path, field=tname)
+            out[base] = (mean[0] if mean.shape[0] == 1 else mean).astype(np.float32)
+    if not out:
+        raise FormatError("no importance entries (NAME.in_sum2 / NAME.counts tensors)", path=path)
+    return out
+
+
+def _read_legacy(path) -> dict[str, np.ndarray]:
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+
+    def i32(field):
+        nonlocal pos
+        if pos + 4 > len(data):
+            raise TruncatedError("file ends inside a field", path=path, field=field, offset=pos)
+        (v,) = struct.unpack_from("<i", data, pos)
+        pos += 4
+        return v
+
+    n = i32("n_entries")
+    if not 0 < n <= _MAX_LEGACY_ENTRIES:
+        raise FormatError("not an importance matrix (GGUF or llama.cpp .dat)", path=path, field="n_entries",
+                          offset=0, expected=f"1..{_MAX_LEGACY_ENTRIES}", got=n)
+    out = {}
+    for e in range(n):
+        at = pos
+        ln = i32(f"entry[{e}].name_len")
+        if not 0 < ln <= _MAX_NAME or pos + ln > len(data):
+            raise FormatError("bad name length", path=path, field=f"entry[{e}].name_len", offset=at, got=ln)
+        try:
+            name = data[pos:pos + ln].decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError("name is not UTF-8", path=path, field=f"entry[{e}].name", offset=pos) from None
+        pos += ln
+        ncall = i32(f"{name}.ncall")
+        at = pos
+        nval = i32(f"{name}.nval")
+        if nval <= 0 or pos + 4 * nval > len(data):
+            raise FormatError("bad value count", path=path, field=f"{name}.nval", offset=at, got=nval)
+        v = _checked(path, name, np.frombuffer(data, "<f4", nval, pos))
+        pos += 4 * nval
+        if name in out:
+            raise FormatError("duplicate entry", path=path, field=name, offset=at)
+        out[name] = (v / ncall if ncall > 0 else v).astype(np.float32)
+    if pos != len(data):  # optional trailer: int32 chunk count, int32 length, dataset name
+        i32("chunk_count")
+        at = pos
+        ln = i32("dataset_len")
+        if ln < 0 or pos + ln != len(data):
+            raise FormatError("trailing bytes after the entries", path=path, field="dataset", offset=at)
+    return out
+
+
+def as_importance(obj) -> Mapping:
+    """``None`` -> {}; a path -> :func:`read_imatrix`; a mapping (name -> per-column vector) as it is."""
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping):
+        return obj
+    if isinstance(obj, (str, bytes, os.PathLike)):
+        return read_imatrix(obj)
+    raise InvalidArgumentError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
+
+
+# -- collecting ------------------------------------------------------------------------------------
+
+def _model_parts(model):
+    """(weights mapping, config dict, tokenizers.Tokenizer) of an MCF file or a checkpoint directory."""
+    import json
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise InvalidArgumentError("collecting an importance matrix needs the tokenizers package") from None
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        from mcf._safetensors import open_checkpoint
+
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        ckpt = open_checkpoint(path)
+        weights = {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
+    else:
+        import mcf
+
+        with mcf.open(path) as c:
+            cfg = c.resource_json("config.json")
+            tjson = c.resource_text("tokenizer.json")
+            if cfg is None or tjson is None:
+                raise InvalidArgumentError(f"{path}: the file holds no config.json / tokenizer.json resource; "
+                                           "pack it with its resources (mcf pack)")
+            weights = {n: np.array(c.tensor(n)) for n in c}  # copies: the file is closed afterwards
+        tok = Tokenizer.from_str(tjson)
+    tok.no_truncation()
+    tok.no_padding()
+    return weights, cfg, tok
+
+
+def _model_config(path) -> dict:
+    import json
+
+    if os.path.isdir(path):
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f)
+    import mcf
+
+    with mcf.open(path) as c:
+        cfg = c.resource_json("config.json")
+    if cfg is None:
+        raise InvalidArgumentError(f"{path}: the file holds no config.json resource; pack it with its resources "
+                                   "(mcf pack)")
+    return cfg
+
+
+def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tuple[ImportanceCollector, int]:
+    """Run the numpy BERT encoder (:mod:`mcf._bert`) of ``model`` (an MCF file with its config.json and
+    tokenizer.json, or a checkpoint directory) over ``texts`` cut into chunks of ``chunk_tokens`` tokens
+    ([CLS] and [SEP] included) and record the inputs of every linear layer.  Returns the collector and
+    the number of chunks."""
+    from mcf._bert import bert_forward
+
+    cfg = _model_config(os.fspath(model))
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "bert":
+        got = cfg.get("model_type") if isinstance(cfg, dict) else cfg
+        raise InvalidArgumentError(f"{os.fspath(model)}: model_type {got!r}; the numpy forward pass runs BERT "
+                                   "encoders only (for other models, llama.cpp's llama-imatrix writes the same "
+                                   "file format)")
+    weights, cfg, tok = _model_parts(model)
+    if not 3 <= chunk_tokens <= int(cfg["max_position_embeddings"]):
+        raise InvalidArgumentError(f"chunk_tokens must be 3..{cfg['max_position_embeddings']}")
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    chunks = []
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        step = chunk_tokens - 2
+        chunks += [[cls] + ids[i:i + step] + [sep] for i in range(0, len(ids), step)]
+    if not chunks:
+        raise InvalidArgumentError("the calibration text is empty")
+    col = ImportanceCollector()
+    for i, ids in enumerate(chunks):
+        bert_forward(weights, cfg, ids, observe=col.add)
+        if progress is not None:
+            progress(i + 1, len(chunks), f"chunk {i + 1}")
+    return col, len(chunks)

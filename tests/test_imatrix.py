@@ -1,0 +1,311 @@
+"""Importance matrices (mcf.imatrix): llama.cpp's GGUF format written and read (checked with gguf-py, an
+independent reader and writer), the legacy .dat format, malformed files, the BERT collector against
+transformers' own modules, and the command line."""
+
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mcf
+from mcf.imatrix import ImportanceCollector, read_imatrix, write_imatrix
+
+gguf = pytest.importorskip("gguf", reason="gguf-py reads and writes the GGUF imatrix files independently")
+
+
+def collector(rng):
+    col = ImportanceCollector()
+    for _ in range(3):
+        col.add("blk.0.attn_q.weight", rng.standard_normal((7, 64)).astype(np.float32))
+        col.add("blk.0.ffn_down.weight", rng.standard_normal((5, 96)).astype(np.float32) * 3)
+    return col
+
+
+def test_write_read_round_trip(tmp_path):
+    col = collector(np.random.default_rng(1))
+    p = tmp_path / "m.imatrix.gguf"
+    col.write(p, datasets=["calib.txt"], chunk_count=3, chunk_size=128)
+    got = read_imatrix(p)
+    want = col.means()
+    assert sorted(got) == sorted(want)
+    for n in want:
+        assert got[n].dtype == np.float32 and got[n].shape == want[n].shape
+        np.testing.assert_allclose(got[n], want[n], rtol=1e-6)
+    assert col.counts == {"blk.0.attn_q.weight": 21, "blk.0.ffn_down.weight": 15}
+
+
+def test_our_file_read_by_gguf_py(tmp_path):
+    col = collector(np.random.default_rng(2))
+    p = tmp_path / "m.gguf"
+    col.write(p, datasets=["a.txt", "b.txt"], chunk_count=6, chunk_size=64)
+    r = gguf.GGUFReader(str(p))
+    f = r.fields
+    assert f["general.type"].contents() == "imatrix"
+    assert f["imatrix.datasets"].contents() == ["a.txt", "b.txt"]
+    assert f["imatrix.chunk_count"].contents() == 6 and f["imatrix.chunk_size"].contents() == 64
+    tensors = {t.name: t for t in r.tensors}
+    assert sorted(tensors) == sorted([n + s for n in col.sums for s in (".in_sum2", ".counts")])
+    for n, s in col.sums.items():
+        t = tensors[n + ".in_sum2"]
+        assert list(t.shape) == [s.shape[0], 1] and t.tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_allclose(np.asarray(t.data).reshape(-1), s.astype(np.float32))
+        assert float(np.asarray(tensors[n + ".counts"].data).reshape(-1)[0]) == col.counts[n]
+
+
+def write_llama_style(path, entries, general_type="imatrix"):
+    """A GGUF imatrix as llama-imatrix writes it (in_sum2 + in_sum + counts, [n, n_mat]), by gguf-py."""
+    w = gguf.GGUFWriter(str(path), arch="")
+    w.kv_data[0].pop("general.architecture", None)  # an imatrix has no architecture
+    w.add_string("general.type", general_type)
+    w.add_array("imatrix.datasets", ["wiki.train.raw"])
+    w.add_uint32("imatrix.chunk_count", 10)
+    w.add_uint32("imatrix.chunk_size", 512)
+    for name, (sum2, counts) in entries.items():
+        sum2 = np.asarray(sum2, np.float32).reshape(len(counts), -1)
+        w.add_tensor(name + ".in_sum", np.sqrt(sum2))
+        w.add_tensor(name + ".in_sum2", sum2)
+        w.add_tensor(name + ".counts", np.asarray(counts, np.float32).reshape(len(counts), 1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_read_llama_cpp_gguf(tmp_path):
+    p = tmp_path / "llama.imatrix.gguf"
+    rng = np.random.default_rng(3)
+    dense = rng.random(32) * 100
+    experts = rng.random((4, 16)) * 10
+    write_llama_style(p, {"blk.0.attn_k.weight": (dense, [50.0]),
+                          "blk.0.ffn_up_exps.weight": (experts, [5.0, 0.0, 2.0, 1.0])})
+    got = read_imatrix(p)
+    np.testing.assert_allclose(got["blk.0.attn_k.weight"], (dense.astype(np.float32) / 50).astype(np.float32),
+                               rtol=1e-6)
+    e = got["blk.0.ffn_up_exps.weight"]
+    assert e.shape == (4, 16) and (e[1] == 0).all()  # an expert never routed to: no information
+    np.testing.assert_allclose(e[2], experts[2].astype(np.float32) / 2, rtol=1e-6)
+    write_llama_style(tmp_path / "model.gguf", {"x": (dense, [1.0])}, general_type="model")
+    with pytest.raises(mcf.FormatError, match="general.type"):
+        read_imatrix(tmp_path / "model.gguf")
+
+
+def legacy_bytes(entries, trailer=True):
+    out = [struct.pack("<i", len(entries))]
+    for name, (ncall, vals) in entries.items():
+        b = name.encode()
+        v = np.asarray(vals, "<f4")
+        out += [struct.pack("<i", len(b)), b, struct.pack("<ii", ncall, v.size), v.tobytes()]
+    if trailer:
+        out += [struct.pack("<ii", 7, 9), b"calib.txt"]
+    return b"".join(out)
+
+
+def test_read_legacy_dat(tmp_path):
+    p = tmp_path / "old.dat"
+    p.write_bytes(legacy_bytes({"blk.0.attn_v.weight": (4, [4.0, 8.0, 0.0]), "output.weight": (0, [1.5, 2.5])}))
+    got = read_imatrix(p)
+    assert got["blk.0.attn_v.weight"].tolist() == [1.0, 2.0, 0.0]  # stored as mean * ncall
+    assert got["output.weight"].tolist() == [1.5, 2.5]
+    p.write_bytes(legacy_bytes({"a": (1, [1.0])}, trailer=False))
+    assert read_imatrix(p)["a"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"", "n_entries"),
+    (struct.pack("<i", 0), "not an importance matrix"),
+    (struct.pack("<i", 1) + struct.pack("<i", 100) + b"ab", "name length"),
+    (struct.pack("<i", 1) + struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, 1000) + b"\0" * 8, "value count"),
+    (struct.pack("<i", 1) + struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, -3), "value count"),
+    (struct.pack("<i", 1) + struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, 1) + struct.pack("<f", np.nan),
+     "finite"),
+    (struct.pack("<i", 1) + struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, 1) + struct.pack("<f", -1.0),
+     "finite"),
+    (struct.pack("<i", 2) + (struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, 1) + struct.pack("<f", 1.0)) * 2,
+     "duplicate"),
+    (struct.pack("<i", 1) + struct.pack("<i", 1) + b"a" + struct.pack("<ii", 1, 1) + struct.pack("<f", 1.0) + b"xyz",
+     "ends inside"),
+    (struct.pack("<i", 1) + struct.pack("<i", 2) + b"\xff\xfe" + struct.pack("<ii", 1, 1) + b"\0" * 4, "UTF-8"),
+    (b"GGUF" + b"\0" * 8, None),
+])
+def test_malformed_files(tmp_path, data, match):
+    p = tmp_path / "bad.imatrix"
+    p.write_bytes(data)
+    with pytest.raises(mcf.FormatError, match=match):
+        read_imatrix(p)
+
+
+def test_gguf_without_counts_or_entries(tmp_path):
+    p = tmp_path / "x.gguf"
+    w = gguf.GGUFWriter(str(p), arch="")
+    w.add_string("general.type", "imatrix")
+    w.add_tensor("a.in_sum2", np.ones((1, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(mcf.FormatError, match="counts"):
+        read_imatrix(p)
+    write_imatrix(p, {}, {})
+    with pytest.raises(mcf.FormatError, match="no importance entries"):
+        read_imatrix(p)
+
+
+def test_collector_checks_shapes():
+    col = ImportanceCollector()
+    col.add("w", np.ones((2, 3), np.float32))
+    with pytest.raises(mcf.InvalidArgumentError, match="columns"):
+        col.add("w", np.ones((2, 4), np.float32))
+    with pytest.raises(mcf.InvalidArgumentError, match="tokens, columns"):
+        col.add("v", np.ones(3, np.float32))
+
+
+TEXT = ("Sentence embeddings map a sentence to a vector. Quantization stores each weight in a few bits; "
+        "the importance of an input column is how large its activations are. ") * 6
+
+
+def test_collect_bert_matches_transformers_hooks(minilm_dir, tmp_path):
+    """The mean squared input of every linear layer, as measured by forward hooks on transformers' BertModel
+    over the same chunks, equals what the numpy forward pass records."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from mcf.imatrix import collect_bert
+    from mcf.megacontext.demo import load_tokenizer
+
+    col, chunks = collect_bert(minilm_dir, [TEXT], chunk_tokens=48)
+    assert chunks >= 2
+    tok = load_tokenizer(minilm_dir)
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    model = transformers.AutoModel.from_pretrained(minilm_dir).eval()
+    sums, counts = {}, {}
+
+    def hook(name):
+        def f(_mod, inp):
+            x = inp[0].detach().double().reshape(-1, inp[0].shape[-1]).numpy()
+            sums[name] = sums.get(name, 0) + (x * x).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return f
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_pre_hook(hook(name + ".weight"))
+    with torch.no_grad():
+        for i in range(0, len(ids), 46):
+            model(torch.tensor([[cls] + ids[i:i + 46] + [sep]]))
+    means = col.means()
+    assert "pooler.dense.weight" not in means  # sentence embeddings pool the tokens; the pooler never runs
+    assert sorted(means) == sorted(n for n in sums if not n.startswith("pooler"))
+    for n, m in means.items():
+        assert counts[n] == col.counts[n]
+        np.testing.assert_allclose(m, sums[n] / counts[n], rtol=2e-4, atol=1e-7)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mcf.cli", *args], capture_output=True, text=True, check=False)
+
+
+def test_cli_imatrix_and_quantize(minilm_dir, tmp_path):
+    """mcf imatrix on the packed demo checkpoint, then mcf quantize --imatrix: the weighted tensors differ
+    from the unweighted search, the others (no entry: embeddings) are the same bytes, the file verifies."""
+    from mcf.pack import pack
+
+    packed = tmp_path / "minilm.mcf"
+    pack(minilm_dir, packed)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    im = tmp_path / "minilm.imatrix.gguf"
+    r = run_cli("imatrix", str(packed), "--text", str(text), "-o", str(im), "--chunk", "64", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "importance of 36 weight tensors" in r.stdout
+    imat = read_imatrix(im)
+    with mcf.open(packed) as c:
+        for n, v in imat.items():
+            assert v.shape == (c.info(n).shape[1],) and (v > 0).all()
+    out_w, out_u = tmp_path / "w.mcf", tmp_path / "u.mcf"
+    r = run_cli("quantize", str(packed), str(out_w), "--method", "k3", "--imatrix", str(im), "-q")
+    assert r.returncode == 0, r.stderr
+    assert run_cli("quantize", str(packed), str(out_u), "--method", "k3", "-q").returncode == 0
+    assert run_cli("verify", str(out_w)).returncode == 0
+    with mcf.open(out_w) as a, mcf.open(out_u) as b:
+        for n in a:
+            same = a.raw(n).tobytes() == b.raw(n).tobytes()
+            assert same == (n not in imat or not a.info(n).quantized), n
+    r = run_cli("quantize", str(packed), str(tmp_path / "f.mcf"), "--method", "k3", "--fast", "--imatrix", str(im))
+    assert r.returncode == 2 and "--imatrix" in r.stderr
+    bad = tmp_path / "bad.dat"
+    bad.write_bytes(legacy_bytes({"encoder.layer.0.attention.self.query.weight": (1, [1.0] * 10)}))
+    r = run_cli("quantize", str(packed), str(tmp_path / "g.mcf"), "--method", "k4", "--imatrix", str(bad), "-q")
+    assert r.returncode != 0 and "encoder.layer.0.attention.self.query.weight" in r.stderr and "384 columns" in r.stderr
+    assert not (tmp_path / "g.mcf").exists()
+    r = run_cli("quantize", str(packed), str(tmp_path / "g.mcf"), "--imatrix", str(tmp_path / "nope.gguf"), "-q")
+    assert r.returncode == 1 and "nope.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_imatrix_refuses_other_models(tmp_path):
+    with mcf.Writer(tmp_path / "m.mcf") as w:
+        w.add_resource("config.json", b'{"model_type": "llama", "max_position_embeddings": 128}')
+        w.add_resource("tokenizer.json", b"{}")
+        w.add_tensor("x", np.zeros((2, 2), np.float32))
+    text = tmp_path / "t.txt"
+    text.write_text("hello", encoding="utf-8")
+    r = run_cli("imatrix", str(tmp_path / "m.mcf"), "--text", str(text), "-o", str(tmp_path / "o.gguf"))
+    assert r.returncode == 1 and "BERT" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o.gguf").exists()
+    r = run_cli("imatrix", str(tmp_path / "m.mcf"), "--text", str(tmp_path / "missing.txt"), "-o", "o.gguf")
+    assert r.returncode == 1 and "missing.txt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_convert_gguf_with_llama_cpp_imatrix(tmp_path):
+    """A GGUF model and an importance matrix in llama.cpp's format name tensors alike: mcf convert --imatrix
+    weights exactly the tensors the file names; --fast keeps the single-pass quantizer."""
+    from mcf.convert import convert
+
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((16, 64)).astype(np.float32)
+    up = rng.standard_normal((8, 96)).astype(np.float32)
+    model = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(model), "llama")
+    w.add_tensor("blk.0.attn_q.weight", q)
+    w.add_tensor("blk.0.ffn_up.weight", up)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    im = tmp_path / "imatrix.gguf"
+    sums = rng.random(64) * 50
+    write_llama_style(im, {"blk.0.attn_q.weight": (sums, [10.0])})
+    convert(model, tmp_path / "w.mcf", method="k4", imatrix=im)
+    convert(model, tmp_path / "f.mcf", method="k4", fast=True)
+    with mcf.open(tmp_path / "w.mcf") as c, mcf.open(tmp_path / "f.mcf") as f:
+        imp = (sums.astype(np.float32) / 10).astype(np.float32)
+        assert c.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", importance=imp)[0].tobytes()
+        assert c.raw("blk.0.ffn_up.weight").tobytes() == mcf.quantize(up, "k4")[0].tobytes()
+        assert f.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", fast=True)[0].tobytes()
+    with pytest.raises(mcf.InvalidArgumentError, match="fast"):
+        convert(model, tmp_path / "x.mcf", method="k4", fast=True, imatrix=im)
+    assert not (tmp_path / "x.mcf").exists()
+
+
+def test_convert_and_quantize_file_weight_alike(tmp_path):
+    """The safetensors path of mcf convert and mcf quantize apply an importance mapping the same way
+    (names with an entry weighted; int8 ignores it; other names unweighted)."""
+    from _vectors import MANTLE_MODEL
+    from mcf.convert import convert
+    from mcf.quant import quantize_file
+
+    mcf.pack(MANTLE_MODEL, tmp_path / "p.mcf")
+    with mcf.open(tmp_path / "p.mcf") as c:
+        names = [n for n in c if len(c.info(n).shape) == 2 and c.info(n).dtype.family == "float"]
+        imat = {n: np.random.default_rng(len(n)).random(c.info(n).shape[1]) for n in names[::2]}
+    for method in ("k3", "int8"):
+        convert(MANTLE_MODEL, tmp_path / "c.mcf", method=method, imatrix=imat)
+        quantize_file(tmp_path / "p.mcf", tmp_path / "q.mcf", method, imatrix=imat)
+        with mcf.open(tmp_path / "c.mcf") as a, mcf.open(tmp_path / "q.mcf") as b, mcf.open(tmp_path / "p.mcf") as c:
+            assert {n: a.raw(n).tobytes() for n in a} == {n: b.raw(n).tobytes() for n in b}
+            for n in names:
+                kw = {"importance": imat[n]} if n in imat and method == "k3" else {}
+                assert b.raw(n).tobytes() == mcf.quantize(c.tensor(n), method, **kw)[0].tobytes(), n
