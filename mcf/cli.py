@@ -1,4 +1,7 @@
-"""The ``mcf`` command line: ``info``, ``verify``, ``pack`` and ``demo``."""
+"""The ``mcf`` command line: ``info``, ``verify``, ``pack``, ``quantize``, ``convert``, ``export``,
+``kernels``, ``demo``, and the ``megatron``, ``ctx`` and ``bucket`` groups (registered by their packages).
+How a failure is reported (one line, an exit code, ``--debug`` for the traceback) is
+:mod:`mcf._cli_errors`."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 import sys
 import time
 
+from mcf._cli_errors import DEBUG_ENV, UsageError, run
 from mcf.errors import MCFError
 
 __all__ = ["main"]
@@ -141,8 +145,7 @@ def cmd_quantize(args) -> int:
     from mcf.quant import parse_overrides, quantize_file
 
     if (args.min_clip is None) != (args.max_clip is None):
-        print("mcf: error: give both --min-clip and --max-clip", file=sys.stderr)
-        return 2
+        raise UsageError("--min-clip and --max-clip go together: give both, or neither")
     method = None if args.method in ("none", "keep") else args.method
     t0 = time.perf_counter()
     stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
@@ -216,8 +219,12 @@ def print_report(stats, out=None) -> None:
 
 
 def cmd_kernels(args) -> int:
-    from mcf._kernels import kernel_info
+    from mcf._kernels import kernel_info, resolve_impl
 
+    try:  # an invalid MCF_FORCE_IMPL is refused, not reported inside the normal output
+        resolve_impl()
+    except MCFError as exc:
+        raise UsageError(str(exc)) from None
     info = kernel_info()
     print(json.dumps(info, indent=2) if args.json else
           f"active: {info['active']}  best: {info['best']}  supported: {', '.join(info['supported'])}"
@@ -233,6 +240,8 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcf", description="Model Container Format and friends.")
+    p.add_argument("--debug", action="store_true",
+                   help=f"on an error, show the Python traceback (anywhere on the line; or set {DEBUG_ENV}=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("info", help="show header, sections, model info and tensor table")
@@ -316,14 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except MCFError as exc:
-        print(f"mcf: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    """The ``mcf`` console script: exit code 0 on success, 1 when the command failed, 2 for a wrong
+    command line (see :mod:`mcf._cli_errors`)."""
+    return run(build_parser(), argv, lambda args: args.func(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mcf._optional import require
 from mcf.bucket.store import KV_NAME, Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError
 
@@ -198,6 +199,7 @@ OPENAPI: dict = {
 
 def create_app(root: str | os.PathLike, *, token: str | None = None, backend: QueryBackend | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY, bucket: Bucket | None = None):
+    require("starlette", feature="the bucket's REST server", extra="server")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -447,8 +449,5 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
 def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None) -> None:
     """Run the server until interrupted (loopback by default)."""
-    try:
-        import uvicorn
-    except ImportError:
-        raise InvalidArgumentError("the server needs the 'server' extra: pip install mcf[server]") from None
+    uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
     uvicorn.run(create_app(root, token=token), host=host, port=port, log_level="warning")

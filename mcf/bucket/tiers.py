@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mcf._optional import require
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["WarmCache", "nbytes_of", "select", "to_torch"]
@@ -88,11 +89,7 @@ class WarmCache:
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise InvalidArgumentError("the hot tier and torch output need PyTorch, which is not installed") from None
-    return torch
+    return require("torch", feature="the hot tier and torch output", extra="torch")
 
 
 def to_torch(arr: np.ndarray, device: Any = None):
