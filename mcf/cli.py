@@ -118,6 +118,8 @@ def cmd_verify(args) -> int:
     try:
         with mcf.open(args.file, mmap=not args.no_mmap) as c:
             problems = c.verify()
+    except OSError:  # missing or unreadable: an error of the command line, not a finding about a file
+        raise
     except MCFError as exc:
         print(f"FAIL {exc}")
         return 1

@@ -152,13 +152,53 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind once before the server starts, so an address in use or a bad host is reported as an error of
+    this command (uvicorn would log it and exit 3)."""
+    import socket
+
+    from mcf.errors import MCFIOError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidArgumentError(f"--host {host!r}: not an address this machine can listen on ({exc.strerror})") \
+            from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise MCFIOError(exc.errno, f"cannot listen there: {exc.strerror}", f"{host}:{port}") from None
+
+
 def cmd_serve(args) -> int:
     import os
 
     from mcf.bucket.server import serve
 
-    serve(args.root, host=args.host, port=args.port, token=args.token or os.environ.get("MCB_TOKEN"))
+    _check_can_listen(args.host, args.port)
+    try:
+        serve(args.root, host=args.host, port=args.port, token=args.token or os.environ.get("MCB_TOKEN"))
+    except SystemExit as exc:  # uvicorn's way to give up after logging why
+        if exc.code in (0, None):
+            return 0
+        raise InvalidArgumentError(f"the server stopped (uvicorn exit status {exc.code}; its message is above)") \
+            from None
     return 0
+
+
+def _port(text: str) -> int:
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
 
 
 def add_bucket_parser(sub) -> None:
@@ -218,7 +258,7 @@ def add_bucket_parser(sub) -> None:
 
     s = cmd("serve", cmd_serve, "serve the REST API of seed 003 under /mcrp/v1/ (needs the 'server' extra)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--port", type=_port, default=8765)
     s.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (or set MCB_TOKEN)")
 
     s = cmd("verify", cmd_verify, "check a context's KV file completely (header, sizes, CRC-32s)")
