@@ -28,14 +28,16 @@ def install_hint(extra: str | None, package: str | None) -> str:
     return f"pip install '{DISTRIBUTION}[{extra}]' (or: pip install {package})"
 
 
-def require(module: str, *, feature: str, extra: str | None, package: str | None = None) -> ModuleType:
+def require(module: str, *, feature: str, extra: str | None, package: str | None = None,
+            error: type = MissingDependencyError) -> ModuleType:
     """Import ``module`` for ``feature``, or raise :class:`MissingDependencyError` saying to install
-    ``package`` (default: the module's top-level name) with the ``extra``."""
+    ``package`` (default: the module's top-level name) with the ``extra``.  ``error`` may name a subclass
+    for callers whose contract promises another class as well."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         pkg = package or module.split(".")[0]
         missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == module.split(".")[0]
         state = "which is not installed" if missing else f"which is installed but does not import ({exc})"
-        raise MissingDependencyError(f"{feature} needs the {pkg!r} package, {state}: {install_hint(extra, pkg)}",
-                                     package=pkg, extra=extra, feature=feature) from exc
+        raise error(f"{feature} needs the {pkg!r} package, {state}: {install_hint(extra, pkg)}",
+                    package=pkg, extra=extra, feature=feature) from exc

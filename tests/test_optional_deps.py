@@ -146,6 +146,9 @@ def test_torch_for_mcf_torch_and_the_hot_tier(monkeypatch):
     with pytest.raises(mcf.MissingDependencyError) as ei:
         to_torch(np.zeros(3, np.float32))
     check(ei, "torch", "torch")
+    # the bucket's contract: a hot tier this machine cannot provide is an InvalidArgumentError too
+    # (the server answers 409, an unmeetable hot preference falls back to warm)
+    assert isinstance(ei.value, mcf.InvalidArgumentError)
 
 
 def test_tokenizers_for_tokenizing(monkeypatch, tmp_path, capsys):
