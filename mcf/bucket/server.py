@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from mcf._optional import require
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError
 
@@ -290,6 +291,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     """The Starlette application.  ``allowed_hosts``: the Host names answered (``"*"``: any, for a
     server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload and the arrays
     it declares, ``max_json_bytes`` every other body."""
+    require("starlette", feature="the bucket's REST server", extra="server")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -659,10 +661,7 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
 
-    try:
-        import uvicorn
-    except ImportError:
-        raise InvalidArgumentError("the server needs the 'server' extra: pip install mcf[server]") from None
+    uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
     for w in check_token(token):
         (on_warning or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(w)
     check_bind(host, token)

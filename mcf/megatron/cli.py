@@ -74,15 +74,21 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from mcf.errors import MCFError
+    from mcf.megatron import open as open_dataset
     from mcf.megatron import verify
 
+    try:  # a missing or unreadable file is an error of the command line, not a finding about a dataset
+        open_dataset(args.prefix, mmap=not args.no_mmap).close()
+    except OSError:
+        raise
+    except MCFError:  # a bad dataset: verify lists every problem
+        pass
     problems = verify(args.prefix, mmap=not args.no_mmap)
     if problems:
         for p in problems:
             print(f"FAIL {p}")
         return 1
-    from mcf.megatron import open as open_dataset
-
     with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
         print(f"OK {ds.path_prefix}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
               f"{ds.num_tokens:,} tokens ({ds.dtype}, {ds.variant})")

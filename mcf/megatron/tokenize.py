@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mcf._args import integer
+from mcf._optional import require
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
@@ -63,11 +64,10 @@ def _open_text(path: str):
         return gzip.GzipFile(fileobj=raw), raw
     if kind == "zstd":
         try:
-            import zstandard
+            zstandard = require("zstandard", feature=f"{path}: zstd-compressed input", extra="tokenize")
         except ImportError:
             raw.close()
-            raise InvalidArgumentError(f"{path}: zstd input needs the zstandard package "
-                                       "(pip install zstandard)") from None
+            raise
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
     return raw, raw
 
@@ -142,10 +142,7 @@ def iter_documents(path: str, json_key: str = "text", *, position=None):
 def load_tokenizer(tokenizer):
     """A ``tokenizers.Tokenizer`` from a path to ``tokenizer.json`` (or a checkpoint directory holding
     one) with truncation and padding turned off, or the object itself, as configured."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise InvalidArgumentError("tokenizing needs the tokenizers package (pip install tokenizers)") from None
+    Tokenizer = require("tokenizers", feature="tokenizing text", extra="tokenize").Tokenizer
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
     p = os.fspath(tokenizer)
