@@ -110,7 +110,7 @@ class TextDatasource(Datasource):
         return tasks
 
     def get_name(self) -> str:
-        return "ReadText"
+        return "Text"
 
 
 # -- tokenizing ---------------------------------------------------------------------------------------
@@ -495,7 +495,7 @@ class MegatronDatasource(Datasource):
         return tasks
 
     def get_name(self) -> str:
-        return "ReadMegatron"
+        return "Megatron"
 
 
 def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool = True, **read_args):
@@ -591,9 +591,11 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         new_runs: list = []
         if todo:
             sink = MegatronDatasink(shard_dir, dtype=dtype, order=("group", "position"), end="end")
-            ds = ray.data.read_datasource(TextDatasource(todo, json_key, batch_size), override_num_blocks=len(todo))
-            ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
-            ds.write_datasink(sink, ray_remote_args=ray_remote_args)
+            args = dict(ray_remote_args or {})      # the same for the three stages, so that they fuse
+            ds = ray.data.read_datasource(TextDatasource(todo, json_key, batch_size), override_num_blocks=len(todo),
+                                          ray_remote_args=args)
+            ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **args)
+            ds.write_datasink(sink, ray_remote_args=args)
             new_runs = sink.runs
         result = commit_runs(shard_dir, kept + new_runs, output_prefix=output_prefix, dtype=dtype, merge=merge,
                              expected_groups=planned)
