@@ -204,6 +204,7 @@ def test_worker_killed_mid_job_is_retried_byte_identical(cluster, tmp_path, tok,
     assert p.returncode == 0, stderr[-4000:]
     assert len(killed) == 2, f"no task was caught running ({stdout}{stderr[-2000:]})"
     assert all(pid not in cluster.processes() for pid in killed)
+    assert "will be retried" in stdout + stderr                          # Ray's own report of the retries
     assert same_files(out, ref)                                         # no document lost, none twice
     assert not (tmp_path / "out.shards").exists()
 
