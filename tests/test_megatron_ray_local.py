@@ -29,6 +29,12 @@ pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
 from mcf.megatron import raydata  # noqa: E402
 
 
+def ray_data_context():
+    import ray.data
+
+    return ray.data.DataContext.get_current()
+
+
 class Ctx:
     def __init__(self, task_idx=0):
         self.task_idx = task_idx
@@ -322,3 +328,55 @@ def test_datasource_refuses_a_damaged_range(tmp_path):
     with pytest.raises(mcf.FormatError, match="negative sequence length"):
         for task in src.get_read_tasks(1):
             list(task())
+
+
+def test_url_inputs(tmp_path, tok_path, texts):
+    """Inputs named by fsspec URLs are read by range (plain) or whole (compressed), as local files are."""
+    fsspec = pytest.importorskip("fsspec", reason="URL inputs need fsspec (the remote extra)")
+    write_jsonl(tmp_path / "a.jsonl", texts * 2)
+    write_jsonl(tmp_path / "b.jsonl.gz", texts[:3], opener=gzip.open)
+    tokenize_local([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz")], str(tmp_path / "ref"), tok_path,
+                   append_eod=True)
+    mem = fsspec.filesystem("memory")
+    urls = []
+    for n in ("a.jsonl", "b.jsonl.gz"):
+        mem.pipe(f"/i16test/{n}", (tmp_path / n).read_bytes())
+        urls.append(f"memory:///i16test/{n}")
+    try:
+        files = describe_inputs(urls)
+        assert [f.compressed for f in files] == [False, True] and files[0].size == (tmp_path / "a.jsonl").stat().st_size
+        run_pipeline(tmp_path, urls, tok_path, chunk_size=400, append_eod=True)
+        assert same_files(str(tmp_path / "out"), str(tmp_path / "ref"))
+        with pytest.raises(mcf.MissingFileError):
+            describe_inputs(["memory:///i16test/none.jsonl"])
+    finally:
+        mem.rm("/i16test", recursive=True)
+
+
+def test_sink_takes_rays_tensor_columns(tmp_path):
+    """map_batches returning numpy arrays gives Ray's tensor extension columns (variable or fixed shape)."""
+    import warnings
+
+    from ray.data.block import BlockAccessor
+
+    with warnings.catch_warnings():   # Ray 2.60 warns about its own deprecated options when it makes its context
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"ray\.data\.")
+        ray_data_context()
+    var = BlockAccessor.batch_to_block({"position": np.array([2, 0, 1]), "tokens": [
+        np.array([5, 6, 7], np.int32), np.array([1, 2], np.int32), np.array([], np.int32)]})
+    fixed = BlockAccessor.batch_to_block({"position": np.array([3, 4]), "tokens": [np.array([8, 9]), np.array([10, 11])]})
+    assert all(isinstance(b.schema.field("tokens").type, pa.ExtensionType) for b in (var, fixed))
+    sink = raydata.MegatronDatasink(tmp_path / "s", vocab_size=32000, order="position", durable=False,
+                                    output_prefix=str(tmp_path / "o"))
+    runs = [ShardRun.from_dict(x) for x in sink.write([fixed], Ctx(1)) + sink.write([var], Ctx(0))]
+    res = commit_runs(str(tmp_path / "s"), runs, output_prefix=str(tmp_path / "o"), dtype=sink.dtype)
+    with mm.open(res["output"]) as ds:
+        assert ds.dtype == np.uint16 and ds.num_documents == 5
+        assert [ds.document(k).tolist() for k in range(5)] == [[1, 2], [], [5, 6, 7], [8, 9], [10, 11]]
+    # interleaved keys of two tasks cannot be put in order: refused, not silently misordered
+    sink2 = raydata.MegatronDatasink(tmp_path / "s2", vocab_size=32000, order="position", durable=False)
+    t = lambda pos: pa.table({"position": pa.array(pos, pa.int64()), "tokens": pa.array([[1]] * len(pos), pa.list_(pa.int64()))})  # noqa: E731
+    runs = [ShardRun.from_dict(x) for x in sink2.write([t([0, 2])], Ctx(0)) + sink2.write([t([1, 3])], Ctx(1))]
+    with pytest.raises(mcf.FormatError, match="interleave"):
+        commit_runs(str(tmp_path / "s2"), runs, output_prefix=str(tmp_path / "o2"), dtype=sink2.dtype)
+    assert not (tmp_path / "o2.idx").exists()

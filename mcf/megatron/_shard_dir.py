@@ -112,8 +112,8 @@ def check_runs(runs, *, expected_groups=None, where: str = "the shard directory"
                 raise FormatError(f"documents [{b.first}, {b.stop}) of group {g} lie past its end marker "
                                   f"({a.stop} documents)", path=where, field=b.name)
             if b.first < a.stop:
-                raise FormatError(f"documents [{b.first}, {b.stop}) of group {g} overlap [{a.first}, {a.stop})"
-                                  " (written twice)", path=where, field=b.name)
+                raise FormatError(f"documents [{b.first}, {b.stop}) of group {g} overlap [{a.first}, {a.stop}): "
+                                  "written twice, or the keys of two write tasks interleave", path=where, field=b.name)
         ends = [r for r in rs if r.end]
         if ends:
             n = ends[-1].stop
