@@ -380,3 +380,59 @@ def test_sink_takes_rays_tensor_columns(tmp_path):
     with pytest.raises(mcf.FormatError, match="interleave"):
         commit_runs(str(tmp_path / "s2"), runs, output_prefix=str(tmp_path / "o2"), dtype=sink2.dtype)
     assert not (tmp_path / "o2.idx").exists()
+
+
+def test_prepare_reuses_finished_chunks_and_starts_over_on_change(tmp_path):
+    from mcf.megatron._shard_dir import PLAN_FILE
+
+    src = tmp_path / "a.txt"
+    src.write_text("one\ntwo\nthree\nfour\n")
+    d = str(tmp_path / "shards")
+    os.makedirs(d)
+    files = describe_inputs([str(src)])
+    opts = {"version": 1, "json_key": "text", "inputs": [[f.path, f.fingerprint] for f in files]}
+    chunks, kept = raydata.prepare_shard_dir(d, files, opts, 5)
+    assert len(chunks) == 4 and kept == [] and os.path.exists(os.path.join(d, PLAN_FILE))
+    sink = raydata.MegatronDatasink(d, dtype=np.uint16, order=("group", "position"), durable=False)
+    sink.write([token_table(0, [0], [[1]], ends=[1])], Ctx())           # chunk 0 finished
+    sink.write([token_table(2, [0], [[3]])], Ctx())                     # chunk 2 begun, not finished
+    again, kept = raydata.prepare_shard_dir(d, files, opts, None)      # the same job: the stored plan
+    assert again == chunks and [r.name for r in kept] == [run_name(0, 0, 1, True)]
+    assert sorted(os.listdir(d)) == sorted([PLAN_FILE, run_name(0, 0, 1, True) + ".bin", run_name(0, 0, 1, True) + ".idx"])
+    # another chunk size, changed options, a changed input, or resume=False: start over
+    for change in (dict(chunk_size=7), dict(options=dict(opts, json_key="content")), dict(resume=False)):
+        sink.write([token_table(0, [0], [[1]], ends=[1])], Ctx())
+        _, kept = raydata.prepare_shard_dir(d, files, change.get("options", opts), change.get("chunk_size", None),
+                                            resume=change.get("resume", True))
+        assert kept == [] and [n for n in os.listdir(d) if n.endswith(".idx")] == [], change
+    src.write_text("one\ntwo\nthree\nfour\nfive\n")
+    files2 = describe_inputs([str(src)])
+    sink.write([token_table(0, [0], [[1]], ends=[1])], Ctx())
+    opts2 = dict(opts, inputs=[[f.path, f.fingerprint] for f in files2])
+    chunks2, kept = raydata.prepare_shard_dir(d, files2, opts2, None)
+    assert kept == [] and len(chunks2) == 1      # no stored plan matches: one chunk (no cluster: 1 CPU)
+
+
+def test_empty_inputs_give_an_empty_dataset(tmp_path, tok_path):
+    (tmp_path / "e.jsonl").write_bytes(b"")
+    (tmp_path / "f.txt").write_bytes(b"\n \n")
+    inputs = [str(tmp_path / "e.jsonl"), str(tmp_path / "f.txt")]
+    tokenize_local(inputs, str(tmp_path / "ref"), tok_path)
+    res = run_pipeline(tmp_path, inputs, tok_path, chunk_size=1)
+    assert res["documents"] == 0 and same_files(str(tmp_path / "out"), str(tmp_path / "ref"))
+
+
+def test_datasource_reads_urls(tmp_path):
+    fsspec = pytest.importorskip("fsspec", reason="URL reads need fsspec (the remote extra)")
+    a = build(tmp_path, "a", [[3, 1, 2], [4], [1, 1]])
+    mem = fsspec.filesystem("memory")
+    for ext in (".idx", ".bin"):
+        mem.pipe("/i16src/a" + ext, Path(a + ext).read_bytes())
+    try:
+        src = raydata.MegatronDatasource("memory:///i16src/a")
+        rows = pa.concat_tables([t for task in src.get_read_tasks(2) for t in task()])
+        with mm.open(a) as ds:
+            assert [np.asarray(x).tolist() for x in rows.column("tokens").to_pylist()] == [v.tolist() for v in ds]
+            assert rows.column("document").to_pylist() == [0, 0, 0, 1, 2, 2]
+    finally:
+        mem.rm("/i16src", recursive=True)

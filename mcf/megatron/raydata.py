@@ -522,9 +522,33 @@ def connect(address: str | None = None) -> None:
 
 
 def _auto_chunk_size(total: int) -> int:
-    cpus = int(ray.cluster_resources().get("CPU", 1)) or 1
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
+    cpus = max(cpus, 1)
     size = total // (4 * cpus) if total else MAX_AUTO_CHUNK
     return int(min(MAX_AUTO_CHUNK, max(MIN_AUTO_CHUNK, size)))
+
+
+def prepare_shard_dir(shard_dir: str, files, options: dict, chunk_size: int | None, *, resume: bool = True):
+    """``(chunks, kept)``: the plan of a tokenize job and the shards of its chunks that an earlier run of
+    the same job finished.  The plan in ``shard_dir`` is reused when its options and inputs (with their
+    fingerprints) are the same and ``chunk_size`` is None or the same; otherwise the directory's shards
+    are removed and a new plan is written.  Shards of unfinished chunks and writers' temporary files
+    are removed either way.  The caller holds the directory's lock."""
+    old = read_plan(shard_dir) if resume else None
+    if (old is not None and old.get("options") == options
+            and (chunk_size is None or old.get("chunk_size") == int(chunk_size))):
+        chunks = [Chunk(*c) for c in old["chunks"]]
+    else:
+        size = int(chunk_size) if chunk_size is not None else _auto_chunk_size(sum(f.size for f in files))
+        chunks = plan_chunks(files, size)
+        remove_our_files(shard_dir, plan=True)
+        write_plan(shard_dir, {"options": options, "chunk_size": size,
+                               "chunks": [[c.index, c.input, c.path, c.start, c.stop] for c in chunks]})
+    planned = {c.index for c in chunks}
+    done = {g: rs for g, rs in complete_groups(scan_runs(shard_dir)).items() if g in planned}
+    kept = [r for rs in done.values() for r in rs]
+    remove_our_files(shard_dir, keep={r.name for r in kept})
+    return chunks, kept
 
 
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
@@ -573,20 +597,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                "dtype": str(dtype), "tokenizer_sha256": step.digest,
                "inputs": [[f.path, f.fingerprint] for f in files]}
     with DirectoryLock(shard_dir):
-        old = read_plan(shard_dir) if resume else None
-        if (old is not None and old.get("options") == options
-                and (chunk_size is None or old.get("chunk_size") == int(chunk_size))):
-            chunks = [Chunk(*c) for c in old["chunks"]]
-        else:
-            size = int(chunk_size) if chunk_size is not None else _auto_chunk_size(total_bytes)
-            chunks = plan_chunks(files, size)
-            remove_our_files(shard_dir, plan=True)
-            write_plan(shard_dir, {"options": options, "chunk_size": size,
-                                   "chunks": [[c.index, c.input, c.path, c.start, c.stop] for c in chunks]})
-        planned = {c.index for c in chunks}
-        done = {g: rs for g, rs in complete_groups(scan_runs(shard_dir)).items() if g in planned}
-        kept = [r for rs in done.values() for r in rs]
-        remove_our_files(shard_dir, keep={r.name for r in kept})
+        chunks, kept = prepare_shard_dir(shard_dir, files, options, chunk_size, resume=resume)
+        done = {r.group for r in kept}
         todo = [c for c in chunks if c.index not in done]
         new_runs: list = []
         if todo:
@@ -598,7 +610,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
             ds.write_datasink(sink, ray_remote_args=args)
             new_runs = sink.runs
         result = commit_runs(shard_dir, kept + new_runs, output_prefix=output_prefix, dtype=dtype, merge=merge,
-                             expected_groups=planned)
+                             expected_groups={c.index for c in chunks})
     return TokenizeStats(documents=result["documents"], sequences=result["sequences"], tokens=result["tokens"],
                          bytes_in=total_bytes, seconds=time.perf_counter() - t0, chunks=len(chunks),
                          chunks_reused=len(chunks) - len(todo), shards=result["shards"], output=result["output"])
