@@ -98,9 +98,11 @@ class TextDatasource(Datasource):
             raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
 
     def estimate_inmemory_data_size(self):
+        """Unknown until read (the text of a compressed input)."""
         return None
 
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+        """One read task per chunk, whatever ``parallelism`` asks: the chunks are the parallelism."""
         tasks = []
         for c in self.chunks:
             size = (c.stop - c.start) if c.stop is not None else None
@@ -110,6 +112,7 @@ class TextDatasource(Datasource):
         return tasks
 
     def get_name(self) -> str:
+        """Read tasks show as ``ReadText``."""
         return "Text"
 
 
@@ -284,9 +287,12 @@ class MegatronDatasink(Datasink):
 
     # -- driver side ----------------------------------------------------------------------------------
     def on_write_start(self, schema=None) -> None:
+        """Create the shard directory (on the driver, before the first write task)."""
         os.makedirs(self.directory, exist_ok=True)
 
     def on_write_complete(self, write_result) -> None:
+        """Collect the shards every write task reported (:attr:`runs`) and, with ``output_prefix``,
+        check and commit them (:attr:`result`).  A check that fails publishes nothing."""
         self.runs = [ShardRun.from_dict(d) for ret in write_result.write_returns for d in (ret or [])]
         if self.output_prefix is not None:
             self.result = commit_runs(self.directory, self.runs, output_prefix=self.output_prefix, dtype=self.dtype,
@@ -294,6 +300,8 @@ class MegatronDatasink(Datasink):
 
     # -- worker side ----------------------------------------------------------------------------------
     def write(self, blocks, ctx) -> list:
+        """One write task: its rows sorted by the order key, one shard per group (or one shard named by
+        the task without ``order``), each published atomically.  Returns the shards as dicts."""
         tables = [t for t in (BlockAccessor.for_block(b).to_arrow() for b in blocks) if t.num_rows]
         if not tables:
             return []
@@ -375,6 +383,7 @@ class MegatronDatasink(Datasink):
                 w.add_document(flat[tok_bounds[k]:tok_bounds[k + 1]], seqlens[int(lo[k] - lo[0]):int(lo[k + 1] - lo[0])])
 
     def get_name(self) -> str:
+        """The write tasks' name (``WriteMegatron``)."""
         return "WriteMegatron"
 
 
@@ -474,11 +483,14 @@ class MegatronDatasource(Datasource):
         self.mmap = bool(mmap)
 
     def estimate_inmemory_data_size(self):
+        """Tokens times their size, plus the ids (None when a token count is unknown: URL shards)."""
         if self.tokens is None:
             return None
         return self.tokens * self.itemsize + 24 * self.num_sequences
 
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+        """``parallelism`` contiguous sequence ranges (at most one per sequence), each moved to document
+        boundaries by its task."""
         n = self.num_sequences
         k = max(1, min(int(parallelism) if parallelism and parallelism > 0 else 1, n))
         bounds = [n * i // k for i in range(k + 1)]
@@ -495,6 +507,7 @@ class MegatronDatasource(Datasource):
         return tasks
 
     def get_name(self) -> str:
+        """Read tasks show as ``ReadMegatron``."""
         return "Megatron"
 
 
