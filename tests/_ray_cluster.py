@@ -127,7 +127,15 @@ class RayCluster:
         return [p for p, c in self.processes().items() if needle in c]
 
     # -- lifetime -------------------------------------------------------------------------------------
+    def _on_sigterm(self, signum, frame):
+        raise KeyboardInterrupt("SIGTERM")      # so that finally blocks and fixture teardowns stop the cluster
+
     def start(self) -> "RayCluster":
+        import threading
+
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.holder = subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc",
                                         sys.executable, "-c", _REAPER, str(self.lifetime)],
                                        stdin=subprocess.DEVNULL, start_new_session=True)
@@ -196,4 +204,6 @@ class RayCluster:
                     pass
             self.holder = None
             shutil.rmtree(self.temp, ignore_errors=True)
+            if getattr(self, "_old_sigterm", None) is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
         return self.leftovers

@@ -352,6 +352,18 @@ cdef object _read_bin(Source bin_src, const uint8_t* base, object whole, uint64_
     return out
 
 
+cdef cnp.ndarray _gather_output(object out, cnp.dtype dtype, int64_t total):
+    """The array a gather fills: a new one, or the first ``total`` items of the caller's ``out``."""
+    if out is None:
+        return np.empty(total, dtype=dtype)
+    if (not isinstance(out, np.ndarray) or out.dtype != dtype or out.ndim != 1
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise InvalidArgumentError(f"out must be a writable contiguous 1-D {dtype} array")
+    if out.shape[0] < total:
+        raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
+    return out[:total]
+
+
 cdef class SequenceTable:
     """Per-sequence access over validated index arrays; the base class of ``IndexedDataset``.
 
@@ -494,16 +506,7 @@ cdef class SequenceTable:
             if negative:
                 raise OutOfBoundsError(f"sequence {ix[bad]} has a negative length in the index")
             raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
-        cdef cnp.ndarray res
-        if out is None:
-            res = np.empty(total, dtype=self._dtype)
-        else:
-            if (not isinstance(out, np.ndarray) or out.dtype != self._dtype or out.ndim != 1
-                    or not out.flags.c_contiguous or not out.flags.writeable):
-                raise InvalidArgumentError(f"out must be a writable contiguous 1-D {self._dtype} array")
-            if out.shape[0] < total:
-                raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
-            res = out[:total]
+        cdef cnp.ndarray res = _gather_output(out, self._dtype, total)
         cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
         cdef int64_t isz = self._itemsize, p, nb
         cdef int64_t jp, pp
@@ -796,16 +799,7 @@ cdef class ShardTable:
             if negative:
                 raise OutOfBoundsError(f"sequence {ix[bad]} has a negative length in the index")
             raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
-        cdef cnp.ndarray res
-        if out is None:
-            res = np.empty(total, dtype=self._dtype)
-        else:
-            if (not isinstance(out, np.ndarray) or out.dtype != self._dtype or out.ndim != 1
-                    or not out.flags.c_contiguous or not out.flags.writeable):
-                raise InvalidArgumentError(f"out must be a writable contiguous 1-D {self._dtype} array")
-            if out.shape[0] < total:
-                raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
-            res = out[:total]
+        cdef cnp.ndarray res = _gather_output(out, self._dtype, total)
         cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
         cdef int64_t isz = self._dtype.itemsize, p, nb
         cdef _Shard* shp

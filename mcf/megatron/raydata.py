@@ -256,18 +256,11 @@ class MegatronDatasink(Datasink):
                  tokens: str = "tokens", lengths: str | None = "lengths", document: str | None = None,
                  order=None, end: str = "end", empty: str = "skip", output_prefix=None, merge: bool = True,
                  durable: bool = True):
-        from mcf.megatron._layout import MEGATRON_DTYPES, dtype_code, dtype_for_vocab
+        from mcf.megatron._layout import writer_dtype
         from mcf.remote import refuse_url
 
         refuse_url(directory, "writing shards")
-        if dtype is not None and vocab_size is not None:
-            raise InvalidArgumentError("pass dtype or vocab_size, not both")
-        if dtype is not None:
-            self.dtype = MEGATRON_DTYPES[dtype_code(dtype)]
-        elif vocab_size is not None:
-            self.dtype = dtype_for_vocab(int(vocab_size), dtype_rule)
-        else:
-            self.dtype = MEGATRON_DTYPES[4]
+        self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         if empty not in ("skip", "sequence"):
             raise InvalidArgumentError(f"empty must be 'skip' or 'sequence', not {empty!r}")
         if isinstance(order, str):
