@@ -247,3 +247,16 @@ def test_failed_job_leaves_no_dataset_and_resumes(cluster, tmp_path, tok, big_co
     assert m and int(m.group(1)) >= len(finished), r.stdout
     assert same_files(out, ref)
     assert not os.path.exists(shard_dir)
+
+
+def test_a_malformed_line_fails_the_job_with_its_location(cluster, tmp_path, tok, paragraphs):
+    lines = [json.dumps({"text": p}) for p in paragraphs[:3000]]
+    lines[2500] = '{"text": "unterminated'
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    r = cli(cluster, tmp_path / "bad.jsonl", "--tokenizer", tok, "--output-prefix", tmp_path / "out", "--ray", ADDRESS,
+            "--chunk-size", "64KiB", "-q", check=False)
+    assert r.returncode == 1, r.stderr[-3000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("mcf: error: ") and "bad.jsonl: line" in err and "invalid JSON" in err, err
+    assert not (tmp_path / "out.idx").exists() and not (tmp_path / "out.bin").exists()
+    assert "plan.json" in os.listdir(tmp_path / "out.shards")           # kept for a rerun once the line is fixed

@@ -115,12 +115,12 @@ def test_a_bad_line_names_the_input_and_where(tmp_path):
 
 # -- the whole pipeline, in this process ------------------------------------------------------------------
 def run_pipeline(tmp_path, inputs, tok, *, chunk_size, json_key="text", append_eod=False, special=False,
-                 dtype_rule="megatron", batch=3, seed=0, merge=True):
+                 dtype_rule="megatron", batch=3, seed=0, merge=True, step_batch=1000):
     """What raydata.tokenize does on a cluster, with the tasks run here in a shuffled order."""
     t = load_tokenizer(tok)
     eod = eod_token_id(t) if append_eod else None
     dtype = mm.dtype_for_vocab(t.get_vocab_size(with_added_tokens=True), dtype_rule)
-    step = raydata.TokenizeStep(t, add_special_tokens=special, eod=eod, dtype=dtype)
+    step = raydata.TokenizeStep(t, add_special_tokens=special, eod=eod, dtype=dtype, batch_size=step_batch)
     chunks = plan_chunks(describe_inputs(inputs), chunk_size)
     sink = raydata.MegatronDatasink(tmp_path / "shards", dtype=dtype, order=("group", "position"), durable=False)
     tasks = raydata.TextDatasource(chunks, json_key, batch).get_read_tasks(8)
@@ -151,9 +151,10 @@ def test_pipeline_equals_single_process(tmp_path, tok_path, texts, opts):
     inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.txt")]
     tokenize_local(inputs, str(tmp_path / "ref"), tok_path, json_key=key, append_eod=opts["append_eod"],
                    add_special_tokens=opts.get("special", False), dtype_rule=opts.get("dtype_rule", "megatron"))
-    for seed, size in ((0, 300), (1, 1 << 20), (2, 41)):
-        res = run_pipeline(tmp_path, inputs, tok_path, chunk_size=size, seed=seed, **{
-            k: v for k, v in opts.items()})
+    # blocks smaller and larger than the tokenize step's batches (Ray may merge read blocks)
+    for seed, size, batch, step_batch in ((0, 300, 3, 1000), (1, 1 << 20, 50, 2), (2, 41, 1, 1)):
+        res = run_pipeline(tmp_path, inputs, tok_path, chunk_size=size, seed=seed, batch=batch,
+                           step_batch=step_batch, **opts)
         assert same_files(str(tmp_path / "out"), str(tmp_path / "ref")), (seed, size)
         assert not (tmp_path / "shards").exists()          # merged: the shard directory is gone
         with mm.open(str(tmp_path / "ref")) as r:

@@ -146,7 +146,8 @@ class TokenizeStep:
     sequences' lengths; a document without tokens has no sequence).  The tokenizer travels as its JSON
     and is built once per worker process."""
 
-    def __init__(self, tokenizer, *, add_special_tokens: bool = False, eod: int | None = None, dtype=np.int32):
+    def __init__(self, tokenizer, *, add_special_tokens: bool = False, eod: int | None = None, dtype=np.int32,
+                 batch_size: int = 1000):
         from mcf.megatron.tokenize import load_tokenizer
 
         self.tokenizer_json = load_tokenizer(tokenizer).to_str()
@@ -154,6 +155,21 @@ class TokenizeStep:
         self.add_special_tokens = bool(add_special_tokens)
         self.eod = None if eod is None else int(eod)
         self.dtype = np.dtype(dtype)
+        self.batch_size = int(batch_size)
+        if self.batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
+
+    def _encode(self, run, docs: list):
+        """``(tokens per document, sequences per document, sequence lengths, flat tokens)``."""
+        flat, lens, nseq = run(docs)
+        if nseq is None:                           # one sequence per document; no sequence when empty
+            return lens.astype(np.int64), (lens > 0).astype(np.int64), lens[lens > 0], flat
+        nseq = np.asarray(nseq, np.int64)
+        starts = np.zeros(len(nseq) + 1, np.int64)
+        np.cumsum(nseq, out=starts[1:])
+        cum = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=cum[1:])
+        return cum[starts[1:]] - cum[starts[:-1]], nseq, lens, flat
 
     def __call__(self, table: pa.Table) -> pa.Table:
         from mcf.megatron.tokenize import _encoder
@@ -162,38 +178,33 @@ class TokenizeStep:
         run = _encoder(tok, self.add_special_tokens, self.eod, self.dtype)
         n = table.num_rows
         is_end = table.column("end").to_numpy(zero_copy_only=False).astype(bool, copy=False)
-        texts = table.column("text").to_pylist()
-        sents = table.column("sentences").to_pylist()
         rows = np.flatnonzero(~is_end)
-        docs = [texts[i] if texts[i] is not None else sents[i] for i in rows]
-        if any(d is None for d in docs):
-            raise FormatError("a document row holds neither text nor sentences", field="text")
         doc_tokens = np.zeros(n, np.int64)
         doc_seqs = np.zeros(n, np.int64)
-        if docs:
-            flat, lens, nseq = run(docs)
-            if nseq is None:                       # one sequence per document; no sequence when empty
-                doc_tokens[rows] = lens
-                doc_seqs[rows] = lens > 0
-                seq_lens = lens[lens > 0]
-            else:
-                seq_lens = lens
-                doc_seqs[rows] = nseq
-                starts = np.zeros(len(nseq) + 1, np.int64)
-                np.cumsum(nseq, out=starts[1:])
-                cum = np.zeros(len(lens) + 1, np.int64)
-                np.cumsum(lens, out=cum[1:])
-                doc_tokens[rows] = cum[starts[1:]] - cum[starts[:-1]]
-        else:
-            flat, seq_lens = np.empty(0, self.dtype), np.empty(0, np.int32)
+        flats, seq_lens = [np.empty(0, self.dtype)], [np.empty(0, np.int32)]
+        # Ray may hand over a block much larger than a batch; encoding it at once would hold every
+        # document's Encoding objects at the same time (hundreds of MB per task), so it goes in batches.
+        for a in range(0, len(rows), self.batch_size):
+            part = rows[a:a + self.batch_size]
+            sl = table.take(pa.array(part)) if len(part) != n else table
+            texts = sl.column("text").to_pylist()
+            sents = sl.column("sentences").to_pylist()
+            docs = [t if t is not None else s for t, s in zip(texts, sents)]
+            if any(d is None for d in docs):
+                raise FormatError("a document row holds neither text nor sentences", field="text")
+            toks, seqs, lens, flat = self._encode(run, docs)
+            doc_tokens[part] = toks
+            doc_seqs[part] = seqs
+            seq_lens.append(lens)
+            flats.append(flat)
         tok_off = np.zeros(n + 1, np.int64)
         np.cumsum(doc_tokens, out=tok_off[1:])
         len_off = np.zeros(n + 1, np.int64)
         np.cumsum(doc_seqs, out=len_off[1:])
+        flat = np.concatenate(flats).astype(self.dtype, copy=False)
         return pa.table({"group": table.column("group"), "position": table.column("position"),
-                         "end": table.column("end"),
-                         "tokens": _list_array(tok_off, np.ascontiguousarray(flat, self.dtype), is_end),
-                         "lengths": _list_array(len_off, np.asarray(seq_lens, np.int32), is_end)})
+                         "end": table.column("end"), "tokens": _list_array(tok_off, flat, is_end),
+                         "lengths": _list_array(len_off, np.concatenate(seq_lens).astype(np.int32, copy=False), is_end)})
 
 
 # -- writing shards -----------------------------------------------------------------------------------
@@ -511,6 +522,21 @@ def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool = True, **r
 
 
 # -- the tokenize command on a cluster ----------------------------------------------------------------
+def _mcf_cause(exc):
+    """The mcf error a task raised, from inside Ray's wrappers (``RayTaskError``, Ray Data's
+    ``UserCodeException``), or None."""
+    from mcf.errors import MCFError
+
+    seen: set = set()
+    e = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MCFError) and not isinstance(e, ray.exceptions.RayError):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
+
+
 def connect(address: str | None = None) -> None:
     """Join a Ray cluster: ``address`` as ``ray.init`` takes it (``host:port`` of the head, ``ray://...``),
     or ``"auto"``/None: the cluster this machine belongs to (``ray start``, ``RAY_ADDRESS``), else a new
@@ -593,7 +619,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     tok = load_tokenizer(tokenizer)
     eod = eod_token_id(tok, eod_token) if append_eod else None
     dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True), dtype_rule)
-    step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype)
+    step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size)
     files = describe_inputs(inputs)
     total_bytes = sum(f.size for f in files)
     connect(address)
@@ -613,7 +639,13 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
             ds = ray.data.read_datasource(TextDatasource(todo, json_key, batch_size), override_num_blocks=len(todo),
                                           ray_remote_args=args)
             ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **args)
-            ds.write_datasink(sink, ray_remote_args=args)
+            try:
+                ds.write_datasink(sink, ray_remote_args=args)
+            except Exception as exc:
+                cause = _mcf_cause(exc)
+                if cause is None or cause is exc:
+                    raise
+                raise cause from exc       # a malformed input line: the FormatError, not Ray's wrapping of it
             new_runs = sink.runs
         result = commit_runs(shard_dir, kept + new_runs, output_prefix=output_prefix, dtype=dtype, merge=merge,
                              expected_groups={c.index for c in chunks})
