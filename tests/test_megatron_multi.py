@@ -293,3 +293,10 @@ def test_hypothesis_shards_equal_merged(tmp_path_factory, spec, seed):
         else:
             assert len(s) == 0 and s.num_documents == m.num_documents
             assert s.gather([])[0].size == 0
+
+
+def test_a_dataset_prefix_ending_in_json_is_not_a_shard_list(tmp_path):
+    with mm.Writer(str(tmp_path / "odd.json"), dtype=np.uint16) as w:
+        w.add_item([1, 2])
+    with mm.open(str(tmp_path / "odd.json")) as ds:
+        assert isinstance(ds, mm.IndexedDataset) and ds[0].tolist() == [1, 2]

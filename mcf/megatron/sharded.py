@@ -62,10 +62,11 @@ class Shard:
 
 
 def is_shard_list(obj) -> bool:
-    """True for a path naming a JSON shard list (``*.json``)."""
+    """True for a path naming a JSON shard list (``*.json``, unless it is the prefix of a local dataset
+    ``*.json.idx``)."""
     if isinstance(obj, (str, os.PathLike)):
         p = os.fspath(obj)
-        return isinstance(p, str) and p.lower().endswith(".json")
+        return isinstance(p, str) and p.lower().endswith(".json") and not os.path.exists(p + ".idx")
     return False
 
 
