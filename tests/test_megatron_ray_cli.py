@@ -38,8 +38,11 @@ def test_workers_is_refused_with_ray(tmp_path, inputs, capsys):
 
 
 def test_without_ray_installed(tmp_path, inputs, capsys, monkeypatch):
+    import mcf.megatron
+
     monkeypatch.setitem(sys.modules, "ray", None)            # `import ray` raises ImportError
     monkeypatch.delitem(sys.modules, "mcf.megatron.raydata", raising=False)
+    monkeypatch.delattr(mcf.megatron, "raydata", raising=False)   # imported by an earlier test
     code, _, err = run(capsys, inputs, "--tokenizer", tmp_path / "t.json", "--output-prefix", tmp_path / "o",
                        "--ray", "auto")
     assert code == 1 and "pip install 'mcf[ray]'" in err
