@@ -437,3 +437,12 @@ def test_datasource_reads_urls(tmp_path):
             assert rows.column("document").to_pylist() == [0, 0, 0, 1, 2, 2]
     finally:
         mem.rm("/i16src", recursive=True)
+
+
+def test_one_job_per_shard_directory(tmp_path):
+    from mcf.megatron._shard_dir import DirectoryLock
+
+    with DirectoryLock(str(tmp_path / "s")):
+        with pytest.raises(mcf.InvalidArgumentError, match="another job"):
+            DirectoryLock(str(tmp_path / "s"))
+    DirectoryLock(str(tmp_path / "s")).release()          # free again once the first job is done
