@@ -6,8 +6,10 @@ into one file, as ratios measured in the same run:
 
     python -m pytest bench/test_bench_megatron_multi.py --benchmark-only -s
 
-Data (cached in ``$MCF_BENCH_DIR/multi``): 1,048,576 sequences of 64 random non-zero uint16 tokens,
-written once as 1,000 shards, once as 16 shards, and merged into one file.  Per-item times are the
+Data (cached in ``$MCF_BENCH_DIR/multi``): 1,048,576 sequences of 64 random non-zero uint16 tokens
+(the worst case: per-item overheads weigh most on short sequences), and 262,144 of 512 tokens (1 KiB,
+the sequences of bench/test_bench_megatron.py), each written once as 1,000 shards, once as 16 shards,
+and merged into one file.  Per-item times are the
 minimum of 30 interleaved rounds of CPU time (``time.thread_time``: the machine is shared, and the
 minimum of CPU time is what the code costs), warm page cache.
 """
@@ -25,8 +27,7 @@ import pytest
 import mcf.megatron as mm
 from mcf.megatron.sharded import write_shard_list
 
-N = 1 << 20
-TOKENS = 64
+SIZES = {64: 1 << 20, 512: 1 << 18}     # tokens per sequence: sequences
 RESULTS: list = []
 
 
@@ -48,33 +49,34 @@ def summary():
     if RESULTS:
         print(f"\n\nMany shards as one (load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
         for w, v, t, m in RESULTS:
-            print(f"  {w:<52} {v:>16}  target {t:<12} {'met' if m else 'NOT met'}")
+            print(f"  {w:<68} {v:>16}  target {t:<12} {'met' if m else 'NOT met'}")
 
 
-def shards(k: int) -> list:
-    d = os.path.join(bench_dir(), f"k{k}")
+def shards(tokens: int, k: int) -> list:
+    n_all = SIZES[tokens]
+    d = os.path.join(bench_dir(), f"t{tokens}-k{k}")
     os.makedirs(d, exist_ok=True)
     prefixes = [os.path.join(d, f"s{i:04d}") for i in range(k)]
     if all(os.path.exists(p + ".idx") for p in prefixes):
         return prefixes
     rng = np.random.default_rng(k)
-    per = N // k
+    per = n_all // k
     for i, p in enumerate(prefixes):
-        n = per if i < k - 1 else N - per * (k - 1)
+        n = per if i < k - 1 else n_all - per * (k - 1)
         with mm.Writer(p, dtype=np.uint16, durable=False) as w:
-            w.add_documents(rng.integers(1, 65000, n * TOKENS, dtype=np.uint16), np.full(n, TOKENS))
+            w.add_documents(rng.integers(1, 65000, n * tokens, dtype=np.uint16), np.full(n, tokens))
     return prefixes
 
 
 @pytest.fixture(scope="module")
 def data():
-    out = {k: shards(k) for k in (16, 1000)}
+    out = {(t, k): shards(t, k) for t in SIZES for k in (16, 1000)}
     merged = {}
-    for k, prefixes in out.items():
-        m = os.path.join(bench_dir(), f"merged{k}")
+    for key, prefixes in out.items():
+        m = os.path.join(bench_dir(), f"merged-t{key[0]}-k{key[1]}")
         if not os.path.exists(m + ".idx"):
             mm.merge(m, prefixes)
-        merged[k] = m
+        merged[key] = m
     return out, merged
 
 
@@ -96,12 +98,14 @@ def per_item(fn, items, rounds=30):
     return best
 
 
+@pytest.mark.parametrize("tokens", list(SIZES))
 @pytest.mark.parametrize("k", [16, 1000])
-def test_getitem_and_gather_vs_single_file(benchmark, data, k):
+def test_getitem_and_gather_vs_single_file(benchmark, data, k, tokens):
     prefixes, merged = data
-    touch(prefixes[k] + [merged[k]])
+    prefixes, merged = prefixes[tokens, k], merged[tokens, k]
+    touch(prefixes + [merged])
     rng = np.random.default_rng(1)
-    idx = rng.integers(0, N, 20000).tolist()
+    idx = rng.integers(0, SIZES[tokens], 20000).tolist()
     batch = np.array(idx[:1024])
 
     def items(ds):
@@ -118,7 +122,7 @@ def test_getitem_and_gather_vs_single_file(benchmark, data, k):
                 ds.gather(ii)
         return run
 
-    with mm.open(prefixes[k]) as s, mm.open(merged[k]) as m:
+    with mm.open(prefixes) as s, mm.open(merged) as m:
         s.open_all()
         best = {"s_get": float("inf"), "m_get": float("inf"), "s_gat": float("inf"), "m_gat": float("inf")}
         for _ in range(30):   # interleaved, so that both see the same machine
@@ -131,19 +135,20 @@ def test_getitem_and_gather_vs_single_file(benchmark, data, k):
     t_ns = {key: v / (20 * len(batch)) * 1e9 for key, v in best.items() if key.endswith("gat")}
     r_get = g_ns["s_get"] / g_ns["m_get"]
     r_gat = t_ns["s_gat"] / t_ns["m_gat"]
-    record(benchmark, f"ds[i], {k} shards vs one file", f"{r_get:.2f}x", "<= 1.2x", r_get <= 1.2,
+    what = f"{k} shards vs one file, {tokens}-token sequences"
+    record(benchmark, f"ds[i], {what}", f"{r_get:.2f}x", "<= 1.2x", r_get <= 1.2,
            sharded_ns=g_ns["s_get"], single_ns=g_ns["m_get"])
-    record(benchmark, f"  (ns per item: {k} shards / one file)", f"{g_ns['s_get']:.0f} / {g_ns['m_get']:.0f}",
+    record(benchmark, "  (ns per item: shards / one file)", f"{g_ns['s_get']:.0f} / {g_ns['m_get']:.0f}",
            "(info)", True)
-    record(benchmark, f"gather 1024, {k} shards vs one file", f"{r_gat:.2f}x", "<= 1.2x", r_gat <= 1.2,
+    record(benchmark, f"gather 1024, {what}", f"{r_gat:.2f}x", "<= 1.2x", r_gat <= 1.2,
            sharded_ns_per_seq=t_ns["s_gat"], single_ns_per_seq=t_ns["m_gat"])
-    record(benchmark, f"  (ns per sequence: {k} shards / one file)", f"{t_ns['s_gat']:.1f} / {t_ns['m_gat']:.1f}",
+    record(benchmark, "  (ns per sequence: shards / one file)", f"{t_ns['s_gat']:.1f} / {t_ns['m_gat']:.1f}",
            "(info)", True)
 
 
 def test_open_1000_shards(benchmark, data):
-    prefixes = data[0][1000]
-    listing = os.path.join(bench_dir(), "k1000.shards.json")
+    prefixes = data[0][64, 1000]
+    listing = os.path.join(bench_dir(), "t64-k1000.shards.json")
     with mm.open(prefixes) as s:
         write_shard_list(listing, s.shards, dtype=np.uint16)
     touch(prefixes[:1])

@@ -364,6 +364,29 @@ cdef cnp.ndarray _gather_output(object out, cnp.dtype dtype, int64_t total):
     return out[:total]
 
 
+cdef Py_ssize_t _norm_index(object idx, Py_ssize_t n) except -2:
+    """Sequence index ``idx`` (negative counts from the end) checked against ``n`` sequences."""
+    cdef Py_ssize_t i = PyLong_AsSsize_t(idx) if type(idx) is int else PyLong_AsSsize_t(idx.__index__())
+    if i < 0:
+        i += n
+    if i < 0 or i >= n:
+        raise OutOfBoundsError(f"sequence index {idx} out of range for {n} sequences")
+    return i
+
+
+cdef int64_t _part_of(object offset, object length, int64_t ln, Py_ssize_t i, int64_t* count) except -1:
+    """The offset of ``get(i, offset, length)`` in sequence ``i`` of ``ln`` tokens, checked; its token
+    count goes to ``count``."""
+    off = int(offset)
+    if off < 0 or off > ln:
+        raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
+    cnt = ln - off if length is None else int(length)
+    if cnt < 0 or cnt > ln - off:
+        raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} (length {ln})")
+    count[0] = cnt
+    return off
+
+
 cdef class SequenceTable:
     """Per-sequence access over validated index arrays; the base class of ``IndexedDataset``.
 
@@ -414,13 +437,8 @@ cdef class SequenceTable:
             raise ClosedError("the dataset is closed")
         return 0
 
-    cdef Py_ssize_t _norm(self, object idx) except -2:
-        cdef Py_ssize_t i = PyLong_AsSsize_t(idx) if type(idx) is int else PyLong_AsSsize_t(idx.__index__())
-        if i < 0:
-            i += self._n
-        if i < 0 or i >= self._n:
-            raise OutOfBoundsError(f"sequence index {idx} out of range for {self._n} sequences")
-        return i
+    cdef inline Py_ssize_t _norm(self, object idx) except -2:
+        return _norm_index(idx, self._n)
 
     cdef object _read(self, int64_t ptr, int64_t count):
         """``count`` items at byte offset ``ptr`` of the .bin: a view when mapped, else a new array."""
@@ -448,14 +466,9 @@ cdef class SequenceTable:
         self._check_open()
         cdef Py_ssize_t i = self._norm(idx)
         cdef int64_t ln = ld32(self._lens + 4 * i)
-        off = int(offset)
-        if off < 0 or off > ln:
-            raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
-        cnt = ln - off if length is None else int(length)
-        if cnt < 0 or cnt > ln - off:
-            raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} "
-                                   f"(length {ln})")
-        return self._read(ld64(self._ptrs + 8 * i) + <int64_t>off * self._itemsize, cnt)
+        cdef int64_t cnt
+        cdef int64_t off = _part_of(offset, length, ln, i, &cnt)
+        return self._read(ld64(self._ptrs + 8 * i) + off * self._itemsize, cnt)
 
     def _sequence_length(self, idx):
         self._check_open()
@@ -657,13 +670,8 @@ cdef class ShardTable:
             raise ClosedError("the dataset is closed")
         return 0
 
-    cdef Py_ssize_t _norm(self, object idx) except -2:
-        cdef Py_ssize_t i = PyLong_AsSsize_t(idx) if type(idx) is int else PyLong_AsSsize_t(idx.__index__())
-        if i < 0:
-            i += self._n
-        if i < 0 or i >= self._n:
-            raise OutOfBoundsError(f"sequence index {idx} out of range for {self._n} sequences")
-        return i
+    cdef inline Py_ssize_t _norm(self, object idx) except -2:
+        return _norm_index(idx, self._n)
 
     cdef inline Py_ssize_t _locate(self, int64_t i) noexcept nogil:
         """The shard holding global sequence ``0 <= i < n``: the last k with starts[k] <= i."""
@@ -728,15 +736,10 @@ cdef class ShardTable:
         cdef _Shard* sh = &self._shards[k]
         cdef Py_ssize_t j = i - self._starts[k]
         cdef int64_t ln = ld32(sh.lens + 4 * j)
-        off = int(offset)
-        if off < 0 or off > ln:
-            raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
-        cnt = ln - off if length is None else int(length)
-        if cnt < 0 or cnt > ln - off:
-            raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} "
-                                   f"(length {ln})")
+        cdef int64_t cnt
+        cdef int64_t off = _part_of(offset, length, ln, i, &cnt)
         return _read_bin(None if sh.base != NULL else <Source>self._srcs[k], sh.base, self._keep, sh.size,
-                         self._dtype, ld64(sh.ptrs + 8 * j) + <int64_t>off * self._dtype.itemsize, cnt)
+                         self._dtype, ld64(sh.ptrs + 8 * j) + off * self._dtype.itemsize, cnt)
 
     def _sequence_length(self, idx):
         self._check_open()
