@@ -87,7 +87,11 @@ class RayCluster:
         self.ns = None
         self.temp = tempfile.mkdtemp(prefix="mcfray", dir="/tmp")   # short: Ray's socket paths must fit 107 bytes
         self.ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+        # a private HOME: Ray keeps state there (~/.ray/auth_token, written when a driver starts a local
+        # instance, turns token authentication on for every later head started under that HOME)
+        self.home = os.path.join(self.temp, "home")
+        os.makedirs(self.home)
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false", HOME=self.home)
         self.env.pop("RAY_ADDRESS", None)
         self.leftovers: list = []
         self.log: list = []
