@@ -40,6 +40,7 @@ MODULES = [
     ("mcf.torch", "load an MCF file as a PyTorch state dict"),
     ("mcf.state_dict", "load an MCF file as a dict of numpy arrays"),
     ("mcf.megatron", "Megatron-LM indexed datasets (.bin/.idx), sample indices, tokenization"),
+    ("mcf.megatron.raydata", "Megatron datasets on a Ray cluster: tokenize, Datasink, Datasource (mcf-formats[ray])"),
     ("mcf.megacontext", "MegaContext trees (LOD0/1/2.ctx + metadata.json)"),
     ("mcf.bucket", "Model Context Bucket: a persistent KV-cache store"),
 ]
