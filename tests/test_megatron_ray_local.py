@@ -115,15 +115,16 @@ def test_a_bad_line_names_the_input_and_where(tmp_path):
 
 # -- the whole pipeline, in this process ------------------------------------------------------------------
 def run_pipeline(tmp_path, inputs, tok, *, chunk_size, json_key="text", append_eod=False, special=False,
-                 dtype_rule="megatron", batch=3, seed=0, merge=True, step_batch=1000):
+                 dtype_rule="megatron", batch=3, seed=0, merge=True, step_batch=1000, empty_text="megatron"):
     """What raydata.tokenize does on a cluster, with the tasks run here in a shuffled order."""
     t = load_tokenizer(tok)
     eod = eod_token_id(t) if append_eod else None
     dtype = mm.dtype_for_vocab(t.get_vocab_size(with_added_tokens=True), dtype_rule)
-    step = raydata.TokenizeStep(t, add_special_tokens=special, eod=eod, dtype=dtype, batch_size=step_batch)
+    step = raydata.TokenizeStep(t, add_special_tokens=special, eod=eod, dtype=dtype, batch_size=step_batch,
+                                empty_text=empty_text)
     chunks = plan_chunks(describe_inputs(inputs), chunk_size)
     sink = raydata.MegatronDatasink(tmp_path / "shards", dtype=dtype, order=("group", "position"), durable=False)
-    tasks = raydata.TextDatasource(chunks, json_key, batch).get_read_tasks(8)
+    tasks = raydata.TextDatasource(chunks, json_key, batch, drop_empty=empty_text == "datatrove").get_read_tasks(8)
     order = list(range(len(tasks)))
     random.Random(seed).shuffle(order)
     runs = []
@@ -141,6 +142,8 @@ def same_files(a, b):
     dict(append_eod=True),
     dict(append_eod=False, special=True),
     dict(append_eod=True, dtype_rule="datatrove", json_key="content"),
+    dict(append_eod=True, empty_text="datatrove"),
+    dict(append_eod=False, empty_text="datatrove", special=True),
 ])
 def test_pipeline_equals_single_process(tmp_path, tok_path, texts, opts):
     key = opts.get("json_key", "text")
@@ -150,7 +153,8 @@ def test_pipeline_equals_single_process(tmp_path, tok_path, texts, opts):
     (tmp_path / "c.txt").write_text("\n".join(texts[:5]) + "\n\n  \n", encoding="utf-8")
     inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.txt")]
     tokenize_local(inputs, str(tmp_path / "ref"), tok_path, json_key=key, append_eod=opts["append_eod"],
-                   add_special_tokens=opts.get("special", False), dtype_rule=opts.get("dtype_rule", "megatron"))
+                   add_special_tokens=opts.get("special", False), dtype_rule=opts.get("dtype_rule", "megatron"),
+                   empty_text=opts.get("empty_text", "megatron"))
     # blocks smaller and larger than the tokenize step's batches (Ray may merge read blocks)
     for seed, size, batch, step_batch in ((0, 300, 3, 1000), (1, 1 << 20, 50, 2), (2, 41, 1, 1)):
         res = run_pipeline(tmp_path, inputs, tok_path, chunk_size=size, seed=seed, batch=batch,

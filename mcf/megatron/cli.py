@@ -145,7 +145,7 @@ def _tokenize_on_ray(args) -> int:
     stats = raydata.tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
                              append_eod=args.append_eod, eod_token=args.eod_token, batch_size=args.batch_size,
                              dtype_rule=args.dtype_rule, add_special_tokens=args.add_special_tokens,
-                             address=args.ray, chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
+                             empty_text=args.empty_text, address=args.ray, chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
                              shard_dir=args.shard_dir, merge=not args.no_merge, resume=not args.no_resume,
                              progress=not args.quiet)
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0

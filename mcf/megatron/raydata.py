@@ -69,12 +69,16 @@ def _text_block(group: int, first: int, docs: list, end: int | None) -> pa.Table
                     schema=TEXT_SCHEMA)
 
 
-def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int):
+def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, drop_empty: bool = False):
     """The blocks of one chunk: its documents in order, ``batch_size`` a block, the last block ending
-    with the chunk's end marker (alone in a block when the chunk holds no document)."""
+    with the chunk's end marker (alone in a block when the chunk holds no document).  ``drop_empty``
+    leaves out documents whose text is empty, as datatrove's readers do (``empty_text="datatrove"``),
+    so that positions and the end marker count only the documents that become documents."""
     batch: list = []
     first = 0
     for doc in iter_chunk_documents(chunk, json_key):
+        if drop_empty and not doc:
+            continue
         batch.append(doc)
         if len(batch) >= batch_size:
             yield _text_block(chunk.index, first, batch, None)
@@ -88,12 +92,14 @@ class TextDatasource(Datasource):
     chunk (:func:`mcf.megatron._chunks.plan_chunks`); ``group`` is the chunk, ``position`` the
     document's number in it, and the last row of each chunk is its end marker (``end`` true,
     ``position`` = the chunk's document count).  ``text`` holds a plain document, ``sentences`` a
-    document given as a list of strings."""
+    document given as a list of strings.  ``drop_empty`` leaves out documents with an empty text (what
+    datatrove's readers do; see :func:`read_chunk_blocks`)."""
 
-    def __init__(self, chunks, json_key: str = "text", batch_size: int = 1000):
+    def __init__(self, chunks, json_key: str = "text", batch_size: int = 1000, *, drop_empty: bool = False):
         super().__init__()
         self.chunks = list(chunks)
         self.json_key = json_key
+        self.drop_empty = bool(drop_empty)
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
@@ -108,7 +114,8 @@ class TextDatasource(Datasource):
         for c in self.chunks:
             size = (c.stop - c.start) if c.stop is not None else None
             meta = BlockMetadata(num_rows=None, size_bytes=size, input_files=[c.path], exec_stats=None)
-            tasks.append(ReadTask(lambda c=c, k=self.json_key, b=self.batch_size: read_chunk_blocks(c, k, b), meta,
+            tasks.append(ReadTask(lambda c=c, k=self.json_key, b=self.batch_size, e=self.drop_empty:
+                                  read_chunk_blocks(c, k, b, e), meta,
                                   schema=TEXT_SCHEMA, per_task_row_limit=per_task_row_limit))
         return tasks
 
@@ -144,12 +151,18 @@ class TokenizeStep:
     """``map_batches`` function: text rows (see :class:`TextDatasource`) to token rows
     ``(group, position, end, tokens, lengths)``, with exactly the tokenization of
     :func:`mcf.megatron.tokenize.tokenize` (``tokens`` holds a document's tokens, ``lengths`` its
-    sequences' lengths; a document without tokens has no sequence).  The tokenizer travels as its JSON
-    and is built once per worker process."""
+    sequences' lengths).  ``empty_text`` is the single-process option of that name: ``"megatron"``, a
+    document without tokens has no sequence; ``"datatrove"``, a plain text is always one sequence (read
+    its documents with ``TextDatasource(drop_empty=True)``: datatrove drops empty texts before
+    tokenizing).  The tokenizer travels as its JSON and is built once per worker process."""
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = False, eod: int | None = None, dtype=np.int32,
-                 batch_size: int = 1000):
-        from mcf.megatron.tokenize import load_tokenizer
+                 batch_size: int = 1000, empty_text: str = "megatron"):
+        from mcf.megatron.tokenize import EMPTY_TEXT_RULES, load_tokenizer
+
+        if empty_text not in EMPTY_TEXT_RULES:
+            raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
+        self.empty_text = empty_text
 
         self.tokenizer_json = load_tokenizer(tokenizer).to_str()
         self.digest = hashlib.sha256(self.tokenizer_json.encode()).hexdigest()
@@ -163,7 +176,9 @@ class TokenizeStep:
     def _encode(self, run, docs: list):
         """``(tokens per document, sequences per document, sequence lengths, flat tokens)``."""
         flat, lens, nseq = run(docs)
-        if nseq is None:                           # one sequence per document; no sequence when empty
+        if nseq is None:   # one sequence per document; without tokens, none (megatron) or an empty one (datatrove)
+            if self.empty_text == "datatrove":
+                return lens.astype(np.int64), np.ones(len(lens), np.int64), lens, flat
             return lens.astype(np.int64), (lens > 0).astype(np.int64), lens[lens > 0], flat
         nseq = np.asarray(nseq, np.int64)
         starts = np.zeros(len(nseq) + 1, np.int64)
@@ -176,7 +191,7 @@ class TokenizeStep:
         from mcf.megatron.tokenize import _encoder
 
         tok = _cached_tokenizer(self.tokenizer_json, self.digest)
-        run = _encoder(tok, self.add_special_tokens, self.eod, self.dtype)
+        run = _encoder(tok, self.add_special_tokens, self.eod, self.dtype, self.empty_text)
         n = table.num_rows
         is_end = table.column("end").to_numpy(zero_copy_only=False).astype(bool, copy=False)
         rows = np.flatnonzero(~is_end)
@@ -586,7 +601,8 @@ def prepare_shard_dir(shard_dir: str, files, options: dict, chunk_size: int | No
 
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, batch_size: int = 1000, dtype_rule: str = "megatron",
-             add_special_tokens: bool = False, address: str | None = None, chunk_size: int | None = None,
+             add_special_tokens: bool = False, empty_text: str = "megatron", address: str | None = None,
+             chunk_size: int | None = None,
              shard_dir=None, merge: bool = True, resume: bool = True, ray_remote_args: dict | None = None,
              progress: bool = True):
     """:func:`mcf.megatron.tokenize.tokenize` on a Ray cluster, with byte-identical output.
@@ -620,14 +636,15 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     tok = load_tokenizer(tokenizer)
     eod = eod_token_id(tok, eod_token) if append_eod else None
     dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True), dtype_rule)
-    step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size)
+    step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size,
+                        empty_text=empty_text)
     files = describe_inputs(inputs)
     total_bytes = sum(f.size for f in files)
     connect(address)
     ray.data.DataContext.get_current().enable_progress_bars = bool(progress)
     shard_dir = os.path.abspath(os.fspath(shard_dir) if shard_dir is not None else output_prefix + ".shards")
     options = {"version": PLAN_VERSION, "json_key": json_key, "eod": eod, "add_special_tokens": bool(add_special_tokens),
-               "dtype": str(dtype), "tokenizer_sha256": step.digest,
+               "empty_text": empty_text, "dtype": str(dtype), "tokenizer_sha256": step.digest,
                "inputs": [[f.path, f.fingerprint] for f in files]}
     with DirectoryLock(shard_dir):
         chunks, kept = prepare_shard_dir(shard_dir, files, options, chunk_size, resume=resume)
@@ -637,7 +654,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         if todo:
             sink = MegatronDatasink(shard_dir, dtype=dtype, order=("group", "position"), end="end")
             args = dict(ray_remote_args or {})      # the same for the three stages, so that they fuse
-            ds = ray.data.read_datasource(TextDatasource(todo, json_key, batch_size), override_num_blocks=len(todo),
+            source = TextDatasource(todo, json_key, batch_size, drop_empty=empty_text == "datatrove")
+            ds = ray.data.read_datasource(source, override_num_blocks=len(todo),
                                           ray_remote_args=args)
             ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **args)
             try:
