@@ -190,6 +190,17 @@ def test_bad_indices_and_arguments(tmp_path):
             s.document(s.num_documents)
         with pytest.raises(mcf.InvalidArgumentError):
             s.gather(np.zeros((2, 2), np.int64))
+        # numpy's index rules, as on one dataset: floats refused, a mask of n bools selects
+        with pytest.raises(mcf.InvalidArgumentError, match="must be integers"):
+            s.gather([0.0, 1.7])
+        mask = np.zeros(n, bool)
+        mask[[1, n - 1]] = True
+        got, offs = s.gather(mask)
+        want, woffs = s.gather([1, n - 1])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(offs, woffs)
+        with pytest.raises(mcf.InvalidArgumentError):
+            s.gather(mask[:-1])
         with pytest.raises(TypeError):
             s["x"]
     with pytest.raises(mcf.InvalidArgumentError):

@@ -760,9 +760,7 @@ cdef class ShardTable:
         released; ``out`` may be a preallocated 1-D array of the dataset's dtype."""
         self._check_open()
         srcs, keep = self._srcs, self._keep   # owned: a closing thread cannot unmap what is copied
-        idx_arr = np.ascontiguousarray(indices, dtype=np.int64)
-        if idx_arr.ndim != 1:
-            raise InvalidArgumentError("indices must be one-dimensional")
+        idx_arr = index_array(indices, self._n)   # numpy's rules, as on one dataset: integers or a mask
         cdef const int64_t[::1] ix = idx_arr
         cdef Py_ssize_t m = ix.shape[0], k, s, bad = -1
         cdef cnp.ndarray loc = np.empty(2 * m, dtype=np.int64)   # (shard, byte offset in its .bin) of each
