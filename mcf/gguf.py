@@ -469,7 +469,7 @@ class GGUFFile:
             raise DTypeError(f"{self.path}: tensor {name!r} is {t.type.name}; use dequantize()")
         return self.raw(name).view(dt).reshape(t.shape)
 
-    def dequantize(self, name: str, out=None, dtype=np.float32, rows=None, threads: int = 1, impl=None):
+    def dequantize(self, name: str, dtype=np.float32, *, rows=None, out=None, impl=None, threads: int = 1):
         """Decode a tensor to float32 (or float16 / bfloat16 with ``dtype``), row-major.
 
         ``rows`` (``(start, stop)`` or a slice) selects a range of the first axis; the result then has

@@ -67,7 +67,7 @@ def tokenizer_config_with_template(model_dir: str) -> bytes | None:
     return go_marshal(cfg)
 
 
-def model_info_for_dir(model_dir: str, model_name: str | None = None) -> ModelInfo:
+def model_info_for_dir(model_dir: str, *, model_name: str | None = None) -> ModelInfo:
     """ModelInfo from config.json as the Go packer builds it (name = the directory's base name)."""
     name = model_name or os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     raw = _read(os.path.join(model_dir, "config.json"))
@@ -77,7 +77,7 @@ def model_info_for_dir(model_dir: str, model_name: str | None = None) -> ModelIn
         except (UnicodeDecodeError, json.JSONDecodeError):
             cfg = None
         if isinstance(cfg, dict):
-            return ModelInfo.from_hf_config(cfg, name)
+            return ModelInfo.from_hf_config(cfg, model_name=name)
     return ModelInfo(model_name=name)
 
 
@@ -138,8 +138,8 @@ def _raw_quantized(t):
                 or (q["domain"] and info.family != "raw")
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
                 or _array_bytes(shape, 4) > _MAX_ARRAY_BYTES):
-            raise ValueError("not a quantized rank-2 description MCF can hold")
-        want = tensor_nbytes(info, shape, q["domain"])
+            raise FormatError("not a quantized rank-2 description MCF can hold")
+        want = tensor_nbytes(info, shape, domain=q["domain"])
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise FormatError(f"bad quantized-tensor description: {exc}", path=path, field=field, got=desc) from None
     if t.dtype.code != DType.U8 or len(t.shape) != 1 or want != t.nbytes:
@@ -303,7 +303,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
                 for typ, data in _resource_sections(path):
                     w.add_section(typ, data)
             if is_dir:
-                w.add_model_info(model_info_for_dir(path, model_name))
+                w.add_model_info(model_info_for_dir(path, model_name=model_name))
             else:
                 stem = os.path.basename(path)
                 stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem

@@ -142,7 +142,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     domain = integer(domain, "domain")
     if info.family != "raw" and domain != Domain.WEIGHTS:
         raise InvalidArgumentError(f"{info.name} supports only the weights domain")
-    lay = quant_layout(info, (rows, cols), domain)
+    lay = quant_layout(info, (rows, cols), domain=domain)
     payload = np.zeros(lay.nbytes, dtype=np.uint8)
     step = _chunk_rows(cols)
     if info.family != "raw" and min_clip is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import errno
 import os
 import secrets
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def _create_temp(directory: str, base: str):
             return os.open(name, flags, 0o666), name
         except FileExistsError:
             continue
-    raise FileExistsError(f"could not create a temporary file in {directory}")
+    raise os_error(FileExistsError(errno.EEXIST, "could not create a temporary file"), directory)
 
 
 def _fsync_dir(path: str) -> None:
@@ -92,7 +93,7 @@ class Writer:
             raise InvalidArgumentError(f"align must be >= 1, got {align}")
         from mcf.remote import refuse_url
 
-        refuse_url(path, "writing an MCF file")
+        refuse_url(path, what="writing an MCF file")
         self.path = os.fspath(path)
         self.align = int(align)
         self.dedup = bool(dedup)
@@ -140,7 +141,7 @@ class Writer:
             self._td_done = True
 
     # -- sections ---------------------------------------------------------------------------
-    def add_section(self, type_: int, payload, version: int = 1) -> None:
+    def add_section(self, type_: int, payload, *, version: int = 1) -> None:
         """Append a section with the given type code and payload bytes."""
         self._check_open()
         type_ = int(type_)
@@ -296,7 +297,7 @@ class Writer:
             if not _f32_storable(v):
                 raise InvalidArgumentError(f"tensor {name!r}: quant[{key!r}] = {v!r} is not a float32 value")
         try:
-            want = tensor_nbytes(info, shape, domain)
+            want = tensor_nbytes(info, shape, domain=domain)
         except ValueError as exc:
             raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
         start = self._begin_tensor(name, info, shape)

@@ -123,7 +123,7 @@ def run_pipeline(tmp_path, inputs, tok, *, chunk_size, json_key="text", append_e
     step = raydata.TokenizeStep(t, add_special_tokens=special, eod=eod, dtype=dtype, batch_size=step_batch)
     chunks = plan_chunks(describe_inputs(inputs), chunk_size)
     sink = raydata.MegatronDatasink(tmp_path / "shards", dtype=dtype, order=("group", "position"), durable=False)
-    tasks = raydata.TextDatasource(chunks, json_key, batch).get_read_tasks(8)
+    tasks = raydata.TextDatasource(chunks, json_key=json_key, batch_size=batch).get_read_tasks(8)
     order = list(range(len(tasks)))
     random.Random(seed).shuffle(order)
     runs = []

@@ -278,7 +278,7 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
     if own:
         from mcf.remote import refuse_url
 
-        refuse_url(dest, "writing an MCB file")  # remote files are read-only
+        refuse_url(dest, what="writing an MCB file")  # remote files are read-only
     try:
         f = open(dest, "wb") if own else dest
     except OSError as exc:

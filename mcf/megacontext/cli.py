@@ -131,7 +131,7 @@ def cmd_ingest(args) -> int:
             t0 = time.perf_counter()
             start = tree.num_tokens
             total = os.path.getsize(args.input) if args.input != "-" else 0
-            prog = Progress("ingest", None if not args.quiet else False)
+            prog = Progress("ingest", enabled=None if not args.quiet else False)
             done = 0
             if args.ids:
                 src = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")

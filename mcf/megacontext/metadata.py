@@ -87,7 +87,7 @@ def _clip(ranges, n):
     return out
 
 
-def set_range(ranges: list, start: int, stop: int, checkpoint, pending: bool = False) -> list:
+def set_range(ranges: list, start: int, stop: int, checkpoint, *, pending: bool = False) -> list:
     """The ranges with ``[start, stop)`` set to ``checkpoint``; neighbours with equal values merge."""
     if stop <= start:
         return [dict(r) for r in ranges]
@@ -118,7 +118,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate_metadata(obj, path=None) -> list:
+def validate_metadata(obj, *, path=None) -> list:
     """Every problem of a parsed metadata.json, as FormatError instances (empty when valid)."""
     errs = []
 
@@ -253,7 +253,7 @@ def load_metadata(dirpath):
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return None, [FormatError(f"not valid JSON: {exc}", path=path, field="metadata")]
-    errs = validate_metadata(obj, path)
+    errs = validate_metadata(obj, path=path)
     if errs:
         return None, errs
     obj.setdefault("gist_dtype", "fp16")
@@ -270,7 +270,7 @@ def load_metadata(dirpath):
     return obj, []
 
 
-def write_metadata(dirpath, meta: dict, durable: bool = False, name: str = METADATA) -> None:
+def write_metadata(dirpath, meta: dict, *, durable: bool = False, name: str = METADATA) -> None:
     """Replace metadata.json (or ``name``) atomically (temporary file + rename), so readers see the old
     or the new version, never a torn one."""
     dirpath = os.fspath(dirpath)

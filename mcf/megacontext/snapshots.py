@@ -141,12 +141,17 @@ def _finish_restore(tree_dir) -> list:
     return done
 
 
-def restore(snapshot_dir, tree_dir, *, _locked: bool = False) -> None:
+def restore(snapshot_dir, tree_dir) -> None:
     """Replace the tree in ``tree_dir`` (created if missing) with the snapshot in ``snapshot_dir``.
 
     The snapshot is validated first (it must open without errors).  Takes the writer lock, so it fails
     while a writer has the tree open; readers that have it open keep reading the old files until they
     reopen."""
+    _restore(snapshot_dir, tree_dir, locked=False)
+
+
+def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
+    """:func:`restore`; ``locked``: the caller (``Tree.restore``) already holds the writer lock."""
     from mcf.megacontext.tree import Tree, _acquire_lock
 
     snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
@@ -162,7 +167,7 @@ def restore(snapshot_dir, tree_dir, *, _locked: bool = False) -> None:
         os.makedirs(tree_dir, exist_ok=True)
     except OSError as exc:
         raise os_error(exc, tree_dir) from None
-    lock = -1 if _locked else _acquire_lock(tree_dir)
+    lock = -1 if locked else _acquire_lock(tree_dir)
     try:
         _finish_restore(tree_dir)
         for level in LEVELS:

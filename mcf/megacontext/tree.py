@@ -283,7 +283,7 @@ class Tree:
 
     def __init__(self, path, *, writable: bool = False, mmap: bool = True, durable: bool = False):
         if writable:
-            refuse_url(path, "opening a MegaContext tree for writing")
+            refuse_url(path, what="opening a MegaContext tree for writing")
         self.path = _dir_path(path)
         self.writable = bool(writable)
         self.durable = bool(durable)
@@ -360,7 +360,7 @@ class Tree:
             repaired.append(f"{tmp}: removed")
         if stale:
             self._meta = with_counts(meta, counts)
-            write_metadata(self.path, dict(self._meta, last_modified=now_iso()), self.durable)
+            write_metadata(self.path, dict(self._meta, last_modified=now_iso()), durable=self.durable)
             repaired.append(f"{os.path.join(self.path, METADATA)}: brought up to the committed counts {counts}")
         self.notes += [f"repaired: {r}" for r in repaired]
 
@@ -525,7 +525,7 @@ class Tree:
         """The working context of ``plan``: see :func:`mcf.megacontext.assembly.assemble`."""
         from mcf.megacontext.assembly import assemble
 
-        return assemble(self, plan, embeddings, out=out, dtype=dtype, threads=threads)
+        return assemble(self, plan, embeddings=embeddings, out=out, dtype=dtype, threads=threads)
 
     def refresh(self) -> tuple:
         """Pick up what a writer in another process committed since opening; returns the counts.
@@ -679,7 +679,7 @@ class Tree:
         self._meta["gistnet_checkpoint"] = checkpoint
         self._write_metadata()
 
-    def set_ingestion_complete(self, done: bool = True) -> None:
+    def set_ingestion_complete(self, *, done: bool = True) -> None:
         self._check_writable()
         self._meta["ingestion_complete"] = bool(done)
         self._dirty = True
@@ -708,7 +708,7 @@ class Tree:
     def _write_metadata(self):
         self._meta["last_modified"] = now_iso()
         self._meta = with_counts(self._meta, self.committed_counts)
-        write_metadata(self.path, self._meta, self.durable)
+        write_metadata(self.path, self._meta, durable=self.durable)
         self._dirty = False
 
     # -- safety -----------------------------------------------------------------------------------------
@@ -720,12 +720,12 @@ class Tree:
 
     def restore(self, snapshot_dir) -> None:
         """Replace this (writable) tree's contents with a snapshot and reload."""
-        from mcf.megacontext.snapshots import restore
+        from mcf.megacontext.snapshots import _restore
 
         self._check_writable()
         for lv in self._levels.values():
             lv.close()
-        restore(snapshot_dir, self.path, _locked=True)
+        _restore(snapshot_dir, self.path, locked=True)
         meta, levels, problems = _scan(self.path, self._mmap)
         self._levels = levels
         errors = [p for p in problems if p.severity == "error"]
@@ -735,7 +735,7 @@ class Tree:
         self.notes = [str(p) for p in problems]
         self._reconcile(problems)
 
-    def verify(self, deep: bool = False) -> list:
+    def verify(self, *, deep: bool = False) -> list:
         """Every inconsistency of the directory as it is on disk (see :func:`verify`)."""
         return verify(self.path, deep=deep, mmap=self._mmap)
 
@@ -830,7 +830,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise InvalidArgumentError(f"vocab_size must be in 1..2**32, got {vocab_size!r}")
     if gistnet_checkpoint is not None and not isinstance(gistnet_checkpoint, str):
         raise InvalidArgumentError("gistnet_checkpoint must be a string or None")
-    refuse_url(path, "creating a MegaContext tree")
+    refuse_url(path, what="creating a MegaContext tree")
     path = os.path.abspath(os.fspath(path))
     try:
         os.makedirs(path, exist_ok=True)
@@ -855,7 +855,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),
                             gist_dtype=gdt.name, vocab_size=None if vocab_size is None else int(vocab_size),
                             gistnet_checkpoint=gistnet_checkpoint)
-        write_metadata(path, meta, durable)
+        write_metadata(path, meta, durable=durable)
     finally:
         os.close(lock)
     return Tree(path, writable=True, mmap=mmap, durable=durable)
@@ -869,7 +869,7 @@ def open_tree(path, mode: str = "r", *, mmap: bool = True, durable: bool = False
     return Tree(path, writable=mode == "r+", mmap=mmap, durable=durable)
 
 
-def verify(path, deep: bool = False, mmap: bool = True) -> list:
+def verify(path, *, deep: bool = False, mmap: bool = True) -> list:
     """Every inconsistency of a tree directory, as :class:`Problem` objects (empty when all is well).
 
     Checks the headers, the counts against the file sizes and each other, metadata.json against the

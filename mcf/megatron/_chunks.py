@@ -217,7 +217,7 @@ def iter_chunk_documents(chunk: Chunk, json_key: str = "text"):
     stream = chunk_stream(chunk)
     begin = stream._begin if isinstance(stream, _LineRange) else 0
     try:
-        yield from iter_documents(chunk.path, json_key, stream=stream)
+        yield from iter_documents(chunk.path, json_key=json_key, stream=stream)
     except FormatError as exc:
         if not begin or exc.field is None:
             raise

@@ -90,7 +90,7 @@ class TextDatasource(Datasource):
     ``position`` = the chunk's document count).  ``text`` holds a plain document, ``sentences`` a
     document given as a list of strings."""
 
-    def __init__(self, chunks, json_key: str = "text", batch_size: int = 1000):
+    def __init__(self, chunks, *, json_key: str = "text", batch_size: int = 1000):
         super().__init__()
         self.chunks = list(chunks)
         self.json_key = json_key
@@ -271,7 +271,7 @@ class MegatronDatasink(Datasink):
         from mcf.megatron._layout import writer_dtype
         from mcf.remote import refuse_url
 
-        refuse_url(directory, "writing shards")
+        refuse_url(directory, what="writing shards")
         self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         if empty not in ("skip", "sequence"):
             raise InvalidArgumentError(f"empty must be 'skip' or 'sequence', not {empty!r}")
@@ -606,7 +606,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     from mcf.remote import refuse_url
 
     t0 = time.perf_counter()
-    refuse_url(output_prefix, "writing a dataset")
+    refuse_url(output_prefix, what="writing a dataset")
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
     inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
@@ -618,7 +618,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"chunk_size must be >= 1 byte, got {chunk_size}")
     output_prefix = os.fspath(output_prefix)
     tok = load_tokenizer(tokenizer)
-    eod = eod_token_id(tok, eod_token) if append_eod else None
+    eod = eod_token_id(tok, token=eod_token) if append_eod else None
     dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True), dtype_rule)
     step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size)
     files = describe_inputs(inputs)
@@ -637,7 +637,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         if todo:
             sink = MegatronDatasink(shard_dir, dtype=dtype, order=("group", "position"), end="end")
             args = dict(ray_remote_args or {})      # the same for the three stages, so that they fuse
-            ds = ray.data.read_datasource(TextDatasource(todo, json_key, batch_size), override_num_blocks=len(todo),
+            ds = ray.data.read_datasource(TextDatasource(todo, json_key=json_key, batch_size=batch_size), override_num_blocks=len(todo),
                                           ray_remote_args=args)
             ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **args)
             try:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._io import open_source
-from mcf.errors import FormatError, InvalidArgumentError, OutOfBoundsError
+from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 from mcf.megatron._layout import DOC_DTYPE, LENGTH_DTYPE, MEGATRON_DTYPES, MODE_DTYPE, dtype_code
 
@@ -186,7 +186,7 @@ def _shards_from_headers(prefixes, multimodal):
         p = split_prefix(obj)
         src = open_source(p + ".idx", mmap=False)
         try:
-            h = parse_header(src, multimodal)
+            h = parse_header(src, multimodal=multimodal)
         finally:
             src.close()
         if dtype is None:
@@ -207,7 +207,7 @@ def _shards_from_headers(prefixes, multimodal):
     return shards, dtype, bool(mm)
 
 
-def open_shards(obj, mmap: bool = True, *, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
+def open_shards(obj, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
     """One read-only dataset over a shard list file (``*.json``) or a list of dataset prefixes."""
     if is_shard_list(obj):
         shards, meta = read_shard_list(obj)
@@ -393,7 +393,7 @@ class ShardedDataset(_megatron.ShardTable):
     def _getitem_other(self, idx):
         if isinstance(idx, slice):
             return [self[i] for i in range(*idx.indices(len(self)))]
-        raise TypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
+        raise ArgumentTypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
 
     def __iter__(self):
         for i in range(len(self)):

@@ -233,7 +233,7 @@ class Writer:
         from mcf.megatron.reader import split_prefix
         from mcf.remote import refuse_url
 
-        refuse_url(prefix, "writing a dataset")
+        refuse_url(prefix, what="writing a dataset")
         self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         self.dtype_code = dtype_code(self.dtype)
         self.prefix = split_prefix(prefix)
