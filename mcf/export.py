@@ -23,11 +23,12 @@ import re
 
 import numpy as np
 
+from mcf._core.fs import fsync_dir, write_all, write_atomic
 from mcf._io import alloc_buffer
 from mcf._safetensors import ST_DTYPES
 from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, TruncatedError, os_error
-from mcf.writer import _cast_chunk, _create_temp, _fsync_dir
+from mcf.errors import InvalidArgumentError, TruncatedError, os_error
+from mcf.writer import _cast_chunk
 
 __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
 
@@ -147,12 +148,6 @@ def _chunks(c, e: _Entry, buf):
         src.advise("dontneed", t.offset, t.nbytes)
 
 
-def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B")
-    while mv:
-        mv = mv[os.write(fd, mv):]
-
-
 def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> bool:
     """Copy ``n`` bytes at ``offset`` of ``src_fd`` to the position of ``dst_fd`` inside the kernel
     (``copy_file_range``: no user-space copy, as ``shutil.copyfile`` does).  False when the kernel or
@@ -174,35 +169,13 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> boo
     return True
 
 
-def _publish(path: str, write) -> None:
-    """Write a file through ``write(fd)`` into a temporary name next to ``path``, fsync, rename."""
-    d = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = _create_temp(d, os.path.basename(path))
-    except OSError as exc:
-        raise os_error(exc, path) from None
-    try:
-        try:
-            write(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
-            raise os_error(exc, path) from None
-        raise
-
-
 def _write_safetensors(path, c, entries, buf, progress, done_before, total):
     src = c.source
     in_fd = src.fileno() if src.mode in ("mmap", "pread") else None
     use_cfr = [in_fd is not None and hasattr(os, "copy_file_range")]
 
     def write(fd):
-        _write_all(fd, _header(entries))
+        write_all(fd, _header(entries))
         for i, e in enumerate(entries):
             t = c.info(e.name)
             copied = False
@@ -211,14 +184,14 @@ def _write_safetensors(path, c, entries, buf, progress, done_before, total):
             if not copied:
                 n = 0
                 for chunk in _chunks(c, e, buf):
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                     n += chunk.nbytes
                 if n != e.nbytes:  # pragma: no cover - the plan and the readers agree by construction
                     raise AssertionError(f"{e.name}: wrote {n} bytes, planned {e.nbytes}")
             if progress is not None:
                 progress(done_before + i + 1, total, e.name)
 
-    _publish(path, write)
+    write_atomic(path, write)  # the directory is fsynced once, after the last file
 
 
 def _shards(entries, max_shard_size):
@@ -299,15 +272,15 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
                    "weight_map": dict(sorted(wm.items()))}
             path = os.path.join(dst, _INDEX)
             data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-            _publish(path, lambda fd: _write_all(fd, data))
+            write_atomic(path, lambda fd: write_all(fd, data))
             written.append(path)
         if resources:
             for fname, data in c.resources.items():
                 path = os.path.join(dst, fname)
-                _publish(path, lambda fd, data=data: _write_all(fd, data))
+                write_atomic(path, lambda fd, data=data: write_all(fd, data))
                 written.append(path)
         _remove_stale(dst, written)
-        _fsync_dir(os.path.join(dst, "x"))
+        fsync_dir(dst)
     return written
 
 

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from mcf._core.fs import write_all, write_atomic
 from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
@@ -115,20 +116,14 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
     header = b"".join(head)
     header += b"\0" * (-len(header) % _ALIGN)
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for _name, _dims, data in tensors:
-                f.write(data.tobytes())
-                f.write(b"\0" * (-data.nbytes % _ALIGN))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    def write(fd):
+        write_all(fd, header)
+        for _name, _dims, data in tensors:
+            write_all(fd, np.ascontiguousarray(data))
+            write_all(fd, b"\0" * (-data.nbytes % _ALIGN))
+
+    write_atomic(path, write)
 
 
 # -- reading ---------------------------------------------------------------------------------------

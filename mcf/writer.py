@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import errno
 import os
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 from mcf import _fpconv
+from mcf._core.fs import create_temp, publish
 from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
@@ -45,32 +44,6 @@ class _Rec:
     offset: int
     nbytes: int
     quant: dict | None = None
-
-
-def _create_temp(directory: str, base: str):
-    """A new temporary file next to the destination, with the permissions a plain ``open`` would
-    give (mkstemp's 0600 would leak into the published file)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        name = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            return os.open(name, flags, 0o666), name
-        except FileExistsError:
-            continue
-    raise os_error(FileExistsError(errno.EEXIST, "could not create a temporary file"), directory)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Writer:
@@ -110,7 +83,7 @@ class Writer:
         d = os.path.dirname(os.path.abspath(self.path))
         try:
             if atomic:
-                fd, self._tmp = _create_temp(d, os.path.basename(self.path))
+                fd, self._tmp = create_temp(d, os.path.basename(self.path))
                 self._f = os.fdopen(fd, "w+b")
             else:
                 self._tmp = self.path
@@ -384,9 +357,7 @@ class Writer:
                 os.fsync(self._f.fileno())
             self._f.close()
             if self._atomic:
-                os.replace(self._tmp, self.path)
-                if self._durable:
-                    _fsync_dir(self.path)
+                publish(self._tmp, self.path, durable=self._durable)
             self._closed = True
         except BaseException:
             self.abort()

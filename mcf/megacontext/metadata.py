@@ -18,7 +18,8 @@ import math
 import os
 import time
 
-from mcf.errors import FormatError, MissingFileError, UnsupportedVersionError, os_error
+from mcf._core.fs import publish, write_all
+from mcf.errors import FormatError, MCFError, MissingFileError, UnsupportedVersionError, os_error
 from mcf.remote import is_url
 from mcf.megacontext._layout import CTX_DTYPES, GIST_DTYPE_CODES, LEVEL_FILES, ctx_dtype, file_size
 
@@ -280,26 +281,16 @@ def write_metadata(dirpath, meta: dict, *, durable: bool = False, name: str = ME
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(dirpath)
+        publish(tmp, path, durable=durable)
     except OSError as exc:
+        if isinstance(exc, MCFError):
+            raise
         raise os_error(exc, path) from None
-
-
-def fsync_dir(dirpath) -> None:
-    fd = os.open(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def level_file(dirpath, level: int) -> str:

@@ -19,7 +19,8 @@ import time
 
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megacontext._layout import HEADER_SIZE, LEVEL_FILES, LEVELS
-from mcf.megacontext.metadata import METADATA, fsync_dir, now_iso, with_counts, write_metadata
+from mcf._core.fs import fsync_dir
+from mcf.megacontext.metadata import METADATA, now_iso, with_counts, write_metadata
 
 __all__ = ["snapshot", "restore", "CHECKPOINTS"]
 

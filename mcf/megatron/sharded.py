@@ -142,7 +142,7 @@ def read_shard_list(path) -> tuple[list, dict]:
 def write_shard_list(path, shards, *, dtype, multimodal: bool = False, relative: bool = True) -> None:
     """Write a shard list atomically (temporary file + rename).  Prefixes under the list's directory
     are stored relative to it when ``relative`` (the directory can then be moved as a whole)."""
-    from mcf.writer import _create_temp, _fsync_dir
+    from mcf._core.fs import write_atomic, write_all
 
     p = os.path.abspath(os.fspath(path))
     d = os.path.dirname(p)
@@ -159,19 +159,8 @@ def write_shard_list(path, shards, *, dtype, multimodal: bool = False, relative:
            "sequences": sum(int(s.sequences) for s in shards), "documents": sum(int(s.documents) for s in shards),
            "tokens": None if any(s.tokens is None for s in shards) else sum(int(s.tokens) for s in shards),
            "shards": entries, "megatron_data_path": " ".join(weighted)}
-    fd, tmp = _create_temp(d, os.path.basename(p))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(p)
+    data = (json.dumps(doc, indent=1) + "\n").encode("utf-8")
+    write_atomic(p, lambda fd: write_all(fd, data), durable=True)
 
 
 def _shards_from_headers(prefixes, multimodal):
