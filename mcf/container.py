@@ -22,7 +22,7 @@ from mcf.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, H
                         SectionType, section_name)
 from mcf.modelinfo import ModelInfo, decode_model_info
 from mcf.quantinfo import QuantRecord, decode_quant_info
-from mcf.tensor_index import TensorIndex, TensorInfo, _cached_layout
+from mcf.tensor_index import TensorIndex, TensorInfo, cached_layout
 
 __all__ = ["Container", "Header", "Section", "open", "load_file"]
 
@@ -446,7 +446,7 @@ class Container:
         if not t.dtype.quantized:
             raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not quantized")
         rec = self.quant_record(name)
-        return _cached_layout(t.dtype.code, t.shape, rec.domain if rec else 0)
+        return cached_layout(t.dtype.code, t.shape, rec.domain if rec else 0)
 
     def quant_regions(self, name: str) -> dict:
         """The raw regions of a quantized tensor as arrays, keyed by region name:

@@ -70,7 +70,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     """
     from mcf.imatrix import as_importance
     from mcf.pack import pack_checkpoint
-    from mcf.quant import check_imatrix_mode, resolve_policy
+    from mcf.quant_policy import check_imatrix_mode, resolve_policy
 
     path = os.fspath(src)
     dtype = str(dtype).strip().lower()

@@ -139,8 +139,9 @@ def demo_quantize(path: str, workdir: str, *, model_dir: str | None = None) -> l
     import math
 
     import mcf
-    from mcf.cli import Progress
-    from mcf.quant import METHODS, quantize_file
+    from mcf._core.console import Progress
+    from mcf.quant import METHODS
+    from mcf.quant_policy import quantize_file
 
     info = mcf.kernel_info()
     print(f"== quantize with every method (kernels: {info['active']}, CPU supports {', '.join(info['supported'])})")
@@ -192,7 +193,7 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
     the float export must equal the original checkpoint bit for bit.  Returns 0 when it does."""
     import mcf
     from mcf._safetensors import open_checkpoint
-    from mcf.cli import Progress, _human
+    from mcf._core.console import Progress, human as _human
 
     back = os.path.join(workdir, "exported")
     print(f"== export back to a checkpoint directory\n   {packed} -> {back}")
@@ -225,7 +226,7 @@ def demo_bucket(model_dir: str, workdir: str, *, out=None) -> int:
 
     from mcf._bert import bert_forward, sentence_embedding
     from mcf.bucket import Bucket
-    from mcf.cli import Progress, _human
+    from mcf._core.console import Progress, human as _human
     from mcf.megacontext.demo import load_tokenizer
 
     w = (out or sys.stdout).write
@@ -292,7 +293,7 @@ def weights_of(model_dir: str) -> dict:
 def run_demo(args) -> int:
     import mcf
     from mcf._safetensors import open_checkpoint
-    from mcf.cli import Progress, print_info
+    from mcf._core.console import Progress, print_info
     from mcf.pack import pack
 
     for module, why in DEMO_REQUIRES:  # before any work: not after minutes, at the step that needs it
@@ -332,9 +333,12 @@ def run_demo(args) -> int:
     print()
     ex = demo_export(model_dir, workdir, out)
     print()
-    mg = __import__("mcf.megatron", fromlist=["demo_megatron"]).demo_megatron(model_dir, workdir)
+    from mcf.megacontext.demo import demo_megacontext
+    from mcf.megatron.demo import demo_megatron
+
+    mg = demo_megatron(model_dir, workdir)
     print()
-    ctx = __import__("mcf.megacontext", fromlist=["demo_megacontext"]).demo_megacontext(model_dir, workdir)
+    ctx = demo_megacontext(model_dir, workdir)
     print()
     bk = demo_bucket(model_dir, workdir)
     checks = {"pack (bit-identical, verify)": not bad and not problems,

@@ -27,8 +27,9 @@ from mcf._core.fs import fsync_dir, write_all, write_atomic
 from mcf._io import alloc_buffer
 from mcf._safetensors import ST_DTYPES
 from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
+from mcf.container import open as open_container
 from mcf.errors import InvalidArgumentError, TruncatedError, os_error
-from mcf.writer import _cast_chunk
+from mcf.writer import cast_chunk
 
 __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
 
@@ -130,7 +131,7 @@ def _chunks(c, e: _Entry, buf):
             src.read_ranges((t.offset + o,), (n,), chunk, (0,))
             if e.kind == "cast":
                 with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
-                    chunk = _cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
+                    chunk = cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
             yield chunk
         return
     rows, cols = t.shape
@@ -227,8 +228,6 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     ``__metadata__`` (see the module docs).  Integer tensors are always copied.  Each file is written
     to a temporary name and renamed, so a failure leaves no partial file.
     """
-    import mcf
-
     if dtype is not None:
         dtype = str(dtype).strip().lower()
     if dtype not in DTYPES:
@@ -244,7 +243,7 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     if not as_file and os.path.exists(dst) and not os.path.isdir(dst):
         raise InvalidArgumentError(f"{dst} exists and is not a directory (end the name with .safetensors "
                                    "to write one file)")
-    with mcf.open(src, mmap=mmap) as c:
+    with open_container(src, mmap=mmap) as c:
         entries = _plan(c, dtype)
         buf = alloc_buffer(_CHUNK_BYTES)
         if as_file:

@@ -733,7 +733,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     - ``dtype="keep"``: F32/F16/BF16/F64 tensors are stored as they are; quantized ggml types are
       decoded to float32.  ``"f32"``/``"f16"``/``"bf16"`` casts every float tensor (decoded ones too).
     - ``method`` (``"q8"``, ``"q4"``, ``"k6"``, ``"k4"``, ``"k3"``, ``"k2"``, ``"int8"``, ``"int4"``)
-      requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant.quantize_file` does (the
+      requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant_policy.quantize_file` does (the
       ggml blocks are decoded to float32 first); ``overrides`` (``["*.ffn_down.*=q8", "output.*=none"]``)
       choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (a mapping name ->
       importance; llama.cpp's importance matrices use GGUF names) as in ``mcf quantize``.
@@ -750,8 +750,9 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     (see :class:`mcf.Writer`).  Returns a :class:`ConvertStats` per tensor.
     """
     from mcf.dtypes import parse_dtype
-    from mcf.quant import METHODS, _method_for, importance_for, parse_overrides, quantize
-    from mcf.writer import Writer, _cast_chunk
+    from mcf.quant import METHODS, quantize
+    from mcf.quant_policy import importance_for, method_for, parse_overrides
+    from mcf.writer import Writer, cast_chunk
 
     if method is not None and method != "native" and method not in METHODS:
         raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS + ('native',)}")
@@ -779,10 +780,10 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
             names = list(g.tensors)
             for i, name in enumerate(names):
                 t = g.tensors[name]
-                m = _method_for(name, method, ov)
+                m = method_for(name, method, ov)
                 imp = importance_for(imatrix, name, m) if m not in (None, "native") else None
                 try:
-                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk, fast,
+                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, cast_chunk, fast,
                                               imp))
                 except MCFError as exc:  # name the file and the tensor, whatever failed
                     raise in_tensor(exc, g.path, name) from exc

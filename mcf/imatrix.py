@@ -37,6 +37,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mcf._core.fs import write_all, write_atomic
+from mcf.container import open as open_container
 from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
@@ -273,9 +274,7 @@ def _model_parts(model):
         ckpt = open_checkpoint(path)
         weights = {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
     else:
-        import mcf
-
-        with mcf.open(path) as c:
+        with open_container(path) as c:
             cfg = c.resource_json("config.json")
             tjson = c.resource_text("tokenizer.json")
             if cfg is None or tjson is None:
@@ -294,9 +293,7 @@ def _model_config(path) -> dict:
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             return json.load(f)
-    import mcf
-
-    with mcf.open(path) as c:
+    with open_container(path) as c:
         cfg = c.resource_json("config.json")
     if cfg is None:
         raise InvalidArgumentError(f"{path}: the file holds no config.json resource; pack it with its resources "

@@ -25,7 +25,7 @@ from mcf.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, MissingFileError, in_tensor, os_error
 from mcf.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
 from mcf.modelinfo import ModelInfo
-from mcf.writer import Writer, _cast_chunk
+from mcf.writer import Writer, cast_chunk
 
 __all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir"]
 
@@ -112,7 +112,7 @@ def _stream_plain(t, target: DTypeInfo, buf):
         src.read_ranges((t.offset + o,), (n,), chunk, (0,))
         if not same:
             with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
-                chunk = _cast_chunk(chunk.view(info.numpy), info, target)
+                chunk = cast_chunk(chunk.view(info.numpy), info, target)
         yield chunk
 
 
@@ -152,11 +152,11 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                      compat: bool = False, fast: bool = False, imatrix=None, report: bool = False,
                      progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
-    tensors picked by ``method``/``overrides`` (:func:`mcf.quant.plan_method`) are quantized (``compat``,
-    ``fast``, and ``imatrix``, a mapping name -> importance, as in :func:`mcf.quant.quantize_file`), the
+    tensors picked by ``method``/``overrides`` (:func:`mcf.quant_policy.plan_method`) are quantized (``compat``,
+    ``fast``, and ``imatrix``, a mapping name -> importance, as in :func:`mcf.quant_policy.quantize_file`), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
     :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
-    from mcf.quant import add_quantized, importance_for, plan_method, resolve_policy
+    from mcf.quant_policy import add_quantized, importance_for, plan_method, resolve_policy
 
     target = None if dtype == "keep" else parse_dtype(dtype)
     method, ov = resolve_policy(method, overrides)
@@ -289,7 +289,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     Directories contribute their resource files and a ModelInfo from config.json; a single file a
     ModelInfo named after it.  Everything is validated (:func:`mcf._safetensors.open_checkpoint`)
     before the output is created."""
-    from mcf.quant import resolve_policy
+    from mcf.quant_policy import resolve_policy
 
     path = os.fspath(path)
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written

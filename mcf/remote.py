@@ -69,7 +69,7 @@ def _fsspec():
     return require("fsspec", feature="reading URLs", extra="remote")
 
 
-def _url_to_fs(url, storage_options):
+def url_to_fs(url, storage_options):
     fsspec = _fsspec()
     try:
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -128,7 +128,7 @@ class RemoteFile:
         self.retry_delay = float(retry_delay)
         self._opts = dict(storage_options or {})
         self.timeout = timeout
-        self._fs, self._path = _url_to_fs(url, _with_timeout(url, self._opts, timeout))
+        self._fs, self._path = url_to_fs(url, _with_timeout(url, self._opts, timeout))
         # HTTP(S): range requests made on fsspec's own aiohttp session, status and Content-Range checked,
         # bodies streamed into the destination (see _http_range); other protocols use fsspec's cat_file
         self._http = "http" in (getattr(self._fs, "protocol", ()) or ()) and hasattr(self._fs, "set_session")

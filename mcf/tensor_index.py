@@ -67,7 +67,7 @@ _ITEMSIZES = [-1 if t is None else t.itemsize for t in _DTINFOS]
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_layout(code: int, shape: tuple, domain: int) -> QuantLayout:
+def cached_layout(code: int, shape: tuple, domain: int) -> QuantLayout:
     return quant_layout(code, shape, domain=domain)
 
 
@@ -160,7 +160,7 @@ class TensorIndex:
             info = _DTINFOS[code]
             # only int8/int4 sizes depend on the domain; QuantInfo checks the others' domain
             domain = domains.get(i, 0) if info.family == "raw" else 0
-            return _cached_layout(code, shape, domain).nbytes
+            return cached_layout(code, shape, domain).nbytes
 
         def scan_error(kind, reason, field, at, expected, got):
             if kind == "size":

@@ -250,7 +250,7 @@ class Writer:
                 hasher.update(data)
         else:
             for i in range(0, flat.size, _CHUNK_ELEMS):
-                chunk = _cast_chunk(flat[i:i + _CHUNK_ELEMS], src, target)
+                chunk = cast_chunk(flat[i:i + _CHUNK_ELEMS], src, target)
                 self._write(chunk)
                 if hasher:
                     hasher.update(chunk)
@@ -405,7 +405,7 @@ def _f32_storable(v) -> bool:
     return not math.isfinite(v) or abs(v) <= float(np.finfo(np.float32).max)
 
 
-def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
+def cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
     """Convert a 1-D chunk between float dtypes with round-to-nearest-even."""
     if src.code == DType.BF16:
         x32 = _fpconv.bf16_to_f32(x.view(np.uint16))

@@ -831,9 +831,9 @@ class Bucket:
             raise InvalidArgumentError("source must be a string")
         kd = L.parse_dtype(dtype)
         comp = L.parse_compression(compression)
-        from mcf.bucket.kvfile import _shape_of
+        from mcf.bucket.kvfile import shape_of
 
-        shape = _shape_of(layers)
+        shape = shape_of(layers)
         if token_ids is not None and len(token_ids) != shape.sequence_length:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for KV data of {shape.sequence_length} tokens")
         doc = self.model(model_id)

@@ -21,12 +21,5 @@ __all__ = [
     "create", "open", "open_tree", "Tree", "Problem", "verify", "snapshot", "restore",
     "Plan", "WorkingContext", "assemble", "plan_tail", "plan_coverage", "MeanPool", "build_gists",
     "CtxHeader", "parse_header", "token_offset", "gist_offset", "span_of", "children_of", "parent_of",
-    "MAGIC", "HEADER_SIZE", "LEVEL_FILES", "DEFAULT_BLOCK_SIZE", "CTX_DTYPES", "demo_megacontext",
+    "MAGIC", "HEADER_SIZE", "LEVEL_FILES", "DEFAULT_BLOCK_SIZE", "CTX_DTYPES",
 ]
-
-
-def demo_megacontext(model_dir, workdir, **kw):
-    """Build a tree from a real text with a real tokenizer and embedding matrix (see mcf.megacontext.demo)."""
-    from mcf.megacontext.demo import demo_megacontext as run
-
-    return run(model_dir, workdir, **kw)

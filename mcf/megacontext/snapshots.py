@@ -119,7 +119,7 @@ def _marker(tree_dir):
     return os.path.join(tree_dir, RESTORE_MARKER)
 
 
-def _finish_restore(tree_dir) -> list:
+def finish_restore(tree_dir) -> list:
     """Roll an interrupted restore forward (marker present) or clean up its temporary files (no
     marker: the tree was never touched).  Called by a writer's open, under the writer lock."""
     done = []
@@ -151,9 +151,13 @@ def restore(snapshot_dir, tree_dir) -> None:
     _restore(snapshot_dir, tree_dir, locked=False)
 
 
+def restore_locked(snapshot_dir, tree_dir) -> None:
+    """:func:`restore` for a caller that already holds the tree's writer lock (``Tree.restore``)."""
+    _restore(snapshot_dir, tree_dir, locked=True)
+
+
 def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
-    """:func:`restore`; ``locked``: the caller (``Tree.restore``) already holds the writer lock."""
-    from mcf.megacontext.tree import Tree, _acquire_lock
+    from mcf.megacontext.tree import Tree, acquire_lock
 
     snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
     tree_dir = os.path.abspath(os.fspath(tree_dir))
@@ -168,9 +172,9 @@ def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
         os.makedirs(tree_dir, exist_ok=True)
     except OSError as exc:
         raise os_error(exc, tree_dir) from None
-    lock = -1 if locked else _acquire_lock(tree_dir)
+    lock = -1 if locked else acquire_lock(tree_dir)
     try:
-        _finish_restore(tree_dir)
+        finish_restore(tree_dir)
         for level in LEVELS:
             name = LEVEL_FILES[level]
             src_path = os.path.join(snapshot_dir, name)
@@ -193,7 +197,7 @@ def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
             os.fsync(f.fileno())
         os.replace(_marker(tree_dir) + ".tmp", _marker(tree_dir))
         fsync_dir(tree_dir)
-        _finish_restore(tree_dir)
+        finish_restore(tree_dir)
     except OSError as exc:
         raise os_error(exc, tree_dir) from None
     finally:

@@ -243,7 +243,7 @@ def _scan(dirpath, mmap: bool):
     return meta, levels, problems
 
 
-def _acquire_lock(dirpath):
+def acquire_lock(dirpath):
     path = os.path.join(dirpath, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -296,10 +296,10 @@ class Tree:
             if self.writable:
                 if not os.path.isdir(self.path):
                     raise _not_a_dir(self.path)
-                self._lock_fd = _acquire_lock(self.path)
-                from mcf.megacontext.snapshots import _finish_restore
+                self._lock_fd = acquire_lock(self.path)
+                from mcf.megacontext.snapshots import finish_restore
 
-                _finish_restore(self.path)
+                finish_restore(self.path)
             meta, levels, problems = _scan(self.path, self._mmap)
             self._levels = levels
             errors = [p for p in problems if p.severity == "error"]
@@ -720,12 +720,12 @@ class Tree:
 
     def restore(self, snapshot_dir) -> None:
         """Replace this (writable) tree's contents with a snapshot and reload."""
-        from mcf.megacontext.snapshots import _restore
+        from mcf.megacontext.snapshots import restore_locked
 
         self._check_writable()
         for lv in self._levels.values():
             lv.close()
-        _restore(snapshot_dir, self.path, locked=True)
+        restore_locked(snapshot_dir, self.path)
         meta, levels, problems = _scan(self.path, self._mmap)
         self._levels = levels
         errors = [p for p in problems if p.severity == "error"]
@@ -838,7 +838,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise os_error(exc, path) from None
     if os.path.exists(os.path.join(path, METADATA)):
         raise InvalidArgumentError(f"{path}: a tree already exists here (metadata.json); open it instead")
-    lock = _acquire_lock(path)
+    lock = acquire_lock(path)
     try:
         for level in LEVELS:
             h = CtxHeader(level=level, block_size=int(block_size), embedding_dim=int(embedding_dim),

@@ -9,13 +9,9 @@ import time
 
 import numpy as np
 
+from mcf._core.console import human as _human
+
 __all__ = ["add_megatron_parser"]
-
-
-def _human(n: float) -> str:
-    from mcf.cli import _human as h
-
-    return h(n)
 
 
 def info_dict(ds) -> dict:
@@ -96,7 +92,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from mcf.cli import Progress
+    from mcf._core.console import Progress
     from mcf.megatron import open as open_dataset
     from mcf.megatron.writer import merge
 
@@ -111,7 +107,7 @@ def cmd_merge(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from mcf.cli import Progress
+    from mcf._core.console import Progress
     from mcf.megatron.tokenize import tokenize
 
     if args.ray is not None:

@@ -173,10 +173,10 @@ class TokenizeStep:
         return cum[starts[1:]] - cum[starts[:-1]], nseq, lens, flat
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from mcf.megatron.tokenize import _encoder
+        from mcf.megatron.tokenize import batch_encoder
 
         tok = _cached_tokenizer(self.tokenizer_json, self.digest)
-        run = _encoder(tok, self.add_special_tokens, self.eod, self.dtype)
+        run = batch_encoder(tok, self.add_special_tokens, self.eod, self.dtype)
         n = table.num_rows
         is_end = table.column("end").to_numpy(zero_copy_only=False).astype(bool, copy=False)
         rows = np.flatnonzero(~is_end)

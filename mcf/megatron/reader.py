@@ -421,14 +421,8 @@ def open(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, vali
     objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
 
-    A list of prefixes, or a shard list (``*.json``, as the Ray commit step writes), opens one
-    read-only :class:`~mcf.megatron.sharded.ShardedDataset` over all of them, numbered as their
-    concatenation, without merging or scanning them (see docs/scale.md).
+    One dataset only: :func:`mcf.megatron.open` also opens lists of prefixes and shard lists.
     """
-    if idx is None and bin is None and (isinstance(prefix, (list, tuple)) or _is_shard_list(prefix)):
-        from mcf.megatron.sharded import open_shards
-
-        return open_shards(prefix, mmap=mmap, multimodal=multimodal, validate=validate)
     p, i, b = _sources(prefix, idx, bin)
     try:
         return _open_pair(p, i, b, mmap, multimodal, validate)
@@ -439,12 +433,6 @@ def open(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, vali
         if p is None or _is_url(p) or not finish_interrupted(p):
             raise
     return _open_pair(p, i, b, mmap, multimodal, validate)
-
-
-def _is_shard_list(p) -> bool:
-    from mcf.megatron.sharded import is_shard_list
-
-    return is_shard_list(p)
 
 
 def _is_url(p) -> bool:

@@ -183,7 +183,7 @@ class TokenizeStats(dict):
 EMPTY_TEXT_RULES = ("megatron", "datatrove")
 
 
-def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype, empty_text: str = "megatron"):
+def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype, *, empty_text: str = "megatron"):
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     datatrove = empty_text == "datatrove"
 
@@ -258,7 +258,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     t0 = time.perf_counter()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule)
-    run = _encoder(tok, add_special_tokens, eod, w.dtype, empty_text)
+    run = batch_encoder(tok, add_special_tokens, eod, w.dtype, empty_text=empty_text)
     done_before = 0
 
     def write(result):
