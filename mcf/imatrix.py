@@ -159,7 +159,7 @@ def _checked(path, name, v) -> np.ndarray:
 
 
 def _read_gguf(path) -> dict[str, np.ndarray]:
-    from mcf import gguf
+    from mcf.gguf import reader as gguf
 
     out = {}
     with gguf.open(path, mmap=False) as g:

@@ -34,7 +34,7 @@ POSITIONAL_OK = {
     ("mcf.container", "Container.load", "names"): "c.load(['a', 'b'])",
     ("mcf.container", "load_file", "names"): "mirrors safetensors' load_file(path, ...)",
     ("mcf.container", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
-    ("mcf.gguf", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
+    ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
@@ -223,10 +223,6 @@ KNOWN_CYCLES: dict[frozenset, str] = {
     # Tree.snapshot/Tree.restore call snapshots.py, which opens the snapshot as a Tree; splitting the
     # tree's scan/validation out of tree.py (issue 15 item 7) lets snapshots.py use that instead.
     frozenset({"mcf.megacontext.tree", "mcf.megacontext.snapshots"}): "issue 15 item 7",
-    # mcf/gguf.py holds both the reader (which imatrix uses) and convert_gguf (which uses the
-    # quantization policy, which reads imatrix files): the mcf/gguf/ subpackage of issue 15 item 1
-    # puts them in two modules.
-    frozenset({"mcf.gguf", "mcf.imatrix", "mcf.quant_policy"}): "issue 15 item 1",
 }
 
 # ``from X import _name`` across modules still in the tree (module, imported module, name).
