@@ -341,3 +341,68 @@ def test_no_private_names_imported_across_modules():
     assert not new, "\n".join(f"{m}: from {t} import {n}" for m, t, n in new)
     gone = KNOWN_PRIVATE_IMPORTS - set(private)
     assert not gone, f"remove from KNOWN_PRIVATE_IMPORTS: {sorted(gone)}"
+
+
+# -- the layers (docs/architecture.md draws this table) ------------------------------------------------
+
+CORE, FORMAT, CONVERTER, APP = 0, 1, 2, 3
+LAYER_NAMES = {CORE: "core", FORMAT: "format", CONVERTER: "converter", APP: "app"}
+
+# module (or package prefix) -> (layer, group); the longest matching entry wins.  Formats are groups:
+# a format never imports another format.
+LAYERS = {
+    # core: imports only core, the standard library and numpy
+    "mcf._core": (CORE, "core"), "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
+    "mcf.remote": (CORE, "core"), "mcf._args": (CORE, "core"), "mcf.dtypes": (CORE, "core"),
+    "mcf._optional": (CORE, "core"), "mcf._cli_errors": (CORE, "core"), "mcf._gojson": (CORE, "core"),
+    # formats
+    "mcf.container": (FORMAT, "mcf"), "mcf.layout": (FORMAT, "mcf"), "mcf.tensor_index": (FORMAT, "mcf"),
+    "mcf.modelinfo": (FORMAT, "mcf"), "mcf.quantinfo": (FORMAT, "mcf"), "mcf.writer": (FORMAT, "mcf"),
+    "mcf.quant": (FORMAT, "mcf"),
+    "mcf._safetensors": (FORMAT, "safetensors"),
+    "mcf.gguf.reader": (FORMAT, "gguf"),
+    "mcf.megatron": (FORMAT, "megatron"),
+    "mcf.megacontext": (FORMAT, "megacontext"),
+    "mcf.bucket": (FORMAT, "bucket"),
+    # converters and integrations: formats + core
+    "mcf.quant_policy": (CONVERTER, "converter"), "mcf.pack": (CONVERTER, "converter"),
+    "mcf.convert": (CONVERTER, "converter"), "mcf.export": (CONVERTER, "converter"),
+    "mcf.gguf": (CONVERTER, "converter"),  # the package re-exports convert_gguf
+    "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
+    "mcf._bert": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
+    "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
+    # apps: anything
+    "mcf": (APP, "app"), "mcf.cli": (APP, "app"), "mcf.demo": (APP, "app"),
+    "mcf.megatron.cli": (APP, "app"), "mcf.megatron.demo": (APP, "app"),
+    "mcf.megacontext.cli": (APP, "app"), "mcf.megacontext.demo": (APP, "app"),
+    "mcf.bucket.cli": (APP, "app"), "mcf.bucket.server": (APP, "app"),
+}
+
+
+def layer_of(module: str):
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LAYERS:
+            return LAYERS[key]
+    raise AssertionError(f"{module} has no layer: add it to LAYERS (and docs/architecture.md)")
+
+
+def test_layers():
+    """Core imports nothing above it; a format imports core (and itself) only; converters import
+    formats and core; apps import anything."""
+    edges, _ = _graph()
+    bad = []
+    for a in sorted(edges):
+        la, ga = layer_of(a)
+        for b in sorted(edges[a]):
+            lb, gb = layer_of(b)
+            if lb > la or (la == lb == FORMAT and ga != gb):
+                bad.append(f"{a} ({LAYER_NAMES[la]} {ga}) imports {b} ({LAYER_NAMES[lb]} {gb})")
+    assert not bad, "\n".join(bad)
+
+
+def test_layer_table_is_documented():
+    doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for module in LAYERS:
+        assert f"`{module}`" in doc, f"docs/architecture.md does not place {module}"
