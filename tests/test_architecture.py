@@ -219,11 +219,7 @@ def test_gguf_and_mcf_dequantize_share_an_order(args):
 
 # Circles still in the tree, each with the step that removes it.  The test fails when a new one appears
 # and when one of these is gone (so the list only shrinks).
-KNOWN_CYCLES: dict[frozenset, str] = {
-    # Tree.snapshot/Tree.restore call snapshots.py, which opens the snapshot as a Tree; splitting the
-    # tree's scan/validation out of tree.py (issue 15 item 7) lets snapshots.py use that instead.
-    frozenset({"mcf.megacontext.tree", "mcf.megacontext.snapshots"}): "issue 15 item 7",
-}
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 # ``from X import _name`` across modules still in the tree (module, imported module, name).
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()

@@ -12,8 +12,8 @@ from mcf.megacontext._layout import (CTX_DTYPES, DEFAULT_BLOCK_SIZE, HEADER_SIZE
                                      children_of, gist_offset, parent_of, parse_header, span_of, token_offset)
 from mcf.megacontext.assembly import Plan, WorkingContext, assemble, plan_coverage, plan_tail
 from mcf.megacontext.gist import MeanPool, build_gists
-from mcf.megacontext.snapshots import restore, snapshot
-from mcf.megacontext.tree import Problem, Tree, create, open_tree, verify
+from mcf.megacontext.snapshots import snapshot
+from mcf.megacontext.tree import Problem, Tree, create, open_tree, restore, verify
 
 open = open_tree  # noqa: A001 - mcf.megacontext.open(path, mode) mirrors mcf.open
 

@@ -19,10 +19,11 @@ import time
 
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megacontext._layout import HEADER_SIZE, LEVEL_FILES, LEVELS
+from mcf.megacontext._lock import acquire_lock, restore_marker
 from mcf._core.fs import fsync_dir
 from mcf.megacontext.metadata import METADATA, now_iso, with_counts, write_metadata
 
-__all__ = ["snapshot", "restore", "CHECKPOINTS"]
+__all__ = ["snapshot", "restore_validated", "finish_restore", "CHECKPOINTS"]
 
 CHECKPOINTS = "checkpoints"
 _TMP_PREFIX = ".restore-"
@@ -113,10 +114,7 @@ def snapshot(tree, dest=None) -> str:
     return dest
 
 
-def _marker(tree_dir):
-    from mcf.megacontext.tree import RESTORE_MARKER
-
-    return os.path.join(tree_dir, RESTORE_MARKER)
+_marker = restore_marker
 
 
 def finish_restore(tree_dir) -> list:
@@ -142,29 +140,14 @@ def finish_restore(tree_dir) -> list:
     return done
 
 
-def restore(snapshot_dir, tree_dir) -> None:
-    """Replace the tree in ``tree_dir`` (created if missing) with the snapshot in ``snapshot_dir``.
-
-    The snapshot is validated first (it must open without errors).  Takes the writer lock, so it fails
-    while a writer has the tree open; readers that have it open keep reading the old files until they
-    reopen."""
-    _restore(snapshot_dir, tree_dir, locked=False)
-
-
-def restore_locked(snapshot_dir, tree_dir) -> None:
-    """:func:`restore` for a caller that already holds the tree's writer lock (``Tree.restore``)."""
-    _restore(snapshot_dir, tree_dir, locked=True)
-
-
-def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
-    from mcf.megacontext.tree import Tree, acquire_lock
-
+def restore_validated(snapshot_dir, tree_dir, *, counts: dict, entry_sizes: dict, meta: dict, locked: bool) -> None:
+    """The file work of :func:`mcf.megacontext.restore`, once the snapshot in ``snapshot_dir`` opened
+    without errors (``counts``: its committed entries per level, ``entry_sizes``: bytes per entry of
+    each level, ``meta``: its metadata with those counts).  ``locked``: the caller already holds ``tree_dir``'s writer lock."""
     snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
     tree_dir = os.path.abspath(os.fspath(tree_dir))
-    with Tree(snapshot_dir) as snap:
-        counts = snap.committed_counts
-        entry = {lv: snap._levels[lv].header.entry_size for lv in LEVELS}
-        snap_meta = with_counts(snap._meta, counts)
+    entry = entry_sizes
+    snap_meta = dict(meta)
     snap_meta.pop("snapshot", None)
     snap_meta["restored_from"] = snapshot_dir
     snap_meta["last_modified"] = now_iso()

@@ -18,7 +18,6 @@ that is already in the file.
 from __future__ import annotations
 
 import errno
-import fcntl
 import math
 import os
 import struct
@@ -33,16 +32,15 @@ from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError,
                         TruncatedError, os_error)
 from mcf.megacontext import _megacontext as _mc
 from mcf.remote import is_url, refuse_url
+from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
                                      LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
                                      gist_offset, parent_of, parse_header, span_of, token_offset)
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
                                       with_counts, write_metadata, now_iso)
 
-__all__ = ["Tree", "Problem", "create", "open_tree", "verify", "LOCK_FILE", "RESTORE_MARKER"]
+__all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_FILE", "RESTORE_MARKER"]
 
-LOCK_FILE = ".lock"
-RESTORE_MARKER = ".restore.json"
 _KEEP = object()
 
 
@@ -241,23 +239,6 @@ def _scan(dirpath, mmap: bool):
                                                     "the tree was being opened; open it again", marker)))
     _cross_check(dirpath, meta, levels, problems)
     return meta, levels, problems
-
-
-def acquire_lock(dirpath):
-    path = os.path.join(dirpath, LOCK_FILE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-    except OSError as exc:
-        raise os_error(exc, path) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise MCFIOError(errno.EBUSY, "the tree is already open for writing (one writer at a time)",
-                             dirpath) from None
-        raise os_error(exc, path) from None
-    return fd
 
 
 def _pwrite_all(fd, data, offset, path) -> None:
@@ -720,12 +701,11 @@ class Tree:
 
     def restore(self, snapshot_dir) -> None:
         """Replace this (writable) tree's contents with a snapshot and reload."""
-        from mcf.megacontext.snapshots import restore_locked
 
         self._check_writable()
         for lv in self._levels.values():
             lv.close()
-        restore_locked(snapshot_dir, self.path)
+        _restore(snapshot_dir, self.path, locked=True)
         meta, levels, problems = _scan(self.path, self._mmap)
         self._levels = levels
         errors = [p for p in problems if p.severity == "error"]
@@ -859,6 +839,26 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
     finally:
         os.close(lock)
     return Tree(path, writable=True, mmap=mmap, durable=durable)
+
+
+def restore(snapshot_dir, tree_dir) -> None:
+    """Replace the tree in ``tree_dir`` (created if missing) with the snapshot in ``snapshot_dir``.
+
+    The snapshot is validated first (it must open without errors).  Takes the writer lock, so it fails
+    while a writer has the tree open; readers that have it open keep reading the old files until they
+    reopen."""
+    _restore(snapshot_dir, tree_dir, locked=False)
+
+
+def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
+    from mcf.megacontext.snapshots import restore_validated
+
+    snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
+    with Tree(snapshot_dir) as snap:
+        counts = snap.committed_counts
+        entry = {lv: snap._levels[lv].header.entry_size for lv in LEVELS}
+        snap_meta = with_counts(snap._meta, counts)
+    restore_validated(snapshot_dir, tree_dir, counts=counts, entry_sizes=entry, meta=snap_meta, locked=locked)
 
 
 def open_tree(path, mode: str = "r", *, mmap: bool = True, durable: bool = False) -> Tree:
