@@ -38,7 +38,7 @@ from mcf.demo import default_model_dir  # noqa: E402
 from mcf.imatrix import collect_bert, read_imatrix  # noqa: E402
 from mcf.megacontext.demo import load_tokenizer  # noqa: E402
 from mcf.pack import pack  # noqa: E402
-from mcf.quant import quantize_file  # noqa: E402
+from mcf.quant_policy import quantize_file  # noqa: E402
 
 MODES = ("mantle", "fast", "search", "imatrix")
 METHODS = ("q8", "q4", "k6", "k4", "k3", "k2")

@@ -377,7 +377,7 @@ def jsonl(data: bytes) -> None:
             f.write(data)
         tokenize._orjson = decoder  # None: the json module, what users without orjson get
         try:
-            for doc in tokenize.iter_documents(p, key, position=[0]):
+            for doc in tokenize.iter_documents(p, json_key=key, position=[0]):
                 if not isinstance(doc, (str, list)):
                     raise TypeError(f"iter_documents yielded {type(doc).__name__}")
         except mcf.MCFError:

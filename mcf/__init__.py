@@ -10,9 +10,10 @@
 from mcf import io
 from mcf.container import Container, Header, Section, load_file, open
 from mcf.dtypes import DType
-from mcf.errors import (AccessError, ChecksumError, ClosedError, DTypeError, FormatError, InvalidArgumentError,
-                        MCFError, MCFIOError, MissingDependencyError, MissingFileError, OutOfBoundsError,
-                        TensorNotFoundError, TruncatedError, UnsupportedVersionError)
+from mcf.errors import (AccessError, ArgumentTypeError, ChecksumError, ClosedError, ContextNotFoundError, DTypeError,
+                        FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingDependencyError,
+                        MissingFileError, OutOfBoundsError, TensorNotFoundError, TruncatedError, UnknownNameError,
+                        UnsupportedVersionError)
 from mcf.layout import SectionType, quant_layout
 from mcf.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
@@ -32,5 +33,6 @@ __all__ = [
     "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
-    "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "load_state_dict",
+    "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "ContextNotFoundError",
+    "ArgumentTypeError", "UnknownNameError", "load_state_dict",
 ]

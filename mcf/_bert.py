@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mcf.errors import InvalidArgumentError
+
 
 def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     mu = x.mean(axis=-1, keepdims=True)
@@ -42,7 +44,7 @@ def bert_forward(weights, config: dict, token_ids, progress=None, observe=None) 
     ids = np.asarray(token_ids, dtype=np.int64)
     t = len(ids)
     if not 0 < t <= int(config["max_position_embeddings"]):
-        raise ValueError(f"{t} tokens; the model takes 1..{config['max_position_embeddings']}")
+        raise InvalidArgumentError(f"{t} tokens; the model takes 1..{config['max_position_embeddings']}")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     hd = hidden // heads

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from mcf.errors import ArgumentTypeError, InvalidArgumentError
+
 __all__ = ["go_marshal"]
 
 _SHORT = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
@@ -34,7 +36,7 @@ def _string(s: str) -> str:
 
 def _float(f: float) -> str:
     if not math.isfinite(f):
-        raise ValueError(f"json: unsupported value: {f}")
+        raise InvalidArgumentError(f"json: unsupported value: {f}")
     if f == 0:
         return "-0" if math.copysign(1.0, f) < 0 else "0"
     a = abs(f)
@@ -97,4 +99,4 @@ def _enc(v) -> str:
         return "{" + ",".join(_string(k) + ":" + _enc(x) for k, x in items) + "}"
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_enc(x) for x in v) + "]"
-    raise TypeError(f"cannot encode {type(v).__name__}")
+    raise ArgumentTypeError(f"cannot encode {type(v).__name__}")

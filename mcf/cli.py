@@ -12,92 +12,10 @@ import sys
 import time
 
 from mcf._cli_errors import DEBUG_ENV, UsageError, run
+from mcf._core.console import Progress, human, info_dict, print_info, print_report
 from mcf.errors import InvalidArgumentError, MCFError, os_error
 
 __all__ = ["main"]
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-class Progress:
-    """A minimal progress bar on stderr (only when it is a terminal, or when forced)."""
-
-    def __init__(self, label: str, enabled: bool | None = None):
-        self.label = label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = time.perf_counter()
-
-    def __call__(self, done: int, total: int, what: str = "") -> None:
-        if not self.enabled:
-            return
-        width = 30
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
-        el = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{total} {el:5.1f}s {what[:40]:<40}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def info_dict(c) -> dict:
-    h = c.header
-    mi = c.model_info
-    return {
-        "file": c.path,
-        "header": {"magic": h.magic.hex(), "major": h.major, "minor": h.minor, "header_size": h.header_size,
-                   "section_count": h.section_count, "section_dir_offset": h.section_dir_offset,
-                   "file_size": h.file_size, "flags": h.flags},
-        "sections": [{"type": s.type, "name": s.name, "version": s.version, "offset": s.offset,
-                      "size": s.size} for s in c.sections],
-        "model_info": None if mi is None else mi.to_dict(),
-        "tensors": [{"index": t.index, "name": t.name, "dtype": t.dtype.name, "shape": list(t.shape),
-                     "offset": t.offset, "size": t.nbytes} for t in c.index.values()],
-        "quant_info": [{"tensor_index": r.tensor_index, "tensor": r.name, "method": r.method,
-                        "domain": r.domain, "block_size": r.block_size, "super_size": r.super_size,
-                        "min_clip": r.min_clip, "max_clip": r.max_clip} for r in c.quant_info],
-    }
-
-
-def print_info(c, out=None) -> None:
-    out = out or sys.stdout
-    d = info_dict(c)
-    h = d["header"]
-    w = out.write
-    w(f"{c.path}: MCF {h['major']}.{h['minor']}, {_human(h['file_size'])} ({h['file_size']} bytes), "
-      f"flags=0x{h['flags']:x}{' (tensor data aligned 64)' if h['flags'] & 1 else ''}\n")
-    w(f"\nsections ({len(d['sections'])}, directory at {h['section_dir_offset']}):\n")
-    w(f"  {'type':>6}  {'name':<24} {'offset':>12} {'size':>12}\n")
-    for s in sorted(d["sections"], key=lambda s: s["offset"]):
-        w(f"  0x{s['type']:04x}  {s['name']:<24} {s['offset']:>12} {s['size']:>12}\n")
-    mi = d["model_info"]
-    if mi:
-        w("\nmodel info:\n")
-        for k in ("model_name", "base_model", "arch", "vocab_size", "hidden_size", "layer_count", "head_count",
-                  "head_count_kv", "context_length", "train_context", "rope_type", "rope_freq_base", "rope_scale"):
-            if mi[k] not in ("", 0, 0.0, None):
-                w(f"  {k:<16} {mi[k]}\n")
-        for k, v in mi["extras"].items():
-            w(f"  {k:<16} {v}\n")
-    tensors = d["tensors"]
-    total = sum(t["size"] for t in tensors)
-    w(f"\ntensors ({len(tensors)}, {_human(total)}):\n")
-    nw = min(max([len(t["name"]) for t in tensors] + [4]), 60)
-    w(f"  {'name':<{nw}} {'dtype':<5} {'shape':<18} {'size':>12} {'offset':>12}\n")
-    for t in tensors:
-        shape = "x".join(map(str, t["shape"])) or "scalar"
-        w(f"  {t['name']:<{nw}} {t['dtype']:<5} {shape:<18} {t['size']:>12} {t['offset']:>12}\n")
-    if d["quant_info"]:
-        w(f"\nquant records ({len(d['quant_info'])}):\n")
-        for r in d["quant_info"]:
-            w(f"  {r['tensor']:<{nw}} method=0x{r['method']:02x} domain={r['domain']} block={r['block_size']} "
-              f"super={r['super_size']} clip=[{r['min_clip']:.6g}, {r['max_clip']:.6g}]\n")
 
 
 def cmd_info(args) -> int:
@@ -136,15 +54,15 @@ def cmd_pack(args) -> int:
 
     t0 = time.perf_counter()
     pack(args.dir, args.output, cast=args.cast, align=args.align, dedup=args.dedup,
-         resources=not args.no_resources, progress=Progress("pack", None if not args.quiet else False))
+         resources=not args.no_resources, progress=Progress("pack", enabled=None if not args.quiet else False))
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
-    print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
+    print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
     return 0
 
 
 def cmd_quantize(args) -> int:
-    from mcf.quant import parse_overrides, quantize_file
+    from mcf.quant_policy import parse_overrides, quantize_file
 
     if (args.min_clip is None) != (args.max_clip is None):
         raise UsageError("--min-clip and --max-clip go together: give both, or neither")
@@ -155,10 +73,10 @@ def cmd_quantize(args) -> int:
     stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
                           compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
                           max_clip=args.max_clip, report=args.report,
-                          progress=Progress("quantize", False if args.quiet else None))
+                          progress=Progress("quantize", enabled=False if args.quiet else None))
     dt = time.perf_counter() - t0
     size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
-    print(f"wrote {args.output}: {_human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
+    print(f"wrote {args.output}: {human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
     if args.report:
         print_report(stats)
     return 0
@@ -179,10 +97,10 @@ def cmd_convert(args) -> int:
     t0 = time.perf_counter()
     stats = convert(args.src, args.output, method=method, overrides=args.override, compat=compat, fast=args.fast,
                     imatrix=args.imatrix, dtype=args.dtype, resources=not args.no_resources, report=args.report,
-                    progress=Progress("convert", False if args.quiet else None), durable=not args.no_fsync)
+                    progress=Progress("convert", enabled=False if args.quiet else None), durable=not args.no_fsync)
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
-    print(f"wrote {args.output}: {_human(size)} in {dt:.2f}s")
+    print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
     left = files_left_out(args.src)
     if left:
         print(f"not stored (MCF has no section for them): {', '.join(left)}")
@@ -201,10 +119,10 @@ def cmd_export(args) -> int:
     t0 = time.perf_counter()
     paths = export(args.input, args.output, dtype=None if args.dtype == "keep" else args.dtype,
                    resources=not args.no_resources, max_shard_size=args.max_shard_size,
-                   progress=Progress("export", False if args.quiet else None))
+                   progress=Progress("export", enabled=False if args.quiet else None))
     dt = time.perf_counter() - t0
     total = sum(os.path.getsize(p) for p in paths)
-    print(f"wrote {args.output}: {len(paths)} file{'s' if len(paths) != 1 else ''}, {_human(total)} in {dt:.2f}s")
+    print(f"wrote {args.output}: {len(paths)} file{'s' if len(paths) != 1 else ''}, {human(total)} in {dt:.2f}s")
     return 0
 
 
@@ -223,35 +141,12 @@ def cmd_imatrix(args) -> int:
                 from None
     t0 = time.perf_counter()
     col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk,
-                               progress=Progress("imatrix", False if args.quiet else None))
+                               progress=Progress("imatrix", enabled=False if args.quiet else None))
     col.write(args.output, datasets=[os.path.basename(p) for p in args.text], chunk_count=chunks,
               chunk_size=args.chunk)
     print(f"wrote {args.output}: importance of {len(col.sums)} weight tensors from {chunks} chunks "
           f"({sum(col.counts.values()) // max(1, len(col.sums))} tokens) in {time.perf_counter() - t0:.2f}s")
     return 0
-
-
-def print_report(stats, out=None) -> None:
-    """Per-tensor quantization error: RMSE, SNR and max |error| of the decoded values."""
-    out = out or sys.stdout
-    if not stats:
-        out.write("no tensor was quantized\n")
-        return
-    nw = min(max(len(s.name) for s in stats), 60)
-    out.write(f"\n  {'tensor':<{nw}} {'method':<6} {'shape':<14} {'RMSE':>10} {'SNR dB':>8} {'max|err|':>10} {'ratio':>6}\n")
-    for s in stats:
-        shape = "x".join(map(str, s.shape))
-        out.write(f"  {s.name:<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "
-                  f"{s.max_abs_err:>10.3g} {s.nbytes_in / max(1, s.nbytes_out):>5.2f}x\n")
-    import math
-
-    n = sum(math.prod(s.shape) for s in stats)
-    mse = sum(s.rmse ** 2 * math.prod(s.shape) for s in stats) / max(1, n)
-    snrs = [s.snr_db for s in stats if math.isfinite(s.snr_db)]
-    out.write(f"  {'all ' + str(len(stats)) + ' quantized tensors':<{nw}} {'':<6} {'':<14} {math.sqrt(mse):>10.3g} "
-              f"{(sum(snrs) / len(snrs) if snrs else float('nan')):>8.2f} {max(s.max_abs_err for s in stats):>10.3g} "
-              f"{sum(s.nbytes_in for s in stats) / max(1, sum(s.nbytes_out for s in stats)):>5.2f}x"
-              "   (RMSE over all values, mean SNR)\n")
 
 
 def cmd_kernels(args) -> int:

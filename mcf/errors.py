@@ -29,6 +29,8 @@ __all__ = [
     "AccessError",
     "ContextNotFoundError",
     "MissingDependencyError",
+    "ArgumentTypeError",
+    "UnknownNameError",
 ]
 
 
@@ -129,6 +131,18 @@ class MCFIOError(MCFError, OSError):
 
 class InvalidArgumentError(MCFError, ValueError):
     """A caller passed a value the writer or reader cannot accept (bad name, shape, dtype, option)."""
+
+
+class ArgumentTypeError(MCFError, TypeError):
+    """A caller passed an argument of a type the function cannot take (a float as a dataset index, an
+    object JSON cannot encode)."""
+
+
+class UnknownNameError(MCFError, KeyError):
+    """A caller asked for a name that is not one of the known ones (a resource kind, a layout region)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message, quoting it
+        return str(self.args[0]) if self.args else ""
 
 
 class MissingFileError(MCFIOError, FileNotFoundError):

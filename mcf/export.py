@@ -23,11 +23,13 @@ import re
 
 import numpy as np
 
+from mcf._core.fs import fsync_dir, write_all, write_atomic
 from mcf._io import alloc_buffer
 from mcf._safetensors import ST_DTYPES
 from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, TruncatedError, os_error
-from mcf.writer import _cast_chunk, _create_temp, _fsync_dir
+from mcf.container import open as open_container
+from mcf.errors import InvalidArgumentError, TruncatedError, os_error
+from mcf.writer import cast_chunk
 
 __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
 
@@ -129,7 +131,7 @@ def _chunks(c, e: _Entry, buf):
             src.read_ranges((t.offset + o,), (n,), chunk, (0,))
             if e.kind == "cast":
                 with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
-                    chunk = _cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
+                    chunk = cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
             yield chunk
         return
     rows, cols = t.shape
@@ -145,12 +147,6 @@ def _chunks(c, e: _Entry, buf):
         yield dst
     if src.is_mapped:  # the decoder read the payload through the mapping: give those pages back
         src.advise("dontneed", t.offset, t.nbytes)
-
-
-def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B")
-    while mv:
-        mv = mv[os.write(fd, mv):]
 
 
 def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> bool:
@@ -174,35 +170,13 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> boo
     return True
 
 
-def _publish(path: str, write) -> None:
-    """Write a file through ``write(fd)`` into a temporary name next to ``path``, fsync, rename."""
-    d = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = _create_temp(d, os.path.basename(path))
-    except OSError as exc:
-        raise os_error(exc, path) from None
-    try:
-        try:
-            write(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
-            raise os_error(exc, path) from None
-        raise
-
-
 def _write_safetensors(path, c, entries, buf, progress, done_before, total):
     src = c.source
     in_fd = src.fileno() if src.mode in ("mmap", "pread") else None
     use_cfr = [in_fd is not None and hasattr(os, "copy_file_range")]
 
     def write(fd):
-        _write_all(fd, _header(entries))
+        write_all(fd, _header(entries))
         for i, e in enumerate(entries):
             t = c.info(e.name)
             copied = False
@@ -211,14 +185,14 @@ def _write_safetensors(path, c, entries, buf, progress, done_before, total):
             if not copied:
                 n = 0
                 for chunk in _chunks(c, e, buf):
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                     n += chunk.nbytes
                 if n != e.nbytes:  # pragma: no cover - the plan and the readers agree by construction
                     raise AssertionError(f"{e.name}: wrote {n} bytes, planned {e.nbytes}")
             if progress is not None:
                 progress(done_before + i + 1, total, e.name)
 
-    _publish(path, write)
+    write_atomic(path, write)  # the directory is fsynced once, after the last file
 
 
 def _shards(entries, max_shard_size):
@@ -254,8 +228,6 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     ``__metadata__`` (see the module docs).  Integer tensors are always copied.  Each file is written
     to a temporary name and renamed, so a failure leaves no partial file.
     """
-    import mcf
-
     if dtype is not None:
         dtype = str(dtype).strip().lower()
     if dtype not in DTYPES:
@@ -263,7 +235,7 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     from mcf.remote import refuse_url
 
     dst = os.fspath(dst)
-    refuse_url(dst, "exporting")  # else "https://h/x" would become a local directory "https:/h/x"
+    refuse_url(dst, what="exporting")  # else "https://h/x" would become a local directory "https:/h/x"
     as_file = dst.endswith(".safetensors")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     if as_file and limit is not None:
@@ -271,7 +243,7 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     if not as_file and os.path.exists(dst) and not os.path.isdir(dst):
         raise InvalidArgumentError(f"{dst} exists and is not a directory (end the name with .safetensors "
                                    "to write one file)")
-    with mcf.open(src, mmap=mmap) as c:
+    with open_container(src, mmap=mmap) as c:
         entries = _plan(c, dtype)
         buf = alloc_buffer(_CHUNK_BYTES)
         if as_file:
@@ -299,15 +271,15 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
                    "weight_map": dict(sorted(wm.items()))}
             path = os.path.join(dst, _INDEX)
             data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-            _publish(path, lambda fd: _write_all(fd, data))
+            write_atomic(path, lambda fd: write_all(fd, data))
             written.append(path)
         if resources:
             for fname, data in c.resources.items():
                 path = os.path.join(dst, fname)
-                _publish(path, lambda fd, data=data: _write_all(fd, data))
+                write_atomic(path, lambda fd, data=data: write_all(fd, data))
                 written.append(path)
         _remove_stale(dst, written)
-        _fsync_dir(os.path.join(dst, "x"))
+        fsync_dir(dst)
     return written
 
 

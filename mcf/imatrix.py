@@ -36,6 +36,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from mcf._core.fs import write_all, write_atomic
+from mcf.container import open as open_container
 from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
@@ -115,20 +117,14 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
     header = b"".join(head)
     header += b"\0" * (-len(header) % _ALIGN)
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for _name, _dims, data in tensors:
-                f.write(data.tobytes())
-                f.write(b"\0" * (-data.nbytes % _ALIGN))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    def write(fd):
+        write_all(fd, header)
+        for _name, _dims, data in tensors:
+            write_all(fd, np.ascontiguousarray(data))
+            write_all(fd, b"\0" * (-data.nbytes % _ALIGN))
+
+    write_atomic(path, write)
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -163,7 +159,7 @@ def _checked(path, name, v) -> np.ndarray:
 
 
 def _read_gguf(path) -> dict[str, np.ndarray]:
-    from mcf import gguf
+    from mcf.gguf import reader as gguf
 
     out = {}
     with gguf.open(path, mmap=False) as g:
@@ -278,9 +274,7 @@ def _model_parts(model):
         ckpt = open_checkpoint(path)
         weights = {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
     else:
-        import mcf
-
-        with mcf.open(path) as c:
+        with open_container(path) as c:
             cfg = c.resource_json("config.json")
             tjson = c.resource_text("tokenizer.json")
             if cfg is None or tjson is None:
@@ -299,9 +293,7 @@ def _model_config(path) -> dict:
     if os.path.isdir(path):
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             return json.load(f)
-    import mcf
-
-    with mcf.open(path) as c:
+    with open_container(path) as c:
         cfg = c.resource_json("config.json")
     if cfg is None:
         raise InvalidArgumentError(f"{path}: the file holds no config.json resource; pack it with its resources "

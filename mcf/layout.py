@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 
 from mcf.dtypes import DType, DTypeInfo, parse_dtype
-from mcf.errors import InvalidArgumentError
+from mcf.errors import InvalidArgumentError, UnknownNameError
 
 __all__ = [
     "MAGIC", "MAJOR", "MINOR", "HEADER", "HEADER_SIZE", "DIR_ENTRY", "DIR_ENTRY_SIZE",
@@ -131,7 +131,7 @@ class QuantLayout:
         for r in self.regions:
             if r.name == name:
                 return r
-        raise KeyError(name)
+        raise UnknownNameError(f"no region {name!r} in this layout; it has {[r.name for r in self.regions]}")
 
 
 BLOCK = 32          # values per block (q* and k*)
@@ -190,11 +190,11 @@ def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
                        off + data)
 
 
-def tensor_nbytes(dtype, shape, domain: int = Domain.WEIGHTS) -> int:
+def tensor_nbytes(dtype, shape, *, domain: int = Domain.WEIGHTS) -> int:
     """Exact payload size of a tensor of ``dtype`` and ``shape`` (Python ints: no overflow)."""
     info = parse_dtype(dtype)
     if info.quantized:
-        return quant_layout(info, shape, domain).nbytes
+        return quant_layout(info, shape, domain=domain).nbytes
     return shape_elements(shape) * info.itemsize
 
 

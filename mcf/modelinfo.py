@@ -81,7 +81,7 @@ class ModelInfo:
     extras: dict = field(default_factory=dict)
 
     @classmethod
-    def from_hf_config(cls, config: dict, model_name: str = "") -> "ModelInfo":
+    def from_hf_config(cls, config: dict, *, model_name: str = "") -> "ModelInfo":
         """Fill the fields from a Hugging Face ``config.json`` exactly as the Go packer does.
 
         Only ``model_type`` (architecture guess by substring), the six size fields and ``rope_theta``

@@ -25,7 +25,7 @@ from mcf.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, MissingFileError, in_tensor, os_error
 from mcf.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
 from mcf.modelinfo import ModelInfo
-from mcf.writer import Writer, _cast_chunk
+from mcf.writer import Writer, cast_chunk
 
 __all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir"]
 
@@ -67,7 +67,7 @@ def tokenizer_config_with_template(model_dir: str) -> bytes | None:
     return go_marshal(cfg)
 
 
-def model_info_for_dir(model_dir: str, model_name: str | None = None) -> ModelInfo:
+def model_info_for_dir(model_dir: str, *, model_name: str | None = None) -> ModelInfo:
     """ModelInfo from config.json as the Go packer builds it (name = the directory's base name)."""
     name = model_name or os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
     raw = _read(os.path.join(model_dir, "config.json"))
@@ -77,7 +77,7 @@ def model_info_for_dir(model_dir: str, model_name: str | None = None) -> ModelIn
         except (UnicodeDecodeError, json.JSONDecodeError):
             cfg = None
         if isinstance(cfg, dict):
-            return ModelInfo.from_hf_config(cfg, name)
+            return ModelInfo.from_hf_config(cfg, model_name=name)
     return ModelInfo(model_name=name)
 
 
@@ -112,7 +112,7 @@ def _stream_plain(t, target: DTypeInfo, buf):
         src.read_ranges((t.offset + o,), (n,), chunk, (0,))
         if not same:
             with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
-                chunk = _cast_chunk(chunk.view(info.numpy), info, target)
+                chunk = cast_chunk(chunk.view(info.numpy), info, target)
         yield chunk
 
 
@@ -138,8 +138,8 @@ def _raw_quantized(t):
                 or (q["domain"] and info.family != "raw")
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
                 or _array_bytes(shape, 4) > _MAX_ARRAY_BYTES):
-            raise ValueError("not a quantized rank-2 description MCF can hold")
-        want = tensor_nbytes(info, shape, q["domain"])
+            raise FormatError("not a quantized rank-2 description MCF can hold")
+        want = tensor_nbytes(info, shape, domain=q["domain"])
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise FormatError(f"bad quantized-tensor description: {exc}", path=path, field=field, got=desc) from None
     if t.dtype.code != DType.U8 or len(t.shape) != 1 or want != t.nbytes:
@@ -152,11 +152,11 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                      compat: bool = False, fast: bool = False, imatrix=None, report: bool = False,
                      progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
-    tensors picked by ``method``/``overrides`` (:func:`mcf.quant.plan_method`) are quantized (``compat``,
-    ``fast``, and ``imatrix``, a mapping name -> importance, as in :func:`mcf.quant.quantize_file`), the
+    tensors picked by ``method``/``overrides`` (:func:`mcf.quant_policy.plan_method`) are quantized (``compat``,
+    ``fast``, and ``imatrix``, a mapping name -> importance, as in :func:`mcf.quant_policy.quantize_file`), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
     :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
-    from mcf.quant import add_quantized, importance_for, plan_method, resolve_policy
+    from mcf.quant_policy import add_quantized, importance_for, plan_method, resolve_policy
 
     target = None if dtype == "keep" else parse_dtype(dtype)
     method, ov = resolve_policy(method, overrides)
@@ -289,7 +289,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     Directories contribute their resource files and a ModelInfo from config.json; a single file a
     ModelInfo named after it.  Everything is validated (:func:`mcf._safetensors.open_checkpoint`)
     before the output is created."""
-    from mcf.quant import resolve_policy
+    from mcf.quant_policy import resolve_policy
 
     path = os.fspath(path)
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written
@@ -303,7 +303,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
                 for typ, data in _resource_sections(path):
                     w.add_section(typ, data)
             if is_dir:
-                w.add_model_info(model_info_for_dir(path, model_name))
+                w.add_model_info(model_info_for_dir(path, model_name=model_name))
             else:
                 stem = os.path.basename(path)
                 stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem

@@ -1,14 +1,13 @@
-"""Quantizing and dequantizing MCF tensors, and quantizing whole files.
+"""Quantizing and dequantizing arrays to and from MCF's block formats.
 
 The bit work is in C (csrc/quantize.c, csrc/dequant.c) behind :mod:`mcf._kernels`; this module owns the
 policy: which tensors are quantized (rank-2 float tensors; everything else is copied), clipping ranges,
-int8/int4 scale and zero point, row chunking so memory stays bounded, and the Go-compatible file
-layout of ``mcf quantize``.
+int8/int4 scale and zero point, row chunking so memory stays bounded.  Which tensors of a file are quantized, and
+whole-file quantization, are in :mod:`mcf.quant_policy` (it uses this module, never the reverse).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -18,12 +17,11 @@ from mcf import _fpconv
 from mcf import _kernels as K
 from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, parse_dtype
-from mcf.errors import DTypeError, InvalidArgumentError, MCFError, in_tensor
-from mcf.layout import Domain, SectionType, quant_layout
+from mcf.errors import DTypeError, InvalidArgumentError
+from mcf.layout import Domain, quant_layout
 
-__all__ = ["quantize", "dequantize", "kernel_info", "quantize_file", "QuantStats", "tensor_error_stats",
-           "METHODS", "parse_overrides", "resolve_policy", "plan_method", "add_quantized", "importance_weights",
-           "importance_for", "check_imatrix_mode"]
+__all__ = ["quantize", "dequantize", "kernel_info", "QuantStats", "tensor_error_stats", "METHODS",
+           "importance_weights"]
 
 METHODS = ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4")
 _CHUNK_BYTES = 16 << 20  # float32 rows converted and quantized per step
@@ -31,7 +29,7 @@ _CHUNK_BYTES = 16 << 20  # float32 rows converted and quantized per step
 kernel_info = K.kernel_info
 
 
-def _rows_f32(a: np.ndarray, r0: int, r1: int, src_dtype: DTypeInfo) -> np.ndarray:
+def rows_f32(a: np.ndarray, r0: int, r1: int, src_dtype: DTypeInfo) -> np.ndarray:
     """Rows [r0, r1) as contiguous float32: a view of ``a`` when it already is, else a new array (the
     caller must not write into the result unless it checked which)."""
     part = a[r0:r1]
@@ -142,7 +140,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     domain = integer(domain, "domain")
     if info.family != "raw" and domain != Domain.WEIGHTS:
         raise InvalidArgumentError(f"{info.name} supports only the weights domain")
-    lay = quant_layout(info, (rows, cols), domain)
+    lay = quant_layout(info, (rows, cols), domain=domain)
     payload = np.zeros(lay.nbytes, dtype=np.uint8)
     step = _chunk_rows(cols)
     if info.family != "raw" and min_clip is None:
@@ -155,7 +153,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
         def run(starts):
             m = 0.0
             for r in starts:
-                x = _rows_f32(a, r, min(rows, r + step), src)
+                x = rows_f32(a, r, min(rows, r + step), src)
                 m = max(m, K.absmax(x, impl=impl))
                 K.quantize_rows(x, info.code, payload, r, min_clip=-math.inf, max_clip=math.inf, compat=compat,
                                 rows=rows, cols=cols, domain=domain, impl=impl, search=search, weights=weights)
@@ -175,7 +173,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     # pass 1: finiteness and range (needed up front by the clips and by int* scales)
     amax, lo, hi = 0.0, math.inf, -math.inf
     for r in range(0, rows, step):
-        m, l, h = K.absmax_finite(_rows_f32(a, r, min(rows, r + step), src))
+        m, l, h = K.absmax_finite(rows_f32(a, r, min(rows, r + step), src))
         amax, lo, hi = max(amax, m), min(lo, l), max(hi, h)
     if rows * cols == 0:
         lo = hi = 0.0
@@ -209,7 +207,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     for r in range(0, rows, step):
         # the kernels clamp each value to the clips as they read it: x (often a view of the caller's
         # array, or of a read-only mapping) is never written
-        x = _rows_f32(a, r, min(rows, r + step), src)
+        x = rows_f32(a, r, min(rows, r + step), src)
         lo_k, hi_k = (float(cmin), float(cmax)) if min_clip is not None else (-math.inf, math.inf)
         K.quantize_rows(x, info.code, payload, r, min_clip=lo_k, max_clip=hi_k, compat=compat,
                         rows=rows, cols=cols, scale=scale, zero=zero, domain=domain, impl=impl, search=search,
@@ -254,144 +252,3 @@ def tensor_error_stats(original: np.ndarray, decoded: np.ndarray) -> tuple[float
     sig = float(np.mean(x * x))
     snr = math.inf if mse == 0 else (10 * math.log10(sig / mse) if sig > 0 else -math.inf)
     return math.sqrt(mse), snr, float(np.max(np.abs(err)))
-
-
-def _method_for(name: str, default: str | None, overrides) -> str | None:
-    for pattern, m in overrides:
-        if fnmatch.fnmatchcase(name, pattern):
-            return None if m in ("none", "keep") else m
-    return default
-
-
-def parse_overrides(items) -> list:
-    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins."""
-    out = []
-    for it in items or ():
-        if "=" not in it:
-            raise InvalidArgumentError(f"override {it!r} is not PATTERN=METHOD")
-        pat, m = it.rsplit("=", 1)
-        m = m.strip().lower()
-        if m not in METHODS + ("none", "keep"):
-            raise InvalidArgumentError(f"override {it!r}: unknown method {m!r}; expected one of "
-                                       f"{METHODS + ('none', 'keep')}")
-        out.append((pat.strip(), m))
-    return out
-
-
-def resolve_policy(method, overrides) -> tuple:
-    """Validate a default method and overrides once, before any output is written: ``(method or
-    None, [(pattern, method)])``.  Overrides may be strings or already-parsed pairs."""
-    if isinstance(method, str) and method.strip().lower() in ("none", "keep"):
-        method = None
-    if method is not None:
-        try:
-            method = parse_dtype(method).name
-        except ValueError:
-            pass
-        if method not in METHODS:
-            raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
-    overrides = list(overrides or ())
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
-    return method, ov
-
-
-def plan_method(name: str, shape, dtype: DTypeInfo, method: str | None, overrides) -> str | None:
-    """The method tensor ``name`` is quantized with, or None to store it as it is.
-
-    Only rank-2 float tensors are quantized (norms, biases, integer and already-quantized tensors
-    are copied); the first override whose glob matches the name wins over the default method."""
-    m = _method_for(name, method, overrides)
-    if m is None or len(shape) != 2 or dtype.family != "float":
-        return None
-    return m
-
-
-def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, compat: bool = False,
-                  fast: bool = False, importance=None, min_clip: float | None = None,
-                  max_clip: float | None = None, report: bool = False) -> QuantStats | None:
-    """Quantize a rank-2 float ``array`` (stored as ``src_dtype``) into writer ``w`` with its QuantInfo
-    record; with ``report``, decode it again and return its error against the original.  ``compat``,
-    ``fast`` and ``importance`` as in :func:`quantize`."""
-    try:
-        payload, q = quantize(array, method, compat=compat, fast=fast, importance=importance,
-                              min_clip=min_clip, max_clip=max_clip, src_dtype=src_dtype)
-    except InvalidArgumentError as exc:
-        if importance is None:
-            raise
-        raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
-    shape = tuple(int(d) for d in np.shape(array))
-    w.add_tensor_bytes(name, method, shape, payload, quant=q)
-    if not report:
-        return None
-    dec = dequantize(payload, method, shape)
-    ref = _rows_f32(np.asarray(array), 0, shape[0], src_dtype)
-    rmse, snr, mx = tensor_error_stats(ref, dec)
-    return QuantStats(name, method, shape, rmse, snr, mx, math.prod(shape) * src_dtype.itemsize,
-                      payload.nbytes)
-
-
-def importance_for(imatrix, name: str, method: str):
-    """The importance vector of tensor ``name`` in ``imatrix`` (a mapping, see :func:`mcf.imatrix.as_importance`)
-    when ``method`` can use it (the q*/k* search), else None: int8/int4 keep one scale per tensor, so there
-    is nothing for per-column weights to choose."""
-    if not imatrix or parse_dtype(method).family == "raw":
-        return None
-    return imatrix.get(name)
-
-
-def check_imatrix_mode(imatrix, compat: bool, fast: bool) -> None:
-    """An importance matrix weights the search: refuse it up front with the single-pass modes."""
-    if imatrix is not None and (compat or fast):
-        raise InvalidArgumentError("an importance matrix weights the error-minimizing search; it does not apply "
-                                   "with " + ("compat" if compat else "fast"))
-
-
-def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = False, fast: bool = False,
-                  imatrix=None, min_clip: float | None = None, max_clip: float | None = None,
-                  report: bool = False, progress=None, mmap: bool = True):
-    """Quantize every rank-2 float tensor of MCF file ``src`` into ``dst``; copy everything else.
-
-    The output is laid out as the Go quantizer lays it out (ModelInfo and resource sections copied in
-    directory order, tensors sorted and 64-aligned, then TensorIndex and QuantInfo), so with
-    ``compat=True`` and the same method it is byte-identical to ``mantle quantize``.  ``fast`` keeps the
-    single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.imatrix.read_imatrix`
-    reads, or a mapping name -> per-column importance) weights the error of the tensors it names; the
-    others are quantized unweighted.  Returns a list of :class:`QuantStats` when ``report`` is true (else
-    an empty list).
-    """
-    import mcf
-    from mcf.imatrix import as_importance
-    from mcf.writer import Writer
-
-    method, ov = resolve_policy(method, overrides)
-    check_imatrix_mode(imatrix, compat, fast)
-    imat = as_importance(imatrix)
-    stats = []
-    with mcf.open(src, mmap=mmap) as c, Writer(dst, align=64) as w:
-        for s in c.sections:
-            if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
-                continue
-            w.add_section(s.type, c.section_bytes(s.type), version=s.version)
-        names = list(c)
-        for i, name in enumerate(names):
-            t = c.info(name)
-            try:
-                m = plan_method(name, t.shape, t.dtype, method, ov)
-                if m is not None:
-                    st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
-                                       importance=importance_for(imat, name, m), min_clip=min_clip,
-                                       max_clip=max_clip, report=report)
-                    if st is not None:
-                        stats.append(st)
-                elif t.dtype.quantized:
-                    rec = c.quant_record(name)
-                    q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
-                                                  "domain": rec.domain}
-                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
-                else:
-                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
-            except MCFError as exc:  # name the file and the tensor, whatever failed
-                raise in_tensor(exc, c.path, name) from exc
-            if progress is not None:
-                progress(i + 1, len(names), name)
-    return stats

@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 
 from mcf._optional import require
-from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingDependencyError, MissingFileError
+from mcf.errors import AccessError, ClosedError, InvalidArgumentError, MCFIOError, MissingDependencyError, MissingFileError
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url",
            "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_RETRIES", "DEFAULT_TIMEOUT"]
@@ -59,7 +59,7 @@ def is_url(obj) -> bool:
     return isinstance(obj, str) and _URL.match(obj) is not None
 
 
-def refuse_url(path, what: str = "writing") -> None:
+def refuse_url(path, *, what: str = "writing") -> None:
     """Raise :class:`InvalidArgumentError` when ``path`` is a URL: remote files are read-only in mcf."""
     if is_url(path):
         raise InvalidArgumentError(f"{path}: {what} is not supported on remote URLs (remote files are read-only)")
@@ -69,7 +69,7 @@ def _fsspec():
     return require("fsspec", feature="reading URLs", extra="remote")
 
 
-def _url_to_fs(url, storage_options):
+def url_to_fs(url, storage_options):
     fsspec = _fsspec()
     try:
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -128,7 +128,7 @@ class RemoteFile:
         self.retry_delay = float(retry_delay)
         self._opts = dict(storage_options or {})
         self.timeout = timeout
-        self._fs, self._path = _url_to_fs(url, _with_timeout(url, self._opts, timeout))
+        self._fs, self._path = url_to_fs(url, _with_timeout(url, self._opts, timeout))
         # HTTP(S): range requests made on fsspec's own aiohttp session, status and Content-Range checked,
         # bodies streamed into the destination (see _http_range); other protocols use fsspec's cat_file
         self._http = "http" in (getattr(self._fs, "protocol", ()) or ()) and hasattr(self._fs, "set_session")
@@ -238,9 +238,9 @@ class RemoteFile:
         headers.setdefault("Accept-Encoding", "identity")  # ranges of the stored bytes, never of a gzip body
         async with session.get(fs.encode_url(self._path), headers=headers, **kw) as r:
             if r.status == 404:
-                raise FileNotFoundError(self.url)
+                raise MissingFileError(errno.ENOENT, "no such remote file", self.url)
             if r.status in (401, 403):
-                raise PermissionError(self.url)
+                raise AccessError(errno.EACCES, "access to the remote file was denied", self.url)
             if r.status == 200:
                 if not (start == 0 and end == self.size):
                     return (f"status 200 for a {end - start}-byte range at offset {start}: the server ignored "
@@ -250,7 +250,7 @@ class RemoteFile:
                 if why:
                     return why
             else:
-                raise OSError(f"HTTP status {r.status} {r.reason}")
+                raise MCFIOError(f"HTTP status {r.status} {r.reason}")
             n, want = 0, end - start
             async for chunk in r.content.iter_any():
                 k = len(chunk)
@@ -383,7 +383,7 @@ class RemoteFile:
     # -- file-like interface ---------------------------------------------------------------------
     def readinto(self, buffer) -> int:
         if self._closed:
-            raise ValueError("I/O operation on closed remote file")
+            raise ClosedError("I/O operation on closed remote file")
         mv = memoryview(buffer).cast("B")
         n = min(len(mv), max(0, self.size - self._pos))
         if n == 0:
@@ -402,7 +402,7 @@ class RemoteFile:
         with requests in flight, not one tensor after another), the small ones go through the cache.
         The I/O core's ``read_ranges`` (``Container.load``) uses this; the file position is unchanged."""
         if self._closed:
-            raise ValueError("I/O operation on closed remote file")
+            raise ClosedError("I/O operation on closed remote file")
         pieces = []
         small = []
         for off, buf in zip(offsets, buffers):
@@ -436,9 +436,9 @@ class RemoteFile:
         elif whence == os.SEEK_END:
             pos = self.size + offset
         else:
-            raise ValueError(f"bad whence {whence}")
+            raise InvalidArgumentError(f"bad whence {whence}")
         if pos < 0:
-            raise ValueError("negative seek position")
+            raise InvalidArgumentError("negative seek position")
         self._pos = int(pos)
         return self._pos
 

@@ -55,7 +55,7 @@ def _float_kind(dtype) -> str:
     raise DTypeError(f"dtype must be a float dtype (float32, float16, bfloat16 or float64), got {dtype!r}")
 
 
-def shard_range(n: int, tp_rank: int, tp_size: int, what: str = "dimension") -> tuple[int, int]:
+def shard_range(n: int, tp_rank: int, tp_size: int, *, what: str = "dimension") -> tuple[int, int]:
     """``[start, stop)`` of rank ``tp_rank`` of ``tp_size`` equal shares of ``n``; ``n`` must divide evenly
     (Megatron's rule: an uneven split would give ranks different parameter shapes)."""
     if n % tp_size:
@@ -111,7 +111,7 @@ def plan(c: Container, names, dtype, tp_rank, tp_size, tp_dim) -> list:
             if dim is not None:
                 if len(shape) <= dim:
                     raise InvalidArgumentError(f"tensor {name!r} of shape {shape} has no dimension {dim} to split")
-                rng = shard_range(shape[dim], tp[0], tp[1], f"tensor {name!r} dimension {dim}")
+                rng = shard_range(shape[dim], tp[0], tp[1], what=f"tensor {name!r} dimension {dim}")
                 if dim == 0:
                     rows = rng
                 else:
@@ -141,13 +141,13 @@ def needs_decode(p: Plan) -> bool:
     return p.quantized or (p.kind is not None and p.kind != _STORED_KIND.get(p.stored))
 
 
-def decode_into(c: Container, p: Plan, out: np.ndarray, threads: int = 1) -> None:
+def decode_into(c: Container, p: Plan, out: np.ndarray, *, threads: int = 1) -> None:
     """Decode tensor ``p`` into ``out`` (C-contiguous, ``p.out_shape``, dtype of ``p.kind``; bfloat16 as
     uint16 bits or ml_dtypes.bfloat16): quantized payloads and float casts through the compiled kernels,
     written in place."""
     if p.kind == "f64":
         f32 = np.empty(p.out_shape, np.float32)
-        decode_into(c, Plan(p.name, p.shape, p.out_shape, p.rows, p.cols, p.stored, p.quantized, "f32"), f32, threads)
+        decode_into(c, Plan(p.name, p.shape, p.out_shape, p.rows, p.cols, p.stored, p.quantized, "f32"), f32, threads=threads)
         out[...] = f32
         return
     if p.cols is None:
@@ -234,7 +234,7 @@ def load_state_dict(path_or_container, *, dtype=None, names=None, tp_rank: int |
                 continue
             if needs_decode(p):
                 arr = np.empty(p.out_shape, numpy_dtype(p.kind))
-                decode_into(c, p, arr, threads)
+                decode_into(c, p, arr, threads=threads)
                 out[p.name] = arr
             else:
                 a = stored_view(c, p)

@@ -67,15 +67,15 @@ _ITEMSIZES = [-1 if t is None else t.itemsize for t in _DTINFOS]
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_layout(code: int, shape: tuple, domain: int) -> QuantLayout:
-    return quant_layout(code, shape, domain)
+def cached_layout(code: int, shape: tuple, domain: int) -> QuantLayout:
+    return quant_layout(code, shape, domain=domain)
 
 
 class TensorIndex:
     """Parsed, validated view of a TensorIndex payload.  Behaves like a read-only mapping from
     name to :class:`TensorInfo`; lookups are binary searches over the sorted names."""
 
-    def __init__(self, infos: list, names_b: list, flags: int, disk_order: list | None = None):
+    def __init__(self, infos: list, names_b: list, flags: int, *, disk_order: list | None = None):
         self._infos = infos
         self._names_b = names_b
         self._disk = disk_order if disk_order is not None else infos
@@ -160,7 +160,7 @@ class TensorIndex:
             info = _DTINFOS[code]
             # only int8/int4 sizes depend on the domain; QuantInfo checks the others' domain
             domain = domains.get(i, 0) if info.family == "raw" else 0
-            return _cached_layout(code, shape, domain).nbytes
+            return cached_layout(code, shape, domain).nbytes
 
         def scan_error(kind, reason, field, at, expected, got):
             if kind == "size":
@@ -199,7 +199,7 @@ class TensorIndex:
         if order is not None:
             infos = [infos[i] for i in order]
             names_b = [names_b[i] for i in order]
-        return cls(infos, names_b, flags, disk)
+        return cls(infos, names_b, flags, disk_order=disk)
 
 
 def encode_tensor_index(records) -> bytes:

@@ -95,7 +95,7 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
         for p in plans:
             if _sd.needs_decode(p):
                 t, arr = _empty(p.out_shape, p.kind)
-                _sd.decode_into(c, p, arr, threads)
+                _sd.decode_into(c, p, arr, threads=threads)
             else:
                 tdt = _TORCH_OF_STORED[p.stored]
                 a = loaded.get(p.name)

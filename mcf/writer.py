@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 from mcf import _fpconv
+from mcf._core.fs import create_temp, publish
 from mcf._args import integer
 from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
@@ -46,32 +46,6 @@ class _Rec:
     quant: dict | None = None
 
 
-def _create_temp(directory: str, base: str):
-    """A new temporary file next to the destination, with the permissions a plain ``open`` would
-    give (mkstemp's 0600 would leak into the published file)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        name = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            return os.open(name, flags, 0o666), name
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temporary file in {directory}")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class Writer:
     """Write an MCF file.
 
@@ -92,7 +66,7 @@ class Writer:
             raise InvalidArgumentError(f"align must be >= 1, got {align}")
         from mcf.remote import refuse_url
 
-        refuse_url(path, "writing an MCF file")
+        refuse_url(path, what="writing an MCF file")
         self.path = os.fspath(path)
         self.align = int(align)
         self.dedup = bool(dedup)
@@ -109,7 +83,7 @@ class Writer:
         d = os.path.dirname(os.path.abspath(self.path))
         try:
             if atomic:
-                fd, self._tmp = _create_temp(d, os.path.basename(self.path))
+                fd, self._tmp = create_temp(d, os.path.basename(self.path))
                 self._f = os.fdopen(fd, "w+b")
             else:
                 self._tmp = self.path
@@ -140,7 +114,7 @@ class Writer:
             self._td_done = True
 
     # -- sections ---------------------------------------------------------------------------
-    def add_section(self, type_: int, payload, version: int = 1) -> None:
+    def add_section(self, type_: int, payload, *, version: int = 1) -> None:
         """Append a section with the given type code and payload bytes."""
         self._check_open()
         type_ = int(type_)
@@ -276,7 +250,7 @@ class Writer:
                 hasher.update(data)
         else:
             for i in range(0, flat.size, _CHUNK_ELEMS):
-                chunk = _cast_chunk(flat[i:i + _CHUNK_ELEMS], src, target)
+                chunk = cast_chunk(flat[i:i + _CHUNK_ELEMS], src, target)
                 self._write(chunk)
                 if hasher:
                     hasher.update(chunk)
@@ -296,7 +270,7 @@ class Writer:
             if not _f32_storable(v):
                 raise InvalidArgumentError(f"tensor {name!r}: quant[{key!r}] = {v!r} is not a float32 value")
         try:
-            want = tensor_nbytes(info, shape, domain)
+            want = tensor_nbytes(info, shape, domain=domain)
         except ValueError as exc:
             raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
         start = self._begin_tensor(name, info, shape)
@@ -383,9 +357,7 @@ class Writer:
                 os.fsync(self._f.fileno())
             self._f.close()
             if self._atomic:
-                os.replace(self._tmp, self.path)
-                if self._durable:
-                    _fsync_dir(self.path)
+                publish(self._tmp, self.path, durable=self._durable)
             self._closed = True
         except BaseException:
             self.abort()
@@ -433,7 +405,7 @@ def _f32_storable(v) -> bool:
     return not math.isfinite(v) or abs(v) <= float(np.finfo(np.float32).max)
 
 
-def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
+def cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
     """Convert a 1-D chunk between float dtypes with round-to-nearest-even."""
     if src.code == DType.BF16:
         x32 = _fpconv.bf16_to_f32(x.view(np.uint16))

@@ -116,7 +116,7 @@ def test_ttl_gc_and_pinning_with_clock(tmp_path):
     assert b.gc() == [short]
     assert not (tmp_path / "contexts" / short).exists()
     assert ids(b.discover("m", include_expired=True)) == sorted([pinned, forever])
-    b.pin(pinned, False)
+    b.pin(pinned, pinned=False)
     assert ids(b.discover("m")) == [forever]
     assert b.gc() == [pinned]
     kinds = [e["event"] for e in events]

@@ -20,7 +20,7 @@ from _vectors import MANTLE_MODEL, mantle_file
 from mcf.cli import main as cli_main
 from mcf.convert import convert
 from mcf.export import export
-from mcf.quant import quantize_file
+from mcf.quant_policy import quantize_file
 
 stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays for the safetensors package")

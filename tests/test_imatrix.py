@@ -295,7 +295,7 @@ def test_convert_and_quantize_file_weight_alike(tmp_path):
     (names with an entry weighted; int8 ignores it; other names unweighted)."""
     from _vectors import MANTLE_MODEL
     from mcf.convert import convert
-    from mcf.quant import quantize_file
+    from mcf.quant_policy import quantize_file
 
     mcf.pack(MANTLE_MODEL, tmp_path / "p.mcf")
     with mcf.open(tmp_path / "p.mcf") as c:

@@ -13,7 +13,7 @@ import mcf
 import reference as ref
 from _vectors import MANTLE, mantle_file
 from mcf import _kernels as K
-from mcf.quant import quantize_file
+from mcf.quant_policy import quantize_file
 
 IMPLS = K.kernel_info()["supported"]
 QK = ["q8", "q4", "k6", "k4", "k3", "k2"]

@@ -53,7 +53,7 @@ def test_golden_quant_decodes(mmap):
             assert c.raw(name).tobytes() == buf.tobytes()
             rec = c.quant_record(name)
             assert (rec.domain, rec.min_clip, rec.max_clip) == (domain, -1.25, 1.25)
-            lay = mcf.quant_layout(method, shape, domain)
+            lay = mcf.quant_layout(method, shape, domain=domain)
             for r in lay.regions:
                 got = c.quant_regions(name)[r.name]
                 assert got.tobytes() == buf[r.offset:r.offset + r.size].tobytes()

@@ -126,7 +126,7 @@ def quant_tensors(draw):
     rows = draw(st.integers(0, 5))
     cols = draw(st.sampled_from([0, 1, 31, 32, 33, 64, 255, 256, 257, 300]) | st.integers(1, 600))
     domain = draw(st.sampled_from([0, 1])) if dtype.startswith("int") else 0
-    n = mcf.quant_layout(dtype, (rows, cols), domain).nbytes
+    n = mcf.quant_layout(dtype, (rows, cols), domain=domain).nbytes
     payload = draw(st.binary(min_size=n, max_size=n))
     quant = {"min_clip": draw(st.floats(width=32, allow_nan=False) | st.floats(-1e30, 1e30)),
              "max_clip": draw(st.floats(width=32, allow_nan=False) | st.floats(-1e30, 1e30))}
@@ -243,7 +243,7 @@ def check(c, tensors, aliases, resources, mi, opts) -> None:
             assert t.dtype.name == dtype and t.shape == shape and t.nbytes == len(payload)
             assert t.offset % 64 == 0
             domain = quant.get("domain", 0)
-            lay = mcf.quant_layout(dtype, shape, domain)
+            lay = mcf.quant_layout(dtype, shape, domain=domain)
             regions = c.quant_regions(name)
             assert [r.name for r in lay.regions] == list(regions)
             for r in lay.regions:
@@ -329,7 +329,7 @@ def test_quant_regions_single(tmp_path_factory, q):
     with mcf.Writer(path, align=1) as w:
         w.add_tensor_bytes("w", dtype, shape, payload, quant=quant)
     with mcf.open(path) as c:
-        lay = mcf.quant_layout(dtype, shape, quant.get("domain", 0))
+        lay = mcf.quant_layout(dtype, shape, domain=quant.get("domain", 0))
         regions = c.quant_regions("w")
         joined = bytearray(len(payload))
         for r in lay.regions:

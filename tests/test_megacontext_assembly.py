@@ -159,7 +159,7 @@ def test_plan_tail_properties(t, lag1, lag2, budget, recent, k):
         return
     rows = plan.rows(t, k)
     assert rows <= budget
-    start, stop = mc.plan_coverage(plan, t, k)
+    start, stop = mc.plan_coverage(plan, t, block_size=k)
     assert stop == t
     lv = plan.levels
     assert (np.diff(lv.astype(int)) <= 0).all()   # LOD2 ... LOD1 ... LOD0 in timeline order

@@ -32,7 +32,9 @@ def minilm(minilm_dir):
 
 
 def test_demo_on_the_real_checkpoint(minilm_dir, minilm, tmp_path, capsys):
-    assert mc.demo_megacontext(minilm_dir, str(tmp_path)) == 0
+    from mcf.megacontext.demo import demo_megacontext
+
+    assert demo_megacontext(minilm_dir, str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "equals a plain numpy assembly: yes" in out and "verify (tree and snapshot): OK" in out
     tok, table = minilm

@@ -44,7 +44,7 @@ def test_golden_tree_decodes(name):
         assert np.array_equal(t.gists(2).view(np.uint8), lod2.view(np.uint8))
         assert t.ingestion_complete
         wc = t.assemble(t.plan_tail(20, 5), golden.table())
-        assert mc.plan_coverage(t.plan_tail(20, 5), 103, 4) == (0, 103)
+        assert mc.plan_coverage(t.plan_tail(20, 5), 103, block_size=4) == (0, 103)
         assert len(wc) <= 20
     assert [p for p in mc.verify(path, deep=True) if p.severity != "note"] == []
 

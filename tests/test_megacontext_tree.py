@@ -371,7 +371,7 @@ def test_interrupted_restore_is_finished_by_the_next_writer(tmp_path, monkeypatc
         t.append_tokens(token_stream(700, seed=4))
     import mcf.megacontext.snapshots as snap_mod
 
-    real = snap_mod._finish_restore
+    real = snap_mod.finish_restore
     calls = []
 
     def crash_after_first_rename(tree_dir):
@@ -381,7 +381,7 @@ def test_interrupted_restore_is_finished_by_the_next_writer(tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real(tree_dir)
 
-    monkeypatch.setattr(snap_mod, "_finish_restore", crash_after_first_rename)
+    monkeypatch.setattr(snap_mod, "finish_restore", crash_after_first_rename)
     with pytest.raises(KeyboardInterrupt):
         mc.restore(snap, tmp_path / "t")
     monkeypatch.undo()

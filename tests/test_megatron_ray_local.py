@@ -124,7 +124,8 @@ def run_pipeline(tmp_path, inputs, tok, *, chunk_size, json_key="text", append_e
                                 empty_text=empty_text)
     chunks = plan_chunks(describe_inputs(inputs), chunk_size)
     sink = raydata.MegatronDatasink(tmp_path / "shards", dtype=dtype, order=("group", "position"), durable=False)
-    tasks = raydata.TextDatasource(chunks, json_key, batch, drop_empty=empty_text == "datatrove").get_read_tasks(8)
+    tasks = raydata.TextDatasource(chunks, json_key=json_key, batch_size=batch,
+                                   drop_empty=empty_text == "datatrove").get_read_tasks(8)
     order = list(range(len(tasks)))
     random.Random(seed).shuffle(order)
     runs = []

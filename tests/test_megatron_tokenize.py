@@ -208,7 +208,9 @@ def test_progress_reports_tokens_per_second(tmp_path, tok_path, texts):
 
 
 def test_demo_megatron_step(tmp_path, model_dir, plain_tok, capsys):
-    res = mm.demo_megatron(model_dir, str(tmp_path))
+    from mcf.megatron.demo import demo_megatron
+
+    res = demo_megatron(model_dir, str(tmp_path))
     out = capsys.readouterr().out
     assert "megatron verify: OK" in out and res["problems"] == []
     from mcf.megatron.demo import readme_paragraphs

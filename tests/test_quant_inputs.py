@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import mcf
 from _vectors import mantle_file
 from mcf.cli import main as cli_main
-from mcf.quant import quantize_file
+from mcf.quant_policy import quantize_file
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
 stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")

@@ -13,7 +13,8 @@ import mcf
 import reference as ref
 from _vectors import mantle_file
 from mcf import _kernels as K
-from mcf.quant import importance_weights, quantize_file
+from mcf.quant import importance_weights
+from mcf.quant_policy import quantize_file
 
 IMPLS = K.kernel_info()["supported"]
 QK = ["q8", "q4", "k6", "k4", "k3", "k2"]

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from mcf.errors import ClosedError, FormatError, os_error
+from mcf.errors import ClosedError, FormatError, InvalidArgumentError, os_error
 
 __all__ = ["BucketFS", "refusal"]
 
@@ -59,7 +59,7 @@ def _parts(rel: str) -> list[str]:
     parts = rel.split("/")
     for p in parts:
         if p in ("", ".", "..") or "\0" in p:
-            raise ValueError(f"bad bucket-relative path {rel!r}")  # a bug in the caller, never user input
+            raise InvalidArgumentError(f"bad bucket-relative path {rel!r}")  # a bug in the caller, never user input
     return parts
 
 

@@ -123,7 +123,7 @@ def _header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: Any) -> tuple[tupl
             elif version == (2, 0):
                 shape, fortran, dtype = fmt.read_array_header_2_0(m)
             else:  # 3.0 exists only for structured dtypes with non-latin-1 field names
-                raise ValueError(f"unsupported .npy version {version[0]}.{version[1]}")
+                raise FormatError(f"unsupported .npy version {version[0]}.{version[1]}")
         except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError, OverflowError) as exc:
             raise _bad(f"{info.filename}: not a readable .npy header ({exc})", name, field=info.filename) from None
         hlen = m.tell()

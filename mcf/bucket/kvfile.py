@@ -185,7 +185,7 @@ def _compress(data: bytes, compression: L.Compression, level: int | None) -> byt
     return data
 
 
-def _shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
+def shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
     if not isinstance(layers, (list, tuple)) or len(layers) == 0:
         raise InvalidArgumentError("layers must be a non-empty list of (K, V) pairs")
     first = None
@@ -235,7 +235,7 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
         raise InvalidArgumentError("chunked=True needs a compression (uncompressed data is addressable as is)")
     if not isinstance(threads, int) or threads < 1:
         raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
-    shape = _shape_of(layers)
+    shape = shape_of(layers)
     original = L.payload_size(shape, kd)
     blocks = (t for pair in layers for t in pair)
 
@@ -278,7 +278,7 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
     if own:
         from mcf.remote import refuse_url
 
-        refuse_url(dest, "writing an MCB file")  # remote files are read-only
+        refuse_url(dest, what="writing an MCB file")  # remote files are read-only
     try:
         f = open(dest, "wb") if own else dest
     except OSError as exc:

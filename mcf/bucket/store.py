@@ -127,7 +127,7 @@ def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<i8", copy=False)
 
 
-def content_hash(content: str | bytes | None = None, token_ids: Sequence[int] | np.ndarray | None = None) -> str:
+def content_hash(content: str | bytes | None = None, *, token_ids: Sequence[int] | np.ndarray | None = None) -> str:
     """``sha256:<hex>`` of the text (UTF-8) or of the token ids (as little-endian int64, range-checked:
     :func:`token_array`); the two kinds are domain-separated so a text never collides with a token
     list."""
@@ -167,7 +167,7 @@ def context_id_for(model_id: str, chash: str, dtype: Any, shape: L.KVShape) -> s
 PREFIX_CHUNK_TOKENS = 256
 
 
-def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
+def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, *, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
     """Chained hashes of the full ``chunk_tokens``-token chunks of ``token_ids``: ``h[i] =
     sha256(h[i-1] || tokens of chunk i as int64 LE)[:32 hex]``, starting from a hash of the model id
     and the chunk size.  Equal ``h[i]`` means equal first ``(i+1) * chunk_tokens`` tokens."""
@@ -346,7 +346,7 @@ class Bucket:
         self._hot: dict[str, tuple[Any, list[tuple[Any, Any]]]] = {}
         self.root = Path(root)
         self.clock = clock
-        prefix_hashes("m", [], prefix_chunk_tokens)  # validates the chunk size
+        prefix_hashes("m", [], chunk_tokens=prefix_chunk_tokens)  # validates the chunk size
         self.prefix_chunk_tokens = prefix_chunk_tokens
         self._subscribers: list[Callable[[dict], None]] = []
         self._cache: dict | None = None
@@ -359,7 +359,7 @@ class Bucket:
         # registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
         self._mem = threading.RLock()
         self._tier_mutex = threading.RLock()
-        refuse_url(root, "a bucket")   # a URL is not a directory: never create "https:/host/..." locally
+        refuse_url(root, what="a bucket")   # a URL is not a directory: never create "https:/host/..." locally
         try:
             self._fs = BucketFS(self.root, create=create)
         except FileNotFoundError:
@@ -821,7 +821,7 @@ class Bucket:
         ``content`` or its ``token_ids``.  Returns the metadata (with ``"deduplicated": True`` when the
         same context was already stored; its data is then left as it was)."""
         check_model_id(model_id)
-        chash = content_hash(content, token_ids)
+        chash = content_hash(content, token_ids=token_ids)
         if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
                                 or not 0 < ttl < 100 * 365 * 86400):
             raise InvalidArgumentError(f"ttl must be a positive number of seconds below 100 years, got {ttl!r}")
@@ -831,9 +831,9 @@ class Bucket:
             raise InvalidArgumentError("source must be a string")
         kd = L.parse_dtype(dtype)
         comp = L.parse_compression(compression)
-        from mcf.bucket.kvfile import _shape_of
+        from mcf.bucket.kvfile import shape_of
 
-        shape = _shape_of(layers)
+        shape = shape_of(layers)
         if token_ids is not None and len(token_ids) != shape.sequence_length:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for KV data of {shape.sequence_length} tokens")
         doc = self.model(model_id)
@@ -853,7 +853,7 @@ class Bucket:
         prefix = None
         if token_ids is not None:
             prefix = {"chunk_tokens": self.prefix_chunk_tokens,
-                      "hashes": prefix_hashes(model_id, token_ids, self.prefix_chunk_tokens)}
+                      "hashes": prefix_hashes(model_id, token_ids, chunk_tokens=self.prefix_chunk_tokens)}
         tmp_rel = f"contexts/.tmp-{uuid.uuid4().hex}"
         try:
             self._fs.mkdir(tmp_rel)
@@ -995,7 +995,7 @@ class Bucket:
         matches.  Load just the shared part with ``load(context_id, tokens=result["tokens"])``."""
         check_model_id(model_id)
         want_dtype = None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)]
-        hashes = prefix_hashes(model_id, token_ids, self.prefix_chunk_tokens)
+        hashes = prefix_hashes(model_id, token_ids, chunk_tokens=self.prefix_chunk_tokens)
         index = self._prefix()
         now = self.clock()
         for h in reversed(hashes):  # chained: a match at chunk i implies chunks 0..i match
@@ -1121,7 +1121,7 @@ class Bucket:
                     layers = f.load_copy(threads=threads)
                 self._warm.put(context_id, layers)
             if target_tier == "hot":
-                self._hot[context_id] = (dev, [(to_torch(k, dev), to_torch(v, dev)) for k, v in layers])
+                self._hot[context_id] = (dev, [(to_torch(k, device=dev), to_torch(v, device=dev)) for k, v in layers])
             self._tier_set_at[context_id] = self.clock()
             self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
             return self.tier(context_id)
@@ -1240,7 +1240,7 @@ class Bucket:
             meta["timestamps"]["last_accessed"] = _iso(self.clock())
             self._write_meta(meta, durable=False)
 
-    def pin(self, context_id: str, pinned: bool = True) -> dict:
+    def pin(self, context_id: str, *, pinned: bool = True) -> dict:
         """Pinned contexts never expire and are never reaped by gc."""
         with self._lock():
             meta = self._read_meta(check_context_id(context_id))
@@ -1249,7 +1249,11 @@ class Bucket:
             self._journal_locked([self._put_record(meta, self._meta_stamp(context_id))])
         return meta
 
-    def delete(self, context_id: str, *, _event: str = "context.deleted") -> None:
+    def delete(self, context_id: str) -> None:
+        """Remove a context (its directory, registry entry and cached copies); emits ``context.deleted``."""
+        self._delete(context_id, event="context.deleted")
+
+    def _delete(self, context_id: str, *, event: str) -> None:
         rel = _ctx_rel(context_id)
         self._hot.pop(context_id, None)
         self._warm.pop(context_id)
@@ -1265,7 +1269,7 @@ class Bucket:
             self._fs.fsync_dir("contexts")
             self._journal_locked([{"op": "del", "context_id": context_id}])
             self._fs.remove_tree(grave)
-        self._emit(_event, model_id=model_id, context_id=context_id)
+        self._emit(event, model_id=model_id, context_id=context_id)
 
     def gc(self) -> list[str]:
         """Delete expired (unpinned) contexts and leftovers of crashed writers; returns the ids deleted."""
@@ -1278,7 +1282,7 @@ class Bucket:
                 continue
             if self._expired(meta, now):
                 with contextlib.suppress(ContextNotFoundError):
-                    self.delete(cid, _event="context.expired")
+                    self._delete(cid, event="context.expired")
                     gone.append(cid)
         with self._lock(), self._fs.dir("contexts") as cfd:
             for name, st in self._fs.listdir("contexts"):

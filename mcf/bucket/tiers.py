@@ -125,7 +125,7 @@ def _torch():
     return require("torch", feature="the hot tier and torch output", extra="torch", error=HotTierUnavailableError)
 
 
-def to_torch(arr: np.ndarray, device: Any = None):
+def to_torch(arr: np.ndarray, *, device: Any = None):
     """A torch tensor holding a copy of ``arr`` (bf16 kept as torch.bfloat16), on ``device``."""
     torch = _torch()
     a = np.array(arr)  # owned and writable: a mapped read-only page must never be handed out as writable

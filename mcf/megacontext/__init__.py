@@ -12,8 +12,8 @@ from mcf.megacontext._layout import (CTX_DTYPES, DEFAULT_BLOCK_SIZE, HEADER_SIZE
                                      children_of, gist_offset, parent_of, parse_header, span_of, token_offset)
 from mcf.megacontext.assembly import Plan, WorkingContext, assemble, plan_coverage, plan_tail
 from mcf.megacontext.gist import MeanPool, build_gists
-from mcf.megacontext.snapshots import restore, snapshot
-from mcf.megacontext.tree import Problem, Tree, create, open_tree, verify
+from mcf.megacontext.snapshots import snapshot
+from mcf.megacontext.tree import Problem, Tree, create, open_tree, restore, verify
 
 open = open_tree  # noqa: A001 - mcf.megacontext.open(path, mode) mirrors mcf.open
 
@@ -21,12 +21,5 @@ __all__ = [
     "create", "open", "open_tree", "Tree", "Problem", "verify", "snapshot", "restore",
     "Plan", "WorkingContext", "assemble", "plan_tail", "plan_coverage", "MeanPool", "build_gists",
     "CtxHeader", "parse_header", "token_offset", "gist_offset", "span_of", "children_of", "parent_of",
-    "MAGIC", "HEADER_SIZE", "LEVEL_FILES", "DEFAULT_BLOCK_SIZE", "CTX_DTYPES", "demo_megacontext",
+    "MAGIC", "HEADER_SIZE", "LEVEL_FILES", "DEFAULT_BLOCK_SIZE", "CTX_DTYPES",
 ]
-
-
-def demo_megacontext(model_dir, workdir, **kw):
-    """Build a tree from a real text with a real tokenizer and embedding matrix (see mcf.megacontext.demo)."""
-    from mcf.megacontext.demo import demo_megacontext as run
-
-    return run(model_dir, workdir, **kw)

@@ -168,7 +168,7 @@ def _plan(lod2, lod1, lod0) -> Plan:
     return Plan(lv, ix.astype(np.int64))
 
 
-def plan_coverage(plan, num_tokens: int, block_size: int = 32) -> tuple:
+def plan_coverage(plan, num_tokens: int, *, block_size: int = 32) -> tuple:
     """``(start, stop)``: the tokens a plan covers, checking that its entries are in timeline order
     and leave no gap and no overlap; InvalidArgumentError otherwise."""
     p = Plan.of(plan)

@@ -10,7 +10,7 @@ import time
 __all__ = ["add_ctx_parser"]
 
 
-from mcf.cli import _human  # noqa: E402  (one formatter for every subcommand)
+from mcf._core.console import human as _human  # noqa: E402  (one formatter for every subcommand)
 
 
 def cmd_info(args) -> int:
@@ -98,7 +98,7 @@ def cmd_ingest(args) -> int:
     import numpy as np
 
     import mcf.megacontext as mc
-    from mcf.cli import Progress
+    from mcf._core.console import Progress
     from mcf.errors import InvalidArgumentError
 
     table = pool = tok = None
@@ -131,7 +131,7 @@ def cmd_ingest(args) -> int:
             t0 = time.perf_counter()
             start = tree.num_tokens
             total = os.path.getsize(args.input) if args.input != "-" else 0
-            prog = Progress("ingest", None if not args.quiet else False)
+            prog = Progress("ingest", enabled=None if not args.quiet else False)
             done = 0
             if args.ids:
                 src = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")

@@ -68,7 +68,7 @@ def demo_megacontext(model_dir, workdir, *, out=None, budget: int = 128, recent_
                   f"{info['num_entries']} entries of {info['entry_bytes']} bytes\n")
 
             plan = mc.plan_tail(tree, budget=budget, recent_tokens=recent_tokens)
-            start, stop = mc.plan_coverage(plan, t, tree.block_size)
+            start, stop = mc.plan_coverage(plan, t, block_size=tree.block_size)
             t0 = time.perf_counter()
             wc = tree.assemble(plan, table)
             t_asm = time.perf_counter() - t0

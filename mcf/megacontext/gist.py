@@ -22,7 +22,7 @@ class MeanPool:
     """Mean pooling over an embedding table (any [vocab, d] fp16/bf16/fp32 array, e.g. a model's input
     embeddings, possibly a zero-copy view of a checkpoint)."""
 
-    def __init__(self, table, checkpoint: str = "mean-pooling"):
+    def __init__(self, table, *, checkpoint: str = "mean-pooling"):
         t = np.asarray(table)
         if t.dtype.byteorder == ">":  # big-endian values are values: a native copy
             t = t.astype(t.dtype.newbyteorder("="))

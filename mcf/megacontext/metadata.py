@@ -18,7 +18,8 @@ import math
 import os
 import time
 
-from mcf.errors import FormatError, MissingFileError, UnsupportedVersionError, os_error
+from mcf._core.fs import publish, write_all
+from mcf.errors import FormatError, MCFError, MissingFileError, UnsupportedVersionError, os_error
 from mcf.remote import is_url
 from mcf.megacontext._layout import CTX_DTYPES, GIST_DTYPE_CODES, LEVEL_FILES, ctx_dtype, file_size
 
@@ -87,7 +88,7 @@ def _clip(ranges, n):
     return out
 
 
-def set_range(ranges: list, start: int, stop: int, checkpoint, pending: bool = False) -> list:
+def set_range(ranges: list, start: int, stop: int, checkpoint, *, pending: bool = False) -> list:
     """The ranges with ``[start, stop)`` set to ``checkpoint``; neighbours with equal values merge."""
     if stop <= start:
         return [dict(r) for r in ranges]
@@ -118,7 +119,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate_metadata(obj, path=None) -> list:
+def validate_metadata(obj, *, path=None) -> list:
     """Every problem of a parsed metadata.json, as FormatError instances (empty when valid)."""
     errs = []
 
@@ -253,7 +254,7 @@ def load_metadata(dirpath):
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return None, [FormatError(f"not valid JSON: {exc}", path=path, field="metadata")]
-    errs = validate_metadata(obj, path)
+    errs = validate_metadata(obj, path=path)
     if errs:
         return None, errs
     obj.setdefault("gist_dtype", "fp16")
@@ -270,7 +271,7 @@ def load_metadata(dirpath):
     return obj, []
 
 
-def write_metadata(dirpath, meta: dict, durable: bool = False, name: str = METADATA) -> None:
+def write_metadata(dirpath, meta: dict, *, durable: bool = False, name: str = METADATA) -> None:
     """Replace metadata.json (or ``name``) atomically (temporary file + rename), so readers see the old
     or the new version, never a torn one."""
     dirpath = os.fspath(dirpath)
@@ -280,26 +281,16 @@ def write_metadata(dirpath, meta: dict, durable: bool = False, name: str = METAD
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(dirpath)
+        publish(tmp, path, durable=durable)
     except OSError as exc:
+        if isinstance(exc, MCFError):
+            raise
         raise os_error(exc, path) from None
-
-
-def fsync_dir(dirpath) -> None:
-    fd = os.open(dirpath, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def level_file(dirpath, level: int) -> str:

@@ -19,9 +19,11 @@ import time
 
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megacontext._layout import HEADER_SIZE, LEVEL_FILES, LEVELS
-from mcf.megacontext.metadata import METADATA, fsync_dir, now_iso, with_counts, write_metadata
+from mcf.megacontext._lock import acquire_lock, restore_marker
+from mcf._core.fs import fsync_dir
+from mcf.megacontext.metadata import METADATA, now_iso, with_counts, write_metadata
 
-__all__ = ["snapshot", "restore", "CHECKPOINTS"]
+__all__ = ["snapshot", "restore_validated", "finish_restore", "CHECKPOINTS"]
 
 CHECKPOINTS = "checkpoints"
 _TMP_PREFIX = ".restore-"
@@ -112,13 +114,10 @@ def snapshot(tree, dest=None) -> str:
     return dest
 
 
-def _marker(tree_dir):
-    from mcf.megacontext.tree import RESTORE_MARKER
-
-    return os.path.join(tree_dir, RESTORE_MARKER)
+_marker = restore_marker
 
 
-def _finish_restore(tree_dir) -> list:
+def finish_restore(tree_dir) -> list:
     """Roll an interrupted restore forward (marker present) or clean up its temporary files (no
     marker: the tree was never touched).  Called by a writer's open, under the writer lock."""
     done = []
@@ -141,20 +140,14 @@ def _finish_restore(tree_dir) -> list:
     return done
 
 
-def restore(snapshot_dir, tree_dir, *, _locked: bool = False) -> None:
-    """Replace the tree in ``tree_dir`` (created if missing) with the snapshot in ``snapshot_dir``.
-
-    The snapshot is validated first (it must open without errors).  Takes the writer lock, so it fails
-    while a writer has the tree open; readers that have it open keep reading the old files until they
-    reopen."""
-    from mcf.megacontext.tree import Tree, _acquire_lock
-
+def restore_validated(snapshot_dir, tree_dir, *, counts: dict, entry_sizes: dict, meta: dict, locked: bool) -> None:
+    """The file work of :func:`mcf.megacontext.restore`, once the snapshot in ``snapshot_dir`` opened
+    without errors (``counts``: its committed entries per level, ``entry_sizes``: bytes per entry of
+    each level, ``meta``: its metadata with those counts).  ``locked``: the caller already holds ``tree_dir``'s writer lock."""
     snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
     tree_dir = os.path.abspath(os.fspath(tree_dir))
-    with Tree(snapshot_dir) as snap:
-        counts = snap.committed_counts
-        entry = {lv: snap._levels[lv].header.entry_size for lv in LEVELS}
-        snap_meta = with_counts(snap._meta, counts)
+    entry = entry_sizes
+    snap_meta = dict(meta)
     snap_meta.pop("snapshot", None)
     snap_meta["restored_from"] = snapshot_dir
     snap_meta["last_modified"] = now_iso()
@@ -162,9 +155,9 @@ def restore(snapshot_dir, tree_dir, *, _locked: bool = False) -> None:
         os.makedirs(tree_dir, exist_ok=True)
     except OSError as exc:
         raise os_error(exc, tree_dir) from None
-    lock = -1 if _locked else _acquire_lock(tree_dir)
+    lock = -1 if locked else acquire_lock(tree_dir)
     try:
-        _finish_restore(tree_dir)
+        finish_restore(tree_dir)
         for level in LEVELS:
             name = LEVEL_FILES[level]
             src_path = os.path.join(snapshot_dir, name)
@@ -187,7 +180,7 @@ def restore(snapshot_dir, tree_dir, *, _locked: bool = False) -> None:
             os.fsync(f.fileno())
         os.replace(_marker(tree_dir) + ".tmp", _marker(tree_dir))
         fsync_dir(tree_dir)
-        _finish_restore(tree_dir)
+        finish_restore(tree_dir)
     except OSError as exc:
         raise os_error(exc, tree_dir) from None
     finally:

@@ -18,7 +18,6 @@ that is already in the file.
 from __future__ import annotations
 
 import errno
-import fcntl
 import math
 import os
 import struct
@@ -33,16 +32,15 @@ from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError,
                         TruncatedError, os_error)
 from mcf.megacontext import _megacontext as _mc
 from mcf.remote import is_url, refuse_url
+from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
                                      LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
                                      gist_offset, parent_of, parse_header, span_of, token_offset)
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
                                       with_counts, write_metadata, now_iso)
 
-__all__ = ["Tree", "Problem", "create", "open_tree", "verify", "LOCK_FILE", "RESTORE_MARKER"]
+__all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_FILE", "RESTORE_MARKER"]
 
-LOCK_FILE = ".lock"
-RESTORE_MARKER = ".restore.json"
 _KEEP = object()
 
 
@@ -243,23 +241,6 @@ def _scan(dirpath, mmap: bool):
     return meta, levels, problems
 
 
-def _acquire_lock(dirpath):
-    path = os.path.join(dirpath, LOCK_FILE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-    except OSError as exc:
-        raise os_error(exc, path) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise MCFIOError(errno.EBUSY, "the tree is already open for writing (one writer at a time)",
-                             dirpath) from None
-        raise os_error(exc, path) from None
-    return fd
-
-
 def _pwrite_all(fd, data, offset, path) -> None:
     if isinstance(data, np.ndarray):
         data = data.reshape(-1).view(np.uint8)   # any dtype (ml_dtypes' bfloat16 has no buffer format)
@@ -283,7 +264,7 @@ class Tree:
 
     def __init__(self, path, *, writable: bool = False, mmap: bool = True, durable: bool = False):
         if writable:
-            refuse_url(path, "opening a MegaContext tree for writing")
+            refuse_url(path, what="opening a MegaContext tree for writing")
         self.path = _dir_path(path)
         self.writable = bool(writable)
         self.durable = bool(durable)
@@ -296,10 +277,10 @@ class Tree:
             if self.writable:
                 if not os.path.isdir(self.path):
                     raise _not_a_dir(self.path)
-                self._lock_fd = _acquire_lock(self.path)
-                from mcf.megacontext.snapshots import _finish_restore
+                self._lock_fd = acquire_lock(self.path)
+                from mcf.megacontext.snapshots import finish_restore
 
-                _finish_restore(self.path)
+                finish_restore(self.path)
             meta, levels, problems = _scan(self.path, self._mmap)
             self._levels = levels
             errors = [p for p in problems if p.severity == "error"]
@@ -360,7 +341,7 @@ class Tree:
             repaired.append(f"{tmp}: removed")
         if stale:
             self._meta = with_counts(meta, counts)
-            write_metadata(self.path, dict(self._meta, last_modified=now_iso()), self.durable)
+            write_metadata(self.path, dict(self._meta, last_modified=now_iso()), durable=self.durable)
             repaired.append(f"{os.path.join(self.path, METADATA)}: brought up to the committed counts {counts}")
         self.notes += [f"repaired: {r}" for r in repaired]
 
@@ -525,7 +506,7 @@ class Tree:
         """The working context of ``plan``: see :func:`mcf.megacontext.assembly.assemble`."""
         from mcf.megacontext.assembly import assemble
 
-        return assemble(self, plan, embeddings, out=out, dtype=dtype, threads=threads)
+        return assemble(self, plan, embeddings=embeddings, out=out, dtype=dtype, threads=threads)
 
     def refresh(self) -> tuple:
         """Pick up what a writer in another process committed since opening; returns the counts.
@@ -679,7 +660,7 @@ class Tree:
         self._meta["gistnet_checkpoint"] = checkpoint
         self._write_metadata()
 
-    def set_ingestion_complete(self, done: bool = True) -> None:
+    def set_ingestion_complete(self, *, done: bool = True) -> None:
         self._check_writable()
         self._meta["ingestion_complete"] = bool(done)
         self._dirty = True
@@ -708,7 +689,7 @@ class Tree:
     def _write_metadata(self):
         self._meta["last_modified"] = now_iso()
         self._meta = with_counts(self._meta, self.committed_counts)
-        write_metadata(self.path, self._meta, self.durable)
+        write_metadata(self.path, self._meta, durable=self.durable)
         self._dirty = False
 
     # -- safety -----------------------------------------------------------------------------------------
@@ -720,12 +701,11 @@ class Tree:
 
     def restore(self, snapshot_dir) -> None:
         """Replace this (writable) tree's contents with a snapshot and reload."""
-        from mcf.megacontext.snapshots import restore
 
         self._check_writable()
         for lv in self._levels.values():
             lv.close()
-        restore(snapshot_dir, self.path, _locked=True)
+        _restore(snapshot_dir, self.path, locked=True)
         meta, levels, problems = _scan(self.path, self._mmap)
         self._levels = levels
         errors = [p for p in problems if p.severity == "error"]
@@ -735,7 +715,7 @@ class Tree:
         self.notes = [str(p) for p in problems]
         self._reconcile(problems)
 
-    def verify(self, deep: bool = False) -> list:
+    def verify(self, *, deep: bool = False) -> list:
         """Every inconsistency of the directory as it is on disk (see :func:`verify`)."""
         return verify(self.path, deep=deep, mmap=self._mmap)
 
@@ -830,7 +810,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise InvalidArgumentError(f"vocab_size must be in 1..2**32, got {vocab_size!r}")
     if gistnet_checkpoint is not None and not isinstance(gistnet_checkpoint, str):
         raise InvalidArgumentError("gistnet_checkpoint must be a string or None")
-    refuse_url(path, "creating a MegaContext tree")
+    refuse_url(path, what="creating a MegaContext tree")
     path = os.path.abspath(os.fspath(path))
     try:
         os.makedirs(path, exist_ok=True)
@@ -838,7 +818,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         raise os_error(exc, path) from None
     if os.path.exists(os.path.join(path, METADATA)):
         raise InvalidArgumentError(f"{path}: a tree already exists here (metadata.json); open it instead")
-    lock = _acquire_lock(path)
+    lock = acquire_lock(path)
     try:
         for level in LEVELS:
             h = CtxHeader(level=level, block_size=int(block_size), embedding_dim=int(embedding_dim),
@@ -855,10 +835,30 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
         meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),
                             gist_dtype=gdt.name, vocab_size=None if vocab_size is None else int(vocab_size),
                             gistnet_checkpoint=gistnet_checkpoint)
-        write_metadata(path, meta, durable)
+        write_metadata(path, meta, durable=durable)
     finally:
         os.close(lock)
     return Tree(path, writable=True, mmap=mmap, durable=durable)
+
+
+def restore(snapshot_dir, tree_dir) -> None:
+    """Replace the tree in ``tree_dir`` (created if missing) with the snapshot in ``snapshot_dir``.
+
+    The snapshot is validated first (it must open without errors).  Takes the writer lock, so it fails
+    while a writer has the tree open; readers that have it open keep reading the old files until they
+    reopen."""
+    _restore(snapshot_dir, tree_dir, locked=False)
+
+
+def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
+    from mcf.megacontext.snapshots import restore_validated
+
+    snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
+    with Tree(snapshot_dir) as snap:
+        counts = snap.committed_counts
+        entry = {lv: snap._levels[lv].header.entry_size for lv in LEVELS}
+        snap_meta = with_counts(snap._meta, counts)
+    restore_validated(snapshot_dir, tree_dir, counts=counts, entry_sizes=entry, meta=snap_meta, locked=locked)
 
 
 def open_tree(path, mode: str = "r", *, mmap: bool = True, durable: bool = False) -> Tree:
@@ -869,7 +869,7 @@ def open_tree(path, mode: str = "r", *, mmap: bool = True, durable: bool = False
     return Tree(path, writable=mode == "r+", mmap=mmap, durable=durable)
 
 
-def verify(path, deep: bool = False, mmap: bool = True) -> list:
+def verify(path, *, deep: bool = False, mmap: bool = True) -> list:
     """Every inconsistency of a tree directory, as :class:`Problem` objects (empty when all is well).
 
     Checks the headers, the counts against the file sizes and each other, metadata.json against the

@@ -13,19 +13,32 @@ See docs/megatron.md.
 """
 
 from mcf.megatron._layout import MEGATRON_DTYPES, dtype_for_vocab
-from mcf.megatron.reader import IndexedDataset, IndexHeader, open, verify
+from mcf.megatron import reader as _reader
+from mcf.megatron.reader import IndexedDataset, IndexHeader, verify
 from mcf.megatron.sample_index import (GPTSamples, build_document_index, build_gpt_indices, build_sample_idx,
                                        build_shuffle_index)
+from mcf.megatron import sharded as _sharded
 from mcf.megatron.sharded import ShardedDataset
 from mcf.megatron.writer import Writer, merge
 
 __all__ = ["open", "verify", "IndexedDataset", "IndexHeader", "Writer", "MEGATRON_DTYPES", "dtype_for_vocab",
            "build_sample_idx", "build_document_index", "build_shuffle_index", "build_gpt_indices", "GPTSamples",
-           "merge", "ShardedDataset", "demo_megatron"]
+           "merge", "ShardedDataset"]
 
 
-def demo_megatron(model_dir, workdir):
-    """Tokenize the checkpoint's README into a dataset and print a summary (``mcf demo``'s last step)."""
-    from mcf.megatron.demo import demo_megatron as _demo
+def open(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True,  # noqa: A001
+         idx=None, bin=None):
+    """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
 
-    return _demo(model_dir, workdir)
+    ``mmap=False`` reads with positional reads (parallel file systems, no address-space limits);
+    ``idx=`` and ``bin=`` take anything :func:`mcf.io.open_source` takes instead of a prefix (file-like
+    objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
+    ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
+
+    A list of prefixes, or a shard list (``*.json``, as the Ray commit step writes), opens one
+    read-only :class:`~mcf.megatron.sharded.ShardedDataset` over all of them, numbered as their
+    concatenation, without merging or scanning them (see docs/scale.md).
+    """
+    if idx is None and bin is None and (isinstance(prefix, (list, tuple)) or _sharded.is_shard_list(prefix)):
+        return _sharded.open_shards(prefix, mmap=mmap, multimodal=multimodal, validate=validate)
+    return _reader.open(prefix, mmap=mmap, multimodal=multimodal, validate=validate, idx=idx, bin=bin)

@@ -59,9 +59,9 @@ def _is_url(p: str) -> bool:
 def _open_raw(path: str):
     """A seekable binary file: a local file, or an fsspec file for a URL."""
     if _is_url(path):
-        from mcf.remote import _url_to_fs
+        from mcf.remote import url_to_fs
 
-        fs, p = _url_to_fs(path, None)
+        fs, p = url_to_fs(path, None)
         try:
             return fs.open(p, "rb")
         except FileNotFoundError:
@@ -80,9 +80,9 @@ def describe_inputs(inputs) -> list:
     for obj in inputs:
         p = os.fsdecode(os.fspath(obj))
         if _is_url(p):
-            from mcf.remote import _url_to_fs
+            from mcf.remote import url_to_fs
 
-            fs, q = _url_to_fs(p, None)
+            fs, q = url_to_fs(p, None)
             try:
                 info = fs.info(q)
             except FileNotFoundError:
@@ -217,7 +217,7 @@ def iter_chunk_documents(chunk: Chunk, json_key: str = "text"):
     stream = chunk_stream(chunk)
     begin = stream._begin if isinstance(stream, _LineRange) else 0
     try:
-        yield from iter_documents(chunk.path, json_key, stream=stream)
+        yield from iter_documents(chunk.path, json_key=json_key, stream=stream)
     except FormatError as exc:
         if not begin or exc.field is None:
             raise

@@ -27,10 +27,10 @@ class Intent:
 
     def __init__(self, prefix: str, renames: list, durable: bool):
         self.path = intent_path(prefix)
-        from mcf.writer import _create_temp
+        from mcf._core.fs import create_temp
 
         d = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = _create_temp(d, os.path.basename(self.path))
+        fd, tmp = create_temp(d, os.path.basename(self.path))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"renames": [[os.path.basename(a), os.path.basename(b)] for a, b in renames]}, f)
             f.flush()

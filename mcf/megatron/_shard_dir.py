@@ -35,7 +35,7 @@ PLAN_FILE = "plan.json"
 LOCK_FILE = ".lock"
 _NAME = re.compile(r"^g(\d{12})-(\d{12})-(\d{12})(-end)?$")
 _TASK = re.compile(r"^t(\d{6,})$")
-# temporaries of mcf's writers: .<name>.<pid>.<random>.tmp (mcf.writer._create_temp), and publish intents
+# temporaries of mcf's writers: .<name>.<pid>.<random>.tmp (mcf._core.fs.create_temp), and publish intents
 _TEMP = re.compile(r"^\.(?:g\d{12}-\d{12}-\d{12}(?:-end)?|t\d{6,}|plan\.json)\.(?:bin|idx|json|publish)?.*\.tmp$")
 
 
@@ -254,16 +254,10 @@ def read_plan(directory: str):
 
 
 def write_plan(directory: str, plan: dict) -> None:
-    from mcf.writer import _create_temp, _fsync_dir
+    from mcf._core.fs import write_atomic, write_all
 
-    fd, tmp = _create_temp(directory, PLAN_FILE)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(plan, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, PLAN_FILE))
-    _fsync_dir(os.path.join(directory, PLAN_FILE))
+    data = (json.dumps(plan, indent=1) + "\n").encode("utf-8")
+    write_atomic(os.path.join(directory, PLAN_FILE), lambda fd: write_all(fd, data), durable=True)
 
 
 def commit_runs(directory: str, runs, *, output_prefix, dtype, merge: bool = True, expected_groups=None,

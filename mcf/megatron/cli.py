@@ -9,13 +9,9 @@ import time
 
 import numpy as np
 
+from mcf._core.console import human as _human
+
 __all__ = ["add_megatron_parser"]
-
-
-def _human(n: float) -> str:
-    from mcf.cli import _human as h
-
-    return h(n)
 
 
 def info_dict(ds) -> dict:
@@ -96,13 +92,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from mcf.cli import Progress
+    from mcf._core.console import Progress
     from mcf.megatron import open as open_dataset
     from mcf.megatron.writer import merge
 
     t0 = time.perf_counter()
     merge(args.output_prefix, args.inputs, mmap=not args.no_mmap,
-          progress=Progress("merge", None if not args.quiet else False))
+          progress=Progress("merge", enabled=None if not args.quiet else False))
     dt = time.perf_counter() - t0
     with open_dataset(args.output_prefix) as ds:
         print(f"wrote {ds.path_prefix}: {len(args.inputs)} datasets, {len(ds):,} sequences, "
@@ -111,7 +107,7 @@ def cmd_merge(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from mcf.cli import Progress
+    from mcf._core.console import Progress
     from mcf.megatron.tokenize import tokenize
 
     if args.ray is not None:
@@ -126,7 +122,7 @@ def cmd_tokenize(args) -> int:
                      append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
                      add_special_tokens=args.add_special_tokens, empty_text=args.empty_text,
-                     progress=Progress("tokenize", None if not args.quiet else False))
+                     progress=Progress("tokenize", enabled=None if not args.quiet else False))
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
           f"sequences, {stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")

@@ -69,7 +69,7 @@ def _text_block(group: int, first: int, docs: list, end: int | None) -> pa.Table
                     schema=TEXT_SCHEMA)
 
 
-def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, drop_empty: bool = False):
+def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, *, drop_empty: bool = False):
     """The blocks of one chunk: its documents in order, ``batch_size`` a block, the last block ending
     with the chunk's end marker (alone in a block when the chunk holds no document).  ``drop_empty``
     leaves out documents whose text is empty, as datatrove's readers do (``empty_text="datatrove"``),
@@ -95,7 +95,7 @@ class TextDatasource(Datasource):
     document given as a list of strings.  ``drop_empty`` leaves out documents with an empty text (what
     datatrove's readers do; see :func:`read_chunk_blocks`)."""
 
-    def __init__(self, chunks, json_key: str = "text", batch_size: int = 1000, *, drop_empty: bool = False):
+    def __init__(self, chunks, *, json_key: str = "text", batch_size: int = 1000, drop_empty: bool = False):
         super().__init__()
         self.chunks = list(chunks)
         self.json_key = json_key
@@ -115,7 +115,7 @@ class TextDatasource(Datasource):
             size = (c.stop - c.start) if c.stop is not None else None
             meta = BlockMetadata(num_rows=None, size_bytes=size, input_files=[c.path], exec_stats=None)
             tasks.append(ReadTask(lambda c=c, k=self.json_key, b=self.batch_size, e=self.drop_empty:
-                                  read_chunk_blocks(c, k, b, e), meta,
+                                  read_chunk_blocks(c, k, b, drop_empty=e), meta,
                                   schema=TEXT_SCHEMA, per_task_row_limit=per_task_row_limit))
         return tasks
 
@@ -188,10 +188,10 @@ class TokenizeStep:
         return cum[starts[1:]] - cum[starts[:-1]], nseq, lens, flat
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from mcf.megatron.tokenize import _encoder
+        from mcf.megatron.tokenize import batch_encoder
 
         tok = _cached_tokenizer(self.tokenizer_json, self.digest)
-        run = _encoder(tok, self.add_special_tokens, self.eod, self.dtype, self.empty_text)
+        run = batch_encoder(tok, self.add_special_tokens, self.eod, self.dtype, empty_text=self.empty_text)
         n = table.num_rows
         is_end = table.column("end").to_numpy(zero_copy_only=False).astype(bool, copy=False)
         rows = np.flatnonzero(~is_end)
@@ -286,7 +286,7 @@ class MegatronDatasink(Datasink):
         from mcf.megatron._layout import writer_dtype
         from mcf.remote import refuse_url
 
-        refuse_url(directory, "writing shards")
+        refuse_url(directory, what="writing shards")
         self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         if empty not in ("skip", "sequence"):
             raise InvalidArgumentError(f"empty must be 'skip' or 'sequence', not {empty!r}")
@@ -622,7 +622,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     from mcf.remote import refuse_url
 
     t0 = time.perf_counter()
-    refuse_url(output_prefix, "writing a dataset")
+    refuse_url(output_prefix, what="writing a dataset")
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
     inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
@@ -634,7 +634,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"chunk_size must be >= 1 byte, got {chunk_size}")
     output_prefix = os.fspath(output_prefix)
     tok = load_tokenizer(tokenizer)
-    eod = eod_token_id(tok, eod_token) if append_eod else None
+    eod = eod_token_id(tok, token=eod_token) if append_eod else None
     dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True), dtype_rule)
     step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size,
                         empty_text=empty_text)
@@ -654,7 +654,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         if todo:
             sink = MegatronDatasink(shard_dir, dtype=dtype, order=("group", "position"), end="end")
             args = dict(ray_remote_args or {})      # the same for the three stages, so that they fuse
-            source = TextDatasource(todo, json_key, batch_size, drop_empty=empty_text == "datatrove")
+            source = TextDatasource(todo, json_key=json_key, batch_size=batch_size,
+                                    drop_empty=empty_text == "datatrove")
             ds = ray.data.read_datasource(source, override_num_blocks=len(todo),
                                           ray_remote_args=args)
             ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **args)

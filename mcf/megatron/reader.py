@@ -18,7 +18,7 @@ import numpy as np
 
 from mcf._args import integer
 from mcf._io import Source, open_source
-from mcf.errors import (FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
+from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
                         UnsupportedVersionError)
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, FAIRSEQ_DTYPES, FAIRSEQ_HEADER, FAIRSEQ_HEADER_SIZE, HEADER,
@@ -55,7 +55,7 @@ class IndexHeader:
     layout: Layout
 
 
-def parse_header(src: Source, multimodal: bool | None = None) -> IndexHeader:
+def parse_header(src: Source, *, multimodal: bool | None = None) -> IndexHeader:
     """Read and check the ``.idx`` header and that the counts fit the file size exactly."""
     path = src.name
     size = src.size
@@ -225,7 +225,7 @@ class IndexedDataset(_megatron.SequenceTable):
             self._bin_src = self._open(bin)
             self.idx_path = self._idx_src.name
             self.bin_path = self._bin_src.name
-            self.header = h = parse_header(self._idx_src, multimodal)
+            self.header = h = parse_header(self._idx_src, multimodal=multimodal)
             arrs = _Arrays(self._idx_src, h)
             if validate:
                 problems = array_problems(h, arrs, self._bin_src.size, idx_path=self.idx_path,
@@ -344,7 +344,7 @@ class IndexedDataset(_megatron.SequenceTable):
                 block = self._read_span(start, int(lens.sum(dtype=np.int64)))
                 return np.split(block, np.cumsum(lens[:-1], dtype=np.int64))
             return [self[i] for i in range(start, stop, step)]
-        raise TypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
+        raise ArgumentTypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
 
     def advise(self, advice: str) -> None:
         """``madvise`` the mapped .bin: "random" (the default for datasets of short sequences),
@@ -412,7 +412,7 @@ def _sources(prefix, idx, bin):
     return None, idx, bin
 
 
-def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, validate: bool = True,
+def open(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True,
          idx=None, bin=None):
     """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
 
@@ -421,14 +421,8 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
     objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
 
-    A list of prefixes, or a shard list (``*.json``, as the Ray commit step writes), opens one
-    read-only :class:`~mcf.megatron.sharded.ShardedDataset` over all of them, numbered as their
-    concatenation, without merging or scanning them (see docs/scale.md).
+    One dataset only: :func:`mcf.megatron.open` also opens lists of prefixes and shard lists.
     """
-    if idx is None and bin is None and (isinstance(prefix, (list, tuple)) or _is_shard_list(prefix)):
-        from mcf.megatron.sharded import open_shards
-
-        return open_shards(prefix, mmap, multimodal=multimodal, validate=validate)
     p, i, b = _sources(prefix, idx, bin)
     try:
         return _open_pair(p, i, b, mmap, multimodal, validate)
@@ -439,12 +433,6 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
         if p is None or _is_url(p) or not finish_interrupted(p):
             raise
     return _open_pair(p, i, b, mmap, multimodal, validate)
-
-
-def _is_shard_list(p) -> bool:
-    from mcf.megatron.sharded import is_shard_list
-
-    return is_shard_list(p)
 
 
 def _is_url(p) -> bool:
@@ -499,7 +487,7 @@ def _identity(idx, bin):
     return tuple(out)
 
 
-def verify(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, idx=None, bin=None) -> list:
+def verify(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, idx=None, bin=None) -> list:
     """Every problem of a dataset as a message; empty when it is valid.  A broken header stops the
     check (nothing after it can be located); the array checks all run and each reports its first
     offenders and how many there are."""

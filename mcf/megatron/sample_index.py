@@ -144,7 +144,7 @@ def build_shuffle_index(num_samples: int, total_size: int, random_state) -> np.n
 
 
 def num_epochs_for(num_samples: int | None, tokens_per_epoch: int, seq_length: int,
-                   add_extra_token_to_sequence: bool = True) -> int:
+                   *, add_extra_token_to_sequence: bool = True) -> int:
     """Megatron's ``_get_num_epochs``: the fewest epochs whose tokens cover ``num_samples`` samples."""
     if num_samples is None:
         return 1
@@ -157,7 +157,7 @@ def num_epochs_for(num_samples: int | None, tokens_per_epoch: int, seq_length: i
 
 
 def separate_final_epoch(num_samples: int | None, num_epochs: int, tokens_per_epoch: int, seq_length: int,
-                         add_extra_token_to_sequence: bool = True) -> bool:
+                         *, add_extra_token_to_sequence: bool = True) -> bool:
     """Megatron's rule: shuffle the last epoch apart when fewer than 80% of its samples are used."""
     if num_epochs == 1 or num_samples is None:
         return False
@@ -192,8 +192,8 @@ def build_gpt_indices(sizes, seq_length: int, *, num_samples: int | None = None,
     tpe = int(sz[idx].sum(dtype=np.int64)) if idx.size else 0
     if tpe < 2:
         raise InvalidArgumentError(f"the selected sequences hold {tpe} tokens; at least 2 are needed")
-    epochs = num_epochs_for(num_samples, tpe, seq_length, extra)
-    sep = separate_final_epoch(num_samples, epochs, tpe, int(seq_length), extra)
+    epochs = num_epochs_for(num_samples, tpe, seq_length, add_extra_token_to_sequence=extra)
+    sep = separate_final_epoch(num_samples, epochs, tpe, int(seq_length), add_extra_token_to_sequence=extra)
     rs = np.random.RandomState(seed)
     document_index = build_document_index(idx, epochs, rs, sep)
     sample_index = build_sample_idx(sz, document_index, seq_length, epochs, tpe, drop_last_partial_sequence, extra)

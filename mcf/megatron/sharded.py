@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._io import open_source
-from mcf.errors import FormatError, InvalidArgumentError, OutOfBoundsError
+from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 from mcf.megatron._layout import DOC_DTYPE, LENGTH_DTYPE, MEGATRON_DTYPES, MODE_DTYPE, dtype_code
 
@@ -142,7 +142,7 @@ def read_shard_list(path) -> tuple[list, dict]:
 def write_shard_list(path, shards, *, dtype, multimodal: bool = False, relative: bool = True) -> None:
     """Write a shard list atomically (temporary file + rename).  Prefixes under the list's directory
     are stored relative to it when ``relative`` (the directory can then be moved as a whole)."""
-    from mcf.writer import _create_temp, _fsync_dir
+    from mcf._core.fs import write_atomic, write_all
 
     p = os.path.abspath(os.fspath(path))
     d = os.path.dirname(p)
@@ -159,19 +159,8 @@ def write_shard_list(path, shards, *, dtype, multimodal: bool = False, relative:
            "sequences": sum(int(s.sequences) for s in shards), "documents": sum(int(s.documents) for s in shards),
            "tokens": None if any(s.tokens is None for s in shards) else sum(int(s.tokens) for s in shards),
            "shards": entries, "megatron_data_path": " ".join(weighted)}
-    fd, tmp = _create_temp(d, os.path.basename(p))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(p)
+    data = (json.dumps(doc, indent=1) + "\n").encode("utf-8")
+    write_atomic(p, lambda fd: write_all(fd, data), durable=True)
 
 
 def _shards_from_headers(prefixes, multimodal):
@@ -186,7 +175,7 @@ def _shards_from_headers(prefixes, multimodal):
         p = split_prefix(obj)
         src = open_source(p + ".idx", mmap=False)
         try:
-            h = parse_header(src, multimodal)
+            h = parse_header(src, multimodal=multimodal)
         finally:
             src.close()
         if dtype is None:
@@ -207,7 +196,7 @@ def _shards_from_headers(prefixes, multimodal):
     return shards, dtype, bool(mm)
 
 
-def open_shards(obj, mmap: bool = True, *, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
+def open_shards(obj, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
     """One read-only dataset over a shard list file (``*.json``) or a list of dataset prefixes."""
     if is_shard_list(obj):
         shards, meta = read_shard_list(obj)
@@ -393,7 +382,7 @@ class ShardedDataset(_megatron.ShardTable):
     def _getitem_other(self, idx):
         if isinstance(idx, slice):
             return [self[i] for i in range(*idx.indices(len(self)))]
-        raise TypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
+        raise ArgumentTypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
 
     def __iter__(self):
         for i in range(len(self)):

@@ -90,7 +90,7 @@ def _is_json(path: str) -> bool:
     return os.path.splitext(base)[1].lower() in (".jsonl", ".json", ".ndjson")
 
 
-def iter_documents(path: str, json_key: str = "text", *, position=None, stream=None):
+def iter_documents(path: str, *, json_key: str = "text", position=None, stream=None):
     """Yield each document of ``path`` as a ``str`` or a list of ``str`` (sentences).
 
     ``position``, if given, is a one-element list updated with the compressed bytes consumed.
@@ -165,7 +165,7 @@ def load_tokenizer(tokenizer):
     return tok
 
 
-def eod_token_id(tok, token: str | None = None) -> int:
+def eod_token_id(tok, *, token: str | None = None) -> int:
     """The id of ``token``, or of the first of the usual end-of-document tokens the vocabulary has."""
     names = (token,) if token else EOD_CANDIDATES
     for name in names:
@@ -183,7 +183,7 @@ class TokenizeStats(dict):
 EMPTY_TEXT_RULES = ("megatron", "datatrove")
 
 
-def _encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype, empty_text: str = "megatron"):
+def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype, *, empty_text: str = "megatron"):
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     datatrove = empty_text == "datatrove"
 
@@ -247,7 +247,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(tokenizer)
-    eod = eod_token_id(tok, eod_token) if append_eod else None
+    eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     total_bytes = 0
     for p in inputs:
@@ -258,7 +258,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     t0 = time.perf_counter()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule)
-    run = _encoder(tok, add_special_tokens, eod, w.dtype, empty_text)
+    run = batch_encoder(tok, add_special_tokens, eod, w.dtype, empty_text=empty_text)
     done_before = 0
 
     def write(result):
@@ -292,7 +292,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                 for path in inputs:
                     pos = [0]
                     batch: list = []
-                    for doc in iter_documents(path, json_key, position=pos):
+                    for doc in iter_documents(path, json_key=json_key, position=pos):
                         batch.append(doc)
                         if len(batch) >= batch_size:
                             if pool is None:

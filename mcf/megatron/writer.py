@@ -26,11 +26,11 @@ import tempfile
 import numpy as np
 
 from mcf._args import integer, integers
+from mcf._core.fs import create_temp, fsync_dir
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MODE_DTYPE, VERSION,
                                   dtype_code, writer_dtype)
-from mcf.writer import _create_temp, _fsync_dir
 
 __all__ = ["Writer"]
 
@@ -233,7 +233,7 @@ class Writer:
         from mcf.megatron.reader import split_prefix
         from mcf.remote import refuse_url
 
-        refuse_url(prefix, "writing a dataset")
+        refuse_url(prefix, what="writing a dataset")
         self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         self.dtype_code = dtype_code(self.dtype)
         self.prefix = split_prefix(prefix)
@@ -260,7 +260,7 @@ class Writer:
         self._idx_tmp = None
         try:
             if self._atomic:
-                fd, self._bin_tmp = _create_temp(directory, os.path.basename(self.bin_path))
+                fd, self._bin_tmp = create_temp(directory, os.path.basename(self.bin_path))
             else:
                 self._bin_tmp = self.bin_path
                 fd = os.open(self.bin_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
@@ -442,7 +442,7 @@ class Writer:
             if self._atomic:
                 self._publish()
                 if self._durable:
-                    _fsync_dir(self.idx_path)
+                    fsync_dir(os.path.dirname(os.path.abspath(self.idx_path)))
             self._closed = True
             self._release()
         except OSError as exc:
@@ -496,7 +496,7 @@ class Writer:
 
     def _write_index(self) -> None:
         if self._atomic:
-            fd, self._idx_tmp = _create_temp(self._dir, os.path.basename(self.idx_path))
+            fd, self._idx_tmp = create_temp(self._dir, os.path.basename(self.idx_path))
         else:
             self._idx_tmp = self.idx_path
             fd = os.open(self.idx_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)

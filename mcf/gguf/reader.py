@@ -1,4 +1,4 @@
-"""GGUF input: a validating reader, fast dequantization and conversion to MCF.
+"""The GGUF reader: validation and fast dequantization (conversion to MCF is :mod:`mcf.gguf.convert`).
 
 GGUF is the single-file format of llama.cpp / ggml.  Its loaders have had a long run of CVEs (an
 integer overflow in a count turned into a heap overflow, a string or array length taken from the file
@@ -16,8 +16,6 @@ Only the layout is read here; the bit work (decoding the ggml block types) is in
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import struct
 from dataclasses import dataclass
 
@@ -32,20 +30,15 @@ from mcf.errors import (
     TensorNotFoundError,
     TruncatedError,
     UnsupportedVersionError,
-    in_tensor,
 )
 
 __all__ = [
     "GGUF_METADATA_SECTION",
     "SUPPORTED_TYPES",
-    "ConvertStats",
     "GGMLType",
     "GGUFFile",
     "GGUFTensor",
-    "convert_gguf",
     "ggml_type",
-    "metadata_json",
-    "model_info",
     "open",
 ]
 
@@ -469,7 +462,7 @@ class GGUFFile:
             raise DTypeError(f"{self.path}: tensor {name!r} is {t.type.name}; use dequantize()")
         return self.raw(name).view(dt).reshape(t.shape)
 
-    def dequantize(self, name: str, out=None, dtype=np.float32, rows=None, threads: int = 1, impl=None):
+    def dequantize(self, name: str, dtype=np.float32, *, rows=None, out=None, impl=None, threads: int = 1):
         """Decode a tensor to float32 (or float16 / bfloat16 with ``dtype``), row-major.
 
         ``rows`` (``(start, stop)`` or a slice) selects a range of the first axis; the result then has
@@ -563,353 +556,3 @@ def open(obj, *, mmap: bool = True) -> GGUFFile:
 
 
 # -- conversion to MCF ------------------------------------------------------------------------------
-
-_CHUNK = 1 << 20           # bytes per streamed chunk (1 MiB stays in the caches: measured faster than 16 MiB)
-_NATIVE = {"Q8_0": "q8", "Q4_0": "q4"}
-
-
-@dataclass(frozen=True)
-class ConvertStats:
-    """What :func:`convert_gguf` did with one tensor.  ``how`` is ``"copy"`` (bytes as they are),
-    ``"cast"`` (float to another float dtype), ``"decode"`` (ggml blocks to float), ``"native"``
-    (Q8_0/Q4_0 re-laid out as MCF q8/q4 without loss) or ``"quantize"`` (to ``stored_as``)."""
-
-    name: str
-    ggml_type: str
-    stored_as: str
-    how: str
-    shape: tuple
-    nbytes_in: int
-    nbytes_out: int
-
-
-_ARCH_WORDS = (("llama", "LLAMA"), ("mistral", "MISTRAL"), ("qwen", "QWEN"), ("gemma", "GEMMA"),
-               ("granite", "GRANITE"), ("smollm3", "SMOLLM3"))
-
-
-def model_info(g: GGUFFile):
-    """A :class:`mcf.ModelInfo` from the GGUF keys llama.cpp writes (``general.architecture``,
-    ``general.name``, ``<arch>.block_count``, ``.embedding_length``, ``.attention.head_count(_kv)``,
-    ``.context_length``, ``.rope.freq_base``, ``.rope.scaling.*``; vocabulary size from
-    ``tokenizer.ggml.tokens``).  Missing or odd-typed values become 0, as the HF path does."""
-    from mcf.modelinfo import Arch, ModelInfo, RopeType
-
-    md = g.metadata
-
-    def u32(key):
-        v = md.get(key)
-        if isinstance(v, np.ndarray) and v.size and v.dtype.kind in "iu":  # per-layer values
-            v = int(v.max())
-        if isinstance(v, bool) or not isinstance(v, int):
-            return 0
-        return v if 0 <= v < 2 ** 32 else 0
-
-    def f32(key):
-        v = md.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or abs(v) > float(np.finfo(np.float32).max):
-            return 0.0
-        return float(np.float32(v))
-
-    arch = md.get("general.architecture")
-    arch = arch if isinstance(arch, str) else ""
-    name = md.get("general.name")
-    mi = ModelInfo(model_name=name if isinstance(name, str) else "")
-    base = md.get("general.basename")
-    if isinstance(base, str):
-        mi.base_model = base
-    low = arch.lower()
-    mi.arch = Arch.UNKNOWN
-    for word, member in _ARCH_WORDS:
-        if word in low:
-            mi.arch = Arch[member]
-            break
-    p = arch + "."
-    tokens = md.get("tokenizer.ggml.tokens")
-    mi.vocab_size = len(tokens) if isinstance(tokens, list) and len(tokens) < 2 ** 32 else u32(p + "vocab_size")
-    mi.hidden_size = u32(p + "embedding_length")
-    mi.layer_count = u32(p + "block_count")
-    mi.head_count = u32(p + "attention.head_count")
-    mi.head_count_kv = u32(p + "attention.head_count_kv")
-    mi.context_length = u32(p + "context_length")
-    mi.train_context = u32(p + "rope.scaling.original_context_length")
-    mi.rope_freq_base = f32(p + "rope.freq_base")
-    mi.rope_scale = f32(p + "rope.scaling.factor")
-    st = md.get(p + "rope.scaling.type")
-    if st == "linear":
-        mi.rope_type = RopeType.LINEAR
-    elif st == "yarn":
-        mi.rope_type = RopeType.YARN
-    elif p + "rope.freq_base" in md or p + "rope.dimension_count" in md:
-        mi.rope_type = RopeType.STANDARD
-    if arch:
-        mi.extras["gguf.architecture"] = arch
-    mi.extras["gguf.version"] = g.version
-    ft = md.get("general.file_type")
-    if isinstance(ft, int) and not isinstance(ft, bool) and 0 <= ft < 2 ** 32:
-        mi.extras["gguf.file_type"] = ft
-    return mi
-
-
-def _jsonable(v):
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, bytes):
-        return {"bytes_hex": v.hex()}
-    if isinstance(v, list):
-        return [_jsonable(x) for x in v]
-    return v
-
-
-def metadata_json(g: GGUFFile) -> bytes:
-    """The whole GGUF header as JSON (what :func:`convert_gguf` stores in section 0x0200): version,
-    alignment, every key with its value and value type, and each tensor's ggml type and dims.
-    Strings that are not UTF-8 appear as ``{"bytes_hex": ...}``; non-finite floats as JSON's
-    ``NaN``/``Infinity`` extension (Python's json reads them)."""
-    doc = {
-        "format": "gguf",
-        "version": g.version,
-        "alignment": g.alignment,
-        "metadata": {k: _jsonable(v) for k, v in g.metadata.items()},
-        "value_types": {k: (list(t) if isinstance(t, tuple) else t) for k, t in g.value_types.items()},
-        "tensors": [{"name": t.name, "ggml_type": t.type.name, "dims": list(t.dims)} for t in g.tensors.values()],
-    }
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-class _Reader:
-    """Chunks of a tensor's bytes in file order, without keeping them: mapped pages are dropped with
-    MADV_DONTNEED once used, positional reads go into one reused aligned buffer."""
-
-    def __init__(self, g: GGUFFile):
-        from mcf.io import aligned_empty
-
-        self.src = g.source
-        self.mapped = self.src.mode in ("mmap", "memory")
-        self.buf = None if self.mapped else aligned_empty(_CHUNK + 4096)
-        self._last = None
-
-    def read(self, off: int, n: int) -> np.ndarray:
-        self.release()
-        if self.mapped:
-            v = self.src.view(off, n)
-            self._last = (off, n)
-            return v
-        if n > self.buf.size:
-            from mcf.io import aligned_empty
-
-            self.buf = aligned_empty(n)
-        self.src.readinto(off, self.buf[:n])
-        return self.buf[:n]
-
-    def release(self):
-        if self._last is not None and self.src.mode == "mmap":
-            self.src.advise("dontneed", *self._last)
-        self._last = None
-
-
-def _block_chunks(t: GGUFTensor, out_itemsize: int):
-    """(first block, block count) pieces of a tensor, each giving about _CHUNK bytes of output."""
-    nb = t.nbytes // t.type.size if t.type.size else 0
-    per = max(1, _CHUNK // max(1, t.type.block * out_itemsize))
-    for b in range(0, nb, per):
-        yield b, min(per, nb - b)
-
-
-def _float_target(t: GGUFTensor, dtype: str):
-    from mcf.dtypes import parse_dtype
-
-    if dtype == "keep":
-        own = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}.get(t.type.name, "f32")
-        return parse_dtype(own)
-    return parse_dtype(dtype)
-
-
-def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="keep", progress=None,
-                 mmap: bool = False, threads: int = 1, durable: bool = True, fast: bool = False,
-                 imatrix=None) -> list:
-    """Convert a GGUF file to MCF, one tensor at a time (peak memory near one tensor).
-
-    - ``dtype="keep"``: F32/F16/BF16/F64 tensors are stored as they are; quantized ggml types are
-      decoded to float32.  ``"f32"``/``"f16"``/``"bf16"`` casts every float tensor (decoded ones too).
-    - ``method`` (``"q8"``, ``"q4"``, ``"k6"``, ``"k4"``, ``"k3"``, ``"k2"``, ``"int8"``, ``"int4"``)
-      requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant.quantize_file` does (the
-      ggml blocks are decoded to float32 first); ``overrides`` (``["*.ffn_down.*=q8", "output.*=none"]``)
-      choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (a mapping name ->
-      importance; llama.cpp's importance matrices use GGUF names) as in ``mcf quantize``.
-    - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
-      two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
-      subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32
-      instead, also without loss.  Other types are decoded as with ``method=None``.
-
-    Tensor names are kept as GGUF has them and shapes are row-major (GGUF's dims reversed); no
-    llama.cpp -> Hugging Face renaming or Q/K un-permuting is done.  ModelInfo is filled from the GGUF
-    keys and the full metadata is kept as JSON in section 0x0200 (:data:`GGUF_METADATA_SECTION`).
-    ``mmap=False`` (the default) reads with positional reads into one reused buffer, so the resident
-    memory stays flat whatever the file size.  ``durable=False`` publishes the output without fsync
-    (see :class:`mcf.Writer`).  Returns a :class:`ConvertStats` per tensor.
-    """
-    from mcf.dtypes import parse_dtype
-    from mcf.quant import METHODS, _method_for, importance_for, parse_overrides, quantize
-    from mcf.writer import Writer, _cast_chunk
-
-    if method is not None and method != "native" and method not in METHODS:
-        raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS + ('native',)}")
-    if dtype != "keep":
-        try:
-            info = parse_dtype(dtype)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        if info.family != "float":
-            raise InvalidArgumentError(f"dtype must be 'keep', 'f32', 'f16', 'bf16' or 'f64', got {dtype!r}")
-        dtype = info.name
-    overrides = list(overrides or ())
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
-    stats = []
-    g = open(src, mmap=mmap)
-    try:
-        for t in g.tensors.values():  # refuse before writing anything
-            if t.type.kind == "unsupported":
-                raise DTypeError(f"{g.path}: tensor {t.name!r} has ggml type {t.type.name}, which mcf cannot "
-                                 f"decode (supported: {', '.join(SUPPORTED_TYPES)}, I8..I64)")
-        rd = _Reader(g)
-        with Writer(dst, align=64, durable=durable) as w:  # durable: see mcf.Writer
-            w.add_model_info(model_info(g))
-            w.add_section(GGUF_METADATA_SECTION, metadata_json(g))
-            names = list(g.tensors)
-            for i, name in enumerate(names):
-                t = g.tensors[name]
-                m = _method_for(name, method, ov)
-                imp = importance_for(imatrix, name, m) if m not in (None, "native") else None
-                try:
-                    stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, _cast_chunk, fast,
-                                              imp))
-                except MCFError as exc:  # name the file and the tensor, whatever failed
-                    raise in_tensor(exc, g.path, name) from exc
-                rd.release()
-                if progress is not None:
-                    progress(i + 1, len(names), name)
-    finally:
-        g.close()
-    return stats
-
-
-def _stream_copy(rd: _Reader, t: GGUFTensor):
-    for off in range(0, t.nbytes, _CHUNK):
-        yield rd.read(t.offset + off, min(_CHUNK, t.nbytes - off))
-
-
-def _stream_decode(g: GGUFFile, rd: _Reader, t: GGUFTensor, out_dt, threads):
-    from mcf import _gguf
-
-    buf = np.empty(min(t.n_elements, _CHUNK // out_dt.itemsize + t.type.block), dtype=out_dt)
-    for b0, n in _block_chunks(t, out_dt.itemsize):
-        raw = rd.read(t.offset + b0 * t.type.size, n * t.type.size)
-        o = buf[:n * t.type.block]
-        _gguf.dequantize_blocks(raw, t.type.code, n, o, threads=threads)
-        yield o
-
-
-def _stream_cast(rd: _Reader, t: GGUFTensor, src_info, dst_info, cast):
-    step = max(1, _CHUNK // src_info.itemsize)
-    for e in range(0, t.n_elements, step):
-        n = min(step, t.n_elements - e)
-        raw = rd.read(t.offset + e * src_info.itemsize, n * src_info.itemsize).view(src_info.numpy)
-        yield cast(raw, src_info, dst_info)
-
-
-def _decode_all_f32(g: GGUFFile, rd: _Reader, t: GGUFTensor, threads) -> np.ndarray:
-    out = np.empty(t.shape, dtype=np.float32)
-    flat = out.reshape(-1)
-    pos = 0
-    for chunk in _stream_decode(g, rd, t, np.dtype(np.float32), threads):
-        flat[pos:pos + chunk.size] = chunk
-        pos += chunk.size
-    return out
-
-
-def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, cast, fast=False, importance=None):
-    from mcf.dtypes import parse_dtype
-
-    tn = t.type.name
-    if t.type.kind == "int":
-        info = parse_dtype(tn.lower())
-        w.add_tensor_bytes(t.name, info, t.shape, _stream_copy(rd, t))
-        return ConvertStats(t.name, tn, info.name, "copy", t.shape, t.nbytes, t.nbytes)
-    rank2 = len(t.shape) == 2
-    if m == "native" and tn in _NATIVE and rank2:
-        st = _native(g, w, rd, t)
-        if st is not None:
-            return st
-        arr = _decode_all_f32(g, rd, t, threads)  # flushed scales: keep the exact float32 values
-        w.add_tensor_bytes(t.name, "f32", t.shape, arr)
-        return ConvertStats(t.name, tn, "f32", "decode", t.shape, t.nbytes, arr.nbytes)
-    if m is not None and m != "native" and rank2:
-        if t.type.kind == "quant":
-            arr, sd = _decode_all_f32(g, rd, t, threads), "f32"
-        else:
-            sd = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}[tn]
-            arr = rd.read(t.offset, t.nbytes).view(t.type.numpy).reshape(t.shape)
-            if not rd.mapped:
-                arr = arr.copy()  # the reader's buffer is reused
-        try:
-            payload, q = quantize(arr, m, compat=compat, fast=fast, importance=importance, src_dtype=sd,
-                                  threads=threads)
-        except InvalidArgumentError as exc:
-            if importance is None:
-                raise
-            raise InvalidArgumentError(f"{g.path}: tensor {t.name!r}: {exc}") from None
-        del arr
-        w.add_tensor_bytes(t.name, m, t.shape, payload, quant=q)
-        return ConvertStats(t.name, tn, m, "quantize", t.shape, t.nbytes, payload.nbytes)
-    target = _float_target(t, dtype)
-    if t.type.kind == "float":
-        src_info = parse_dtype({"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}[tn])
-        if src_info.code == target.code:
-            w.add_tensor_bytes(t.name, target, t.shape, _stream_copy(rd, t))
-            return ConvertStats(t.name, tn, target.name, "copy", t.shape, t.nbytes, t.nbytes)
-        w.add_tensor_bytes(t.name, target, t.shape, _stream_cast(rd, t, src_info, target, cast))
-        return ConvertStats(t.name, tn, target.name, "cast", t.shape, t.nbytes, t.n_elements * target.itemsize)
-    if target.name == "f64":
-        target = parse_dtype("f32")
-    out_dt = np.dtype(np.float32) if target.name == "f32" else np.dtype(np.float16 if target.name == "f16"
-                                                                        else np.uint16)
-    w.add_tensor_bytes(t.name, target, t.shape, _stream_decode(g, rd, t, out_dt, threads))
-    return ConvertStats(t.name, tn, target.name, "decode", t.shape, t.nbytes, t.n_elements * target.itemsize)
-
-
-def _native(g, w, rd, t: GGUFTensor):
-    """Q8_0 / Q4_0 -> MCF q8 / q4, streamed: the scales (1/17 or 1/9 of the tensor) are gathered
-    first, then the codes chunk by chunk.  None if a scale would be flushed by MCF's decoder."""
-    from mcf import _gguf
-    from mcf.layout import quant_layout
-
-    meth = _NATIVE[t.type.name]
-    rows, cols = t.shape
-    lay = quant_layout(meth, (rows, cols))
-    nb = rows * lay.blocks_per_row
-    assert nb * t.type.size == t.nbytes
-    scales = np.empty(nb, dtype=np.uint16)
-    bad = 0
-    per = max(1, _CHUNK // t.type.size)
-    for b0 in range(0, nb, per):
-        n = min(per, nb - b0)
-        bad += _gguf.relayout_scales(rd.read(t.offset + b0 * t.type.size, n * t.type.size), t.type.code, n,
-                                     scales[b0:b0 + n])
-    rd.release()
-    if bad:
-        return None
-    cb = 32 if meth == "q8" else 16
-    data_off = lay.region("data").offset
-
-    def gen():
-        yield scales.view(np.uint8)
-        yield np.zeros(data_off - 2 * nb, dtype=np.uint8)
-        codes = np.empty(per * cb, dtype=np.uint8)
-        for b0 in range(0, nb, per):
-            n = min(per, nb - b0)
-            _gguf.relayout_codes(rd.read(t.offset + b0 * t.type.size, n * t.type.size), t.type.code, n, codes)
-            yield codes[:n * cb]
-
-    w.add_tensor_bytes(t.name, meth, t.shape, gen())
-    return ConvertStats(t.name, t.type.name, meth, "native", t.shape, t.nbytes, lay.nbytes)

@@ -1,0 +1,119 @@
+"""The command-line scaffolding every subcommand shares: a progress bar, human-readable sizes and
+the reports of ``mcf info`` and ``mcf quantize --report``.
+
+It lives in the core (not in :mod:`mcf.cli`) so format CLIs (``mcf megatron``, ``mcf megacontext``)
+and the demo use it without importing the ``mcf`` entry point, which imports them.  The error
+printing and ``--debug`` handling are in :mod:`mcf._cli_errors`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+__all__ = ["Progress", "human", "info_dict", "print_info", "print_report"]
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class Progress:
+    """A minimal progress bar on stderr (only when it is a terminal, or when forced)."""
+
+    def __init__(self, label: str, *, enabled: bool | None = None):
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        if not self.enabled:
+            return
+        width = 30
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        el = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{total} {el:5.1f}s {what[:40]:<40}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def info_dict(c) -> dict:
+    h = c.header
+    mi = c.model_info
+    return {
+        "file": c.path,
+        "header": {"magic": h.magic.hex(), "major": h.major, "minor": h.minor, "header_size": h.header_size,
+                   "section_count": h.section_count, "section_dir_offset": h.section_dir_offset,
+                   "file_size": h.file_size, "flags": h.flags},
+        "sections": [{"type": s.type, "name": s.name, "version": s.version, "offset": s.offset,
+                      "size": s.size} for s in c.sections],
+        "model_info": None if mi is None else mi.to_dict(),
+        "tensors": [{"index": t.index, "name": t.name, "dtype": t.dtype.name, "shape": list(t.shape),
+                     "offset": t.offset, "size": t.nbytes} for t in c.index.values()],
+        "quant_info": [{"tensor_index": r.tensor_index, "tensor": r.name, "method": r.method,
+                        "domain": r.domain, "block_size": r.block_size, "super_size": r.super_size,
+                        "min_clip": r.min_clip, "max_clip": r.max_clip} for r in c.quant_info],
+    }
+
+
+def print_info(c, *, out=None) -> None:
+    out = out or sys.stdout
+    d = info_dict(c)
+    h = d["header"]
+    w = out.write
+    w(f"{c.path}: MCF {h['major']}.{h['minor']}, {human(h['file_size'])} ({h['file_size']} bytes), "
+      f"flags=0x{h['flags']:x}{' (tensor data aligned 64)' if h['flags'] & 1 else ''}\n")
+    w(f"\nsections ({len(d['sections'])}, directory at {h['section_dir_offset']}):\n")
+    w(f"  {'type':>6}  {'name':<24} {'offset':>12} {'size':>12}\n")
+    for s in sorted(d["sections"], key=lambda s: s["offset"]):
+        w(f"  0x{s['type']:04x}  {s['name']:<24} {s['offset']:>12} {s['size']:>12}\n")
+    mi = d["model_info"]
+    if mi:
+        w("\nmodel info:\n")
+        for k in ("model_name", "base_model", "arch", "vocab_size", "hidden_size", "layer_count", "head_count",
+                  "head_count_kv", "context_length", "train_context", "rope_type", "rope_freq_base", "rope_scale"):
+            if mi[k] not in ("", 0, 0.0, None):
+                w(f"  {k:<16} {mi[k]}\n")
+        for k, v in mi["extras"].items():
+            w(f"  {k:<16} {v}\n")
+    tensors = d["tensors"]
+    total = sum(t["size"] for t in tensors)
+    w(f"\ntensors ({len(tensors)}, {human(total)}):\n")
+    nw = min(max([len(t["name"]) for t in tensors] + [4]), 60)
+    w(f"  {'name':<{nw}} {'dtype':<5} {'shape':<18} {'size':>12} {'offset':>12}\n")
+    for t in tensors:
+        shape = "x".join(map(str, t["shape"])) or "scalar"
+        w(f"  {t['name']:<{nw}} {t['dtype']:<5} {shape:<18} {t['size']:>12} {t['offset']:>12}\n")
+    if d["quant_info"]:
+        w(f"\nquant records ({len(d['quant_info'])}):\n")
+        for r in d["quant_info"]:
+            w(f"  {r['tensor']:<{nw}} method=0x{r['method']:02x} domain={r['domain']} block={r['block_size']} "
+              f"super={r['super_size']} clip=[{r['min_clip']:.6g}, {r['max_clip']:.6g}]\n")
+
+
+def print_report(stats, *, out=None) -> None:
+    """Per-tensor quantization error: RMSE, SNR and max |error| of the decoded values."""
+    out = out or sys.stdout
+    if not stats:
+        out.write("no tensor was quantized\n")
+        return
+    nw = min(max(len(s.name) for s in stats), 60)
+    out.write(f"\n  {'tensor':<{nw}} {'method':<6} {'shape':<14} {'RMSE':>10} {'SNR dB':>8} {'max|err|':>10} {'ratio':>6}\n")
+    for s in stats:
+        shape = "x".join(map(str, s.shape))
+        out.write(f"  {s.name:<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "
+                  f"{s.max_abs_err:>10.3g} {s.nbytes_in / max(1, s.nbytes_out):>5.2f}x\n")
+    n = sum(math.prod(s.shape) for s in stats)
+    mse = sum(s.rmse ** 2 * math.prod(s.shape) for s in stats) / max(1, n)
+    snrs = [s.snr_db for s in stats if math.isfinite(s.snr_db)]
+    out.write(f"  {'all ' + str(len(stats)) + ' quantized tensors':<{nw}} {'':<6} {'':<14} {math.sqrt(mse):>10.3g} "
+              f"{(sum(snrs) / len(snrs) if snrs else float('nan')):>8.2f} {max(s.max_abs_err for s in stats):>10.3g} "
+              f"{sum(s.nbytes_in for s in stats) / max(1, sum(s.nbytes_out for s in stats)):>5.2f}x"
+              "   (RMSE over all values, mean SNR)\n")

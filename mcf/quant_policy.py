@@ -1,0 +1,165 @@
+"""Which tensors of a model get which quantization method, and quantizing whole files.
+
+The array-level quantizer is :mod:`mcf.quant`; this module is the policy around it that every
+converter shares: the method of each tensor (``method`` plus ``PATTERN=METHOD`` overrides, rank-2
+float tensors only), the importance of each tensor (an imatrix), the checks of a combination of
+modes, and :func:`quantize_file` (``mcf quantize``: an MCF file to an MCF file, with the Go packer's
+layout).  :func:`mcf.pack`, :func:`mcf.convert` and the GGUF converter all use it, so a model gets the
+same methods whichever way it comes in.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import numpy as np
+
+from mcf.container import open as open_container
+from mcf.dtypes import DTypeInfo, parse_dtype
+from mcf.errors import InvalidArgumentError, MCFError, in_tensor
+from mcf.imatrix import as_importance
+from mcf.layout import SectionType
+from mcf.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
+from mcf.writer import Writer
+
+__all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "add_quantized", "importance_for",
+           "check_imatrix_mode", "quantize_file"]
+
+
+def method_for(name: str, default: str | None, overrides) -> str | None:
+    for pattern, m in overrides:
+        if fnmatch.fnmatchcase(name, pattern):
+            return None if m in ("none", "keep") else m
+    return default
+
+
+def parse_overrides(items) -> list:
+    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins."""
+    out = []
+    for it in items or ():
+        if "=" not in it:
+            raise InvalidArgumentError(f"override {it!r} is not PATTERN=METHOD")
+        pat, m = it.rsplit("=", 1)
+        m = m.strip().lower()
+        if m not in METHODS + ("none", "keep"):
+            raise InvalidArgumentError(f"override {it!r}: unknown method {m!r}; expected one of "
+                                       f"{METHODS + ('none', 'keep')}")
+        out.append((pat.strip(), m))
+    return out
+
+
+def resolve_policy(method, overrides) -> tuple:
+    """Validate a default method and overrides once, before any output is written: ``(method or
+    None, [(pattern, method)])``.  Overrides may be strings or already-parsed pairs."""
+    if isinstance(method, str) and method.strip().lower() in ("none", "keep"):
+        method = None
+    if method is not None:
+        try:
+            method = parse_dtype(method).name
+        except ValueError:
+            pass
+        if method not in METHODS:
+            raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
+    overrides = list(overrides or ())
+    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
+    return method, ov
+
+
+def plan_method(name: str, shape, dtype: DTypeInfo, method: str | None, overrides) -> str | None:
+    """The method tensor ``name`` is quantized with, or None to store it as it is.
+
+    Only rank-2 float tensors are quantized (norms, biases, integer and already-quantized tensors
+    are copied); the first override whose glob matches the name wins over the default method."""
+    m = method_for(name, method, overrides)
+    if m is None or len(shape) != 2 or dtype.family != "float":
+        return None
+    return m
+
+
+def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, compat: bool = False,
+                  fast: bool = False, importance=None, min_clip: float | None = None,
+                  max_clip: float | None = None, report: bool = False) -> QuantStats | None:
+    """Quantize a rank-2 float ``array`` (stored as ``src_dtype``) into writer ``w`` with its QuantInfo
+    record; with ``report``, decode it again and return its error against the original.  ``compat``,
+    ``fast`` and ``importance`` as in :func:`quantize`."""
+    try:
+        payload, q = quantize(array, method, compat=compat, fast=fast, importance=importance,
+                              min_clip=min_clip, max_clip=max_clip, src_dtype=src_dtype)
+    except InvalidArgumentError as exc:
+        if importance is None:
+            raise
+        raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
+    shape = tuple(int(d) for d in np.shape(array))
+    w.add_tensor_bytes(name, method, shape, payload, quant=q)
+    if not report:
+        return None
+    dec = dequantize(payload, method, shape)
+    ref = rows_f32(np.asarray(array), 0, shape[0], src_dtype)
+    rmse, snr, mx = tensor_error_stats(ref, dec)
+    return QuantStats(name, method, shape, rmse, snr, mx, math.prod(shape) * src_dtype.itemsize,
+                      payload.nbytes)
+
+
+def importance_for(imatrix, name: str, method: str):
+    """The importance vector of tensor ``name`` in ``imatrix`` (a mapping, see :func:`mcf.imatrix.as_importance`)
+    when ``method`` can use it (the q*/k* search), else None: int8/int4 keep one scale per tensor, so there
+    is nothing for per-column weights to choose."""
+    if not imatrix or parse_dtype(method).family == "raw":
+        return None
+    return imatrix.get(name)
+
+
+def check_imatrix_mode(imatrix, compat: bool, fast: bool) -> None:
+    """An importance matrix weights the search: refuse it up front with the single-pass modes."""
+    if imatrix is not None and (compat or fast):
+        raise InvalidArgumentError("an importance matrix weights the error-minimizing search; it does not apply "
+                                   "with " + ("compat" if compat else "fast"))
+
+
+def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = False, fast: bool = False,
+                  imatrix=None, min_clip: float | None = None, max_clip: float | None = None,
+                  report: bool = False, progress=None, mmap: bool = True):
+    """Quantize every rank-2 float tensor of MCF file ``src`` into ``dst``; copy everything else.
+
+    The output is laid out as the Go quantizer lays it out (ModelInfo and resource sections copied in
+    directory order, tensors sorted and 64-aligned, then TensorIndex and QuantInfo), so with
+    ``compat=True`` and the same method it is byte-identical to ``mantle quantize``.  ``fast`` keeps the
+    single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.imatrix.read_imatrix`
+    reads, or a mapping name -> per-column importance) weights the error of the tensors it names; the
+    others are quantized unweighted.  Returns a list of :class:`QuantStats` when ``report`` is true (else
+    an empty list).
+    """
+
+    method, ov = resolve_policy(method, overrides)
+    check_imatrix_mode(imatrix, compat, fast)
+    imat = as_importance(imatrix)
+    stats = []
+    with open_container(src, mmap=mmap) as c, Writer(dst, align=64) as w:
+        for s in c.sections:
+            if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
+                continue
+            w.add_section(s.type, c.section_bytes(s.type), version=s.version)
+        names = list(c)
+        for i, name in enumerate(names):
+            t = c.info(name)
+            try:
+                m = plan_method(name, t.shape, t.dtype, method, ov)
+                if m is not None:
+                    st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
+                                       importance=importance_for(imat, name, m), min_clip=min_clip,
+                                       max_clip=max_clip, report=report)
+                    if st is not None:
+                        stats.append(st)
+                elif t.dtype.quantized:
+                    rec = c.quant_record(name)
+                    q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
+                                                  "domain": rec.domain}
+                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
+                else:
+                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
+            except MCFError as exc:  # name the file and the tensor, whatever failed
+                raise in_tensor(exc, c.path, name) from exc
+            if progress is not None:
+                progress(i + 1, len(names), name)
+    return stats

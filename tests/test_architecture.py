@@ -1,0 +1,404 @@
+"""The package's shape, enforced: one API style and one error hierarchy (issue 15).
+
+These tests read the source with ``ast`` (and import the package only where a rule is about the
+runtime objects), so a new module is covered the moment it exists.  Each rule's allow-list is short
+and says why each entry is there; growing it needs a reason a reviewer would accept.
+
+The Cython sources (``*.pyx``) are checked by their own test; this file covers ``mcf/**/*.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import inspect
+import pathlib
+
+import pytest
+
+import mcf
+from mcf import errors
+
+PKG = pathlib.Path(mcf.__file__).parent
+
+# Builtin exceptions that may be raised directly: internal invariants (a bug in mcf, not a user's
+# input) and protocol signals.
+BUILTIN_RAISE_OK = {"AssertionError", "NotImplementedError", "StopIteration", "StopAsyncIteration",
+                    "KeyboardInterrupt", "SystemExit"}
+
+# Parameters with a default that stay positional, because positional is the obvious call:
+# (qualified name inside its module, parameter) -> why.
+POSITIONAL_OK = {
+    # "what to load" / "which dtype" is the one thing a reader call is about
+    ("mcf.container", "Container.load", "names"): "c.load(['a', 'b'])",
+    ("mcf.container", "load_file", "names"): "mirrors safetensors' load_file(path, ...)",
+    ("mcf.container", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
+    ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
+    ("mcf.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
+    ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
+    ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
+    ("mcf.bucket.store", "content_hash", "content"): "content_hash('text')",
+    ("mcf.bucket.store", "Bucket.promote", "target_tier"): "b.promote(cid, 'hot')",
+    ("mcf.bucket.store", "Bucket.demote", "target_tier"): "b.demote(cid, 'cold')",
+    ("mcf.megacontext.tree", "Tree.tokens", "start"): "a range: tree.tokens(0, 100)",
+    ("mcf.megacontext.tree", "Tree.tokens", "stop"): "a range: tree.tokens(0, 100)",
+    ("mcf.megacontext.tree", "Tree.gists", "which"): "an index: tree.gists(1, slice(0, 8))",
+    ("mcf.megacontext.tree", "Tree.assemble", "embeddings"): "tree.assemble(plan, table)",
+    ("mcf.megacontext.assembly", "assemble", "embeddings"): "assemble(tree, plan, table)",
+    ("mcf.megacontext.tree", "Tree.snapshot", "dest"): "tree.snapshot('/backups/t1')",
+    ("mcf.megacontext.snapshots", "snapshot", "dest"): "snapshot(tree, '/backups/t1')",
+    ("mcf.megacontext.tree", "open_tree", "mode"): "mirrors builtins.open(path, 'r+')",
+    ("mcf.megatron", "open", "prefix"): "the dataset itself (None only with idx=/bin=)",
+    ("mcf.megatron.reader", "open", "prefix"): "the dataset itself (None only with idx=/bin=)",
+    ("mcf.megatron.reader", "verify", "prefix"): "the dataset itself (None only with idx=/bin=)",
+    # signatures copied from Megatron-LM, so code ported from it keeps working
+    ("mcf.megatron.writer", "Writer.add_item", "mode"): "Megatron-LM's IndexedDatasetBuilder.add_item",
+    ("mcf.megatron.writer", "Writer.add_document", "modes"): "Megatron-LM's IndexedDatasetBuilder.add_document",
+    ("mcf.megatron.sample_index", "build_sample_idx", "drop_last_partial_sequence"): "Megatron-LM's helper",
+    ("mcf.megatron.sample_index", "build_sample_idx", "add_extra_token_to_sequence"): "Megatron-LM's helper",
+    ("mcf.megatron.sample_index", "build_sample_idx", "dtype"): "Megatron-LM's helper",
+    ("mcf.megatron.sample_index", "build_document_index", "separate_final_epoch"): "Megatron-LM's helper",
+    # protocols defined elsewhere, called positionally by their owners
+    ("mcf.megatron.raydata", "TextDatasource.get_read_tasks", "per_task_row_limit"): "Ray's Datasource",
+    ("mcf.megatron.raydata", "TextDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
+    ("mcf.megatron.raydata", "MegatronDatasource.get_read_tasks", "per_task_row_limit"): "Ray's Datasource",
+    ("mcf.megatron.raydata", "MegatronDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
+    ("mcf.megatron.raydata", "MegatronDatasink.on_write_start", "schema"): "Ray's Datasink",
+    ("mcf.megatron.raydata", "connect", "address"): "mirrors ray.init(address)",
+    ("mcf.remote", "RemoteFile.read", "size"): "the io.RawIOBase protocol",
+    ("mcf.remote", "RemoteFile.seek", "whence"): "the io.RawIOBase protocol",
+    ("mcf.cli", "main", "argv"): "console-script convention: main(argv=None)",
+}
+
+_BUILTIN_EXC = {n for n in dir(builtins)
+                if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), BaseException)}
+
+
+def _modules():
+    """(module name, path, ast) of every .py file of the package."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out.append((".".join(parts), path, ast.parse(path.read_text(encoding="utf-8"), str(path))))
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_public_module(name: str) -> bool:
+    return not any(p.startswith("_") for p in name.split("."))
+
+
+def _public_functions(tree):
+    """(qualified name, FunctionDef) of the module-level functions and the methods of module-level
+    classes that are public (``__init__`` counts: it is the class's signature)."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for m in node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                        not m.name.startswith("_") or m.name == "__init__"):
+                    yield f"{node.name}.{m.name}", m
+
+
+def test_modules_found():
+    names = {m for m, _, _ in MODULES}
+    assert {"mcf", "mcf.errors", "mcf.container", "mcf.megatron.reader", "mcf.bucket.store"} <= names
+
+
+def test_no_bare_builtin_raise():
+    """Everything raised on purpose derives from MCFError (whose subclasses also inherit the builtin a
+    caller would catch), so ``except mcf.MCFError`` catches every refusal of the library."""
+    bad = []
+    for mod, path, tree in MODULES:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in _BUILTIN_EXC and exc.id not in BUILTIN_RAISE_OK:
+                    bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: raise {exc.id}")
+    assert not bad, "raise an mcf.errors class instead:\n" + "\n".join(bad)
+
+
+def _exception_classes():
+    """Every exception class defined in the package (imported, so subclassing is resolved)."""
+    found = {}
+    for mod, _, tree in MODULES:
+        if not any(isinstance(n, ast.ClassDef) for n in tree.body):
+            continue
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as exc:  # an optional dependency (ray, torch) is missing
+            if isinstance(exc, errors.MissingDependencyError) or exc.name not in (None, mod):
+                continue
+            raise
+        for name, obj in vars(m).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == mod:
+                found[f"{mod}.{name}"] = obj
+    return found
+
+
+def test_every_exception_derives_from_mcferror():
+    bad = [q for q, cls in _exception_classes().items() if not issubclass(cls, errors.MCFError)]
+    assert not bad, f"exception classes outside the MCFError hierarchy: {bad}"
+
+
+def test_every_exception_is_exported():
+    """The classes of mcf.errors are all in ``mcf.__all__``; an exception class defined in another
+    public module is exported by its package (``mcf.bucket.WarmBudgetError``)."""
+    for name in errors.__all__:
+        assert name in mcf.__all__ and getattr(mcf, name) is getattr(errors, name), name
+    for q, cls in _exception_classes().items():
+        mod, name = q.rsplit(".", 1)
+        if name.startswith("_") or not _is_public_module(mod) or mod == "mcf.errors":
+            continue
+        pkg = importlib.import_module(mod.rsplit(".", 1)[0]) if mod.count(".") > 1 else mcf
+        assert getattr(pkg, name, None) is cls and name in getattr(pkg, "__all__", ()), \
+            f"{q} is not exported from {pkg.__name__}"
+    public = {n for n in dir(errors) if inspect.isclass(getattr(errors, n))
+              and issubclass(getattr(errors, n), BaseException) and not n.startswith("_")}
+    assert public <= set(errors.__all__)
+
+
+def test_options_are_keyword_only():
+    """After the obvious positional arguments, options are keyword-only, so ``g.dequantize("w",
+    np.float16)`` cannot silently bind a dtype to ``out`` (issue 15).  A parameter with a default is
+    an option unless POSITIONAL_OK says why positional is the obvious call."""
+    bad, used = [], set()
+    for mod, path, tree in MODULES:
+        if not _is_public_module(mod):
+            continue
+        for qual, fn in _public_functions(tree):
+            pos = fn.args.posonlyargs + fn.args.args
+            for arg in pos[len(pos) - len(fn.args.defaults):]:
+                key = (mod, qual, arg.arg)
+                if key in POSITIONAL_OK:
+                    used.add(key)
+                else:
+                    bad.append(f"{path.relative_to(PKG.parent)}:{fn.lineno}: {qual}({arg.arg}=...)")
+    assert not bad, "make these keyword-only (or allow-list them with a reason):\n" + "\n".join(bad)
+    assert not set(POSITIONAL_OK) - used, f"stale allow-list entries: {set(POSITIONAL_OK) - used}"
+
+
+def test_no_private_keywords_in_public_signatures():
+    """``restore(_locked=)`` and ``delete(_event=)`` leaked internals into the API: internal variants
+    are private functions instead."""
+    bad = []
+    for mod, path, tree in MODULES:
+        if not _is_public_module(mod):
+            continue
+        for qual, fn in _public_functions(tree):
+            a = fn.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs:
+                if arg.arg.startswith("_"):
+                    bad.append(f"{path.relative_to(PKG.parent)}:{fn.lineno}: {qual}({arg.arg})")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("args", [("w", "float16"), ("w",)])
+def test_gguf_and_mcf_dequantize_share_an_order(args):
+    """The bug that started the rule: both readers take (name, dtype) positionally, the rest by name."""
+    from mcf.gguf import GGUFFile
+
+    for fn in (mcf.Container.dequantize, GGUFFile.dequantize):
+        sig = inspect.signature(fn)
+        params = [p for p in sig.parameters.values() if p.name != "self"]
+        assert [p.name for p in params[:2]] == ["name", "dtype"]
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[2:]), fn
+        sig.bind(None, *args)
+        with pytest.raises(TypeError):
+            sig.bind(None, "w", "float16", (0, 1))
+
+
+# -- the import graph ----------------------------------------------------------------------------------
+
+# Circles still in the tree, each with the step that removes it.  The test fails when a new one appears
+# and when one of these is gone (so the list only shrinks).
+KNOWN_CYCLES: dict[frozenset, str] = {}
+
+# ``from X import _name`` across modules still in the tree (module, imported module, name).
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
+
+
+def _is_main_guard(node) -> bool:
+    t = node.test if isinstance(node, ast.If) else None
+    return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in t.comparators))
+
+
+def _imports(tree):
+    """Every import statement of a module, at any depth (function-level imports are edges too), except
+    under ``if __name__ == "__main__":``, which runs only when the module is the program."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if _is_main_guard(node):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _graph():
+    names = {m for m, _, _ in MODULES}
+    compiled = {".".join(p.relative_to(PKG.parent).with_suffix("").parts) for p in PKG.rglob("*.pyx")}
+    edges: dict[str, set[str]] = {m: set() for m in names}
+    private = []
+    for mod, path, tree in MODULES:
+        is_pkg = path.name == "__init__.py"
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    parts = parts[:len(parts) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = []
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    targets.append((full, None) if full in names or full in compiled else (base, a.name))
+            for target, name in targets:
+                if target in names and target != mod:
+                    edges[mod].add(target)
+                if name and name.startswith("_") and not name.startswith("__") and target != mod \
+                        and (target == "mcf" or target.startswith("mcf.")):
+                    private.append((mod, target, name))
+    return edges, private
+
+
+def _cycles(edges):
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on, stack, out = {}, {}, set(), [], []
+    counter = 0
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.add(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(frozenset(comp))
+    return out
+
+
+def test_no_import_cycles():
+    edges, _ = _graph()
+    found = set(_cycles(edges))
+    new = [sorted(c) for c in found - set(KNOWN_CYCLES)]
+    assert not new, f"import circles (function-level imports count): {new}"
+    gone = [sorted(c) for c in set(KNOWN_CYCLES) - found]
+    assert not gone, f"remove these from KNOWN_CYCLES, they are gone: {gone}"
+
+
+def test_cycle_detection_sees_function_level_imports():
+    tree = ast.parse("def f():\n    from mcf.b import x\nif __name__ == '__main__':\n    import mcf.c\n")
+    assert [ast.unparse(n) for n in _imports(tree)] == ["from mcf.b import x"]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [frozenset({"a", "b"})]
+
+
+def test_no_private_names_imported_across_modules():
+    """``from mcf.writer import _create_temp`` made a writer's internals another module's API; a helper
+    two modules need is public in a (possibly private) module.  Private modules may be imported."""
+    _, private = _graph()
+    new = sorted(set(private) - KNOWN_PRIVATE_IMPORTS)
+    assert not new, "\n".join(f"{m}: from {t} import {n}" for m, t, n in new)
+    gone = KNOWN_PRIVATE_IMPORTS - set(private)
+    assert not gone, f"remove from KNOWN_PRIVATE_IMPORTS: {sorted(gone)}"
+
+
+# -- the layers (docs/architecture.md draws this table) ------------------------------------------------
+
+CORE, FORMAT, CONVERTER, APP = 0, 1, 2, 3
+LAYER_NAMES = {CORE: "core", FORMAT: "format", CONVERTER: "converter", APP: "app"}
+
+# module (or package prefix) -> (layer, group); the longest matching entry wins.  Formats are groups:
+# a format never imports another format.
+LAYERS = {
+    # core: imports only core, the standard library and numpy
+    "mcf._core": (CORE, "core"), "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
+    "mcf.remote": (CORE, "core"), "mcf._args": (CORE, "core"), "mcf.dtypes": (CORE, "core"),
+    "mcf._optional": (CORE, "core"), "mcf._cli_errors": (CORE, "core"), "mcf._gojson": (CORE, "core"),
+    # formats
+    "mcf.container": (FORMAT, "mcf"), "mcf.layout": (FORMAT, "mcf"), "mcf.tensor_index": (FORMAT, "mcf"),
+    "mcf.modelinfo": (FORMAT, "mcf"), "mcf.quantinfo": (FORMAT, "mcf"), "mcf.writer": (FORMAT, "mcf"),
+    "mcf.quant": (FORMAT, "mcf"),
+    "mcf._safetensors": (FORMAT, "safetensors"),
+    "mcf.gguf.reader": (FORMAT, "gguf"),
+    "mcf.megatron": (FORMAT, "megatron"),
+    "mcf.megacontext": (FORMAT, "megacontext"),
+    "mcf.bucket": (FORMAT, "bucket"),
+    # converters and integrations: formats + core
+    "mcf.quant_policy": (CONVERTER, "converter"), "mcf.pack": (CONVERTER, "converter"),
+    "mcf.convert": (CONVERTER, "converter"), "mcf.export": (CONVERTER, "converter"),
+    "mcf.gguf": (CONVERTER, "converter"),  # the package re-exports convert_gguf
+    "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
+    "mcf._bert": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
+    "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
+    # apps: anything
+    "mcf": (APP, "app"), "mcf.cli": (APP, "app"), "mcf.demo": (APP, "app"),
+    "mcf.megatron.cli": (APP, "app"), "mcf.megatron.demo": (APP, "app"),
+    "mcf.megacontext.cli": (APP, "app"), "mcf.megacontext.demo": (APP, "app"),
+    "mcf.bucket.cli": (APP, "app"), "mcf.bucket.server": (APP, "app"),
+}
+
+
+def layer_of(module: str):
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LAYERS:
+            return LAYERS[key]
+    raise AssertionError(f"{module} has no layer: add it to LAYERS (and docs/architecture.md)")
+
+
+def test_layers():
+    """Core imports nothing above it; a format imports core (and itself) only; converters import
+    formats and core; apps import anything."""
+    edges, _ = _graph()
+    bad = []
+    for a in sorted(edges):
+        la, ga = layer_of(a)
+        for b in sorted(edges[a]):
+            lb, gb = layer_of(b)
+            if lb > la or (la == lb == FORMAT and ga != gb):
+                bad.append(f"{a} ({LAYER_NAMES[la]} {ga}) imports {b} ({LAYER_NAMES[lb]} {gb})")
+    assert not bad, "\n".join(bad)
+
+
+def test_layer_table_is_documented():
+    doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for module in LAYERS:
+        assert f"`{module}`" in doc, f"docs/architecture.md does not place {module}"
