@@ -35,6 +35,7 @@ MODULES = [
     ("mcf.megatron", "Megatron-LM indexed datasets (.bin/.idx), sample indices, tokenization"),
     ("mcf.megacontext", "MegaContext trees (LOD0/1/2.ctx + metadata.json)"),
     ("mcf.bucket", "Model Context Bucket: a persistent KV-cache store"),
+    ("mcf.bucket.hf", "a model in the bucket's loop: a Hugging Face causal LM computes and reuses KV caches"),
 ]
 
 

@@ -118,7 +118,7 @@ def _entries(current, scores, counts, k):
         a = np.asarray(scores)
     except (TypeError, ValueError):
         raise InvalidArgumentError("scores must be a one-dimensional sequence of numbers") from None
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "fiu"):
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "fiu" and a.dtype.name != "bfloat16"):
         raise InvalidArgumentError(f"scores must be a one-dimensional sequence of numbers, got {a.dtype} of shape "
                                    f"{a.shape}")
     s = a.astype(np.float64)
