@@ -11,8 +11,8 @@ from mcf import io
 from mcf.container import Container, Header, Section, load_file, open
 from mcf.dtypes import DType
 from mcf.errors import (AccessError, ChecksumError, ClosedError, DTypeError, FormatError, InvalidArgumentError,
-                        MCFError, MCFIOError, MissingFileError, OutOfBoundsError, TensorNotFoundError,
-                        TruncatedError, UnsupportedVersionError)
+                        MCFError, MCFIOError, MissingDependencyError, MissingFileError, OutOfBoundsError,
+                        TensorNotFoundError, TruncatedError, UnsupportedVersionError)
 from mcf.layout import SectionType, quant_layout
 from mcf.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
@@ -32,5 +32,5 @@ __all__ = [
     "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
-    "MissingFileError", "AccessError", "InvalidArgumentError", "load_state_dict",
+    "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "load_state_dict",
 ]

@@ -501,9 +501,11 @@ cdef class Source:
             if self.mode == "fileobj" or threads <= 1 or n < 2:
                 self._copy_ranges(offs, szs, dsts, <uint8_t*>view.buf, 0, n)
             else:
-                # split by bytes so the threads get similar work
+                # split by bytes so the threads get similar work.  No negative index here: the module is
+                # compiled with wraparound=False, which hands -1 to the sequence protocol unadjusted, and
+                # numpy >= 2.5 no longer wraps it there (IndexError: index -11 ... size 10)
                 cum = np.cumsum(szs)
-                total = int(cum[-1])
+                total = int(cum[n - 1])
                 cuts = [0] + [int(np.searchsorted(cum, total * t // threads, side="left")) + 1
                               for t in range(1, threads)] + [int(n)]
                 errors = []

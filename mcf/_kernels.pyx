@@ -60,12 +60,13 @@ def resolve_impl(impl=None):
     if name is None:
         return mcf_cpu_best()
     name = str(name).lower()
+    where = "impl" if impl is not None else "MCF_FORCE_IMPL"  # the message says which setting was wrong
     if name not in IMPLS:
-        raise InvalidArgumentError(f"unknown kernel variant {name!r}; expected one of {IMPLS}")
+        raise InvalidArgumentError(f"{where}={name!r}: unknown kernel variant (expected one of {', '.join(IMPLS)})")
     i = IMPLS.index(name)
     if not mcf_cpu_supports(i):
-        raise InvalidArgumentError(f"kernel variant {name!r} is not supported by this CPU "
-                                   f"(best: {IMPLS[mcf_cpu_best()]})")
+        raise InvalidArgumentError(f"{where}={name!r}: this CPU cannot run that kernel variant (it supports "
+                                   f"{', '.join(IMPLS[:mcf_cpu_best() + 1])})")
     return i
 
 

@@ -1,4 +1,7 @@
-"""The ``mcf`` command line: ``info``, ``verify``, ``pack`` and ``demo``."""
+"""The ``mcf`` command line: ``info``, ``verify``, ``pack``, ``quantize``, ``convert``, ``export``,
+``kernels``, ``demo``, and the ``megatron``, ``ctx`` and ``bucket`` groups (registered by their packages).
+How a failure is reported (one line, an exit code, ``--debug`` for the traceback) is
+:mod:`mcf._cli_errors`."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import os
 import sys
 import time
 
-from mcf.errors import MCFError
+from mcf._cli_errors import DEBUG_ENV, UsageError, run
+from mcf.errors import InvalidArgumentError, MCFError, os_error
 
 __all__ = ["main"]
 
@@ -114,6 +118,8 @@ def cmd_verify(args) -> int:
     try:
         with mcf.open(args.file, mmap=not args.no_mmap) as c:
             problems = c.verify()
+    except OSError:  # missing or unreadable: an error of the command line, not a finding about a file
+        raise
     except MCFError as exc:
         print(f"FAIL {exc}")
         return 1
@@ -141,14 +147,10 @@ def cmd_quantize(args) -> int:
     from mcf.quant import parse_overrides, quantize_file
 
     if (args.min_clip is None) != (args.max_clip is None):
-        print("mcf: error: give both --min-clip and --max-clip", file=sys.stderr)
-        return 2
+        raise UsageError("--min-clip and --max-clip go together: give both, or neither")
     method = None if args.method in ("none", "keep") else args.method
     compat = args.compat == "mantle"
-    if args.imatrix and (compat or args.fast):
-        print(f"mcf: error: --imatrix weights the error-minimizing search; it does not apply with "
-              f"{'--compat mantle' if compat else '--fast'}", file=sys.stderr)
-        return 2
+    _check_imatrix_flags(args, compat)
     t0 = time.perf_counter()
     stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
                           compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
@@ -162,15 +164,18 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _check_imatrix_flags(args, compat: bool) -> None:
+    if args.imatrix and (compat or args.fast):
+        raise UsageError("--imatrix weights the error-minimizing search; it does not apply with "
+                         + ("--compat mantle" if compat else "--fast"))
+
+
 def cmd_convert(args) -> int:
     from mcf.convert import convert, files_left_out
 
     method = None if args.method in (None, "none", "keep") else args.method
     compat = args.compat == "mantle"
-    if args.imatrix and (compat or args.fast):
-        print(f"mcf: error: --imatrix weights the error-minimizing search; it does not apply with "
-              f"{'--compat mantle' if compat else '--fast'}", file=sys.stderr)
-        return 2
+    _check_imatrix_flags(args, compat)
     t0 = time.perf_counter()
     stats = convert(args.src, args.output, method=method, overrides=args.override, compat=compat, fast=args.fast,
                     imatrix=args.imatrix, dtype=args.dtype, resources=not args.no_resources, report=args.report,
@@ -211,9 +216,11 @@ def cmd_imatrix(args) -> int:
         try:
             with open(p, encoding="utf-8") as f:
                 texts.append(f.read())
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"mcf: error: calibration text {p}: {exc}", file=sys.stderr)
-            return 1
+        except OSError as exc:
+            raise os_error(exc, p) from None
+        except UnicodeDecodeError as exc:
+            raise InvalidArgumentError(f"{p}: the calibration text is not UTF-8 ({exc.reason} at byte {exc.start})") \
+                from None
     t0 = time.perf_counter()
     col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk,
                                progress=Progress("imatrix", False if args.quiet else None))
@@ -248,8 +255,12 @@ def print_report(stats, out=None) -> None:
 
 
 def cmd_kernels(args) -> int:
-    from mcf._kernels import kernel_info
+    from mcf._kernels import kernel_info, resolve_impl
 
+    try:  # an invalid MCF_FORCE_IMPL is refused, not reported inside the normal output
+        resolve_impl()
+    except MCFError as exc:
+        raise UsageError(str(exc)) from None
     info = kernel_info()
     print(json.dumps(info, indent=2) if args.json else
           f"active: {info['active']}  best: {info['best']}  supported: {', '.join(info['supported'])}"
@@ -265,6 +276,8 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcf", description="Model Container Format and friends.")
+    p.add_argument("--debug", action="store_true",
+                   help=f"on an error, show the Python traceback (anywhere on the line; or set {DEBUG_ENV}=1)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("info", help="show header, sections, model info and tensor table")
@@ -369,14 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except MCFError as exc:
-        print(f"mcf: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    """The ``mcf`` console script: exit code 0 on success, 1 when the command failed, 2 for a wrong
+    command line (see :mod:`mcf._cli_errors`)."""
+    return run(build_parser(), argv, lambda args: args.func(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

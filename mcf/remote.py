@@ -30,7 +30,8 @@ import threading
 import time
 from collections import OrderedDict
 
-from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
+from mcf._optional import require
+from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingDependencyError, MissingFileError
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url",
            "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_RETRIES", "DEFAULT_TIMEOUT"]
@@ -65,20 +66,17 @@ def refuse_url(path, what: str = "writing") -> None:
 
 
 def _fsspec():
-    try:
-        import fsspec
-    except ImportError:
-        raise ImportError("reading URLs needs the 'fsspec' package (pip install 'mcf[remote]'; HTTP also "
-                          "needs 'aiohttp')") from None
-    return fsspec
+    return require("fsspec", feature="reading URLs", extra="remote")
 
 
 def _url_to_fs(url, storage_options):
     fsspec = _fsspec()
     try:
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
-    except ImportError as exc:
-        raise ImportError(f"{url}: fsspec cannot load the file system for this URL: {exc}") from None
+    except ImportError as exc:  # e.g. s3:// without s3fs: fsspec's message names the package
+        raise MissingDependencyError(f"{url}: fsspec cannot load the file system for this URL: {exc}",
+                                     package=getattr(exc, "name", None), feature=f"{url.split(':', 1)[0]}:// URLs") \
+            from None
     except ValueError as exc:
         raise InvalidArgumentError(f"{url}: not a URL fsspec can open: {exc}") from None
 
@@ -87,10 +85,7 @@ def _with_timeout(url, opts, timeout):
     """fsspec's HTTP client has no socket timeout by default: add one unless the caller set client_kwargs."""
     if timeout is None or "client_kwargs" in opts or not url.lower().startswith(("http://", "https://")):
         return opts
-    try:
-        import aiohttp
-    except ImportError:
-        raise ImportError("reading http(s) URLs needs the 'aiohttp' package (pip install 'mcf[remote]')") from None
+    aiohttp = require("aiohttp", feature="reading http(s) URLs", extra="remote")
     t = float(timeout)
     return {**opts, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)}}
 

@@ -1,6 +1,6 @@
 """``mcf.torch.load_state_dict``: an MCF file as a ``name -> torch.Tensor`` dict, ready for
-``module.load_state_dict``.  torch is optional: importing this module without it raises an ImportError
-that names the package.
+``module.load_state_dict``.  torch is optional: importing this module without it raises
+:class:`mcf.MissingDependencyError` (an ImportError) that names the package and the extra.
 
 Where the bytes go, and why:
 
@@ -25,12 +25,10 @@ from typing import Callable
 import numpy as np
 
 from mcf import state_dict as _sd
+from mcf._optional import require
 from mcf.dtypes import DType
 
-try:
-    import torch as _torch
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError("mcf.torch needs the 'torch' package (pip install torch, or pip install 'mcf[torch]')") from _exc
+_torch = require("torch", feature="mcf.torch", extra="torch")
 
 __all__ = ["load_state_dict"]
 

@@ -109,7 +109,7 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcf")
 
 
-class OracleLoadError(Exception):
+class OracleLoadError(RuntimeError):
     """The downloaded helpers_cpp does not import on this interpreter."""
 
 
@@ -146,10 +146,14 @@ class MegatronOracle:
 
 
 def load_megatron_oracle() -> MegatronOracle:
-    """Download the megatron-core wheel once (``pip download --no-deps``) into the mcf cache and load
-    its helpers.  Raises RuntimeError when the wheel cannot be had or does not load here."""
-    dest = os.path.join(cache_dir(), MEGATRON_CORE.replace("==", "-"))
+    """Download the megatron-core wheel for this interpreter once (``pip download --no-deps``) into the
+    mcf cache and load its helpers.  Raises RuntimeError when the wheel cannot be had, OracleLoadError
+    (also a RuntimeError) when its compiled helper does not load here.
+
+    The cache is per interpreter (``megatron-core-0.16.1-cp312``): helpers_cpp is compiled for one
+    CPython version, and a copy cached by another interpreter would not import."""
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    dest = os.path.join(cache_dir(), MEGATRON_CORE.replace("==", "-") + f"-{tag}")
     sos = glob.glob(os.path.join(dest, "helpers_cpp*.so"))
     gpt = os.path.join(dest, "gpt_dataset.py")
     if not sos or not os.path.exists(gpt):
@@ -182,5 +186,6 @@ def load_megatron_oracle() -> MegatronOracle:
         src = f.read()
     try:
         return MegatronOracle(sos[0], src)
-    except ImportError as exc:  # a wheel was had but does not load: a failure, not a reason to skip
-        raise OracleLoadError(f"{os.path.basename(sos[0])} does not load on Python {tag}: {exc}") from None
+    except ImportError as exc:
+        raise OracleLoadError(f"{os.path.basename(sos[0])} (from {MEGATRON_CORE}) does not load on "
+                              f"Python {tag}: {exc}") from None

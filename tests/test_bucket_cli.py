@@ -58,7 +58,7 @@ def test_errors_are_reported_not_raised(tmp_path, capsys, npz):
     path, _, _ = npz
     root = str(tmp_path / "b")
     rc, _, err = run(capsys, "show", "--root", root, "../etc")
-    assert rc == 1 and "mcf: error:" in err  # no bucket there
+    assert rc == 1 and "mcf bucket show: error:" in err  # no bucket there
     rc, out, _ = run(capsys, "ingest", "--root", root, "m", str(path), "--text", "x", "--compression", "none")
     cid = json.loads(out)["context_id"]
     rc, _, err = run(capsys, "show", "--root", root, "../../etc/passwd")

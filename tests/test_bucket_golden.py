@@ -4,7 +4,6 @@ uncompressed ones byte for byte."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import struct
 import zlib
@@ -14,12 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _vectors import load_fixture
 from mcf.bucket import open_kv, write_kv
 
 FIX = Path(__file__).parent / "fixtures"
-_spec = importlib.util.spec_from_file_location("bucket_golden_fixture", FIX / "bucket_golden.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
+golden = load_fixture("bucket_golden.py")
 
 CASES = [(dt, st) for dt in golden.DTYPES for st in golden.STORAGES]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import threading
 
 import numpy as np
@@ -213,3 +214,34 @@ def test_planted_verified_record_and_temp_names_are_not_followed(bucket):
     os.mkfifo(d / ".verified.json")
     b = Bucket(root, verify="once")
     assert len(finishes(lambda: b.load(cid), fifo=d / ".verified.json")) == 2
+
+
+def test_remove_tree_never_follows_links_at_any_depth(tmp_path):
+    """The fd-based removal (ours, since ``shutil.rmtree(dir_fd=)`` needs Python 3.11) unlinks a link
+    planted deep in the tree instead of following it, and walks a tree deeper than the recursion limit."""
+    from mcf.bucket._fs import _remove_tree_at
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    victim = tmp_path / "victim"
+    # build it relative to each new directory (an absolute path that deep exceeds PATH_MAX)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        os.mkdir("victim", dir_fd=fd)
+        cur = os.open("victim", os.O_RDONLY, dir_fd=fd)
+        os.symlink(str(outside), "link-to-outside", dir_fd=cur)
+        for _ in range(sys.getrecursionlimit() + 50):
+            os.mkdir("d", dir_fd=cur)
+            nxt = os.open("d", os.O_RDONLY, dir_fd=cur)
+            os.close(cur)
+            cur = nxt
+        os.symlink(str(outside), "deep-link", dir_fd=cur)
+        with open(os.open("file", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=cur), "w") as f:
+            f.write("x")
+        os.close(cur)
+        _remove_tree_at(fd, "victim")
+    finally:
+        os.close(fd)
+    assert not victim.exists()
+    assert (outside / "keep.txt").read_text() == "mine" and sorted(os.listdir(outside)) == ["keep.txt"]

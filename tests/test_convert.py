@@ -335,7 +335,7 @@ def test_cli_convert(tmp_path, capsys):
     with open(mantle_file("f16"), "rb") as f:
         assert (tmp_path / "h.mcf").read_bytes() == f.read()
     assert cli_main(["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "x.mcf")]) == 1
-    assert "mcf: error" in capsys.readouterr().err
+    assert "mcf convert: error" in capsys.readouterr().err
 
 
 def test_cli_round_trip_in_a_subprocess(tmp_path):

@@ -143,7 +143,15 @@ def _needs_minilm(tmp, request):
     request.getfixturevalue("minilm_dir")   # present (installed, cached or fetched) before the page runs
 
 
+def _needs(*mods):
+    def setup(tmp, request):
+        for mod in mods:
+            pytest.importorskip(mod, reason=f"{mod} is in the test extra (the test-core legs run without it)")
+    return setup
+
+
 SETUP = {
+    "torch.md": _needs("torch"),
     "guide.md": _setup_guide,
     "convert.md": _setup_convert,
     "gguf.md": _setup_gguf,

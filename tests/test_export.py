@@ -292,7 +292,7 @@ def test_cli_export(tmp_path, capsys):
                 assert got[n].dtype == ml_dtypes.bfloat16
                 assert same_bits(got[n], c.dequantize(n, dtype=ml_dtypes.bfloat16)), n
     assert cli_main(["export", str(tmp_path / "nope.mcf"), "-o", str(tmp_path / "x.safetensors")]) == 1
-    assert "mcf: error" in capsys.readouterr().err
+    assert "mcf export: error" in capsys.readouterr().err
 
 
 def test_kernel_copy_and_user_space_copy_write_the_same_bytes(tmp_path, monkeypatch):

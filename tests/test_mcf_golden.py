@@ -1,16 +1,14 @@
 """Our own golden files (tests/fixtures): decoded on every run, and reproduced byte for byte."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
 import mcf
-from _vectors import FIXTURES
+from _vectors import FIXTURES, load_fixture
 
-sys.path.insert(0, FIXTURES)
-import mcf_golden as golden  # noqa: E402
+golden = load_fixture("mcf_golden.py")
 
 
 def read(p):

@@ -62,7 +62,10 @@ def test_bf16_cast_rounds_to_nearest_even(tmp_path):
         for name, arr in ref.items():
             assert c.info(name).dtype.code == mcf.DType.BF16
             u = arr.astype(np.float32).view(np.uint32).astype(np.uint64)
-            want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+            # uint64 constants: with numpy 1.x's value-based casting a 0-d uint64 and a Python int make an
+            # int64/float64 mix that right_shift refuses (the oldest-numpy CI leg)
+            one, half, shift = np.uint64(1), np.uint64(0x7FFF), np.uint64(16)
+            want = ((u + half + ((u >> shift) & one)) >> shift).astype(np.uint16)
             nan = np.isnan(arr)
             raw = c.raw(name).view(np.uint16).reshape(arr.shape)
             assert np.array_equal(raw[~nan], want[~nan]), name

@@ -111,8 +111,8 @@ def test_ingest_errors_are_reported(tmp_path, capsys):
     ids.write_bytes(b"\1\0\0\0\2\0")
     assert main(["ctx", "ingest", str(tmp_path / "t"), str(ids), "--ids", "--embedding-dim", "8", "-q"]) == 1
     assert "whole number" in capsys.readouterr().err
-    assert main(["ctx", "verify", str(tmp_path / "missing")]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    assert main(["ctx", "verify", str(tmp_path / "missing")]) == 1  # no tree: an error, not a finding
+    assert f"mcf ctx verify: error: {tmp_path / 'missing'}: no such tree directory" in capsys.readouterr().err
 
 
 def test_entry_point_subprocess(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -15,10 +14,9 @@ import pytest
 
 import mcf.megacontext as mc
 from _megacontext_ref import canonical_header, legacy_header, mean_pool
+from _vectors import load_fixture
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "fixtures"))
-import megacontext_golden as golden  # noqa: E402
+golden = load_fixture("megacontext_golden.py")
 
 FILES = ("LOD0.ctx", "LOD1.ctx", "LOD2.ctx")
 DTYPES = {"canonical_fp16": np.dtype(np.float16), "canonical_bf16": np.dtype(ml_dtypes.bfloat16),

@@ -2,17 +2,15 @@
 and files written by other tools (fairseq's layout, datatrove) read value for value."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
 import mcf.megatron as mm
-from _vectors import FIXTURES
+from _vectors import FIXTURES, load_fixture
 
 GOLDEN_DIR = os.path.join(FIXTURES, "megatron")
-sys.path.insert(0, GOLDEN_DIR)
-import megatron_golden as mg  # noqa: E402
+mg = load_fixture("megatron/megatron_golden.py")
 
 
 def read(p):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import struct
 
+from mcf._optional import require
 from mcf.errors import ChecksumError, InvalidArgumentError
 
 NONCE_SIZE = 12
@@ -32,12 +33,9 @@ ENV_KEY = "MCF_BUCKET_KEY"
 
 
 def _aesgcm():
-    try:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise InvalidArgumentError("encrypted KV files need the 'cryptography' package: "
-                                   "pip install 'mcf[bucket]' (or pip install cryptography)") from None
-    return AESGCM
+    aead = require("cryptography.hazmat.primitives.ciphers.aead", feature="encrypted KV files", extra="bucket",
+                   package="cryptography")
+    return aead.AESGCM
 
 
 def generate_key() -> bytes:

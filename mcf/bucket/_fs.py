@@ -28,7 +28,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import stat
 import uuid
 from collections.abc import Iterator
@@ -312,16 +311,48 @@ class BucketFS:
         unlinked itself); errors are ignored, as for leftovers that may already be gone."""
         head, name = self._split(rel)
         with contextlib.suppress(OSError), self.dir(head) as d:
-            st = os.stat(name, dir_fd=d, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=d, ignore_errors=True)  # fd-based: never follows links
-            else:
-                os.unlink(name, dir_fd=d)
+            self.remove_tree_at(d, name)
 
     def remove_tree_at(self, dir_fd: int, name: str) -> None:
         with contextlib.suppress(OSError):
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
-            else:
-                os.unlink(name, dir_fd=dir_fd)
+            _remove_tree_at(dir_fd, name)
+
+
+def _remove_tree_at(dir_fd: int, name: str) -> None:
+    """Remove ``name`` under ``dir_fd`` and everything below it through directory descriptors only, so
+    a link planted anywhere in the tree is unlinked, never followed. ``shutil.rmtree(dir_fd=)`` does
+    the same but only from Python 3.11; this walk keeps an explicit stack, so a planted tree deeper
+    than the recursion limit is removed too. The first directory that cannot be removed raises
+    ``OSError`` and leaves the rest, as leftovers for the next sweep."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    stack = [(dir_fd, name, os.open(name, flags, dir_fd=dir_fd))]  # (parent fd, name, own fd)
+    try:
+        while stack:
+            parent, dname, fd = stack[-1]
+            child = None
+            with os.scandir(fd) as it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            child = entry.name
+                            break
+                        os.unlink(entry.name, dir_fd=fd)
+                    except OSError:
+                        pass
+            if child is not None:
+                try:
+                    stack.append((fd, child, os.open(child, flags, dir_fd=fd)))
+                    continue
+                except OSError:
+                    pass  # vanished or replaced by a link since the scan: fall through, rmdir fails
+            stack.pop()
+            os.close(fd)
+            os.rmdir(dname, dir_fd=parent)  # a refusal ends the walk: rescanning would loop forever
+    finally:
+        for _, _, fd in stack:
+            os.close(fd)
+

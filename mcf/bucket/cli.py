@@ -188,6 +188,27 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind once before the server starts, so an address in use or a bad host is reported as an error of
+    this command (uvicorn would log it and exit 3)."""
+    import socket
+
+    from mcf.errors import MCFIOError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidArgumentError(f"--host {host!r}: not an address this machine can listen on ({exc.strerror})") \
+            from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise MCFIOError(exc.errno, f"cannot listen there: {exc.strerror}", f"{host}:{port}") from None
+
+
 def cmd_serve(args) -> int:
     import sys
 
@@ -202,18 +223,38 @@ def cmd_serve(args) -> int:
         if v is not None and args.backend is None:
             raise InvalidArgumentError(f"{flag} configures a model backend: give --backend and --model too")
     token = _token(args, for_server=True)
+    check_bind(args.host, token)              # protected mode first: nothing is bound without a token off loopback
+    _check_can_listen(args.host, args.port)   # and refused before minutes of model loading, not after
     if args.backend is not None:
         from mcf.bucket.hf import TransformersBackend
 
-        check_bind(args.host, token)  # refused before minutes of model loading, not after
         print(f"mcf: loading {args.model} ...", file=sys.stderr, flush=True)
         kw["backend"] = TransformersBackend.from_pretrained(args.model, model_id=args.model_id,
                                                              device=args.device or "cpu", dtype=args.dtype)
         print(f"mcf: serving model {kw['backend'].model_id!r}", file=sys.stderr, flush=True)
-    serve(args.root, host=args.host, port=args.port, token=token, allowed_hosts=args.allow_host,
-          max_connections=args.max_connections, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-          on_warning=lambda w: print(f"mcf: warning: {w}", file=sys.stderr, flush=True), **kw)
+    try:
+        serve(args.root, host=args.host, port=args.port, token=token, allowed_hosts=args.allow_host,
+              max_connections=args.max_connections, header_timeout=args.header_timeout,
+              body_timeout=args.body_timeout,
+              on_warning=lambda w: print(f"mcf: warning: {w}", file=sys.stderr, flush=True), **kw)
+    except SystemExit as exc:  # uvicorn's way to give up after logging why
+        if exc.code in (0, None):
+            return 0
+        raise InvalidArgumentError(f"the server stopped (uvicorn exit status {exc.code}; its message is above)") \
+            from None
     return 0
+
+
+def _port(text: str) -> int:
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535")
+    return port
 
 
 def add_bucket_parser(sub) -> None:
@@ -277,7 +318,7 @@ def add_bucket_parser(sub) -> None:
     s = cmd("serve", cmd_serve, "serve the REST API of seed 003 under /mcrp/v1/ (needs the 'server' extra)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: loopback only; any other address needs a token)")
-    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--port", type=_port, default=8765)
     tok = s.add_mutually_exclusive_group()
     tok.add_argument("--token-file", help="require 'Authorization: Bearer TOKEN', TOKEN being the first line of this "
                                           "file (or set MCF_BUCKET_TOKEN)")

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
+from mcf._optional import require
 from mcf.bucket import _layout as L
 from mcf.errors import (
     ChecksumError,
@@ -172,16 +173,14 @@ def _encode_block(arr: Any, dtype: L.KVDType) -> bytes:
 
 def _compress(data: bytes, compression: L.Compression, level: int | None) -> bytes:
     if compression == L.Compression.LZ4:
-        import lz4.block
-
+        lz4_block = require("lz4.block", feature="lz4 compression of KV files", extra="bucket", package="lz4")
         if len(data) > LZ4_MAX_INPUT:
             raise InvalidArgumentError(f"lz4 cannot compress a block of {len(data)} bytes (limit {LZ4_MAX_INPUT})")
         if level is None:
-            return lz4.block.compress(data, store_size=False)
-        return lz4.block.compress(data, store_size=False, mode="high_compression", compression=level)
+            return lz4_block.compress(data, store_size=False)
+        return lz4_block.compress(data, store_size=False, mode="high_compression", compression=level)
     if compression == L.Compression.ZSTD:
-        import zstandard
-
+        zstandard = require("zstandard", feature="zstd compression of KV files", extra="bucket")
         return zstandard.ZstdCompressor(level=3 if level is None else level, write_content_size=True).compress(data)
     return data
 
@@ -502,12 +501,11 @@ class KVFile:
             return out
         try:
             if comp == L.Compression.LZ4:
-                import lz4.block
-
-                out = lz4.block.decompress(data, uncompressed_size=n)
+                lz4_block = require("lz4.block", feature="lz4 decompression of KV files", extra="bucket",
+                                    package="lz4")
+                out = lz4_block.decompress(data, uncompressed_size=n)
             else:
-                import zstandard
-
+                zstandard = require("zstandard", feature="zstd-compressed KV files", extra="bucket")
                 declared = zstandard.frame_content_size(data)
                 if declared not in (-1, n):
                     raise FormatError("zstd frame declares a different decompressed size", path=self.path,

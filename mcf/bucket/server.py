@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from mcf._optional import require
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError
 
@@ -310,6 +311,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     it declares, ``max_json_bytes`` every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or
     ``max_body_bytes`` when smaller).  ``backend`` answers the query route (:class:`QueryBackend`) and,
     when it has ``ingest`` (:class:`IngestBackend`), takes text ingests; without one both answer 501."""
+    require("starlette", feature="the bucket's REST server", extra="server")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -721,10 +723,7 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
 
-    try:
-        import uvicorn
-    except ImportError:
-        raise InvalidArgumentError("the server needs the 'server' extra: pip install mcf[server]") from None
+    uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
     for w in check_token(token):
         (on_warning or (lambda m: warnings.warn(m, UserWarning, stacklevel=3)))(w)
     check_bind(host, token)

@@ -56,16 +56,17 @@ import numpy as np
 from mcf.bucket import _layout as L
 from mcf.bucket._fs import BucketFS, refusal
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
-from mcf.remote import refuse_url
 from mcf.errors import (
     ContextNotFoundError,
     FormatError,
     InvalidArgumentError,
     MCFError,
     MCFIOError,
+    MissingFileError,
     os_error,
 )
 from mcf.io import open_fd
+from mcf.remote import refuse_url
 
 __all__ = ["Bucket", "content_hash", "context_id_for"]
 
@@ -359,7 +360,10 @@ class Bucket:
         self._mem = threading.RLock()
         self._tier_mutex = threading.RLock()
         refuse_url(root, "a bucket")   # a URL is not a directory: never create "https:/host/..." locally
-        self._fs = BucketFS(self.root, create=create)
+        try:
+            self._fs = BucketFS(self.root, create=create)
+        except FileNotFoundError:
+            raise MissingFileError(errno.ENOENT, "is not a bucket (no such directory)", str(self.root)) from None
         try:
             if create:
                 self._fs.mkdir("contexts", exist_ok=True)

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from mcf.errors import InvalidArgumentError
+from mcf._optional import require
+from mcf.errors import InvalidArgumentError, MissingDependencyError
 
 __all__ = ["WarmBudgetError", "WarmCache", "nbytes_of", "select", "to_torch", "warm_nbytes"]
 
@@ -114,12 +115,14 @@ class WarmCache:
         return list(self._items)
 
 
+class HotTierUnavailableError(MissingDependencyError, InvalidArgumentError):
+    """torch is not installed: a missing dependency that names its extra, and, as the bucket's contract
+    has it, an InvalidArgumentError (a request this machine cannot satisfy: the server answers it so, and
+    an unmeetable hot preference falls back to warm)."""
+
+
 def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise InvalidArgumentError("the hot tier and torch output need PyTorch, which is not installed") from None
-    return torch
+    return require("torch", feature="the hot tier and torch output", extra="torch", error=HotTierUnavailableError)
 
 
 def to_torch(arr: np.ndarray, device: Any = None):

@@ -46,8 +46,15 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    import mcf.megacontext as mc
+    import errno
 
+    import mcf.megacontext as mc
+    from mcf.errors import MCFIOError, MissingFileError
+
+    if not os.path.isdir(args.tree):  # an error of the command line, not a finding about a tree
+        if os.path.exists(args.tree):
+            raise MCFIOError(errno.ENOTDIR, "not a directory (a MegaContext tree is a directory)", args.tree)
+        raise MissingFileError(errno.ENOENT, "no such tree directory", args.tree)
     problems = mc.verify(args.tree, deep=args.deep, mmap=not args.no_mmap)
     errors = [p for p in problems if p.severity == "error"]
     for p in problems:
@@ -98,7 +105,7 @@ def cmd_ingest(args) -> int:
     ckpt = None
     if args.model_dir:
         from mcf._safetensors import open_checkpoint
-        from mcf.megacontext.demo import load_tokenizer
+        from mcf.megatron.tokenize import load_tokenizer
 
         ckpt = open_checkpoint(args.model_dir)
         table, tname = _embedding_table(ckpt, args.embedding_tensor)

@@ -14,20 +14,10 @@ import time
 
 import numpy as np
 
+from mcf.megatron.tokenize import load_tokenizer  # the checkpoint's tokenizer, truncation and padding off
+
 EMBEDDING_TENSOR = "embeddings.word_embeddings.weight"
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def load_tokenizer(model_dir):
-    """The checkpoint's fast tokenizer with its 128-token truncation and padding switched off."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise SystemExit("the MegaContext demo needs the tokenizers package: pip install tokenizers") from None
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
 
 
 def _numpy_reference(tree, plan, table):

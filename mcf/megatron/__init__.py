@@ -1,7 +1,8 @@
 """Megatron indexed datasets (``PREFIX.idx`` + ``PREFIX.bin``): read, write, merge, tokenize, sample.
 
 - :func:`open` reads Megatron-LM, datatrove and fairseq datasets through the shared I/O core
-  (mmap, positional reads, file-like objects), validated against the ``.bin`` on open.
+  (mmap, positional reads, file-like objects), validated against the ``.bin`` on open; given a list of
+  prefixes or a shard list it reads them as one :class:`ShardedDataset` without merging.
 - :class:`Writer` writes them with Megatron's builder semantics (``add_item``, ``end_document``,
   ``add_document``, ``add_index``, ``finalize``), byte-identical to Megatron and datatrove.
 - :mod:`mcf.megatron.sample_index`: Megatron's GPT document / sample / shuffle indices and
@@ -15,11 +16,12 @@ from mcf.megatron._layout import MEGATRON_DTYPES, dtype_for_vocab
 from mcf.megatron.reader import IndexedDataset, IndexHeader, open, verify
 from mcf.megatron.sample_index import (GPTSamples, build_document_index, build_gpt_indices, build_sample_idx,
                                        build_shuffle_index)
+from mcf.megatron.sharded import ShardedDataset
 from mcf.megatron.writer import Writer, merge
 
 __all__ = ["open", "verify", "IndexedDataset", "IndexHeader", "Writer", "MEGATRON_DTYPES", "dtype_for_vocab",
            "build_sample_idx", "build_document_index", "build_shuffle_index", "build_gpt_indices", "GPTSamples",
-           "merge", "demo_megatron"]
+           "merge", "ShardedDataset", "demo_megatron"]
 
 
 def demo_megatron(model_dir, workdir):

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mcf._args import integer
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "FAIRSEQ_HEADER", "FAIRSEQ_HEADER_SIZE",
            "MEGATRON_DTYPES", "FAIRSEQ_DTYPES", "Layout", "layout_for", "dtype_code", "dtype_for_vocab",
-           "LENGTH_DTYPE", "POINTER_DTYPE", "DOC_DTYPE", "MODE_DTYPE"]
+           "LENGTH_DTYPE", "POINTER_DTYPE", "DOC_DTYPE", "MODE_DTYPE", "writer_dtype"]
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -109,3 +110,16 @@ def dtype_for_vocab(vocab_size: int, rule: str = "megatron") -> np.dtype:
     if vocab_size < 0:
         raise InvalidArgumentError(f"vocab_size must be >= 0, got {vocab_size}")
     return MEGATRON_DTYPES[8] if small else MEGATRON_DTYPES[4]
+
+
+def writer_dtype(dtype=None, vocab_size: int | None = None, rule: str = "megatron") -> np.dtype:
+    """The token dtype a writer uses: ``dtype`` if given, else the one :func:`dtype_for_vocab` picks
+    for ``vocab_size``, else int32 (Megatron's builder default)."""
+    if dtype is not None and vocab_size is not None:
+        raise InvalidArgumentError("pass dtype or vocab_size, not both")
+    if dtype is not None:
+        return MEGATRON_DTYPES[dtype_code(dtype)]
+    if vocab_size is not None:
+        return dtype_for_vocab(integer(vocab_size, "vocab_size"), rule)
+    return MEGATRON_DTYPES[4]
+

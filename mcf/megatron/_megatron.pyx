@@ -13,6 +13,7 @@ cimport numpy as cnp
 from cpython.long cimport PyLong_AsSsize_t
 from cpython.ref cimport Py_INCREF
 from libc.math cimport ceilf
+from libc.stdlib cimport calloc, free
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
@@ -325,6 +326,75 @@ def build_sample_idx_raw(const int32_t[::1] sizes, const int32_t[::1] document_i
 
 
 # -- the reader's hot paths ----------------------------------------------------------------------------
+
+
+cdef object _read_bin(Source bin_src, const uint8_t* base, object whole, uint64_t size, cnp.dtype dtype,
+                      int64_t ptr, int64_t count):
+    """``count`` items of ``dtype`` at byte ``ptr`` of a .bin: a read-only view of the mapping ``base``
+    (kept alive by ``whole``) when mapped, else a new array filled by ``bin_src.copy_to``."""
+    cdef cnp.npy_intp dims[1]
+    cdef uint64_t nb = <uint64_t>count * <uint64_t>dtype.itemsize
+    if count < 0 or ptr < 0 or <uint64_t>ptr > size or nb > size - <uint64_t>ptr:
+        raise OutOfBoundsError(f"read of {count} items at byte {ptr} lies outside the .bin ({size} bytes)")
+    dims[0] = <cnp.npy_intp>count
+    if base != NULL:
+        Py_INCREF(dtype)  # stolen by PyArray_NewFromDescr
+        arr = PyArray_NewFromDescr(<type>np.ndarray, dtype, 1, dims, NULL, <void*>(base + ptr),
+                                   cnp.NPY_ARRAY_C_CONTIGUOUS, None)
+        Py_INCREF(whole)  # stolen by PyArray_SetBaseObject
+        cnp.PyArray_SetBaseObject(<cnp.ndarray>arr, whole)
+        cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_ALIGNED)
+        return arr
+    out = cnp.PyArray_EMPTY(1, dims, dtype.type_num, 0)
+    if nb:
+        if bin_src is None:
+            raise ClosedError("the dataset is closed")
+        bin_src.copy_to(<uint64_t>ptr, <size_t>nb, cnp.PyArray_DATA(<cnp.ndarray>out))
+    return out
+
+
+cdef cnp.ndarray _gather_output(object out, cnp.dtype dtype, int64_t total):
+    """The array a gather fills: a new one, or the first ``total`` items of the caller's ``out``."""
+    if out is None:
+        return np.empty(total, dtype=dtype)
+    if (not isinstance(out, np.ndarray) or out.dtype != dtype or out.ndim != 1
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise InvalidArgumentError(f"out must be a writable contiguous 1-D {dtype} array")
+    if out.shape[0] < total:
+        raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
+    return out[:total]
+
+
+cdef Py_ssize_t _norm_index(object idx, Py_ssize_t n) except -2:
+    """Sequence index ``idx`` (negative counts from the end) checked against ``n`` sequences: Python and
+    numpy integers only, never a bool or a float (mcf._args.integer)."""
+    cdef Py_ssize_t i
+    if type(idx) is not int:
+        idx = integer(idx, "a sequence index")
+    try:
+        i = PyLong_AsSsize_t(idx)
+    except OverflowError:
+        raise OutOfBoundsError(f"sequence index {idx} out of range for {n} sequences") from None
+    if i < 0:
+        i += n
+    if i < 0 or i >= n:
+        raise OutOfBoundsError(f"sequence index {idx} out of range for {n} sequences")
+    return i
+
+
+cdef int64_t _part_of(object offset, object length, int64_t ln, Py_ssize_t i, int64_t* count) except -1:
+    """The offset of ``get(i, offset, length)`` in sequence ``i`` of ``ln`` tokens, checked; its token
+    count goes to ``count``."""
+    off = integer(offset, "offset")
+    if off < 0 or off > ln:
+        raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
+    cnt = ln - off if length is None else integer(length, "length")
+    if cnt < 0 or cnt > ln - off:
+        raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} (length {ln})")
+    count[0] = cnt
+    return off
+
+
 cdef class SequenceTable:
     """Per-sequence access over validated index arrays; the base class of ``IndexedDataset``.
 
@@ -375,43 +445,15 @@ cdef class SequenceTable:
             raise ClosedError("the dataset is closed")
         return 0
 
-    cdef Py_ssize_t _norm(self, object idx) except -2:
-        cdef Py_ssize_t i
-        if type(idx) is not int:
-            idx = integer(idx, "a sequence index")   # numpy integers; never a bool or a float
-        try:
-            i = PyLong_AsSsize_t(idx)
-        except OverflowError:
-            raise OutOfBoundsError(f"sequence index {idx} out of range for {self._n} sequences") from None
-        if i < 0:
-            i += self._n
-        if i < 0 or i >= self._n:
-            raise OutOfBoundsError(f"sequence index {idx} out of range for {self._n} sequences")
-        return i
+    cdef inline Py_ssize_t _norm(self, object idx) except -2:
+        return _norm_index(idx, self._n)
 
     cdef object _read(self, int64_t ptr, int64_t count):
         """``count`` items at byte offset ``ptr`` of the .bin: a view when mapped, else a new array."""
-        cdef cnp.npy_intp dims[1]
-        cdef uint64_t nb = <uint64_t>count * <uint64_t>self._itemsize
-        if count < 0 or ptr < 0 or <uint64_t>ptr > self._bin_size or nb > self._bin_size - <uint64_t>ptr:
-            raise OutOfBoundsError(f"read of {count} items at byte {ptr} lies outside the .bin "
-                                   f"({self._bin_size} bytes)")
-        dims[0] = <cnp.npy_intp>count
-        cdef Source bin_src = self._bin  # kept: the allocation below may let a closing thread run
-        if self._bin_base != NULL:
-            Py_INCREF(self._dtype)  # stolen by PyArray_NewFromDescr
-            arr = PyArray_NewFromDescr(<type>np.ndarray, self._dtype, 1, dims, NULL,
-                                       <void*>(self._bin_base + ptr), cnp.NPY_ARRAY_C_CONTIGUOUS, None)
-            Py_INCREF(self._bin_whole)  # stolen by PyArray_SetBaseObject
-            cnp.PyArray_SetBaseObject(<cnp.ndarray>arr, self._bin_whole)
-            cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_ALIGNED)
-            return arr
-        out = cnp.PyArray_EMPTY(1, dims, self._dtype.type_num, 0)
-        if nb:
-            if bin_src is None:
-                raise ClosedError("the dataset is closed")
-            bin_src.copy_to(<uint64_t>ptr, <size_t>nb, cnp.PyArray_DATA(<cnp.ndarray>out))
-        return out
+        # owned references taken first: the allocation inside may let a closing thread run and drop them
+        cdef Source bin_src = self._bin
+        whole = self._bin_whole
+        return _read_bin(bin_src, self._bin_base, whole, self._bin_size, self._dtype, ptr, count)
 
     def __len__(self):
         return self._n
@@ -432,14 +474,9 @@ cdef class SequenceTable:
         self._check_open()
         cdef Py_ssize_t i = self._norm(idx)
         cdef int64_t ln = ld32(self._lens + 4 * i)
-        off = integer(offset, "offset")
-        if off < 0 or off > ln:
-            raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
-        cnt = ln - off if length is None else integer(length, "length")
-        if cnt < 0 or cnt > ln - off:
-            raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} "
-                                   f"(length {ln})")
-        return self._read(ld64(self._ptrs + 8 * i) + <int64_t>off * self._itemsize, cnt)
+        cdef int64_t cnt
+        cdef int64_t off = _part_of(offset, length, ln, i, &cnt)
+        return self._read(ld64(self._ptrs + 8 * i) + off * self._itemsize, cnt)
 
     def _sequence_length(self, idx):
         self._check_open()
@@ -488,16 +525,7 @@ cdef class SequenceTable:
             if negative:
                 raise OutOfBoundsError(f"sequence {ix[bad]} has a negative length in the index")
             raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
-        cdef cnp.ndarray res
-        if out is None:
-            res = np.empty(total, dtype=self._dtype)
-        else:
-            if (not isinstance(out, np.ndarray) or out.dtype != self._dtype or out.ndim != 1
-                    or not out.flags.c_contiguous or not out.flags.writeable):
-                raise InvalidArgumentError(f"out must be a writable contiguous 1-D {self._dtype} array")
-            if out.shape[0] < total:
-                raise InvalidArgumentError(f"out holds {out.shape[0]} items, {total} needed")
-            res = out[:total]
+        cdef cnp.ndarray res = _gather_output(out, self._dtype, total)
         cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
         cdef int64_t isz = self._itemsize, p, nb
         cdef int64_t jp, pp
@@ -537,3 +565,287 @@ cdef class SequenceTable:
         if bad >= 0:
             raise OutOfBoundsError(f"sequence {ix[bad]} lies outside the .bin")
         return res, offsets
+
+
+# -- many datasets read as one -------------------------------------------------------------------------
+cdef struct _Shard:
+    const uint8_t* lens          # int32[n], unaligned
+    const uint8_t* ptrs          # int64[n], unaligned
+    const uint8_t* base          # mapping of the shard's .bin, or NULL (pread, file-like, empty)
+    uint64_t size                # .bin size
+    int64_t n
+    int ready                    # bound by _bind_shard
+
+
+cdef class ShardTable:
+    """Per-sequence access over many datasets as one, with global sequence ids; the base class of
+    ``ShardedDataset``.
+
+    Shard ``k`` holds the global sequences ``[starts[k], starts[k+1])``.  The starts come from the
+    headers (or a shard list), so nothing of a shard is read until it is first touched: then the
+    Python side opens and validates it (``_open_shard(k)``) and binds its arrays (``_bind_shard``).
+    A lookup starts at the shard of its bucket (buckets about half a shard wide) and moves on a step or
+    two; a long run of tiny shards falls back to a binary search.
+    """
+
+    cdef int64_t* _starts        # K + 1 global sequence ids
+    cdef int32_t* _buckets       # shard holding sequence b << _shift, for every b (a lookup's first guess)
+    cdef int _shift
+    cdef _Shard* _shards         # K slots; freed only in __dealloc__ (a gather may still read them)
+    cdef Py_ssize_t _k
+    cdef int64_t _n
+    cdef list _srcs              # per shard: the .bin Source once bound
+    cdef list _keep              # per shard: what owns its mapping and index arrays once bound; the list
+                                 # itself is the owner (numpy base) of every view handed out
+    cdef cnp.dtype _dtype
+    cdef bint _bound
+
+    def __dealloc__(self):
+        free(self._starts)
+        free(self._buckets)
+        free(self._shards)
+
+    def _init_table(self, starts, cnp.dtype dtype):
+        a = np.ascontiguousarray(starts, dtype=np.int64)
+        if a.ndim != 1 or a.shape[0] < 1 or int(a[0]) != 0 or (a.shape[0] > 1 and bool((np.diff(a) < 0).any())):
+            raise ValueError("_init_table: starts must run from 0 without decreasing")
+        if self._starts != NULL:
+            raise ValueError("_init_table: already initialized")
+        cdef const int64_t[::1] av = a
+        cdef Py_ssize_t k = a.shape[0] - 1, i
+        if k >= INT32_MAX:
+            raise ValueError("_init_table: too many shards")
+        # Buckets about half a shard wide: a lookup starts at its bucket's shard and moves on a step or
+        # two, instead of a binary search over all the starts (each step of which waits for a load).
+        cdef int64_t n = av[k]
+        cdef int shift = 0
+        while k and (n >> shift) > 2 * k:
+            shift += 1
+        cdef Py_ssize_t nb = (n >> shift) + 1
+        cdef const int64_t[::1] bk = np.searchsorted(a[:k], np.arange(nb, dtype=np.int64) << shift,
+                                                     side="right").astype(np.int64) - 1 if k else np.zeros(1, np.int64)
+        self._starts = <int64_t*>calloc(k + 1, sizeof(int64_t))
+        self._buckets = <int32_t*>calloc(nb, sizeof(int32_t))
+        self._shards = <_Shard*>calloc(k if k else 1, sizeof(_Shard))
+        if self._starts == NULL or self._buckets == NULL or self._shards == NULL:
+            raise MemoryError()
+        for i in range(k + 1):
+            self._starts[i] = av[i]
+        for i in range(nb):
+            self._buckets[i] = <int32_t>(bk[i] if bk[i] > 0 else 0)
+        self._shift = shift
+        self._k = k
+        self._n = av[k]
+        self._srcs = [None] * k
+        self._keep = [None] * k
+        self._dtype = dtype
+        self._bound = True
+
+    def _bind_shard(self, Py_ssize_t k, const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n,
+                    object idx_keep, Source bin_src, cnp.dtype dtype):
+        if not 0 <= k < self._k:
+            raise ValueError("_bind_shard: no such shard")
+        if n != self._starts[k + 1] - self._starts[k] or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
+            raise ValueError("_bind_shard: index arrays do not match the shard's sequence count")
+        if dtype != self._dtype:
+            raise ValueError("_bind_shard: dtype differs")
+        if not self._bound or self._shards[k].ready:
+            return
+        self._srcs[k] = bin_src
+        self._keep[k] = (bin_src._whole if bin_src.base != NULL else None, idx_keep, lens, ptrs)
+        cdef _Shard* sh = &self._shards[k]
+        sh.lens = &lens[0] if n else NULL
+        sh.ptrs = &ptrs[0] if n else NULL
+        sh.base = bin_src.base
+        sh.size = bin_src._size
+        sh.n = n
+        sh.ready = 1
+
+    def _unbind(self):
+        """Drop every shard; arrays handed out earlier (and gathers in flight) keep what they reference
+        alive.  The slots stay allocated, unread, until the table is freed."""
+        self._bound = False
+        self._srcs = None
+        self._keep = None
+
+    def _shard_bound(self, Py_ssize_t k):
+        return 0 <= k < self._k and self._shards[k].ready != 0
+
+    cdef inline int _check_open(self) except -1:
+        if not self._bound:
+            raise ClosedError("the dataset is closed")
+        return 0
+
+    cdef inline Py_ssize_t _norm(self, object idx) except -2:
+        return _norm_index(idx, self._n)
+
+    cdef inline Py_ssize_t _locate(self, int64_t i) noexcept nogil:
+        """The shard holding global sequence ``0 <= i < n``: the last k with starts[k] <= i."""
+        cdef Py_ssize_t k = self._buckets[i >> self._shift], steps = 0, lo, hi, mid
+        while self._starts[k + 1] <= i:          # ends: starts[K] = n > i
+            k += 1
+            steps += 1
+            if steps == 4:                       # a run of tiny shards: search the rest of the bucket
+                lo, hi = k, self._k
+                while hi - lo > 1:
+                    mid = (lo + hi) >> 1
+                    if self._starts[mid] <= i:
+                        lo = mid
+                    else:
+                        hi = mid
+                return lo
+        return k
+
+    cdef int _ready(self, Py_ssize_t k) except -1:
+        if not self._shards[k].ready:
+            self._open_shard(k)
+            if not self._shards[k].ready:
+                self._check_open()
+                raise RuntimeError(f"shard {k} was not bound")
+        return 0
+
+    def __len__(self):
+        return self._n
+
+    def _locate_sequence(self, idx):
+        """(shard, local sequence id) of global sequence ``idx``."""
+        self._check_open()
+        cdef Py_ssize_t i = self._norm(idx)
+        cdef Py_ssize_t k = self._locate(i)
+        return k, i - self._starts[k]
+
+    def __getitem__(self, idx):
+        cdef Py_ssize_t i, k, j
+        cdef _Shard* sh
+        if type(idx) is int or isinstance(idx, np.integer):
+            self._check_open()
+            i = self._norm(idx)
+            k = self._locate(i)
+            sh = &self._shards[k]
+            if not sh.ready:
+                self._ready(k)
+            j = i - self._starts[k]
+            # The view's owner is the list that keeps every bound shard's mapping alive: one object, hot
+            # in the cache, instead of one per shard (with a thousand shards, touching per-shard objects
+            # costs more than the rest of the lookup).
+            return _read_bin(None if sh.base != NULL else <Source>self._srcs[k], sh.base, self._keep, sh.size,
+                             self._dtype, ld64(sh.ptrs + 8 * j), ld32(sh.lens + 4 * j))
+        return self._getitem_other(idx)
+
+    def get(self, idx, offset=0, length=None):
+        """Tokens ``[offset, offset + length)`` of global sequence ``idx`` (to its end when ``length`` is
+        None); a range outside the sequence raises :class:`mcf.OutOfBoundsError`."""
+        self._check_open()
+        cdef Py_ssize_t i = self._norm(idx)
+        cdef Py_ssize_t k = self._locate(i)
+        self._ready(k)
+        cdef _Shard* sh = &self._shards[k]
+        cdef Py_ssize_t j = i - self._starts[k]
+        cdef int64_t ln = ld32(sh.lens + 4 * j)
+        cdef int64_t cnt
+        cdef int64_t off = _part_of(offset, length, ln, i, &cnt)
+        return _read_bin(None if sh.base != NULL else <Source>self._srcs[k], sh.base, self._keep, sh.size,
+                         self._dtype, ld64(sh.ptrs + 8 * j) + off * self._dtype.itemsize, cnt)
+
+    def _sequence_length(self, idx):
+        self._check_open()
+        cdef Py_ssize_t i = self._norm(idx)
+        cdef Py_ssize_t k = self._locate(i)
+        self._ready(k)
+        return ld32(self._shards[k].lens + 4 * (i - self._starts[k]))
+
+    def gather(self, indices, out=None):
+        """Read many global sequences into one flat array: returns ``(tokens, offsets)`` with sequence
+        ``k`` at ``tokens[offsets[k]:offsets[k+1]]``.  Copies from mapped shards run with the GIL
+        released; ``out`` may be a preallocated 1-D array of the dataset's dtype."""
+        self._check_open()
+        srcs, keep = self._srcs, self._keep   # owned: a closing thread cannot unmap what is copied
+        idx_arr = np.ascontiguousarray(indices, dtype=np.int64)
+        if idx_arr.ndim != 1:
+            raise InvalidArgumentError("indices must be one-dimensional")
+        cdef const int64_t[::1] ix = idx_arr
+        cdef Py_ssize_t m = ix.shape[0], k, s, bad = -1
+        cdef cnp.ndarray loc = np.empty(2 * m, dtype=np.int64)   # (shard, byte offset in its .bin) of each
+        cdef int64_t* pl = <int64_t*>cnp.PyArray_DATA(loc)
+        cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
+        cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
+        cdef int64_t j, ln, total = 0, n = self._n
+        cdef bint negative = False, unmapped = False
+        cdef _Shard* sh
+        # First pass, under the GIL (a shard touched for the first time is opened here): locate each
+        # sequence.  It only reads the starts and buckets, which stay in the cache.
+        for k in range(m):
+            j = ix[k]
+            if j < 0:
+                j = j + n
+            if j < 0 or j >= n:
+                bad = k
+                break
+            s = self._locate(j)
+            if not self._shards[s].ready:
+                self._ready(s)
+            pl[2 * k] = s
+            pl[2 * k + 1] = j - self._starts[s]
+        # Second pass: lengths and pointers.  Every address is known up front, so the loads from the
+        # shards' indexes (cache misses, for random sequences) overlap instead of waiting on a lookup.
+        if bad < 0:
+            with nogil:
+                po[0] = 0
+                for k in range(m):
+                    sh = &self._shards[pl[2 * k]]
+                    j = pl[2 * k + 1]
+                    ln = ld32(sh.lens + 4 * j)
+                    if ln < 0:  # only possible with validate=False
+                        bad = k
+                        negative = True
+                        break
+                    if sh.base == NULL and ln:
+                        unmapped = True
+                    pl[2 * k + 1] = ld64(sh.ptrs + 8 * j)
+                    total += ln
+                    po[k + 1] = total
+        if bad >= 0:
+            if negative:
+                raise OutOfBoundsError(f"sequence {ix[bad]} has a negative length in the index")
+            raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
+        cdef cnp.ndarray res = _gather_output(out, self._dtype, total)
+        cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
+        cdef int64_t isz = self._dtype.itemsize, p, nb
+        cdef _Shard* shp
+        if not unmapped:
+            with nogil:
+                for k in range(m):
+                    if k + PREFETCH_AHEAD < m:
+                        # random sequences miss the caches: start loading one a few copies ahead
+                        shp = &self._shards[pl[2 * (k + PREFETCH_AHEAD)]]
+                        p = pl[2 * (k + PREFETCH_AHEAD) + 1]
+                        if shp.base != NULL and p >= 0 and <uint64_t>p < shp.size:
+                            mg_prefetch(shp.base + p)
+                    nb = (po[k + 1] - po[k]) * isz
+                    if nb == 0:
+                        continue
+                    sh = &self._shards[pl[2 * k]]
+                    p = pl[2 * k + 1]
+                    if p < 0 or <uint64_t>p > sh.size or <uint64_t>nb > sh.size - <uint64_t>p:
+                        bad = k
+                        break
+                    memcpy(dst + po[k] * isz, sh.base + p, <size_t>nb)
+        else:
+            for k in range(m):
+                nb = (po[k + 1] - po[k]) * isz
+                if nb == 0:
+                    continue
+                sh = &self._shards[pl[2 * k]]
+                p = pl[2 * k + 1]
+                if p < 0 or <uint64_t>p > sh.size or <uint64_t>nb > sh.size - <uint64_t>p:
+                    bad = k
+                    break
+                if sh.base != NULL:
+                    memcpy(dst + po[k] * isz, sh.base + p, <size_t>nb)
+                else:
+                    (<Source>srcs[pl[2 * k]]).copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
+        del srcs, keep
+        if bad >= 0:
+            raise OutOfBoundsError(f"sequence {ix[bad]} lies outside its shard's .bin")
+        return res, offsets
+

@@ -74,15 +74,21 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from mcf.errors import MCFError
+    from mcf.megatron import open as open_dataset
     from mcf.megatron import verify
 
+    try:  # a missing or unreadable file is an error of the command line, not a finding about a dataset
+        open_dataset(args.prefix, mmap=not args.no_mmap).close()
+    except OSError:
+        raise
+    except MCFError:  # a bad dataset: verify lists every problem
+        pass
     problems = verify(args.prefix, mmap=not args.no_mmap)
     if problems:
         for p in problems:
             print(f"FAIL {p}")
         return 1
-    from mcf.megatron import open as open_dataset
-
     with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
         print(f"OK {ds.path_prefix}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
               f"{ds.num_tokens:,} tokens ({ds.dtype}, {ds.variant})")
@@ -108,6 +114,14 @@ def cmd_tokenize(args) -> int:
     from mcf.cli import Progress
     from mcf.megatron.tokenize import tokenize
 
+    if args.ray is not None:
+        return _tokenize_on_ray(args)
+    for flag, v in (("--chunk-size", args.chunk_size), ("--shard-dir", args.shard_dir), ("--no-merge", args.no_merge),
+                    ("--no-resume", args.no_resume)):
+        if v:
+            from mcf.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"{flag} applies to a run on a Ray cluster (--ray ADDRESS)")
     stats = tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
                      append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
@@ -116,6 +130,29 @@ def cmd_tokenize(args) -> int:
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
           f"sequences, {stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
+    return 0
+
+
+def _tokenize_on_ray(args) -> int:
+    from mcf.errors import InvalidArgumentError
+
+    if args.workers != 1:
+        raise InvalidArgumentError("--workers sets threads of a single-process run; with --ray every CPU of the "
+                                   "cluster tokenizes (one task per CPU)")
+    from mcf.megatron import raydata  # a MissingDependencyError names the extra when Ray is not installed
+    from mcf.export import parse_size
+
+    stats = raydata.tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
+                             append_eod=args.append_eod, eod_token=args.eod_token, batch_size=args.batch_size,
+                             dtype_rule=args.dtype_rule, add_special_tokens=args.add_special_tokens,
+                             address=args.ray, chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
+                             shard_dir=args.shard_dir, merge=not args.no_merge, resume=not args.no_resume,
+                             progress=not args.quiet)
+    rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
+    reused = f", {stats['chunks_reused']} reused from an earlier run" if stats["chunks_reused"] else ""
+    print(f"wrote {stats['output']}: {stats['documents']:,} documents, {stats['sequences']:,} sequences, "
+          f"{stats['tokens']:,} tokens from {stats['chunks']} chunks{reused} in {stats['seconds']:.2f}s "
+          f"({rate:.2f}M tokens/s)")
     return 0
 
 
@@ -160,5 +197,16 @@ def add_megatron_parser(sub) -> None:
     s.add_argument("--empty-text", choices=("megatron", "datatrove"), default="megatron",
                    help="a text without tokens: a document with no sequence (megatron), or one sequence "
                         "holding just the EOD, with empty strings dropped (datatrove)")
+    g = s.add_argument_group("on a Ray cluster (pip install 'mcf-formats[ray]'; see docs/scale.md)")
+    g.add_argument("--ray", metavar="ADDRESS", help="run on the Ray cluster at ADDRESS (host:port of the head, "
+                   "ray://...), or 'auto': the cluster this machine belongs to, else a local one")
+    g.add_argument("--chunk-size", metavar="SIZE", help="bytes of input per task (e.g. 64MiB; default: about "
+                   "four chunks per cluster CPU); compressed inputs are one chunk each")
+    g.add_argument("--shard-dir", help="where tasks write their shards (default OUTPUT_PREFIX.shards; every node "
+                   "must see it)")
+    g.add_argument("--no-merge", action="store_true", help="keep the shards and write OUTPUT_PREFIX.shards.json "
+                   "(for mcf.megatron.open and Megatron's --data-path) instead of merging them")
+    g.add_argument("--no-resume", action="store_true", help="start over instead of reusing the chunks an "
+                   "interrupted run finished")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_tokenize)

