@@ -155,8 +155,13 @@ def test_text_in_text_out_and_deduplication(models, tmp_path):
         # the content's identity is the text (seed 003's content hash); the KV covers its tokens with the BOS
         assert meta["content"]["hash"] == mcf.bucket.content_hash(text)
         assert meta["content"]["token_count"] == len(tok.encode(text)) and tok.encode(text)[0] == BOS
+        def no_prefill(ids):
+            raise AssertionError("the model ran for content that is already stored")
+
+        be.prefill, prefill = no_prefill, be.prefill
         again = be.ingest(b, text)
         assert again["deduplicated"] and again["context_id"] == meta["context_id"]
+        be.prefill = prefill
         g = be.generate(b, meta["context_id"], question, max_new_tokens=8, stop_at_eos=False)
         ans = be.query(b, meta["context_id"], question, {"max_tokens": 8, "stop_at_eos": False})
     ids = tok.encode(text) + tok.encode(question, add_special_tokens=False)
@@ -307,7 +312,7 @@ def test_missing_packages_name_the_extra():
             "except MissingDependencyError as e:\n"
             "    print(isinstance(e, mcf.MCFError), isinstance(e, ImportError), e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.startswith("True True ") and "pip install 'mcf[transformers]'" in out
+    assert out.startswith("True True ") and "pip install 'mcf-formats[transformers]'" in out
     assert issubclass(MissingDependencyError, mcf.MCFError) and issubclass(MissingDependencyError, ImportError)
 
 
@@ -384,6 +389,7 @@ def test_serve_flags_are_checked_before_anything_loads(tmp_path):
                        (["--model", "x"], "--backend and --model go together"),
                        (["--model-id", "x"], "--model-id configures a model backend"),
                        (["--backend", "transformers", "--model", str(tmp_path / "missing")], "cannot load"),
+                       (["--backend", "transformers", "--model", "x", "--device", "tpu"], "invalid torch device"),
                        (["--backend", "transformers", "--model", "x", "--host", "0.0.0.0"], "without a token")):
         p = subprocess.run([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(tmp_path / "b"), *args],
                            capture_output=True, text=True, timeout=300)

@@ -201,10 +201,12 @@ def test_focus_plan_is_stable_when_no_score_crosses_a_threshold(seed, k, blocks,
     n1 = max(0, t // k - lag1)
     n2 = n1 // k
     plan = random_plan(rng, (t, n1, n2), k)
-    scores = rng.uniform(-0.3, 0.2, len(plan))          # nothing above tau_expand = 0.2 ...
-    lv = np.array([e[0] for e in plan])
-    # ... and nothing collapsible below -tau_collapse = -0.3: the lowest scores go to spans that cannot collapse
-    scores[lv == 0] = np.maximum(scores[lv == 0], -0.3)
+    scores = rng.uniform(-0.3, 0.2, len(plan))          # between -tau_collapse = -0.3 and tau_expand = 0.2
+    lv = np.array([e[0] for e in plan], np.int64)
+    # scores past a threshold where the rule does not apply change nothing either: LOD0 blocks cannot expand,
+    # LOD2 gists cannot collapse
+    scores[lv == 0] += 3.0 * rng.integers(0, 2, int((lv == 0).sum()))
+    scores[lv == 2] -= 3.0 * rng.integers(0, 2, int((lv == 2).sum()))
     budget = rows_of(plan, t, k) + slack
     got = mc.focus_plan((t, n1, n2), plan, scores, budget=budget, tau_expand=0.2, tau_collapse=0.3, block_size=k)
     assert list(got) == plan
@@ -222,7 +224,7 @@ COUNTS = (64 + 3, 16, 4)        # 67 tokens: 16 full blocks + 3 tokens; every fu
 
 
 def focus(plan, scores, budget=1000, counts=COUNTS, **kw):
-    return list(mc.focus_plan(counts, plan, scores, budget=budget, block_size=K, **{**TAU, **kw}))
+    return list(mc.focus_plan(counts, plan, scores, budget=budget, **{"block_size": K, **TAU, **kw}))
 
 
 def test_expansions_one_level_at_a_time():
@@ -365,6 +367,11 @@ def test_invalid_inputs_are_refused():
         focus(plan, ok, counts=(67, 17, 4))
     with pytest.raises(mcf.InvalidArgumentError, match="focus_plan needs a tree"):
         mc.focus_plan("tree", plan, ok, budget=10, **TAU)
+    # block_size 0 made plan_tail divide by zero and plan_coverage answer (0, 0)
+    for call in (lambda: focus(plan, ok, block_size=0), lambda: mc.plan_tail((67, 16, 4), 10, 4, block_size=0),
+                 lambda: mc.plan_coverage(plan, 67, 0)):
+        with pytest.raises(mcf.InvalidArgumentError, match="block_size must be >= 1"):
+            call()
 
 
 def test_working_context_rows_that_are_not_a_plan_are_refused(tmp_path):

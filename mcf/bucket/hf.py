@@ -1,6 +1,6 @@
 """A model in the bucket's loop: a Hugging Face causal LM computes the KV cache of a text at ingest, and
 answers queries from the stored cache (seed 003, "pre-compute once, query many"; the ``transformers``
-extra: ``pip install 'mcf[transformers]'``).
+extra: ``pip install 'mcf-formats[transformers]'``).
 
 Why it is built this way:
 
@@ -44,19 +44,13 @@ from typing import Any
 
 import numpy as np
 
+from mcf._optional import require
 from mcf.bucket import _layout as L
 from mcf.bucket.store import Bucket, check_model_id, content_hash, context_id_for, token_array
-from mcf.errors import ContextNotFoundError, InvalidArgumentError, MCFError
-
-try:  # the project-wide class, once it exists (issue 12)
-    from mcf.errors import MissingDependencyError
-except ImportError:  # pragma: no cover - replaced by mcf.errors.MissingDependencyError when present
-    class MissingDependencyError(MCFError, ImportError):
-        """An optional package this feature needs is not installed; the message names the extra."""
+from mcf.errors import ContextNotFoundError, InvalidArgumentError, MissingDependencyError
 
 __all__ = ["Generation", "MissingDependencyError", "TransformersBackend", "weights_fingerprint"]
 
-EXTRA = "transformers"
 #: the most tokens one query may generate (a server answers within bounded time)
 MAX_NEW_TOKENS = 4096
 #: query options the REST route accepts (seed 003 §4.3 names max_tokens and temperature)
@@ -66,13 +60,9 @@ _TORCH_TO_KV = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat1
 
 def _require():
     """(torch, transformers), or MissingDependencyError naming the extra."""
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        raise MissingDependencyError(f"the transformers backend needs torch and transformers ({exc.name} is missing): "
-                                     f"pip install 'mcf[{EXTRA}]'") from None
-    return torch, transformers
+    feature = "the bucket's model backend (mcf.bucket.hf)"
+    return (require("torch", feature=feature, extra="transformers"),
+            require("transformers", feature=feature, extra="transformers"))
 
 
 def weights_fingerprint(model, *, samples: int = 4096) -> str:
@@ -119,7 +109,8 @@ class TransformersBackend:
     """A Hugging Face causal LM serving one model id of a bucket: :meth:`ingest` stores the KV cache of a
     text, :meth:`generate` continues from a stored one, :meth:`query` is the REST server's query backend.
 
-    ``model``: a ``transformers`` causal LM (``AutoModelForCausalLM``), used as it is (device, dtype);
+    ``model``: a ``transformers`` causal LM (``AutoModelForCausalLM``), used on its device and in its dtype,
+    switched to evaluation mode (no dropout);
     ``tokenizer``: its tokenizer (a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``), or None to
     work with token ids only; ``model_id``: the bucket's name for the model; ``model_hash``: its identity
     (default :func:`weights_fingerprint`); ``kv_dtype``: how caches are stored (default the model's own
@@ -162,6 +153,9 @@ class TransformersBackend:
         model's torch dtype (``float32``, ``bfloat16``, ``float16``; default: as stored).  Remote code is
         never run (``trust_remote_code`` stays off)."""
         torch, transformers = _require()
+        from mcf.bucket.tiers import check_device
+
+        dev = check_device(device)
         kwargs: dict[str, Any] = {}
         if dtype is not None:
             if dtype not in _TORCH_TO_KV:
@@ -170,9 +164,12 @@ class TransformersBackend:
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
             tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
-        except (OSError, ValueError) as exc:
-            raise InvalidArgumentError(f"{name_or_path}: cannot load a causal LM and its tokenizer: {exc}") from None
-        model.to(device)
+        except (OSError, ValueError, KeyError, TypeError, ImportError, RuntimeError) as exc:
+            # a missing file, an unknown architecture, a model that is not a causal LM, a tokenizer needing a
+            # package that is not installed: one clear error, not a traceback from deep inside transformers
+            raise InvalidArgumentError(f"{name_or_path}: cannot load a causal LM and its tokenizer: "
+                                       f"{type(exc).__name__}: {exc}") from None
+        model.to(dev)
         if model_id is None:
             model_id = _default_model_id(str(name_or_path))
         return cls(model, tokenizer, model_id=model_id, **kw)
