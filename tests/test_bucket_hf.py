@@ -230,7 +230,8 @@ def test_the_model_identity_is_checked(models, tmp_path):
         cid = llama.ingest(b, token_ids=CONTENT)["context_id"]
         doc = b.model("shared-id")
         assert doc["model_compatibility"] == {"architecture": "llama", "num_layers": 2, "num_kv_heads": 2,
-                                              "head_dim": 16, "dtype": None}
+                                              "head_dim": 16, "dtype": None,
+                                              "vocab_size": models["llama-gqa"].config.vocab_size}
         assert doc["model_hash"] == weights_fingerprint(models["llama-gqa"]) == llama.model_hash
         # same architecture and shape, other weights: refused, its contexts would be wrong
         other = TransformersBackend(tiny_model("llama", seed=99, heads=4, kv_heads=2), model_id="shared-id")
@@ -249,6 +250,18 @@ def test_the_model_identity_is_checked(models, tmp_path):
         q = TransformersBackend(models["qwen2"], model_id="qwen2")
         with pytest.raises(mcf.InvalidArgumentError, match="belongs to model 'shared-id'"):
             q.generate(b, cid, query_ids=QUERY)
+        # new weights accepted on purpose: the former weights' contexts are stale, then computed again
+        other.register(b, new_weights=True)
+        assert b.model("shared-id")["model_hash"] == other.model_hash
+        assert [(c["context_id"], c["stale"]) for c in b.discover("shared-id")] == [(cid, True)]
+        with pytest.raises(mcf.bucket.StaleContextError, match="is stale"):
+            other.generate(b, cid, query_ids=QUERY)
+        again = other.ingest(b, token_ids=CONTENT)
+        assert not again.get("deduplicated") and again["context_id"] == cid
+        assert again["model"]["model_hash"] == other.model_hash
+        assert [c["stale"] for c in b.discover("shared-id")] == [False]
+        want, _ = from_scratch(other.model, CONTENT + QUERY, 4)
+        assert other.generate(b, cid, query_ids=QUERY, max_new_tokens=4, stop_at_eos=False).token_ids == want
     # the fingerprint sees a change of weights and of dtype, and is stable
     m = tiny_model("llama", seed=1, heads=4, kv_heads=2)
     fp = weights_fingerprint(m)

@@ -6,6 +6,7 @@ bucket directory (registry, contexts, models) and its operations.  See docs/buck
 
 from mcf.bucket.kvfile import DEFAULT_MAX_DECOMPRESSED_BYTES, Int8KV, KVFile, KVHeader, open_kv, read_kv, write_kv
 from mcf.bucket.store import Bucket, content_hash, context_id_for
+from mcf.errors import StaleContextError
 
 __all__ = [
     "DEFAULT_MAX_DECOMPRESSED_BYTES",
@@ -13,6 +14,7 @@ __all__ = [
     "Int8KV",
     "KVFile",
     "KVHeader",
+    "StaleContextError",
     "content_hash",
     "context_id_for",
     "open_kv",

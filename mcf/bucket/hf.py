@@ -203,12 +203,18 @@ class TransformersBackend:
         """What a context must match to be used with this model (the bucket's ``model_compatibility``)."""
         num_layers, num_kv_heads, head_dim = self.kv_shape
         return {"architecture": getattr(self.config, "model_type", None) or type(self.model).__name__,
-                "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+                "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                "vocab_size": self.vocab_size}
 
-    def register(self, bucket: Bucket) -> dict:
-        """Register this model in ``bucket`` under :attr:`model_id` (shape and weights fingerprint), or
-        check an existing registration: InvalidArgumentError when the bucket's model id stands for another
-        shape or other weights (its contexts would give wrong answers)."""
+    def register(self, bucket: Bucket, *, new_weights: bool = False) -> dict:
+        """Register this model in ``bucket`` under :attr:`model_id` (shape, vocabulary and weights
+        fingerprint), or check an existing registration: InvalidArgumentError when the bucket's model id
+        stands for another shape or other weights (its contexts would give wrong answers).
+
+        ``new_weights=True`` accepts other weights of the same shape (a fine-tune, a new revision of the
+        checkpoint): the model is registered again with this model's hash, which marks every context of
+        the former weights stale (listed as stale, refused on load, computed again by the next ingest of
+        the same content)."""
         want = self.compatibility()
         doc = bucket.model(self.model_id)
         if doc is None:
@@ -218,11 +224,14 @@ class TransformersBackend:
             if have.get(k) is not None and have[k] != v:
                 raise InvalidArgumentError(f"model {self.model_id!r} is registered in this bucket with {k}={have[k]!r}; "
                                            f"this model has {k}={v!r}: use another model_id")
+        if doc.get("model_hash") != self.model_hash and (new_weights or doc.get("model_hash") is None):
+            return bucket.register_model(self.model_id, model_hash=self.model_hash, **want)
         if doc.get("model_hash") is not None and doc["model_hash"] != self.model_hash:
             raise InvalidArgumentError(
                 f"model {self.model_id!r} is registered in this bucket with weights {doc['model_hash']}, this model's "
                 f"are {self.model_hash}: its contexts were computed by other weights and would give wrong answers "
-                "(use another model_id, or pass the registered model_hash if the weights are the same)")
+                "(use another model_id; pass the registered model_hash if the weights are the same; or "
+                "register(bucket, new_weights=True), which marks the former weights' contexts stale)")
         return doc
 
     # -- tokens ---------------------------------------------------------------------------------------------
@@ -311,7 +320,8 @@ class TransformersBackend:
         cid = context_id_for(self.model_id, chash, kd, L.KVShape(num_layers, num_kv_heads, head_dim, len(ids)))
         try:  # pre-compute once: the same content for the same model and dtype is already there
             meta = bucket.lookup(cid)
-            return dict(meta, deduplicated=True, ingestion_time_ms=(time.perf_counter() - t0) * 1e3)
+            if not bucket.is_stale(meta):  # (a stale one, of the former weights, is computed again)
+                return dict(meta, deduplicated=True, ingestion_time_ms=(time.perf_counter() - t0) * 1e3)
         except ContextNotFoundError:
             pass
         layers = self.prefill(ids)

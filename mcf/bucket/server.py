@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from mcf._optional import require
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
-from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError
+from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError, StaleContextError
 
 __all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_JSON_BODY", "DEFAULT_MAX_TEXT_BODY", "OPENAPI",
            "IngestBackend", "QueryBackend", "check_bind", "check_token", "create_app", "serve"]
@@ -96,7 +96,8 @@ def _errors(*codes: int) -> dict:
     why = {400: "invalid argument or id, or a Host header not in the allow-list",
            401: "missing or wrong bearer token", 403: "a state-changing request from another origin",
            404: "no such context, model or route",
-           409: "the tier cannot be reached here (no torch or no such device, or larger than the warm budget)",
+           409: "the tier cannot be reached here (no torch or no such device, or larger than the warm budget), "
+                "or the context is stale (computed by its model's former weights)",
            413: "body too large (or, for an upload, the arrays it declares)",
            415: "content type not accepted on this route (JSON routes take application/json, the upload "
                 "application/octet-stream)",
@@ -122,7 +123,8 @@ _SUMMARY = {
         "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16", "int8"]},
         "prefix": {"type": "object", "nullable": True}, "tier": _TIER, "is_loaded": {"type": "boolean"},
         "preferred_tier": {"type": "string", "enum": ["hot", "warm", "cold"], "nullable": True},
-        "model_id": _MODEL_ID,
+        "model_id": _MODEL_ID, "model_hash": _NULLABLE_STR, "stale": {"type": "boolean"},
+        "metadata": {"type": "object"},
     },
 }
 _SCHEMAS = {
@@ -216,15 +218,16 @@ OPENAPI: dict = {
                        "responses": {"204": {"description": "deleted"}, **_errors(*_WRITE, 404, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/kv": {
-            "get": {"summary": "Stream the context's kv_data.mcb to a runtime", "parameters": [_ID],
+            "get": {"summary": "Stream the context's kv_data.mcb to a runtime",
+                    "parameters": [_ID, _p("force", "query", False, {"type": "boolean"})],
                     "responses": {"200": {"description": "kv_data.mcb bytes", "content": {
-                        "application/octet-stream": _BINARY}}, **_errors(404, 422)}},
+                        "application/octet-stream": _BINARY}}, **_errors(404, 409, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/query": {
             "post": {"summary": "Query with a context (needs a query backend)", "parameters": [_ID],
                      "requestBody": _body("QueryRequest", True),
                      "responses": {"200": _json("Answer", "the backend's answer"),
-                                   **_errors(*_WRITE, 404, 422, 501)}},
+                                   **_errors(*_WRITE, 404, 409, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}/promote": {
             "post": {"summary": "Promote to warm (RAM) or hot (a torch device) in this server's memory",
@@ -238,7 +241,8 @@ OPENAPI: dict = {
         },
         f"{PREFIX}/models/{{id}}/contexts": {
             "get": {"summary": "Discover a model's contexts",
-                    "parameters": [_p("id", schema=_MODEL_ID), _p("force_scan", "query", False, {"type": "boolean"})],
+                    "parameters": [_p("id", schema=_MODEL_ID), _p("force_scan", "query", False, {"type": "boolean"}),
+                                   _p("include_metadata", "query", False, {"type": "boolean"})],
                     "responses": {"200": _json("Discovery", "contexts"), **_errors(422)}},
         },
         f"{PREFIX}/registry": {"get": {"summary": "Registry statistics",
@@ -355,7 +359,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 return err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
             except _UnsupportedMedia as exc:
                 return err(415, str(exc), close=True)
-            except WarmBudgetError as exc:
+            except (WarmBudgetError, StaleContextError) as exc:
                 return err(409, str(exc))
             except InvalidArgumentError as exc:
                 return err(400, str(exc))
@@ -531,9 +535,19 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         await run_in_threadpool(b.delete, request.path_params["id"])
         return Response(status_code=204)
 
+    def flag(request: Request, name: str) -> bool:
+        raw = request.query_params.get(name, "false").lower()
+        if raw not in ("true", "false", "1", "0"):
+            raise InvalidArgumentError(f"{name} must be true or false, got {raw[:20]!r}")
+        return raw in ("true", "1")
+
     async def stream_kv(request: Request):
         cid = request.path_params["id"]
+        force = flag(request, "force")
         meta = await run_in_threadpool(b.lookup, cid)
+        if not force and await run_in_threadpool(b.is_stale, meta):
+            raise StaleContextError(f"{cid} is stale: it was computed by its model's former weights "
+                                    "(ingest the content again, or add ?force=true to fetch it anyway)")
         f = await run_in_threadpool(b.open, cid)  # validates header, sizes and chunk table first
         # the bytes come from the descriptor that was validated, not from a second open of the path
         fh = os.fdopen(os.dup(f.fileno()), "rb")  # noqa: SIM115 - closed by the generator
@@ -593,12 +607,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return JSONResponse({"status": "success", "context_id": cid, "tier": tier})
 
     async def discover(request: Request):
-        raw = request.query_params.get("force_scan", "false").lower()
-        if raw not in ("true", "false", "1", "0"):
-            raise InvalidArgumentError(f"force_scan must be true or false, got {raw!r}")
-        force = raw in ("true", "1")
+        force, with_meta = flag(request, "force_scan"), flag(request, "include_metadata")
         t = time.perf_counter()
-        out = await run_in_threadpool(lambda: b.discover(request.path_params["id"], force_scan=force))
+        out = await run_in_threadpool(lambda: b.discover(request.path_params["id"], force_scan=force,
+                                                         include_metadata=with_meta))
         return JSONResponse({"status": "success", "model_id": request.path_params["id"], "from_cache": not force,
                              "scan_time_ms": (time.perf_counter() - t) * 1e3, "contexts": out})
 
