@@ -217,6 +217,10 @@ def cmd_serve(args) -> int:
     kw = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     if args.warm_budget_bytes is not None:
         kw["warm_budget_bytes"] = args.warm_budget_bytes
+    if args.default_ttl is not None:
+        from mcf.bucket.store import _check_ttl
+
+        kw["default_ttl"] = _check_ttl(args.default_ttl, "--default-ttl")
     if (args.backend is None) != (args.model is None):
         raise InvalidArgumentError("--backend and --model go together (--backend transformers --model PATH_OR_ID)")
     for flag, v in (("--model-id", args.model_id), ("--device", args.device), ("--dtype", args.dtype)):
@@ -333,6 +337,8 @@ def add_bucket_parser(sub) -> None:
     s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")
     s.add_argument("--body-timeout", type=float, help="seconds a request body may pause (default 30)")
     s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
+    s.add_argument("--default-ttl", type=float, metavar="SECONDS",
+                   help="expiry of contexts ingested without a ttl (default: never; seed 003 suggests 604800, 7 days)")
     s.add_argument("--backend", choices=("transformers",),
                    help="a model in the loop: answer queries and compute KV caches from text (the 'transformers' "
                         "extra); needs --model")

@@ -725,12 +725,14 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
           allowed_hosts: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY,
           max_connections: int | None = None, header_timeout: float | None = None,
           body_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
-          on_warning: Callable[[str], None] | None = None, backend: QueryBackend | None = None) -> None:
+          on_warning: Callable[[str], None] | None = None, backend: QueryBackend | None = None,
+          default_ttl: float | None = None) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
     :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers
-    queries (and, with an ``ingest`` method, computes KV caches from text).  Token warnings
+    queries (and, with an ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds
+    until a context ingested without ``ttl`` expires (default: never).  Token warnings
     (:func:`check_token`) go to ``on_warning`` (default:
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
@@ -755,7 +757,10 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
         v = getattr(limits, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 86400:
             raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {v!r}")
-    bucket = Bucket(root) if warm_budget_bytes is None else Bucket(root, warm_budget_bytes=warm_budget_bytes)
+    bkw: dict[str, Any] = {"default_ttl": default_ttl}
+    if warm_budget_bytes is not None:
+        bkw["warm_budget_bytes"] = warm_budget_bytes
+    bucket = Bucket(root, **bkw)
     app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
                      allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=limits_mod.protocol_class(limits),

@@ -321,6 +321,13 @@ def _get(obj: Any, path: Path, *keys: str, types: type | tuple[type, ...] = obje
     return cur
 
 
+def _check_ttl(ttl: Any, name: str) -> float | None:
+    if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
+                            or not 0 < ttl < 100 * 365 * 86400):
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds below 100 years, got {ttl!r}")
+    return ttl
+
+
 def _made_by(meta: dict) -> dict:
     """The ``model`` block of a context's metadata: architecture, vocab_size and model_hash of the
     registered model that was current at ingest (empty for contexts of older buckets)."""
@@ -360,15 +367,21 @@ class Bucket:
     ``key`` (32 bytes or 64 hex digits; default: the ``MCF_BUCKET_KEY`` environment variable) encrypts
     the KV data of every context this object ingests with AES-256-GCM and decrypts encrypted contexts on
     load (:mod:`mcf.bucket._crypto`); without a key, encrypted contexts are listed but cannot be loaded.
+
+    ``default_ttl`` (seconds) applies to every ingest that gives no ``ttl``.  It is None (never expire)
+    rather than seed 003's 7 days: a library must not delete what its caller stored unless told to
+    (docs/bucket.md, "Defaults").
     """
 
     def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
                  prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30,
-                 verify: bool | str = "always", key: Any = None, reconcile: bool = True) -> None:
+                 verify: bool | str = "always", key: Any = None, reconcile: bool = True,
+                 default_ttl: float | None = None) -> None:
         from mcf.bucket._crypto import key_from_env, parse_key
         from mcf.bucket.tiers import WarmCache
 
         self._key = parse_key(key) if key is not None else key_from_env()
+        self.default_ttl = _check_ttl(default_ttl, "default_ttl")
 
         self.verify = _verify_policy(verify)
         self._verified: dict[str, tuple] = {}
@@ -881,9 +894,7 @@ class Bucket:
         same context was already stored; its data is then left as it was)."""
         check_model_id(model_id)
         chash = content_hash(content, token_ids)
-        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
-                                or not 0 < ttl < 100 * 365 * 86400):
-            raise InvalidArgumentError(f"ttl must be a positive number of seconds below 100 years, got {ttl!r}")
+        ttl = self.default_ttl if ttl is None else _check_ttl(ttl, "ttl")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError("name must be a string")
         if source is not None and not isinstance(source, str):
