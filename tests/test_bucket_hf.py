@@ -352,6 +352,14 @@ def test_rest_text_ingest_and_query_with_a_backend(tmp_path):
     text = "the cat sat on the red hat and the dog ran to the river at night"
     with serve(tmp_path / "bucket", TOKEN, "--backend", "transformers", "--model", str(ckpt)) as (url, _):
         base = url + "/mcrp/v1"
+        # the start-up's model.loaded (seed 003 §6.2), replayed to an event stream opened from the beginning
+        from test_bucket_events import Events
+
+        ev = Events(url, query="?last_event_id=0", token=TOKEN)
+        (_, d1, e1), (_, d2, e2) = ev.next(), ev.next()
+        assert (d1, e1["model_id"], e1["contexts"]) == ("context.discovered", "tiny-llama", [])
+        assert (d2, e2["model_id"], e2["contexts"]) == ("model.loaded", "tiny-llama", [])
+        ev.close()
         st, out = call(base, "POST", "/contexts?model_id=tiny-llama&name=story&compression=zstd",
                        json.dumps({"content": text}).encode())
         assert st == 201, out

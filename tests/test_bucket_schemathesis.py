@@ -82,7 +82,10 @@ def api_schema(live_server):
 # One test per operation of the document, each running hypothesis over schemathesis' positive and negative
 # cases.  (Not schemathesis' pytest plugin: its from_fixture integration reads pytest internals that
 # pytest 9.2 removed, so it breaks with every pytest release; the strategies are its public API.)
-OPERATIONS = [r.ok().label for r in schemathesis.openapi.from_dict(OPENAPI).get_all_operations()]
+# The event stream is left out: its response ends only when the client leaves (or a valid request never
+# returns); tests/test_bucket_events.py drives it over loopback, invalid ids and the auth included.
+OPERATIONS = [r.ok().label for r in schemathesis.openapi.from_dict(OPENAPI).get_all_operations()
+              if r.ok().path != "/mcrp/v1/events"]
 
 
 def _operation(schema, label):

@@ -217,6 +217,10 @@ def cmd_serve(args) -> int:
     kw = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     if args.warm_budget_bytes is not None:
         kw["warm_budget_bytes"] = args.warm_budget_bytes
+    if args.max_event_streams is not None:
+        if args.max_event_streams < 1:
+            raise InvalidArgumentError(f"--max-event-streams must be at least 1, got {args.max_event_streams}")
+        kw["max_event_streams"] = args.max_event_streams
     if args.default_ttl is not None:
         from mcf.bucket.store import _check_ttl
 
@@ -337,6 +341,8 @@ def add_bucket_parser(sub) -> None:
     s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")
     s.add_argument("--body-timeout", type=float, help="seconds a request body may pause (default 30)")
     s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
+    s.add_argument("--max-event-streams", type=int, metavar="N",
+                   help="open /mcrp/v1/events streams allowed at once (default 32; 503 past it)")
     s.add_argument("--default-ttl", type=float, metavar="SECONDS",
                    help="expiry of contexts ingested without a ttl (default: never; seed 003 suggests 604800, 7 days)")
     s.add_argument("--backend", choices=("transformers",),

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mcf._optional import require
+from mcf.bucket._events import DEFAULT_KEEPALIVE, DEFAULT_MAX_STREAMS, EventHub, TooManyStreamsError, parse_last_id
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError, StaleContextError
 
@@ -102,7 +103,8 @@ def _errors(*codes: int) -> dict:
            415: "content type not accepted on this route (JSON routes take application/json, the upload "
                 "application/octet-stream)",
            422: "malformed upload or corrupt stored data", 500: "I/O failure on the server",
-           501: "no model backend configured (query, or an ingest of text)"}
+           501: "no model backend configured (query, or an ingest of text)",
+           503: "too many event streams open"}
     return {str(c): _json("Error", why[c]) for c in sorted({400, 401, 422, 500, *codes})}
 
 
@@ -247,6 +249,15 @@ OPENAPI: dict = {
         },
         f"{PREFIX}/registry": {"get": {"summary": "Registry statistics",
                                        "responses": {"200": _json("Registry", "statistics"), **_errors()}}},
+        f"{PREFIX}/events": {
+            "get": {"summary": "Server-Sent Events stream of bucket events (seed 003 §6.2)",
+                    "parameters": [_p("last_event_id", "query", False, {"type": "string", "pattern": "^[0-9]{1,18}$"}),
+                                   _p("Last-Event-ID", "header", False, {"type": "string", "pattern": "^[0-9]{1,18}$"})],
+                    "responses": {"200": {"description": "text/event-stream: `id`, `event` and a JSON `data` line "
+                                                         "per event, until the client leaves or the server stops",
+                                          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                                  **_errors(503)}},
+        },
         f"{PREFIX}/registry/rebuild": {"post": {"summary": "Rebuild the registry from disk",
                                                 "requestBody": _body("RebuildRequest"),
                                                 "responses": {"200": _json("Rebuilt", "statistics"),
@@ -309,12 +320,15 @@ def _media_type(request) -> str | None:
 
 def create_app(root: str | os.PathLike, *, token: str | None = None, backend: QueryBackend | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY, max_json_bytes: int = DEFAULT_MAX_JSON_BODY,
-               allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None):
+               allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None,
+               max_event_streams: int = DEFAULT_MAX_STREAMS, events_keepalive: float = DEFAULT_KEEPALIVE):
     """The Starlette application.  ``allowed_hosts``: the Host names answered (``"*"``: any, for a
     server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload and the arrays
     it declares, ``max_json_bytes`` every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or
     ``max_body_bytes`` when smaller).  ``backend`` answers the query route (:class:`QueryBackend`) and,
-    when it has ``ingest`` (:class:`IngestBackend`), takes text ingests; without one both answer 501."""
+    when it has ``ingest`` (:class:`IngestBackend`), takes text ingests; without one both answer 501.
+    ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
+    every ``events_keepalive`` seconds (:mod:`mcf.bucket._events`); the hub is ``app.state.events``."""
     require("starlette", feature="the bucket's REST server", extra="server")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -635,8 +649,26 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             return await handlers["get" if m == "head" else m](request)
         return dispatch, [m.upper() for m in handlers]
 
+    hub = EventHub(b.subscribe, max_streams=max_event_streams, keepalive=events_keepalive, scrub=scrub)
+    if backend is not None and getattr(backend, "model_id", None):
+        b.model_loaded(backend.model_id)  # in the history: a stream opened with last_event_id=0 replays it
+
+    async def events(request: Request):
+        raw = request.query_params.get("last_event_id", request.headers.get("last-event-id"))
+        try:
+            last = parse_last_id(raw)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        try:
+            s = hub.open(last)
+        except TooManyStreamsError as exc:
+            return err(503, str(exc))
+        return StreamingResponse(hub.stream(s), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+
     table = {
         "/openapi.json": {"get": openapi},
+        "/events": {"get": events},
         "/contexts": {"get": list_contexts, "post": ingest},
         "/contexts/{id}": {"get": get_context, "delete": delete_context},
         "/contexts/{id}/kv": {"get": stream_kv},
@@ -683,6 +715,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected},
                     lifespan=lifespan)
+    app.state.events = hub
     return _Exposure(app, hosts, any_host, err)
 
 
@@ -726,13 +759,14 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
           max_connections: int | None = None, header_timeout: float | None = None,
           body_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
           on_warning: Callable[[str], None] | None = None, backend: QueryBackend | None = None,
-          default_ttl: float | None = None) -> None:
+          default_ttl: float | None = None, max_event_streams: int = DEFAULT_MAX_STREAMS) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
     :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers
     queries (and, with an ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds
-    until a context ingested without ``ttl`` expires (default: never).  Token warnings
+    until a context ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open
+    ``/events`` streams allowed.  Token warnings
     (:func:`check_token`) go to ``on_warning`` (default:
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
@@ -762,7 +796,13 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
         bkw["warm_budget_bytes"] = warm_budget_bytes
     bucket = Bucket(root, **bkw)
     app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
+                     max_event_streams=max_event_streams,
                      allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=limits_mod.protocol_class(limits),
                             h11_max_incomplete_event_size=16 * 1024, server_header=False)
-    uvicorn.Server(config).run()
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # end the event streams, or uvicorn waits for them forever
+            app.app.state.events.close()
+            super().handle_exit(sig, frame)
+
+    _Server(config).run()

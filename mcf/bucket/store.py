@@ -478,6 +478,14 @@ class Bucket:
         for cb in list(self._subscribers):
             cb(ev)
 
+    def model_loaded(self, model_id: str) -> list[dict]:
+        """Say that a runtime loaded ``model_id`` (seed 003 §6.2's ``model.loaded``): discovers its
+        contexts (``context.discovered``) and emits ``model.loaded`` with their ids; returns them.  The
+        server calls it at start-up for its model backend."""
+        found = self.discover(model_id)
+        self._emit("model.loaded", model_id=model_id, contexts=[c["context_id"] for c in found])
+        return found
+
     # -- models --------------------------------------------------------------------------------------
     def register_model(self, model_id: str, *, architecture: str | None = None, num_layers: int | None = None,
                        num_kv_heads: int | None = None, head_dim: int | None = None, dtype: str | None = None,
