@@ -197,6 +197,12 @@ class ContextNotFoundError(MCFError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StaleContextError(InvalidArgumentError):
+    """The context was computed by other weights than its model's current ones (the model was registered
+    again with another ``model_hash``): its KV cache would give wrong answers.  ``Bucket.load(force=True)``
+    loads it anyway."""
+
+
 class MissingDependencyError(MCFError, ImportError):
     """An optional package that a feature needs is not installed (or does not import).
 
