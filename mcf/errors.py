@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "MCFError",
+    "StaleContextError",
     "FormatError",
     "TruncatedError",
     "UnsupportedVersionError",

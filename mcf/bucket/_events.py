@@ -27,6 +27,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from mcf.errors import InvalidArgumentError, MCFError
+
 __all__ = ["EventHub", "TooManyStreamsError"]
 
 DEFAULT_HISTORY = 1024
@@ -35,7 +37,7 @@ DEFAULT_MAX_STREAMS = 32
 DEFAULT_KEEPALIVE = 15.0
 
 
-class TooManyStreamsError(Exception):
+class TooManyStreamsError(MCFError):
     """``max_streams`` event streams are open already (the server answers 503)."""
 
 
@@ -71,7 +73,7 @@ class EventHub:
                  scrub: Callable[[str], str] = lambda s: s) -> None:
         for name, v in (("history", history), ("queue_size", queue_size), ("max_streams", max_streams)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
         self.queue_size, self.max_streams, self.keepalive, self._scrub = queue_size, max_streams, keepalive, scrub
         self._lock = threading.Lock()
         self._history: collections.deque = collections.deque(maxlen=history)
@@ -154,5 +156,5 @@ def parse_last_id(value: Any) -> int | None:
     if value is None:
         return None
     if not isinstance(value, str) or not (1 <= len(value) <= 18) or not value.isascii() or not value.isdigit():
-        raise ValueError(f"last event id must be a non-negative decimal integer, got {str(value)[:24]!r}")
+        raise InvalidArgumentError(f"last event id must be a non-negative decimal integer, got {str(value)[:24]!r}")
     return int(value)

@@ -222,9 +222,9 @@ def cmd_serve(args) -> int:
             raise InvalidArgumentError(f"--max-event-streams must be at least 1, got {args.max_event_streams}")
         kw["max_event_streams"] = args.max_event_streams
     if args.default_ttl is not None:
-        from mcf.bucket.store import _check_ttl
+        from mcf.bucket.store import check_ttl
 
-        kw["default_ttl"] = _check_ttl(args.default_ttl, "--default-ttl")
+        kw["default_ttl"] = check_ttl(args.default_ttl, "--default-ttl")
     if (args.backend is None) != (args.model is None):
         raise InvalidArgumentError("--backend and --model go together (--backend transformers --model PATH_OR_ID)")
     for flag, v in (("--model-id", args.model_id), ("--device", args.device), ("--dtype", args.dtype)):

@@ -473,9 +473,9 @@ def _numpy_view(t) -> np.ndarray:
     import torch
 
     if t.dtype == torch.bfloat16:
-        from mcf.bucket.kvfile import _NP_DTYPES
+        from mcf.bucket.kvfile import NP_DTYPES
 
-        return t.view(torch.int16).numpy().view(_NP_DTYPES[L.KVDType.BF16])
+        return t.view(torch.int16).numpy().view(NP_DTYPES[L.KVDType.BF16])
     return t.numpy()
 
 

@@ -321,7 +321,7 @@ def _get(obj: Any, path: Path, *keys: str, types: type | tuple[type, ...] = obje
     return cur
 
 
-def _check_ttl(ttl: Any, name: str) -> float | None:
+def check_ttl(ttl: Any, name: str) -> float | None:
     if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
                             or not 0 < ttl < 100 * 365 * 86400):
         raise InvalidArgumentError(f"{name} must be a positive number of seconds below 100 years, got {ttl!r}")
@@ -381,7 +381,7 @@ class Bucket:
         from mcf.bucket.tiers import WarmCache
 
         self._key = parse_key(key) if key is not None else key_from_env()
-        self.default_ttl = _check_ttl(default_ttl, "default_ttl")
+        self.default_ttl = check_ttl(default_ttl, "default_ttl")
 
         self.verify = _verify_policy(verify)
         self._verified: dict[str, tuple] = {}
@@ -902,7 +902,7 @@ class Bucket:
         same context was already stored; its data is then left as it was)."""
         check_model_id(model_id)
         chash = content_hash(content, token_ids=token_ids)
-        ttl = self.default_ttl if ttl is None else _check_ttl(ttl, "ttl")
+        ttl = self.default_ttl if ttl is None else check_ttl(ttl, "ttl")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError("name must be a string")
         if source is not None and not isinstance(source, str):

@@ -112,7 +112,7 @@ def assemble(tree, plan, embeddings=None, *, out=None, dtype=None, threads: int 
     return WorkingContext(levels, positions, token_ids, gists, matrix, tree.block_size)
 
 
-def timeline_counts(tree_or_counts, block_size: int = 32, *, who: str = "plan_tail") -> tuple:
+def timeline_counts(tree_or_counts, *, block_size: int = 32, who: str = "plan_tail") -> tuple:
     """``((num_tokens, lod1_gists, lod2_gists), block_size)`` of a tree, or of such a triple (checked
     for consistency with ``block_size``): the timeline a plan is made for.  ``who`` names the caller in
     the error."""
@@ -138,7 +138,7 @@ def plan_tail(tree, budget: int, recent_tokens: int, *, block_size: int = 32) ->
     Blocks without a gist yet stay at LOD0.  When the whole timeline does not fit even as LOD2 gists,
     the plan covers the most recent part that does (oldest entries dropped).  Entries are in timeline
     order and cover a contiguous suffix of the timeline (see :func:`plan_coverage`)."""
-    (t, n1, n2), k = timeline_counts(tree, block_size)
+    (t, n1, n2), k = timeline_counts(tree, block_size=block_size)
     for name, v in (("budget", budget), ("recent_tokens", recent_tokens)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
             raise InvalidArgumentError(f"{name} must be a non-negative integer, got {v!r}")

@@ -62,7 +62,7 @@ def focus_plan(tree, current, scores, *, budget: int, tau_expand: float, tau_col
     scoring above ``tau_expand`` is expanded one level; a span scoring below ``-tau_collapse`` collapses
     into its parent gist (``tau_expand >= -tau_collapse``; LensNet's POC uses 0.2 and 0.2).  The rules
     (budget, ties, stability) are in this module's docstring and docs/megacontext.md."""
-    (t, n1, n2), k = timeline_counts(tree, block_size, who="focus_plan")
+    (t, n1, n2), k = timeline_counts(tree, block_size=block_size, who="focus_plan")
     budget = integer(budget, "budget", minimum=0)
     tau_e, tau_c = _threshold(tau_expand, "tau_expand"), _threshold(tau_collapse, "tau_collapse")
     if tau_e < -tau_c:
