@@ -43,6 +43,7 @@ MODULES = [
     ("mcf.megatron.raydata", "Megatron datasets on a Ray cluster: tokenize, Datasink, Datasource (mcf-formats[ray])"),
     ("mcf.megacontext", "MegaContext trees (LOD0/1/2.ctx + metadata.json)"),
     ("mcf.bucket", "Model Context Bucket: a persistent KV-cache store"),
+    ("mcf.bucket.hf", "a model in the bucket's loop: a Hugging Face causal LM computes and reuses KV caches"),
 ]
 
 

@@ -12,8 +12,8 @@ from mcf.container import Container, Header, Section, load_file, open
 from mcf.dtypes import DType
 from mcf.errors import (AccessError, ArgumentTypeError, ChecksumError, ClosedError, ContextNotFoundError, DTypeError,
                         FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingDependencyError,
-                        MissingFileError, OutOfBoundsError, TensorNotFoundError, TruncatedError, UnknownNameError,
-                        UnsupportedVersionError)
+                        MissingFileError, OutOfBoundsError, StaleContextError, TensorNotFoundError, TruncatedError,
+                        UnknownNameError, UnsupportedVersionError)
 from mcf.layout import SectionType, quant_layout
 from mcf.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
@@ -34,5 +34,5 @@ __all__ = [
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "ContextNotFoundError",
-    "ArgumentTypeError", "UnknownNameError", "load_state_dict",
+    "ArgumentTypeError", "UnknownNameError", "StaleContextError", "load_state_dict",
 ]

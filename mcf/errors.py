@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "MCFError",
+    "StaleContextError",
     "FormatError",
     "TruncatedError",
     "UnsupportedVersionError",
@@ -195,6 +196,12 @@ class ContextNotFoundError(MCFError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message, quoting it
         return str(self.args[0]) if self.args else ""
+
+
+class StaleContextError(InvalidArgumentError):
+    """The context was computed by other weights than its model's current ones (the model was registered
+    again with another ``model_hash``): its KV cache would give wrong answers.  ``Bucket.load(force=True)``
+    loads it anyway."""
 
 
 class MissingDependencyError(MCFError, ImportError):

@@ -182,6 +182,8 @@ def _check_megacontext(out):
     assert "(5000, 156, 4)" in out
     assert "(0, 10, 'gistnet_epoch11.pt', False), (10, 156, 'mean-pooling', False)" in out
     assert "broken:" in out and "LOD1.ctx: embedding_dim at offset 10: embedding_dim is 0" in out
+    assert "[(1, 0), (1, 1)] [(1, 308), (0, 309), (1, 310), (0, 311), (0, 312)] 297" in out   # focus plan
+    assert "refocused: True (0, 5000)" in out
     assert "[]" in out
 
 

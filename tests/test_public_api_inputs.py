@@ -144,6 +144,13 @@ def _assemble(ctx, table):
         mc.MeanPool(table).pool_tokens(t.tokens(0, 8), 2, np.float32)
 
 
+def _focus(ctx, x):
+    """Per-entry scores (a strided column of the held array) for a 6-entry plan of the shared tree."""
+    with mc.open(ctx["dir"] / "tree") as t:
+        mc.focus_plan(t, [(2, 0), (2, 1), (1, 4), (1, 5), (1, 6), (0, 7)], x[:, 0], budget=12, tau_expand=0.2,
+                      tau_collapse=0.2)
+
+
 def _build_gists(ctx, table):
     with _new_tree(ctx, "b", gist_dtype="fp16") as t:
         t.append_tokens(np.arange(8))
@@ -168,6 +175,7 @@ FLOAT_CASES = {
     "Tree gists fp16": lambda ctx, x: _gists(ctx, x[:, :8], "fp16"),
     "Tree gists bf16": lambda ctx, x: _gists(ctx, x[:, :8], "bf16"),
     "Tree gists fp32": lambda ctx, x: _gists(ctx, x[:, :8], "fp32"),
+    "focus_plan scores": _focus,
 }
 
 # embedding tables ([vocab, d]) for MegaContext
@@ -470,6 +478,12 @@ INTEGER_SLOTS = {
     "Tree.assemble(threads)": _call_tree(lambda t, v: t.assemble(mc.plan_tail(t, 12, 4), threads=v).levels),
     "plan_tail(budget)": (_call_tree(lambda t, v: mc.plan_tail(t, v, 4).levels), 12),
     "plan_tail(counts)": (lambda ctx, v: mc.plan_tail((v, 8, 4), 12, 4, block_size=2).levels, 16),
+    "focus_plan(budget)": (lambda ctx, v: mc.focus_plan((16, 8, 4), [(2, 0), (2, 1), (2, 2), (2, 3)], [0.9, 0, 0, 0],
+                                                        budget=v, tau_expand=0.2, tau_collapse=0.2,
+                                                        block_size=2).indices, 5),
+    "focus_plan(block_size)": (lambda ctx, v: mc.focus_plan((16, 8, 4), [(2, 0), (2, 1), (2, 2), (2, 3)],
+                                                            [0.9, 0, 0, 0], budget=5, tau_expand=0.2,
+                                                            tau_collapse=0.2, block_size=v).indices, 2),
     "span_of": lambda ctx, v: mc.span_of(1, v),
     "children_of": lambda ctx, v: list(mc.children_of(1, v)),
     "parent_of": lambda ctx, v: mc.parent_of(0, v),

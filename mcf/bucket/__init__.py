@@ -7,6 +7,7 @@ bucket directory (registry, contexts, models) and its operations.  See docs/buck
 from mcf.bucket.kvfile import DEFAULT_MAX_DECOMPRESSED_BYTES, Int8KV, KVFile, KVHeader, open_kv, read_kv, write_kv
 from mcf.bucket.store import Bucket, content_hash, context_id_for
 from mcf.bucket.tiers import HotTierUnavailableError, WarmBudgetError
+from mcf.errors import StaleContextError
 
 __all__ = [
     "DEFAULT_MAX_DECOMPRESSED_BYTES",
@@ -16,6 +17,7 @@ __all__ = [
     "Int8KV",
     "KVFile",
     "KVHeader",
+    "StaleContextError",
     "content_hash",
     "context_id_for",
     "open_kv",

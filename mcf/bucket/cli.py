@@ -217,9 +217,29 @@ def cmd_serve(args) -> int:
     kw = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     if args.warm_budget_bytes is not None:
         kw["warm_budget_bytes"] = args.warm_budget_bytes
+    if args.max_event_streams is not None:
+        if args.max_event_streams < 1:
+            raise InvalidArgumentError(f"--max-event-streams must be at least 1, got {args.max_event_streams}")
+        kw["max_event_streams"] = args.max_event_streams
+    if args.default_ttl is not None:
+        from mcf.bucket.store import check_ttl
+
+        kw["default_ttl"] = check_ttl(args.default_ttl, "--default-ttl")
+    if (args.backend is None) != (args.model is None):
+        raise InvalidArgumentError("--backend and --model go together (--backend transformers --model PATH_OR_ID)")
+    for flag, v in (("--model-id", args.model_id), ("--device", args.device), ("--dtype", args.dtype)):
+        if v is not None and args.backend is None:
+            raise InvalidArgumentError(f"{flag} configures a model backend: give --backend and --model too")
     token = _token(args, for_server=True)
     check_bind(args.host, token)              # protected mode first: nothing is bound without a token off loopback
-    _check_can_listen(args.host, args.port)
+    _check_can_listen(args.host, args.port)   # and refused before minutes of model loading, not after
+    if args.backend is not None:
+        from mcf.bucket.hf import TransformersBackend
+
+        print(f"mcf: loading {args.model} ...", file=sys.stderr, flush=True)
+        kw["backend"] = TransformersBackend.from_pretrained(args.model, model_id=args.model_id,
+                                                             device=args.device or "cpu", dtype=args.dtype)
+        print(f"mcf: serving model {kw['backend'].model_id!r}", file=sys.stderr, flush=True)
     try:
         serve(args.root, host=args.host, port=args.port, token=token, allowed_hosts=args.allow_host,
               max_connections=args.max_connections, header_timeout=args.header_timeout,
@@ -321,6 +341,17 @@ def add_bucket_parser(sub) -> None:
     s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")
     s.add_argument("--body-timeout", type=float, help="seconds a request body may pause (default 30)")
     s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
+    s.add_argument("--max-event-streams", type=int, metavar="N",
+                   help="open /mcrp/v1/events streams allowed at once (default 32; 503 past it)")
+    s.add_argument("--default-ttl", type=float, metavar="SECONDS",
+                   help="expiry of contexts ingested without a ttl (default: never; seed 003 suggests 604800, 7 days)")
+    s.add_argument("--backend", choices=("transformers",),
+                   help="a model in the loop: answer queries and compute KV caches from text (the 'transformers' "
+                        "extra); needs --model")
+    s.add_argument("--model", help="with --backend: a Hugging Face causal LM, a local directory or a Hub id")
+    s.add_argument("--model-id", help="the model's id in the bucket (default: the last part of --model)")
+    s.add_argument("--device", help="torch device for the model (default cpu)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="the model's dtype (default: as stored)")
 
     s = cmd("verify", cmd_verify, "check a context's KV file completely (header, sizes, CRC-32s)")
     s.add_argument("context_id")

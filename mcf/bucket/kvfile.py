@@ -66,7 +66,7 @@ try:  # BF16 comes back as ml_dtypes.bfloat16 when installed, else as the raw ui
 except ImportError:  # pragma: no cover - the test extra installs ml_dtypes
     _BF16 = None
 
-_NP_DTYPES = {
+NP_DTYPES = {
     L.KVDType.FP32: np.dtype("<f4"),
     L.KVDType.FP16: np.dtype("<f2"),
     L.KVDType.BF16: _BF16 if _BF16 is not None else np.dtype("<u2"),
@@ -168,7 +168,7 @@ def _encode_block(arr: Any, dtype: L.KVDType) -> bytes:
         return q.data.tobytes() + q.scales.tobytes()
     if dtype == L.KVDType.BF16:
         return _to_bf16_bits(arr).astype("<u2", copy=False).tobytes()
-    return np.ascontiguousarray(arr, dtype=_NP_DTYPES[dtype]).tobytes()
+    return np.ascontiguousarray(arr, dtype=NP_DTYPES[dtype]).tobytes()
 
 
 def _compress(data: bytes, compression: L.Compression, level: int | None) -> bytes:
@@ -572,7 +572,7 @@ class KVFile:
                 return np.frombuffer(buf, dtype=dt, count=count, offset=off).reshape(shape)
             return buf.array(off, dt, shape)
 
-        data = arr(start, _NP_DTYPES[kd], shp)
+        data = arr(start, NP_DTYPES[kd], shp)
         if kd == L.KVDType.INT8:
             return Int8KV(data, arr(start + nbytes, np.dtype("<f4"), shp[:2]))
         return data
@@ -678,7 +678,7 @@ class KVFile:
         s = self.shape
         n = s.num_layers if layers is None else 1 if isinstance(layers, (int, np.integer)) else len(list(layers))
         ntok = s.sequence_length if tokens is None or not isinstance(tokens, (int, np.integer)) else int(tokens)
-        shp, dt = (s.num_kv_heads, max(0, min(ntok, s.sequence_length)), s.head_dim), _NP_DTYPES[self.dtype]
+        shp, dt = (s.num_kv_heads, max(0, min(ntok, s.sequence_length)), s.head_dim), NP_DTYPES[self.dtype]
         out = [(np.empty(shp, dt), np.empty(shp, dt)) for _ in range(n)]  # not touched until filled
         return self.load(layers, tokens=tokens, threads=threads, verify=verify, out=out)
 
@@ -688,7 +688,7 @@ class KVFile:
             raise InvalidArgumentError("out= is not supported for int8 KV files (scales travel with the data)")
         if not isinstance(out, (list, tuple)) or len(out) != n_layers:
             raise InvalidArgumentError(f"out must be a list of {n_layers} (K, V) pairs")
-        want_shape, want_dtype = (s.num_kv_heads, ntok, s.head_dim), _NP_DTYPES[kd]
+        want_shape, want_dtype = (s.num_kv_heads, ntok, s.head_dim), NP_DTYPES[kd]
         flat = []
         for i, pair in enumerate(out):
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:

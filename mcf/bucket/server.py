@@ -13,7 +13,9 @@ server's own, so a web page cannot drive it; the ``Host`` header must be in an a
 rebinding); without a token :func:`serve` listens on loopback only (Redis' protected mode); bodies are
 read in pieces up to a hard limit; connections are capped and slow ones closed
 (:mod:`mcf.bucket._http_limits`).  ``query`` needs a language model, which this engine does not contain:
-it goes through a :class:`QueryBackend` given to :func:`create_app`.
+it goes through a :class:`QueryBackend` given to :func:`create_app` (:class:`mcf.bucket.hf.TransformersBackend`
+is one); a backend that also has ``ingest`` (:class:`IngestBackend`) lets the ingest route take the content
+itself as a JSON body and compute its KV cache.
 """
 
 from __future__ import annotations
@@ -31,17 +33,20 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mcf._optional import require
+from mcf.bucket._events import DEFAULT_KEEPALIVE, DEFAULT_MAX_STREAMS, EventHub, TooManyStreamsError, parse_last_id
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
-from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError
+from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError, StaleContextError
 
-__all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_JSON_BODY", "OPENAPI", "QueryBackend",
-           "check_bind", "check_token", "create_app", "serve"]
+__all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_JSON_BODY", "DEFAULT_MAX_TEXT_BODY", "OPENAPI",
+           "IngestBackend", "QueryBackend", "check_bind", "check_token", "create_app", "serve"]
 
 PREFIX = "/mcrp/v1"
 #: the ingest upload (an .npz): the body, and the arrays it declares once decompressed, each at most this
 DEFAULT_MAX_BODY = 1 << 30
 #: every other body (promote, demote, query, rebuild) is a small JSON object
 DEFAULT_MAX_JSON_BODY = 1 << 20
+#: a content sent as text to a model backend (JSON): 16 MiB is millions of tokens, beyond any model's window
+DEFAULT_MAX_TEXT_BODY = 16 << 20
 #: the Host names answered by default: loopback only (a foreign Host is a DNS-rebinding page's request)
 DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: a token shorter than this draws a warning (a 32-byte random token is what ``secrets.token_urlsafe(32)`` gives)
@@ -57,6 +62,14 @@ class QueryBackend(Protocol):
     """Answers a query against a cached context (a runtime with the model loaded)."""
 
     def query(self, bucket: Bucket, context_id: str, query: str, options: dict) -> dict: ...
+
+
+class IngestBackend(Protocol):
+    """Computes the KV cache of a content with the model it serves (``model_id``), and stores it."""
+
+    model_id: str
+
+    def ingest(self, bucket: Bucket, content: str | None = None, *, token_ids: Any = None, **options: Any) -> dict: ...
 
 
 _CTX_ID = {"type": "string", "pattern": "^ctx_[0-9a-f]{32}$", "example": "ctx_" + "0" * 32}
@@ -84,12 +97,14 @@ def _errors(*codes: int) -> dict:
     why = {400: "invalid argument or id, or a Host header not in the allow-list",
            401: "missing or wrong bearer token", 403: "a state-changing request from another origin",
            404: "no such context, model or route",
-           409: "the tier cannot be reached here (no torch or no such device, or larger than the warm budget)",
+           409: "the tier cannot be reached here (no torch or no such device, or larger than the warm budget), "
+                "or the context is stale (computed by its model's former weights)",
            413: "body too large (or, for an upload, the arrays it declares)",
            415: "content type not accepted on this route (JSON routes take application/json, the upload "
                 "application/octet-stream)",
            422: "malformed upload or corrupt stored data", 500: "I/O failure on the server",
-           501: "no query backend configured"}
+           501: "no model backend configured (query, or an ingest of text)",
+           503: "too many event streams open"}
     return {str(c): _json("Error", why[c]) for c in sorted({400, 401, 422, 500, *codes})}
 
 
@@ -110,7 +125,8 @@ _SUMMARY = {
         "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16", "int8"]},
         "prefix": {"type": "object", "nullable": True}, "tier": _TIER, "is_loaded": {"type": "boolean"},
         "preferred_tier": {"type": "string", "enum": ["hot", "warm", "cold"], "nullable": True},
-        "model_id": _MODEL_ID,
+        "model_id": _MODEL_ID, "model_hash": _NULLABLE_STR, "stale": {"type": "boolean"},
+        "metadata": {"type": "object"},
     },
 }
 _SCHEMAS = {
@@ -135,7 +151,11 @@ _SCHEMAS = {
     "Ingested": {"type": "object", "required": ["status", "context_id", "deduplicated", "token_count", "size_bytes"],
                  "properties": {"status": {"type": "string", "enum": ["success"]}, "context_id": _CTX_ID,
                                 "deduplicated": {"type": "boolean"}, "token_count": {"type": "integer"},
-                                "size_bytes": {"type": "integer"}}},
+                                "size_bytes": {"type": "integer"}, "ingestion_time_ms": {"type": "number"}}},
+    "TextIngest": {"type": "object", "additionalProperties": False,
+                   "description": "the content itself, for a server with a model backend: exactly one of the two",
+                   "properties": {"content": {"type": "string"},
+                                  "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
     "PromoteRequest": {"type": "object", "additionalProperties": False, "properties": {
         "target_tier": {"type": "string", "enum": ["warm", "hot"], "default": "warm"},
         "device": {"type": "string", "pattern": _DEVICE_PATTERN, "default": "cuda"}}},
@@ -176,7 +196,8 @@ OPENAPI: dict = {
             "get": {"summary": "List all (unexpired) contexts, of one model when model_id is given",
                     "parameters": [_p("model_id", "query", False, _MODEL_ID)],
                     "responses": {"200": _json("ContextList", "contexts"), **_errors(400)}},
-            "post": {"summary": "Ingest a context: body is an .npz with arrays k and v [layers, heads, tokens, head_dim]",
+            "post": {"summary": "Ingest a context: body is an .npz with arrays k and v [layers, heads, tokens, head_dim], "
+                                "or (with a model backend) the content as JSON, whose KV cache the server computes",
                      "parameters": [_p("model_id", "query", True, _MODEL_ID), _p("content", "query", False),
                                     _p("token_ids", "query", False,
                                        {"type": "string", "pattern": "^[0-9]{1,18}(,[0-9]{1,18})*$"},
@@ -187,9 +208,10 @@ OPENAPI: dict = {
                                     _p("compression", "query", False, {"type": "string", "enum": ["none", "lz4", "zstd"]}),
                                     _p("ttl", "query", False, {"type": "number", "exclusiveMinimum": True,
                                                                "minimum": 0, "maximum": 3.1e9})],
-                     "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY}},
+                     "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY,
+                                                                   "application/json": {"schema": _ref("TextIngest")}}},
                      "responses": {"201": _json("Ingested", "ingested (or found: deduplicated)"),
-                                   **_errors(*_WRITE, 422)}},
+                                   **_errors(*_WRITE, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}": {
             "get": {"summary": "Context metadata", "parameters": [_ID],
@@ -198,15 +220,16 @@ OPENAPI: dict = {
                        "responses": {"204": {"description": "deleted"}, **_errors(*_WRITE, 404, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/kv": {
-            "get": {"summary": "Stream the context's kv_data.mcb to a runtime", "parameters": [_ID],
+            "get": {"summary": "Stream the context's kv_data.mcb to a runtime",
+                    "parameters": [_ID, _p("force", "query", False, {"type": "boolean"})],
                     "responses": {"200": {"description": "kv_data.mcb bytes", "content": {
-                        "application/octet-stream": _BINARY}}, **_errors(404, 422)}},
+                        "application/octet-stream": _BINARY}}, **_errors(404, 409, 422)}},
         },
         f"{PREFIX}/contexts/{{id}}/query": {
             "post": {"summary": "Query with a context (needs a query backend)", "parameters": [_ID],
                      "requestBody": _body("QueryRequest", True),
                      "responses": {"200": _json("Answer", "the backend's answer"),
-                                   **_errors(*_WRITE, 404, 422, 501)}},
+                                   **_errors(*_WRITE, 404, 409, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}/promote": {
             "post": {"summary": "Promote to warm (RAM) or hot (a torch device) in this server's memory",
@@ -220,11 +243,21 @@ OPENAPI: dict = {
         },
         f"{PREFIX}/models/{{id}}/contexts": {
             "get": {"summary": "Discover a model's contexts",
-                    "parameters": [_p("id", schema=_MODEL_ID), _p("force_scan", "query", False, {"type": "boolean"})],
+                    "parameters": [_p("id", schema=_MODEL_ID), _p("force_scan", "query", False, {"type": "boolean"}),
+                                   _p("include_metadata", "query", False, {"type": "boolean"})],
                     "responses": {"200": _json("Discovery", "contexts"), **_errors(422)}},
         },
         f"{PREFIX}/registry": {"get": {"summary": "Registry statistics",
                                        "responses": {"200": _json("Registry", "statistics"), **_errors()}}},
+        f"{PREFIX}/events": {
+            "get": {"summary": "Server-Sent Events stream of bucket events (seed 003 §6.2)",
+                    "parameters": [_p("last_event_id", "query", False, {"type": "string", "pattern": "^[0-9]{1,18}$"}),
+                                   _p("Last-Event-ID", "header", False, {"type": "string", "pattern": "^[0-9]{1,18}$"})],
+                    "responses": {"200": {"description": "text/event-stream: `id`, `event` and a JSON `data` line "
+                                                         "per event, until the client leaves or the server stops",
+                                          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                                  **_errors(503)}},
+        },
         f"{PREFIX}/registry/rebuild": {"post": {"summary": "Rebuild the registry from disk",
                                                 "requestBody": _body("RebuildRequest"),
                                                 "responses": {"200": _json("Rebuilt", "statistics"),
@@ -287,10 +320,15 @@ def _media_type(request) -> str | None:
 
 def create_app(root: str | os.PathLike, *, token: str | None = None, backend: QueryBackend | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY, max_json_bytes: int = DEFAULT_MAX_JSON_BODY,
-               allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None):
+               allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None,
+               max_event_streams: int = DEFAULT_MAX_STREAMS, events_keepalive: float = DEFAULT_KEEPALIVE):
     """The Starlette application.  ``allowed_hosts``: the Host names answered (``"*"``: any, for a
     server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload and the arrays
-    it declares, ``max_json_bytes`` every other body."""
+    it declares, ``max_json_bytes`` every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or
+    ``max_body_bytes`` when smaller).  ``backend`` answers the query route (:class:`QueryBackend`) and,
+    when it has ``ingest`` (:class:`IngestBackend`), takes text ingests; without one both answer 501.
+    ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
+    every ``events_keepalive`` seconds (:mod:`mcf.bucket._events`); the hub is ``app.state.events``."""
     require("starlette", feature="the bucket's REST server", extra="server")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -335,7 +373,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 return err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
             except _UnsupportedMedia as exc:
                 return err(415, str(exc), close=True)
-            except WarmBudgetError as exc:
+            except (WarmBudgetError, StaleContextError) as exc:
                 return err(409, str(exc))
             except InvalidArgumentError as exc:
                 return err(400, str(exc))
@@ -385,11 +423,12 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         if mt not in allowed:
             raise _UnsupportedMedia(f"content type {mt or '(none)'} is not accepted here; send {' or '.join(allowed)}")
 
-    async def body_json(request: Request, schema: str) -> dict:
+    async def body_json(request: Request, schema: str, limit: int | None = None) -> dict:
         """The JSON object body of a route whose document schema is ``schema`` (unknown fields are
-        refused: a misspelt ``target_teir`` must not silently mean the default)."""
+        refused: a misspelt ``target_teir`` must not silently mean the default), at most ``limit`` bytes
+        (default ``max_json_bytes``)."""
         check_type(request, _JSON_TYPES, body_required=False)
-        raw = await read_body(request, max_json_bytes)
+        raw = await read_body(request, max_json_bytes if limit is None else limit)
         if not raw.strip():
             return {}
         try:
@@ -433,6 +472,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             kw["content"] = q["content"]
         if ("content" in kw) == ("token_ids" in kw):
             raise InvalidArgumentError("give exactly one of content or token_ids")
+        return dict(kw, **ingest_options(q))
+
+    def ingest_options(q) -> dict:
+        kw: dict[str, Any] = {}
         for k in ("name", "source", "dtype", "compression"):
             if k in q:
                 kw[k] = q[k]
@@ -443,8 +486,43 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 raise InvalidArgumentError("ttl must be a number") from None
         return kw
 
+    async def ingest_text(request: Request):
+        """The content itself as JSON (``{"content": text}`` or ``{"token_ids": [...]}``): the model
+        backend computes its KV cache; the other parameters stay in the query, as for an upload."""
+        q = request.query_params
+        if "model_id" not in q:
+            raise InvalidArgumentError("model_id is required")
+        check_model_id(q["model_id"])
+        for k in ("content", "token_ids"):
+            if k in q:
+                raise InvalidArgumentError(f"with a JSON body, {k} goes in the body, not in the query")
+        kw = ingest_options(q)
+        if backend is None or not callable(getattr(backend, "ingest", None)):
+            return err(501, "no model backend is configured: this server stores KV caches computed elsewhere (send "
+                            "them as an .npz upload, application/octet-stream), or start it with --backend "
+                            "transformers --model ... to compute them from text")
+        if q["model_id"] != backend.model_id:
+            raise InvalidArgumentError(f"this server's model backend serves {backend.model_id!r}, not {q['model_id']!r}")
+        body = await body_json(request, "TextIngest", limit=min(max_body_bytes, DEFAULT_MAX_TEXT_BODY))
+        if ("content" in body) == ("token_ids" in body):
+            raise InvalidArgumentError("give exactly one of content or token_ids in the body")
+        if "content" in body and not isinstance(body["content"], str):
+            raise InvalidArgumentError("content must be a string")
+        ids = body.get("token_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in ids)):
+            raise InvalidArgumentError("token_ids must be a list of non-negative integers")
+        meta = await run_in_threadpool(lambda: backend.ingest(b, body.get("content"), token_ids=ids, **kw))
+        out = {"status": "success", "context_id": meta["context_id"], "deduplicated": meta.get("deduplicated", False),
+               "token_count": meta["content"]["token_count"], "size_bytes": meta["kv_cache"]["size_bytes"]}
+        if isinstance(meta.get("ingestion_time_ms"), (int, float)):
+            out["ingestion_time_ms"] = meta["ingestion_time_ms"]
+        return JSONResponse(out, status_code=201)
+
     async def ingest(request: Request):
         q = request.query_params
+        if _media_type(request) in _JSON_TYPES:
+            return await ingest_text(request)
         kw = ingest_args(q)
         check_type(request, _UPLOAD_TYPES, body_required=True)
         spool = await run_in_threadpool(b.scratch_file)
@@ -471,9 +549,19 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         await run_in_threadpool(b.delete, request.path_params["id"])
         return Response(status_code=204)
 
+    def flag(request: Request, name: str) -> bool:
+        raw = request.query_params.get(name, "false").lower()
+        if raw not in ("true", "false", "1", "0"):
+            raise InvalidArgumentError(f"{name} must be true or false, got {raw[:20]!r}")
+        return raw in ("true", "1")
+
     async def stream_kv(request: Request):
         cid = request.path_params["id"]
+        force = flag(request, "force")
         meta = await run_in_threadpool(b.lookup, cid)
+        if not force and await run_in_threadpool(b.is_stale, meta):
+            raise StaleContextError(f"{cid} is stale: it was computed by its model's former weights "
+                                    "(ingest the content again, or add ?force=true to fetch it anyway)")
         f = await run_in_threadpool(b.open, cid)  # validates header, sizes and chunk table first
         # the bytes come from the descriptor that was validated, not from a second open of the path
         fh = os.fdopen(os.dup(f.fileno()), "rb")  # noqa: SIM115 - closed by the generator
@@ -497,7 +585,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         await run_in_threadpool(b.lookup, cid)
         if backend is None:
             return err(501, "no query backend is configured: this engine stores KV caches but contains no "
-                            "language model; pass a QueryBackend to create_app")
+                            "language model; start the server with --backend transformers --model ..., or pass a "
+                            "QueryBackend to create_app")
         if not isinstance(body.get("query"), str):
             raise InvalidArgumentError("'query' (a string) is required")
         if not isinstance(body.get("options", {}), dict):
@@ -532,12 +621,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         return JSONResponse({"status": "success", "context_id": cid, "tier": tier})
 
     async def discover(request: Request):
-        raw = request.query_params.get("force_scan", "false").lower()
-        if raw not in ("true", "false", "1", "0"):
-            raise InvalidArgumentError(f"force_scan must be true or false, got {raw!r}")
-        force = raw in ("true", "1")
+        force, with_meta = flag(request, "force_scan"), flag(request, "include_metadata")
         t = time.perf_counter()
-        out = await run_in_threadpool(lambda: b.discover(request.path_params["id"], force_scan=force))
+        out = await run_in_threadpool(lambda: b.discover(request.path_params["id"], force_scan=force,
+                                                         include_metadata=with_meta))
         return JSONResponse({"status": "success", "model_id": request.path_params["id"], "from_cache": not force,
                              "scan_time_ms": (time.perf_counter() - t) * 1e3, "contexts": out})
 
@@ -562,8 +649,26 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             return await handlers["get" if m == "head" else m](request)
         return dispatch, [m.upper() for m in handlers]
 
+    hub = EventHub(b.subscribe, max_streams=max_event_streams, keepalive=events_keepalive, scrub=scrub)
+    if backend is not None and getattr(backend, "model_id", None):
+        b.model_loaded(backend.model_id)  # in the history: a stream opened with last_event_id=0 replays it
+
+    async def events(request: Request):
+        raw = request.query_params.get("last_event_id", request.headers.get("last-event-id"))
+        try:
+            last = parse_last_id(raw)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        try:
+            s = hub.open(last)
+        except TooManyStreamsError as exc:
+            return err(503, str(exc))
+        return StreamingResponse(hub.stream(s), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+
     table = {
         "/openapi.json": {"get": openapi},
+        "/events": {"get": events},
         "/contexts": {"get": list_contexts, "post": ingest},
         "/contexts/{id}": {"get": get_context, "delete": delete_context},
         "/contexts/{id}/kv": {"get": stream_kv},
@@ -610,6 +715,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: unexpected},
                     lifespan=lifespan)
+    app.state.events = hub
     return _Exposure(app, hosts, any_host, err)
 
 
@@ -652,11 +758,15 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
           allowed_hosts: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY,
           max_connections: int | None = None, header_timeout: float | None = None,
           body_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
-          on_warning: Callable[[str], None] | None = None) -> None:
+          on_warning: Callable[[str], None] | None = None, backend: QueryBackend | None = None,
+          default_ttl: float | None = None, max_event_streams: int = DEFAULT_MAX_STREAMS) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
-    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget.  Token warnings
+    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers
+    queries (and, with an ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds
+    until a context ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open
+    ``/events`` streams allowed.  Token warnings
     (:func:`check_token`) go to ``on_warning`` (default:
     :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
@@ -681,9 +791,18 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
         v = getattr(limits, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 86400:
             raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {v!r}")
-    bucket = Bucket(root) if warm_budget_bytes is None else Bucket(root, warm_budget_bytes=warm_budget_bytes)
-    app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket,
+    bkw: dict[str, Any] = {"default_ttl": default_ttl}
+    if warm_budget_bytes is not None:
+        bkw["warm_budget_bytes"] = warm_budget_bytes
+    bucket = Bucket(root, **bkw)
+    app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
+                     max_event_streams=max_event_streams,
                      allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=limits_mod.protocol_class(limits),
                             h11_max_incomplete_event_size=16 * 1024, server_header=False)
-    uvicorn.Server(config).run()
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # end the event streams, or uvicorn waits for them forever
+            app.app.state.events.close()
+            super().handle_exit(sig, frame)
+
+    _Server(config).run()

@@ -4,7 +4,8 @@ seed 003 §4 (ingest, discover, lookup, load, delete, gc, rebuild)::
     <root>/
       registry.json               snapshot of every context's summary, grouped by model (rebuild() recreates it)
       registry.journal            changes since the snapshot, one CRC-guarded JSON line each
-      models/<model_id>.json      model identity and compatibility (architecture, layers, kv heads, head_dim)
+      models/<model_id>.json      model identity (model_hash) and compatibility (architecture, vocab_size, layers,
+                                  kv heads, head_dim, dtype)
       contexts/<context_id>/      one committed context
         metadata.json             seed 003 §3.1 fields
         kv_data.mcb               the KV cache (mcf.bucket.kvfile)
@@ -63,6 +64,8 @@ from mcf.errors import (
     MCFError,
     MCFIOError,
     MissingFileError,
+    StaleContextError,
+    UnsupportedVersionError,
     os_error,
 )
 from mcf.io import open_fd
@@ -70,7 +73,10 @@ from mcf.remote import refuse_url
 
 __all__ = ["Bucket", "content_hash", "context_id_for"]
 
+#: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
+#: version is refused on read (UnsupportedVersionError), never rebuilt over; a newer minor version is read.
 REGISTRY_VERSION = "1.0"
+_VERSION_RE = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})(\.(0|[1-9][0-9]{0,5}))?$")
 KV_NAME = "kv_data.mcb"
 META_NAME = "metadata.json"
 REGISTRY_NAME = "registry.json"
@@ -315,6 +321,38 @@ def _get(obj: Any, path: Path, *keys: str, types: type | tuple[type, ...] = obje
     return cur
 
 
+def check_ttl(ttl: Any, name: str) -> float | None:
+    if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
+                            or not 0 < ttl < 100 * 365 * 86400):
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds below 100 years, got {ttl!r}")
+    return ttl
+
+
+def _made_by(meta: dict) -> dict:
+    """The ``model`` block of a context's metadata: architecture, vocab_size and model_hash of the
+    registered model that was current at ingest (empty for contexts of older buckets)."""
+    m = meta.get("model")
+    return m if isinstance(m, dict) else {}
+
+
+def _stale(context_hash: Any, current_hash: Any) -> bool:
+    return context_hash is not None and current_hash is not None and context_hash != current_hash
+
+
+def _check_registry_version(doc: Any, p: Path) -> None:
+    """registry.json's ``mcrp_version``: another major version is UnsupportedVersionError (a newer mcf's
+    bucket: not rebuilt over); a missing or malformed one is a damaged registry (FormatError: rebuilt)."""
+    v = _get(doc, p, "mcrp_version", types=str)
+    m = _VERSION_RE.fullmatch(v)
+    if m is None:
+        raise FormatError("mcrp_version is not MAJOR.MINOR", path=p, field="mcrp_version", got=v[:40])
+    major = REGISTRY_VERSION.split(".")[0]
+    if m.group(1) != major:
+        raise UnsupportedVersionError(
+            f"registry mcrp_version {v} is not readable by this mcf (it reads {major}.x): the bucket was written "
+            "by another major version", path=p, field="mcrp_version", expected=f"{major}.x", got=v)
+
+
 # ------------------------------------------------------------------------------------------------
 # the bucket
 # ------------------------------------------------------------------------------------------------
@@ -329,15 +367,21 @@ class Bucket:
     ``key`` (32 bytes or 64 hex digits; default: the ``MCF_BUCKET_KEY`` environment variable) encrypts
     the KV data of every context this object ingests with AES-256-GCM and decrypts encrypted contexts on
     load (:mod:`mcf.bucket._crypto`); without a key, encrypted contexts are listed but cannot be loaded.
+
+    ``default_ttl`` (seconds) applies to every ingest that gives no ``ttl``.  It is None (never expire)
+    rather than seed 003's 7 days: a library must not delete what its caller stored unless told to
+    (docs/bucket.md, "Defaults").
     """
 
     def __init__(self, root: str | os.PathLike, *, clock: Callable[[], float] = time.time, create: bool = True,
                  prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, warm_budget_bytes: int = 1 << 30,
-                 verify: bool | str = "always", key: Any = None, reconcile: bool = True) -> None:
+                 verify: bool | str = "always", key: Any = None, reconcile: bool = True,
+                 default_ttl: float | None = None) -> None:
         from mcf.bucket._crypto import key_from_env, parse_key
         from mcf.bucket.tiers import WarmCache
 
         self._key = parse_key(key) if key is not None else key_from_env()
+        self.default_ttl = check_ttl(default_ttl, "default_ttl")
 
         self.verify = _verify_policy(verify)
         self._verified: dict[str, tuple] = {}
@@ -434,17 +478,33 @@ class Bucket:
         for cb in list(self._subscribers):
             cb(ev)
 
+    def model_loaded(self, model_id: str) -> list[dict]:
+        """Say that a runtime loaded ``model_id`` (seed 003 §6.2's ``model.loaded``): discovers its
+        contexts (``context.discovered``) and emits ``model.loaded`` with their ids; returns them.  The
+        server calls it at start-up for its model backend."""
+        found = self.discover(model_id)
+        self._emit("model.loaded", model_id=model_id, contexts=[c["context_id"] for c in found])
+        return found
+
     # -- models --------------------------------------------------------------------------------------
     def register_model(self, model_id: str, *, architecture: str | None = None, num_layers: int | None = None,
                        num_kv_heads: int | None = None, head_dim: int | None = None, dtype: str | None = None,
-                       model_hash: str | None = None) -> dict:
-        """Record a model's identity and the shape its contexts must have (checked at ingest and load)."""
+                       vocab_size: int | None = None, model_hash: str | None = None) -> dict:
+        """Record a model's identity and what its contexts must match (seed 003 §7.1; checked at ingest
+        and load).  Registering again replaces the document: a new ``model_hash`` (other weights: a new
+        checkpoint, a fine-tune) marks every context ingested under the old one stale (listed with
+        ``"stale": True``, refused by :meth:`load` unless forced, replaced by the next ingest of the same
+        content)."""
         compat = {"architecture": architecture, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
-                  "head_dim": head_dim, "dtype": None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)]}
-        for k in ("num_layers", "num_kv_heads", "head_dim"):
+                  "head_dim": head_dim, "dtype": None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)],
+                  "vocab_size": vocab_size}
+        for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
             v = compat[k]
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise InvalidArgumentError(f"{k} must be a non-negative integer, got {v!r}")
+        for k, v in (("architecture", architecture), ("model_hash", model_hash)):
+            if v is not None and (not isinstance(v, str) or not v or len(v) > 256):
+                raise InvalidArgumentError(f"{k} must be a non-empty string of at most 256 characters, got {v!r}")
         doc = {"model_id": check_model_id(model_id), "model_hash": model_hash, "created_at": _iso(self.clock()),
                "model_compatibility": compat}
         with self._lock():
@@ -486,13 +546,25 @@ class Bucket:
             if doc["model_id"] != meta["model_id"]:
                 raise InvalidArgumentError(f"{context_id} belongs to model {meta['model_id']!r}, not {model!r}")
             model = doc["model_compatibility"]
+        if not isinstance(model, dict):
+            raise InvalidArgumentError(f"model must be a model id or a compatibility dict, got {type(model).__name__}")
         shape, dtype = meta["kv_cache"]["shape"], meta["kv_cache"]["dtype"]
+        made_by = _made_by(meta)
         have = {"num_layers": shape["num_layers"], "num_kv_heads": shape["num_kv_heads"], "head_dim": shape["head_dim"],
-                "dtype": dtype, "architecture": meta.get("architecture")}
+                "dtype": dtype, "architecture": made_by.get("architecture"), "vocab_size": made_by.get("vocab_size")}
         for k, want in model.items():
-            if k in have and want is not None and k != "architecture" and have[k] != want:
+            # architecture and vocab_size are known for contexts ingested under a registered model only
+            if k in have and want is not None and have[k] is not None and have[k] != want:
                 raise InvalidArgumentError(f"{context_id} is incompatible: {k} is {have[k]!r}, the model needs {want!r}")
         return meta
+
+    def is_stale(self, context_id_or_meta: str | dict) -> bool:
+        """True when the context was ingested under another ``model_hash`` than its model's current one.
+        A context ingested while its model had no hash (or was unregistered) is never stale: nothing
+        says which weights computed it."""
+        meta = self.lookup(context_id_or_meta, include_expired=True) if isinstance(context_id_or_meta, str) \
+            else context_id_or_meta
+        return _stale(_made_by(meta).get("model_hash"), self._model_hash(meta["model_id"]))
 
     # -- registry ------------------------------------------------------------------------------------
     # In memory the registry is ``{"created_at", "models": {model_id: {"model_hash", "contexts": {id:
@@ -519,6 +591,7 @@ class Bucket:
             "dtype": meta["kv_cache"]["dtype"],
             "prefix": meta.get("prefix"),
             "preferred_tier": _preference(meta)[0],
+            "model_hash": _made_by(meta).get("model_hash"),
         }
 
     def _empty_state(self) -> dict:
@@ -546,6 +619,7 @@ class Bucket:
             cid = summ["context_id"]
             self._state_remove(state, cid)
             m = state["models"].setdefault(mid, {"model_hash": rec.get("model_hash"), "contexts": {}})
+            m["model_hash"] = rec.get("model_hash", m["model_hash"])  # the model's current hash at that change
             m["contexts"][cid] = summ
             state["stamps"][cid] = rec.get("stamp")
         else:
@@ -583,6 +657,7 @@ class Bucket:
         """registry.json as in-memory state (FileNotFoundError / FormatError when unusable)."""
         p = self.registry_path
         doc = _parse_json(self._fs.read(REGISTRY_NAME), p)
+        _check_registry_version(doc, p)
         state = self._empty_state()
         state["created_at"] = doc.get("created_at", state["created_at"]) if isinstance(doc, dict) else None
         for i, m in enumerate(_get(doc, p, "models", types=list)):
@@ -648,6 +723,8 @@ class Bucket:
         try:
             st = self._read_snapshot()
             pos = self._replay(st, 0)
+        except UnsupportedVersionError:
+            raise  # another major version's registry: refused, not overwritten by a rebuild
         except (FileNotFoundError, FormatError):
             return self._rebuild_locked()
         self._set_cache(st, snap, jst, pos)
@@ -751,7 +828,10 @@ class Bucket:
         """The registry document of seed 003 §3.2 (models, their contexts, statistics)."""
         state = self._registry()
         with self._mem:
-            return json.loads(json.dumps(self._document(state)))
+            doc = json.loads(json.dumps(self._document(state)))
+        for m in doc["models"]:  # the model's current identity (registering again changes it)
+            m["model_hash"] = self._model_hash(m["model_id"])
+        return doc
 
     # -- metadata ------------------------------------------------------------------------------------
     def _read_meta(self, context_id: str) -> dict:
@@ -822,9 +902,7 @@ class Bucket:
         same context was already stored; its data is then left as it was)."""
         check_model_id(model_id)
         chash = content_hash(content, token_ids=token_ids)
-        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
-                                or not 0 < ttl < 100 * 365 * 86400):
-            raise InvalidArgumentError(f"ttl must be a positive number of seconds below 100 years, got {ttl!r}")
+        ttl = self.default_ttl if ttl is None else check_ttl(ttl, "ttl")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError("name must be a string")
         if source is not None and not isinstance(source, str):
@@ -837,17 +915,23 @@ class Bucket:
         if token_ids is not None and len(token_ids) != shape.sequence_length:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for KV data of {shape.sequence_length} tokens")
         doc = self.model(model_id)
+        made_by = None
         if doc is not None:
             compat = doc["model_compatibility"]
             for k, have in (("num_layers", shape.num_layers), ("num_kv_heads", shape.num_kv_heads),
                             ("head_dim", shape.head_dim), ("dtype", L.DTYPE_NAMES[kd])):
                 if compat.get(k) is not None and compat[k] != have:
                     raise InvalidArgumentError(f"model {model_id!r} needs {k}={compat[k]!r}, the KV data has {have!r}")
+            # what computed this KV data (seed 003 §7.1): checked again at load, and the hash marks it stale
+            # once the model is registered with other weights
+            made_by = {"architecture": compat.get("architecture"), "vocab_size": compat.get("vocab_size"),
+                       "model_hash": doc.get("model_hash")}
         cid = context_id_for(model_id, chash, kd, shape)
         rel = _ctx_rel(cid)
         if self._fs.lstat(rel) is not None:
             with self._lock():
-                return self._deduplicated_locked(cid)
+                if not self._replaceable_locked(cid):
+                    return self._deduplicated_locked(cid)
 
         ntok = shape.sequence_length
         prefix = None
@@ -890,6 +974,7 @@ class Bucket:
                     "access": {"count": 0, "last_query": None},
                     "pinned": bool(pinned),
                     "prefix": prefix,
+                    "model": made_by,
                 }
                 fd = self._fs.open_file_at(td, META_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                            rel=f"{tmp_rel}/{META_NAME}")
@@ -900,8 +985,12 @@ class Bucket:
                 os.fsync(td)
             with self._lock():
                 if self._fs.lstat(rel) is not None:  # another process committed the same content meanwhile
-                    self._fs.remove_tree(tmp_rel)
-                    return self._deduplicated_locked(cid)
+                    if not self._replaceable_locked(cid):
+                        self._fs.remove_tree(tmp_rel)
+                        return self._deduplicated_locked(cid)
+                    # a stale context of the same content: the new one takes its place (a crash between
+                    # the two steps loses only the stale one)
+                    self._drop_tree(rel)
                 self._fs.rename(tmp_rel, rel)  # the commit point
                 self._fs.fsync_dir("contexts")
                 self._journal_locked([self._put_record(meta, self._meta_stamp(cid))])
@@ -915,6 +1004,20 @@ class Bucket:
             raise
         self._emit("context.ingested", model_id=model_id, context_id=cid)
         return meta
+
+    def _replaceable_locked(self, context_id: str) -> bool:
+        """True when the committed context of this id is stale (computed by the model's former weights),
+        so a new ingest of the same content replaces it instead of returning it (caller holds the lock)."""
+        try:
+            return self.is_stale(self._read_meta(context_id))
+        except (ContextNotFoundError, FormatError):
+            return False
+
+    def _drop_tree(self, rel: str) -> None:
+        """Remove a committed context directory (renamed aside first, so the name is free at once)."""
+        aside = f"contexts/.tmp-{uuid.uuid4().hex}"
+        self._fs.rename(rel, aside)
+        self._fs.remove_tree(aside)
 
     def _deduplicated_locked(self, context_id: str) -> dict:
         """The metadata of an already committed context, which is listed from now on: a writer killed
@@ -930,12 +1033,21 @@ class Bucket:
         meta["deduplicated"] = True
         return meta
 
-    def discover(self, model_id: str, *, force_scan: bool = False, include_expired: bool = False) -> list[dict]:
-        """The contexts of ``model_id`` (summaries): from the cached registry, or with ``force_scan``
-        after checking ``contexts/`` against it (:meth:`scan`)."""
+    def discover(self, model_id: str, *, force_scan: bool = False, include_expired: bool = False,
+                 include_metadata: bool = False) -> list[dict]:
+        """The contexts of ``model_id`` (seed 003 §4.2): from the cached registry, or with ``force_scan``
+        after checking ``contexts/`` against it (:meth:`scan`).  Each entry is the registry's summary with
+        ``tier``, ``is_loaded`` and ``stale`` (computed by the model's former weights: :meth:`load`
+        refuses it unless forced); ``include_metadata`` adds each context's whole metadata.json as
+        ``metadata`` (one file read per context; a context deleted meanwhile is left out)."""
         check_model_id(model_id)
+        for k, v in (("force_scan", force_scan), ("include_expired", include_expired),
+                     ("include_metadata", include_metadata)):
+            if not isinstance(v, bool):
+                raise InvalidArgumentError(f"{k} must be True or False, got {v!r}")
         state = self.scan() if force_scan else self._registry()
         now = self.clock()
+        current = self._model_hash(model_id)
         with self._mem:
             m = state["models"].get(model_id)
             summaries = list(m["contexts"].values()) if m is not None else []
@@ -943,7 +1055,13 @@ class Bucket:
         for c in summaries:
             if include_expired or not self._expired(c, now):
                 tier = self.tier(c["context_id"])
-                out.append(dict(c, tier=tier, is_loaded=tier != "cold"))
+                entry = dict(c, tier=tier, is_loaded=tier != "cold", stale=_stale(c.get("model_hash"), current))
+                if include_metadata:
+                    try:
+                        entry["metadata"] = self._read_meta(c["context_id"])
+                    except ContextNotFoundError:
+                        continue
+                out.append(entry)
         self._emit("context.discovered", model_id=model_id, contexts=[c["context_id"] for c in out])
         return out
 
@@ -1042,14 +1160,16 @@ class Bucket:
     def load(self, context_id: str, *, layers: Sequence[int] | int | None = None, tokens: int | None = None,
              threads: int = 2, verify: bool | str | None = None, model: dict | str | None = None,
              record_access: bool = True, as_torch: bool = False,
-             out: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> list[tuple[Any, Any]]:
+             out: Sequence[tuple[np.ndarray, np.ndarray]] | None = None, force: bool = False) -> list[tuple[Any, Any]]:
         """Per-layer (K, V) numpy arrays (zero-copy views when stored uncompressed and not in a warmer
         tier).  ``model`` (a model id or compatibility dict) is checked first; ``record_access`` updates
         the access statistics; ``as_torch`` returns torch tensors (the hot tier's, on its device, when
         the context is hot; else CPU copies).  ``out`` fills the caller's own arrays (see
         :meth:`KVFile.load`).  ``verify`` overrides the bucket's policy for this call: "always" (True)
         checks the CRC-32s of everything read, "once" skips the check when this object already
-        verified the same file (same device, inode, size, mtime and ctime), False skips it."""
+        verified the same file (same device, inode, size, mtime and ctime), False skips it.  A stale context
+        (ingested under another ``model_hash`` than its model's current one) is a StaleContextError unless
+        ``force``."""
         from mcf.bucket.tiers import select, to_torch
 
         policy = self.verify if verify is None else _verify_policy(verify)
@@ -1060,6 +1180,11 @@ class Bucket:
             meta = self.check_compatible(context_id, model)
         else:
             meta = self.lookup(context_id)  # absent or expired contexts are not served from a tier either
+        if not force and self.is_stale(meta):
+            raise StaleContextError(
+                f"{context_id} is stale: it was computed by model {meta['model_id']!r} with weights "
+                f"{_made_by(meta)['model_hash']}, and the model is now registered with {self._model_hash(meta['model_id'])}"
+                " (ingest the content again, or load(..., force=True) to use it anyway)")
         self._honour_preference(context_id, meta)
         hot = self._hot.get(context_id)
         warm = self._warm.get(context_id)

@@ -112,15 +112,18 @@ def assemble(tree, plan, embeddings=None, *, out=None, dtype=None, threads: int 
     return WorkingContext(levels, positions, token_ids, gists, matrix, tree.block_size)
 
 
-def _counts(tree_or_counts, block_size):
+def timeline_counts(tree_or_counts, *, block_size: int = 32, who: str = "plan_tail") -> tuple:
+    """``((num_tokens, lod1_gists, lod2_gists), block_size)`` of a tree, or of such a triple (checked
+    for consistency with ``block_size``): the timeline a plan is made for.  ``who`` names the caller in
+    the error."""
     if hasattr(tree_or_counts, "counts") and hasattr(tree_or_counts, "block_size"):
         return tuple(tree_or_counts.counts), tree_or_counts.block_size
     try:
         t, n1, n2 = tree_or_counts
     except (TypeError, ValueError):
-        raise InvalidArgumentError("plan_tail needs a tree or (num_tokens, lod1_gists, lod2_gists)") from None
+        raise InvalidArgumentError(f"{who} needs a tree or (num_tokens, lod1_gists, lod2_gists)") from None
     t, n1, n2 = integer(t, "num_tokens"), integer(n1, "lod1_gists"), integer(n2, "lod2_gists")
-    block_size = integer(block_size, "block_size")
+    block_size = integer(block_size, "block_size", minimum=1)
     if min(t, n1, n2) < 0 or n1 > t // block_size or n2 > n1 // block_size:
         raise InvalidArgumentError(f"inconsistent counts {(t, n1, n2)} for block_size {block_size}")
     return (t, n1, n2), block_size
@@ -135,7 +138,7 @@ def plan_tail(tree, budget: int, recent_tokens: int, *, block_size: int = 32) ->
     Blocks without a gist yet stay at LOD0.  When the whole timeline does not fit even as LOD2 gists,
     the plan covers the most recent part that does (oldest entries dropped).  Entries are in timeline
     order and cover a contiguous suffix of the timeline (see :func:`plan_coverage`)."""
-    (t, n1, n2), k = _counts(tree, block_size)
+    (t, n1, n2), k = timeline_counts(tree, block_size=block_size)
     for name, v in (("budget", budget), ("recent_tokens", recent_tokens)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
             raise InvalidArgumentError(f"{name} must be a non-negative integer, got {v!r}")
@@ -172,6 +175,7 @@ def plan_coverage(plan, num_tokens: int, *, block_size: int = 32) -> tuple:
     """``(start, stop)``: the tokens a plan covers, checking that its entries are in timeline order
     and leave no gap and no overlap; InvalidArgumentError otherwise."""
     p = Plan.of(plan)
+    block_size = integer(block_size, "block_size", minimum=1)
     if not len(p):
         return num_tokens, num_tokens
     w = np.power(np.int64(block_size), p.levels.astype(np.int64))
