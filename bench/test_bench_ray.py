@@ -229,7 +229,7 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
     assert dt1["tokens"] == tokens
 
     base = 52400
-    cluster.run([cluster.ray, "start", f"--address={ADDRESS}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+    cluster.run([*cluster.ray, "start", f"--address={ADDRESS}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
                  "--object-store-memory=100000000", "--disable-usage-stats", f"--dashboard-agent-listen-port={base}",
                  f"--dashboard-agent-grpc-port={base + 1}", f"--runtime-env-agent-port={base + 2}",
                  f"--metrics-export-port={base + 3}"], timeout=120)
