@@ -118,31 +118,31 @@ __attribute__((target(T512F))) static void f32_to_bf16_avx512(const float *s, ui
 }
 #endif
 
-void mcf_convert(int op, const void *src, void *dst, size_t n, int impl)
+void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int impl)
 {
 #if defined(__x86_64__)
     if (impl >= MCF_IMPL_AVX512) {
         switch (op) {
-        case 0: bf16_to_f32_avx512(src, dst, n); return;
-        case 1: f32_to_bf16_avx512(src, dst, n); return;
-        case 2: f16_to_f32_avx512(src, dst, n); return;
-        default: f32_to_f16_avx512(src, dst, n); return;
+        case MCF_BF16_TO_F32: bf16_to_f32_avx512(src, dst, n); return;
+        case MCF_F32_TO_BF16: f32_to_bf16_avx512(src, dst, n); return;
+        case MCF_F16_TO_F32: f16_to_f32_avx512(src, dst, n); return;
+        default: /* MCF_F32_TO_F16 */ f32_to_f16_avx512(src, dst, n); return;
         }
     }
     if (impl == MCF_IMPL_AVX2) {
         switch (op) {
-        case 0: bf16_to_f32_avx2(src, dst, n); return;
-        case 1: f32_to_bf16_avx2(src, dst, n); return;
-        case 2: f16_to_f32_avx2(src, dst, n); return;
-        default: f32_to_f16_avx2(src, dst, n); return;
+        case MCF_BF16_TO_F32: bf16_to_f32_avx2(src, dst, n); return;
+        case MCF_F32_TO_BF16: f32_to_bf16_avx2(src, dst, n); return;
+        case MCF_F16_TO_F32: f16_to_f32_avx2(src, dst, n); return;
+        default: /* MCF_F32_TO_F16 */ f32_to_f16_avx2(src, dst, n); return;
         }
     }
 #endif
     (void)impl;
     switch (op) {
-    case 0: mcf_bf16_to_f32(src, dst, n); return;
-    case 1: mcf_f32_to_bf16(src, dst, n); return;
-    case 2: mcf_f16_to_f32(src, dst, n); return;
-    default: mcf_f32_to_f16(src, dst, n); return;
+    case MCF_BF16_TO_F32: mcf_bf16_to_f32(src, dst, n); return;
+    case MCF_F32_TO_BF16: mcf_f32_to_bf16(src, dst, n); return;
+    case MCF_F16_TO_F32: mcf_f16_to_f32(src, dst, n); return;
+    default: /* MCF_F32_TO_F16 */ mcf_f32_to_f16(src, dst, n); return;
     }
 }

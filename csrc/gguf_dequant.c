@@ -578,8 +578,8 @@ static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl
         default: break;
         }
     }
-    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_F16) { mcf_convert(2, x, y, nb, impl); return; }
-    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_BF16) { mcf_convert(0, x, y, nb, impl); return; }
+    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_F16) { mcf_convert(MCF_F16_TO_F32, x, y, nb, impl); return; }
+    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_BF16) { mcf_convert(MCF_BF16_TO_F32, x, y, nb, impl); return; }
 #endif
     (void)impl;
     decode_scalar(type, x, nb, y);

@@ -11,7 +11,7 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, uintptr_t
 
-from mcf._kernels import resolve_impl
+from mcf._fpconv cimport resolve_impl
 from mcf.errors import DTypeError, InvalidArgumentError
 
 cdef extern from "gguf_dequant.h" nogil:

@@ -312,20 +312,20 @@ cdef class Source:
         if n == 0:
             return 0
         if b != NULL:
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     memcpy(dst, b + offset, n)
             finally:
-                self._leave()
+                self.unpin()
             return 0
         if self.mode == "pread":
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     done = <size_t>_pread_full(fd, <uint8_t*>dst, n, offset, &err)
             finally:
-                self._leave()
+                self.unpin()
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if done < n:
@@ -539,7 +539,7 @@ cdef class Source:
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         if fd >= 0:
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     for k in range(a, b):
@@ -549,7 +549,7 @@ cdef class Source:
                             bad = k
                             break
             finally:
-                self._leave()
+                self.unpin()
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if bad >= 0:
@@ -557,13 +557,13 @@ cdef class Source:
                                      expected=f"{szs[bad]} bytes")
             return
         if base != NULL:
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     for k in range(a, b):
                         memcpy(out + dsts[k], base + offs[k], <size_t>szs[k])
             finally:
-                self._leave()
+                self.unpin()
             return
         many = getattr(self._fileobj, "readinto_ranges", None)
         if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
@@ -646,15 +646,15 @@ cdef class Source:
                     self._fileobj.close()
                 self._fileobj = None
 
-    cdef int _enter(self) except -1:
+    cdef int pin(self) except -1:
         """Called with the GIL before a copy that releases it: refuses a closed source, and keeps the
-        mapping and the descriptor alive until the matching :meth:`_leave`."""
+        mapping and the descriptor alive until the matching :meth:`unpin`."""
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         self._inflight += 1
         return 0
 
-    cdef void _leave(self):
+    cdef void unpin(self):
         self._inflight -= 1
         if self._inflight == 0 and self._release_pending:
             try:

@@ -5,7 +5,6 @@ GIL released.  The C variant (scalar / avx2 / avx512) is chosen at run time from
 ``MCF_FORCE_IMPL`` environment variable, or the ``impl=`` keyword.
 """
 
-import os
 import threading
 
 import numpy as np
@@ -15,6 +14,8 @@ from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import aligned_empty
 from mcf.errors import InvalidArgumentError
+from mcf._fpconv import IMPLS, env_impl
+from mcf._fpconv cimport resolve_impl as _resolve_impl
 from mcf.layout import Domain, quant_layout
 
 cdef extern from "cpu.h" nogil:
@@ -44,36 +45,20 @@ cdef extern from "quant.h" nogil:
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
     long long mcf_absmax(const float* src, size_t n, float* absmax, int impl)
 
-IMPLS = ("scalar", "avx2", "avx512")
 _FAMILY = {"raw": 0, "block": 1, "super": 2}
-
-
-def _env_impl():
-    v = os.environ.get("MCF_FORCE_IMPL", "").strip().lower()
-    return v or None
 
 
 def resolve_impl(impl=None):
     """The variant index to run: ``impl`` if given, else ``$MCF_FORCE_IMPL``, else the best the CPU has.
-    Asking for a variant this CPU cannot run is an error, never a silent fallback."""
-    name = impl if impl is not None else _env_impl()
-    if name is None:
-        return mcf_cpu_best()
-    name = str(name).lower()
-    where = "impl" if impl is not None else "MCF_FORCE_IMPL"  # the message says which setting was wrong
-    if name not in IMPLS:
-        raise InvalidArgumentError(f"{where}={name!r}: unknown kernel variant (expected one of {', '.join(IMPLS)})")
-    i = IMPLS.index(name)
-    if not mcf_cpu_supports(i):
-        raise InvalidArgumentError(f"{where}={name!r}: this CPU cannot run that kernel variant (it supports "
-                                   f"{', '.join(IMPLS[:mcf_cpu_best() + 1])})")
-    return i
+    Asking for a variant this CPU cannot run is an error, never a silent fallback (the rule lives in
+    mcf._fpconv, which every compiled module cimports)."""
+    return _resolve_impl(impl)
 
 
 def kernel_info():
     """Which kernel variant runs, and which this CPU supports."""
     best = mcf_cpu_best()
-    forced = _env_impl()
+    forced = env_impl()
     try:
         active = IMPLS[resolve_impl()]
     except InvalidArgumentError as exc:
@@ -155,7 +140,7 @@ cdef class QTensor(_Tensor):
 
     def __init__(self, payload, code, rows, cols, domain=Domain.WEIGHTS, impl=None):
         _Tensor.__init__(self, payload, code, rows, cols, domain)
-        self._impl = resolve_impl(impl)
+        self._impl = _resolve_impl(impl)
 
     def rows_into(self, r0, r1, out):
         """Decode rows [r0, r1) as float32 into ``out``: a C-contiguous float32 buffer of at least
@@ -243,7 +228,7 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgumentError("out must be C-contiguous and writeable")
         kind = _out_kind(out.dtype)
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     cdef uintptr_t optr = out.ctypes.data
     cdef size_t esize = out.dtype.itemsize
     cdef size_t c = cols
@@ -275,7 +260,7 @@ def unpack_codes(payload, code, rows, cols, *, domain=Domain.WEIGHTS, row_range=
     a, b = _row_range(row_range, rows)
     width = cols if qt.t.family == 0 else qt.t.bpr * 32
     out = np.empty((b - a, width), dtype=np.int8)
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     cdef uintptr_t optr = out.ctypes.data
     cdef size_t r0 = a, r1 = b
     if out.size:
@@ -290,7 +275,7 @@ def absmax(src, impl=None):
     cdef float amax = 0
     cdef long long bad
     cdef size_t n = s.shape[0]
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     if n == 0:
         return 0.0
     with nogil:
@@ -346,7 +331,7 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     cdef size_t nrows = n, ncols = cols
     cdef float lo = min_clip, hi = max_clip, fs = scale, fz = zero
     cdef int fam = _FAMILY[lay.dtype.family], bits = lay.dtype.bits, cm = 1 if compat else 0, rc = 0
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     cdef uintptr_t scales_p = 0, sub_p = 0, codes_p = 0, w_p = 0
     cdef size_t rb = lay.row_bytes
     cdef int srch = 1 if search else 0
