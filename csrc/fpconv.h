@@ -14,6 +14,9 @@ uint16_t mcf_f32_to_f16_one(float f);
 float mcf_f16_to_f32_one(uint16_t h);
 uint16_t mcf_f32_to_bf16_one(float f);
 
+/* The float formats a kernel writes (the out_kind argument of the dequantizing kernels). */
+enum { MCF_OUT_F32 = 0, MCF_OUT_F16 = 1, MCF_OUT_BF16 = 2 };
+
 /* The conversions mcf_convert runs (the values are fixed: compiled modules pass them). */
 typedef enum {
     MCF_BF16_TO_F32 = 0,

@@ -8,7 +8,9 @@ import numpy as np
 
 from libc.stdint cimport uint16_t, uintptr_t
 
-from mcf.errors import InvalidArgumentError
+from mcf.errors import DTypeError, InvalidArgumentError
+
+from mcf._buffers cimport check_out
 
 cdef extern from "fpconv.h" nogil:
     ctypedef enum mcf_fpconv_op:
@@ -78,11 +80,10 @@ cdef _prep_out(src, out, dtype):
     if out is None:
         return np.empty(src.shape, dtype=dtype)
     if not isinstance(out, np.ndarray) or out.dtype != np.dtype(dtype):
-        raise TypeError(f"out must be a numpy array of dtype {np.dtype(dtype).name}")
+        raise DTypeError(f"out must be a numpy array of dtype {np.dtype(dtype).name}")
+    check_out(out, "out")
     if out.size != src.size:
-        raise ValueError(f"out has {out.size} elements, expected {src.size}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out must be C-contiguous and writeable")
+        raise InvalidArgumentError(f"out has {out.size} elements, expected {src.size}")
     return out
 
 
@@ -92,7 +93,7 @@ cdef _run(mcf_fpconv_op op, a, res, impl):
     cdef int im = resolve_impl(impl)
     cdef uintptr_t sp = a.ctypes.data, dp = res.ctypes.data
     if a.size != res.size:  # _prep_out guarantees it; C never trusts an unchecked length
-        raise ValueError("size mismatch")
+        raise InvalidArgumentError("size mismatch")
     if n:
         with nogil:
             mcf_convert(op, <const void*>sp, <void*>dp, n, im)
@@ -102,7 +103,7 @@ cdef _run(mcf_fpconv_op op, a, res, impl):
 def _halves(src, what):
     a = _contig(src)
     if a.dtype.itemsize != 2 or (a.dtype.kind not in "uf" and a.dtype.name != "bfloat16"):
-        raise TypeError(f"expected {what}, got {a.dtype}")
+        raise DTypeError(f"expected {what}, got {a.dtype}")
     if a.dtype.byteorder == ">":  # the bits of a big-endian half are byte-swapped: read them as values
         a = a.astype(a.dtype.newbyteorder("<"))
     return a.view(np.uint16)

@@ -75,9 +75,9 @@ def aligned_empty(nbytes, align=4096):
     """A fresh uint8 array of ``nbytes`` whose data starts on an ``align``-byte boundary."""
     nbytes = int(nbytes)
     if nbytes < 0:
-        raise ValueError("nbytes must be >= 0")
+        raise InvalidArgumentError("nbytes must be >= 0")
     if align < 1:
-        raise ValueError("align must be >= 1")
+        raise InvalidArgumentError("align must be >= 1")
     buf = np.empty(nbytes + align, dtype=np.uint8)
     start = (-buf.ctypes.data) % align
     return buf[start:start + nbytes]
@@ -235,7 +235,7 @@ cdef class Source:
         cdef Source s = Source.__new__(Source)
         mv = memoryview(data).cast("B")
         if not mv.contiguous:
-            raise ValueError("memory source must be contiguous")
+            raise InvalidArgumentError("memory source must be contiguous")
         s._mapping = mv
         s.path = None
         s.name = name if name is not None else "<memory>"
@@ -419,7 +419,7 @@ cdef class Source:
         count = 1
         for d in shape:
             if d < 0:
-                raise ValueError(f"negative dimension in shape {shape}")
+                raise InvalidArgumentError(f"negative dimension in shape {shape}")
             count *= d
         nbytes = count * dt.itemsize
         offset = integer(offset, "offset")
@@ -441,15 +441,15 @@ cdef class Source:
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         if nd > 32:
-            raise ValueError("too many dimensions")
+            raise InvalidArgumentError("too many dimensions")
         for k in range(nd):
             d = shape[k]
             if d > <uint64_t>0x7fffffffffffffff or (d and count > 0xffffffffffffffff // d):
-                raise ValueError("shape too large")
+                raise InvalidArgumentError("shape too large")
             count *= d
             dims[k] = <cnp.npy_intp>d
         if count > 0xffffffffffffffff // <uint64_t>dtype.itemsize or count * dtype.itemsize != nbytes:
-            raise ValueError(f"{nbytes} bytes do not hold {dtype} {shape}")
+            raise InvalidArgumentError(f"{nbytes} bytes do not hold {dtype} {shape}")
         if offset > self._size or nbytes > self._size - offset:
             raise OutOfBoundsError(
                 f"{self.name}: read of {nbytes} bytes at offset {offset} is outside the file "
@@ -481,7 +481,7 @@ cdef class Source:
         dsts = integers(out_offsets, "out_offsets")
         n = offs.shape[0]
         if szs.shape[0] != n or dsts.shape[0] != n:
-            raise ValueError("offsets, sizes and out_offsets must have the same length")
+            raise InvalidArgumentError("offsets, sizes and out_offsets must have the same length")
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         _get_writable(out, &view)
@@ -584,7 +584,7 @@ cdef class Source:
         """Pass a ``madvise`` hint for a range of a mapped file ("random", "sequential", "willneed",
         "dontneed", "normal").  A no-op for the other modes."""
         if advice not in _ADVICE:
-            raise ValueError(f"unknown advice {advice!r}; expected one of {sorted(_ADVICE)}")
+            raise InvalidArgumentError(f"unknown advice {advice!r}; expected one of {sorted(_ADVICE)}")
         if self.mode != "mmap" or self.base == NULL:
             return
         offset = integer(offset, "offset")
