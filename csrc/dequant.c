@@ -428,7 +428,7 @@ MCF_TARGET_AVX512 static void dequant_avx512(const mcf_qtensor *t, size_t r0, si
     size_t cols = t->cols, o = 0, bb = (size_t)t->bits * 4;
     /* streaming stores for outputs far larger than the caches, when every full block lands aligned */
     size_t total = (r1 - r0) * cols * 4;
-    int stream = kind == MCF_OUT_F32 && cols % 16 == 0 && mcf_use_streaming(out, total);
+    int stream = kind == MCF_OUT_F32 && mcf_use_streaming(out, total) && cols % 16 == 0;
     float sc[16];
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;

@@ -159,7 +159,7 @@ cdef class QTensor(_Tensor):
         if b == a:
             return
         with nogil:
-            mcf_dequant_rows(&self.t, a, b, &buf[0], 0, self._impl)
+            mcf_dequant_rows(&self.t, a, b, &buf[0], MCF_OUT_F32, self._impl)
 
 
     def decode_tiles(self, r0, r1, tile_rows, tile):
@@ -180,7 +180,7 @@ cdef class QTensor(_Tensor):
         with nogil:
             while r < b:
                 e = r + k if r + k < b else b
-                mcf_dequant_rows(&self.t, r, e, &buf[0], 0, self._impl)
+                mcf_dequant_rows(&self.t, r, e, &buf[0], MCF_OUT_F32, self._impl)
                 r = e
                 n += 1
         return n
