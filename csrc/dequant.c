@@ -15,6 +15,7 @@
 #include "cpu.h"
 #include "fpconv.h"
 #include "quant.h"
+#include "simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -141,7 +142,7 @@ static inline uint64_t ld32(const uint8_t *p)
 }
 
 /* 32 codes of a block as 32 raw (not sign-extended) bytes, each in the low `bits` bits. */
-__attribute__((target("bmi2"))) static inline void spread_block(const uint8_t *src, int bits, uint64_t w[4])
+MCF_TARGET_AVX2 static inline void spread_block(const uint8_t *src, int bits, uint64_t w[4])
 {
     switch (bits) {
     case 2:
@@ -161,15 +162,15 @@ __attribute__((target("bmi2"))) static inline void spread_block(const uint8_t *s
 }
 
 /* Block scale with F16C (exact, like mcf_f16_to_f32_one) and the reference decoder's subnormal flush. */
-__attribute__((target("f16c"))) static inline float scale16_f16c(uint16_t h)
+MCF_TARGET_AVX2 static inline float scale16_f16c(uint16_t h)
 {
     if ((h & 0x7c00u) == 0) return (h & 0x8000u) ? -0.0f : 0.0f;
     return _cvtsh_ss(h);
 }
 
-__attribute__((target("f16c"))) static inline float block_scale_f16c_super(uint16_t h) { return scale16_f16c(h); }
+MCF_TARGET_AVX2 static inline float block_scale_f16c_super(uint16_t h) { return scale16_f16c(h); }
 
-__attribute__((target("f16c"))) static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
+MCF_TARGET_AVX2 static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
 {
     if (t->family == MCF_FAM_BLOCK) return scale16_f16c(t->scales[r * t->bpr + b]);
     unsigned u6 = t->sub[r * t->bpr + b] & 0x3f;
@@ -177,29 +178,14 @@ __attribute__((target("f16c"))) static inline float block_scale_f16c(const mcf_q
     return u6 ? s : 0.0f;   /* u6 = 0 is a zero scale even under an infinite super scale */
 }
 
-/* bf16 rounding on 8 / 16 lanes, identical to mcf_f32_to_bf16_one (NaN kept, quiet bit set). */
-__attribute__((target("avx2"))) static inline __m128i bf16_avx2(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                       _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, nanv, isnan);
-    r = _mm256_and_si256(r, _mm256_set1_epi32(0xffff));
-    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-    return _mm_packus_epi32(lo, hi);
-}
-
-__attribute__((target("avx2,f16c"))) static inline void store8_avx2(void *out, size_t idx, __m256 w, int kind,
+MCF_TARGET_AVX2 static inline void store8_avx2(void *out, size_t idx, __m256 w, int kind,
                                                                    int n)
 {
     if (n == 8) {
         if (kind == MCF_OUT_F32) _mm256_storeu_ps((float *)out + idx, w);
         else if (kind == MCF_OUT_F16)
             _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
-        else _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), bf16_avx2(w));
+        else _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), mcf_bf16_round_avx2(_mm256_castps_si256(w)));
         return;
     }
     float tmp[8];
@@ -207,7 +193,7 @@ __attribute__((target("avx2,f16c"))) static inline void store8_avx2(void *out, s
     for (int i = 0; i < n; i++) store_out(out, idx + (size_t)i, tmp[i], kind);
 }
 
-__attribute__((target("avx2,f16c,bmi2"))) static void decode_block_avx2(const uint8_t *src, int bits, __m256i *q)
+MCF_TARGET_AVX2 static void decode_block_avx2(const uint8_t *src, int bits, __m256i *q)
 {
     __m256i v;
     if (bits == 8) {
@@ -221,7 +207,7 @@ __attribute__((target("avx2,f16c,bmi2"))) static void decode_block_avx2(const ui
     *q = _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
 }
 
-__attribute__((target("avx2,f16c,bmi2"))) static void dequant_avx2(const mcf_qtensor *t, size_t r0, size_t r1,
+MCF_TARGET_AVX2 static void dequant_avx2(const mcf_qtensor *t, size_t r0, size_t r1,
                                                                   void *out, int kind)
 {
     if (t->family == MCF_FAM_RAW) {  /* per-tensor scale: vectorize the conversion only */
@@ -277,7 +263,7 @@ __attribute__((target("avx2,f16c,bmi2"))) static void dequant_avx2(const mcf_qte
     }
 }
 
-__attribute__((target("avx2,bmi2"))) static void unpack_avx2(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+MCF_TARGET_AVX2 static void unpack_avx2(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
 {
     if (t->family == MCF_FAM_RAW) {
         unpack_scalar(t, r0, r1, out);
@@ -293,21 +279,7 @@ __attribute__((target("avx2,bmi2"))) static void unpack_avx2(const mcf_qtensor *
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------------------ */
-#define T512 "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,f16c,bmi2"
-
-__attribute__((target(T512))) static inline __m256i bf16_avx512(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    __m512i nanv = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                              _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, isnan, nanv);
-    return _mm512_cvtepi32_epi16(r);
-}
-
-__attribute__((target(T512))) static inline void store16_avx512(void *out, size_t idx, __m512 w, int kind,
+MCF_TARGET_AVX512 static inline void store16_avx512(void *out, size_t idx, __m512 w, int kind,
                                                                __mmask16 m, int stream)
 {
     if (kind == MCF_OUT_F32) {
@@ -316,13 +288,13 @@ __attribute__((target(T512))) static inline void store16_avx512(void *out, size_
     } else if (kind == MCF_OUT_F16) {
         _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
     } else {
-        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, bf16_avx512(w));
+        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, mcf_bf16_round_avx512(_mm512_castps_si512(w)));
     }
 }
 
 /* 32 signed codes of one block as bytes.  4-bit codes take a pure-SIMD nibble split (item 0 in the low
  * nibble); the other widths go through pdep. */
-__attribute__((target(T512))) static inline __m256i decode32_avx512(const uint8_t *src, int bits)
+MCF_TARGET_AVX512 static inline __m256i decode32_avx512(const uint8_t *src, int bits)
 {
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)src);
     __m256i v;
@@ -356,7 +328,7 @@ __attribute__((target(T512))) static inline __m256i decode32_avx512(const uint8_
 /* The scales of blocks b .. b+15 of row r (fewer at the row's end) in one go, with the same operations
  * as block_scale(): f16 -> f32 with subnormals flushed to a zero of the same sign; for k*, the super
  * scale times (sub & 0x3f) / 32.  b is a multiple of 16, so the 16 blocks span super-blocks b/8, b/8+1. */
-__attribute__((target(T512))) static inline __mmask16 scales16_avx512(const mcf_qtensor *t, size_t r, size_t b,
+MCF_TARGET_AVX512 static inline __mmask16 scales16_avx512(const mcf_qtensor *t, size_t r, size_t b,
                                                                      float sc[16])
 {
     size_t n = t->bpr - b < 16 ? t->bpr - b : 16;
@@ -385,7 +357,7 @@ __attribute__((target(T512))) static inline __mmask16 scales16_avx512(const mcf_
 
 /* int8/int4 (one scale and zero point per tensor): 32 codes at a time straight from the row bytes,
  * w = scale * (q - zero) as in the scalar code. */
-__attribute__((target(T512))) static void dequant_raw_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
+MCF_TARGET_AVX512 static void dequant_raw_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
                                                             int kind)
 {
     size_t cols = t->cols, o = 0;
@@ -424,7 +396,7 @@ __attribute__((target(T512))) static void dequant_raw_avx512(const mcf_qtensor *
 }
 
 /* One decoded block (32 codes, scale s) as n <= 32 outputs at out[o]. */
-__attribute__((target(T512))) static inline void block_out_avx512(void *out, size_t o, __m512 s, __m256i q, size_t n,
+MCF_TARGET_AVX512 static inline void block_out_avx512(void *out, size_t o, __m512 s, __m256i q, size_t n,
                                                                   int kind, int stream)
 {
     __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
@@ -446,7 +418,7 @@ __attribute__((target(T512))) static inline void block_out_avx512(void *out, siz
     if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
 }
 
-__attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
+MCF_TARGET_AVX512 static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
                                                         int kind)
 {
     if (t->family == MCF_FAM_RAW) {
@@ -456,7 +428,7 @@ __attribute__((target(T512))) static void dequant_avx512(const mcf_qtensor *t, s
     size_t cols = t->cols, o = 0, bb = (size_t)t->bits * 4;
     /* streaming stores for outputs far larger than the caches, when every full block lands aligned */
     size_t total = (r1 - r0) * cols * 4;
-    int stream = kind == MCF_OUT_F32 && total >= (8u << 20) && ((uintptr_t)out & 63) == 0 && cols % 16 == 0;
+    int stream = kind == MCF_OUT_F32 && mcf_use_streaming(out, total) && cols % 16 == 0;
     float sc[16];
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
@@ -502,7 +474,7 @@ void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int
 }
 
 #ifdef MCF_X86
-__attribute__((target(T512))) static void unpack_avx512(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+MCF_TARGET_AVX512 static void unpack_avx512(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
 {
     if (t->family == MCF_FAM_RAW) {
         unpack_scalar(t, r0, r1, out);

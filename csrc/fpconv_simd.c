@@ -6,11 +6,12 @@
 
 #include "cpu.h"
 #include "fpconv.h"
+#include "simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-__attribute__((target("avx2,f16c"))) static __m256 h2f_avx2(__m128i h)
+MCF_TARGET_AVX2 static __m256 h2f_avx2(__m128i h)
 {
     __m256 f = _mm256_cvtph_ps(h);
     __m256i u = _mm256_cvtepu16_epi32(h);
@@ -22,14 +23,14 @@ __attribute__((target("avx2,f16c"))) static __m256 h2f_avx2(__m128i h)
     return _mm256_blendv_ps(f, _mm256_castsi256_ps(nanv), _mm256_castsi256_ps(isnan));
 }
 
-__attribute__((target("avx2,f16c"))) static void f16_to_f32_avx2(const uint16_t *s, float *d, size_t n)
+MCF_TARGET_AVX2 static void f16_to_f32_avx2(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, h2f_avx2(_mm_loadu_si128((const __m128i *)(s + i))));
     for (; i < n; i++) d[i] = mcf_f16_to_f32_one(s[i]);
 }
 
-__attribute__((target("avx2,f16c"))) static void f32_to_f16_avx2(const float *s, uint16_t *d, size_t n)
+MCF_TARGET_AVX2 static void f32_to_f16_avx2(const float *s, uint16_t *d, size_t n)
 {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -37,7 +38,7 @@ __attribute__((target("avx2,f16c"))) static void f32_to_f16_avx2(const float *s,
     for (; i < n; i++) d[i] = mcf_f32_to_f16_one(s[i]);
 }
 
-__attribute__((target("avx2"))) static void bf16_to_f32_avx2(const uint16_t *s, float *d, size_t n)
+MCF_TARGET_AVX2 static void bf16_to_f32_avx2(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -49,26 +50,15 @@ __attribute__((target("avx2"))) static void bf16_to_f32_avx2(const uint16_t *s, 
     }
 }
 
-__attribute__((target("avx2"))) static void f32_to_bf16_avx2(const float *s, uint16_t *d, size_t n)
+MCF_TARGET_AVX2 static void f32_to_bf16_avx2(const float *s, uint16_t *d, size_t n)
 {
     size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-        __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-        __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-        r = _mm256_and_si256(_mm256_blendv_epi8(r, nanv, isnan), _mm256_set1_epi32(0xffff));
-        __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        _mm_storeu_si128((__m128i *)(d + i), p);
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i), mcf_bf16_round_avx2(_mm256_loadu_si256((const __m256i *)(s + i))));
     for (; i < n; i++) d[i] = mcf_f32_to_bf16_one(s[i]);
 }
 
-#define T512F "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c"
-
-__attribute__((target(T512F))) static void f16_to_f32_avx512(const uint16_t *s, float *d, size_t n)
+MCF_TARGET_AVX512 static void f16_to_f32_avx512(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -85,7 +75,7 @@ __attribute__((target(T512F))) static void f16_to_f32_avx512(const uint16_t *s, 
     f16_to_f32_avx2(s + i, d + i, n - i);
 }
 
-__attribute__((target(T512F))) static void f32_to_f16_avx512(const float *s, uint16_t *d, size_t n)
+MCF_TARGET_AVX512 static void f32_to_f16_avx512(const float *s, uint16_t *d, size_t n)
 {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -93,7 +83,7 @@ __attribute__((target(T512F))) static void f32_to_f16_avx512(const float *s, uin
     f32_to_f16_avx2(s + i, d + i, n - i);
 }
 
-__attribute__((target(T512F))) static void bf16_to_f32_avx512(const uint16_t *s, float *d, size_t n)
+MCF_TARGET_AVX512 static void bf16_to_f32_avx512(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -102,47 +92,40 @@ __attribute__((target(T512F))) static void bf16_to_f32_avx512(const uint16_t *s,
     bf16_to_f32_avx2(s + i, d + i, n - i);
 }
 
-__attribute__((target(T512F))) static void f32_to_bf16_avx512(const float *s, uint16_t *d, size_t n)
+MCF_TARGET_AVX512 static void f32_to_bf16_avx512(const float *s, uint16_t *d, size_t n)
 {
     size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512i u = _mm512_loadu_si512((const void *)(s + i));
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-        __m512i nanv = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-        __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-        _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, isnan, nanv)));
-    }
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i), mcf_bf16_round_avx512(_mm512_loadu_si512((const void *)(s + i))));
     f32_to_bf16_avx2(s + i, d + i, n - i);
 }
 #endif
 
-void mcf_convert(int op, const void *src, void *dst, size_t n, int impl)
+void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int impl)
 {
 #if defined(__x86_64__)
     if (impl >= MCF_IMPL_AVX512) {
         switch (op) {
-        case 0: bf16_to_f32_avx512(src, dst, n); return;
-        case 1: f32_to_bf16_avx512(src, dst, n); return;
-        case 2: f16_to_f32_avx512(src, dst, n); return;
-        default: f32_to_f16_avx512(src, dst, n); return;
+        case MCF_BF16_TO_F32: bf16_to_f32_avx512(src, dst, n); return;
+        case MCF_F32_TO_BF16: f32_to_bf16_avx512(src, dst, n); return;
+        case MCF_F16_TO_F32: f16_to_f32_avx512(src, dst, n); return;
+        default: /* MCF_F32_TO_F16 */ f32_to_f16_avx512(src, dst, n); return;
         }
     }
     if (impl == MCF_IMPL_AVX2) {
         switch (op) {
-        case 0: bf16_to_f32_avx2(src, dst, n); return;
-        case 1: f32_to_bf16_avx2(src, dst, n); return;
-        case 2: f16_to_f32_avx2(src, dst, n); return;
-        default: f32_to_f16_avx2(src, dst, n); return;
+        case MCF_BF16_TO_F32: bf16_to_f32_avx2(src, dst, n); return;
+        case MCF_F32_TO_BF16: f32_to_bf16_avx2(src, dst, n); return;
+        case MCF_F16_TO_F32: f16_to_f32_avx2(src, dst, n); return;
+        default: /* MCF_F32_TO_F16 */ f32_to_f16_avx2(src, dst, n); return;
         }
     }
 #endif
     (void)impl;
     switch (op) {
-    case 0: mcf_bf16_to_f32(src, dst, n); return;
-    case 1: mcf_f32_to_bf16(src, dst, n); return;
-    case 2: mcf_f16_to_f32(src, dst, n); return;
-    default: mcf_f32_to_f16(src, dst, n); return;
+    case MCF_BF16_TO_F32: mcf_bf16_to_f32(src, dst, n); return;
+    case MCF_F32_TO_BF16: mcf_f32_to_bf16(src, dst, n); return;
+    case MCF_F16_TO_F32: mcf_f16_to_f32(src, dst, n); return;
+    default: /* MCF_F32_TO_F16 */ mcf_f32_to_f16(src, dst, n); return;
     }
 }

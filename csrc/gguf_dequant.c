@@ -14,6 +14,7 @@
 #include "cpu.h"
 #include "fpconv.h"
 #include "gguf_dequant.h"
+#include "simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -280,27 +281,25 @@ static void decode_scalar(int type, const uint8_t *x, size_t nb, float *y)
 
 #ifdef MCF_X86
 /* ---- AVX2 ----------------------------------------------------------------------------------- */
-#define T2 "avx2,f16c"
-
 /* Stores: streaming (non-temporal) for outputs far larger than the caches when aligned, else plain.
  * Only where the values are written, never how they are computed, so the bytes do not change. */
-__attribute__((target(T2))) static inline void st8(float *p, __m256 v, int st)
+MCF_TARGET_AVX2 static inline void st8(float *p, __m256 v, int st)
 {
     if (st) _mm256_stream_ps(p, v);
     else _mm256_storeu_ps(p, v);
 }
 
-__attribute__((target(T2))) static inline __m256 u8x8_ps(__m128i v) /* low 8 bytes, unsigned */
+MCF_TARGET_AVX2 static inline __m256 u8x8_ps(__m128i v) /* low 8 bytes, unsigned */
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
 }
 
-__attribute__((target(T2))) static inline __m256 i8x8_ps(__m128i v)
+MCF_TARGET_AVX2 static inline __m256 i8x8_ps(__m128i v)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
-__attribute__((target(T2))) static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
         __m256 d = _mm256_set1_ps(f16(x));
@@ -309,7 +308,7 @@ __attribute__((target(T2))) static void q8_0_avx2(const uint8_t *x, size_t nb, f
     }
 }
 
-__attribute__((target(T2))) static void q4_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q4_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
     for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
@@ -325,7 +324,7 @@ __attribute__((target(T2))) static void q4_0_avx2(const uint8_t *x, size_t nb, f
 }
 
 /* 32 unsigned codes (bytes) -> 32 floats s * q - m */
-__attribute__((target(T2))) static inline void emit32_avx2(__m256i q, float s, float m, float *y, int st)
+MCF_TARGET_AVX2 static inline void emit32_avx2(__m256i q, float s, float m, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
     __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -335,7 +334,7 @@ __attribute__((target(T2))) static inline void emit32_avx2(__m256i q, float s, f
     st8(y + 24, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(hi, 8))), vm), st);
 }
 
-__attribute__((target(T2))) static void q4_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q4_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
@@ -350,14 +349,14 @@ __attribute__((target(T2))) static void q4_k_avx2(const uint8_t *x, size_t nb, f
 }
 
 /* 16 signed codes (low 16 bytes) -> 16 floats s * q */
-__attribute__((target(T2))) static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
+MCF_TARGET_AVX2 static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s);
     st8(y, _mm256_mul_ps(vs, i8x8_ps(q)), st);
     st8(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))), st);
 }
 
-__attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q6_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
@@ -383,7 +382,7 @@ __attribute__((target(T2))) static void q6_k_avx2(const uint8_t *x, size_t nb, f
 }
 
 /* 16 unsigned codes (low 16 bytes) -> 16 floats s * q - m */
-__attribute__((target(T2))) static inline void emit16u_avx2(__m128i q, float s, float m, float *y, int st)
+MCF_TARGET_AVX2 static inline void emit16u_avx2(__m128i q, float s, float m, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
     st8(y, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(q)), vm), st);
@@ -391,7 +390,7 @@ __attribute__((target(T2))) static inline void emit16u_avx2(__m128i q, float s, 
 }
 
 /* Q5_K: Q4_K's nibbles plus bit e/32 of qh[e%32] as the fifth bit. */
-__attribute__((target(T2))) static void q5_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q5_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
     for (size_t b = 0; b < nb; b++, x += 176, y += QK_K) {
@@ -410,7 +409,7 @@ __attribute__((target(T2))) static void q5_k_avx2(const uint8_t *x, size_t nb, f
 }
 
 /* Q2_K: element e = h*128 + s*32 + j is bits 2s of qs[h*32 + j]; scale/min per 16 elements. */
-__attribute__((target(T2))) static void q2_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q2_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m2 = _mm256_set1_epi8(3);
     for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
@@ -434,7 +433,7 @@ __attribute__((target(T2))) static void q2_k_avx2(const uint8_t *x, size_t nb, f
 }
 
 /* Q3_K: Q2_K's 2-bit codes minus 4 unless bit e/32 of hmask[e%32] is set; signed 6-bit scales. */
-__attribute__((target(T2))) static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX2 static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
@@ -462,25 +461,23 @@ __attribute__((target(T2))) static void q3_k_avx2(const uint8_t *x, size_t nb, f
 }
 
 /* ---- AVX-512 -------------------------------------------------------------------------------- */
-#define T512 "avx512f,avx512bw,avx512vl,avx2,f16c"
-
-__attribute__((target(T512))) static inline void st16(float *p, __m512 v, int st)
+MCF_TARGET_AVX512 static inline void st16(float *p, __m512 v, int st)
 {
     if (st) _mm512_stream_ps(p, v);
     else _mm512_storeu_ps(p, v);
 }
 
-__attribute__((target(T512))) static inline __m512 u8x16_ps(__m128i v)
+MCF_TARGET_AVX512 static inline __m512 u8x16_ps(__m128i v)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
-__attribute__((target(T512))) static inline __m512 i8x16_ps(__m128i v)
+MCF_TARGET_AVX512 static inline __m512 i8x16_ps(__m128i v)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
-__attribute__((target(T512))) static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
         __m512 d = _mm512_set1_ps(f16(x));
@@ -489,7 +486,7 @@ __attribute__((target(T512))) static void q8_0_avx512(const uint8_t *x, size_t n
     }
 }
 
-__attribute__((target(T512))) static void q4_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static void q4_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
     for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
@@ -502,7 +499,7 @@ __attribute__((target(T512))) static void q4_0_avx512(const uint8_t *x, size_t n
     }
 }
 
-__attribute__((target(T512))) static void q4_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static void q4_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
@@ -522,7 +519,7 @@ __attribute__((target(T512))) static void q4_k_avx512(const uint8_t *x, size_t n
     }
 }
 
-__attribute__((target(T512))) static void q6_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static void q6_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
@@ -553,7 +550,7 @@ static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl
 #ifdef MCF_X86
     /* streaming stores when the output (>= 8 MiB) is 64-byte aligned: every block's output then
      * starts on a 64-byte boundary (32 or 256 floats) */
-    int st = nb * mcf_gguf_block_size(type) * 4 >= (8u << 20) && ((uintptr_t)y & 63) == 0;
+    int st = mcf_use_streaming(y, nb * mcf_gguf_block_size(type) * 4);
     if (impl >= MCF_IMPL_AVX512) {
         switch (type) {
         case MCF_GGML_Q8_0: q8_0_avx512(x, nb, y, st); _mm_sfence(); return;
@@ -578,8 +575,8 @@ static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl
         default: break;
         }
     }
-    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_F16) { mcf_convert(2, x, y, nb, impl); return; }
-    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_BF16) { mcf_convert(0, x, y, nb, impl); return; }
+    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_F16) { mcf_convert(MCF_F16_TO_F32, x, y, nb, impl); return; }
+    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_BF16) { mcf_convert(MCF_BF16_TO_F32, x, y, nb, impl); return; }
 #endif
     (void)impl;
     decode_scalar(type, x, nb, y);
@@ -589,12 +586,12 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
 {
     size_t bs = mcf_gguf_block_size(type), ts = mcf_gguf_type_size(type);
     if (!bs || !ts) return -1;
-    if (out_kind == 0) {
+    if (out_kind == MCF_OUT_F32) {
         decode_f32(type, src, nblocks, (float *)out, impl);
         return 0;
     }
-    if (out_kind == 1 && type == MCF_GGML_F16) { memcpy(out, src, nblocks * 2); return 0; }
-    if (out_kind == 2 && type == MCF_GGML_BF16) { memcpy(out, src, nblocks * 2); return 0; }
+    if (out_kind == MCF_OUT_F16 && type == MCF_GGML_F16) { memcpy(out, src, nblocks * 2); return 0; }
+    if (out_kind == MCF_OUT_BF16 && type == MCF_GGML_BF16) { memcpy(out, src, nblocks * 2); return 0; }
     /* narrow outputs: decode a cache-sized group of blocks to f32, then round it */
     float tmp[4096];
     size_t per = 4096 / bs, done = 0;
@@ -602,7 +599,7 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
     while (done < nblocks) {
         size_t n = nblocks - done < per ? nblocks - done : per;
         decode_f32(type, src + done * ts, n, tmp, impl);
-        mcf_convert(out_kind == 1 ? 3 : 1, tmp, o + done * bs, n * bs, impl);
+        mcf_convert(out_kind == MCF_OUT_F16 ? MCF_F32_TO_F16 : MCF_F32_TO_BF16, tmp, o + done * bs, n * bs, impl);
         done += n;
     }
     return 0;

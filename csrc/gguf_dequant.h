@@ -19,8 +19,8 @@ enum {
 size_t mcf_gguf_block_size(int type);
 size_t mcf_gguf_type_size(int type);
 
-/* Decode `nblocks` consecutive blocks at `src` into `out`: float32 (out_kind 0), float16 (1) or
- * bfloat16 (2), round to nearest even for the narrow kinds.  `impl` as in cpu.h; types without a
+/* Decode `nblocks` consecutive blocks at `src` into `out`: float32, float16 or bfloat16 (out_kind
+ * MCF_OUT_*, fpconv.h), round to nearest even for the narrow kinds.  `impl` as in cpu.h; types without a
  * vector variant run the scalar code.  Returns 0, or -1 for an unsupported type. */
 int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, int out_kind, int impl);
 

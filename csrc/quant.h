@@ -11,8 +11,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fpconv.h" /* MCF_OUT_* */
+
 enum { MCF_FAM_RAW = 0, MCF_FAM_BLOCK = 1, MCF_FAM_SUPER = 2 };
-enum { MCF_OUT_F32 = 0, MCF_OUT_F16 = 1, MCF_OUT_BF16 = 2 };
 
 typedef struct {
     int family;              /* MCF_FAM_* */
@@ -26,7 +27,7 @@ typedef struct {
     float scale, zero;       /* raw only: x = scale * (q - zero) */
 } mcf_qtensor;
 
-/* Dequantize rows [r0, r1) into `out` (contiguous, (r1-r0)*cols items of the chosen kind). */
+/* Dequantize rows [r0, r1) into `out` (contiguous, (r1-r0)*cols items of the MCF_OUT_* kind). */
 void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int out_kind, int impl);
 
 /* Unpack the codes of rows [r0, r1) into int8 (each row: bpr*32 codes, padding included). */

@@ -28,6 +28,7 @@
 #include "cpu.h"
 #include "fpconv.h"
 #include "quant.h"
+#include "simd.h"
 
 #define MCF_SEARCH_MAX_CANDIDATES 12
 #define MCF_SUPER_CANDIDATES 2
@@ -238,44 +239,43 @@ static int row_super_scalar(int bits, const float *row, size_t cols, size_t bpr,
 /* ---------------------------------------------------------------------------------------------------------------
  * AVX2: 8 rows per call, lane l = row r0 + l.  A block's 8 x 32 values are loaded row by row and transposed in
  * registers, so that A[i*8 + l] = |value i of row l|. */
-#define T2S "avx2,f16c,bmi2"
 
-__attribute__((target(T2S))) static inline __m256 dec_ph8(__m128i h)
+MCF_TARGET_AVX2 static inline __m256 dec_ph8(__m128i h)
 {
     __m128i sub = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7c00)), _mm_setzero_si128());
     return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(sub)), _mm256_cvtph_ps(h));
 }
 
-__attribute__((target(T2S))) static inline __m128i f16_8(__m256 x)
+MCF_TARGET_AVX2 static inline __m128i f16_8(__m256 x)
 {
     return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-__attribute__((target(T2S))) static inline __m128i clamp_h8(__m128i h)
+MCF_TARGET_AVX2 static inline __m128i clamp_h8(__m128i h)
 {
     return _mm_min_epu16(_mm_max_epu16(h, _mm_set1_epi16((short)F16_MIN_NORMAL)), _mm_set1_epi16((short)F16_MAX_FINITE));
 }
 
-__attribute__((target(T2S))) static inline __m256 rne8(__m256 x)
+MCF_TARGET_AVX2 static inline __m256 rne8(__m256 x)
 {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
 /* a 32-bit lane mask as a 16-bit lane mask (for blending f16 values) */
-__attribute__((target(T2S))) static inline __m128i mask16_of(__m256 m)
+MCF_TARGET_AVX2 static inline __m128i mask16_of(__m256 m)
 {
     __m256i i = _mm256_castps_si256(m);
     return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
 }
 
 /* 1 / s where s != 0, else 0 */
-__attribute__((target(T2S))) static inline __m256 inv8(__m256 s)
+MCF_TARGET_AVX2 static inline __m256 inv8(__m256 s)
 {
     __m256 nz = _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_NEQ_UQ);
     return _mm256_and_ps(nz, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_blendv_ps(_mm256_set1_ps(1.0f), s, nz)));
 }
 
-__attribute__((target(T2S))) static inline void transpose8(__m256 r[8])
+MCF_TARGET_AVX2 static inline void transpose8(__m256 r[8])
 {
     __m256 t[8], u[8];
     for (int i = 0; i < 4; i++) {
@@ -296,7 +296,7 @@ __attribute__((target(T2S))) static inline void transpose8(__m256 r[8])
 
 /* Block (c0, nc columns) of rows 0..nl-1 (stride cols) into A[32][8] as magnitudes of the clipped values;
  * padding and idle lanes 0.  Returns max |value| per lane. */
-__attribute__((target(T2S))) static __m256 load_t8(const float *src, size_t cols, size_t nl, size_t c0, size_t nc,
+MCF_TARGET_AVX2 static __m256 load_t8(const float *src, size_t cols, size_t nl, size_t c0, size_t nc,
                                                    float lo, float hi, float *A)
 {
     __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), sign = _mm256_set1_ps(-0.0f);
@@ -324,7 +324,7 @@ __attribute__((target(T2S))) static __m256 load_t8(const float *src, size_t cols
 }
 
 /* errors of block A0 at scale s0 and block A1 at scale s1 (both per lane), in one pass */
-__attribute__((target(T2S))) static void err2_8(const float *A0, const float *w0, __m256 s0, const float *A1,
+MCF_TARGET_AVX2 static void err2_8(const float *A0, const float *w0, __m256 s0, const float *A1,
                                                 const float *w1, __m256 s1, float qf, __m256 *e0, __m256 *e1)
 {
     __m256 qp = _mm256_set1_ps(qf), i0 = inv8(s0), i1 = inv8(s1);
@@ -341,7 +341,7 @@ __attribute__((target(T2S))) static void err2_8(const float *A0, const float *w0
     *e1 = a1;
 }
 
-__attribute__((target(T2S))) static __m256 search8(const float *A, const float *w, __m256 amax, float qf,
+MCF_TARGET_AVX2 static __m256 search8(const float *A, const float *w, __m256 amax, float qf,
                                                    const float *tops, int n)
 {
     __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), qp = _mm256_set1_ps(qf);
@@ -376,7 +376,7 @@ __attribute__((target(T2S))) static __m256 search8(const float *A, const float *
     return d;
 }
 
-__attribute__((target(T2S))) static void codes_row8(const float *row, size_t c0, size_t nc, float lo, float hi,
+MCF_TARGET_AVX2 static void codes_row8(const float *row, size_t c0, size_t nc, float lo, float hi,
                                                     float inv, float qf, int bits, uint8_t *dst)
 {
     __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vi = _mm256_set1_ps(inv);
@@ -408,7 +408,7 @@ __attribute__((target(T2S))) static void codes_row8(const float *row, size_t c0,
 }
 
 /* any active lane whose f16 value is infinite */
-__attribute__((target(T2S))) static inline int overflow8(__m128i h, __m256 act)
+MCF_TARGET_AVX2 static inline int overflow8(__m128i h, __m256 act)
 {
     __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00));
     return _mm_movemask_epi8(_mm_and_si128(inf, mask16_of(act))) != 0;
@@ -419,7 +419,7 @@ static void weights_of(const float *weights, size_t c0, size_t nc, float w[32])
     for (size_t i = 0; i < 32; i++) w[i] = i < nc ? (weights ? weights[c0 + i] : 1.0f) : 0.0f;
 }
 
-__attribute__((target(T2S))) static int group_block_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t nl,
+MCF_TARGET_AVX2 static int group_block_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t nl,
                                                          float lo, float hi, const float *weights, uint16_t *scales,
                                                          uint8_t *codes)
 {
@@ -453,7 +453,7 @@ __attribute__((target(T2S))) static int group_block_avx2(int bits, const float *
     return overflow;
 }
 
-__attribute__((target(T2S))) static int group_super_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t spr,
+MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t spr,
                                                          size_t nl, float lo, float hi, const float *weights,
                                                          uint16_t *supers, uint8_t *sub, uint8_t *codes)
 {
@@ -547,36 +547,35 @@ __attribute__((target(T2S))) static int group_super_avx2(int bits, const float *
 
 /* ---------------------------------------------------------------------------------------------------------------
  * AVX-512: 16 rows per call, lane l = row r0 + l; the same steps with 16-lane vectors and mask registers. */
-#define T512S "avx512f,avx512bw,avx512vl,avx512dq,bmi2"
 
-__attribute__((target(T512S))) static inline __m512 dec_ph16(__m256i h)
+MCF_TARGET_AVX512 static inline __m512 dec_ph16(__m256i h)
 {
     __mmask16 normal = _mm256_test_epi16_mask(h, _mm256_set1_epi16(0x7c00));
     return _mm512_maskz_mov_ps(normal, _mm512_cvtph_ps(h));  /* exponent 0 (zero, subnormal) -> 0 */
 }
 
-__attribute__((target(T512S))) static inline __m256i f16_16(__m512 x)
+MCF_TARGET_AVX512 static inline __m256i f16_16(__m512 x)
 {
     return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-__attribute__((target(T512S))) static inline __m256i clamp_h16(__m256i h)
+MCF_TARGET_AVX512 static inline __m256i clamp_h16(__m256i h)
 {
     return _mm256_min_epu16(_mm256_max_epu16(h, _mm256_set1_epi16((short)F16_MIN_NORMAL)),
                             _mm256_set1_epi16((short)F16_MAX_FINITE));
 }
 
-__attribute__((target(T512S))) static inline __m512 rne16(__m512 x)
+MCF_TARGET_AVX512 static inline __m512 rne16(__m512 x)
 {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-__attribute__((target(T512S))) static inline __m512 inv16(__m512 s)
+MCF_TARGET_AVX512 static inline __m512 inv16(__m512 s)
 {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), s);
 }
 
-__attribute__((target(T512S))) static inline void transpose16(__m512 r[16])
+MCF_TARGET_AVX512 static inline void transpose16(__m512 r[16])
 {
     __m512 t[16];
     for (int i = 0; i < 8; i++) {
@@ -608,7 +607,7 @@ __attribute__((target(T512S))) static inline void transpose16(__m512 r[16])
 
 /* Block (c0, nc columns) of rows 0..nl-1 into A[32][16] as magnitudes of the clipped values (padding and idle
  * lanes 0); returns max |value| per lane. */
-__attribute__((target(T512S))) static __m512 load_t16(const float *src, size_t cols, size_t nl, size_t c0, size_t nc,
+MCF_TARGET_AVX512 static __m512 load_t16(const float *src, size_t cols, size_t nl, size_t c0, size_t nc,
                                                       float lo, float hi, float *A)
 {
     __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi), amax = _mm512_setzero_ps(), r[16];
@@ -634,7 +633,7 @@ __attribute__((target(T512S))) static __m512 load_t16(const float *src, size_t c
     return amax;
 }
 
-__attribute__((target(T512S))) static void err2_16(const float *A0, const float *w0, __m512 s0, const float *A1,
+MCF_TARGET_AVX512 static void err2_16(const float *A0, const float *w0, __m512 s0, const float *A1,
                                                    const float *w1, __m512 s1, float qf, __m512 *e0, __m512 *e1)
 {
     __m512 qp = _mm512_set1_ps(qf), i0 = inv16(s0), i1 = inv16(s1);
@@ -651,7 +650,7 @@ __attribute__((target(T512S))) static void err2_16(const float *A0, const float 
     *e1 = a1;
 }
 
-__attribute__((target(T512S))) static __m512 search16(const float *A, const float *w, __m512 amax, float qf,
+MCF_TARGET_AVX512 static __m512 search16(const float *A, const float *w, __m512 amax, float qf,
                                                       const float *tops, int n)
 {
     __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
@@ -687,7 +686,7 @@ __attribute__((target(T512S))) static __m512 search16(const float *A, const floa
 }
 
 /* codes of one block of one row, row-major: q = clamp(rint(v * inv)), packed LSB first */
-__attribute__((target(T512S))) static void codes_row16(const float *row, size_t c0, size_t nc, float lo, float hi,
+MCF_TARGET_AVX512 static void codes_row16(const float *row, size_t c0, size_t nc, float lo, float hi,
                                                        float inv, float qf, int bits, uint8_t *dst)
 {
     __mmask16 m0 = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
@@ -724,7 +723,7 @@ __attribute__((target(T512S))) static void codes_row16(const float *row, size_t 
     }
 }
 
-__attribute__((target(T512S))) static int group_block_avx512(int bits, const float *src, size_t cols, size_t bpr,
+MCF_TARGET_AVX512 static int group_block_avx512(int bits, const float *src, size_t cols, size_t bpr,
                                                              size_t nl, float lo, float hi, const float *weights,
                                                              uint16_t *scales, uint8_t *codes)
 {
@@ -760,7 +759,7 @@ __attribute__((target(T512S))) static int group_block_avx512(int bits, const flo
     return overflow;
 }
 
-__attribute__((target(T512S))) static int group_super_avx512(int bits, const float *src, size_t cols, size_t bpr,
+MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size_t cols, size_t bpr,
                                                              size_t spr, size_t nl, float lo, float hi,
                                                              const float *weights, uint16_t *supers, uint8_t *sub,
                                                              uint8_t *codes)

@@ -12,6 +12,7 @@
 #include "cpu.h"
 #include "fpconv.h"
 #include "quant.h"
+#include "simd.h"
 
 uint16_t mcf_f32_to_f16_trunc(float f)
 {
@@ -28,7 +29,7 @@ uint16_t mcf_f32_to_f16_trunc(float f)
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,bmi2"))) static long long absmax_avx512(const float *src,
+MCF_TARGET_AVX512 static long long absmax_avx512(const float *src,
                                                                                            size_t n, float *absmax);
 #endif
 
@@ -133,9 +134,8 @@ static void codes_scalar(const float v[32], float inv, int32_t qmax, int compat,
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#define T2Q "avx2,bmi2"
 
-__attribute__((target(T2Q))) static float load_avx2(const float *row, size_t c0, size_t cols, float lo, float hi,
+MCF_TARGET_AVX2 static float load_avx2(const float *row, size_t c0, size_t cols, float lo, float hi,
                                                      float v[32])
 {
     size_t n = cols - c0 < 32 ? cols - c0 : 32;
@@ -157,7 +157,7 @@ __attribute__((target(T2Q))) static float load_avx2(const float *row, size_t c0,
     return _mm_cvtss_f32(h);
 }
 
-__attribute__((target(T2Q))) static inline __m256i round_away_clamp8(__m256 p, float qmax)
+MCF_TARGET_AVX2 static inline __m256i round_away_clamp8(__m256 p, float qmax)
 {
     __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(p, t));   /* exact */
@@ -168,7 +168,7 @@ __attribute__((target(T2Q))) static inline __m256i round_away_clamp8(__m256 p, f
     return _mm256_cvttps_epi32(t);
 }
 
-__attribute__((target(T2Q))) static void codes_avx2(const float v[32], float inv, int32_t qmax, int compat,
+MCF_TARGET_AVX2 static void codes_avx2(const float v[32], float inv, int32_t qmax, int compat,
                                                     int bits, uint8_t *dst)
 {
     if (!isfinite(inv)) {
@@ -196,9 +196,8 @@ __attribute__((target(T2Q))) static void codes_avx2(const float v[32], float inv
     }
 }
 
-#define T512Q "avx512f,avx512bw,avx512vl,avx512dq,bmi2"
 
-__attribute__((target(T512Q))) static float load_avx512(const float *row, size_t c0, size_t cols, float lo,
+MCF_TARGET_AVX512 static float load_avx512(const float *row, size_t c0, size_t cols, float lo,
                                                          float hi, float v[32])
 {
     size_t n = cols - c0 < 32 ? cols - c0 : 32;
@@ -218,7 +217,7 @@ __attribute__((target(T512Q))) static float load_avx512(const float *row, size_t
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
 }
 
-__attribute__((target(T512Q))) static inline __m512i round_away_clamp(__m512 p, float qmax)
+MCF_TARGET_AVX512 static inline __m512i round_away_clamp(__m512 p, float qmax)
 {
     __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_abs_ps(_mm512_sub_ps(p, t));           /* exact */
@@ -229,7 +228,7 @@ __attribute__((target(T512Q))) static inline __m512i round_away_clamp(__m512 p, 
     return _mm512_cvttps_epi32(t);
 }
 
-__attribute__((target(T512Q))) static void codes_avx512(const float v[32], float inv, int32_t qmax, int compat,
+MCF_TARGET_AVX512 static void codes_avx512(const float v[32], float inv, int32_t qmax, int compat,
                                                         int bits, uint8_t *dst)
 {
     if (!isfinite(inv)) {  /* a scale below 2**-126: leave the rare overflow rules to the scalar code */
@@ -262,14 +261,14 @@ __attribute__((target(T512Q))) static void codes_avx512(const float v[32], float
  * the same: block max |x| (exact in any order), mx / qmax, round-to-nearest-even f16 (vcvtps2ph), the
  * decoder's f16 -> f32 with subnormals flushed, 1 / scale; for k*: super = max of the 8 block scales,
  * u6 = clamp(round_half_away(bs / super * 32), 1, 63), scale = super * (u6 / 32). */
-__attribute__((target(T512Q))) static inline __m512 dec16x16(__m256i h)
+MCF_TARGET_AVX512 static inline __m512 dec16x16(__m256i h)
 {
     __m512 f = _mm512_cvtph_ps(h);
     __mmask16 normal = _mm256_test_epi16_mask(h, _mm256_set1_epi16(0x7c00));
     return _mm512_maskz_mov_ps(normal, f);   /* exponent 0 (zero or subnormal) flushes to 0 */
 }
 
-__attribute__((target(T512Q))) static inline void codes_reg_avx512(__m512 x0, __m512 x1, float inv, float qmax,
+MCF_TARGET_AVX512 static inline void codes_reg_avx512(__m512 x0, __m512 x1, float inv, float qmax,
                                                                    int bits, uint8_t *dst)
 {
     __m512 vi = _mm512_set1_ps(inv);
@@ -299,7 +298,7 @@ __attribute__((target(T512Q))) static inline void codes_reg_avx512(__m512 x0, __
 
 /* 16 full blocks starting at `p`.  Writes 16 block scales (q*) or 2 super scales + 16 sub-scales (k*)
  * and 16 blocks of codes; returns 1 if a stored scale overflows f16. */
-__attribute__((target(T512Q))) static int group16_avx512(int family, int bits, const float *p, uint16_t *scales,
+MCF_TARGET_AVX512 static int group16_avx512(int family, int bits, const float *p, uint16_t *scales,
                                                          uint8_t *sub, uint8_t *codes)
 {
     const float qmax = (float)((1 << (bits - 1)) - 1);
@@ -358,7 +357,7 @@ __attribute__((target(T512Q))) static int group16_avx512(int family, int bits, c
 }
 
 /* max |x| of n finite floats; returns the index of the first non-finite value, or -1. */
-__attribute__((target(T512Q))) static long long absmax_avx512(const float *src, size_t n, float *absmax)
+MCF_TARGET_AVX512 static long long absmax_avx512(const float *src, size_t n, float *absmax)
 {
     __m512 mx = _mm512_setzero_ps(), inf = _mm512_set1_ps(INFINITY);
     size_t i = 0;
@@ -473,7 +472,7 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
 #if defined(__x86_64__)
 /* 32 values of an int8/int4 row: q = clamp(round_half_away(x * inv + zero), qmin, qmax), the scalar
  * code's f32 operations, then packed (int4: item 0 in the low nibble). */
-__attribute__((target(T512Q))) static inline void raw32_avx512(const float *x, int bits, int clip, float clip_lo,
+MCF_TARGET_AVX512 static inline void raw32_avx512(const float *x, int bits, int clip, float clip_lo,
                                                                 float clip_hi, float inv, float zero, uint8_t *dst)
 {
     const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));

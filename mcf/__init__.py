@@ -28,6 +28,16 @@ from mcf.state_dict import load_state_dict
 
 __version__ = "0.1.0"
 
+
+def get_include():
+    """The directory to add to ``include_dirs`` (and Cython's include path) to build a compiled extension
+    against mcf: it holds the ``mcf`` package, so ``cimport mcf._io`` and ``cimport mcf._fpconv`` find the
+    shipped ``.pxd`` files (they need no C header).  See docs/extending.md."""
+    import os
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 __all__ = [
     "open", "load_file", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
     "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
@@ -35,4 +45,5 @@ __all__ = [
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "ContextNotFoundError",
     "ArgumentTypeError", "UnknownNameError", "StaleContextError", "load_state_dict",
+    "get_include",
 ]

@@ -2,34 +2,71 @@
 
 Thin wrappers: they check shapes and dtypes, then release the GIL for the C loops in csrc/fpconv.c.
 """
+import os
+
 import numpy as np
 
 from libc.stdint cimport uint16_t, uintptr_t
 
+from mcf.errors import DTypeError, InvalidArgumentError
+
+from mcf._buffers cimport check_out
+
 cdef extern from "fpconv.h" nogil:
-    void mcf_convert(int op, const void *src, void *dst, size_t n, int impl)
+    ctypedef enum mcf_fpconv_op:
+        MCF_BF16_TO_F32
+        MCF_F32_TO_BF16
+        MCF_F16_TO_F32
+        MCF_F32_TO_F16
+    void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int impl)
 
 cdef extern from "cpu.h" nogil:
     int mcf_cpu_best()
     int mcf_cpu_supports(int impl)
 
 
-_IMPLS = ("scalar", "avx2", "avx512")
+IMPLS = ("scalar", "avx2", "avx512")  # the variant indexes of csrc/cpu.h, by name
 
 
-cdef int _impl(object impl) except -1:
-    # the same rule as mcf._kernels.resolve_impl: keyword, else $MCF_FORCE_IMPL, else the best variant
-    import os
-    from mcf.errors import InvalidArgumentError
+def env_impl():
+    """$MCF_FORCE_IMPL, lower-cased, or None when unset or empty."""
+    v = os.environ.get("MCF_FORCE_IMPL", "").strip().lower()
+    return v or None
 
-    name = impl if impl is not None else (os.environ.get("MCF_FORCE_IMPL", "").strip().lower() or None)
+
+cdef int resolve_impl(object impl) except -1:
+    """The variant index to run: ``impl`` if given, else ``$MCF_FORCE_IMPL``, else the best the CPU has.
+    Asking for a variant this CPU cannot run is an error, never a silent fallback.  The one place this
+    rule lives: every compiled module (and mcf._kernels.resolve_impl) cimports it."""
+    name = impl if impl is not None else env_impl()
     if name is None:
         return mcf_cpu_best()
-    if name not in _IMPLS:
-        raise InvalidArgumentError(f"unknown kernel variant {name!r}; expected one of {_IMPLS}")
-    if not mcf_cpu_supports(_IMPLS.index(name)):
-        raise InvalidArgumentError(f"kernel variant {name!r} is not supported by this CPU")
-    return _IMPLS.index(name)
+    name = str(name).lower()
+    where = "impl" if impl is not None else "MCF_FORCE_IMPL"  # the message says which setting was wrong
+    if name not in IMPLS:
+        raise InvalidArgumentError(f"{where}={name!r}: unknown kernel variant (expected one of {', '.join(IMPLS)})")
+    i = IMPLS.index(name)
+    if not mcf_cpu_supports(i):
+        raise InvalidArgumentError(f"{where}={name!r}: this CPU cannot run that kernel variant (it supports "
+                                   f"{', '.join(IMPLS[:mcf_cpu_best() + 1])})")
+    return i
+
+
+# -- the C-level surface (mcf/_fpconv.pxd): unchecked, GIL-free ----------------------------------------
+cdef void bf16_to_f32_n(const uint16_t* src, float* dst, size_t n, int impl) noexcept nogil:
+    mcf_convert(MCF_BF16_TO_F32, src, dst, n, impl)
+
+
+cdef void f32_to_bf16_n(const float* src, uint16_t* dst, size_t n, int impl) noexcept nogil:
+    mcf_convert(MCF_F32_TO_BF16, src, dst, n, impl)
+
+
+cdef void f16_to_f32_n(const uint16_t* src, float* dst, size_t n, int impl) noexcept nogil:
+    mcf_convert(MCF_F16_TO_F32, src, dst, n, impl)
+
+
+cdef void f32_to_f16_n(const float* src, uint16_t* dst, size_t n, int impl) noexcept nogil:
+    mcf_convert(MCF_F32_TO_F16, src, dst, n, impl)
 
 
 cdef _contig(src, dtype=None):
@@ -43,21 +80,20 @@ cdef _prep_out(src, out, dtype):
     if out is None:
         return np.empty(src.shape, dtype=dtype)
     if not isinstance(out, np.ndarray) or out.dtype != np.dtype(dtype):
-        raise TypeError(f"out must be a numpy array of dtype {np.dtype(dtype).name}")
+        raise DTypeError(f"out must be a numpy array of dtype {np.dtype(dtype).name}")
+    check_out(out, "out")
     if out.size != src.size:
-        raise ValueError(f"out has {out.size} elements, expected {src.size}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out must be C-contiguous and writeable")
+        raise InvalidArgumentError(f"out has {out.size} elements, expected {src.size}")
     return out
 
 
-cdef _run(int op, a, res, impl):
+cdef _run(mcf_fpconv_op op, a, res, impl):
     """Checked shapes in, one GIL-free C loop: a and res are C-contiguous with the same size."""
     cdef size_t n = a.size
-    cdef int im = _impl(impl)
+    cdef int im = resolve_impl(impl)
     cdef uintptr_t sp = a.ctypes.data, dp = res.ctypes.data
     if a.size != res.size:  # _prep_out guarantees it; C never trusts an unchecked length
-        raise ValueError("size mismatch")
+        raise InvalidArgumentError("size mismatch")
     if n:
         with nogil:
             mcf_convert(op, <const void*>sp, <void*>dp, n, im)
@@ -67,7 +103,7 @@ cdef _run(int op, a, res, impl):
 def _halves(src, what):
     a = _contig(src)
     if a.dtype.itemsize != 2 or (a.dtype.kind not in "uf" and a.dtype.name != "bfloat16"):
-        raise TypeError(f"expected {what}, got {a.dtype}")
+        raise DTypeError(f"expected {what}, got {a.dtype}")
     if a.dtype.byteorder == ">":  # the bits of a big-endian half are byte-swapped: read them as values
         a = a.astype(a.dtype.newbyteorder("<"))
     return a.view(np.uint16)
@@ -76,25 +112,25 @@ def _halves(src, what):
 def bf16_to_f32(src, out=None, impl=None):
     """Widen bfloat16 bit patterns (uint16, or ml_dtypes.bfloat16) to float32.  Exact."""
     a = _halves(src, "uint16 bfloat16 bits")
-    return _run(0, a, _prep_out(a, out, np.float32), impl)
+    return _run(MCF_BF16_TO_F32, a, _prep_out(a, out, np.float32), impl)
 
 
 def f32_to_bf16(src, out=None, impl=None):
     """Narrow float32 to bfloat16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
-    return _run(1, a, _prep_out(a, out, np.uint16), impl)
+    return _run(MCF_F32_TO_BF16, a, _prep_out(a, out, np.uint16), impl)
 
 
 def f16_to_f32(src, out=None, impl=None):
     """Widen float16 (or its uint16 bit patterns) to float32.  Exact, subnormals kept."""
     a = _halves(src, "float16 or uint16")
-    return _run(2, a, _prep_out(a, out, np.float32), impl)
+    return _run(MCF_F16_TO_F32, a, _prep_out(a, out, np.float32), impl)
 
 
 def f32_to_f16(src, out=None, impl=None):
     """Narrow float32 to float16 bit patterns (uint16), round to nearest even."""
     a = _contig(src, np.float32)
-    return _run(3, a, _prep_out(a, out, np.uint16), impl)
+    return _run(MCF_F32_TO_F16, a, _prep_out(a, out, np.uint16), impl)
 
 
 def f64_to_f16(src):

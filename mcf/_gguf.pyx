@@ -11,7 +11,8 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, uintptr_t
 
-from mcf._kernels import resolve_impl
+from mcf._buffers cimport check_out, flat_bytes
+from mcf._fpconv cimport resolve_impl
 from mcf.errors import DTypeError, InvalidArgumentError
 
 cdef extern from "gguf_dequant.h" nogil:
@@ -33,13 +34,6 @@ def block_info(int gtype):
 from mcf._kernels import out_kind as _kind  # one output-dtype table for every kernel module
 
 
-def _bytes_of(src):
-    a = np.asarray(src)
-    if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return a
-
-
 def dequantize_blocks(src, int gtype, nblocks, out, *, threads=1, impl=None):
     """Decode ``nblocks`` blocks of ggml type ``gtype`` from the bytes ``src`` into the flat, writeable,
     C-contiguous array ``out`` (float32, float16, or bfloat16 / uint16 bits)."""
@@ -49,11 +43,10 @@ def dequantize_blocks(src, int gtype, nblocks, out, *, threads=1, impl=None):
     nb = int(nblocks)
     if nb < 0:
         raise InvalidArgumentError("negative block count")
-    a = _bytes_of(src)
+    a = flat_bytes(src)
     if a.size < nb * ts:
         raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
-    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidArgumentError("out must be a writeable C-contiguous numpy array")
+    check_out(out, "out")
     if out.size < nb * bs:
         raise InvalidArgumentError(f"out holds {out.size} values, {nb} blocks give {nb * bs}")
     cdef int kind = _kind(out.dtype)
@@ -89,11 +82,11 @@ def relayout_scales(src, int gtype, nblocks, scales):
         raise DTypeError("only Q8_0 and Q4_0 can be re-laid out")
     cdef size_t ts = mcf_gguf_type_size(gtype)
     nb = int(nblocks)
-    a = _bytes_of(src)
+    a = flat_bytes(src)
     if nb < 0 or a.size < nb * ts:
         raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
-    if not isinstance(scales, np.ndarray) or scales.dtype != np.uint16 or not scales.flags.c_contiguous \
-            or not scales.flags.writeable or scales.size < nb:
+    check_out(scales, "scales")
+    if scales.dtype != np.uint16 or scales.size < nb:
         raise InvalidArgumentError("scales must be a writeable contiguous uint16 array of nblocks items")
     cdef uintptr_t sp = a.ctypes.data, op = scales.ctypes.data
     cdef size_t n = nb, bad = 0
@@ -111,11 +104,11 @@ def relayout_codes(src, int gtype, nblocks, codes):
     cdef size_t ts = mcf_gguf_type_size(gtype)
     cdef size_t cb = 32 if gtype == 8 else 16
     nb = int(nblocks)
-    a = _bytes_of(src)
+    a = flat_bytes(src)
     if nb < 0 or a.size < nb * ts:
         raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
-    if not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or not codes.flags.c_contiguous \
-            or not codes.flags.writeable or codes.size < nb * cb:
+    check_out(codes, "codes")
+    if codes.dtype != np.uint8 or codes.size < nb * cb:
         raise InvalidArgumentError(f"codes must be a writeable contiguous uint8 array of {nb * cb} bytes")
     cdef uintptr_t sp = a.ctypes.data, op = codes.ctypes.data
     cdef size_t n = nb

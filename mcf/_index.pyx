@@ -12,6 +12,8 @@ from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp
 
+from mcf.errors import InvalidArgumentError
+
 DEF ENTRY_SIZE = 40
 
 cdef extern from *:
@@ -46,7 +48,7 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
     if (entries_off > <uint64_t>n or <uint64_t>count * ENTRY_SIZE > <uint64_t>n - entries_off
             or dims_off > <uint64_t>n or <uint64_t>dims_count * 8 > <uint64_t>n - dims_off
             or strings_off > <uint64_t>n or strings_size > <uint64_t>n - strings_off):
-        raise ValueError("scan_entries: tables outside the section")
+        raise InvalidArgumentError("scan_entries: tables outside the section")
     cdef const uint8_t* base = &sec[0] if n else NULL
     cdef const uint8_t* p
     cdef const uint8_t* strings = base + strings_off if n else NULL

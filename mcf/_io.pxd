@@ -1,5 +1,6 @@
-# The I/O core's C-level surface, for other compiled modules of mcf (batch gathers, kernels) that
-# copy straight from a mapping without going through Python.
+# The I/O core's C-level surface, for compiled modules (mcf's own batch gathers and kernels, and
+# extensions built on mcf: docs/extending.md) that copy straight from a mapping without going through
+# Python.  Public to those: base, check_range, copy_to, pin/unpin; the rest is mcf's own.
 from libc.stdint cimport uint8_t, uint64_t, int64_t
 
 
@@ -24,10 +25,14 @@ cdef class Source:
     cdef int _inflight               # copies running without the GIL (counted under the GIL)
     cdef bint _release_pending       # close() came while copies ran: the last one releases
 
+    # raise (OutOfBoundsError, ClosedError) unless [offset, offset+size) lies inside the open file
     cdef int check_range(self, object offset, object size) except -1
+    # n bytes at a checked offset into dst; releases the GIL while it copies
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1
-    cdef int _enter(self) except -1
-    cdef void _leave(self)
+    # with the GIL, around code that reads `base` without it: refuses a closed source (ClosedError), and
+    # keeps the mapping alive until the matching unpin() even if another thread closes the source
+    cdef int pin(self) except -1
+    cdef void unpin(self)
     cdef _release(self)
     cdef _set_mapping(self, _Mapping m)
     cdef _fileobj_read(self, uint64_t offset, mv)

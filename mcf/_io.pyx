@@ -41,7 +41,8 @@ cdef extern from "numpy/arrayobject.h":
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
 from mcf._args import integer, integers
-from mcf.errors import ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError, TruncatedError, os_error
+from mcf.errors import (ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError,
+                        TruncatedError, os_error)
 
 __all__ = ["Source", "open_source", "aligned_empty", "alloc_buffer", "PAGE_SIZE"]
 
@@ -75,9 +76,9 @@ def aligned_empty(nbytes, align=4096):
     """A fresh uint8 array of ``nbytes`` whose data starts on an ``align``-byte boundary."""
     nbytes = int(nbytes)
     if nbytes < 0:
-        raise ValueError("nbytes must be >= 0")
+        raise InvalidArgumentError("nbytes must be >= 0")
     if align < 1:
-        raise ValueError("align must be >= 1")
+        raise InvalidArgumentError("align must be >= 1")
     buf = np.empty(nbytes + align, dtype=np.uint8)
     start = (-buf.ctypes.data) % align
     return buf[start:start + nbytes]
@@ -162,7 +163,7 @@ cdef class Source:
         self._release_pending = False
 
     def __init__(self):
-        raise TypeError("use mcf.io.open_source() to create a Source")
+        raise ArgumentTypeError("use mcf.io.open_source() to create a Source")
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -213,7 +214,7 @@ cdef class Source:
     def _from_fileobj(fileobj, bint owns=False):
         cdef Source s = Source.__new__(Source)
         if not hasattr(fileobj, "seek") or not (hasattr(fileobj, "readinto") or hasattr(fileobj, "read")):
-            raise TypeError("a file-like source needs seek() and readinto() or read()")
+            raise ArgumentTypeError("a file-like source needs seek() and readinto() or read()")
         s._fileobj = fileobj
         s._owns_fileobj = owns
         s.path = None
@@ -235,7 +236,7 @@ cdef class Source:
         cdef Source s = Source.__new__(Source)
         mv = memoryview(data).cast("B")
         if not mv.contiguous:
-            raise ValueError("memory source must be contiguous")
+            raise InvalidArgumentError("memory source must be contiguous")
         s._mapping = mv
         s.path = None
         s.name = name if name is not None else "<memory>"
@@ -312,20 +313,20 @@ cdef class Source:
         if n == 0:
             return 0
         if b != NULL:
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     memcpy(dst, b + offset, n)
             finally:
-                self._leave()
+                self.unpin()
             return 0
         if self.mode == "pread":
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     done = <size_t>_pread_full(fd, <uint8_t*>dst, n, offset, &err)
             finally:
-                self._leave()
+                self.unpin()
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if done < n:
@@ -419,7 +420,7 @@ cdef class Source:
         count = 1
         for d in shape:
             if d < 0:
-                raise ValueError(f"negative dimension in shape {shape}")
+                raise InvalidArgumentError(f"negative dimension in shape {shape}")
             count *= d
         nbytes = count * dt.itemsize
         offset = integer(offset, "offset")
@@ -441,15 +442,15 @@ cdef class Source:
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         if nd > 32:
-            raise ValueError("too many dimensions")
+            raise InvalidArgumentError("too many dimensions")
         for k in range(nd):
             d = shape[k]
             if d > <uint64_t>0x7fffffffffffffff or (d and count > 0xffffffffffffffff // d):
-                raise ValueError("shape too large")
+                raise InvalidArgumentError("shape too large")
             count *= d
             dims[k] = <cnp.npy_intp>d
         if count > 0xffffffffffffffff // <uint64_t>dtype.itemsize or count * dtype.itemsize != nbytes:
-            raise ValueError(f"{nbytes} bytes do not hold {dtype} {shape}")
+            raise InvalidArgumentError(f"{nbytes} bytes do not hold {dtype} {shape}")
         if offset > self._size or nbytes > self._size - offset:
             raise OutOfBoundsError(
                 f"{self.name}: read of {nbytes} bytes at offset {offset} is outside the file "
@@ -481,7 +482,7 @@ cdef class Source:
         dsts = integers(out_offsets, "out_offsets")
         n = offs.shape[0]
         if szs.shape[0] != n or dsts.shape[0] != n:
-            raise ValueError("offsets, sizes and out_offsets must have the same length")
+            raise InvalidArgumentError("offsets, sizes and out_offsets must have the same length")
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         _get_writable(out, &view)
@@ -539,7 +540,7 @@ cdef class Source:
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         if fd >= 0:
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     for k in range(a, b):
@@ -549,7 +550,7 @@ cdef class Source:
                             bad = k
                             break
             finally:
-                self._leave()
+                self.unpin()
             if err:
                 raise os_error(OSError(err, os.strerror(err)), self.name)
             if bad >= 0:
@@ -557,13 +558,13 @@ cdef class Source:
                                      expected=f"{szs[bad]} bytes")
             return
         if base != NULL:
-            self._enter()
+            self.pin()
             try:
                 with nogil:
                     for k in range(a, b):
                         memcpy(out + dsts[k], base + offs[k], <size_t>szs[k])
             finally:
-                self._leave()
+                self.unpin()
             return
         many = getattr(self._fileobj, "readinto_ranges", None)
         if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
@@ -584,7 +585,7 @@ cdef class Source:
         """Pass a ``madvise`` hint for a range of a mapped file ("random", "sequential", "willneed",
         "dontneed", "normal").  A no-op for the other modes."""
         if advice not in _ADVICE:
-            raise ValueError(f"unknown advice {advice!r}; expected one of {sorted(_ADVICE)}")
+            raise InvalidArgumentError(f"unknown advice {advice!r}; expected one of {sorted(_ADVICE)}")
         if self.mode != "mmap" or self.base == NULL:
             return
         offset = integer(offset, "offset")
@@ -646,15 +647,15 @@ cdef class Source:
                     self._fileobj.close()
                 self._fileobj = None
 
-    cdef int _enter(self) except -1:
+    cdef int pin(self) except -1:
         """Called with the GIL before a copy that releases it: refuses a closed source, and keeps the
-        mapping and the descriptor alive until the matching :meth:`_leave`."""
+        mapping and the descriptor alive until the matching :meth:`unpin`."""
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         self._inflight += 1
         return 0
 
-    cdef void _leave(self):
+    cdef void unpin(self):
         self._inflight -= 1
         if self._inflight == 0 and self._release_pending:
             try:
@@ -709,7 +710,7 @@ def open_fd(fd, name=None, mmap=True):
     as a path.
     """
     if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
-        raise TypeError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
+        raise ArgumentTypeError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
     return Source._from_fd(fd, os.fspath(name) if name is not None else None, bool(mmap))
 
 
@@ -745,4 +746,4 @@ def open_source(obj, mmap=True):
         return Source._from_memory(obj)
     if hasattr(obj, "seek"):
         return Source._from_fileobj(obj)
-    raise TypeError(f"cannot open {type(obj).__name__!r} as a byte source")
+    raise ArgumentTypeError(f"cannot open {type(obj).__name__!r} as a byte source")

@@ -5,7 +5,6 @@ GIL released.  The C variant (scalar / avx2 / avx512) is chosen at run time from
 ``MCF_FORCE_IMPL`` environment variable, or the ``impl=`` keyword.
 """
 
-import os
 import threading
 
 import numpy as np
@@ -15,6 +14,9 @@ from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 from mcf._args import byte_order_problem, integer, row_range
 from mcf._io import aligned_empty
 from mcf.errors import InvalidArgumentError
+from mcf._fpconv import IMPLS, env_impl
+from mcf._buffers cimport check_out, flat_bytes
+from mcf._fpconv cimport resolve_impl as _resolve_impl
 from mcf.layout import Domain, quant_layout
 
 cdef extern from "cpu.h" nogil:
@@ -22,7 +24,11 @@ cdef extern from "cpu.h" nogil:
     int mcf_cpu_supports(int impl)
     const char* mcf_impl_name(int impl)
 
+cdef extern from "fpconv.h" nogil:
+    enum: MCF_OUT_F32, MCF_OUT_F16, MCF_OUT_BF16
+
 cdef extern from "quant.h" nogil:
+    enum: MCF_FAM_RAW, MCF_FAM_BLOCK, MCF_FAM_SUPER
     ctypedef struct mcf_qtensor:
         int family
         int bits
@@ -44,36 +50,20 @@ cdef extern from "quant.h" nogil:
     long long mcf_absmax_finite(const float* src, size_t n, float* absmax, float* minv, float* maxv)
     long long mcf_absmax(const float* src, size_t n, float* absmax, int impl)
 
-IMPLS = ("scalar", "avx2", "avx512")
-_FAMILY = {"raw": 0, "block": 1, "super": 2}
-
-
-def _env_impl():
-    v = os.environ.get("MCF_FORCE_IMPL", "").strip().lower()
-    return v or None
+_FAMILY = {"raw": MCF_FAM_RAW, "block": MCF_FAM_BLOCK, "super": MCF_FAM_SUPER}
 
 
 def resolve_impl(impl=None):
     """The variant index to run: ``impl`` if given, else ``$MCF_FORCE_IMPL``, else the best the CPU has.
-    Asking for a variant this CPU cannot run is an error, never a silent fallback."""
-    name = impl if impl is not None else _env_impl()
-    if name is None:
-        return mcf_cpu_best()
-    name = str(name).lower()
-    where = "impl" if impl is not None else "MCF_FORCE_IMPL"  # the message says which setting was wrong
-    if name not in IMPLS:
-        raise InvalidArgumentError(f"{where}={name!r}: unknown kernel variant (expected one of {', '.join(IMPLS)})")
-    i = IMPLS.index(name)
-    if not mcf_cpu_supports(i):
-        raise InvalidArgumentError(f"{where}={name!r}: this CPU cannot run that kernel variant (it supports "
-                                   f"{', '.join(IMPLS[:mcf_cpu_best() + 1])})")
-    return i
+    Asking for a variant this CPU cannot run is an error, never a silent fallback (the rule lives in
+    mcf._fpconv, which every compiled module cimports)."""
+    return _resolve_impl(impl)
 
 
 def kernel_info():
     """Which kernel variant runs, and which this CPU supports."""
     best = mcf_cpu_best()
-    forced = _env_impl()
+    forced = env_impl()
     try:
         active = IMPLS[resolve_impl()]
     except InvalidArgumentError as exc:
@@ -87,17 +77,17 @@ cdef int _out_kind(object dt) except -1:
     if msg:
         raise InvalidArgumentError(msg)
     if dt == np.float32:
-        return 0
+        return MCF_OUT_F32
     if dt == np.float16:
-        return 1
+        return MCF_OUT_F16
     if dt.name == "bfloat16" or dt == np.uint16:
-        return 2
+        return MCF_OUT_BF16
     raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
 
 
 def out_kind(dt):
-    """The C kernels' output code of a numpy dtype (0 float32, 1 float16, 2 bfloat16 or its uint16
-    bits); the one place that maps output dtypes, for every compiled module."""
+    """The C kernels' output code of a numpy dtype (MCF_OUT_F32 / _F16 / _BF16 of csrc/fpconv.h; bfloat16
+    also as its uint16 bits); the one place that maps output dtypes, for every compiled module."""
     return _out_kind(np.dtype(dt))
 
 
@@ -109,11 +99,7 @@ cdef class _Tensor:
 
     def __init__(self, payload, code, rows, cols, domain=Domain.WEIGHTS):
         lay = quant_layout(code, (rows, cols), domain)
-        buf = np.asarray(payload)
-        if buf.dtype != np.uint8 or buf.ndim != 1:
-            buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
-        if not buf.flags.c_contiguous:
-            buf = np.ascontiguousarray(buf)
+        buf = flat_bytes(payload)
         if buf.size < lay.nbytes:
             raise InvalidArgumentError(f"payload has {buf.size} bytes, {lay.dtype.name} {[rows, cols]} needs "
                                        f"{lay.nbytes}")
@@ -155,7 +141,7 @@ cdef class QTensor(_Tensor):
 
     def __init__(self, payload, code, rows, cols, domain=Domain.WEIGHTS, impl=None):
         _Tensor.__init__(self, payload, code, rows, cols, domain)
-        self._impl = resolve_impl(impl)
+        self._impl = _resolve_impl(impl)
 
     def rows_into(self, r0, r1, out):
         """Decode rows [r0, r1) as float32 into ``out``: a C-contiguous float32 buffer of at least
@@ -173,7 +159,7 @@ cdef class QTensor(_Tensor):
         if b == a:
             return
         with nogil:
-            mcf_dequant_rows(&self.t, a, b, &buf[0], 0, self._impl)
+            mcf_dequant_rows(&self.t, a, b, &buf[0], MCF_OUT_F32, self._impl)
 
 
     def decode_tiles(self, r0, r1, tile_rows, tile):
@@ -194,7 +180,7 @@ cdef class QTensor(_Tensor):
         with nogil:
             while r < b:
                 e = r + k if r + k < b else b
-                mcf_dequant_rows(&self.t, r, e, &buf[0], 0, self._impl)
+                mcf_dequant_rows(&self.t, r, e, &buf[0], MCF_OUT_F32, self._impl)
                 r = e
                 n += 1
         return n
@@ -236,14 +222,11 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
     if out is None:  # 64-byte aligned, so large outputs can use streaming stores
         out = aligned_empty((b - a) * cols * dt.itemsize, 64).view(dt).reshape(b - a, cols)
     else:
-        if not isinstance(out, np.ndarray):
-            raise InvalidArgumentError("out must be a numpy array")
+        check_out(out, "out")
         if out.size != n:
             raise InvalidArgumentError(f"out has {out.size} elements, rows {a}..{b} x {cols} need {n}")
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgumentError("out must be C-contiguous and writeable")
         kind = _out_kind(out.dtype)
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     cdef uintptr_t optr = out.ctypes.data
     cdef size_t esize = out.dtype.itemsize
     cdef size_t c = cols
@@ -273,9 +256,9 @@ def unpack_codes(payload, code, rows, cols, *, domain=Domain.WEIGHTS, row_range=
     padding of each row's last block included) or [n, cols] for int8/int4."""
     cdef _Tensor qt = _Tensor(payload, code, rows, cols, domain)
     a, b = _row_range(row_range, rows)
-    width = cols if qt.t.family == 0 else qt.t.bpr * 32
+    width = cols if qt.t.family == MCF_FAM_RAW else qt.t.bpr * 32
     out = np.empty((b - a, width), dtype=np.int8)
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     cdef uintptr_t optr = out.ctypes.data
     cdef size_t r0 = a, r1 = b
     if out.size:
@@ -290,7 +273,7 @@ def absmax(src, impl=None):
     cdef float amax = 0
     cdef long long bad
     cdef size_t n = s.shape[0]
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     if n == 0:
         return 0.0
     with nogil:
@@ -334,8 +317,8 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
         raise InvalidArgumentError(f"src has {c} columns, expected {cols}")
     lay = quant_layout(code, (rows, cols), domain)
     buf = out_payload
-    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous \
-            or not buf.flags.writeable:
+    check_out(buf, "out_payload")
+    if buf.dtype != np.uint8 or buf.ndim != 1:
         raise InvalidArgumentError("out_payload must be a writeable contiguous uint8 array")
     if buf.size < lay.nbytes:
         raise InvalidArgumentError(f"out_payload has {buf.size} bytes, needs {lay.nbytes}")
@@ -346,11 +329,11 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     cdef size_t nrows = n, ncols = cols
     cdef float lo = min_clip, hi = max_clip, fs = scale, fz = zero
     cdef int fam = _FAMILY[lay.dtype.family], bits = lay.dtype.bits, cm = 1 if compat else 0, rc = 0
-    cdef int im = resolve_impl(impl)
+    cdef int im = _resolve_impl(impl)
     cdef uintptr_t scales_p = 0, sub_p = 0, codes_p = 0, w_p = 0
     cdef size_t rb = lay.row_bytes
     cdef int srch = 1 if search else 0
-    if search and (compat or fam == 0):
+    if search and (compat or fam == MCF_FAM_RAW):
         raise InvalidArgumentError("the search quantizer is for q*/k* and has no Go-compatible mode")
     if weights is not None:
         if not search:
@@ -366,14 +349,14 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
     if nrows == 0:
         return
     reg = {r.name: r for r in lay.regions}
-    if fam == 0:
+    if fam == MCF_FAM_RAW:
         codes_p = base + reg["data"].offset + row0 * lay.row_bytes
         with nogil:
             mcf_quantize_raw_rows(bits, <const float*>sp, nrows, ncols, lo, hi, fs, fz, <uint8_t*>codes_p, rb, im)
         return
     bb = bits * 4
     codes_p = base + reg["data"].offset + row0 * lay.blocks_per_row * bb
-    if fam == 1:
+    if fam == MCF_FAM_BLOCK:
         scales_p = base + reg["scales"].offset + 2 * row0 * lay.blocks_per_row
     else:
         scales_p = base + reg["super_scales"].offset + 2 * row0 * lay.supers_per_row

@@ -15,6 +15,7 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
+from mcf._buffers cimport check_out
 from mcf._io cimport Source
 
 from mcf._args import byte_order_problem
@@ -268,8 +269,7 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
                 raise InvalidArgumentError(f"out is {out.dtype}, dtype asks for {np.dtype(out_dtype)}")
             if out.ndim != 2 or out.shape[0] < n or out.shape[1] != dim:
                 raise InvalidArgumentError(f"out must have shape ({n}, {dim}) or more rows, got {out.shape}")
-            if not out.flags.c_contiguous or not out.flags.writeable:
-                raise InvalidArgumentError("out must be C-contiguous and writeable")
+            check_out(out, "out")
             matrix = out[:n]
         else:
             ocode = tcode if out_dtype is None else float_code(out_dtype)
@@ -359,8 +359,7 @@ def gather_rows(Source src, uint64_t count, size_t row_bytes, indices, out):
         bad = ix[(ix < 0) | (ix >= <int64_t>count)][0]
         raise OutOfBoundsError(f"{src.name}: row {int(bad)} is outside the file's {count} committed rows")
     src.check_range(HEADER, count * row_bytes)
-    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidArgumentError("out must be a C-contiguous writeable array")
+    check_out(out, "out")
     if out.nbytes != n * row_bytes:
         raise InvalidArgumentError(f"out holds {out.nbytes} bytes, the rows take {n * row_bytes}")
     if n == 0:

@@ -68,7 +68,7 @@ cdef int64_t* _bad_ptr(int64_t[::1] bad):
 def check_lengths(const uint8_t[::1] lens, Py_ssize_t n, int64_t[::1] bad):
     """Count negative sequence lengths."""
     if n < 0 or lens.shape[0] < 4 * n:
-        raise ValueError("check_lengths: buffer too small")
+        raise InvalidArgumentError("check_lengths: buffer too small")
     cdef const uint8_t* p = &lens[0] if n else NULL
     cdef int64_t* b = _bad_ptr(bad)
     cdef Py_ssize_t k = bad.shape[0], i
@@ -86,7 +86,7 @@ def check_pointers(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t 
     """Count sequences whose pointer is not the end of the previous one (0 for the first): the
     pointers must be the exclusive prefix sums of length * itemsize."""
     if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
-        raise ValueError("check_pointers: buffer too small")
+        raise InvalidArgumentError("check_pointers: buffer too small")
     cdef const uint8_t* pl = &lens[0] if n else NULL
     cdef const uint8_t* pp = &ptrs[0] if n else NULL
     cdef int64_t* b = _bad_ptr(bad)
@@ -108,7 +108,7 @@ def check_extents(const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n
     """Count sequences whose bytes ``[pointer, pointer + length*itemsize)`` do not lie inside the .bin
     (negative pointers included; negative lengths are ``check_lengths``' to report)."""
     if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n or itemsize < 1 or itemsize > 8:
-        raise ValueError("check_extents: bad arguments")
+        raise InvalidArgumentError("check_extents: bad arguments")
     cdef const uint8_t* pl = &lens[0] if n else NULL
     cdef const uint8_t* pp = &ptrs[0] if n else NULL
     cdef int64_t* b = _bad_ptr(bad)
@@ -130,7 +130,7 @@ def check_documents(const uint8_t[::1] docs, Py_ssize_t d, int64_t n, int64_t[::
     """Count positions of the document index that break ``0 = di[0] <= di[1] <= ... <= di[-1] = N``
     (a value outside [0, N] counts too)."""
     if d < 0 or docs.shape[0] < 8 * d:
-        raise ValueError("check_documents: buffer too small")
+        raise InvalidArgumentError("check_documents: buffer too small")
     cdef const uint8_t* p = &docs[0] if d else NULL
     cdef int64_t* b = _bad_ptr(bad)
     cdef Py_ssize_t k = bad.shape[0], i
@@ -152,7 +152,7 @@ def prefix_pointers(const int32_t[::1] lengths, int64_t itemsize, int64_t start,
     end offset.  Raises ``InvalidArgumentError`` on a negative length or int64 overflow."""
     cdef Py_ssize_t n = lengths.shape[0], i
     if out.shape[0] < n:
-        raise ValueError("prefix_pointers: output too small")
+        raise InvalidArgumentError("prefix_pointers: output too small")
     cdef long long cur = start, nb
     cdef Py_ssize_t fail = -1
     with nogil:
@@ -182,7 +182,7 @@ def find_out_of_range(const int_in[::1] a, int64_t lo, int64_t hi):
     """Index of the first value outside ``[lo, hi]`` (``hi >= 0``), or -1."""
     cdef Py_ssize_t n = a.shape[0], i, found = -1
     if hi < 0:
-        raise ValueError("hi must be >= 0")
+        raise InvalidArgumentError("hi must be >= 0")
     with nogil:
         if int_in is uint8_t or int_in is uint16_t or int_in is uint32_t or int_in is uint64_t:
             for i in range(n):
@@ -311,7 +311,7 @@ def build_sample_idx_raw(const int32_t[::1] sizes, const int32_t[::1] document_i
     the first sample whose end lies past the documents (-1 if none)."""
     cdef Py_ssize_t n = document_idx.shape[0], ns = sizes.shape[0]
     if n == 0 or ns == 0 or num_samples < 0 or seq_length < 1 or add_extra < 0 or add_extra > 1:
-        raise ValueError("build_sample_idx_raw: empty input or bad arguments")
+        raise InvalidArgumentError("build_sample_idx_raw: empty input or bad arguments")
     cdef cnp.ndarray out = np.empty((num_samples + 1, 2), dtype=np.int64 if use_int64 else np.int32)
     cdef const int32_t* ps = &sizes[0]
     cdef const int32_t* pd = &document_idx[0]
@@ -417,7 +417,7 @@ cdef class SequenceTable:
     def _bind(self, const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n, object idx_keep,
               Source bin_src, cnp.dtype dtype):
         if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
-            raise ValueError("_bind: index arrays too small")
+            raise InvalidArgumentError("_bind: index arrays too small")
         self._lens = &lens[0] if n else NULL
         self._ptrs = &ptrs[0] if n else NULL
         self._n = n
@@ -608,13 +608,13 @@ cdef class ShardTable:
     def _init_table(self, starts, cnp.dtype dtype):
         a = np.ascontiguousarray(starts, dtype=np.int64)
         if a.ndim != 1 or a.shape[0] < 1 or int(a[0]) != 0 or (a.shape[0] > 1 and bool((np.diff(a) < 0).any())):
-            raise ValueError("_init_table: starts must run from 0 without decreasing")
+            raise InvalidArgumentError("_init_table: starts must run from 0 without decreasing")
         if self._starts != NULL:
-            raise ValueError("_init_table: already initialized")
+            raise InvalidArgumentError("_init_table: already initialized")
         cdef const int64_t[::1] av = a
         cdef Py_ssize_t k = a.shape[0] - 1, i
         if k >= INT32_MAX:
-            raise ValueError("_init_table: too many shards")
+            raise InvalidArgumentError("_init_table: too many shards")
         # Buckets about half a shard wide: a lookup starts at its bucket's shard and moves on a step or
         # two, instead of a binary search over all the starts (each step of which waits for a load).
         cdef int64_t n = av[k]
@@ -644,11 +644,11 @@ cdef class ShardTable:
     def _bind_shard(self, Py_ssize_t k, const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n,
                     object idx_keep, Source bin_src, cnp.dtype dtype):
         if not 0 <= k < self._k:
-            raise ValueError("_bind_shard: no such shard")
+            raise InvalidArgumentError("_bind_shard: no such shard")
         if n != self._starts[k + 1] - self._starts[k] or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
-            raise ValueError("_bind_shard: index arrays do not match the shard's sequence count")
+            raise InvalidArgumentError("_bind_shard: index arrays do not match the shard's sequence count")
         if dtype != self._dtype:
-            raise ValueError("_bind_shard: dtype differs")
+            raise InvalidArgumentError("_bind_shard: dtype differs")
         if not self._bound or self._shards[k].ready:
             return
         self._srcs[k] = bin_src

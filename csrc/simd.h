@@ -1,0 +1,55 @@
+/* What every SIMD variant shares: one target attribute per tier of csrc/cpu.c, and the small inline
+ * helpers more than one kernel file needs.
+ *
+ * A tier's attribute names exactly the instructions cpu.c checks before it reports that tier, so a
+ * function marked MCF_TARGET_AVX2 runs wherever mcf_cpu_supports(MCF_IMPL_AVX2) is true, and one tier's
+ * functions may call (and inline) the lower tier's.  "fma" is allowed but never used for arithmetic:
+ * the build passes -ffp-contract=off, so every variant rounds as the scalar reference does. */
+#ifndef MCF_SIMD_H
+#define MCF_SIMD_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cpu.h"
+
+#define MCF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
+#define MCF_TARGET_AVX512 \
+    __attribute__((target("avx2,fma,f16c,bmi2,avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")))
+
+/* Streaming (non-temporal) stores pay off only for outputs far larger than the caches, and need
+ * 64-byte-aligned destinations; they change where values are written, never the values. */
+#define MCF_STREAM_MIN_BYTES ((size_t)8 << 20)
+
+static inline int mcf_use_streaming(const void *out, size_t out_bytes)
+{
+    return out_bytes >= MCF_STREAM_MIN_BYTES && ((uintptr_t)out & 63) == 0;
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* float32 bits to bfloat16, round to nearest even, NaN kept with the quiet bit set: 8 / 16 lanes,
+ * identical to mcf_f32_to_bf16_one (csrc/fpconv.c). */
+MCF_TARGET_AVX2 static inline __m128i mcf_bf16_round_avx2(__m256i u)
+{
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                       _mm256_set1_epi32(0x7f800000));
+    r = _mm256_and_si256(_mm256_blendv_epi8(r, nanv, isnan), _mm256_set1_epi32(0xffff));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+MCF_TARGET_AVX512 static inline __m256i mcf_bf16_round_avx512(__m512i u)
+{
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    __m512i nanv = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                              _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, isnan, nanv));
+}
+#endif
+
+#endif
