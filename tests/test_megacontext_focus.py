@@ -183,7 +183,7 @@ def test_focus_plan_matches_reference_and_keeps_its_promises(seed, k, blocks, ta
     assert not want_error and ref is not None
     assert list(got) == ref                                            # the documented rules, exactly
     # the whole timeline, once, in order; within the budget; indices the tree has
-    assert mc.plan_coverage(got, t, k) == ((0, t) if t else (t, t))
+    assert mc.plan_coverage(got, t, block_size=k) == ((0, t) if t else (t, t))
     assert got.rows(t, k) <= budget
     lv, ix = got.levels, got.indices
     assert (ix[lv == 1] < n1).all() and (ix[lv == 2] < n2).all() and (ix[lv == 0] < -(-t // k)).all()
@@ -328,7 +328,7 @@ def test_new_tokens_come_in_at_lod0_and_an_empty_plan_starts_the_timeline():
     # an empty plan: the whole timeline at LOD0, collapsed oldest first to fit
     assert focus([], [], budget=1000) == [(0, b) for b in range(17)]
     got = focus([], [], budget=40)
-    assert mc.plan_coverage(got, 67, K) == (0, 67) and mc.Plan.of(got).rows(67, K) <= 40
+    assert mc.plan_coverage(got, 67, block_size=K) == (0, 67) and mc.Plan.of(got).rows(67, K) <= 40
     assert got[0] == (1, 0) and got[-1] == (0, 16)
 
 
@@ -336,7 +336,7 @@ def test_a_plan_covering_a_suffix_keeps_its_start():
     plan = [(1, 8), (1, 9), (1, 10), (1, 11), (0, 12), (0, 13), (0, 14), (0, 15), (0, 16)]
     got = focus(plan, [-1.0] * 9)
     assert got == [(2, 2), (1, 12), (1, 13), (1, 14), (1, 15), (0, 16)]
-    assert mc.plan_coverage(got, 67, K) == (32, 67)
+    assert mc.plan_coverage(got, 67, block_size=K) == (32, 67)
 
 
 def test_invalid_inputs_are_refused():
@@ -369,7 +369,7 @@ def test_invalid_inputs_are_refused():
         mc.focus_plan("tree", plan, ok, budget=10, **TAU)
     # block_size 0 made plan_tail divide by zero and plan_coverage answer (0, 0)
     for call in (lambda: focus(plan, ok, block_size=0), lambda: mc.plan_tail((67, 16, 4), 10, 4, block_size=0),
-                 lambda: mc.plan_coverage(plan, 67, 0)):
+                 lambda: mc.plan_coverage(plan, 67, block_size=0)):
         with pytest.raises(mcf.InvalidArgumentError, match="block_size must be >= 1"):
             call()
 

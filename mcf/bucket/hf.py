@@ -316,7 +316,7 @@ class TransformersBackend:
         ids = self.encode(content, special=True) if content is not None else self._ids(token_ids, "token_ids")
         kd = L.parse_dtype(dtype if dtype is not None else self.kv_dtype)
         num_layers, num_kv_heads, head_dim = self.kv_shape
-        chash = content_hash(content, None) if content is not None else content_hash(None, ids)
+        chash = content_hash(content) if content is not None else content_hash(token_ids=ids)
         cid = context_id_for(self.model_id, chash, kd, L.KVShape(num_layers, num_kv_heads, head_dim, len(ids)))
         try:  # pre-compute once: the same content for the same model and dtype is already there
             meta = bucket.lookup(cid)

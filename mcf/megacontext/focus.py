@@ -137,7 +137,7 @@ def _entries(current, scores, counts, k):
         row_counts = None
     _check_indices(lv, ix, counts, k)
     if len(lv):
-        plan_coverage(Plan(lv.astype(np.uint8), ix), t, k)   # contiguous, in order, inside the timeline
+        plan_coverage(Plan(lv.astype(np.uint8), ix), t, block_size=k)   # contiguous, in order, inside the timeline
     if row_counts is None:
         row_counts = _rows(lv, ix, t, k)
     if len(s) == len(lv):
