@@ -153,6 +153,7 @@ def _needs(*mods):
 SETUP = {
     "torch.md": _needs("torch"),
     "bucket.md": _needs("torch", "transformers"),   # §11 runs a model in the bucket's loop
+    "extending.md": _needs("setuptools", "Cython"),   # builds a compiled extension against mcf
     "guide.md": _setup_guide,
     "convert.md": _setup_convert,
     "gguf.md": _setup_gguf,
