@@ -33,10 +33,10 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mcf  # noqa: E402
-from mcf._bert import bert_forward, sentence_embedding  # noqa: E402
+from mcf.models.bert import bert_forward, sentence_embedding  # noqa: E402
 from mcf.demo import default_model_dir  # noqa: E402
 from mcf.imatrix import collect_bert, read_imatrix  # noqa: E402
-from mcf.megacontext.demo import load_tokenizer  # noqa: E402
+from mcf.demo.megacontext import load_tokenizer  # noqa: E402
 from mcf.pack import pack  # noqa: E402
 from mcf.quant_policy import quantize_file  # noqa: E402
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import mcf.gguf as G
-from mcf import _kernels as K
+from mcf._core import _kernels as K
 from mcf.io import aligned_empty
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mcf
-from mcf import _kernels as K
+from mcf._core import _kernels as K
 from mcf.io import aligned_empty
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
@@ -64,7 +64,7 @@ def _copyto_time(out, src):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.benchmark(group="dequant-4096x4096")
 def test_dequant_full(benchmark, payloads, out_buf, weights, method, impl):
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     p = payloads[method]
 
     def run():
@@ -96,7 +96,7 @@ def test_dequant_l1(benchmark, payloads, weights, out_buf, method, impl):
     """Every row of the tensor decoded one row (16 KiB) at a time into the same small buffer, in one
     C loop (QTensor.decode_tiles): the kernel's compute speed, with the output staying in L1.  Anchor:
     numpy.copyto of the full 64 MiB tensor (the issue's yardstick, ~13 GB/s here)."""
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     qt = K.QTensor(payloads[method], code, N, N, impl=impl)
     tile = aligned_empty(N * 4, 64).view(np.float32)
     benchmark.pedantic(lambda: qt.decode_tiles(0, N, 1, tile), rounds=7, warmup_rounds=1, iterations=1)
@@ -112,7 +112,7 @@ def test_dequant_l1(benchmark, payloads, weights, out_buf, method, impl):
 def test_dequant_l1_two_threads(benchmark, payloads, method):
     """Two threads, each decoding half of the rows tile by tile into its own small buffer (one
     GIL-free C loop per thread): speedup over one thread doing all the rows."""
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     qt = K.QTensor(payloads[method], code, N, N)
     tiles = [aligned_empty(N * 4, 64).view(np.float32) for _ in range(2)]
 
@@ -143,7 +143,7 @@ def test_dequant_l2_payload_two_threads(benchmark, weights, method):
     each core's L2 across passes: the kernel's own scaling, without the payload stream from L3/DRAM that
     the 4096 x 4096 case shares between the two cores (one thread already reads 6-16 GB/s of it)."""
     rows = 128
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     payload, _ = mcf.quantize(np.ascontiguousarray(weights[:rows]), method)
     qt = K.QTensor(payload, code, rows, N)
     tiles = [aligned_empty(N * 4, 64).view(np.float32) for _ in range(2)]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mcf
-from mcf import _kernels as K
+from mcf._core import _kernels as K
 
 gguf = pytest.importorskip("gguf", reason="gguf-py's quantizer is an anchor of this benchmark (pip install gguf)")
 from gguf.quants import GGMLQuantizationType as GT  # noqa: E402

@@ -1,6 +1,6 @@
 /* Decoding of ggml (GGUF) tensor types to float.
  *
- * Every function trusts its arguments: mcf/_gguf.pyx checks the type, the block count and that
+ * Every function trusts its arguments: mcf/gguf/_gguf.pyx checks the type, the block count and that
  * `src` holds nblocks * type_size bytes and `out` nblocks * block_size values before calling, with
  * the GIL released.  Results are bit-identical to gguf-py's numpy dequantizers (same f32 operation
  * order, no FMA contraction: the build uses -ffp-contract=off) in every variant. */

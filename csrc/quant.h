@@ -4,7 +4,7 @@
  * super scale per 8 blocks and a 6-bit sub-scale per block; int*: one f32 scale (and zero point) per
  * tensor.  Codes are signed two's complement in `bits` bits, LSB-first bit streams per block.
  *
- * Every function here trusts its arguments: the Cython layer (mcf/_kernels.pyx) checks all sizes and
+ * Every function here trusts its arguments: the Cython layer (mcf/_core/_kernels.pyx) checks all sizes and
  * that every region lies inside its buffer before calling, and calls only with the GIL released. */
 #ifndef MCF_QUANT_H
 #define MCF_QUANT_H

@@ -36,6 +36,7 @@ MODULES = [
     ("mcf.convert", "import from safetensors / Hugging Face checkpoints and GGUF"),
     ("mcf.export", "export MCF back to safetensors checkpoints"),
     ("mcf.gguf", "the validating GGUF reader and its decoders"),
+    ("mcf.safetensors", "safetensors files and checkpoint directories, read through the I/O core"),
     ("mcf.imatrix", "importance matrices for the quantizer: read and write llama.cpp's format, collect from activations"),
     ("mcf.torch", "load an MCF file as a PyTorch state dict"),
     ("mcf.state_dict", "load an MCF file as a dict of numpy arrays"),

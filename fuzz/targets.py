@@ -27,7 +27,7 @@ import mcf
 import mcf.gguf  # noqa: F401  (imported here, inside atheris.instrument_imports, to be instrumented)
 import mcf.megacontext as mc
 import mcf.megatron as mt
-from mcf._safetensors import SafetensorsFile
+from mcf.safetensors.reader import SafetensorsFile
 from mcf.bucket import _npz as _bucket_npz  # noqa: F401  (instrumented, as above)
 from mcf.bucket import store as _bucket_store  # noqa: F401  (instrumented, as above)
 from mcf.bucket.kvfile import KVFile

@@ -8,22 +8,22 @@
 """
 
 from mcf import io
-from mcf.container import Container, Header, Section, load_file, open
-from mcf.dtypes import DType
+from mcf.container.reader import Container, Header, Section, load_file, open
+from mcf._core.dtypes import DType
 from mcf.errors import (AccessError, ArgumentTypeError, ChecksumError, ClosedError, ContextNotFoundError, DTypeError,
                         FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingDependencyError,
                         MissingFileError, OutOfBoundsError, StaleContextError, TensorNotFoundError, TruncatedError,
                         UnknownNameError, UnsupportedVersionError)
-from mcf.layout import SectionType, quant_layout
-from mcf.modelinfo import Arch, ModelInfo, RopeType
+from mcf.container.layout import SectionType, quant_layout
+from mcf.container.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
 from mcf.convert import convert
 from mcf.export import export
-from mcf.quantinfo import QuantRecord
-from mcf.tensor_index import TensorInfo
-from mcf.writer import Writer
-from mcf._kernels import kernel_info
-from mcf.quant import dequantize, quantize
+from mcf.container.quantinfo import QuantRecord
+from mcf.container.tensor_index import TensorInfo
+from mcf.container.writer import Writer
+from mcf._core._kernels import kernel_info
+from mcf.container.quant import dequantize, quantize
 from mcf.state_dict import load_state_dict
 
 __version__ = "0.1.0"
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 def get_include():
     """The directory to add to ``include_dirs`` (and Cython's include path) to build a compiled extension
-    against mcf: it holds the ``mcf`` package, so ``cimport mcf._io`` and ``cimport mcf._fpconv`` find the
+    against mcf: it holds the ``mcf`` package, so ``cimport mcf._core._io`` and ``cimport mcf._core._fpconv`` find the
     shipped ``.pxd`` files (they need no C header).  See docs/extending.md."""
     import os
 

@@ -1,7 +1,7 @@
 """The ``mcf`` command line: ``info``, ``verify``, ``pack``, ``quantize``, ``convert``, ``export``,
 ``kernels``, ``demo``, and the ``megatron``, ``ctx`` and ``bucket`` groups (registered by their packages).
 How a failure is reported (one line, an exit code, ``--debug`` for the traceback) is
-:mod:`mcf._cli_errors`."""
+:mod:`mcf._core.cli_errors`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from mcf._cli_errors import DEBUG_ENV, UsageError, run
+from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
 from mcf._core.console import Progress, human, info_dict, print_info, print_report
 from mcf.errors import InvalidArgumentError, MCFError, os_error
 
@@ -150,7 +150,7 @@ def cmd_imatrix(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from mcf._kernels import kernel_info, resolve_impl
+    from mcf._core._kernels import kernel_info, resolve_impl
 
     try:  # an invalid MCF_FORCE_IMPL is refused, not reported inside the normal output
         resolve_impl()
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """The ``mcf`` console script: exit code 0 on success, 1 when the command failed, 2 for a wrong
-    command line (see :mod:`mcf._cli_errors`)."""
+    command line (see :mod:`mcf._core.cli_errors`)."""
     return run(build_parser(), argv, lambda args: args.func(args))
 
 

@@ -33,7 +33,7 @@ def files_left_out(src) -> list:
     """Entries of checkpoint directory ``src`` that :func:`convert` does not store: anything that is
     neither a weight file nor one of the resource files MCF has a section for (a BERT ``vocab.txt``,
     ``special_tokens_map.json``, sentence-transformers' module folders...).  Empty for a file."""
-    from mcf.layout import RESOURCE_FILES
+    from mcf.container.layout import RESOURCE_FILES
 
     path = os.fspath(src)
     if not os.path.isdir(path):
@@ -47,7 +47,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
             imatrix=None, dtype: str = "keep", resources: bool = True, progress=None, report: bool = False,
             mmap: bool = True, durable: bool = True) -> list:
     """Convert checkpoint ``src`` into the MCF file ``dst``; returns per-tensor
-    :class:`mcf.quant.QuantStats` when ``report`` is true (else an empty list).
+    :class:`mcf.container.quant.QuantStats` when ``report`` is true (else an empty list).
 
     ``src``: a checkpoint directory (``model.safetensors``, or shards listed in
     ``model.safetensors.index.json``, plus config/tokenizer files that go into resource sections), a

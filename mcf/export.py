@@ -24,12 +24,12 @@ import re
 import numpy as np
 
 from mcf._core.fs import fsync_dir, write_all, write_atomic
-from mcf._io import alloc_buffer
-from mcf._safetensors import ST_DTYPES
-from mcf.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
-from mcf.container import open as open_container
+from mcf._core._io import alloc_buffer
+from mcf.safetensors.reader import ST_DTYPES
+from mcf._core.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
+from mcf.container.reader import open as open_container
 from mcf.errors import InvalidArgumentError, TruncatedError, os_error
-from mcf.writer import cast_chunk
+from mcf.container.writer import cast_chunk
 
 __all__ = ["export", "parse_size", "RAW_KEY_PREFIX", "DTYPES"]
 

@@ -3,7 +3,7 @@
 A linear layer ``y = x @ W.T`` turns an error ``dW`` in its weights into an output error ``x @ dW.T``;
 on average over inputs its square is ``sum_j E[x_j^2] * dW_ij^2`` (keeping the diagonal).  So the
 quantizer should weight the squared error of column ``j`` of ``W`` by ``E[x_j^2]``, the mean squared
-input of that column: that vector is the tensor's *importance*.  :func:`mcf.quant.quantize` takes it as
+input of that column: that vector is the tensor's *importance*.  :func:`mcf.container.quant.quantize` takes it as
 ``importance=``, ``mcf quantize --imatrix FILE`` reads it from a file.
 
 The file format is llama.cpp's GGUF importance matrix (``llama-imatrix -o imatrix.gguf``), so files
@@ -24,7 +24,7 @@ llama.cpp for the same GGUF model applies to its conversion.  The legacy llama.c
 (``int32 n_entries``, then per entry ``int32 len, name, int32 ncall, int32 nval, float32[nval]``
 holding ``mean * ncall``, then optionally ``int32 chunks, int32 len, dataset name``) is read too.
 
-:func:`collect_bert` measures one for the BERT encoders :mod:`mcf._bert` runs (the demo's
+:func:`collect_bert` measures one for the BERT encoders :mod:`mcf.models.bert` runs (the demo's
 all-MiniLM-L6-v2), and ``mcf imatrix`` is its command line.
 """
 
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mcf._core.fs import write_all, write_atomic
-from mcf.container import open as open_container
+from mcf.container.reader import open as open_container
 from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
@@ -266,7 +266,7 @@ def _model_parts(model):
         raise InvalidArgumentError("collecting an importance matrix needs the tokenizers package") from None
     path = os.fspath(model)
     if os.path.isdir(path):
-        from mcf._safetensors import open_checkpoint
+        from mcf.safetensors.reader import open_checkpoint
 
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
@@ -302,11 +302,11 @@ def _model_config(path) -> dict:
 
 
 def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tuple[ImportanceCollector, int]:
-    """Run the numpy BERT encoder (:mod:`mcf._bert`) of ``model`` (an MCF file with its config.json and
+    """Run the numpy BERT encoder (:mod:`mcf.models.bert`) of ``model`` (an MCF file with its config.json and
     tokenizer.json, or a checkpoint directory) over ``texts`` cut into chunks of ``chunk_tokens`` tokens
     ([CLS] and [SEP] included) and record the inputs of every linear layer.  Returns the collector and
     the number of chunks."""
-    from mcf._bert import bert_forward
+    from mcf.models.bert import bert_forward
 
     cfg = _model_config(os.fspath(model))
     if not isinstance(cfg, dict) or cfg.get("model_type") != "bert":

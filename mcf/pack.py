@@ -18,14 +18,14 @@ from typing import Callable
 
 import numpy as np
 
-from mcf._gojson import go_marshal
-from mcf._io import alloc_buffer
-from mcf._safetensors import Checkpoint, open_checkpoint
-from mcf.dtypes import DType, DTypeInfo, parse_dtype
+from mcf._core.gojson import go_marshal
+from mcf._core._io import alloc_buffer
+from mcf.safetensors.reader import Checkpoint, open_checkpoint
+from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, MissingFileError, in_tensor, os_error
-from mcf.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
-from mcf.modelinfo import ModelInfo
-from mcf.writer import Writer, cast_chunk
+from mcf.container.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
+from mcf.container.modelinfo import ModelInfo
+from mcf.container.writer import Writer, cast_chunk
 
 __all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir"]
 
@@ -263,7 +263,7 @@ def _open_checkpoint(path: str, mmap: bool):
     for s in shards:
         if not os.path.isfile(os.path.join(path, s)):
             raise MissingFileError(errno.ENOENT, f"shard listed in {idx} is missing", os.path.join(path, s))
-    ckpt = Checkpoint([os.path.join(path, s) for s in shards], mmap)
+    ckpt = Checkpoint([os.path.join(path, s) for s in shards], mmap=mmap)
     try:
         for name, shard in wm.items():
             t = ckpt.tensors.get(name)
@@ -287,7 +287,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
 
     Directories contribute their resource files and a ModelInfo from config.json; a single file a
-    ModelInfo named after it.  Everything is validated (:func:`mcf._safetensors.open_checkpoint`)
+    ModelInfo named after it.  Everything is validated (:func:`mcf.safetensors.reader.open_checkpoint`)
     before the output is created."""
     from mcf.quant_policy import resolve_policy
 

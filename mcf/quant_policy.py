@@ -1,6 +1,6 @@
 """Which tensors of a model get which quantization method, and quantizing whole files.
 
-The array-level quantizer is :mod:`mcf.quant`; this module is the policy around it that every
+The array-level quantizer is :mod:`mcf.container.quant`; this module is the policy around it that every
 converter shares: the method of each tensor (``method`` plus ``PATTERN=METHOD`` overrides, rank-2
 float tensors only), the importance of each tensor (an imatrix), the checks of a combination of
 modes, and :func:`quantize_file` (``mcf quantize``: an MCF file to an MCF file, with the Go packer's
@@ -15,13 +15,13 @@ import math
 
 import numpy as np
 
-from mcf.container import open as open_container
-from mcf.dtypes import DTypeInfo, parse_dtype
+from mcf.container.reader import open as open_container
+from mcf._core.dtypes import DTypeInfo, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, in_tensor
 from mcf.imatrix import as_importance
-from mcf.layout import SectionType
-from mcf.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
-from mcf.writer import Writer
+from mcf.container.layout import SectionType
+from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
+from mcf.container.writer import Writer
 
 __all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "add_quantized", "importance_for",
            "check_imatrix_mode", "quantize_file"]

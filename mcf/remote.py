@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.errors import AccessError, ClosedError, InvalidArgumentError, MCFIOError, MissingDependencyError, MissingFileError
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url",
@@ -484,6 +484,6 @@ def _reopen(url, block_size, cache_size, request_size, retries, retry_delay, tim
 
 def open_remote(url, **kwargs):
     """A :class:`mcf.io.Source` over ``url`` (keyword arguments go to :class:`RemoteFile`)."""
-    from mcf._io import Source
+    from mcf._core._io import Source
 
     return Source._from_fileobj(RemoteFile(url, **kwargs), owns=True)

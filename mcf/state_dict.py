@@ -18,9 +18,9 @@ from typing import Callable
 
 import numpy as np
 
-from mcf._args import integer
-from mcf.container import Container, open as _open_container
-from mcf.dtypes import DType
+from mcf._core.args import integer
+from mcf.container.reader import Container, open as _open_container
+from mcf._core.dtypes import DType
 from mcf.errors import DTypeError, InvalidArgumentError
 
 __all__ = ["load_state_dict", "shard_range"]

@@ -25,8 +25,8 @@ from typing import Callable
 import numpy as np
 
 from mcf import state_dict as _sd
-from mcf._optional import require
-from mcf.dtypes import DType
+from mcf._core.optional import require
+from mcf._core.dtypes import DType
 
 _torch = require("torch", feature="mcf.torch", extra="torch")
 

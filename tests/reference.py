@@ -16,7 +16,7 @@ def align64(x):
 
 
 def layout(method, rows, cols, domain=0):
-    """(region name -> (offset, size)), total size: the spec's formulas, independently of mcf.layout."""
+    """(region name -> (offset, size)), total size: the spec's formulas, independently of mcf.container.layout."""
     bits, fam = BITS[method], FAMILY[method]
     if fam == "raw":
         row_bytes = cols if bits == 8 else (cols + 1) // 2

@@ -31,11 +31,11 @@ BUILTIN_RAISE_OK = {"AssertionError", "NotImplementedError", "StopIteration", "S
 # (qualified name inside its module, parameter) -> why.
 POSITIONAL_OK = {
     # "what to load" / "which dtype" is the one thing a reader call is about
-    ("mcf.container", "Container.load", "names"): "c.load(['a', 'b'])",
-    ("mcf.container", "load_file", "names"): "mirrors safetensors' load_file(path, ...)",
-    ("mcf.container", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
+    ("mcf.container.reader", "Container.load", "names"): "c.load(['a', 'b'])",
+    ("mcf.container.reader", "load_file", "names"): "mirrors safetensors' load_file(path, ...)",
+    ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
-    ("mcf.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
+    ("mcf.container.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
     ("mcf.bucket.store", "content_hash", "content"): "content_hash('text')",
@@ -113,7 +113,7 @@ def _public_functions(tree):
 
 def test_modules_found():
     names = {m for m, _, _ in MODULES}
-    assert {"mcf", "mcf.errors", "mcf.container", "mcf.megatron.reader", "mcf.bucket.store"} <= names
+    assert {"mcf", "mcf.errors", "mcf.container.reader", "mcf.megatron.reader", "mcf.bucket.store"} <= names
 
 
 def test_no_bare_builtin_raise():
@@ -334,7 +334,7 @@ def test_cycle_detection_sees_function_level_imports():
 
 
 def test_no_private_names_imported_across_modules():
-    """``from mcf.writer import _create_temp`` made a writer's internals another module's API; a helper
+    """``from mcf.container.writer import _create_temp`` made a writer's internals another module's API; a helper
     two modules need is public in a (possibly private) module.  Private modules may be imported."""
     _, private = _graph()
     new = sorted(set(private) - KNOWN_PRIVATE_IMPORTS)
@@ -353,14 +353,11 @@ LAYER_NAMES = {CORE: "core", FORMAT: "format", CONVERTER: "converter", APP: "app
 LAYERS = {
     # core: imports only core, the standard library and numpy
     "mcf._core": (CORE, "core"), "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
-    "mcf.remote": (CORE, "core"), "mcf._args": (CORE, "core"), "mcf.dtypes": (CORE, "core"),
-    "mcf._optional": (CORE, "core"), "mcf._cli_errors": (CORE, "core"), "mcf._gojson": (CORE, "core"),
-    # formats
-    "mcf.container": (FORMAT, "mcf"), "mcf.layout": (FORMAT, "mcf"), "mcf.tensor_index": (FORMAT, "mcf"),
-    "mcf.modelinfo": (FORMAT, "mcf"), "mcf.quantinfo": (FORMAT, "mcf"), "mcf.writer": (FORMAT, "mcf"),
-    "mcf.quant": (FORMAT, "mcf"),
-    "mcf._safetensors": (FORMAT, "safetensors"),
-    "mcf.gguf.reader": (FORMAT, "gguf"),
+    "mcf.remote": (CORE, "core"),
+    # formats: one package each
+    "mcf.container": (FORMAT, "mcf"),
+    "mcf.safetensors": (FORMAT, "safetensors"),
+    "mcf.gguf.reader": (FORMAT, "gguf"), "mcf.gguf._gguf": (FORMAT, "gguf"),
     "mcf.megatron": (FORMAT, "megatron"),
     "mcf.megacontext": (FORMAT, "megacontext"),
     "mcf.bucket": (FORMAT, "bucket"),
@@ -369,12 +366,11 @@ LAYERS = {
     "mcf.convert": (CONVERTER, "converter"), "mcf.export": (CONVERTER, "converter"),
     "mcf.gguf": (CONVERTER, "converter"),  # the package re-exports convert_gguf
     "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
-    "mcf._bert": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
+    "mcf.models": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
     "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
     # apps: anything
     "mcf": (APP, "app"), "mcf.cli": (APP, "app"), "mcf.demo": (APP, "app"),
-    "mcf.megatron.cli": (APP, "app"), "mcf.megatron.demo": (APP, "app"),
-    "mcf.megacontext.cli": (APP, "app"), "mcf.megacontext.demo": (APP, "app"),
+    "mcf.megatron.cli": (APP, "app"), "mcf.megacontext.cli": (APP, "app"),
     "mcf.bucket.cli": (APP, "app"), "mcf.bucket.server": (APP, "app"),
 }
 

@@ -84,9 +84,9 @@ def test_demo_bert_forward_matches_transformers(minilm_dir):
     torch = pytest.importorskip("torch")
     import json
 
-    from mcf._bert import bert_forward
+    from mcf.models.bert import bert_forward
     from mcf.demo import weights_of
-    from mcf.megacontext.demo import load_tokenizer
+    from mcf.demo.megacontext import load_tokenizer
 
     with open(os.path.join(minilm_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)

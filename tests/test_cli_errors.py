@@ -1,6 +1,6 @@
 """No user error ends in a traceback: every subcommand, given a bad input, prints
 ``mcf <command>: error: <what, where, what was expected>`` on stderr and exits 1 (the command failed)
-or 2 (the command line is wrong); ``--debug`` / ``MCF_DEBUG=1`` show the traceback (mcf/_cli_errors.py)."""
+or 2 (the command line is wrong); ``--debug`` / ``MCF_DEBUG=1`` show the traceback (mcf/_core/cli_errors.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from fuzz import kill_at_random as kar  # noqa: E402  (the generations the write
 
 THREADS = 12
 IMPLS = mcf.kernel_info()["supported"]
-METHODS = mcf.quant.METHODS
+METHODS = mcf.container.quant.METHODS
 
 
 def seeded(*key) -> np.random.Generator:

@@ -437,13 +437,13 @@ def test_durable_false_skips_fsync_but_still_publishes_atomically(tmp_path, monk
     import numpy as np
     from safetensors.numpy import save_file
 
-    import mcf.writer
+    import mcf.container.writer
 
     src = tmp_path / "m.safetensors"
     save_file({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, str(src))
     calls = []
     real = os.fsync
-    monkeypatch.setattr(mcf.writer.os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    monkeypatch.setattr(mcf.container.writer.os, "fsync", lambda fd: (calls.append(fd), real(fd)))
     mcf.convert(str(src), str(tmp_path / "a.mcf"), durable=False)
     assert calls == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".") or "tmp" in p]

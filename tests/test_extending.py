@@ -11,7 +11,7 @@ import pytest
 
 import mcf
 import mcf.io
-from mcf import _fpconv
+from mcf._core import _fpconv
 
 pytest.importorskip("Cython")
 
@@ -23,8 +23,8 @@ PYX = textwrap.dedent('''
     from libc.stdlib cimport malloc, free
     from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 
-    from mcf._io cimport Source
-    from mcf._fpconv cimport resolve_impl, bf16_to_f32_n
+    from mcf._core._io cimport Source
+    from mcf._core._fpconv cimport resolve_impl, bf16_to_f32_n
 
     def bf16_as_f32(Source src, offset, count, impl=None):
         """float32 bytes of ``count`` bfloat16 values at ``offset`` of ``src``."""

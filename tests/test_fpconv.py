@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mcf
-from mcf import _fpconv as F
+from mcf._core import _fpconv as F
 
 IMPLS = mcf.kernel_info()["supported"]
 ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)

@@ -11,7 +11,7 @@ import pytest
 
 import mcf
 import mcf.gguf as G
-from mcf import _kernels as K
+from mcf._core import _kernels as K
 from mcf.io import open_source
 
 gguf = pytest.importorskip("gguf")
@@ -108,9 +108,9 @@ def test_narrow_outputs_round_like_fpconv(many_types, tname, impl):
         name = f"{tname}.0"
         f32 = g.dequantize(name, impl="scalar")
         assert np.array_equal(g.dequantize(name, dtype=np.float16, impl=impl).view(np.uint16),
-                              mcf._fpconv.f32_to_f16(f32.reshape(-1)).reshape(f32.shape))
+                              mcf._core._fpconv.f32_to_f16(f32.reshape(-1)).reshape(f32.shape))
         assert np.array_equal(g.dequantize(name, dtype="bf16", impl=impl),
-                              mcf._fpconv.f32_to_bf16(f32.reshape(-1)).reshape(f32.shape))
+                              mcf._core._fpconv.f32_to_bf16(f32.reshape(-1)).reshape(f32.shape))
 
 
 @pytest.mark.parametrize("tname", ["Q4_K", "Q8_0", "Q3_K", "F16", "BF16"])
@@ -271,8 +271,8 @@ def test_convert_casts_with_dtype(many_types, tmp_path, dtype):
             if t.type.name == "F64":
                 continue  # f64 is narrowed in one rounding (see test_writer), not via float32
             f32 = g.dequantize(name)
-            want = {"f32": lambda a: a, "f16": lambda a: mcf._fpconv.f32_to_f16(a.reshape(-1)),
-                    "bf16": lambda a: mcf._fpconv.f32_to_bf16(a.reshape(-1))}[dtype](f32)
+            want = {"f32": lambda a: a, "f16": lambda a: mcf._core._fpconv.f32_to_f16(a.reshape(-1)),
+                    "bf16": lambda a: mcf._core._fpconv.f32_to_bf16(a.reshape(-1))}[dtype](f32)
             assert c.raw(name).tobytes() == np.ascontiguousarray(want).tobytes(), name
 
 

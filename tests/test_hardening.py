@@ -28,7 +28,7 @@ def test_sample_index_inputs_are_aligned_for_the_c_loop():
 def test_fpconv_misaligned_input():
     """UBSan: f32 data straight after a safetensors header (odd offset) reached the C conversion loops as a
     misaligned ``const float*``.  _fpconv now copies misaligned input; results must equal numpy's."""
-    from mcf import _fpconv
+    from mcf._core import _fpconv
 
     raw = np.zeros(4 * 37 + 1, np.uint8)
     mis = raw[1:].view(np.float32)

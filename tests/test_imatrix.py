@@ -172,7 +172,7 @@ def test_collect_bert_matches_transformers_hooks(minilm_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     from mcf.imatrix import collect_bert
-    from mcf.megacontext.demo import load_tokenizer
+    from mcf.demo.megacontext import load_tokenizer
 
     col, chunks = collect_bert(minilm_dir, [TEXT], chunk_tokens=48)
     assert chunks >= 2

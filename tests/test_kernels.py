@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import mcf
 import reference as ref
 from _vectors import MANTLE, mantle_file
-from mcf import _kernels as K
+from mcf._core import _kernels as K
 from mcf.quant_policy import quantize_file
 
 IMPLS = K.kernel_info()["supported"]
@@ -46,7 +46,7 @@ def test_dequant_matches_reference(method, shape, impl):
     domain = 1 if method == "int8" else 0
     p = random_payload(method, *shape, rng, domain, "all" if method in QK else "normal")
     want = ref.dequant(p, method, *shape, domain)
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     got = K.dequantize(p, code, *shape, domain=domain, impl=impl)
     assert got.tobytes() == want.tobytes()
     got16 = K.dequantize(p, code, *shape, domain=domain, dtype=np.float16, impl=impl)
@@ -107,7 +107,7 @@ def test_zero_scale_blocks_decode_to_positive_zero(method, shape, impl):
     rng = np.random.default_rng(zlib.crc32(repr(("zero", method, shape)).encode()))
     rows, cols = shape
     p, mask = zero_scale_payload(method, rows, cols, rng)
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     want = ref.dequant(p, method, rows, cols)
     assert not (want.view(np.uint32)[mask]).any()          # the reference says +0.0 too
     got = K.dequantize(p, code, rows, cols, impl=impl)
@@ -131,7 +131,7 @@ def test_compat_quantized_underflowing_blocks_decode_to_positive_zero(method):
     x = np.full((2, 64), 1e-7, np.float32)
     x[:, 1::2] = -3e-7
     payload, _ = mcf.quantize(x, method, compat=True)
-    codes = K.unpack_codes(payload, mcf.dtypes.parse_dtype(method).code, 2, 64)
+    codes = K.unpack_codes(payload, mcf._core.dtypes.parse_dtype(method).code, 2, 64)
     assert (codes < 0).any()                  # the codes say "negative"
     for impl in IMPLS:
         y = mcf.dequantize(payload, method, x.shape, impl=impl)
@@ -144,7 +144,7 @@ def test_unpack_matches_reference(method, impl):
     rng = np.random.default_rng(3)
     rows, cols = 3, 300
     p = random_payload(method, rows, cols, rng)
-    got = K.unpack_codes(p, mcf.dtypes.parse_dtype(method).code, rows, cols, impl=impl)
+    got = K.unpack_codes(p, mcf._core.dtypes.parse_dtype(method).code, rows, cols, impl=impl)
     regs, _ = ref.layout(method, rows, cols)
     o, n = regs["data"]
     if method in QK:
@@ -176,7 +176,7 @@ def test_dequant_property(method, rows, cols, seed, data):
     domain = data.draw(st.sampled_from([0, 1])) if method in ("int8", "int4") else 0
     p = random_payload(method, rows, cols, rng, domain, "all")
     want = ref.dequant(p, method, rows, cols, domain)
-    code = mcf.dtypes.parse_dtype(method).code
+    code = mcf._core.dtypes.parse_dtype(method).code
     for impl in IMPLS:
         assert K.dequantize(p, code, rows, cols, domain=domain, impl=impl).tobytes() == want.tobytes()
     r0 = data.draw(st.integers(0, rows))
@@ -189,7 +189,7 @@ def test_threads_and_out_and_row_slices():
     rng = np.random.default_rng(9)
     p = random_payload("k4", 37, 333, rng)
     want = ref.dequant(p, "k4", 37, 333)
-    code = mcf.dtypes.parse_dtype("k4").code
+    code = mcf._core.dtypes.parse_dtype("k4").code
     for threads in (2, 3, 64):
         assert K.dequantize(p, code, 37, 333, threads=threads).tobytes() == want.tobytes()
     out = np.full((5, 333), np.nan, np.float32)
@@ -330,7 +330,7 @@ def test_qtensor_tiles_equal_full_decode():
     p = random_payload("k3", 9, 200, rng)
     want = ref.dequant(p, "k3", 9, 200)
     for impl in IMPLS:
-        qt = K.QTensor(p, mcf.dtypes.parse_dtype("k3").code, 9, 200, impl=impl)
+        qt = K.QTensor(p, mcf._core.dtypes.parse_dtype("k3").code, 9, 200, impl=impl)
         buf = np.empty(2 * 200, np.float32)
         for r in range(0, 9, 2):
             r1 = min(9, r + 2)
@@ -346,7 +346,7 @@ def test_decode_tiles_covers_every_row():
     rng = np.random.default_rng(13)
     p = random_payload("q4", 10, 70, rng)
     want = ref.dequant(p, "q4", 10, 70)
-    qt = K.QTensor(p, mcf.dtypes.parse_dtype("q4").code, 10, 70)
+    qt = K.QTensor(p, mcf._core.dtypes.parse_dtype("q4").code, 10, 70)
     tile = np.empty(3 * 70, np.float32)
     assert qt.decode_tiles(0, 10, 3, tile) == 4
     assert tile[:70].tobytes() == want[9].tobytes()  # the last tile held row 9 only
@@ -457,7 +457,7 @@ def test_int_quantizer_with_a_scale_whose_inverse_overflows(method):
         o, n = regs["data"]
         clipped = np.clip(x, np.float32(kw.get("min_clip", -1)), np.float32(kw.get("max_clip", 1)))
         assert payload[o:o + n].tobytes() == ref.raw_quantize_codes(clipped, ref.BITS[method], scale, 0.0).tobytes()
-        codes = K.unpack_codes(payload, mcf.dtypes.parse_dtype(method).code, 2, 70)
+        codes = K.unpack_codes(payload, mcf._core.dtypes.parse_dtype(method).code, 2, 70)
         assert codes[0, 1] == 0 and codes[1, 0] < 0 and codes[0, 0] > 0
         for impl in IMPLS:
             assert mcf.quantize(x, method, impl=impl, **kw)[0].tobytes() == payload.tobytes()

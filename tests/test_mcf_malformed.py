@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mcf
-from mcf.layout import SectionType
+from mcf.container.layout import SectionType
 
 VECTORS = Path(__file__).parent / "vectors" / "mantle" / "files"
 K3 = VECTORS / "k3.mcf"

@@ -10,7 +10,7 @@ import pytest
 
 import mcf
 from _vectors import MANTLE_MODEL, mantle_file
-from mcf._gojson import go_marshal
+from mcf._core.gojson import go_marshal
 from mcf.cli import main as cli_main
 from mcf.pack import pack
 

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mcf
-from mcf.layout import RESOURCE_FILES
-from mcf.modelinfo import decode_model_info, encode_model_info
+from mcf.container.layout import RESOURCE_FILES
+from mcf.container.modelinfo import decode_model_info, encode_model_info
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                        HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -21,7 +21,7 @@ from mcf.cli import main
 @pytest.fixture(scope="session")
 def minilm(minilm_dir):
     tokenizers = pytest.importorskip("tokenizers")
-    from mcf._safetensors import open_checkpoint
+    from mcf.safetensors.reader import open_checkpoint
 
     tok = tokenizers.Tokenizer.from_file(os.path.join(minilm_dir, "tokenizer.json"))
     tok.no_truncation()
@@ -32,7 +32,7 @@ def minilm(minilm_dir):
 
 
 def test_demo_on_the_real_checkpoint(minilm_dir, minilm, tmp_path, capsys):
-    from mcf.megacontext.demo import demo_megacontext
+    from mcf.demo.megacontext import demo_megacontext
 
     assert demo_megacontext(minilm_dir, str(tmp_path)) == 0
     out = capsys.readouterr().out

@@ -262,7 +262,7 @@ def minilm_tokenizer(minilm_dir):
 
 
 def _readme_docs(tokenizer_path):
-    from mcf.megatron.demo import readme_paragraphs
+    from mcf.demo.megatron import readme_paragraphs
 
     return readme_paragraphs(os.path.dirname(tokenizer_path))
 

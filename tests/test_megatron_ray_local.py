@@ -47,7 +47,7 @@ def tok_path(minilm_dir):
 
 @pytest.fixture(scope="module")
 def texts(minilm_dir):
-    from mcf.megatron.demo import readme_paragraphs
+    from mcf.demo.megatron import readme_paragraphs
 
     paras = readme_paragraphs(minilm_dir)
     return paras + ["", "   ", "Grüße aus Köln — ünïcödé ✓", " ".join(paras)]

@@ -41,7 +41,7 @@ def plain_tok(tok_path):
 
 @pytest.fixture(scope="module")
 def texts(model_dir):
-    from mcf.megatron.demo import readme_paragraphs
+    from mcf.demo.megatron import readme_paragraphs
 
     paras = readme_paragraphs(model_dir)
     # real text plus the edge cases: an empty text, whitespace only, non-ASCII, one long document
@@ -208,12 +208,12 @@ def test_progress_reports_tokens_per_second(tmp_path, tok_path, texts):
 
 
 def test_demo_megatron_step(tmp_path, model_dir, plain_tok, capsys):
-    from mcf.megatron.demo import demo_megatron
+    from mcf.demo.megatron import demo_megatron
 
     res = demo_megatron(model_dir, str(tmp_path))
     out = capsys.readouterr().out
     assert "megatron verify: OK" in out and res["problems"] == []
-    from mcf.megatron.demo import readme_paragraphs
+    from mcf.demo.megatron import readme_paragraphs
 
     paras = readme_paragraphs(model_dir)
     with mm.open(res["prefix"]) as ds:

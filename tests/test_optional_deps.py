@@ -1,6 +1,6 @@
 """Every optional feature with its package made unimportable: the error is an mcf.MissingDependencyError
 (an MCFError and an ImportError), raised where the feature is used, naming the package and the extra that
-installs it; packages that only make things faster or richer fall back instead (mcf/_optional.py).
+installs it; packages that only make things faster or richer fall back instead (mcf/_core/optional.py).
 
 A package is made unimportable the way Python itself allows: ``sys.modules[name] = None`` (for it and its
 loaded submodules), which makes ``import name`` raise ModuleNotFoundError until the test ends."""
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mcf
-from mcf._optional import DISTRIBUTION, require
+from mcf._core.optional import DISTRIBUTION, require
 from mcf.cli import main
 
 

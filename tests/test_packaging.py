@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mcf._optional import DISTRIBUTION
+from mcf._core.optional import DISTRIBUTION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "mcf")
@@ -53,7 +53,7 @@ def test_distribution_name_is_the_one_in_the_messages_and_the_command_stays_mcf(
 
 
 def _require_calls():
-    """(file, module, package, extra) of every mcf._optional.require(...) call in the package."""
+    """(file, module, package, extra) of every mcf._core.optional.require(...) call in the package."""
     for dirpath, _, files in os.walk(PKG):
         for fn in files:
             if not fn.endswith(".py"):

@@ -23,9 +23,9 @@ import mcf
 import mcf.megacontext as mc
 import mcf.quant_policy
 import mcf.megatron as mm
-from mcf import _kernels as K
+from mcf._core import _kernels as K
 from mcf.megatron import sample_index as si
-from mcf.quant import tensor_error_stats
+from mcf.container.quant import tensor_error_stats
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
 

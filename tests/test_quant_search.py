@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import mcf
 import reference as ref
 from _vectors import mantle_file
-from mcf import _kernels as K
-from mcf.quant import importance_weights
+from mcf._core import _kernels as K
+from mcf.container.quant import importance_weights
 from mcf.quant_policy import quantize_file
 
 IMPLS = K.kernel_info()["supported"]
@@ -62,7 +62,7 @@ def quantize_search(x, method, impl, importance=None, **kw):
 
 
 def check_codes_in_range(payload, method, rows, cols):
-    codes = K.unpack_codes(payload, mcf.dtypes.parse_dtype(method).code, rows, cols)
+    codes = K.unpack_codes(payload, mcf._core.dtypes.parse_dtype(method).code, rows, cols)
     assert int(codes.min()) >= -qmax_of(method) and int(codes.max()) <= qmax_of(method)  # never -2**(bits-1)
 
 

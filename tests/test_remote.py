@@ -150,7 +150,7 @@ def test_tp_share_over_http_reads_only_its_rows(server, www):
 def test_safetensors_remote(server, www):
     from safetensors.numpy import load_file
 
-    from mcf._safetensors import SafetensorsFile, open_checkpoint
+    from mcf.safetensors.reader import SafetensorsFile, open_checkpoint
 
     ref = load_file(str(www / "model.safetensors"))
     with SafetensorsFile(server.url("model.safetensors")) as f:
@@ -546,7 +546,7 @@ def test_safetensors_checkpoint_directory_url(server, www, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from mcf._safetensors import open_checkpoint
+    from mcf.safetensors.reader import open_checkpoint
 
     rng = _rng("sharded")
     a = {"a.weight": rng.standard_normal((8, 4)).astype(np.float32)}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import mcf
 import reference as ref
-from mcf import _fpconv
+from mcf._core import _fpconv
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
 

@@ -3,7 +3,7 @@ the reports of ``mcf info`` and ``mcf quantize --report``.
 
 It lives in the core (not in :mod:`mcf.cli`) so format CLIs (``mcf megatron``, ``mcf megacontext``)
 and the demo use it without importing the ``mcf`` entry point, which imports them.  The error
-printing and ``--debug`` handling are in :mod:`mcf._cli_errors`.
+printing and ``--debug`` handling are in :mod:`mcf._core.cli_errors`.
 """
 
 from __future__ import annotations

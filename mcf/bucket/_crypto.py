@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import struct
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.errors import ChecksumError, InvalidArgumentError
 
 NONCE_SIZE = 12

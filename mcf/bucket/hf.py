@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.bucket import _layout as L
 from mcf.bucket.store import Bucket, check_model_id, content_hash, context_id_for, token_array
 from mcf.errors import ContextNotFoundError, InvalidArgumentError, MissingDependencyError

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.bucket import _layout as L
 from mcf.errors import (
     ChecksumError,
@@ -120,7 +120,7 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
         return x.view(np.uint16)
     if x.dtype.itemsize > 4 or x.dtype.kind in "iu":
         # float64 (and integers past 2**24) through float32 would round twice: round once from the exact value
-        from mcf._fpconv import f64_to_bf16
+        from mcf._core._fpconv import f64_to_bf16
 
         return f64_to_bf16(np.asarray(x, dtype=np.float64))
     f = np.ascontiguousarray(x, dtype=np.float32)

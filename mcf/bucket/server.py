@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.bucket._events import DEFAULT_KEEPALIVE, DEFAULT_MAX_STREAMS, EventHub, TooManyStreamsError, parse_last_id
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError, StaleContextError

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.errors import InvalidArgumentError, MissingDependencyError
 
 __all__ = ["WarmBudgetError", "WarmCache", "nbytes_of", "select", "to_torch", "warm_nbytes"]

@@ -47,7 +47,7 @@ def model_info(g: GGUFFile):
     ``general.name``, ``<arch>.block_count``, ``.embedding_length``, ``.attention.head_count(_kv)``,
     ``.context_length``, ``.rope.freq_base``, ``.rope.scaling.*``; vocabulary size from
     ``tokenizer.ggml.tokens``).  Missing or odd-typed values become 0, as the HF path does."""
-    from mcf.modelinfo import Arch, ModelInfo, RopeType
+    from mcf.container.modelinfo import Arch, ModelInfo, RopeType
 
     md = g.metadata
 
@@ -172,7 +172,7 @@ def _block_chunks(t: GGUFTensor, out_itemsize: int):
 
 
 def _float_target(t: GGUFTensor, dtype: str):
-    from mcf.dtypes import parse_dtype
+    from mcf._core.dtypes import parse_dtype
 
     if dtype == "keep":
         own = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}.get(t.type.name, "f32")
@@ -204,10 +204,10 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     memory stays flat whatever the file size.  ``durable=False`` publishes the output without fsync
     (see :class:`mcf.Writer`).  Returns a :class:`ConvertStats` per tensor.
     """
-    from mcf.dtypes import parse_dtype
-    from mcf.quant import METHODS, quantize
+    from mcf._core.dtypes import parse_dtype
+    from mcf.container.quant import METHODS, quantize
     from mcf.quant_policy import importance_for, method_for, parse_overrides
-    from mcf.writer import Writer, cast_chunk
+    from mcf.container.writer import Writer, cast_chunk
 
     if method is not None and method != "native" and method not in METHODS:
         raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS + ('native',)}")
@@ -256,7 +256,7 @@ def _stream_copy(rd: _Reader, t: GGUFTensor):
 
 
 def _stream_decode(g: GGUFFile, rd: _Reader, t: GGUFTensor, out_dt, threads):
-    from mcf import _gguf
+    from mcf.gguf import _gguf
 
     buf = np.empty(min(t.n_elements, _CHUNK // out_dt.itemsize + t.type.block), dtype=out_dt)
     for b0, n in _block_chunks(t, out_dt.itemsize):
@@ -285,7 +285,7 @@ def _decode_all_f32(g: GGUFFile, rd: _Reader, t: GGUFTensor, threads) -> np.ndar
 
 
 def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, cast, fast=False, importance=None):
-    from mcf.dtypes import parse_dtype
+    from mcf._core.dtypes import parse_dtype
 
     tn = t.type.name
     if t.type.kind == "int":
@@ -337,8 +337,8 @@ def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, c
 def _native(g, w, rd, t: GGUFTensor):
     """Q8_0 / Q4_0 -> MCF q8 / q4, streamed: the scales (1/17 or 1/9 of the tensor) are gathered
     first, then the codes chunk by chunk.  None if a scale would be flushed by MCF's decoder."""
-    from mcf import _gguf
-    from mcf.layout import quant_layout
+    from mcf.gguf import _gguf
+    from mcf.container.layout import quant_layout
 
     meth = _NATIVE[t.type.name]
     rows, cols = t.shape

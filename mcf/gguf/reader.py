@@ -10,7 +10,7 @@ offset.  The bytes come through the I/O core (:func:`mcf.io.open_source`), so a 
 with ``pread``), an in-memory buffer, a file object or a URL all work the same way.
 
 Only the layout is read here; the bit work (decoding the ggml block types) is in C
-(``csrc/gguf_dequant.c`` behind :mod:`mcf._gguf`).  See docs/gguf.md.
+(``csrc/gguf_dequant.c`` behind :mod:`mcf.gguf._gguf`).  See docs/gguf.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._args import byte_order_problem, row_range
+from mcf._core.args import byte_order_problem, row_range
 from mcf.errors import (
     DTypeError,
     FormatError,
@@ -209,7 +209,7 @@ def _err(cls, reason, path, field, offset, **kw):
 def _read_strings(cur: _Cursor, n: int, field: str) -> list:
     """A string array, parsed in C window by window (a 150,000-token vocabulary takes milliseconds);
     a string that does not fit the window is read (and its length checked) by the Python path."""
-    from mcf import _gguf
+    from mcf.gguf import _gguf
 
     out: list = []
     while len(out) < n:
@@ -501,7 +501,7 @@ class GGUFFile:
         return out
 
     def _decode_blocks(self, t: GGUFTensor, b0: int, b1: int, flat_out, threads, impl):
-        from mcf import _gguf
+        from mcf.gguf import _gguf
 
         src = self._src.view(t.offset + b0 * t.type.size, (b1 - b0) * t.type.size)
         _gguf.dequantize_blocks(src, t.type.code, b1 - b0, flat_out, threads=threads, impl=impl)

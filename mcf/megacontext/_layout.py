@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mcf._args import integer
+from mcf._core.args import integer
 from mcf.errors import FormatError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 
 __all__ = [

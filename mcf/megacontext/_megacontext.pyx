@@ -15,10 +15,10 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
-from mcf._buffers cimport check_out
-from mcf._io cimport Source
+from mcf._core._buffers cimport check_out
+from mcf._core._io cimport Source
 
-from mcf._args import byte_order_problem
+from mcf._core.args import byte_order_problem
 from mcf.errors import InvalidArgumentError, OutOfBoundsError
 
 cnp.import_array()

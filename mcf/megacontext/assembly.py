@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._args import integer
+from mcf._core.args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext import _megacontext as _mc
 

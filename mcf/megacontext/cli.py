@@ -104,7 +104,7 @@ def cmd_ingest(args) -> int:
     table = pool = tok = None
     ckpt = None
     if args.model_dir:
-        from mcf._safetensors import open_checkpoint
+        from mcf.safetensors.reader import open_checkpoint
         from mcf.megatron.tokenize import load_tokenizer
 
         ckpt = open_checkpoint(args.model_dir)

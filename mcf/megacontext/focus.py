@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mcf._args import integer
+from mcf._core.args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext.assembly import Plan, WorkingContext, plan_coverage, timeline_counts
 

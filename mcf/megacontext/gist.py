@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mcf._args import integer
+from mcf._core.args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.megacontext import _megacontext as _mc
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf import _fpconv
-from mcf._args import index_array, integer
-from mcf._io import Source, open_source
+from mcf._core import _fpconv
+from mcf._core.args import index_array, integer
+from mcf._core._io import Source, open_source
 from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingFileError, OutOfBoundsError,
                         TruncatedError, os_error)
 from mcf.megacontext import _megacontext as _mc

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._args import integer
+from mcf._core.args import integer
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "FAIRSEQ_HEADER", "FAIRSEQ_HEADER_SIZE",

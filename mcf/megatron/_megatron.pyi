@@ -3,7 +3,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from mcf._io import Source
+from mcf._core._io import Source
 
 INT32_MAX: int
 

@@ -17,7 +17,7 @@ from libc.stdlib cimport calloc, free
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from mcf._io cimport Source
+from mcf._core._io cimport Source
 
 cnp.import_array()
 
@@ -36,7 +36,7 @@ cdef extern from *:
     int mg_mul_i64(long long a, long long b, long long* r) nogil
     void mg_prefetch(const void* p) nogil
 
-from mcf._args import index_array, integer
+from mcf._core.args import index_array, integer
 from mcf.errors import ClosedError, InvalidArgumentError, OutOfBoundsError
 
 INT32_MAX = 2**31 - 1
@@ -367,7 +367,7 @@ cdef cnp.ndarray _gather_output(object out, cnp.dtype dtype, int64_t total):
 
 cdef Py_ssize_t _norm_index(object idx, Py_ssize_t n) except -2:
     """Sequence index ``idx`` (negative counts from the end) checked against ``n`` sequences: Python and
-    numpy integers only, never a bool or a float (mcf._args.integer)."""
+    numpy integers only, never a bool or a float (mcf._core.args.integer)."""
     cdef Py_ssize_t i
     if type(idx) is not int:
         idx = integer(idx, "a sequence index")

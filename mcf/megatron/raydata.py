@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from mcf._optional import require
+from mcf._core.optional import require
 
 pa = require("pyarrow", feature="mcf.megatron.raydata (Megatron datasets on Ray Data)", extra="ray",
              package="ray[data]")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._args import integer
-from mcf._io import Source, open_source
+from mcf._core.args import integer
+from mcf._core._io import Source, open_source
 from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
                         UnsupportedVersionError)
 from mcf.megatron import _megatron

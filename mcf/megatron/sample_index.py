@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mcf._args import index_array, integer
+from mcf._core.args import index_array, integer
 from mcf.errors import InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._io import open_source
+from mcf._core._io import open_source
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 from mcf.megatron._layout import DOC_DTYPE, LENGTH_DTYPE, MEGATRON_DTYPES, MODE_DTYPE, dtype_code

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mcf._args import integer
-from mcf._optional import require
+from mcf._core.args import integer
+from mcf._core.optional import require
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer

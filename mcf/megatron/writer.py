@@ -25,7 +25,7 @@ import tempfile
 
 import numpy as np
 
-from mcf._args import integer, integers
+from mcf._core.args import integer, integers
 from mcf._core.fs import create_temp, fsync_dir
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron

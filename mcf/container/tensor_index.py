@@ -23,10 +23,10 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from mcf.dtypes import DTypeInfo, dtype_info, is_known
+from mcf._core.dtypes import DTypeInfo, dtype_info, is_known
 from mcf.errors import FormatError, InvalidArgumentError, TensorNotFoundError, TruncatedError, UnsupportedVersionError
-from mcf._index import scan_entries
-from mcf.layout import MAX_RANK, QuantLayout, quant_layout
+from mcf.container._index import scan_entries
+from mcf.container.layout import MAX_RANK, QuantLayout, quant_layout
 
 __all__ = ["TensorInfo", "TensorIndex", "encode_tensor_index", "HEADER", "ENTRY_DTYPE"]
 

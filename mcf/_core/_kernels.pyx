@@ -11,13 +11,13 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
 
-from mcf._args import byte_order_problem, integer, row_range
-from mcf._io import aligned_empty
+from mcf._core.args import byte_order_problem, integer, row_range
+from mcf._core._io import aligned_empty
 from mcf.errors import InvalidArgumentError
-from mcf._fpconv import IMPLS, env_impl
-from mcf._buffers cimport check_out, flat_bytes
-from mcf._fpconv cimport resolve_impl as _resolve_impl
-from mcf.layout import Domain, quant_layout
+from mcf._core._fpconv import IMPLS, env_impl
+from mcf._core._buffers cimport check_out, flat_bytes
+from mcf._core._fpconv cimport resolve_impl as _resolve_impl
+from mcf.container.layout import Domain, quant_layout
 
 cdef extern from "cpu.h" nogil:
     int mcf_cpu_best()
@@ -56,7 +56,7 @@ _FAMILY = {"raw": MCF_FAM_RAW, "block": MCF_FAM_BLOCK, "super": MCF_FAM_SUPER}
 def resolve_impl(impl=None):
     """The variant index to run: ``impl`` if given, else ``$MCF_FORCE_IMPL``, else the best the CPU has.
     Asking for a variant this CPU cannot run is an error, never a silent fallback (the rule lives in
-    mcf._fpconv, which every compiled module cimports)."""
+    mcf._core._fpconv, which every compiled module cimports)."""
     return _resolve_impl(impl)
 
 

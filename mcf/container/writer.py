@@ -19,17 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf import _fpconv
+from mcf._core import _fpconv
 from mcf._core.fs import create_temp, publish
-from mcf._args import integer
-from mcf.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
+from mcf._core.args import integer
+from mcf._core.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
-from mcf.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
+from mcf.container.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
                         RESOURCE_BY_FILE, SECTION_ALIGN, TENSOR_ALIGN, Domain, SectionType, align,
                         tensor_nbytes)
-from mcf.modelinfo import ModelInfo, encode_model_info
-from mcf.quantinfo import QuantRecord, encode_quant_info
-from mcf.tensor_index import encode_tensor_index
+from mcf.container.modelinfo import ModelInfo, encode_model_info
+from mcf.container.quantinfo import QuantRecord, encode_quant_info
+from mcf.container.tensor_index import encode_tensor_index
 
 __all__ = ["Writer"]
 
@@ -210,7 +210,7 @@ class Writer:
         their values (little-endian, as MCF requires).  An ``ml_dtypes.bfloat16`` array is stored as BF16.
         ``method`` ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4") quantizes a rank-2 float tensor
         (other tensors are stored plain), with ``compat``, ``fast``, ``importance``, ``min_clip`` and
-        ``max_clip`` as in :func:`mcf.quant.quantize`; its QuantInfo record is written with the file.
+        ``max_clip`` as in :func:`mcf.container.quant.quantize`; its QuantInfo record is written with the file.
         """
         a = np.asarray(array)
         if a.dtype.byteorder == ">":  # the values count, not their byte order: MCF stores little-endian
@@ -221,7 +221,7 @@ class Writer:
                 raise InvalidArgumentError(f"method must be a quantization method, got {method!r}")
             is_float = a.dtype.name == "bfloat16" or a.dtype.kind == "f"
             if a.ndim == 2 and is_float:
-                from mcf.quant import quantize
+                from mcf.container.quant import quantize
 
                 try:
                     payload, q = quantize(a, minfo, compat=compat, fast=fast, importance=importance,

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._args import byte_order_problem, integer, row_range
-from mcf._io import Source, open_source
-from mcf.dtypes import DType
-from mcf import _fpconv
+from mcf._core.args import byte_order_problem, integer, row_range
+from mcf._core._io import Source, open_source
+from mcf._core.dtypes import DType
+from mcf._core import _fpconv
 from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError, UnsupportedVersionError
-from mcf.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
+from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
                         MAJOR, MAX_SECTIONS, RESOURCE_BY_FILE, RESOURCE_FILES, SECTION_ALIGN, Domain,
                         SectionType, section_name)
-from mcf.modelinfo import ModelInfo, decode_model_info
-from mcf.quantinfo import QuantRecord, decode_quant_info
-from mcf.tensor_index import TensorIndex, TensorInfo, cached_layout
+from mcf.container.modelinfo import ModelInfo, decode_model_info
+from mcf.container.quantinfo import QuantRecord, decode_quant_info
+from mcf.container.tensor_index import TensorIndex, TensorInfo, cached_layout
 
 __all__ = ["Container", "Header", "Section", "open", "load_file"]
 
@@ -334,7 +334,7 @@ class Container:
         into the arena, which is freed when the last of them is.  Quantized tensors come back as their
         raw payload bytes (uint8).
         """
-        from mcf._io import alloc_buffer
+        from mcf._core._io import alloc_buffer
 
         infos = [self.index[n] for n in (self.index.keys() if names is None else names)]
         offs, sizes, dsts = [], [], []
@@ -359,8 +359,8 @@ class Container:
     def to_float32(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
         """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array, or into ``out``:
         a writeable C-contiguous float32 array of the tensor's size (any shape), which is returned."""
-        from mcf import _fpconv
-        from mcf._args import out_array
+        from mcf._core import _fpconv
+        from mcf._core.args import out_array
 
         t = self.index[name]
         code = t.dtype.code
@@ -387,7 +387,7 @@ class Container:
         right size and dtype); ``threads`` splits rows across threads; ``impl`` forces a kernel variant
         ("scalar", "avx2", "avx512").  Quantized payloads go through the compiled kernels.
         """
-        from mcf import _kernels
+        from mcf._core import _kernels
 
         t = self.index[name]
         dt = np.dtype(out.dtype if out is not None else dtype)

@@ -1,5 +1,5 @@
 # The float conversions' C-level surface, for compiled code that wraps mcf (see docs/extending.md):
-# ``cimport mcf._fpconv`` gives the GIL-free conversion loops of csrc/fpconv*.c, and the one rule that
+# ``cimport mcf._core._fpconv`` gives the GIL-free conversion loops of csrc/fpconv*.c, and the one rule that
 # turns an ``impl=`` keyword / $MCF_FORCE_IMPL into a variant index.
 from libc.stdint cimport uint16_t
 

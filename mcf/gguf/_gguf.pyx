@@ -1,7 +1,7 @@
 """Compiled ggml block decoding for :mod:`mcf.gguf`: thin, validating wrappers over csrc/gguf_dequant.c.
 
 Every size is checked here, with Python integers, before the C code runs with the GIL released.  The
-variant (scalar / avx2 / avx512) is chosen as in :mod:`mcf._kernels` (CPU, ``MCF_FORCE_IMPL``, or
+variant (scalar / avx2 / avx512) is chosen as in :mod:`mcf._core._kernels` (CPU, ``MCF_FORCE_IMPL``, or
 ``impl=``).
 """
 
@@ -11,8 +11,8 @@ import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, uintptr_t
 
-from mcf._buffers cimport check_out, flat_bytes
-from mcf._fpconv cimport resolve_impl
+from mcf._core._buffers cimport check_out, flat_bytes
+from mcf._core._fpconv cimport resolve_impl
 from mcf.errors import DTypeError, InvalidArgumentError
 
 cdef extern from "gguf_dequant.h" nogil:
@@ -31,7 +31,7 @@ def block_info(int gtype):
     return mcf_gguf_block_size(gtype), mcf_gguf_type_size(gtype)
 
 
-from mcf._kernels import out_kind as _kind  # one output-dtype table for every kernel module
+from mcf._core._kernels import out_kind as _kind  # one output-dtype table for every kernel module
 
 
 def dequantize_blocks(src, int gtype, nblocks, out, *, threads=1, impl=None):

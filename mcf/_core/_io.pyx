@@ -40,7 +40,7 @@ cdef extern from "numpy/arrayobject.h":
     object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
-from mcf._args import integer, integers
+from mcf._core.args import integer, integers
 from mcf.errors import (ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError,
                         TruncatedError, os_error)
 

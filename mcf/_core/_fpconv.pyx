@@ -10,7 +10,7 @@ from libc.stdint cimport uint16_t, uintptr_t
 
 from mcf.errors import DTypeError, InvalidArgumentError
 
-from mcf._buffers cimport check_out
+from mcf._core._buffers cimport check_out
 
 cdef extern from "fpconv.h" nogil:
     ctypedef enum mcf_fpconv_op:
@@ -37,7 +37,7 @@ def env_impl():
 cdef int resolve_impl(object impl) except -1:
     """The variant index to run: ``impl`` if given, else ``$MCF_FORCE_IMPL``, else the best the CPU has.
     Asking for a variant this CPU cannot run is an error, never a silent fallback.  The one place this
-    rule lives: every compiled module (and mcf._kernels.resolve_impl) cimports it."""
+    rule lives: every compiled module (and mcf._core._kernels.resolve_impl) cimports it."""
     name = impl if impl is not None else env_impl()
     if name is None:
         return mcf_cpu_best()
@@ -52,7 +52,7 @@ cdef int resolve_impl(object impl) except -1:
     return i
 
 
-# -- the C-level surface (mcf/_fpconv.pxd): unchecked, GIL-free ----------------------------------------
+# -- the C-level surface (mcf/_core/_fpconv.pxd): unchecked, GIL-free ----------------------------------------
 cdef void bf16_to_f32_n(const uint16_t* src, float* dst, size_t n, int impl) noexcept nogil:
     mcf_convert(MCF_BF16_TO_F32, src, dst, n, impl)
 

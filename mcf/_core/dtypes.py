@@ -2,7 +2,7 @@
 
 Codes are those of the MCF spec and of the Go reference (``pkg/mcf/tensor_index.go``): plain dtypes
 1..12, the quantization registry 0x10..0x33.  Quantized dtypes have no numpy equivalent; their payload
-layout comes from :func:`mcf.layout.quant_layout`.
+layout comes from :func:`mcf.container.layout.quant_layout`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Quantizing and dequantizing arrays to and from MCF's block formats.
 
-The bit work is in C (csrc/quantize.c, csrc/dequant.c) behind :mod:`mcf._kernels`; this module owns the
+The bit work is in C (csrc/quantize.c, csrc/dequant.c) behind :mod:`mcf._core._kernels`; this module owns the
 policy: which tensors are quantized (rank-2 float tensors; everything else is copied), clipping ranges,
 int8/int4 scale and zero point, row chunking so memory stays bounded.  Which tensors of a file are quantized, and
 whole-file quantization, are in :mod:`mcf.quant_policy` (it uses this module, never the reverse).
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf import _fpconv
-from mcf import _kernels as K
-from mcf._args import integer
-from mcf.dtypes import DType, DTypeInfo, parse_dtype
+from mcf._core import _fpconv
+from mcf._core import _kernels as K
+from mcf._core.args import integer
+from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import DTypeError, InvalidArgumentError
-from mcf.layout import Domain, quant_layout
+from mcf.container.layout import Domain, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "QuantStats", "tensor_error_stats", "METHODS",
            "importance_weights"]

@@ -1,7 +1,7 @@
 """Compiled scan of a TensorIndex entry table: validation and TensorInfo construction in one pass.
 
 Opening a checkpoint must cost microseconds per tensor, not a Python loop's worth.  The Python caller
-(mcf/tensor_index.py) has already checked that the entry, dims and string tables lie inside the
+(mcf/container/tensor_index.py) has already checked that the entry, dims and string tables lie inside the
 section; this scan checks each entry against them with overflow-checked 64-bit arithmetic and reports
 the first problem through ``ferr`` so the message carries the file, field and offset.
 """

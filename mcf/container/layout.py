@@ -11,7 +11,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from mcf.dtypes import DType, DTypeInfo, parse_dtype
+from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import InvalidArgumentError, UnknownNameError
 
 __all__ = [

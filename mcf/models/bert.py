@@ -34,7 +34,7 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + _erf(x / np.float32(np.sqrt(2.0))))
 
 
-def bert_forward(weights, config: dict, token_ids, progress=None, observe=None) -> tuple[np.ndarray, list]:
+def bert_forward(weights, config: dict, token_ids, *, progress=None, observe=None) -> tuple[np.ndarray, list]:
     """Run the encoder on one sequence.  ``weights``: name -> array (any mapping with the Hugging Face
     names, e.g. ``mcf.open(path)`` or a safetensors checkpoint's arrays).  Returns the last hidden state
     ``[T, hidden]`` and ``[(K, V), ...]`` per layer, each ``[heads, T, head_dim]`` float32: the keys and
