@@ -87,7 +87,7 @@ def probe(tmp_path_factory):
 def test_get_include_holds_the_pxd_files():
     inc = mcf.get_include()
     for name in ("_io.pxd", "_fpconv.pxd"):
-        assert os.path.isfile(os.path.join(inc, "mcf", name)), name
+        assert os.path.isfile(os.path.join(inc, "mcf", "_core", name)), name
 
 
 @pytest.mark.parametrize("mode", ["mmap", "pread", "memory", "fileobj"])
