@@ -17,7 +17,8 @@ import numpy as np
 from mcf._io import Source, open_source
 from mcf.errors import FormatError, MCFError, MCFIOError, TruncatedError
 from mcf.megacontext._files import level_path, not_a_dir
-from mcf.megacontext._layout import COUNT_OFFSET, HEADER_SIZE, LEVEL_FILES, CtxHeader, encode_model_name, parse_header
+from mcf.megacontext._layout import (COUNT_OFFSET, HEADER_SIZE, LEVEL_FILES, CtxHeader, encode_model_name, gist_dtypes,
+                                     parse_header)
 from mcf.megacontext._lock import RESTORE_MARKER
 from mcf.megacontext.metadata import METADATA, counts_of, load_metadata
 from mcf.remote import is_url
@@ -115,18 +116,14 @@ def cross_check(dirpath, meta, levels, problems) -> None:
                 problems.append(Problem("error", FormatError(
                     f"{field} differs from metadata.json's", path=path, field=field, offset=off,
                     expected=meta[field], got=getattr(h, field))))
-        if lv > 0 and meta is not None and h.dtype.name != meta["gist_dtype"]:
+        if lv > 0 and meta is not None and h.dtype.code != gist_dtypes(meta["gist_dtype"])[lv].code:
             problems.append(Problem("error", FormatError(
-                "gist dtype differs from metadata.json's gist_dtype", path=path, field="dtype_code", offset=12,
-                expected=meta["gist_dtype"], got=h.dtype.name)))
+                f"LOD{lv}'s gist dtype differs from metadata.json's gist_dtype", path=path, field="dtype_code",
+                offset=12, expected=gist_dtypes(meta["gist_dtype"])[lv].name, got=h.dtype.name)))
         if meta is not None and encode_model_name(h.model_name) != encode_model_name(meta["model_name"]):
             problems.append(Problem("warning", FormatError(
                 "model_name differs from metadata.json's", path=path, field="model_name",
                 offset=14 if h.layout == "legacy" else 22, expected=meta["model_name"], got=h.model_name)))
-    if 1 in heads and 2 in heads and heads[1].dtype_code != heads[2].dtype_code:
-        problems.append(Problem("error", FormatError(
-            "LOD1 and LOD2 hold different gist dtypes", path=levels[2].path, field="dtype_code", offset=12,
-            expected=heads[1].dtype.name, got=heads[2].dtype.name)))
     k = ref.block_size if ref is not None else None
     if k and 0 in heads and 1 in heads:
         t, n1 = heads[0].num_entries, heads[1].num_entries
@@ -229,16 +226,21 @@ def deep_checks(path, meta, levels) -> list:
         n = h.num_entries
         if not n:
             continue
-        bits, mask = ("<u2", 0x7C00) if h.dtype_code == 1 else ("<u2", 0x7F80) if h.dtype_code == 2 \
-            else ("<u4", 0x7F800000)
+        if h.dtype.quantized:   # q8: the f16 block scales at the start of each row
+            nb = -(-h.embedding_dim // 32)
+            bits, mask, width, what = "<u2", 0x7C00, h.entry_size // 2, "a q8 block scale that is NaN or Inf"
+        else:
+            bits, mask = ("<u2", 0x7C00) if h.dtype_code == 1 else ("<u2", 0x7F80) if h.dtype_code == 2 \
+                else ("<u4", 0x7F800000)
+            nb, width, what = h.embedding_dim, h.embedding_dim, "NaN or Inf"
         rows = max(1, chunk // h.embedding_dim)
         for s in range(0, n, rows):
             m = min(rows, n - s)
-            a = lv.src.array(HEADER_SIZE + s * h.entry_size, bits, (m, h.embedding_dim))
+            a = lv.src.array(HEADER_SIZE + s * h.entry_size, bits, (m, width))[:, :nb]
             bad = np.flatnonzero(((a & mask) == mask).any(axis=1))
             if bad.size:
                 out.append(Problem("warning", FormatError(
-                    f"gist {s + int(bad[0])} holds NaN or Inf ({int(((a & mask) == mask).any(axis=1).sum())}"
+                    f"gist {s + int(bad[0])} holds {what} ({int(((a & mask) == mask).any(axis=1).sum())}"
                     " such gists in this chunk)", path=lv.path, field="gists",
                     offset=HEADER_SIZE + (s + int(bad[0])) * h.entry_size)))
                 break

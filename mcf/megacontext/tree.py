@@ -28,9 +28,9 @@ from mcf._io import Source
 from mcf.errors import InvalidArgumentError, OutOfBoundsError, TruncatedError, os_error
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
-from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
-                                     LEVELS, CtxHeader, children_of, ctx_dtype, gist_offset, parent_of,
-                                     parse_header, span_of, token_offset)
+from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LEVELS, CtxDType, CtxHeader,
+                                     children_of, gist_dtypes, gist_policy, parent_of, parse_header, q8_row_bytes,
+                                     span_of, token_offset)
 from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._validate import Level, Problem, cross_check, deep_checks, scan, stable_header
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
@@ -80,7 +80,8 @@ class Tree:
             h0 = levels[0].header
             self.block_size = h0.block_size
             self.embedding_dim = h0.embedding_dim
-            self.gist_dtype = levels[1].header.dtype
+            self.gist_dtypes = {1: levels[1].header.dtype, 2: levels[2].header.dtype}
+            self.gist_dtype = self.gist_dtypes[1]
             if self.writable:
                 self._reconcile(problems)
         except BaseException:
@@ -201,8 +202,20 @@ class Tree:
     def token_offset(self, block: int, token: int) -> int:
         return token_offset(block, token, self.block_size)
 
-    def gist_offset(self, gist: int) -> int:
-        return gist_offset(gist, self.embedding_dim, self.gist_dtype.itemsize)
+    def gist_offset(self, gist: int, *, level: int = 1) -> int:
+        """Byte offset of gist ``gist`` in the ``level`` file (rows of one level all have the same size)."""
+        self.num_gists(level)
+        return HEADER_SIZE + integer(gist, "gist") * self._levels[level].header.entry_size
+
+    def gist_dtype_of(self, level: int) -> CtxDType:
+        """The dtype the gists of ``level`` are stored in (a hybrid tree: fp16 at LOD1, q8 at LOD2)."""
+        self.num_gists(level)
+        return self.gist_dtypes[level]
+
+    @property
+    def gist_policy(self):
+        """metadata.json's ``gist_dtype``: one name for both levels, or ``{"LOD1": ..., "LOD2": ...}``."""
+        return gist_policy(self.gist_dtypes)
 
     def span(self, level: int, index: int) -> tuple:
         """LOD0 tokens ``[start, stop)`` summarized by entry ``index`` of ``level``."""
@@ -252,37 +265,46 @@ class Tree:
             raise OutOfBoundsError(f"{self.path}: block {b} outside [0, {nb})")
         return self.tokens(b * self.block_size, min(self.num_tokens, (b + 1) * self.block_size))
 
-    def gist(self, level: int, index: int) -> np.ndarray:
-        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped)."""
+    def gist(self, level: int, index: int, *, raw: bool = False) -> np.ndarray:
+        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped; q8 rows decoded to float32,
+        or the stored bytes with ``raw=True``)."""
         n = self.num_gists(level)
         i = integer(index, "gist index")
         if not 0 <= i < n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gist {i} outside [0, {n})")
-        return self.gists(level, slice(i, i + 1))[0]
+        return self.gists(level, slice(i, i + 1), raw=raw)[0]
 
-    def gists(self, level: int, which=None) -> np.ndarray:
+    def gists(self, level: int, which=None, *, raw: bool = False) -> np.ndarray:
         """Gists of ``level``: all (None), a slice (zero-copy for step 1) or any integer indices (a
-        gathered copy, one compiled call)."""
+        gathered copy, one compiled call).
+
+        q8 rows are decoded to float32 (one compiled call, MCF's dequantization kernel); ``raw=True``
+        hands out the stored bytes instead, [n, row_bytes] uint8 (zero-copy for a step-1 slice), for
+        every dtype."""
         self._check_open()
         n = self.num_gists(level)
         d = self.embedding_dim
-        dt = self.gist_dtype
+        dt = self.gist_dtypes[level]
+        rb = self._levels[level].header.entry_size
+        shape_of = (lambda k: (k, rb)) if raw else (lambda k: (k, d))
+        npdt = np.dtype(np.uint8) if raw else dt.numpy
         if which is None:
             which = slice(0, n)
         if isinstance(which, slice):
             start, stop, step = which.indices(n)
-            if step == 1:
+            if step == 1 and (raw or not dt.quantized):
                 stop = max(stop, start)
-                return self._src(level, stop).array(HEADER_SIZE + start * d * dt.itemsize, dt.numpy,
-                                                     (stop - start, d))
+                return self._src(level, stop).array(HEADER_SIZE + start * rb, npdt, shape_of(stop - start))
             which = np.arange(start, stop, step)
         ix = np.asarray(which)
         if ix.ndim == 0:
             raise InvalidArgumentError("gist indices must be a slice or a 1-D array (use gist() for one)")
         ix = index_array(ix, n, "gist indices")   # numpy's rules: integers, or a mask of n bools
         ix = np.where(ix < 0, ix + n, ix)
-        out = np.empty((ix.shape[0], d), dtype=dt.numpy)
-        return _mc.gather_rows(self._src(level, n), n, d * dt.itemsize, ix, out)
+        out = np.empty(shape_of(ix.shape[0]), dtype=npdt)
+        if dt.quantized and not raw:
+            return _mc.gather_q8(self._src(level, n), n, d, ix, out)
+        return _mc.gather_rows(self._src(level, n), n, rb, ix, out)
 
     def plan_tail(self, budget: int, recent_tokens: int):
         """The simple focus plan: see :func:`mcf.megacontext.plan_tail`."""
@@ -365,10 +387,13 @@ class Tree:
             self.commit()
         return lv.count
 
-    def _as_gist_rows(self, rows) -> np.ndarray:
+    def _as_gist_rows(self, rows, level) -> np.ndarray:
+        """The rows as the level stores them: converted (round to nearest even) or quantized (q8)."""
         d = self.embedding_dim
-        dt = self.gist_dtype
+        dt = self.gist_dtypes[level]
         a = np.asarray(rows)
+        if dt.quantized:
+            return self._as_q8_rows(a)
         if a.ndim == 1 and a.shape[0] == d:
             a = a.reshape(1, d)
         if a.ndim != 2 or a.shape[1] != d:
@@ -386,6 +411,30 @@ class Tree:
             raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
         return _mc.convert(a, np.empty(a.shape, dtype=_mc.numpy_dtype(dt.code)))
 
+    def _as_q8_rows(self, a) -> np.ndarray:
+        """Float rows [n, d] quantized with MCF's q8 quantizer, or stored q8 rows [n, row_bytes] (uint8,
+        e.g. another tree's ``gists(raw=True)``) taken as they are once their scales are checked."""
+        d = self.embedding_dim
+        rb = q8_row_bytes(d)
+        if a.dtype == np.uint8:
+            if a.ndim != 2 or a.shape[1] != rb:
+                raise InvalidArgumentError(f"stored q8 gists (uint8) must have shape (n, {rb}), got {a.shape}")
+            nb = rb // 34
+            scales = np.ascontiguousarray(a[:, :2 * nb]).view("<u2")
+            if ((scales & 0x7C00) == 0x7C00).any():
+                k = int(np.flatnonzero(((scales & 0x7C00) == 0x7C00).any(axis=1))[0])
+                raise InvalidArgumentError(f"stored q8 gist {k} has a NaN or Inf block scale")
+            return np.ascontiguousarray(a)
+        if a.ndim == 1 and a.shape[0] == d:
+            a = a.reshape(1, d)
+        if a.ndim != 2 or a.shape[1] != d:
+            raise InvalidArgumentError(f"gists must have shape (n, {d}), got {a.shape}")
+        if a.dtype.kind != "f" and _mc.float_code(a.dtype) < 0:
+            raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("="))
+        return _mc.quantize_q8(a.astype(np.float32, copy=False))   # float64 beyond float32's range: Inf, refused
+
     def append_gists(self, level: int, rows, *, checkpoint=_KEEP, commit: bool = True) -> int:
         """Append gists (``[n, d]``, converted to the tree's gist dtype with round-to-nearest-even) to
         LOD1 or LOD2; returns the new count.  Only complete spans get gists: LOD1 gist i needs tokens
@@ -393,7 +442,7 @@ class Tree:
         checkpoint that produced them (default: the tree's current ``gistnet_checkpoint``)."""
         self._check_writable()
         self.num_gists(level)
-        a = self._as_gist_rows(rows)
+        a = self._as_gist_rows(rows, level)
         lv = self._levels[level]
         lower = self._levels[level - 1].count
         limit = lower // self.block_size
@@ -407,7 +456,7 @@ class Tree:
                 raise InvalidArgumentError("checkpoint must be a string or None")
             self._meta["gistnet_checkpoint"] = checkpoint
         if a.shape[0]:
-            pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * a.shape[1] * a.itemsize, lv.path)
+            pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * lv.header.entry_size, lv.path)
             key = f"LOD{level}"
             self._meta["levels"][key]["gists"] = set_range(self._meta["levels"][key]["gists"], lv.count,
                                                            lv.count + a.shape[0], self._meta["gistnet_checkpoint"])
@@ -426,7 +475,7 @@ class Tree:
         other processes may see a mix of old and new rows while it runs."""
         self._check_writable()
         n = self.num_gists(level)
-        a = self._as_gist_rows(rows)
+        a = self._as_gist_rows(rows, level)
         start = integer(start, "start")
         if not 0 <= start <= start + a.shape[0] <= n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gists [{start}, {start + a.shape[0]}) outside [0, {n}); "
@@ -441,7 +490,7 @@ class Tree:
         ranges = self._meta["levels"][key]["gists"]
         self._meta["levels"][key]["gists"] = set_range(ranges, start, stop, checkpoint, pending=True)
         self._write_metadata()
-        pwrite_all(lv.fd, a, HEADER_SIZE + start * a.shape[1] * a.itemsize, lv.path)
+        pwrite_all(lv.fd, a, HEADER_SIZE + start * lv.header.entry_size, lv.path)
         if self.durable:
             os.fdatasync(lv.fd)
         self._meta["levels"][key]["gists"] = set_range(self._meta["levels"][key]["gists"], start, stop, checkpoint)
@@ -522,7 +571,7 @@ class Tree:
             }
         m = self.metadata
         return {"path": self.path, "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
-                "block_size": self.block_size, "gist_dtype": self.gist_dtype.name, "vocab_size": self.vocab_size,
+                "block_size": self.block_size, "gist_dtype": self.gist_policy, "vocab_size": self.vocab_size,
                 "num_tokens": self.num_tokens, "num_blocks": self.num_blocks,
                 "num_gists": {"LOD1": self.num_gists(1), "LOD2": self.num_gists(2)},
                 "gistnet_checkpoint": m.get("gistnet_checkpoint"), "ingestion_complete": m["ingestion_complete"],
@@ -571,7 +620,11 @@ class Tree:
             return f"<mcf MegaContext tree {self.path!r} closed>"
         t, n1, n2 = self.counts
         return (f"<mcf MegaContext tree {self.path!r} {'r+' if self.writable else 'r'}: {t} tokens, {n1} LOD1 + "
-                f"{n2} LOD2 gists, d={self.embedding_dim} {self.gist_dtype.name}, K={self.block_size}>")
+                f"{n2} LOD2 gists, d={self.embedding_dim} {self._policy_text()}, K={self.block_size}>")
+
+    def _policy_text(self) -> str:
+        p = self.gist_policy
+        return p if isinstance(p, str) else f"LOD1 {p['LOD1']} + LOD2 {p['LOD2']}"
 
 
 # -- module-level entry points ---------------------------------------------------------------------------
@@ -586,12 +639,15 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
            mmap: bool = True, durable: bool = False) -> Tree:
     """Create an empty tree in directory ``path`` (created if missing) and open it for writing.
 
+    ``gist_dtype`` is one dtype for both gist levels ("fp16", "bf16", "fp32" or "q8": MCF's 8-bit blocks
+    with one f16 scale per 32 values, about half of fp16's size), ``"hybrid"`` (LOD1 fp16, LOD2 q8: the
+    fine, recent-resolution gists exact to fp16, the coarse ones quantized, as seed 000 proposes) or a
+    mapping ``{1: ..., 2: ...}``.
+
     Refuses a directory that already holds a tree (a metadata.json).  The files are written first and
     metadata.json last, so an interrupted create leaves no tree behind."""
     _check_geometry(embedding_dim, block_size)
-    gdt = ctx_dtype(gist_dtype)
-    if gdt.code not in GIST_DTYPE_CODES:
-        raise InvalidArgumentError(f"gists are stored as fp16, bf16 or fp32, not {gdt.name}")
+    gdts = gist_dtypes(gist_dtype)
     if not isinstance(model_name, str):
         raise InvalidArgumentError("model_name must be a string")
     if vocab_size is not None and not 1 <= integer(vocab_size, "vocab_size") <= 2**32:
@@ -610,7 +666,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
     try:
         for level in LEVELS:
             h = CtxHeader(level=level, block_size=int(block_size), embedding_dim=int(embedding_dim),
-                          dtype_code=0 if level == 0 else gdt.code, num_entries=0, model_name=model_name)
+                          dtype_code=0 if level == 0 else gdts[level].code, num_entries=0, model_name=model_name)
             fpath = level_path(path, level)
             try:
                 with open(fpath, "wb") as f:
@@ -621,7 +677,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
             except OSError as exc:
                 raise os_error(exc, fpath) from None
         meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),
-                            gist_dtype=gdt.name, vocab_size=None if vocab_size is None else int(vocab_size),
+                            gist_dtype=gist_policy(gdts), vocab_size=None if vocab_size is None else int(vocab_size),
                             gistnet_checkpoint=gistnet_checkpoint)
         write_metadata(path, meta, durable=durable)
     finally:
