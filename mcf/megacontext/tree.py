@@ -433,7 +433,9 @@ class Tree:
             raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("="))
-        return _mc.quantize_q8(a.astype(np.float32, copy=False))   # float64 beyond float32's range: Inf, refused
+        if a.dtype == np.float64 and a.size and np.nanmax(np.abs(a), initial=0.0) > np.finfo(np.float32).max:
+            raise InvalidArgumentError("a gist value is too large for q8 (beyond float32's range)")
+        return _mc.quantize_q8(a.astype(np.float32, copy=False))
 
     def append_gists(self, level: int, rows, *, checkpoint=_KEEP, commit: bool = True) -> int:
         """Append gists (``[n, d]``, converted to the tree's gist dtype with round-to-nearest-even) to
