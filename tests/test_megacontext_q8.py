@@ -36,6 +36,17 @@ def ref_decode(raw, d):
     return (scales[:, :, None] * codes).reshape(-1, nb * 32)[:, :d].astype(np.float32)
 
 
+def mc_q8_ref_bytes(x):
+    """MCF's q8 payload of ``x`` re-laid out per row (scales, then codes): what a q8 gist row holds."""
+    payload, _ = mcf.quantize(x, "q8")
+    lay = mcf.quant_layout("q8", x.shape)
+    reg = {r.name: r for r in lay.regions}
+    nb = lay.blocks_per_row
+    s = payload[reg["scales"].offset:reg["scales"].offset + reg["scales"].size].reshape(len(x), 2 * nb)
+    c = payload[reg["data"].offset:reg["data"].offset + reg["data"].size].reshape(len(x), 32 * nb)
+    return np.concatenate([s, c], axis=1)
+
+
 def ref_single_pass(x):
     """The textbook q8 quantizer (scale = absmax / 127 rounded to f16, codes = round(x / scale)):
     MCF's search quantizer is never worse than it."""
@@ -99,13 +110,9 @@ def test_q8_bytes_are_mcf_q8_and_decode_matches_numpy(tmp_path):
     t, g1, g2 = make(tmp_path / "t", "q8")
     with t:
         raw = t.gists(1, raw=True)
+        assert np.array_equal(raw, mc_q8_ref_bytes(g1))
         payload, _ = mcf.quantize(g1, "q8")
-        lay = mcf.quant_layout("q8", g1.shape)
-        reg = {r.name: r for r in lay.regions}
-        nb = lay.blocks_per_row
-        scales = payload[reg["scales"].offset:reg["scales"].offset + reg["scales"].size].reshape(len(g1), 2 * nb)
-        codes = payload[reg["data"].offset:reg["data"].offset + reg["data"].size].reshape(len(g1), 32 * nb)
-        assert np.array_equal(raw[:, :2 * nb], scales) and np.array_equal(raw[:, 2 * nb:], codes)
+        nb = -(-D // 32)
         dec = t.gists(1)
         assert dec.dtype == np.float32 and dec.shape == g1.shape
         assert np.array_equal(dec, ref_decode(raw, D))
@@ -230,16 +237,6 @@ def test_every_simd_variant_gives_the_same_bytes(tmp_path, monkeypatch):
     assert np.array_equal(np.frombuffer(first[1], np.float32).reshape(-1, 384), ref_decode(raw2, 384))
     assert np.array_equal(np.frombuffer(first[3], np.uint8).reshape(len(g1), -1), mc_q8_ref_bytes(g1))
 
-
-def mc_q8_ref_bytes(x):
-    """MCF's q8 payload of ``x`` re-laid out per row (scales, then codes): what a q8 gist row holds."""
-    payload, _ = mcf.quantize(x, "q8")
-    lay = mcf.quant_layout("q8", x.shape)
-    reg = {r.name: r for r in lay.regions}
-    nb = lay.blocks_per_row
-    s = payload[reg["scales"].offset:reg["scales"].offset + reg["scales"].size].reshape(len(x), 2 * nb)
-    c = payload[reg["data"].offset:reg["data"].offset + reg["data"].size].reshape(len(x), 32 * nb)
-    return np.concatenate([s, c], axis=1)
 
 
 # -- writes and validation --------------------------------------------------------------------------------
