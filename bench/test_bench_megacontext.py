@@ -520,3 +520,87 @@ def test_ingest_gists(benchmark, scratch, chunk):
         record(benchmark, "ingest", f"gists, {chunk} per commit (raw write: {nbytes / anchor.median / 1e9:.2f} GB/s)",
                f"{gbps:.2f} GB/s", f">= {TARGET_GIST_GBPS:.0f} GB/s", gbps >= TARGET_GIST_GBPS, gbps=gbps,
                raw_gbps=nbytes / anchor.median / 1e9)
+
+
+# -- q8 gists (issue 18): assembly from q8 and hybrid trees against the same tree in fp16 -------------------
+Q_T = 1_048_576 + 7 * K          # 1M tokens (and a partial LOD2 span): 32,775 LOD1 gists, 1,024 LOD2
+Q_SPEC = {"tokens": Q_T, "d": D, "k": K, "version": 1}
+TARGET_Q8_VS_FP16 = 1.5          # q8 assembly time <= 1.5x fp16's, same plan
+
+
+@pytest.fixture(scope="module")
+def q8_trees():
+    """Three trees with the same tokens and the same gist values (before rounding): fp16, q8, hybrid."""
+    base = os.path.join(bench_dir(), "q8")
+    manifest = os.path.join(base, "manifest.json")
+    paths = {p: os.path.join(base, f"tree-1M-{p}") for p in ("fp16", "q8", "hybrid")}
+    try:
+        with open(manifest) as f:
+            ok = json.load(f) == Q_SPEC and all(mc.verify(p) == [] for p in paths.values())
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+        os.makedirs(base)
+        rng = np.random.default_rng(8)
+        pool = (rng.standard_normal((4099, D)) * 0.5).astype(np.float32)
+        t0 = time.perf_counter()
+        for policy, path in paths.items():
+            with mc.create(path, embedding_dim=D, model_name="bench-1M", vocab_size=VOCAB, gist_dtype=policy) as tree:
+                tree.append_tokens(tokens_at(0, Q_T), commit=False)
+                for level in (1, 2):
+                    want = (tree.num_tokens if level == 1 else tree.num_gists(1)) // K
+                    for s in range(0, want, 4096):
+                        n = min(4096, want - s)
+                        rows = np.roll(pool, -((s * 7 + level) % 4099), axis=0)[:n]
+                        tree.append_gists(level, rows, checkpoint="bench-random", commit=False)
+                tree.commit()
+        with open(manifest, "w") as f:
+            json.dump(Q_SPEC, f)
+        print(f"\nbuilt the fp16/q8/hybrid 1M-token trees in {time.perf_counter() - t0:.1f} s: {base}")
+    trees = {p: mc.open(path) for p, path in paths.items()}
+    yield trees, paths
+    for t in trees.values():
+        t.close()
+
+
+def _q8_plan(kind, counts):
+    rng = np.random.default_rng(9)
+    if kind == "focus":
+        return focus_plan(counts, rng)
+    t, n1, n2 = counts   # scattered: 64 blocks, 4096 LOD1 and all LOD2 gists at random positions
+    e = ([(0, int(x)) for x in rng.choice(t // K, 64, replace=False)]
+         + [(1, int(x)) for x in rng.choice(n1, 4096, replace=False)] + [(2, int(x)) for x in range(n2)])
+    e.sort(key=lambda p: p[1] * K ** p[0] if p[0] else p[1] * K)
+    return mc.Plan.of(e)
+
+
+@pytest.mark.parametrize("policy", ["q8", "hybrid"])
+@pytest.mark.parametrize("kind", ["focus", "scattered"])
+def test_assemble_q8_vs_fp16(benchmark, q8_trees, table, kind, policy):
+    """The same plan assembled from the q8 (or hybrid) tree and from the fp16 tree, fp16 table and output:
+    the q8 rows are decoded in the copy loop; the anchor copies fp16 rows."""
+    trees, paths = q8_trees
+    fp, qt = trees["fp16"], trees[policy]
+    plan = _q8_plan(kind, fp.counts)
+    n = plan.rows(fp.num_tokens, K)
+    out_fp, out_q = np.empty((n, D), np.float16), np.empty((n, D), np.float16)
+    for p in (paths["fp16"], paths[policy]):
+        touch(*(os.path.join(p, f"LOD{lv}.ctx") for lv in range(3)))
+    a, b = fp.assemble(plan, table, out=out_fp), qt.assemble(plan, table, out=out_q)
+    tok = a.levels == 0
+    assert np.array_equal(a.embeddings[tok], b.embeddings[tok])
+    err = np.abs(a.embeddings[~tok].astype(np.float32) - b.embeddings[~tok].astype(np.float32)).max()
+    assert err < 0.05                                   # |gist| ~ 2.5: q8's step is absmax / 127
+    anchor = Interleaved(lambda: fp.assemble(plan, table, out=out_fp))
+    benchmark.pedantic(lambda: qt.assemble(plan, table, out=out_q), setup=anchor, rounds=ASSEMBLE_ROUNDS,
+                       warmup_rounds=1)
+    t = _median(benchmark)
+    if t:
+        ratio = t / anchor.median
+        q_rows = int(((b.levels == 2) if policy == "hybrid" else ~tok).sum())
+        record(benchmark, "q8", f"{kind} ({n} rows, {q_rows} q8): {policy} time / fp16 time",
+               f"{ratio:.2f}x ({t * 1e3:.2f} vs {anchor.median * 1e3:.2f} ms)", f"<= {TARGET_Q8_VS_FP16}x",
+               ratio <= TARGET_Q8_VS_FP16, ratio=ratio, anchor_median_s=anchor.median, max_abs_err=float(err))

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "fpconv.h"
+#include "quant.h"
 
 static size_t dtype_size(int dt) { return dt == MC_F32 || dt == MC_U32 ? 4 : 2; }
 
@@ -85,8 +86,8 @@ int64_t mc_plan_rows(const mc_assembly *a, size_t e0, size_t e1)
             a->levels[row] = (uint8_t)level;
             a->positions[row] = idx * span;
             const int64_t at = to_matrix ? row : slot;
-            a->row_src[at] = a->gists[level] + (size_t)src * a->gist_row_bytes;
-            a->row_dtype[at] = (uint8_t)a->gist_dtype;
+            a->row_src[at] = a->gists[level] + (size_t)src * a->gist_stride[level];
+            a->row_dtype[at] = (uint8_t)a->gist_dtype[level];
         }
     }
     return -1;
@@ -138,16 +139,36 @@ static void copy_row(uint8_t *d, const uint8_t *s, size_t n, const uint8_t *next
     memcpy(d, s, n);
 }
 
+static int out_kind(int dt) { return dt == MC_F16 ? MCF_OUT_F16 : dt == MC_BF16 ? MCF_OUT_BF16 : MCF_OUT_F32; }
+
+void mc_decode_q8_row(const uint8_t *row, uint32_t dim, void *out, int out_dtype, int impl)
+{
+    mcf_qtensor t;
+    memset(&t, 0, sizeof t);
+    t.family = MCF_FAM_BLOCK;
+    t.bits = 8;
+    t.rows = 1;
+    t.cols = dim;
+    t.bpr = ((size_t)dim + 31) / 32;
+    t.scales = (const uint16_t *)row;      /* the row is 2-byte aligned: rows are 34 * bpr bytes after a 64-byte header */
+    t.data = row + 2 * t.bpr;
+    mcf_dequant_rows(&t, 0, 1, out, out_kind(out_dtype), impl);
+}
+
 void mc_copy_rows(const mc_assembly *a, size_t r0, size_t r1, int stream)
 {
     uint8_t *dst = a->matrix ? a->matrix : a->gists_out;
-    const size_t ob = a->matrix ? a->out_row_bytes : a->gist_row_bytes;
-    const int odt = a->matrix ? a->out_dtype : a->gist_dtype;
+    const size_t ob = a->out_row_bytes;
+    const int odt = a->out_dtype;
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *next = r + MC_PREFETCH_ROWS < r1 ? a->row_src[r + MC_PREFETCH_ROWS] : NULL;
         if (a->row_dtype[r] == odt)
             copy_row(dst + r * ob, a->row_src[r], ob, next, stream);
-        else
+        else if (a->row_dtype[r] == MC_Q8) {
+            if (next)
+                __builtin_prefetch(next, 0, 3);
+            mc_decode_q8_row(a->row_src[r], a->dim, dst + r * ob, odt, a->impl);
+        } else
             mc_convert(a->row_src[r], a->row_dtype[r], dst + r * ob, odt, a->dim);
     }
 #ifdef MC_HAVE_SSE2

@@ -8,15 +8,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { MC_U32 = 0, MC_F16 = 1, MC_BF16 = 2, MC_F32 = 3 };
+/* The .ctx dtype codes.  MC_Q8 rows are MCF q8 blocks (csrc/quant.h), one row at a time: ceil(dim/32)
+ * f16 scales, then 32 int8 codes per block (zero padding past dim); they are decoded with MCF's
+ * dequantization kernel (mcf_dequant_rows), never copied as they are. */
+enum { MC_U32 = 0, MC_F16 = 1, MC_BF16 = 2, MC_F32 = 3, MC_Q8 = 4 };
 
 typedef struct {
     /* LOD0 token ids (the first token of the file) and the gist rows of LOD1/LOD2 (row 0 of each
      * file), or gathered copies of them (see src_first).  gists[0] is unused. */
     const uint32_t *tokens;
     const uint8_t *gists[3];
-    int gist_dtype;
-    size_t gist_row_bytes;
+    int gist_dtype[3];           /* per level (a hybrid tree: LOD1 MC_F16, LOD2 MC_Q8); [0] unused */
+    size_t gist_stride[3];       /* bytes between rows of gists[level] */
+    int impl;                    /* SIMD variant of the q8 decode (MCF_IMPL_*) */
     uint32_t dim;
     uint32_t block_size;
     /* the plan: level, index within the level, and for each entry the first element in the source
@@ -32,9 +36,9 @@ typedef struct {
     uint8_t *levels;
     int64_t *positions;
     uint32_t *token_ids;
-    uint8_t *gists_out;          /* [n_gist_rows, dim] in gist_dtype, or NULL */
+    uint8_t *gists_out;          /* [n_gist_rows, dim] in out_dtype, or NULL */
     uint8_t *matrix;             /* [n_rows, dim] in out_dtype, or NULL */
-    int out_dtype;
+    int out_dtype;               /* a float dtype (MC_F16/MC_BF16/MC_F32) */
     size_t out_row_bytes;
     /* embedding table for token rows of the matrix */
     const uint8_t *table;
@@ -51,10 +55,15 @@ typedef struct {
  * Returns -1 on success, or the output row of the first token whose id is >= vocab. */
 int64_t mc_plan_rows(const mc_assembly *a, size_t e0, size_t e1);
 
-/* Pass 2: copy rows [r0, r1) of row_src into the matrix (or gists_out), converting to out_dtype.
+/* Pass 2: copy rows [r0, r1) of row_src into the matrix (or gists_out), converting to out_dtype (q8
+ * rows: decoded straight into the output row).
  * Same-dtype rows are copied with the next rows' source prefetched, and with non-temporal stores when
  * `stream` is set (large outputs that are not read back at once). */
 void mc_copy_rows(const mc_assembly *a, size_t r0, size_t r1, int stream);
+
+/* Decode one q8 row (see MC_Q8) of `dim` values into `out` (MC_F16/MC_BF16/MC_F32) with MCF's
+ * dequantization kernel, variant `impl`. */
+void mc_decode_q8_row(const uint8_t *row, uint32_t dim, void *out, int out_dtype, int impl);
 
 /* Both passes over all of [0, n_entries) / [0, n_rows) in one call. */
 int64_t mc_assemble(const mc_assembly *a, size_t n_entries, size_t n_rows, int stream);

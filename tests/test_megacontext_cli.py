@@ -37,6 +37,9 @@ def test_demo_on_the_real_checkpoint(minilm_dir, minilm, tmp_path, capsys):
     assert demo_megacontext(minilm_dir, str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "equals a plain numpy assembly: yes" in out and "verify (tree and snapshot): OK" in out
+    assert out.count("token rows identical, gist rows within") == 2 and "q8    : gist files" in out
+    with mc.open(tmp_path / "megacontext-tree-hybrid") as h:
+        assert h.gist_policy == {"LOD1": "fp16", "LOD2": "q8"}
     tok, table = minilm
     with open(os.path.join(minilm_dir, "README.md"), encoding="utf-8") as f:
         paragraphs = [p for p in f.read().split("\n\n") if p.strip()]

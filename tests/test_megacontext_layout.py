@@ -65,7 +65,7 @@ def test_reversed_magic_is_read(legacy):
 
 @settings(max_examples=200, deadline=None)
 @given(level=st.sampled_from([0, 1, 2]), k=st.integers(1, 0xFFFF), d=st.integers(1, 0xFFFF),
-       code=st.sampled_from([1, 2, 3]), n=st.integers(0, 50), extra=st.integers(0, 3),
+       code=st.sampled_from([1, 2, 3, 4]), n=st.integers(0, 50), extra=st.integers(0, 3),
        name=st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x2FF, exclude_characters="\x7f"),
                     max_size=40))
 def test_header_round_trips_both_layouts(level, k, d, code, n, extra, name):
@@ -125,13 +125,13 @@ def test_spans():
 
 
 def test_dtype_table():
-    assert [ctx_dtype(c).name for c in range(4)] == ["uint32", "fp16", "bf16", "fp32"]
+    assert [ctx_dtype(c).name for c in range(5)] == ["uint32", "fp16", "bf16", "fp32", "q8"]
     assert ctx_dtype("float16").code == 1 and ctx_dtype("bfloat16").code == 2 and ctx_dtype("f32").code == 3
     import ml_dtypes
     import numpy as np
 
     assert ctx_dtype(np.float16).code == 1 and ctx_dtype(ml_dtypes.bfloat16).code == 2
-    for bad in (4, "int8", np.int64, object()):
+    for bad in (5, "int4", np.int64, np.uint8, object()):
         with pytest.raises(mcf.InvalidArgumentError):
             ctx_dtype(bad)
 
@@ -153,7 +153,7 @@ def patched(offset, fmt, value, raw=GOOD):
     (patched(6, "<H", 3), SIZE, mcf.FormatError, "level", 6),
     (patched(8, "<H", 0), SIZE, mcf.FormatError, "block_size", 8),
     (patched(10, "<H", 0), SIZE, mcf.FormatError, "embedding_dim", 10),
-    (patched(12, "<H", 4), SIZE, mcf.FormatError, "dtype_code", 12),
+    (patched(12, "<H", 5), SIZE, mcf.FormatError, "dtype_code", 12),
     (patched(12, "<H", 0), SIZE, mcf.FormatError, "dtype_code", 12),          # a gist file of uint32
     (patched(14, "<Q", 3), SIZE, mcf.TruncatedError, "num_entries", 14),     # count larger than the file
     (patched(14, "<Q", 2**64 - 1), SIZE, mcf.TruncatedError, "num_entries", 14),

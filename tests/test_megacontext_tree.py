@@ -231,7 +231,7 @@ def test_interrupted_rewrite_is_reported(tmp_path, monkeypatch):
         def boom(*a, **k):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(tree_mod, "_pwrite_all", boom)
+        monkeypatch.setattr(tree_mod, "pwrite_all", boom)
         with pytest.raises(KeyboardInterrupt):
             t.write_gists(1, 5, np.zeros((3, D), np.float16), checkpoint="ckpt-new")
         monkeypatch.undo()

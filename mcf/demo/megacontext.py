@@ -93,6 +93,27 @@ def demo_megacontext(model_dir, workdir, *, out=None, budget: int = 128, recent_
               f"{tok.decode(tree.block(best).tolist())[:90]!r}\n")
 
             snap = tree.snapshot()
+
+            # the same tree with quantized gists: q8 everywhere, and the hybrid policy (LOD1 fp16, LOD2 q8)
+            w("\n== quantized gists (q8: 32 int8 codes + one f16 scale per block)\n")
+            base = np.asarray(wc.embeddings, dtype=np.float32)
+            gist_rows = wc.levels != 0
+            for policy in ("q8", "hybrid"):
+                qdir = os.path.join(workdir, f"megacontext-tree-{policy}")
+                with mc.create(qdir, embedding_dim=d, model_name=MODEL_NAME, vocab_size=vocab,
+                               gist_dtype=policy) as qt:
+                    qt.append_tokens(tree.tokens(), commit=False)
+                    mc.build_gists(qt, pool)
+                    size = sum(qt.info()["files"][f"LOD{lv}"]["file_size_bytes"] for lv in (1, 2))
+                    qwc = qt.assemble(plan, table)
+                err = float(np.abs(np.asarray(qwc.embeddings, np.float32) - base)[gist_rows].max()) \
+                    if gist_rows.any() else 0.0
+                same_tokens = np.array_equal(qwc.embeddings[~gist_rows], wc.embeddings[~gist_rows])
+                ok &= same_tokens and not mc.verify(qdir, deep=True)
+                fp16 = sum(tree.info()["files"][f"LOD{lv}"]["file_size_bytes"] for lv in (1, 2))
+                w(f"   {policy:<6}: gist files {size:>9,} bytes ({size / fp16:.2f}x fp16's {fp16:,}); working "
+                  f"context: token rows {'identical' if same_tokens else 'DIFFER'}, gist rows within "
+                  f"{err:.2e} of fp16's (|gist| <= {float(np.abs(base[gist_rows]).max()) if gist_rows.any() else 0:.3f})\n")
         problems = mc.verify(tree_dir, deep=True) + mc.verify(snap, deep=True)
         ok &= not problems
         w(f"\n== snapshot {snap}\n   mcf ctx verify (tree and snapshot): "

@@ -33,7 +33,8 @@ __all__ = [
     "MAGIC", "MAGIC_BYTES", "MAGIC_BYTES_REVERSED", "VERSION", "HEADER_SIZE", "LEVELS", "LEVEL_FILES",
     "DEFAULT_BLOCK_SIZE", "CtxDType", "CTX_DTYPES", "ctx_dtype", "CtxHeader", "parse_header",
     "token_offset", "gist_offset", "entry_size", "file_size", "span_of", "children_of", "parent_of",
-    "COUNT_OFFSET", "MODEL_NAME_BYTES", "encode_model_name",
+    "COUNT_OFFSET", "MODEL_NAME_BYTES", "encode_model_name", "GIST_DTYPE_CODES", "Q8_BLOCK", "q8_row_bytes",
+    "gist_dtypes", "gist_policy", "HYBRID",
 ]
 
 MAGIC = 0x4D434354
@@ -67,13 +68,14 @@ class CtxDType:
     name: str           # name in metadata.json and the CLI
     itemsize: int
     storage: np.dtype   # how the bytes are stored (bf16 as uint16 bits)
-    numpy: np.dtype     # what readers hand out (ml_dtypes.bfloat16 when installed)
+    numpy: np.dtype     # what readers hand out (ml_dtypes.bfloat16 when installed; q8 rows decode to float32)
     is_float: bool
+    quantized: bool = False   # q8: a row is blocks of 32 int8 codes with one f16 scale each (see q8_row_bytes)
 
 
-def _dt(code, name, storage, numpy=None, is_float=True):
+def _dt(code, name, storage, numpy=None, is_float=True, quantized=False):
     st = np.dtype(storage).newbyteorder("<")
-    return CtxDType(code, name, st.itemsize, st, st if numpy is None else numpy, is_float)
+    return CtxDType(code, name, st.itemsize, st, st if numpy is None else numpy, is_float, quantized)
 
 
 CTX_DTYPES = {
@@ -81,10 +83,50 @@ CTX_DTYPES = {
     1: _dt(1, "fp16", np.float16),
     2: _dt(2, "bf16", np.uint16, _BF16 if _BF16 is not None else np.dtype("<u2")),
     3: _dt(3, "fp32", np.float32),
+    # MCF's q8 block quantization, one row at a time: itemsize is 1 (a code), the row layout is q8_row_bytes'
+    4: _dt(4, "q8", np.uint8, np.dtype("<f4"), quantized=True),
 }
-GIST_DTYPE_CODES = (1, 2, 3)
+GIST_DTYPE_CODES = (1, 2, 3, 4)
 _ALIASES = {"uint32": 0, "u32": 0, "fp16": 1, "f16": 1, "float16": 1, "half": 1, "bf16": 2, "bfloat16": 2,
-            "fp32": 3, "f32": 3, "float32": 3, "float": 3}
+            "fp32": 3, "f32": 3, "float32": 3, "float": 3, "q8": 4}
+Q8_BLOCK = 32        # values per q8 block (MCF's q8: one f16 scale per 32 int8 codes)
+HYBRID = "hybrid"    # the gist policy of seed 000: recent/fine LOD1 in fp16, older/coarse LOD2 in q8
+
+
+def q8_row_bytes(embedding_dim: int) -> int:
+    """Bytes of one q8 gist row: ``ceil(d / 32)`` f16 block scales, then the blocks' int8 codes
+    (32 per block; the codes past ``d`` in the last block are zero padding)."""
+    nb = -(-int(embedding_dim) // Q8_BLOCK)
+    return nb * 2 + nb * Q8_BLOCK
+
+
+def gist_dtypes(policy) -> dict:
+    """``{1: CtxDType, 2: CtxDType}`` of a gist dtype policy: one dtype for both levels (a name, code or
+    numpy dtype), ``"hybrid"`` (LOD1 fp16, LOD2 q8), or a mapping ``{1: ..., 2: ...}`` (metadata.json's
+    ``{"LOD1": ..., "LOD2": ...}`` too)."""
+    if isinstance(policy, str) and policy.strip().lower() == HYBRID:
+        return {1: CTX_DTYPES[1], 2: CTX_DTYPES[4]}
+    if isinstance(policy, dict):
+        keys = {1: 1, 2: 2, "1": 1, "2": 2, "LOD1": 1, "LOD2": 2}
+        if set(keys.get(k, k) for k in policy) != {1, 2} or len(policy) != 2:
+            raise InvalidArgumentError(f"a per-level gist dtype policy names levels 1 and 2 (or LOD1 and LOD2), "
+                                       f"got {sorted(map(str, policy))}")
+        out = {keys[k]: ctx_dtype(v) for k, v in policy.items()}
+    else:
+        d = ctx_dtype(policy)
+        out = {1: d, 2: d}
+    for d in out.values():
+        if d.code not in GIST_DTYPE_CODES:
+            raise InvalidArgumentError(f"gists are stored as fp16, bf16, fp32 or q8, not {d.name}")
+    return out
+
+
+def gist_policy(dtypes: dict):
+    """metadata.json's ``gist_dtype`` of ``{1: CtxDType, 2: CtxDType}``: the name when both levels agree,
+    else ``{"LOD1": name, "LOD2": name}``."""
+    if dtypes[1].code == dtypes[2].code:
+        return dtypes[1].name
+    return {"LOD1": dtypes[1].name, "LOD2": dtypes[2].name}
 
 
 def ctx_dtype(value) -> CtxDType:
@@ -107,7 +149,7 @@ def ctx_dtype(value) -> CtxDType:
     if npdt.name == "bfloat16":
         return CTX_DTYPES[2]
     for dt in CTX_DTYPES.values():
-        if dt.code != 2 and dt.storage == npdt.newbyteorder("<"):
+        if dt.code != 2 and not dt.quantized and dt.storage == npdt.newbyteorder("<"):
             return dt
     raise InvalidArgumentError(f"numpy dtype {npdt} has no .ctx equivalent (uint32, fp16, bf16, fp32)")
 
@@ -119,15 +161,22 @@ def token_offset(block_index: int, token_index: int, block_size: int = DEFAULT_B
     return HEADER_SIZE + (b * k + t) * 4
 
 
-def gist_offset(gist_index: int, embedding_dim: int, dtype_bytes: int) -> int:
-    """Byte offset of gist ``gist_index`` in LOD1.ctx / LOD2.ctx."""
-    return (HEADER_SIZE + integer(gist_index, "gist_index") * integer(embedding_dim, "embedding_dim")
-            * integer(dtype_bytes, "dtype_bytes"))
+def gist_offset(gist_index: int, embedding_dim: int, dtype_bytes) -> int:
+    """Byte offset of gist ``gist_index`` in LOD1.ctx / LOD2.ctx (``dtype_bytes``: the element size, or
+    a dtype of the table, e.g. ``"q8"``, whose rows are not whole elements)."""
+    d = integer(embedding_dim, "embedding_dim")
+    if isinstance(dtype_bytes, (str, CtxDType)):
+        row = entry_size(1, d, ctx_dtype(dtype_bytes))
+    else:
+        row = d * integer(dtype_bytes, "dtype_bytes")
+    return HEADER_SIZE + integer(gist_index, "gist_index") * row
 
 
 def entry_size(level: int, embedding_dim: int, dtype: CtxDType) -> int:
-    """Bytes per entry: a uint32 token at LOD0, a d-wide vector at LOD1/LOD2."""
-    return 4 if level == 0 else embedding_dim * dtype.itemsize
+    """Bytes per entry: a uint32 token at LOD0, a d-wide vector at LOD1/LOD2 (q8: see q8_row_bytes)."""
+    if level == 0:
+        return 4
+    return q8_row_bytes(embedding_dim) if dtype.quantized else embedding_dim * dtype.itemsize
 
 
 def file_size(level: int, count: int, embedding_dim: int, dtype: CtxDType) -> int:
@@ -262,13 +311,13 @@ def parse_header(raw: bytes, size: int, *, path=None, expect_level=None, expect_
                           got=0)
     if code not in CTX_DTYPES:
         raise FormatError("unknown dtype_code", path=path, field="dtype_code", offset=12,
-                          expected="0 (uint32), 1 (fp16), 2 (bf16) or 3 (fp32)", got=code)
+                          expected="0 (uint32), 1 (fp16), 2 (bf16), 3 (fp32) or 4 (q8)", got=code)
     if level == 0 and code != 0:
         raise FormatError("LOD0 holds uint32 token ids", path=path, field="dtype_code", offset=12,
                           expected="0 (uint32)", got=code)
     if level > 0 and code not in GIST_DTYPE_CODES:
         raise FormatError("gist files hold floats", path=path, field="dtype_code", offset=12,
-                          expected="1 (fp16), 2 (bf16) or 3 (fp32)", got=code)
+                          expected="1 (fp16), 2 (bf16), 3 (fp32) or 4 (q8)", got=code)
     esize = entry_size(level, dim, CTX_DTYPES[code])
     capacity = (size - HEADER_SIZE) // esize
     base = dict(level=level, block_size=block_size, embedding_dim=dim, dtype_code=code, version=version,

@@ -12,10 +12,11 @@ import threading
 import numpy as np
 
 cimport numpy as cnp
-from libc.stdint cimport uint8_t, uint32_t, int64_t, uint64_t, uintptr_t
-from libc.string cimport memcpy
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, int64_t, uint64_t, uintptr_t
+from libc.string cimport memcpy, memset
 
 from mcf._core._buffers cimport check_out
+from mcf._core._fpconv cimport resolve_impl as _resolve_impl
 from mcf._core._io cimport Source
 
 from mcf._core.args import byte_order_problem
@@ -27,8 +28,9 @@ cdef extern from "megacontext.h" nogil:
     ctypedef struct mc_assembly:
         const uint32_t *tokens
         const uint8_t *gists[3]
-        int gist_dtype
-        size_t gist_row_bytes
+        int gist_dtype[3]
+        size_t gist_stride[3]
+        int impl
         uint32_t dim
         uint32_t block_size
         const uint8_t *plan_level
@@ -54,14 +56,22 @@ cdef extern from "megacontext.h" nogil:
     void mc_copy_rows(const mc_assembly *a, size_t r0, size_t r1, int stream)
     int64_t mc_assemble(const mc_assembly *a, size_t n_entries, size_t n_rows, int stream)
     void mc_convert(const void *src, int src_dtype, void *dst, int dst_dtype, size_t n)
+    void mc_decode_q8_row(const uint8_t *row, uint32_t dim, void *out, int out_dtype, int impl)
     void mc_pool_rows(const uint8_t *rows, int src_dtype, size_t n_groups, uint32_t group, uint32_t dim,
                       uint8_t *out, int out_dtype, double *acc)
     int64_t mc_pool_tokens(const uint32_t *ids, size_t n_groups, uint32_t group, const uint8_t *table,
                            uint64_t vocab, int table_dtype, size_t table_row_stride, uint32_t dim,
                            uint8_t *out, int out_dtype, double *acc)
 
+cdef extern from "quant.h" nogil:
+    int mcf_quantize_rows_search(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
+                                 float max_clip, const float *weights, uint16_t *scales, uint8_t *sub, uint8_t *codes,
+                                 int impl)
+
 cdef enum:
     HEADER = 64
+    Q8 = 4
+    Q8_BLOCK = 32
 
 try:
     import ml_dtypes as _ml_dtypes
@@ -98,6 +108,112 @@ def numpy_dtype(int code):
 
 cdef inline size_t _itemsize(int code):
     return 4 if code == 3 or code == 0 else 2
+
+
+cdef inline size_t _row_bytes(int code, uint32_t dim):
+    """Bytes of one gist row: d elements, or for q8 ceil(d/32) f16 scales + 32 codes per block."""
+    cdef size_t nb
+    if code == Q8:
+        nb = (<size_t>dim + Q8_BLOCK - 1) // Q8_BLOCK
+        return nb * (2 + Q8_BLOCK)
+    return dim * _itemsize(code)
+
+
+def q8_row_bytes(uint32_t dim):
+    return _row_bytes(Q8, dim)
+
+
+def quantize_q8(rows, impl=None):
+    """Quantize float32 rows [n, d] (finite) to q8 gist rows [n, ceil(d/32) * 34] (uint8): per row the
+    f16 block scales, then the int8 codes, with MCF's error-minimizing q8 quantizer (csrc/quant_search.c),
+    exactly the scales and codes ``mcf.quantize(rows, "q8")`` writes for those rows."""
+    a = np.ascontiguousarray(_native(np.asarray(rows)), dtype=np.float32)
+    if a.ndim != 2 or a.shape[1] == 0 or a.shape[1] > 0xFFFF:
+        raise InvalidArgumentError(f"q8 rows must be [n, d] with 1 <= d <= 65535, got shape {a.shape}")
+    if a.size and not np.isfinite(a).all():
+        k = int(np.flatnonzero(~np.isfinite(a).all(axis=1))[0])
+        raise InvalidArgumentError(f"gist row {k} holds NaN or Inf, which q8 cannot store")
+    cdef size_t n = a.shape[0], d = a.shape[1]
+    cdef size_t nb = (d + Q8_BLOCK - 1) // Q8_BLOCK
+    out = np.zeros((n, nb * (2 + Q8_BLOCK)), dtype=np.uint8)
+    if n == 0:
+        return out
+    scales = np.empty((n, nb), dtype=np.uint16)
+    codes = np.empty((n, nb * Q8_BLOCK), dtype=np.uint8)
+    cdef int im = _resolve_impl(impl), rc
+    cdef uintptr_t sp = a.ctypes.data, scp = scales.ctypes.data, cp = codes.ctypes.data
+    cdef float inf = float("inf")
+    with nogil:
+        rc = mcf_quantize_rows_search(1, 8, <const float*>sp, n, d, -inf, inf, NULL, <uint16_t*>scp, NULL,
+                                      <uint8_t*>cp, im)
+    if rc != 0:
+        raise InvalidArgumentError("a gist value is too large for q8 (its block scale overflows float16: "
+                                   "|x| > 65504 * 127)")
+    out[:, :2 * nb] = scales.view(np.uint8).reshape(n, 2 * nb)
+    out[:, 2 * nb:] = codes
+    return out
+
+
+def decode_q8(rows, uint32_t dim, out, impl=None):
+    """Decode q8 gist rows ([n, row_bytes] uint8, in memory) into ``out`` ([n, dim] float16, bfloat16 or
+    float32) with MCF's dequantization kernel."""
+    r = np.ascontiguousarray(rows, dtype=np.uint8)
+    cdef size_t rb = _row_bytes(Q8, dim)
+    if dim == 0 or r.ndim != 2 or <size_t>r.shape[1] != rb:
+        raise InvalidArgumentError(f"q8 rows of {dim} values are {rb} bytes wide, got shape {r.shape}")
+    cdef int oc = float_code(out.dtype) if isinstance(out, np.ndarray) else -1
+    if oc < 0:
+        raise InvalidArgumentError("out must be a float16, bfloat16 or float32 array")
+    check_out(out, "out")
+    if out.shape != (r.shape[0], dim) or not out.flags.c_contiguous:
+        raise InvalidArgumentError(f"out must be C-contiguous of shape ({r.shape[0]}, {dim}), got {out.shape}")
+    cdef size_t n = r.shape[0], k, ob = dim * _itemsize(oc)
+    cdef int im = _resolve_impl(impl)
+    cdef uintptr_t sp = r.ctypes.data if n else 0, dp = out.ctypes.data if n else 0
+    with nogil:
+        for k in range(n):
+            mc_decode_q8_row(<const uint8_t*>sp + k * rb, dim, <uint8_t*>dp + k * ob, oc, im)
+    return out
+
+
+def gather_q8(Source src, uint64_t count, uint32_t dim, indices, out, impl=None):
+    """Decode rows ``indices`` (int64, each < count) of a q8 gist file into ``out`` ([n, dim] float16,
+    bfloat16 or float32, C-contiguous): straight from the mapping, or one positional read per row."""
+    ix = np.ascontiguousarray(indices, dtype=np.int64)
+    if ix.ndim != 1:
+        raise InvalidArgumentError("indices must be 1-D")
+    cdef size_t rb = _row_bytes(Q8, dim)
+    cdef Py_ssize_t n = ix.shape[0], k
+    if n and (ix.min() < 0 or ix.max() >= <int64_t>count):
+        bad = ix[(ix < 0) | (ix >= <int64_t>count)][0]
+        raise OutOfBoundsError(f"{src.name}: row {int(bad)} is outside the file's {count} committed rows")
+    src.check_range(HEADER, count * rb)
+    cdef int oc = float_code(out.dtype) if isinstance(out, np.ndarray) else -1
+    if oc < 0:
+        raise InvalidArgumentError("out must be a float16, bfloat16 or float32 array")
+    check_out(out, "out")
+    if out.shape != (n, dim) or not out.flags.c_contiguous:
+        raise InvalidArgumentError(f"out must be C-contiguous of shape ({n}, {dim}), got {out.shape}")
+    if n == 0:
+        return out
+    cdef int64_t[::1] iv = ix
+    cdef uint8_t* dst = <uint8_t*><uintptr_t>out.ctypes.data
+    cdef size_t ob = dim * _itemsize(oc)
+    cdef const uint8_t* base = src.base
+    cdef int im = _resolve_impl(impl)
+    keep = src._mapping  # alive while the GIL is released
+    cdef uint8_t[::1] tmp
+    if base != NULL:
+        with nogil:
+            for k in range(n):
+                mc_decode_q8_row(base + HEADER + <uint64_t>iv[k] * rb, dim, dst + k * ob, oc, im)
+    else:
+        scratch = np.empty(rb, dtype=np.uint8)
+        tmp = scratch
+        for k in range(n):
+            src.copy_to(HEADER + <uint64_t>iv[k] * rb, rb, &tmp[0])
+            mc_decode_q8_row(&tmp[0], dim, dst + k * ob, oc, im)
+    return out
 
 
 cdef int _check_level_source(Source src, uint64_t count, uint64_t entry, str what) except -1:
@@ -150,8 +266,8 @@ def _copy_threads(size_t addr, const int64_t[::1] cuts, int stream):
         th.join()
 
 
-def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int gist_code,
-             plan_levels, plan_index, table=None, out=None, out_dtype=None, int threads=1):
+def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, tuple gist_codes,
+             plan_levels, plan_index, table=None, out=None, out_dtype=None, int threads=1, impl=None):
     """Gather a working context in one pass.
 
     ``sources`` = (LOD0, LOD1, LOD2) :class:`mcf.io.Source` (LOD1/LOD2 may be None when the plan has
@@ -159,12 +275,18 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
     length arrays (levels 0/1/2, index within the level; an LOD0 index is a block).  Returns
     ``(levels, positions, token_ids, gists, matrix)``: ``gists`` [n_gist_rows, d] when no ``table`` is
     given, else None and ``matrix`` [n, d] holds token embeddings and gist rows in plan order.
+    ``gist_codes`` = (LOD1, LOD2) dtype codes; q8 rows are decoded in the copy loop (variant ``impl``).
+    Without a table the gist rows come out in ``out_dtype``, by default the levels' common float dtype,
+    float32 when a level is q8 or the levels differ.
     """
     cdef Source s0 = sources[0], s1 = sources[1], s2 = sources[2]
     cdef uint64_t T = counts[0], n1 = counts[1], n2 = counts[2]
-    cdef size_t grow = dim * _itemsize(gist_code)
-    if gist_code not in (1, 2, 3):
-        raise InvalidArgumentError(f"bad gist dtype code {gist_code}")
+    if len(gist_codes) != 2 or any(c not in (1, 2, 3, 4) for c in gist_codes):
+        raise InvalidArgumentError(f"bad gist dtype codes {gist_codes!r}")
+    cdef int c1 = gist_codes[0], c2 = gist_codes[1]
+    cdef size_t grow1 = _row_bytes(c1, dim), grow2 = _row_bytes(c2, dim)
+    cdef size_t grow = max(grow1, grow2)
+    cdef int im = _resolve_impl(impl)
     if block_size == 0 or dim == 0:
         raise InvalidArgumentError("block_size and dim must be >= 1")
     lv = np.ascontiguousarray(plan_levels)
@@ -211,9 +333,9 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
     cdef bint need1 = m and bool((lv8 == 1).any()), need2 = m and bool((lv8 == 2).any())
     _check_level_source(s0, T, 4, "LOD0")
     if need1:
-        _check_level_source(s1, n1, grow, "LOD1")
+        _check_level_source(s1, n1, grow1, "LOD1")
     if need2:
-        _check_level_source(s2, n2, grow, "LOD2")
+        _check_level_source(s2, n2, grow2, "LOD2")
     cdef bint mapped = s0.base != NULL and (not need1 or s1.base != NULL) and (not need2 or s2.base != NULL)
     # The mappings behind the base pointers stay alive until the copies end: another thread may call
     # Source.refresh() (a Tree refresh remaps a grown file) or close() while the GIL is released.
@@ -231,6 +353,8 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
         a.gists[0] = NULL
         a.gists[1] = (s1.base + HEADER) if need1 else NULL
         a.gists[2] = (s2.base + HEADER) if need2 else NULL
+        a.gist_stride[1] = grow1
+        a.gist_stride[2] = grow2
     else:
         src_first = out_slot
         scratch_t = np.empty(max(n_tok, 1), dtype=np.uint32)
@@ -241,20 +365,22 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
             if lv_v[e] == 0:
                 s0.copy_to(HEADER + <uint64_t>ix_v[e] * block_size * 4, <size_t>rows_v[e] * 4, &tmp_t[slot_v[e]])
             elif lv_v[e] == 1:
-                s1.copy_to(HEADER + <uint64_t>ix_v[e] * grow, grow, &tmp_g[slot_v[e], 0])
+                s1.copy_to(HEADER + <uint64_t>ix_v[e] * grow1, grow1, &tmp_g[slot_v[e], 0])
             else:
-                s2.copy_to(HEADER + <uint64_t>ix_v[e] * grow, grow, &tmp_g[slot_v[e], 0])
+                s2.copy_to(HEADER + <uint64_t>ix_v[e] * grow2, grow2, &tmp_g[slot_v[e], 0])
         a.tokens = &tmp_t[0]
         a.gists[0] = NULL
         a.gists[1] = &tmp_g[0, 0]
         a.gists[2] = &tmp_g[0, 0]
+        a.gist_stride[1] = grow   # the scratch rows are as wide as the wider level's
+        a.gist_stride[2] = grow
 
     levels = np.empty(n, dtype=np.uint8)
     positions = np.empty(n, dtype=np.int64)
     token_ids = np.empty(n_tok, dtype=np.uint32)
     gists = None
     matrix = None
-    cdef int ocode = gist_code
+    cdef int ocode = c1 if c1 == c2 and c1 != Q8 else 3
     if table is not None:
         t, tcode, vocab, tstride = _table_info(table, dim)
         if out is not None:
@@ -285,15 +411,22 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
     else:
         if out is not None:
             raise InvalidArgumentError("out needs an embedding table")
-        gists = np.empty((n_gist, dim), dtype=numpy_dtype(gist_code))
+        if out_dtype is not None:
+            ocode = float_code(out_dtype)
+            if ocode < 0:
+                raise InvalidArgumentError(f"dtype {out_dtype!r} is not float16, bfloat16 or float32")
+        gists = np.empty((n_gist, dim), dtype=numpy_dtype(ocode))
         a.gists_out = <uint8_t*><uintptr_t>(gists.ctypes.data) if n_gist else NULL
         a.matrix = NULL
         a.table = NULL
         a.vocab = 0
         a.table_dtype = 0
         a.table_row_stride = 0
-    a.gist_dtype = gist_code
-    a.gist_row_bytes = grow
+    a.gist_dtype[0] = 0
+    a.gist_dtype[1] = c1
+    a.gist_dtype[2] = c2
+    a.gist_stride[0] = 0
+    a.impl = im
     a.dim = dim
     a.block_size = block_size
     a.out_dtype = ocode
@@ -328,7 +461,7 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, int
     a.row_dtype = &rdt[0]
     cdef int64_t bad
     cdef size_t ncp = n_copy
-    cdef int stream = (n_copy * (a.out_row_bytes if matrix is not None else grow)) >= STREAM_BYTES
+    cdef int stream = (n_copy * a.out_row_bytes) >= STREAM_BYTES
     cdef Py_ssize_t nt = max(1, min(threads, n_copy))
     if nt == 1:
         with nogil:

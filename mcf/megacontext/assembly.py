@@ -62,8 +62,8 @@ class WorkingContext:
 
     ``levels`` (uint8) and ``positions`` (int64, first token each row covers) have one entry per row.
     ``token_ids`` holds the ids of the LOD0 rows in row order.  Without an embedding table, ``gists``
-    holds the gist rows ([n_gists, d], the tree's dtype) and ``embeddings`` is None; with one,
-    ``embeddings`` is the [n, d] matrix (token rows looked up in the table, gist rows converted) and
+    holds the gist rows ([n_gists, d], in the dtype :func:`assemble` describes) and ``embeddings`` is
+    None; with one, ``embeddings`` is the [n, d] matrix (token rows looked up in the table, gist rows converted) and
     :attr:`gists` reads the gist rows back out of it.
     """
 
@@ -100,14 +100,20 @@ def assemble(tree, plan, embeddings=None, *, out=None, dtype=None, threads: int 
     then the result's ``embeddings`` is one [n, d] matrix of ``dtype`` (default the table's), written
     into ``out`` when given (reuse it across steps to skip the allocation).  ``threads`` > 1 splits
     large gathers across threads.  Indices are checked against the committed counts; token ids
-    against the table's rows."""
+    against the table's rows.
+
+    q8 gist rows (a "q8" or "hybrid" tree) are decoded inside the same call, straight into their output
+    rows, with MCF's dequantization kernel (the SIMD variant ``MCF_FORCE_IMPL`` names, else the best the
+    CPU runs).  Without a table the gist rows come out in ``dtype``, by default the levels' common float
+    dtype, or float32 when a level is q8 or the levels differ."""
     tree._check_open()
     p = Plan.of(plan)
     threads = integer(threads, "threads", minimum=1)
     t, n1, n2 = tree.counts
     srcs = (tree._src(0, t), tree._src(1, n1) if n1 else None, tree._src(2, n2) if n2 else None)
     levels, positions, token_ids, gists, matrix = _mc.assemble(
-        srcs, (t, n1, n2), tree.block_size, tree.embedding_dim, tree.gist_dtype.code, p.levels, p.indices,
+        srcs, (t, n1, n2), tree.block_size, tree.embedding_dim,
+        (tree.gist_dtype_of(1).code, tree.gist_dtype_of(2).code), p.levels, p.indices,
         table=embeddings, out=out, out_dtype=dtype, threads=threads)
     return WorkingContext(levels, positions, token_ids, gists, matrix, tree.block_size)
 

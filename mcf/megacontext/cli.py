@@ -23,7 +23,9 @@ def cmd_info(args) -> int:
         sys.stdout.write("\n")
         return 0
     w = sys.stdout.write
-    w(f"{d['path']}: MegaContext tree, model {d['model_name']!r}, d={d['embedding_dim']} {d['gist_dtype']}, "
+    g = d["gist_dtype"]
+    g = g if isinstance(g, str) else f"LOD1 {g['LOD1']} + LOD2 {g['LOD2']}"
+    w(f"{d['path']}: MegaContext tree, model {d['model_name']!r}, d={d['embedding_dim']} {g}, "
       f"K={d['block_size']}" + (f", vocab {d['vocab_size']}" if d["vocab_size"] else "") + "\n")
     w(f"  {d['num_tokens']} tokens ({d['num_blocks']} full blocks), {d['num_gists']['LOD1']} LOD1 gists, "
       f"{d['num_gists']['LOD2']} LOD2 gists; ingestion {'complete' if d['ingestion_complete'] else 'open'}\n")
@@ -215,7 +217,8 @@ def add_ctx_parser(sub) -> None:
     s.add_argument("--embedding-tensor", help="name of the [vocab, d] input-embedding tensor")
     s.add_argument("--ids", action="store_true", help="input holds token ids, not text")
     s.add_argument("--no-gists", action="store_true", help="append tokens only")
-    s.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="gist dtype of a new tree")
+    s.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32", "q8", "hybrid"),
+                   help="gist dtype of a new tree (q8: MCF 8-bit blocks; hybrid: LOD1 fp16, LOD2 q8)")
     s.add_argument("--block-size", type=int, default=32)
     s.add_argument("--embedding-dim", type=int, help="d of a new tree without --model-dir")
     s.add_argument("--model-name", help="model name of a new tree")

@@ -55,9 +55,10 @@ def build_gists(tree, pooler: MeanPool, *, chunk_blocks: int = 4096, commit: boo
         raise InvalidArgumentError(f"the pooler's table is {pooler.embedding_dim} wide, the tree's "
                                    f"embedding_dim is {tree.embedding_dim}")
     k = tree.block_size
-    dt = _mc.numpy_dtype(tree.gist_dtype.code)
     added = [0, 0]
     for level in (1, 2):
+        gdt = tree.gist_dtype_of(level)   # q8 levels: pooled in float32, quantized by append_gists
+        dt = np.dtype(np.float32) if gdt.quantized else _mc.numpy_dtype(gdt.code)
         lower = tree.num_tokens if level == 1 else tree.num_gists(1)
         have = tree.num_gists(level)
         want = lower // k

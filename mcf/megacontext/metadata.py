@@ -21,7 +21,7 @@ import time
 from mcf._core.fs import publish, write_all
 from mcf.errors import FormatError, MCFError, MissingFileError, UnsupportedVersionError, os_error
 from mcf.remote import is_url
-from mcf.megacontext._layout import CTX_DTYPES, GIST_DTYPE_CODES, LEVEL_FILES, ctx_dtype, file_size
+from mcf.megacontext._layout import CTX_DTYPES, LEVEL_FILES, file_size, gist_dtypes
 
 __all__ = ["METADATA", "VERSION", "new_metadata", "read_metadata", "validate_metadata", "write_metadata",
            "counts_of", "with_counts", "set_range", "now_iso", "LEVEL_KEYS"]
@@ -37,7 +37,7 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
 
-def new_metadata(*, model_name: str, embedding_dim: int, block_size: int, gist_dtype: str,
+def new_metadata(*, model_name: str, embedding_dim: int, block_size: int, gist_dtype,
                  vocab_size: int | None = None, gistnet_checkpoint: str | None = None) -> dict:
     now = now_iso()
     meta = {
@@ -65,13 +65,13 @@ def with_counts(meta: dict, counts) -> dict:
     """A copy of ``meta`` whose levels describe ``counts`` = (tokens, LOD1 gists, LOD2 gists)."""
     d = meta["embedding_dim"]
     k = meta["block_size"]
-    gdt = ctx_dtype(meta["gist_dtype"])
+    gdt = gist_dtypes(meta["gist_dtype"])
     old = meta.get("levels") or {}
     t, n1, n2 = counts
     levels = {"LOD0": {"num_blocks": t // k, "num_tokens": t, "file_size_bytes": file_size(0, t, d, CTX_DTYPES[0])}}
     for key, n, level in (("LOD1", n1, 1), ("LOD2", n2, 2)):
         ranges = [dict(r) for r in (old.get(key) or {}).get("gists", [])]
-        levels[key] = {"num_gists": n, "file_size_bytes": file_size(level, n, d, gdt), "gists": _clip(ranges, n)}
+        levels[key] = {"num_gists": n, "file_size_bytes": file_size(level, n, d, gdt[level]), "gists": _clip(ranges, n)}
     out = dict(meta)
     out["levels"] = levels
     return out
@@ -141,8 +141,14 @@ def validate_metadata(obj, *, path=None) -> list:
     if not isinstance(obj.get("model_name"), str):
         bad("model_name", "missing or not a string", got=obj.get("model_name"))
     g = obj.get("gist_dtype", "fp16")
-    if not isinstance(g, str) or g not in [CTX_DTYPES[c].name for c in GIST_DTYPE_CODES]:
-        bad("gist_dtype", "unknown gist dtype", expected="fp16, bf16 or fp32", got=g)
+    gdt = None
+    names = ("fp16", "bf16", "fp32", "q8")
+    if isinstance(g, str) and g in names or (isinstance(g, dict) and set(g) == {"LOD1", "LOD2"}
+                                             and all(isinstance(v, str) and v in names for v in g.values())):
+        gdt = gist_dtypes(g)
+    else:
+        bad("gist_dtype", "unknown gist dtype", expected='fp16, bf16, fp32, q8 or {"LOD1": ..., "LOD2": ...}',
+            got=g)
     vs = obj.get("vocab_size")
     if vs is not None and (not _is_int(vs) or vs < 1):
         bad("vocab_size", "not a positive integer", got=vs)
@@ -160,10 +166,6 @@ def validate_metadata(obj, *, path=None) -> list:
         return errs
     k = obj.get("block_size") if _is_int(obj.get("block_size")) and obj.get("block_size") > 0 else None
     d = obj.get("embedding_dim") if _is_int(obj.get("embedding_dim")) and obj.get("embedding_dim") > 0 else None
-    try:
-        gdt = ctx_dtype(g)
-    except Exception:  # reported above
-        gdt = None
     counts = {}
     for li, key in enumerate(LEVEL_KEYS):
         lv = levels.get(key)
@@ -179,7 +181,7 @@ def validate_metadata(obj, *, path=None) -> list:
         counts[li] = n
         fs = lv.get("file_size_bytes")
         if li == 0 or (d is not None and gdt is not None):
-            want = file_size(li, n, d or 1, CTX_DTYPES[0] if li == 0 else gdt)
+            want = file_size(li, n, d or 1, CTX_DTYPES[0] if li == 0 else gdt[li])
             if not _is_int(fs) or fs != want:
                 bad(f"{f}.file_size_bytes", f"does not match {ckey}", expected=want, got=fs)
         if li == 0:

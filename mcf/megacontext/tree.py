@@ -17,241 +17,29 @@ that is already in the file.
 
 from __future__ import annotations
 
-import errno
-import math
 import os
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 
 from mcf._core import _fpconv
 from mcf._core.args import index_array, integer
-from mcf._core._io import Source, open_source
-from mcf.errors import (FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingFileError, OutOfBoundsError,
-                        TruncatedError, os_error)
+from mcf._core._io import Source
+from mcf.errors import InvalidArgumentError, OutOfBoundsError, TruncatedError, os_error
 from mcf.megacontext import _megacontext as _mc
-from mcf.remote import is_url, refuse_url
+from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
+from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LEVELS, CtxDType, CtxHeader,
+                                     children_of, gist_dtypes, gist_policy, parent_of, parse_header, q8_row_bytes,
+                                     span_of, token_offset)
 from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
-from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, GIST_DTYPE_CODES, HEADER_SIZE,
-                                     LEVEL_FILES, LEVELS, CtxHeader, children_of, ctx_dtype, encode_model_name,
-                                     gist_offset, parent_of, parse_header, span_of, token_offset)
+from mcf.megacontext._validate import Level, Problem, cross_check, deep_checks, scan, stable_header
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
                                       with_counts, write_metadata, now_iso)
+from mcf.remote import refuse_url
 
 __all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_FILE", "RESTORE_MARKER"]
 
 _KEEP = object()
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding of :func:`verify` (or of opening): ``severity`` is ``"error"`` (the tree cannot be
-    trusted as is), ``"warning"`` (an inconsistency that a writer's open repairs, e.g. after a killed
-    writer) or ``"note"`` (worth knowing, not wrong: a legacy header, reversed magic)."""
-
-    severity: str
-    error: MCFError
-
-    def __str__(self) -> str:
-        return f"{self.severity}: {self.error}"
-
-
-class _Level:
-    """One .ctx file as the tree sees it."""
-
-    __slots__ = ("level", "path", "src", "fd", "header", "committed", "count", "tail")
-
-    def __init__(self, level: int, path: str):
-        self.level = level
-        self.path = path
-        self.src: Source | None = None
-        self.fd = -1
-        self.header: CtxHeader | None = None
-        self.committed = 0   # entries counted by the header on disk
-        self.count = 0       # entries this process sees (committed + its own uncommitted appends)
-        self.tail = 0        # bytes after the committed entries (an uncommitted append)
-
-    def close(self):
-        if self.src is not None:
-            self.src.close()
-            self.src = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _dir_path(path) -> str:
-    """An absolute directory path, or a URL as given (read-only trees over fsspec, see mcf.remote)."""
-    if is_url(path):
-        return os.fsdecode(path).rstrip("/")
-    return os.path.abspath(os.fspath(path))
-
-
-def _level_path(dirpath, level):
-    return os.path.join(dirpath, LEVEL_FILES[level])
-
-
-def _stable_header(src: Source) -> bytes:
-    """The header bytes, read until two reads agree (a writer may be updating the count)."""
-    n = min(HEADER_SIZE, src.size)
-    raw = src.read(0, n)
-    for _ in range(100):
-        again = src.read(0, n)
-        if again == raw:
-            return raw
-        raw = again
-    return raw
-
-
-def _read_level(dirpath, level, mmap, expect_count, problems) -> _Level:
-    lv = _Level(level, _level_path(dirpath, level))
-    try:
-        lv.src = open_source(lv.path, mmap=mmap)
-        raw = _stable_header(lv.src)
-        # the data of every counted entry was written before the count: refresh after reading it
-        lv.src.refresh()
-        lv.header = parse_header(raw, lv.src.size, path=lv.path, expect_level=level, expect_count=expect_count)
-    except MCFError as exc:
-        problems.append(Problem("error", exc))
-        return lv
-    h = lv.header
-    lv.committed = lv.count = h.num_entries
-    lv.tail = lv.src.size - HEADER_SIZE - h.num_entries * h.entry_size
-    if h.layout == "legacy":
-        problems.append(Problem("note", FormatError(
-            "legacy header layout (seed 001: model_name at 14, no count; the count comes from the file size)",
-            path=lv.path, field="header", offset=0)))
-    if h.magic_order == "reversed":
-        problems.append(Problem("note", FormatError("magic in reversed byte order (4D 43 43 54)", path=lv.path,
-                                                    field="magic", offset=0)))
-    return lv
-
-
-def _cross_check(dirpath, meta, levels, problems) -> None:
-    """Geometry, counts and metadata against each other; appends to ``problems``."""
-    heads = {k: v.header for k, v in levels.items() if v.header is not None}
-    mpath = os.path.join(dirpath, METADATA)
-    ref = heads.get(0) or next(iter(heads.values()), None)
-    for lv, h in sorted(heads.items()):
-        path = levels[lv].path
-        for field, off in (("block_size", 8), ("embedding_dim", 10)):
-            if ref is not None and getattr(h, field) != getattr(ref, field):
-                problems.append(Problem("error", FormatError(
-                    f"{field} differs from {LEVEL_FILES[ref.level]}'s", path=path, field=field, offset=off,
-                    expected=getattr(ref, field), got=getattr(h, field))))
-            if meta is not None and getattr(h, field) != meta[field]:
-                problems.append(Problem("error", FormatError(
-                    f"{field} differs from metadata.json's", path=path, field=field, offset=off,
-                    expected=meta[field], got=getattr(h, field))))
-        if lv > 0 and meta is not None and h.dtype.name != meta["gist_dtype"]:
-            problems.append(Problem("error", FormatError(
-                "gist dtype differs from metadata.json's gist_dtype", path=path, field="dtype_code", offset=12,
-                expected=meta["gist_dtype"], got=h.dtype.name)))
-        if meta is not None and encode_model_name(h.model_name) != encode_model_name(meta["model_name"]):
-            problems.append(Problem("warning", FormatError(
-                "model_name differs from metadata.json's", path=path, field="model_name",
-                offset=14 if h.layout == "legacy" else 22, expected=meta["model_name"], got=h.model_name)))
-    if 1 in heads and 2 in heads and heads[1].dtype_code != heads[2].dtype_code:
-        problems.append(Problem("error", FormatError(
-            "LOD1 and LOD2 hold different gist dtypes", path=levels[2].path, field="dtype_code", offset=12,
-            expected=heads[1].dtype.name, got=heads[2].dtype.name)))
-    k = ref.block_size if ref is not None else None
-    if k and 0 in heads and 1 in heads:
-        t, n1 = heads[0].num_entries, heads[1].num_entries
-        if n1 > math.ceil(t / k):
-            problems.append(Problem("error", FormatError(
-                "more LOD1 gists than LOD0 blocks", path=levels[1].path, field="num_entries",
-                offset=COUNT_OFFSET, expected=f"<= ceil({t} / {k}) = {math.ceil(t / k)}", got=n1)))
-        elif n1 > t // k:
-            problems.append(Problem("warning", FormatError(
-                "the partial trailing LOD0 block has a gist", path=levels[1].path, field="num_entries",
-                offset=COUNT_OFFSET, expected=f"<= {t // k}", got=n1)))
-    if k and 1 in heads and 2 in heads:
-        n1, n2 = heads[1].num_entries, heads[2].num_entries
-        if n2 > math.ceil(n1 / k):
-            problems.append(Problem("error", FormatError(
-                "more LOD2 gists than groups of LOD1 gists", path=levels[2].path, field="num_entries",
-                offset=COUNT_OFFSET, expected=f"<= ceil({n1} / {k}) = {math.ceil(n1 / k)}", got=n2)))
-    for lv, h in heads.items():
-        what = "tokens" if lv == 0 else "gists"
-        if levels[lv].tail > 0:
-            problems.append(Problem("warning", TruncatedError(
-                f"{levels[lv].tail} bytes after the {h.num_entries} committed {what} (an append that was "
-                "never committed: the writer stopped before updating the header)", path=levels[lv].path,
-                field="num_entries", offset=COUNT_OFFSET, expected=HEADER_SIZE + h.num_entries * h.entry_size,
-                got=HEADER_SIZE + h.num_entries * h.entry_size + levels[lv].tail)))
-        if meta is None:
-            continue
-        m = counts_of(meta)[lv]
-        if m > h.num_entries:
-            problems.append(Problem("error", FormatError(
-                f"metadata.json counts more {what} than {LEVEL_FILES[lv]} commits", path=mpath,
-                field=f"levels.LOD{lv}", expected=f"<= {h.num_entries}", got=m)))
-        elif m < h.num_entries:
-            problems.append(Problem("warning", FormatError(
-                f"metadata.json is behind {LEVEL_FILES[lv]} (the writer stopped after committing the header and "
-                "before rewriting metadata.json)", path=mpath, field=f"levels.LOD{lv}", expected=h.num_entries,
-                got=m)))
-        if lv > 0:
-            ranges = meta["levels"][f"LOD{lv}"]["gists"]
-            covered = sum(r["stop"] - r["start"] for r in ranges)
-            if covered < h.num_entries:
-                problems.append(Problem("warning", FormatError(
-                    f"{h.num_entries - covered} gists have no recorded GistNet checkpoint", path=mpath,
-                    field=f"levels.LOD{lv}.gists", expected=h.num_entries, got=covered)))
-            for r in ranges:
-                if r["pending"]:
-                    problems.append(Problem("warning", FormatError(
-                        f"an in-place rewrite of gists [{r['start']}, {r['stop']}) with "
-                        f"{r['gistnet_checkpoint']!r} was interrupted: they may mix old and new rows",
-                        path=mpath, field=f"levels.LOD{lv}.gists")))
-    if os.path.exists(os.path.join(dirpath, METADATA + ".tmp")):
-        problems.append(Problem("warning", FormatError("a metadata.json.tmp left by an interrupted commit",
-                                                       path=os.path.join(dirpath, METADATA + ".tmp"))))
-
-
-def _not_a_dir(path):
-    if os.path.exists(path):
-        return MCFIOError(errno.ENOTDIR, "not a tree directory", path)
-    return MissingFileError(errno.ENOENT, "no such tree directory", path)
-
-
-def _scan(dirpath, mmap: bool):
-    """(metadata or None, levels, problems): everything about a tree directory, without raising."""
-    problems = []
-    if not is_url(dirpath) and not os.path.isdir(dirpath):  # a URL "directory" is checked by its metadata.json
-        problems.append(Problem("error", _not_a_dir(dirpath)))
-        return None, {}, problems
-    marker = os.path.join(dirpath, RESTORE_MARKER)
-    if os.path.exists(marker):
-        problems.append(Problem("error", MCFIOError(errno.EBUSY, "a restore from a snapshot was interrupted; "
-                                                    "open the tree for writing to finish it", marker)))
-    meta, errs = load_metadata(dirpath)
-    problems += [Problem("error", e) for e in errs]
-    expect = counts_of(meta) if meta is not None else (None, None, None)
-    levels = {}
-    for level in (2, 1, 0):   # the reverse of the commit order
-        levels[level] = _read_level(dirpath, level, mmap, expect[level], problems)
-    if os.path.exists(marker) and not any(isinstance(p.error, MCFIOError) and p.error.filename == marker
-                                          for p in problems):
-        problems.append(Problem("error", MCFIOError(errno.EBUSY, "a restore from a snapshot started while "
-                                                    "the tree was being opened; open it again", marker)))
-    _cross_check(dirpath, meta, levels, problems)
-    return meta, levels, problems
-
-
-def _pwrite_all(fd, data, offset, path) -> None:
-    if isinstance(data, np.ndarray):
-        data = data.reshape(-1).view(np.uint8)   # any dtype (ml_dtypes' bfloat16 has no buffer format)
-    view = memoryview(data).cast("B")
-    try:
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view = view[n:]
-            offset += n
-    except OSError as exc:
-        raise os_error(exc, path) from None
 
 
 class Tree:
@@ -265,7 +53,7 @@ class Tree:
     def __init__(self, path, *, writable: bool = False, mmap: bool = True, durable: bool = False):
         if writable:
             refuse_url(path, what="opening a MegaContext tree for writing")
-        self.path = _dir_path(path)
+        self.path = dir_path(path)
         self.writable = bool(writable)
         self.durable = bool(durable)
         self._mmap = bool(mmap)
@@ -276,12 +64,12 @@ class Tree:
         try:
             if self.writable:
                 if not os.path.isdir(self.path):
-                    raise _not_a_dir(self.path)
+                    raise not_a_dir(self.path)
                 self._lock_fd = acquire_lock(self.path)
                 from mcf.megacontext.snapshots import finish_restore
 
                 finish_restore(self.path)
-            meta, levels, problems = _scan(self.path, self._mmap)
+            meta, levels, problems = scan(self.path, self._mmap)
             self._levels = levels
             errors = [p for p in problems if p.severity == "error"]
             if errors:
@@ -292,7 +80,8 @@ class Tree:
             h0 = levels[0].header
             self.block_size = h0.block_size
             self.embedding_dim = h0.embedding_dim
-            self.gist_dtype = levels[1].header.dtype
+            self.gist_dtypes = {1: levels[1].header.dtype, 2: levels[2].header.dtype}
+            self.gist_dtype = self.gist_dtypes[1]
             if self.writable:
                 self._reconcile(problems)
         except BaseException:
@@ -311,7 +100,7 @@ class Tree:
         for lv in self._levels.values():
             h = lv.header
             if h.layout == "legacy" or h.magic_order == "reversed":
-                _pwrite_all(lv.fd, h.pack(), 0, lv.path)
+                pwrite_all(lv.fd, h.pack(), 0, lv.path)
                 lv.header = h = CtxHeader(level=h.level, block_size=h.block_size, embedding_dim=h.embedding_dim,
                                           dtype_code=h.dtype_code, num_entries=h.num_entries, model_name=h.model_name)
                 repaired.append(f"{lv.path}: header rewritten in the canonical layout")
@@ -413,8 +202,20 @@ class Tree:
     def token_offset(self, block: int, token: int) -> int:
         return token_offset(block, token, self.block_size)
 
-    def gist_offset(self, gist: int) -> int:
-        return gist_offset(gist, self.embedding_dim, self.gist_dtype.itemsize)
+    def gist_offset(self, gist: int, *, level: int = 1) -> int:
+        """Byte offset of gist ``gist`` in the ``level`` file (rows of one level all have the same size)."""
+        self.num_gists(level)
+        return HEADER_SIZE + integer(gist, "gist") * self._levels[level].header.entry_size
+
+    def gist_dtype_of(self, level: int) -> CtxDType:
+        """The dtype the gists of ``level`` are stored in (a hybrid tree: fp16 at LOD1, q8 at LOD2)."""
+        self.num_gists(level)
+        return self.gist_dtypes[level]
+
+    @property
+    def gist_policy(self):
+        """metadata.json's ``gist_dtype``: one name for both levels, or ``{"LOD1": ..., "LOD2": ...}``."""
+        return gist_policy(self.gist_dtypes)
 
     def span(self, level: int, index: int) -> tuple:
         """LOD0 tokens ``[start, stop)`` summarized by entry ``index`` of ``level``."""
@@ -464,37 +265,46 @@ class Tree:
             raise OutOfBoundsError(f"{self.path}: block {b} outside [0, {nb})")
         return self.tokens(b * self.block_size, min(self.num_tokens, (b + 1) * self.block_size))
 
-    def gist(self, level: int, index: int) -> np.ndarray:
-        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped)."""
+    def gist(self, level: int, index: int, *, raw: bool = False) -> np.ndarray:
+        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped; q8 rows decoded to float32,
+        or the stored bytes with ``raw=True``)."""
         n = self.num_gists(level)
         i = integer(index, "gist index")
         if not 0 <= i < n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gist {i} outside [0, {n})")
-        return self.gists(level, slice(i, i + 1))[0]
+        return self.gists(level, slice(i, i + 1), raw=raw)[0]
 
-    def gists(self, level: int, which=None) -> np.ndarray:
+    def gists(self, level: int, which=None, *, raw: bool = False) -> np.ndarray:
         """Gists of ``level``: all (None), a slice (zero-copy for step 1) or any integer indices (a
-        gathered copy, one compiled call)."""
+        gathered copy, one compiled call).
+
+        q8 rows are decoded to float32 (one compiled call, MCF's dequantization kernel); ``raw=True``
+        hands out the stored bytes instead, [n, row_bytes] uint8 (zero-copy for a step-1 slice), for
+        every dtype."""
         self._check_open()
         n = self.num_gists(level)
         d = self.embedding_dim
-        dt = self.gist_dtype
+        dt = self.gist_dtypes[level]
+        rb = self._levels[level].header.entry_size
+        shape_of = (lambda k: (k, rb)) if raw else (lambda k: (k, d))
+        npdt = np.dtype(np.uint8) if raw else dt.numpy
         if which is None:
             which = slice(0, n)
         if isinstance(which, slice):
             start, stop, step = which.indices(n)
-            if step == 1:
+            if step == 1 and (raw or not dt.quantized):
                 stop = max(stop, start)
-                return self._src(level, stop).array(HEADER_SIZE + start * d * dt.itemsize, dt.numpy,
-                                                     (stop - start, d))
+                return self._src(level, stop).array(HEADER_SIZE + start * rb, npdt, shape_of(stop - start))
             which = np.arange(start, stop, step)
         ix = np.asarray(which)
         if ix.ndim == 0:
             raise InvalidArgumentError("gist indices must be a slice or a 1-D array (use gist() for one)")
         ix = index_array(ix, n, "gist indices")   # numpy's rules: integers, or a mask of n bools
         ix = np.where(ix < 0, ix + n, ix)
-        out = np.empty((ix.shape[0], d), dtype=dt.numpy)
-        return _mc.gather_rows(self._src(level, n), n, d * dt.itemsize, ix, out)
+        out = np.empty(shape_of(ix.shape[0]), dtype=npdt)
+        if dt.quantized and not raw:
+            return _mc.gather_q8(self._src(level, n), n, d, ix, out)
+        return _mc.gather_rows(self._src(level, n), n, rb, ix, out)
 
     def plan_tail(self, budget: int, recent_tokens: int):
         """The simple focus plan: see :func:`mcf.megacontext.plan_tail`."""
@@ -523,18 +333,18 @@ class Tree:
         heads = {}
         for level in (2, 1, 0):
             lv = self._levels[level]
-            raw = _stable_header(lv.src)
+            raw = stable_header(lv.src)
             lv.src.refresh()
             heads[level] = parse_header(raw, lv.src.size, path=lv.path, expect_level=level,
                                         expect_count=expect[level])
         staged = {}
         for level, h in heads.items():
-            s = _Level(level, self._levels[level].path)
+            s = Level(level, self._levels[level].path)
             s.header = h
             s.src = None
             s.tail = self._levels[level].src.size - HEADER_SIZE - h.num_entries * h.entry_size
             staged[level] = s
-        _cross_check(self.path, meta, staged, problems)
+        cross_check(self.path, meta, staged, problems)
         errors = [p for p in problems if p.severity == "error"]
         if errors:
             raise errors[0].error
@@ -571,16 +381,19 @@ class Tree:
         a = np.ascontiguousarray(a, dtype="<u4")
         lv = self._levels[0]
         if a.size:
-            _pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * 4, lv.path)
+            pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * 4, lv.path)
             lv.count += a.size
         if commit:
             self.commit()
         return lv.count
 
-    def _as_gist_rows(self, rows) -> np.ndarray:
+    def _as_gist_rows(self, rows, level) -> np.ndarray:
+        """The rows as the level stores them: converted (round to nearest even) or quantized (q8)."""
         d = self.embedding_dim
-        dt = self.gist_dtype
+        dt = self.gist_dtypes[level]
         a = np.asarray(rows)
+        if dt.quantized:
+            return self._as_q8_rows(a)
         if a.ndim == 1 and a.shape[0] == d:
             a = a.reshape(1, d)
         if a.ndim != 2 or a.shape[1] != d:
@@ -598,6 +411,32 @@ class Tree:
             raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
         return _mc.convert(a, np.empty(a.shape, dtype=_mc.numpy_dtype(dt.code)))
 
+    def _as_q8_rows(self, a) -> np.ndarray:
+        """Float rows [n, d] quantized with MCF's q8 quantizer, or stored q8 rows [n, row_bytes] (uint8,
+        e.g. another tree's ``gists(raw=True)``) taken as they are once their scales are checked."""
+        d = self.embedding_dim
+        rb = q8_row_bytes(d)
+        if a.dtype == np.uint8:
+            if a.ndim != 2 or a.shape[1] != rb:
+                raise InvalidArgumentError(f"stored q8 gists (uint8) must have shape (n, {rb}), got {a.shape}")
+            nb = rb // 34
+            scales = np.ascontiguousarray(a[:, :2 * nb]).view("<u2")
+            if ((scales & 0x7C00) == 0x7C00).any():
+                k = int(np.flatnonzero(((scales & 0x7C00) == 0x7C00).any(axis=1))[0])
+                raise InvalidArgumentError(f"stored q8 gist {k} has a NaN or Inf block scale")
+            return np.ascontiguousarray(a)
+        if a.ndim == 1 and a.shape[0] == d:
+            a = a.reshape(1, d)
+        if a.ndim != 2 or a.shape[1] != d:
+            raise InvalidArgumentError(f"gists must have shape (n, {d}), got {a.shape}")
+        if a.dtype.kind != "f" and _mc.float_code(a.dtype) < 0:
+            raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("="))
+        if a.dtype == np.float64 and a.size and np.nanmax(np.abs(a), initial=0.0) > np.finfo(np.float32).max:
+            raise InvalidArgumentError("a gist value is too large for q8 (beyond float32's range)")
+        return _mc.quantize_q8(a.astype(np.float32, copy=False))
+
     def append_gists(self, level: int, rows, *, checkpoint=_KEEP, commit: bool = True) -> int:
         """Append gists (``[n, d]``, converted to the tree's gist dtype with round-to-nearest-even) to
         LOD1 or LOD2; returns the new count.  Only complete spans get gists: LOD1 gist i needs tokens
@@ -605,7 +444,7 @@ class Tree:
         checkpoint that produced them (default: the tree's current ``gistnet_checkpoint``)."""
         self._check_writable()
         self.num_gists(level)
-        a = self._as_gist_rows(rows)
+        a = self._as_gist_rows(rows, level)
         lv = self._levels[level]
         lower = self._levels[level - 1].count
         limit = lower // self.block_size
@@ -619,7 +458,7 @@ class Tree:
                 raise InvalidArgumentError("checkpoint must be a string or None")
             self._meta["gistnet_checkpoint"] = checkpoint
         if a.shape[0]:
-            _pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * a.shape[1] * a.itemsize, lv.path)
+            pwrite_all(lv.fd, a, HEADER_SIZE + lv.count * lv.header.entry_size, lv.path)
             key = f"LOD{level}"
             self._meta["levels"][key]["gists"] = set_range(self._meta["levels"][key]["gists"], lv.count,
                                                            lv.count + a.shape[0], self._meta["gistnet_checkpoint"])
@@ -638,7 +477,7 @@ class Tree:
         other processes may see a mix of old and new rows while it runs."""
         self._check_writable()
         n = self.num_gists(level)
-        a = self._as_gist_rows(rows)
+        a = self._as_gist_rows(rows, level)
         start = integer(start, "start")
         if not 0 <= start <= start + a.shape[0] <= n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gists [{start}, {start + a.shape[0]}) outside [0, {n}); "
@@ -653,7 +492,7 @@ class Tree:
         ranges = self._meta["levels"][key]["gists"]
         self._meta["levels"][key]["gists"] = set_range(ranges, start, stop, checkpoint, pending=True)
         self._write_metadata()
-        _pwrite_all(lv.fd, a, HEADER_SIZE + start * a.shape[1] * a.itemsize, lv.path)
+        pwrite_all(lv.fd, a, HEADER_SIZE + start * lv.header.entry_size, lv.path)
         if self.durable:
             os.fdatasync(lv.fd)
         self._meta["levels"][key]["gists"] = set_range(self._meta["levels"][key]["gists"], start, stop, checkpoint)
@@ -677,7 +516,7 @@ class Tree:
                 continue
             if self.durable:
                 os.fdatasync(lv.fd)
-            _pwrite_all(lv.fd, struct.pack("<Q", lv.count), COUNT_OFFSET, lv.path)
+            pwrite_all(lv.fd, struct.pack("<Q", lv.count), COUNT_OFFSET, lv.path)
             if self.durable:
                 os.fdatasync(lv.fd)
             lv.committed = lv.count
@@ -706,7 +545,7 @@ class Tree:
         for lv in self._levels.values():
             lv.close()
         _restore(snapshot_dir, self.path, locked=True)
-        meta, levels, problems = _scan(self.path, self._mmap)
+        meta, levels, problems = scan(self.path, self._mmap)
         self._levels = levels
         errors = [p for p in problems if p.severity == "error"]
         if errors:
@@ -734,7 +573,7 @@ class Tree:
             }
         m = self.metadata
         return {"path": self.path, "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
-                "block_size": self.block_size, "gist_dtype": self.gist_dtype.name, "vocab_size": self.vocab_size,
+                "block_size": self.block_size, "gist_dtype": self.gist_policy, "vocab_size": self.vocab_size,
                 "num_tokens": self.num_tokens, "num_blocks": self.num_blocks,
                 "num_gists": {"LOD1": self.num_gists(1), "LOD2": self.num_gists(2)},
                 "gistnet_checkpoint": m.get("gistnet_checkpoint"), "ingestion_complete": m["ingestion_complete"],
@@ -783,7 +622,11 @@ class Tree:
             return f"<mcf MegaContext tree {self.path!r} closed>"
         t, n1, n2 = self.counts
         return (f"<mcf MegaContext tree {self.path!r} {'r+' if self.writable else 'r'}: {t} tokens, {n1} LOD1 + "
-                f"{n2} LOD2 gists, d={self.embedding_dim} {self.gist_dtype.name}, K={self.block_size}>")
+                f"{n2} LOD2 gists, d={self.embedding_dim} {self._policy_text()}, K={self.block_size}>")
+
+    def _policy_text(self) -> str:
+        p = self.gist_policy
+        return p if isinstance(p, str) else f"LOD1 {p['LOD1']} + LOD2 {p['LOD2']}"
 
 
 # -- module-level entry points ---------------------------------------------------------------------------
@@ -798,12 +641,15 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
            mmap: bool = True, durable: bool = False) -> Tree:
     """Create an empty tree in directory ``path`` (created if missing) and open it for writing.
 
+    ``gist_dtype`` is one dtype for both gist levels ("fp16", "bf16", "fp32" or "q8": MCF's 8-bit blocks
+    with one f16 scale per 32 values, about half of fp16's size), ``"hybrid"`` (LOD1 fp16, LOD2 q8: the
+    fine, recent-resolution gists exact to fp16, the coarse ones quantized, as seed 000 proposes) or a
+    mapping ``{1: ..., 2: ...}``.
+
     Refuses a directory that already holds a tree (a metadata.json).  The files are written first and
     metadata.json last, so an interrupted create leaves no tree behind."""
     _check_geometry(embedding_dim, block_size)
-    gdt = ctx_dtype(gist_dtype)
-    if gdt.code not in GIST_DTYPE_CODES:
-        raise InvalidArgumentError(f"gists are stored as fp16, bf16 or fp32, not {gdt.name}")
+    gdts = gist_dtypes(gist_dtype)
     if not isinstance(model_name, str):
         raise InvalidArgumentError("model_name must be a string")
     if vocab_size is not None and not 1 <= integer(vocab_size, "vocab_size") <= 2**32:
@@ -822,8 +668,8 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
     try:
         for level in LEVELS:
             h = CtxHeader(level=level, block_size=int(block_size), embedding_dim=int(embedding_dim),
-                          dtype_code=0 if level == 0 else gdt.code, num_entries=0, model_name=model_name)
-            fpath = _level_path(path, level)
+                          dtype_code=0 if level == 0 else gdts[level].code, num_entries=0, model_name=model_name)
+            fpath = level_path(path, level)
             try:
                 with open(fpath, "wb") as f:
                     f.write(h.pack())
@@ -833,7 +679,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
             except OSError as exc:
                 raise os_error(exc, fpath) from None
         meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),
-                            gist_dtype=gdt.name, vocab_size=None if vocab_size is None else int(vocab_size),
+                            gist_dtype=gist_policy(gdts), vocab_size=None if vocab_size is None else int(vocab_size),
                             gistnet_checkpoint=gistnet_checkpoint)
         write_metadata(path, meta, durable=durable)
     finally:
@@ -875,50 +721,12 @@ def verify(path, *, deep: bool = False, mmap: bool = True) -> list:
     Checks the headers, the counts against the file sizes and each other, metadata.json against the
     headers, the checkpoint ranges and leftovers of interrupted writes.  ``deep`` also reads all data:
     token ids against ``vocab_size`` and gists for NaN/Inf."""
-    path = _dir_path(path)
-    meta, levels, problems = _scan(path, mmap)
+    path = dir_path(path)
+    meta, levels, problems = scan(path, mmap)
     try:
         if deep and not any(p.severity == "error" for p in problems):
-            problems += _deep_checks(path, meta, levels)
+            problems += deep_checks(path, meta, levels)
     finally:
         for lv in levels.values():
             lv.close()
     return problems
-
-
-def _deep_checks(path, meta, levels) -> list:
-    out = []
-    chunk = 1 << 22
-    vs = meta.get("vocab_size")
-    lv = levels[0]
-    t = lv.header.num_entries
-    if vs:
-        for s in range(0, t, chunk):
-            a = lv.src.array(HEADER_SIZE + s * 4, "<u4", min(chunk, t - s))
-            bad = np.flatnonzero(a >= vs)
-            if bad.size:
-                i = s + int(bad[0])
-                out.append(Problem("error", FormatError(
-                    f"token id at position {i} is outside the vocabulary", path=lv.path, field="tokens",
-                    offset=HEADER_SIZE + i * 4, expected=f"< {vs}", got=int(a[bad[0]]))))
-                break
-    for level in (1, 2):
-        lv = levels[level]
-        h = lv.header
-        n = h.num_entries
-        if not n:
-            continue
-        bits, mask = ("<u2", 0x7C00) if h.dtype_code == 1 else ("<u2", 0x7F80) if h.dtype_code == 2 \
-            else ("<u4", 0x7F800000)
-        rows = max(1, chunk // h.embedding_dim)
-        for s in range(0, n, rows):
-            m = min(rows, n - s)
-            a = lv.src.array(HEADER_SIZE + s * h.entry_size, bits, (m, h.embedding_dim))
-            bad = np.flatnonzero(((a & mask) == mask).any(axis=1))
-            if bad.size:
-                out.append(Problem("warning", FormatError(
-                    f"gist {s + int(bad[0])} holds NaN or Inf ({int(((a & mask) == mask).any(axis=1).sum())}"
-                    " such gists in this chunk)", path=lv.path, field="gists",
-                    offset=HEADER_SIZE + (s + int(bad[0])) * h.entry_size)))
-                break
-    return out
