@@ -256,7 +256,11 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
     info = dict(tokens=tokens, corpus_mb=MB, single_s=t_single, ray1_s=o1["seconds"], ray2_s=o2["seconds"],
                 datatrove1_s=dt1["seconds"], datatrove2_s=dt2["seconds"], ray1_chunks=o1["chunks"],
                 ray2_chunks=o2["chunks"], connect_s=o2["connect_seconds"],
+                ray1_phases=o1.get("phases"), ray2_phases=o2.get("phases"),
                 load=dict(single=load_single, ray1=load_r1, dt1=load_dt1, ray2=load_r2, dt2=load_dt2))
+    for name, o in (("Ray 1 worker", o1), ("Ray 2 workers", o2)):
+        record(benchmark, f"{name}: seconds per phase", ", ".join(f"{k} {v:.1f}" for k, v in o["phases"].items()),
+               "(info)", None)
     record(benchmark, "M tokens/s: single / Ray 1 / Ray 2 / datatrove-Ray 1 / 2",
            " / ".join(f"{rate[k]:.2f}" for k in ("single", "ray1", "ray2", "dt1", "dt2")), "(info)", None, **info)
     r1 = o1["seconds"] / t_single

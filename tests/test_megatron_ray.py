@@ -108,6 +108,11 @@ def test_cli_on_the_cluster_equals_single_process(cluster, tmp_path, tok, paragr
     m = re.search(r"from (\d+) chunks", r.stdout)
     assert m and int(m.group(1)) > 8, r.stdout                      # many tasks over the two nodes
     assert not (tmp_path / "out.shards").exists()
+    # the phase breakdown: every phase named, and together they are the run's time
+    total = float(re.search(r"in ([0-9.]+)s \(", r.stdout).group(1))
+    phases = dict(re.findall(r"(prepare|connect|plan|tokenize|commit) ([0-9.]+)s", r.stdout))
+    assert list(phases) == ["prepare", "connect", "plan", "tokenize", "commit"], r.stdout
+    assert abs(sum(map(float, phases.values())) - total) <= 0.05, r.stdout
 
 
 def test_cli_auto_options_and_shard_list(cluster, tmp_path, tok, paragraphs):

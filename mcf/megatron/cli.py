@@ -149,6 +149,7 @@ def _tokenize_on_ray(args) -> int:
     print(f"wrote {stats['output']}: {stats['documents']:,} documents, {stats['sequences']:,} sequences, "
           f"{stats['tokens']:,} tokens from {stats['chunks']} chunks{reused} in {stats['seconds']:.2f}s "
           f"({rate:.2f}M tokens/s)")
+    print("  " + ", ".join(f"{k} {v:.2f}s" for k, v in stats["phases"].items()))
     return 0
 
 

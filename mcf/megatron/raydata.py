@@ -616,7 +616,11 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     A job that fails leaves no ``output_prefix.bin``/``.idx`` and keeps its finished shards with its
     plan: the same command run again (``resume=True``) reads only the chunks that are not finished.
     Changed inputs or options start over.  Returns a :class:`~mcf.megatron.tokenize.TokenizeStats`
-    with ``chunks``, ``chunks_reused`` and ``output`` added."""
+    with ``chunks``, ``chunks_reused``, ``output`` and ``phases`` added: the wall seconds of
+    ``prepare`` (loading the tokenizer, reading the inputs' sizes and fingerprints), ``connect`` (joining
+    or starting the cluster), ``plan`` (the chunk plan, the shard directory and what an earlier run
+    finished), ``tokenize`` (the Ray Data job: starting the workers, reading, tokenizing, writing the
+    shards) and ``commit`` (checking and merging the shards)."""
     from mcf.megatron._layout import dtype_for_vocab
     from mcf.megatron.tokenize import TokenizeStats, eod_token_id, load_tokenizer
     from mcf.remote import refuse_url
@@ -640,7 +644,9 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                         empty_text=empty_text)
     files = describe_inputs(inputs)
     total_bytes = sum(f.size for f in files)
+    t_connect = time.perf_counter()
     connect(address)
+    t_plan = time.perf_counter()
     ray.data.DataContext.get_current().enable_progress_bars = bool(progress)
     shard_dir = os.path.abspath(os.fspath(shard_dir) if shard_dir is not None else output_prefix + ".shards")
     options = {"version": PLAN_VERSION, "json_key": json_key, "eod": eod, "add_special_tokens": bool(add_special_tokens),
@@ -651,6 +657,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         done = {r.group for r in kept}
         todo = [c for c in chunks if c.index not in done]
         new_runs: list = []
+        t_run = time.perf_counter()
         if todo:
             sink = MegatronDatasink(shard_dir, dtype=dtype, order=("group", "position"), end="end")
             args = dict(ray_remote_args or {})      # the same for the three stages, so that they fuse
@@ -667,8 +674,13 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                     raise
                 raise cause from exc       # a malformed input line: the FormatError, not Ray's wrapping of it
             new_runs = sink.runs
+        t_commit = time.perf_counter()
         result = commit_runs(shard_dir, kept + new_runs, output_prefix=output_prefix, dtype=dtype, merge=merge,
                              expected_groups={c.index for c in chunks})
+    t_end = time.perf_counter()
+    phases = {"prepare": t_connect - t0, "connect": t_plan - t_connect, "plan": t_run - t_plan,
+              "tokenize": t_commit - t_run, "commit": t_end - t_commit}
     return TokenizeStats(documents=result["documents"], sequences=result["sequences"], tokens=result["tokens"],
-                         bytes_in=total_bytes, seconds=time.perf_counter() - t0, chunks=len(chunks),
-                         chunks_reused=len(chunks) - len(todo), shards=result["shards"], output=result["output"])
+                         bytes_in=total_bytes, seconds=t_end - t0, chunks=len(chunks),
+                         chunks_reused=len(chunks) - len(todo), shards=result["shards"], output=result["output"],
+                         phases=phases)
