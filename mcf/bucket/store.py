@@ -56,7 +56,7 @@ from mcf.bucket._fs import BucketFS, refusal
 from mcf.bucket._json import MAX_DOC_BYTES, dumps, get_field, iso, parse_iso, parse_json
 from mcf.bucket._names import (
     CTX_RE,
-    JOURNAL_NAME,
+    JOURNAL_NAME,  # noqa: F401  (importable from here, as before the split)
     KV_NAME,
     LOCK_NAME,
     META_NAME,
@@ -67,7 +67,8 @@ from mcf.bucket._names import (
     ctx_rel,
     model_rel,
 )
-from mcf.bucket._registry import REGISTRY_VERSION, Registry, document, made_by, summary
+from mcf.bucket._registry import REGISTRY_VERSION  # noqa: F401  (importable from here, as before the split)
+from mcf.bucket._registry import Registry, document, made_by, summary
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
 from mcf.bucket.tiers import TIERS, expired, preference, preference_steps, tier_of
 from mcf.errors import (
@@ -85,9 +86,6 @@ from mcf.remote import refuse_url
 
 __all__ = ["Bucket", "content_hash", "context_id_for"]
 
-# importable from here as before the split (the server, the CLI and the HF backend use them)
-_REEXPORTED = (CTX_RE, JOURNAL_NAME, KV_NAME, LOCK_NAME, META_NAME, REGISTRY_NAME, REGISTRY_VERSION, VERIFIED_NAME,
-               check_context_id, check_model_id)
 
 #: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
 #: version is refused on read (UnsupportedVersionError), never rebuilt over; a newer minor version is read.
@@ -252,9 +250,8 @@ class Bucket:
         self.prefix_chunk_tokens = prefix_chunk_tokens
         self._subscribers: list[Callable[[dict], None]] = []
         self._tier_set_at: dict[str, float] = {}
-        # threads of one process (the server's pool) share this object: ``_mem`` guards the in-memory
-        # registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
-        self._mem = None  # the registry's, once the root is open
+        # threads of one process (the server's pool) share this object: the registry's ``_mem`` guards the
+        # in-memory registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
         self._tier_mutex = threading.RLock()
         refuse_url(root, what="a bucket")   # a URL is not a directory: never create "https:/host/..." locally
         try:

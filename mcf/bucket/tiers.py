@@ -50,7 +50,8 @@ def preference(meta: dict) -> tuple[str | None, str | None, float | None]:
     return pref["tier"], dev, (at if isinstance(at, (int, float)) and not isinstance(at, bool) else None)
 
 
-def preference_steps(meta: dict, current: str, last_set_at: float | None) -> tuple[float | None, str, list[str]]:
+def preference_steps(meta: dict, current: str,
+                     last_set_at: float | None) -> tuple[float | None, str, list[str]]:
     """What honouring a context's preference means now: ``(set_at, action, tiers)``.  ``action`` is
     "none" (no preference, one not newer than this process's last instruction ``last_set_at``, or the
     context is already there; ``set_at`` None when nothing is to be recorded), "demote" (to
