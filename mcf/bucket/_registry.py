@@ -166,6 +166,10 @@ class Registry:
     def __init__(self, fs: BucketFS, root: Path, clock: Callable[[], float], rebuild: Callable[[], dict]) -> None:
         self._fs = fs
         self.root = root
+        # for messages (every access goes through the descriptor-relative ``fs``); joined once, because an
+        # expiry check names registry.json and discover() makes one per context
+        self.registry_path = root / REGISTRY_NAME
+        self.journal_path = root / JOURNAL_NAME
         self.clock = clock
         self._rebuild = rebuild
         self.cache: dict | None = None
@@ -176,13 +180,6 @@ class Registry:
         #: guards the in-memory registry (always taken after the file lock, never before it)
         self.mem = threading.RLock()
 
-    @property
-    def registry_path(self) -> Path:
-        return self.root / REGISTRY_NAME
-
-    @property
-    def journal_path(self) -> Path:
-        return self.root / JOURNAL_NAME
 
     def empty_state(self) -> dict:
         return {"created_at": iso(self.clock()), "last_updated": iso(self.clock()), "models": {}, "stamps": {},

@@ -60,7 +60,7 @@ from mcf.bucket._names import (
     KV_NAME,
     LOCK_NAME,
     META_NAME,
-    REGISTRY_NAME,
+    REGISTRY_NAME,  # noqa: F401  (importable from here, as before the split)
     VERIFIED_NAME,
     check_context_id,
     check_model_id,
@@ -70,7 +70,7 @@ from mcf.bucket._names import (
 from mcf.bucket._registry import REGISTRY_VERSION  # noqa: F401  (importable from here, as before the split)
 from mcf.bucket._registry import Registry, document, made_by, summary
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
-from mcf.bucket.tiers import TIERS, expired, preference, preference_steps, tier_of
+from mcf.bucket.tiers import TIERS, expired, preference, preference_steps
 from mcf.errors import (
     ContextNotFoundError,
     FormatError,
@@ -303,7 +303,7 @@ class Bucket:
     # -- paths ---------------------------------------------------------------------------------------
     @property
     def registry_path(self) -> Path:
-        return self.root / REGISTRY_NAME
+        return self._reg.registry_path
 
     def _ctx_dir(self, context_id: str) -> Path:
         """For messages only: every access goes through ``self._fs``."""
@@ -520,7 +520,7 @@ class Bucket:
                 raise FormatError("prefix hashes must be strings", path=p, field="prefix.hashes")
 
     def _expired(self, summary_or_meta: dict, now: float) -> bool:
-        return expired(summary_or_meta, now, path=self.registry_path)
+        return expired(summary_or_meta, now, path=self._reg.registry_path)
 
     # -- operations ----------------------------------------------------------------------------------
     def ingest(self, model_id: str, layers: Sequence[Sequence[Any]], *, content: str | bytes | None = None,
@@ -681,9 +681,9 @@ class Bucket:
         with self._mem:
             m = state["models"].get(model_id)
             summaries = list(m["contexts"].values()) if m is not None else []
-        out = []
+        out, where = [], self._reg.registry_path
         for c in summaries:
-            if include_expired or not self._expired(c, now):
+            if include_expired or not expired(c, now, path=where):
                 tier = self.tier(c["context_id"])
                 entry = dict(c, tier=tier, is_loaded=tier != "cold", stale=_stale(c.get("model_hash"), current))
                 if include_metadata:
@@ -845,7 +845,7 @@ class Bucket:
     # -- tiers ---------------------------------------------------------------------------------------
     def tier(self, context_id: str) -> str:
         """"hot" (torch tensors on a device), "warm" (decompressed in RAM) or "cold" (on disk only)."""
-        return tier_of(context_id, self._hot, self._warm)
+        return "hot" if context_id in self._hot else "warm" if context_id in self._warm else "cold"
 
     @property
     def warm_used_bytes(self) -> int:

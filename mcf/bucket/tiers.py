@@ -29,15 +29,10 @@ from mcf.bucket._json import parse_iso
 from mcf.errors import InvalidArgumentError, MissingDependencyError
 
 __all__ = ["TIERS", "WarmBudgetError", "WarmCache", "expired", "nbytes_of", "preference", "preference_steps", "select",
-           "tier_of", "to_torch", "warm_nbytes"]
+           "to_torch", "warm_nbytes"]
 
 #: the tiers a context can be asked to live in, slowest first
 TIERS = ("cold", "warm", "hot")
-
-
-def tier_of(context_id: str, hot: Any, warm: Any) -> str:
-    """"hot" (torch tensors on a device), "warm" (decompressed in RAM) or "cold" (on disk only)."""
-    return "hot" if context_id in hot else "warm" if context_id in warm else "cold"
 
 
 def preference(meta: dict) -> tuple[str | None, str | None, float | None]:
