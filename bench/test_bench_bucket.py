@@ -106,7 +106,7 @@ def test_ingest_registry_update(benchmark, registry_bucket, tmp_path):
     import time
 
     from mcf.bucket._fs import BucketFS
-    from mcf.bucket.store import _dumps
+    from mcf.bucket._json import dumps as _dumps
 
     b = Bucket(registry_bucket)
     b.discover("model-0")

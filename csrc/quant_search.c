@@ -391,20 +391,7 @@ MCF_TARGET_AVX2 static void codes_row8(const float *row, size_t c0, size_t nc, f
         x = _mm256_and_ps(x, _mm256_castsi256_ps(m));
         q[k] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x, vi)), qn), qp));
     }
-    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
-    __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (bits == 8) {
-        _mm256_storeu_si256((__m256i *)dst, b);
-        return;
-    }
-    uint64_t wq[4];
-    _mm256_storeu_si256((__m256i *)wq, b);
-    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull
-               : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x3f3f3f3f3f3f3f3full;
-    for (int g = 0; g < 4; g++) {
-        uint64_t packed = _pext_u64(wq[g], m);
-        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
-    }
+    mcf_store_codes32_avx2(q, bits, dst);
 }
 
 /* any active lane whose f16 value is infinite */
@@ -701,26 +688,7 @@ MCF_TARGET_AVX512 static void codes_row16(const float *row, size_t c0, size_t nc
         x = _mm512_maskz_mov_ps(h ? m1 : m0, x);
         q[h] = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x, vi)), qn), qp));
     }
-    __m128i b0 = _mm512_cvtepi32_epi8(q[0]), b1 = _mm512_cvtepi32_epi8(q[1]);
-    if (bits == 8) {
-        _mm_storeu_si128((__m128i *)dst, b0);
-        _mm_storeu_si128((__m128i *)(dst + 16), b1);
-        return;
-    }
-    __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
-    if (bits == 4) {
-        __m256i lo4 = _mm256_and_si256(b, _mm256_set1_epi16(0x000f));
-        __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0));
-        _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(_mm256_or_si256(lo4, hi4)));
-        return;
-    }
-    uint64_t wq[4];
-    _mm256_storeu_si256((__m256i *)wq, b);
-    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull : 0x3f3f3f3f3f3f3f3full;
-    for (int g = 0; g < 4; g++) {
-        uint64_t packed = _pext_u64(wq[g], m);
-        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
-    }
+    mcf_store_codes32_avx512(q[0], q[1], bits, dst);
 }
 
 MCF_TARGET_AVX512 static int group_block_avx512(int bits, const float *src, size_t cols, size_t bpr,

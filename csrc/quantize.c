@@ -178,22 +178,7 @@ MCF_TARGET_AVX2 static void codes_avx2(const float v[32], float inv, int32_t qma
     __m256 vi = _mm256_set1_ps(inv);
     __m256i q[4];
     for (int k = 0; k < 4; k++) q[k] = round_away_clamp8(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), vi), (float)qmax);
-    /* int32 -> int8 keeping order: pack pairs, then undo the 128-bit lane interleave */
-    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
-    __m256i b = _mm256_packs_epi16(p01, p23);
-    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (bits == 8) {
-        _mm256_storeu_si256((__m256i *)dst, b);
-        return;
-    }
-    uint64_t w[4];
-    _mm256_storeu_si256((__m256i *)w, b);
-    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull
-               : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x3f3f3f3f3f3f3f3full;
-    for (int g = 0; g < 4; g++) {
-        uint64_t packed = _pext_u64(w[g], m);
-        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
-    }
+    mcf_store_codes32_avx2(q, bits, dst);
 }
 
 
@@ -238,21 +223,7 @@ MCF_TARGET_AVX512 static void codes_avx512(const float v[32], float inv, int32_t
     __m512 vi = _mm512_set1_ps(inv);
     __m512i q0 = round_away_clamp(_mm512_mul_ps(_mm512_loadu_ps(v), vi), (float)qmax);
     __m512i q1 = round_away_clamp(_mm512_mul_ps(_mm512_loadu_ps(v + 16), vi), (float)qmax);
-    __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
-    if (bits == 8) {
-        _mm_storeu_si128((__m128i *)dst, b0);
-        _mm_storeu_si128((__m128i *)(dst + 16), b1);
-        return;
-    }
-    uint64_t w[4];
-    _mm_storeu_si128((__m128i *)w, b0);
-    _mm_storeu_si128((__m128i *)(w + 2), b1);
-    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull
-               : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x3f3f3f3f3f3f3f3full;
-    for (int g = 0; g < 4; g++) {
-        uint64_t packed = _pext_u64(w[g], m);   /* 8 codes -> 8*bits contiguous bits, LSB first */
-        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
-    }
+    mcf_store_codes32_avx512(q0, q1, bits, dst);
 }
 
 /* The AVX-512 fast path for the default mode without explicit clips: 16 full blocks of one row at a
@@ -274,26 +245,7 @@ MCF_TARGET_AVX512 static inline void codes_reg_avx512(__m512 x0, __m512 x1, floa
     __m512 vi = _mm512_set1_ps(inv);
     __m512i q0 = round_away_clamp(_mm512_mul_ps(x0, vi), qmax);
     __m512i q1 = round_away_clamp(_mm512_mul_ps(x1, vi), qmax);
-    __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
-    if (bits == 8) {
-        _mm_storeu_si128((__m128i *)dst, b0);
-        _mm_storeu_si128((__m128i *)(dst + 16), b1);
-        return;
-    }
-    __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
-    if (bits == 4) {   /* byte pairs (lo, hi) -> lo | hi << 4: item 0 in the low nibble */
-        __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(0x000f));
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0));
-        _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(_mm256_or_si256(lo, hi)));
-        return;
-    }
-    uint64_t w[4];
-    _mm256_storeu_si256((__m256i *)w, b);
-    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull : 0x3f3f3f3f3f3f3f3full;
-    for (int g = 0; g < 4; g++) {
-        uint64_t packed = _pext_u64(w[g], m);
-        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
-    }
+    mcf_store_codes32_avx512(q0, q1, bits, dst);
 }
 
 /* 16 full blocks starting at `p`.  Writes 16 block scales (q*) or 2 super scales + 16 sub-scales (k*)
@@ -492,16 +444,7 @@ MCF_TARGET_AVX512 static inline void raw32_avx512(const float *x, int bits, int 
         t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(qmin)), _mm512_set1_ps(qmax));
         q[h] = _mm512_cvttps_epi32(t);
     }
-    __m128i b0 = _mm512_cvtepi32_epi8(q[0]), b1 = _mm512_cvtepi32_epi8(q[1]);
-    if (bits == 8) {
-        _mm_storeu_si128((__m128i *)dst, b0);
-        _mm_storeu_si128((__m128i *)(dst + 16), b1);
-        return;
-    }
-    __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
-    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(0x000f));
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0));
-    _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(_mm256_or_si256(lo, hi)));
+    mcf_store_codes32_avx512(q[0], q[1], bits, dst);   /* bits is 4 or 8 here */
 }
 #endif
 

@@ -9,6 +9,7 @@
 #define MCF_SIMD_H
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu.h"
 
@@ -49,6 +50,53 @@ MCF_TARGET_AVX512 static inline __m256i mcf_bf16_round_avx512(__m512i u)
     __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                               _mm512_set1_epi32(0x7f800000));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, isnan, nanv));
+}
+
+/* 32 int8 codes (the bytes of ``b``, in order) bit-packed as csrc/quant.h lays out int2/int3/int4/int6
+ * blocks: the low ``bits`` bits of each code, each group of 8 codes in ``bits`` bytes, little-endian. */
+MCF_TARGET_AVX2 static inline void mcf_pack_bytes32_avx2(__m256i b, int bits, uint8_t *dst)
+{
+    uint64_t w[4];
+    _mm256_storeu_si256((__m256i *)w, b);
+    uint64_t m = bits == 2 ? 0x0303030303030303ull : bits == 3 ? 0x0707070707070707ull
+               : bits == 4 ? 0x0f0f0f0f0f0f0f0full : 0x3f3f3f3f3f3f3f3full;
+    for (int g = 0; g < 4; g++) {
+        uint64_t packed = _pext_u64(w[g], m);
+        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
+    }
+}
+
+/* 32 codes, given as int32 lanes already clamped to the int8 range, stored in order: 32 int8 bytes
+ * when bits == 8, else packed (mcf_pack_bytes32_avx2).  The tail of every quantizer's SIMD code path
+ * (quantize.c, quant_search.c): four vectors of 8 codes (AVX2) or two of 16 (AVX-512). */
+MCF_TARGET_AVX2 static inline void mcf_store_codes32_avx2(const __m256i q[4], int bits, uint8_t *dst)
+{
+    /* int32 -> int8 keeping order: pack pairs, then undo the 128-bit lane interleave */
+    __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (bits == 8) {
+        _mm256_storeu_si256((__m256i *)dst, b);
+        return;
+    }
+    mcf_pack_bytes32_avx2(b, bits, dst);
+}
+
+MCF_TARGET_AVX512 static inline void mcf_store_codes32_avx512(__m512i q0, __m512i q1, int bits, uint8_t *dst)
+{
+    __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)dst, b0);
+        _mm_storeu_si128((__m128i *)(dst + 16), b1);
+        return;
+    }
+    __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+    if (bits == 4) {   /* byte pairs (lo, hi) -> lo | hi << 4: item 0 in the low nibble */
+        __m256i lo = _mm256_and_si256(b, _mm256_set1_epi16(0x000f));
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0));
+        _mm_storeu_si128((__m128i *)dst, _mm256_cvtepi16_epi8(_mm256_or_si256(lo, hi)));
+        return;
+    }
+    mcf_pack_bytes32_avx2(b, bits, dst);
 }
 #endif
 

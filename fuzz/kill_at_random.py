@@ -537,7 +537,7 @@ def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
     import os
 
     from mcf.bucket import _layout as L
-    from mcf.bucket import store
+    from mcf.bucket import _registry
     from mcf.bucket.store import Bucket, content_hash, context_id_for
 
     root = Path(work) / "bucket"
@@ -557,7 +557,7 @@ def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
         if pid == 0:  # pragma: no cover - the child
             try:
                 if compact:
-                    store.JOURNAL_COMPACT_BYTES = 0
+                    _registry.JOURNAL_COMPACT_BYTES = 0
                 bk = Bucket(root)  # opened (and reconciled) before counting starts
                 _Steps(k)
                 op(bk)

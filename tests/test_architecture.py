@@ -4,7 +4,8 @@ These tests read the source with ``ast`` (and import the package only where a ru
 runtime objects), so a new module is covered the moment it exists.  Each rule's allow-list is short
 and says why each entry is there; growing it needs a reason a reviewer would accept.
 
-The Cython sources (``*.pyx``) are checked by their own test; this file covers ``mcf/**/*.py``.
+The rules read ``mcf/**/*.py`` with ``ast``; the Cython sources (``*.pyx``, ``*.pxd``), which ``ast``
+cannot parse, get the bare-raise rule by a line scan (:func:`test_no_bare_builtin_raise_in_cython`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ PKG = pathlib.Path(mcf.__file__).parent
 # input) and protocol signals.
 BUILTIN_RAISE_OK = {"AssertionError", "NotImplementedError", "StopIteration", "StopAsyncIteration",
                     "KeyboardInterrupt", "SystemExit"}
+# ... and in Cython, MemoryError after a failed malloc: what Cython itself raises when it cannot allocate
+CYTHON_RAISE_OK = BUILTIN_RAISE_OK | {"MemoryError"}
 
 # Parameters with a default that stay positional, because positional is the obvious call:
 # (qualified name inside its module, parameter) -> why.
@@ -126,6 +129,23 @@ def test_no_bare_builtin_raise():
                 exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
                 if isinstance(exc, ast.Name) and exc.id in _BUILTIN_EXC and exc.id not in BUILTIN_RAISE_OK:
                     bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: raise {exc.id}")
+    assert not bad, "raise an mcf.errors class instead:\n" + "\n".join(bad)
+
+
+def test_no_bare_builtin_raise_in_cython():
+    """The same rule for the compiled modules' sources: ``raise ValueError(...)`` in a .pyx escapes
+    ``except mcf.MCFError`` just as it would from Python."""
+    import re
+
+    raise_re = re.compile(r"^\s*raise\s+([A-Za-z_][A-Za-z0-9_]*)\b")
+    bad, scanned = [], 0
+    for path in sorted([*PKG.rglob("*.pyx"), *PKG.rglob("*.pxd")]):
+        scanned += 1
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = raise_re.match(line)
+            if m and m.group(1) in _BUILTIN_EXC and m.group(1) not in CYTHON_RAISE_OK:
+                bad.append(f"{path.relative_to(PKG.parent)}:{n}: raise {m.group(1)}")
+    assert scanned >= 5, "no Cython sources found: the scan would pass vacuously"
     assert not bad, "raise an mcf.errors class instead:\n" + "\n".join(bad)
 
 

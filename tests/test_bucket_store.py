@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mcf
-from mcf.bucket import store
+from mcf.bucket import _registry
 from mcf.bucket.store import Bucket, content_hash
 from mcf.errors import ContextNotFoundError
 
@@ -217,13 +217,13 @@ def test_corrupt_kv_file_is_reported(tmp_path):
 WORKER = textwrap.dedent("""
     import os, sys, zlib
     import numpy as np
-    from mcf.bucket import store
+    from mcf.bucket import _registry, store
     root, tag, count, crash_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     if crash_at != "none":
         real_rename = os.rename
         committed = []
         if crash_at == "snapshot":
-            store.JOURNAL_COMPACT_BYTES = 0  # every registry update then writes a new snapshot
+            _registry.JOURNAL_COMPACT_BYTES = 0  # every registry update then writes a new snapshot
         def rename(src, dst, *a, **k):
             # crash_at "snapshot": die right before the registry snapshot written after the first commit
             # would be replaced; crash_at "commit": die right before the context directory is renamed
@@ -235,14 +235,14 @@ WORKER = textwrap.dedent("""
             if str(dst).startswith("ctx_"):
                 committed.append(dst)
             return real_rename(src, dst, *a, **k)
-        real_journal_write = store._journal_write
+        real_journal_write = _registry.journal_write
         def journal_write(fd, payload):
             # crash_at "registry": die halfway through appending the registry journal record
             if crash_at == "registry":
                 os.write(fd, payload[: len(payload) // 2])
                 os._exit(9)
             return real_journal_write(fd, payload)
-        os.rename, store._journal_write = rename, journal_write
+        os.rename, _registry.journal_write = rename, journal_write
     b = store.Bucket(root)
     rng = np.random.default_rng(zlib.crc32(tag.encode()))  # stable across runs
     for i in range(count):
@@ -528,7 +528,7 @@ def test_ingest_appends_to_the_journal_not_the_snapshot(tmp_path, monkeypatch):
     assert {m["model_id"]: ids(m["contexts"]) for m in rebuilt["models"]} == want
     assert (tmp_path / "registry.journal").stat().st_size == 0
     # a long journal is folded into a new snapshot
-    monkeypatch.setattr(store, "JOURNAL_COMPACT_BYTES", 1500)
+    monkeypatch.setattr(_registry, "JOURNAL_COMPACT_BYTES", 1500)
     b2 = Bucket(tmp_path)
     for i in range(6):
         b2.ingest("m", kv(60 + i), content=f"fold{i}")
@@ -702,11 +702,13 @@ def test_registry_without_orjson(tmp_path, monkeypatch):
     b = Bucket(tmp_path)
     made = [b.ingest("m", kv(120 + i), content=f"j{i}")["context_id"] for i in range(3)]
     with_orjson = b.rebuild()
-    monkeypatch.setattr(store, "_orjson", None)
+    from mcf.bucket import _json
+
+    monkeypatch.setattr(_json, "_orjson", None)
     again = Bucket(tmp_path).rebuild()
     assert with_orjson["models"] == again["models"]
     assert ids(Bucket(tmp_path).discover("m")) == sorted(made)
-    assert store._loads(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+    assert _json.loads(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
 
 
 def _line(rec) -> bytes:

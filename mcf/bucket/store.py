@@ -41,14 +41,11 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import stat
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +53,24 @@ import numpy as np
 
 from mcf.bucket import _layout as L
 from mcf.bucket._fs import BucketFS, refusal
+from mcf.bucket._json import MAX_DOC_BYTES, dumps, get_field, iso, parse_iso, parse_json
+from mcf.bucket._names import (
+    CTX_RE,
+    JOURNAL_NAME,  # noqa: F401  (importable from here, as before the split)
+    KV_NAME,
+    LOCK_NAME,
+    META_NAME,
+    REGISTRY_NAME,  # noqa: F401  (importable from here, as before the split)
+    VERIFIED_NAME,
+    check_context_id,
+    check_model_id,
+    ctx_rel,
+    model_rel,
+)
+from mcf.bucket._registry import REGISTRY_VERSION  # noqa: F401  (importable from here, as before the split)
+from mcf.bucket._registry import Registry, document, made_by, summary
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
+from mcf.bucket.tiers import TIERS, expired, preference, preference_steps
 from mcf.errors import (
     ContextNotFoundError,
     FormatError,
@@ -65,7 +79,6 @@ from mcf.errors import (
     MCFIOError,
     MissingFileError,
     StaleContextError,
-    UnsupportedVersionError,
     os_error,
 )
 from mcf.io import open_fd
@@ -73,41 +86,17 @@ from mcf.remote import refuse_url
 
 __all__ = ["Bucket", "content_hash", "context_id_for"]
 
+
 #: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
 #: version is refused on read (UnsupportedVersionError), never rebuilt over; a newer minor version is read.
-REGISTRY_VERSION = "1.0"
-_VERSION_RE = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})(\.(0|[1-9][0-9]{0,5}))?$")
-KV_NAME = "kv_data.mcb"
-META_NAME = "metadata.json"
-REGISTRY_NAME = "registry.json"
-JOURNAL_NAME = "registry.journal"
-LOCK_NAME = ".lock"
-#: written next to kv_data.mcb after a complete successful CRC check (see Bucket.load's verify="once")
-VERIFIED_NAME = ".verified.json"
-_CTX_RE = re.compile(r"^ctx_[0-9a-f]{32}$")
-_MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-#: the registry journal is folded into a new registry.json once it passes this size (or 64 bytes per
-#: context, whichever is larger), so replaying it stays a small fraction of reading the snapshot
-JOURNAL_COMPACT_BYTES = 1 << 20
 #: temp directories older than this are considered abandoned by a crashed writer and removed by gc()
 STALE_TMP_SECONDS = 3600.0
+
 
 
 # ------------------------------------------------------------------------------------------------
 # ids and hashes
 # ------------------------------------------------------------------------------------------------
-def check_model_id(model_id: Any) -> str:
-    if not isinstance(model_id, str) or not _MODEL_RE.fullmatch(model_id) or ".." in model_id:
-        raise InvalidArgumentError(
-            f"invalid model id {model_id!r}: 1-128 characters of letters, digits, '.', '_', '-', "
-            "starting with a letter or digit, no '..'")
-    return model_id
-
-
-def check_context_id(context_id: Any) -> str:
-    if not isinstance(context_id, str) or not _CTX_RE.fullmatch(context_id):
-        raise InvalidArgumentError(f"invalid context id {context_id!r}: expected 'ctx_' and 32 lowercase hex digits")
-    return context_id
 
 
 #: token ids are hashed as signed 64-bit little-endian integers: the range every ids dtype in use fits
@@ -153,13 +142,6 @@ def content_hash(content: str | bytes | None = None, *, token_ids: Sequence[int]
     return "sha256:" + h.hexdigest()
 
 
-def _ctx_rel(context_id: str) -> str:
-    return "contexts/" + check_context_id(context_id)
-
-
-def _model_rel(model_id: str) -> str:
-    return f"models/{check_model_id(model_id)}.json"
-
 
 def context_id_for(model_id: str, chash: str, dtype: Any, shape: L.KVShape) -> str:
     """The id of a context: a hash of everything that makes two KV caches interchangeable."""
@@ -189,89 +171,8 @@ def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, *, chunk
 
 
 # ------------------------------------------------------------------------------------------------
-# small file-system helpers
+# small helpers
 # ------------------------------------------------------------------------------------------------
-try:  # orjson parses and writes the registry snapshot 3-5x faster; the json module is the fallback
-    import orjson as _orjson
-except ImportError:  # pragma: no cover - the test extra installs orjson
-    _orjson = None
-
-
-def _loads(raw: bytes) -> Any:
-    if _orjson is not None:
-        try:
-            return _orjson.loads(raw)
-        except _orjson.JSONDecodeError:
-            pass  # let the json module word the error (and accept what it accepts, e.g. huge ints)
-    return json.loads(raw.decode("utf-8"))
-
-
-def _dumps(obj: Any, compact: bool) -> bytes:
-    if compact and _orjson is not None:
-        try:
-            return _orjson.dumps(obj)
-        except TypeError:  # integers beyond 64 bits
-            pass
-    return json.dumps(obj, indent=None if compact else 1, separators=(",", ":") if compact else None).encode()
-
-
-def _parse_json(raw: bytes, path: Path) -> Any:
-    try:
-        return _loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"malformed JSON: {exc}", path=path) from None
-
-
-#: metadata.json, models/<id>.json and .verified.json larger than this are refused unread (a planted
-#: multi-gigabyte file must not be read into memory); prefix hashes of a 10M-token context take ~1.4 MB
-MAX_DOC_BYTES = 64 << 20
-
-
-def _journal_line(rec: dict) -> bytes:
-    body = json.dumps(rec, separators=(",", ":")).encode()
-    return b"%08x " % zlib.crc32(body) + body + b"\n"
-
-
-def _parse_journal_line(line: bytes) -> dict | None:
-    """A journal record, or None when the line is torn or damaged (its CRC-32 does not match)."""
-    if len(line) < 10 or line[8:9] != b" ":
-        return None
-    try:
-        crc = int(line[:8], 16)
-    except ValueError:
-        return None
-    body = line[9:]
-    if zlib.crc32(body) != crc:
-        return None
-    try:
-        rec = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def _journal_write(fd: int, payload: bytes) -> None:
-    """Write all of ``payload`` at the current offset (a separate function so crash tests can stop a
-    writer exactly here)."""
-    view = memoryview(payload)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-#: the tiers a context can be asked to live in, slowest first
-TIERS = ("cold", "warm", "hot")
-
-
-def _preference(meta: dict) -> tuple[str | None, str | None, float | None]:
-    """(tier, device, set_at) of a context's persistent tier preference, or Nones when it has none."""
-    pref = (meta.get("storage") or {}).get("preference")
-    if not isinstance(pref, dict) or pref.get("tier") not in TIERS:
-        return None, None, None
-    dev = pref.get("device") if isinstance(pref.get("device"), str) else None
-    at = pref.get("set_at")
-    return pref["tier"], dev, (at if isinstance(at, (int, float)) and not isinstance(at, bool) else None)
-
-
 def _verify_policy(v: Any) -> str:
     if v is True or v == "always":
         return "always"
@@ -296,31 +197,6 @@ def _copy_into(out: Any, layers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]
     return [tuple(p) for p in out]
 
 
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _parse_iso(s: Any, path: Path, field: str) -> float | None:
-    if s is None:
-        return None
-    try:
-        return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
-    except (AttributeError, TypeError, ValueError):
-        raise FormatError("not an ISO 8601 timestamp", path=path, field=field, got=s) from None
-
-
-def _get(obj: Any, path: Path, *keys: str, types: type | tuple[type, ...] = object) -> Any:
-    """``obj[k0][k1]...`` with a FormatError naming the field when a level is missing or mistyped."""
-    cur = obj
-    for i, k in enumerate(keys):
-        if not isinstance(cur, dict) or k not in cur:
-            raise FormatError("missing field", path=path, field=".".join(keys[: i + 1]))
-        cur = cur[k]
-    if not isinstance(cur, types) or (isinstance(cur, bool) and types is int):
-        raise FormatError("wrong type", path=path, field=".".join(keys), expected=str(types), got=type(cur).__name__)
-    return cur
-
-
 def check_ttl(ttl: Any, name: str) -> float | None:
     if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool)
                             or not 0 < ttl < 100 * 365 * 86400):
@@ -328,29 +204,9 @@ def check_ttl(ttl: Any, name: str) -> float | None:
     return ttl
 
 
-def _made_by(meta: dict) -> dict:
-    """The ``model`` block of a context's metadata: architecture, vocab_size and model_hash of the
-    registered model that was current at ingest (empty for contexts of older buckets)."""
-    m = meta.get("model")
-    return m if isinstance(m, dict) else {}
-
-
 def _stale(context_hash: Any, current_hash: Any) -> bool:
     return context_hash is not None and current_hash is not None and context_hash != current_hash
 
-
-def _check_registry_version(doc: Any, p: Path) -> None:
-    """registry.json's ``mcrp_version``: another major version is UnsupportedVersionError (a newer mcf's
-    bucket: not rebuilt over); a missing or malformed one is a damaged registry (FormatError: rebuilt)."""
-    v = _get(doc, p, "mcrp_version", types=str)
-    m = _VERSION_RE.fullmatch(v)
-    if m is None:
-        raise FormatError("mcrp_version is not MAJOR.MINOR", path=p, field="mcrp_version", got=v[:40])
-    major = REGISTRY_VERSION.split(".")[0]
-    if m.group(1) != major:
-        raise UnsupportedVersionError(
-            f"registry mcrp_version {v} is not readable by this mcf (it reads {major}.x): the bucket was written "
-            "by another major version", path=p, field="mcrp_version", expected=f"{major}.x", got=v)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,21 +249,17 @@ class Bucket:
         prefix_hashes("m", [], chunk_tokens=prefix_chunk_tokens)  # validates the chunk size
         self.prefix_chunk_tokens = prefix_chunk_tokens
         self._subscribers: list[Callable[[dict], None]] = []
-        self._cache: dict | None = None
-        self._snap_stamp: tuple | None = None
-        self._journal_ino: int | None = None
-        self._journal_pos = 0
-        self._prefix_index: dict | None = None
         self._tier_set_at: dict[str, float] = {}
-        # threads of one process (the server's pool) share this object: ``_mem`` guards the in-memory
-        # registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
-        self._mem = threading.RLock()
+        # threads of one process (the server's pool) share this object: the registry's ``_mem`` guards the
+        # in-memory registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
         self._tier_mutex = threading.RLock()
         refuse_url(root, what="a bucket")   # a URL is not a directory: never create "https:/host/..." locally
         try:
             self._fs = BucketFS(self.root, create=create)
         except FileNotFoundError:
             raise MissingFileError(errno.ENOENT, "is not a bucket (no such directory)", str(self.root)) from None
+        self._reg = Registry(self._fs, self.root, self.clock, self._rebuild_locked)
+        self._mem = self._reg.mem
         try:
             if create:
                 self._fs.mkdir("contexts", exist_ok=True)
@@ -451,11 +303,11 @@ class Bucket:
     # -- paths ---------------------------------------------------------------------------------------
     @property
     def registry_path(self) -> Path:
-        return self.root / REGISTRY_NAME
+        return self._reg.registry_path
 
     def _ctx_dir(self, context_id: str) -> Path:
         """For messages only: every access goes through ``self._fs``."""
-        return self.root / _ctx_rel(context_id)
+        return self.root / ctx_rel(context_id)
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -474,7 +326,7 @@ class Bucket:
         return lambda: self._subscribers.remove(callback)
 
     def _emit(self, event: str, **fields: Any) -> None:
-        ev = {"event": event, **fields, "timestamp": _iso(self.clock())}
+        ev = {"event": event, **fields, "timestamp": iso(self.clock())}
         for cb in list(self._subscribers):
             cb(ev)
 
@@ -505,23 +357,23 @@ class Bucket:
         for k, v in (("architecture", architecture), ("model_hash", model_hash)):
             if v is not None and (not isinstance(v, str) or not v or len(v) > 256):
                 raise InvalidArgumentError(f"{k} must be a non-empty string of at most 256 characters, got {v!r}")
-        doc = {"model_id": check_model_id(model_id), "model_hash": model_hash, "created_at": _iso(self.clock()),
+        doc = {"model_id": check_model_id(model_id), "model_hash": model_hash, "created_at": iso(self.clock()),
                "model_compatibility": compat}
         with self._lock():
-            self._fs.write_atomic(_model_rel(model_id), _dumps(doc, False))
+            self._fs.write_atomic(model_rel(model_id), dumps(doc, False))
         return doc
 
     def model(self, model_id: str) -> dict | None:
         """The model document, or None when the model was never registered."""
-        rel = _model_rel(model_id)
+        rel = model_rel(model_id)
         p = self._fs.where(rel)
         try:
-            doc = _parse_json(self._fs.read(rel, limit=MAX_DOC_BYTES), p)
+            doc = parse_json(self._fs.read(rel, limit=MAX_DOC_BYTES), p)
         except FileNotFoundError:
             return None
-        _get(doc, p, "model_compatibility", types=dict)
+        get_field(doc, p, "model_compatibility", types=dict)
         # every reader below relies on both (fuzz: a document without model_id made a KeyError escape)
-        if _get(doc, p, "model_id", types=str) != model_id:
+        if get_field(doc, p, "model_id", types=str) != model_id:
             raise FormatError("model document names another model", path=p, field="model_id", expected=model_id,
                               got=doc["model_id"])
         return doc
@@ -549,9 +401,9 @@ class Bucket:
         if not isinstance(model, dict):
             raise InvalidArgumentError(f"model must be a model id or a compatibility dict, got {type(model).__name__}")
         shape, dtype = meta["kv_cache"]["shape"], meta["kv_cache"]["dtype"]
-        made_by = _made_by(meta)
+        maker = made_by(meta)
         have = {"num_layers": shape["num_layers"], "num_kv_heads": shape["num_kv_heads"], "head_dim": shape["head_dim"],
-                "dtype": dtype, "architecture": made_by.get("architecture"), "vocab_size": made_by.get("vocab_size")}
+                "dtype": dtype, "architecture": maker.get("architecture"), "vocab_size": maker.get("vocab_size")}
         for k, want in model.items():
             # architecture and vocab_size are known for contexts ingested under a registered model only
             if k in have and want is not None and have[k] is not None and have[k] != want:
@@ -564,271 +416,53 @@ class Bucket:
         says which weights computed it."""
         meta = self.lookup(context_id_or_meta, include_expired=True) if isinstance(context_id_or_meta, str) \
             else context_id_or_meta
-        return _stale(_made_by(meta).get("model_hash"), self._model_hash(meta["model_id"]))
+        return _stale(made_by(meta).get("model_hash"), self._model_hash(meta["model_id"]))
 
-    # -- registry ------------------------------------------------------------------------------------
-    # In memory the registry is ``{"created_at", "models": {model_id: {"model_hash", "contexts": {id:
-    # summary}}}, "stamps": {id: [ino, mtime_ns, size] of its metadata.json}, "skipped": [...]}``.  On disk
-    # it is registry.json (a snapshot in seed 003's list form plus the stamps) and registry.journal (one
-    # CRC-guarded JSON line per change since the snapshot).  A change appends one line under the lock
-    # instead of rewriting every context's summary; the journal is folded into a new snapshot when it
-    # grows past a quarter of the contexts.  Replaying is idempotent (put = replace, del = remove), so a
-    # crash between writing a snapshot and starting a new journal loses nothing.
+    # -- registry (mcf.bucket._registry: snapshot + journal) -----------------------------------------------
     @property
     def journal_path(self) -> Path:
-        return self.root / JOURNAL_NAME
-
-    @staticmethod
-    def _summary(meta: dict) -> dict:
-        return {
-            "context_id": meta["context_id"],
-            "name": meta["content"]["name"],
-            "token_count": meta["content"]["token_count"],
-            "size_bytes": meta["kv_cache"]["size_bytes"],
-            "last_accessed": meta["timestamps"]["last_accessed"],
-            "expires_at": meta["timestamps"]["expires_at"],
-            "pinned": meta.get("pinned", False),
-            "dtype": meta["kv_cache"]["dtype"],
-            "prefix": meta.get("prefix"),
-            "preferred_tier": _preference(meta)[0],
-            "model_hash": _made_by(meta).get("model_hash"),
-        }
-
-    def _empty_state(self) -> dict:
-        return {"created_at": _iso(self.clock()), "last_updated": _iso(self.clock()), "models": {}, "stamps": {},
-                "skipped": []}
+        return self._reg.journal_path
 
     def _meta_stamp(self, context_id: str) -> list[int] | None:
         """[inode, mtime_ns, size] of the context's metadata.json (what :meth:`scan` compares)."""
         try:
-            st = self._fs.lstat(f"{_ctx_rel(context_id)}/{META_NAME}")
+            st = self._fs.lstat(f"{ctx_rel(context_id)}/{META_NAME}")
         except (FormatError, MCFIOError):
             return None
         return None if st is None else [st.st_ino, st.st_mtime_ns, st.st_size]
 
-    def _file_stamp(self, name: str) -> tuple | None:
-        """(inode, mtime_ns, size) of registry.json or the journal (the link itself if one was planted:
-        reading it is then refused, and the registry rebuilt)."""
-        st = self._fs.lstat(name)
-        return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def _apply(self, state: dict, rec: dict) -> None:
-        """One journal record applied to the in-memory registry (idempotent)."""
-        if rec["op"] == "put":
-            summ, mid = rec["summary"], rec["model_id"]
-            cid = summ["context_id"]
-            self._state_remove(state, cid)
-            m = state["models"].setdefault(mid, {"model_hash": rec.get("model_hash"), "contexts": {}})
-            m["model_hash"] = rec.get("model_hash", m["model_hash"])  # the model's current hash at that change
-            m["contexts"][cid] = summ
-            state["stamps"][cid] = rec.get("stamp")
-        else:
-            self._state_remove(state, rec["context_id"])
-        state["last_updated"] = rec.get("at", state["last_updated"])
-
-    @staticmethod
-    def _state_remove(state: dict, cid: str) -> None:
-        for mid, m in list(state["models"].items()):
-            if m["contexts"].pop(cid, None) is not None and not m["contexts"]:
-                del state["models"][mid]
-        state["stamps"].pop(cid, None)
-
-    def _check_record(self, rec: Any) -> dict:
-        p = self.journal_path
-        op = _get(rec, p, "op", types=str)
-        if op == "put":
-            check_model_id(_get(rec, p, "model_id", types=str))
-            self._check_summary(_get(rec, p, "summary", types=dict), p, "summary")
-        elif op == "del":
-            if not _CTX_RE.fullmatch(_get(rec, p, "context_id", types=str)):
-                raise FormatError("invalid context id in journal", path=p, got=rec["context_id"])
-        else:
-            raise FormatError("unknown journal operation", path=p, field="op", got=op)
-        return rec
-
-    @staticmethod
-    def _check_summary(c: Any, p: Path, where: str) -> None:
-        for k, t in (("context_id", str), ("name", (str, type(None))), ("token_count", int), ("size_bytes", int)):
-            _get({"c": c}, p, "c", k, types=t)
-        if not _CTX_RE.fullmatch(c["context_id"]):
-            raise FormatError("invalid context id in registry", path=p, field=where, got=c["context_id"])
-
-    def _read_snapshot(self) -> dict:
-        """registry.json as in-memory state (FileNotFoundError / FormatError when unusable)."""
-        p = self.registry_path
-        doc = _parse_json(self._fs.read(REGISTRY_NAME), p)
-        _check_registry_version(doc, p)
-        state = self._empty_state()
-        state["created_at"] = doc.get("created_at", state["created_at"]) if isinstance(doc, dict) else None
-        for i, m in enumerate(_get(doc, p, "models", types=list)):
-            mid = check_model_id(_get({"m": m}, p, "m", "model_id", types=str))
-            ctxs = {}
-            for c in _get({"m": m}, p, "m", "contexts", types=list):
-                self._check_summary(c, p, f"models[{i}]")
-                ctxs[c["context_id"]] = c
-            if ctxs:
-                state["models"][mid] = {"model_hash": m.get("model_hash"), "contexts": ctxs}
-        stamps = doc.get("stamps", {})
-        if not isinstance(stamps, dict):
-            raise FormatError("stamps must be an object", path=p, field="stamps")
-        state["stamps"] = stamps
-        state["skipped"] = doc.get("skipped", []) if isinstance(doc.get("skipped"), list) else []
-        return state
-
-    def _replay(self, state: dict, start: int) -> int:
-        """Apply journal records from byte ``start``; returns the end of the last whole, valid record.
-        A torn final line (a writer killed mid-append) ends the replay; a bad line followed by good
-        ones means the journal was damaged: FormatError (the caller rebuilds)."""
-        try:
-            fd = self._fs.open_file(JOURNAL_NAME)
-        except FileNotFoundError:
-            return start
-        try:
-            with os.fdopen(fd, "rb") as f:
-                f.seek(start)
-                data = f.read()
-        except OSError as exc:
-            raise os_error(exc, self.journal_path) from exc
-        pos = start
-        lines = data.split(b"\n")
-        for i, line in enumerate(lines[:-1]):  # the piece after the last newline is incomplete
-            rec = _parse_journal_line(line)
-            if rec is None:
-                if any(_parse_journal_line(x) is not None for x in lines[i + 1:-1]):
-                    raise FormatError("damaged registry journal line", path=self.journal_path, offset=pos)
-                break
-            self._apply(state, self._check_record(rec))
-            pos += len(line) + 1
-        return pos
-
     def _load_locked(self) -> dict:
-        """The registry state, refreshed from disk (caller holds the lock): only the journal's new tail
-        when the snapshot is unchanged, else snapshot + whole journal, else a rebuild from contexts/."""
-        with self._mem:
-            return self._load_locked_mem()
-
-    def _load_locked_mem(self) -> dict:
-        snap, jst = self._file_stamp(REGISTRY_NAME), self._file_stamp(JOURNAL_NAME)
-        st = self._cache
-        jino, jsize = (jst[0], jst[2]) if jst is not None else (None, 0)
-        if (st is not None and snap is not None and snap == self._snap_stamp and jino == self._journal_ino
-                and jsize >= self._journal_pos):
-            if jsize > self._journal_pos:
-                try:
-                    self._journal_pos = self._replay(st, self._journal_pos)
-                except FormatError:
-                    return self._rebuild_locked()
-                self._prefix_index = None
-            return st
-        try:
-            st = self._read_snapshot()
-            pos = self._replay(st, 0)
-        except UnsupportedVersionError:
-            raise  # another major version's registry: refused, not overwritten by a rebuild
-        except (FileNotFoundError, FormatError):
-            return self._rebuild_locked()
-        self._set_cache(st, snap, jst, pos)
-        return st
-
-    def _set_cache(self, state: dict, snap: tuple | None, jst: tuple | None, pos: int) -> None:
-        self._cache, self._snap_stamp, self._prefix_index = state, snap, None
-        self._journal_ino, self._journal_pos = (jst[0] if jst else None), pos
-
-    def _write_snapshot_locked(self, state: dict) -> None:
-        """Write registry.json from ``state`` and start an empty journal (caller holds the lock)."""
-        state["last_updated"] = _iso(self.clock())
-        doc = self._document(state)
-        doc["stamps"] = state["stamps"]
-        self._fs.write_atomic(REGISTRY_NAME, _dumps(doc, True))
-        self._fs.write_atomic(JOURNAL_NAME, b"")  # after the snapshot: replaying the old journal is harmless
-        self._set_cache(state, self._file_stamp(REGISTRY_NAME), self._file_stamp(JOURNAL_NAME), 0)
+        """The registry state, refreshed from disk (caller holds the lock)."""
+        return self._reg.load_locked()
 
     def _journal_locked(self, records: list[dict]) -> None:
-        """Append records (caller holds the lock and has just loaded the state): applied in memory,
-        then written as whole lines and fsynced; a long journal is folded into a new snapshot."""
-        state = self._load_locked()
-        at = _iso(self.clock())
-        with self._mem:
-            for rec in records:
-                rec["at"] = at
-                self._apply(state, rec)
-            self._prefix_index = None
-        n_ctx = sum(len(m["contexts"]) for m in state["models"].values())
-        if self._journal_pos + sum(len(json.dumps(r)) for r in records) > max(JOURNAL_COMPACT_BYTES, 64 * n_ctx):
-            self._write_snapshot_locked(state)
-            return
-        payload = b"".join(_journal_line(r) for r in records)
-        try:
-            fd = self._fs.open_file(JOURNAL_NAME, os.O_WRONLY | os.O_CREAT)
-        except FormatError:  # something planted in its place: a new snapshot replaces it (the link itself)
-            self._write_snapshot_locked(state)
-            return
-        try:
-            try:
-                if os.fstat(fd).st_size != self._journal_pos or self._journal_ino != os.fstat(fd).st_ino:
-                    os.ftruncate(fd, self._journal_pos)  # drop a torn line left by a killed writer
-                os.lseek(fd, self._journal_pos, os.SEEK_SET)
-                _journal_write(fd, payload)
-                os.fsync(fd)
-                ino = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise os_error(exc, self.journal_path) from exc
-        self._journal_ino, self._journal_pos = ino, self._journal_pos + len(payload)
+        """Append registry records (caller holds the lock)."""
+        self._reg.journal_locked(records)
 
     def _put_record(self, meta: dict, stamp: list[int] | None) -> dict:
         return {"op": "put", "model_id": meta["model_id"], "model_hash": self._model_hash(meta["model_id"]),
-                "summary": self._summary(meta), "stamp": stamp}
+                "summary": summary(meta), "stamp": stamp}
 
     def _registry(self) -> dict:
         """The in-memory registry, refreshed when registry.json or the journal changed on disk
         (another process wrote them): two stat() calls when nothing changed."""
-        if self._cache is not None:
-            snap, jst = self._file_stamp(REGISTRY_NAME), self._file_stamp(JOURNAL_NAME)
-            jkey = (jst[0], jst[2]) if jst is not None else (None, 0)
-            if snap is not None and snap == self._snap_stamp and jkey == (self._journal_ino, self._journal_pos):
-                return self._cache
+        state = self._reg.fresh()
+        if state is not None:
+            return state
         with self._lock():
-            return self._load_locked()
+            return self._reg.load_locked()
 
     def _prefix(self) -> dict[tuple[str, str], list[tuple[str, int]]]:
         """chained chunk hash -> [(context id, tokens covered)] per model, built on demand."""
         state = self._registry()
         with self._mem:
-            return self._prefix_mem(state)
-
-    def _prefix_mem(self, state: dict) -> dict[tuple[str, str], list[tuple[str, int]]]:
-        if self._prefix_index is None:
-            index: dict[tuple[str, str], list[tuple[str, int]]] = {}
-            for mid, m in state["models"].items():
-                for c in m["contexts"].values():
-                    pre = c.get("prefix")
-                    if (isinstance(pre, dict) and pre.get("chunk_tokens") == self.prefix_chunk_tokens
-                            and isinstance(pre.get("hashes"), list)):
-                        for i, h in enumerate(pre["hashes"]):
-                            if isinstance(h, str):
-                                index.setdefault((mid, h), []).append((c["context_id"], (i + 1) * self.prefix_chunk_tokens))
-            self._prefix_index = index
-        return self._prefix_index
-
-    @staticmethod
-    def _document(state: dict) -> dict:
-        models = [{"model_id": mid, "model_hash": m["model_hash"], "contexts": list(m["contexts"].values())}
-                  for mid, m in state["models"].items()]
-        ctxs = [c for m in models for c in m["contexts"]]
-        return {"mcrp_version": REGISTRY_VERSION, "created_at": state["created_at"],
-                "last_updated": state["last_updated"], "models": models,
-                "statistics": {"total_models": len(models), "total_contexts": len(ctxs),
-                               "total_storage_bytes": sum(c["size_bytes"] for c in ctxs),
-                               "total_tokens": sum(c["token_count"] for c in ctxs)},
-                "skipped": list(state.get("skipped", []))}
+            return self._reg.prefix_locked_mem(state, self.prefix_chunk_tokens)
 
     def registry(self) -> dict:
         """The registry document of seed 003 §3.2 (models, their contexts, statistics)."""
         state = self._registry()
         with self._mem:
-            doc = json.loads(json.dumps(self._document(state)))
+            doc = json.loads(json.dumps(document(state)))
         for m in doc["models"]:  # the model's current identity (registering again changes it)
             m["model_hash"] = self._model_hash(m["model_id"])
         return doc
@@ -838,7 +472,7 @@ class Bucket:
         """The validated metadata.json of a committed context.  The context directory, metadata.json and
         kv_data.mcb must be what they claim (no link, FIFO or device: FormatError); a missing one is
         ContextNotFoundError."""
-        rel = _ctx_rel(context_id)
+        rel = ctx_rel(context_id)
         p = self._fs.where(f"{rel}/{META_NAME}")
         try:
             with self._fs.dir(rel) as d:
@@ -853,44 +487,40 @@ class Bucket:
             raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
         except OSError as exc:
             raise os_error(exc, p) from None
-        meta = _parse_json(raw, p)
+        meta = parse_json(raw, p)
         self._validate_meta(meta, p, context_id)
         return meta
 
     @staticmethod
     def _validate_meta(meta: Any, p: Path, context_id: str) -> None:
-        if _get(meta, p, "context_id", types=str) != context_id:
+        if get_field(meta, p, "context_id", types=str) != context_id:
             raise FormatError("context_id disagrees with its directory", path=p, field="context_id",
                               expected=context_id, got=meta["context_id"])
-        check_model_id(_get(meta, p, "model_id", types=str))
-        _get(meta, p, "content", "name", types=(str, type(None)))
-        _get(meta, p, "content", "hash", types=str)
-        _get(meta, p, "content", "token_count", types=int)
+        check_model_id(get_field(meta, p, "model_id", types=str))
+        get_field(meta, p, "content", "name", types=(str, type(None)))
+        get_field(meta, p, "content", "hash", types=str)
+        get_field(meta, p, "content", "token_count", types=int)
         for k in ("num_layers", "num_kv_heads", "head_dim", "sequence_length"):
-            _get(meta, p, "kv_cache", "shape", k, types=int)
-        dt = _get(meta, p, "kv_cache", "dtype", types=str)
+            get_field(meta, p, "kv_cache", "shape", k, types=int)
+        dt = get_field(meta, p, "kv_cache", "dtype", types=str)
         try:
             L.parse_dtype(dt)
         except InvalidArgumentError:
             raise FormatError("unknown dtype", path=p, field="kv_cache.dtype", got=dt) from None
-        _get(meta, p, "kv_cache", "size_bytes", types=int)
-        _get(meta, p, "timestamps", "created_at", types=str)
-        _get(meta, p, "timestamps", "last_accessed", types=str)
-        _get(meta, p, "timestamps", "expires_at", types=(str, type(None)))
-        _parse_iso(meta["timestamps"]["expires_at"], p, "timestamps.expires_at")
-        _get(meta, p, "access", "count", types=int)
+        get_field(meta, p, "kv_cache", "size_bytes", types=int)
+        get_field(meta, p, "timestamps", "created_at", types=str)
+        get_field(meta, p, "timestamps", "last_accessed", types=str)
+        get_field(meta, p, "timestamps", "expires_at", types=(str, type(None)))
+        parse_iso(meta["timestamps"]["expires_at"], p, "timestamps.expires_at")
+        get_field(meta, p, "access", "count", types=int)
         pre = meta.get("prefix")
         if pre is not None:
-            _get(meta, p, "prefix", "chunk_tokens", types=int)
-            if not all(isinstance(h, str) for h in _get(meta, p, "prefix", "hashes", types=list)):
+            get_field(meta, p, "prefix", "chunk_tokens", types=int)
+            if not all(isinstance(h, str) for h in get_field(meta, p, "prefix", "hashes", types=list)):
                 raise FormatError("prefix hashes must be strings", path=p, field="prefix.hashes")
 
     def _expired(self, summary_or_meta: dict, now: float) -> bool:
-        ts = summary_or_meta.get("timestamps", summary_or_meta)
-        exp = ts.get("expires_at")
-        if exp is None or summary_or_meta.get("pinned", False):
-            return False
-        return _parse_iso(exp, self.registry_path, "expires_at") <= now
+        return expired(summary_or_meta, now, path=self._reg.registry_path)
 
     # -- operations ----------------------------------------------------------------------------------
     def ingest(self, model_id: str, layers: Sequence[Sequence[Any]], *, content: str | bytes | None = None,
@@ -915,7 +545,7 @@ class Bucket:
         if token_ids is not None and len(token_ids) != shape.sequence_length:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for KV data of {shape.sequence_length} tokens")
         doc = self.model(model_id)
-        made_by = None
+        model_block = None
         if doc is not None:
             compat = doc["model_compatibility"]
             for k, have in (("num_layers", shape.num_layers), ("num_kv_heads", shape.num_kv_heads),
@@ -924,10 +554,10 @@ class Bucket:
                     raise InvalidArgumentError(f"model {model_id!r} needs {k}={compat[k]!r}, the KV data has {have!r}")
             # what computed this KV data (seed 003 §7.1): checked again at load, and the hash marks it stale
             # once the model is registered with other weights
-            made_by = {"architecture": compat.get("architecture"), "vocab_size": compat.get("vocab_size"),
-                       "model_hash": doc.get("model_hash")}
+            model_block = {"architecture": compat.get("architecture"), "vocab_size": compat.get("vocab_size"),
+                           "model_hash": doc.get("model_hash")}
         cid = context_id_for(model_id, chash, kd, shape)
-        rel = _ctx_rel(cid)
+        rel = ctx_rel(cid)
         if self._fs.lstat(rel) is not None:
             with self._lock():
                 if not self._replaceable_locked(cid):
@@ -969,17 +599,17 @@ class Bucket:
                     },
                     "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
                                 "checksum": f"crc32:{header.checksum:08x}"},
-                    "timestamps": {"created_at": _iso(now), "last_accessed": _iso(now),
-                                   "expires_at": None if ttl is None else _iso(now + ttl)},
+                    "timestamps": {"created_at": iso(now), "last_accessed": iso(now),
+                                   "expires_at": None if ttl is None else iso(now + ttl)},
                     "access": {"count": 0, "last_query": None},
                     "pinned": bool(pinned),
                     "prefix": prefix,
-                    "model": made_by,
+                    "model": model_block,
                 }
                 fd = self._fs.open_file_at(td, META_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                            rel=f"{tmp_rel}/{META_NAME}")
                 with os.fdopen(fd, "wb") as f:
-                    f.write(_dumps(meta, False))
+                    f.write(dumps(meta, False))
                     f.flush()
                     os.fsync(f.fileno())
                 os.fsync(td)
@@ -1051,9 +681,9 @@ class Bucket:
         with self._mem:
             m = state["models"].get(model_id)
             summaries = list(m["contexts"].values()) if m is not None else []
-        out = []
+        out, where = [], self._reg.registry_path
         for c in summaries:
-            if include_expired or not self._expired(c, now):
+            if include_expired or not expired(c, now, path=where):
                 tier = self.tier(c["context_id"])
                 entry = dict(c, tier=tier, is_loaded=tier != "cold", stale=_stale(c.get("model_hash"), current))
                 if include_metadata:
@@ -1075,7 +705,7 @@ class Bucket:
             state = self._load_locked()
             stamps = state["stamps"]
             on_disk: dict[str, list[int] | None] = {}
-            match, stat_at, tail = _CTX_RE.fullmatch, os.stat, "/" + META_NAME
+            match, stat_at, tail = CTX_RE.fullmatch, os.stat, "/" + META_NAME
             with self._fs.dir("contexts") as cfd:
                 try:
                     with os.scandir(cfd) as it:  # plain strings: pathlib would triple the cost per context
@@ -1103,7 +733,7 @@ class Bucket:
             records += [{"op": "del", "context_id": cid} for cid in stamps if cid not in on_disk]
             if records:
                 self._journal_locked(records)
-            state = self._cache
+            state = self._reg.cache
             state["skipped"] = skipped
         return state
 
@@ -1140,7 +770,7 @@ class Bucket:
     def open(self, context_id: str, *, mmap: bool = True) -> KVFile:
         """The context's KV file, validated against its metadata."""
         meta = self.lookup(context_id)
-        rel = f"{_ctx_rel(context_id)}/{KV_NAME}"
+        rel = f"{ctx_rel(context_id)}/{KV_NAME}"
         path = self._fs.where(rel)
         f = open_kv(open_fd(self._fs.open_file(rel), path, mmap=mmap), key=self._key)
         s, want = f.shape, meta["kv_cache"]["shape"]
@@ -1183,7 +813,7 @@ class Bucket:
         if not force and self.is_stale(meta):
             raise StaleContextError(
                 f"{context_id} is stale: it was computed by model {meta['model_id']!r} with weights "
-                f"{_made_by(meta)['model_hash']}, and the model is now registered with {self._model_hash(meta['model_id'])}"
+                f"{made_by(meta)['model_hash']}, and the model is now registered with {self._model_hash(meta['model_id'])}"
                 " (ingest the content again, or load(..., force=True) to use it anyway)")
         self._honour_preference(context_id, meta)
         hot = self._hot.get(context_id)
@@ -1272,7 +902,7 @@ class Bucket:
         checked its kv_data.mcb completely; None when absent, unreadable, too large or not a regular
         file."""
         try:
-            doc = json.loads(self._fs.read(f"{_ctx_rel(context_id)}/{VERIFIED_NAME}", limit=4096))
+            doc = json.loads(self._fs.read(f"{ctx_rel(context_id)}/{VERIFIED_NAME}", limit=4096))
             ident = tuple(doc["identity"])
             if len(ident) != 5 or not all(isinstance(x, int) for x in ident) or not isinstance(doc["checksum"], int):
                 return None
@@ -1283,9 +913,9 @@ class Bucket:
     def _write_verified(self, context_id: str, rec: tuple) -> None:
         """Record a complete, successful check so other processes with verify="once" can skip it.  A
         cache: written atomically without fsync, and a bucket that cannot be written just goes without."""
-        doc = {"identity": list(rec[0]), "checksum": rec[1], "verified_at": _iso(self.clock())}
+        doc = {"identity": list(rec[0]), "checksum": rec[1], "verified_at": iso(self.clock())}
         with contextlib.suppress(MCFError, OSError):
-            self._fs.write_atomic(f"{_ctx_rel(context_id)}/{VERIFIED_NAME}", _dumps(doc, False), durable=False)
+            self._fs.write_atomic(f"{ctx_rel(context_id)}/{VERIFIED_NAME}", dumps(doc, False), durable=False)
 
     # -- persistent tier preferences -----------------------------------------------------------------
     def set_tier_preference(self, context_id: str, tier: str, *, device: str | None = None) -> dict:
@@ -1315,22 +945,18 @@ class Bucket:
         device, larger than the warm budget) falls back to warm, then to cold, with an event saying so;
         a load never fails because of a preference."""
         with self._tier_mutex:
-            tier, device, set_at = _preference(meta)
-            if tier is None or set_at is None or set_at <= self._tier_set_at.get(context_id, float("-inf")):
+            set_at, action, tiers = preference_steps(meta, self.tier(context_id), self._tier_set_at.get(context_id))
+            if set_at is None:
                 return
             self._tier_set_at[context_id] = set_at
-            now = self.tier(context_id)
-            if tier == now:
-                return
-            if TIERS.index(tier) < TIERS.index(now):
-                self.demote(context_id, tier)
-            else:
-                for t in TIERS[TIERS.index(tier):0:-1]:  # hot, then warm
-                    try:
-                        self.promote(context_id, t, device=device or "cuda")
-                        break
-                    except InvalidArgumentError as exc:
-                        self._emit("context.preference_unmet", context_id=context_id, tier=t, reason=str(exc))
+            if action == "demote":
+                self.demote(context_id, tiers[0])
+            for t in tiers if action == "promote" else ():
+                try:
+                    self.promote(context_id, t, device=preference(meta)[1] or "cuda")
+                    break
+                except InvalidArgumentError as exc:
+                    self._emit("context.preference_unmet", context_id=context_id, tier=t, reason=str(exc))
             self._tier_set_at[context_id] = set_at
 
     def apply_tier_preferences(self) -> dict[str, str]:
@@ -1353,7 +979,7 @@ class Bucket:
     def _write_meta(self, meta: dict, *, durable: bool = True) -> None:
         """Replace a committed context's metadata.json (caller holds the lock).  Access statistics are
         written without fsync (``durable=False``): a crash may lose the last counts, never the file."""
-        self._fs.write_atomic(f"{_ctx_rel(meta['context_id'])}/{META_NAME}", _dumps(meta, False), durable=durable)
+        self._fs.write_atomic(f"{ctx_rel(meta['context_id'])}/{META_NAME}", dumps(meta, False), durable=durable)
 
     def _touch(self, context_id: str) -> None:
         with self._lock():
@@ -1362,7 +988,7 @@ class Bucket:
             except ContextNotFoundError:
                 return  # deleted meanwhile: the caller already holds its arrays
             meta["access"]["count"] += 1
-            meta["timestamps"]["last_accessed"] = _iso(self.clock())
+            meta["timestamps"]["last_accessed"] = iso(self.clock())
             self._write_meta(meta, durable=False)
 
     def pin(self, context_id: str, *, pinned: bool = True) -> dict:
@@ -1379,7 +1005,7 @@ class Bucket:
         self._delete(context_id, event="context.deleted")
 
     def _delete(self, context_id: str, *, event: str) -> None:
-        rel = _ctx_rel(context_id)
+        rel = ctx_rel(context_id)
         self._hot.pop(context_id, None)
         self._warm.pop(context_id)
         with self._lock():
@@ -1419,11 +1045,11 @@ class Bucket:
     def _scan_ids(self) -> list[str]:
         """The committed context directories (and links planted under such names, which readers refuse)."""
         return sorted(name for name, st in self._fs.listdir("contexts")
-                      if _CTX_RE.fullmatch(name) and st is not None
+                      if CTX_RE.fullmatch(name) and st is not None
                       and (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)))
 
     def _rebuild_locked(self) -> dict:
-        state = self._empty_state()
+        state = self._reg.empty_state()
         skipped = []
         hashes: dict[str, Any] = {}
         for cid in self._scan_ids():
@@ -1437,10 +1063,10 @@ class Bucket:
             if mid not in hashes:
                 hashes[mid] = self._model_hash(mid)
             m = state["models"].setdefault(mid, {"model_hash": hashes[mid], "contexts": {}})
-            m["contexts"][cid] = self._summary(meta)
+            m["contexts"][cid] = summary(meta)
             state["stamps"][cid] = stamp
         state["skipped"] = skipped
-        self._write_snapshot_locked(state)
+        self._reg.write_snapshot_locked(state)
         return state
 
     def rebuild(self, *, emit: bool = True) -> dict:
@@ -1449,7 +1075,7 @@ class Bucket:
         not be read, and why."""
         with self._lock():
             state = self._rebuild_locked()
-        reg = json.loads(json.dumps(self._document(state)))
+        reg = json.loads(json.dumps(document(state)))
         if emit:
             self._emit("registry.rebuilt", contexts=[c["context_id"] for m in reg["models"] for c in m["contexts"]])
         return reg

@@ -9,6 +9,11 @@ unread).  Warm arrays are read-only: a caller's ``k *= 10`` on a loaded array mu
 later load of the context returns.  Hot holds torch tensors on a device (a GPU when one
 exists); it needs torch and says so clearly when torch or the device is missing.  Tiers are per
 process: they are not persisted (the file on disk stays the source of truth).
+
+The policy lives here too: which tier a context asks for (its persistent preference in metadata.json),
+whether this process should act on that preference (the newer of the preference and this process's
+last instruction wins) and in which order to fall back, and when a context has expired (TTL).  The
+bucket (:mod:`mcf.bucket.store`) carries the decisions out: it reads the files and emits the events.
 """
 
 from __future__ import annotations
@@ -20,9 +25,51 @@ from typing import Any
 import numpy as np
 
 from mcf._core.optional import require
+from mcf.bucket._json import parse_iso
 from mcf.errors import InvalidArgumentError, MissingDependencyError
 
-__all__ = ["WarmBudgetError", "WarmCache", "nbytes_of", "select", "to_torch", "warm_nbytes"]
+__all__ = ["TIERS", "WarmBudgetError", "WarmCache", "expired", "nbytes_of", "preference", "preference_steps", "select",
+           "to_torch", "warm_nbytes"]
+
+#: the tiers a context can be asked to live in, slowest first
+TIERS = ("cold", "warm", "hot")
+
+
+def preference(meta: dict) -> tuple[str | None, str | None, float | None]:
+    """(tier, device, set_at) of a context's persistent tier preference, or Nones when it has none."""
+    pref = (meta.get("storage") or {}).get("preference")
+    if not isinstance(pref, dict) or pref.get("tier") not in TIERS:
+        return None, None, None
+    dev = pref.get("device") if isinstance(pref.get("device"), str) else None
+    at = pref.get("set_at")
+    return pref["tier"], dev, (at if isinstance(at, (int, float)) and not isinstance(at, bool) else None)
+
+
+def preference_steps(meta: dict, current: str,
+                     last_set_at: float | None) -> tuple[float | None, str, list[str]]:
+    """What honouring a context's preference means now: ``(set_at, action, tiers)``.  ``action`` is
+    "none" (no preference, one not newer than this process's last instruction ``last_set_at``, or the
+    context is already there; ``set_at`` None when nothing is to be recorded), "demote" (to
+    ``tiers[0]``) or "promote" (try ``tiers`` in order: a preference this process cannot meet, hot
+    without torch or a device, larger than the warm budget, falls back to warm, then stays cold)."""
+    tier, _, set_at = preference(meta)
+    if tier is None or set_at is None or set_at <= (float("-inf") if last_set_at is None else last_set_at):
+        return None, "none", []
+    if tier == current:
+        return set_at, "none", []
+    if TIERS.index(tier) < TIERS.index(current):
+        return set_at, "demote", [tier]
+    return set_at, "promote", list(TIERS[TIERS.index(tier):0:-1])  # hot, then warm
+
+
+def expired(summary_or_meta: dict, now: float, *, path: Any) -> bool:
+    """True when a context's TTL has passed at ``now`` (a registry summary or a metadata.json); pinned
+    contexts never expire.  ``path`` names the document in a malformed timestamp's FormatError."""
+    ts = summary_or_meta.get("timestamps", summary_or_meta)
+    exp = ts.get("expires_at")
+    if exp is None or summary_or_meta.get("pinned", False):
+        return False
+    return parse_iso(exp, path, "expires_at") <= now
 
 
 class WarmBudgetError(InvalidArgumentError):

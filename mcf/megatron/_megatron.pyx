@@ -701,7 +701,8 @@ cdef class ShardTable:
             self._open_shard(k)
             if not self._shards[k].ready:
                 self._check_open()
-                raise RuntimeError(f"shard {k} was not bound")
+                # _open_shard binds the shard or raises: reaching this line is a bug in mcf, not a bad file
+                raise AssertionError(f"shard {k} was not bound by _open_shard")
         return 0
 
     def __len__(self):
