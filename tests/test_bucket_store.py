@@ -823,3 +823,67 @@ def test_kv_data_of_other_kinds_is_refused_not_cast(tmp_path, bad):
     with pytest.raises(mcf.InvalidArgumentError):
         Bucket(tmp_path).ingest("m", [([[[1, 2]], [[3]]], [[[1, 2]], [[3]]])], content="ragged")
     assert Bucket(tmp_path).discover("m") == []
+
+
+@pytest.mark.parametrize("error", ["torch", "memory"])
+def test_hot_tier_out_of_memory_keeps_the_warm_copy(tmp_path, monkeypatch, error):
+    """A device that runs out of memory while a context is copied onto it is a request this process
+    cannot satisfy now (HotTierFullError, 409 over REST), not a failure: nothing half-placed is kept,
+    the context stays warm, and a later promote can succeed."""
+    torch = pytest.importorskip("torch", reason="the hot tier needs PyTorch")
+    from mcf.bucket import HotTierFullError, tiers
+
+    b = Bucket(tmp_path)
+    cid = b.ingest("m", kv(51), content="oom", compression="none")["context_id"]
+    real, calls = tiers.to_torch, []
+
+    def to_torch(arr, *, device=None):
+        calls.append(1)
+        if len(calls) == 3:  # the second layer's key: the first layer is already on the device
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)") if error == "torch" else MemoryError()
+        return real(arr, device=device)
+
+    monkeypatch.setattr(tiers, "to_torch", to_torch)
+    with pytest.raises(HotTierFullError, match="out of memory") as info:
+        b.promote(cid, "hot", device="cpu")
+    assert isinstance(info.value, mcf.InvalidArgumentError) and cid in str(info.value)
+    assert b.tier(cid) == "warm"
+    monkeypatch.setattr(tiers, "to_torch", real)
+    assert b.promote(cid, "hot", device="cpu") == "hot"
+
+
+def test_hot_tier_out_of_memory_is_409_over_rest(tmp_path, monkeypatch):
+    """The server's answer, from its ASGI application in-process (no socket)."""
+    torch = pytest.importorskip("torch", reason="the hot tier needs PyTorch")
+    pytest.importorskip("starlette", reason="the server needs the 'server' extra")
+    import asyncio
+
+    from mcf.bucket import tiers
+    from mcf.bucket.server import create_app
+
+    cid = Bucket(tmp_path).ingest("m", kv(52), content="oom", compression="none")["context_id"]
+
+    def to_torch(arr, *, device=None):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(tiers, "to_torch", to_torch)
+    app = create_app(tmp_path)
+    body = json.dumps({"target_tier": "hot", "device": "cpu"}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": f"/mcrp/v1/contexts/{cid}/promote", "raw_path": f"/mcrp/v1/contexts/{cid}/promote".encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    sent, events = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return events.pop(0) if events else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    payload = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert start["status"] == 409, payload
+    assert "out of memory" in payload["error"]

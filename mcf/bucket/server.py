@@ -97,7 +97,8 @@ def _errors(*codes: int) -> dict:
     why = {400: "invalid argument or id, or a Host header not in the allow-list",
            401: "missing or wrong bearer token", 403: "a state-changing request from another origin",
            404: "no such context, model or route",
-           409: "the tier cannot be reached here (no torch or no such device, or larger than the warm budget), "
+           409: "the tier cannot be reached here (no torch or no such device, larger than the warm budget, "
+                "or the device out of memory), "
                 "or the context is stale (computed by its model's former weights)",
            413: "body too large (or, for an upload, the arrays it declares)",
            415: "content type not accepted on this route (JSON routes take application/json, the upload "
@@ -338,7 +339,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     from starlette.routing import Route
 
     from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
-    from mcf.bucket.tiers import WarmBudgetError
+    from mcf.bucket.tiers import HotTierFullError, WarmBudgetError
 
     check_token(token)
     for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes)):
@@ -373,7 +374,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 return err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
             except _UnsupportedMedia as exc:
                 return err(415, str(exc), close=True)
-            except (WarmBudgetError, StaleContextError) as exc:
+            except (WarmBudgetError, HotTierFullError, StaleContextError) as exc:
                 return err(409, str(exc))
             except InvalidArgumentError as exc:
                 return err(400, str(exc))

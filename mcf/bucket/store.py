@@ -855,9 +855,11 @@ class Bucket:
         """Move a context to a faster tier: ``warm`` loads and decompresses it into RAM (evicting the
         least recently used warm contexts past the budget; :class:`~mcf.bucket.tiers.WarmBudgetError`,
         with nothing read, when it is larger than the whole budget); ``hot`` also places it on ``device``
-        through torch (InvalidArgumentError when torch or the device is missing)."""
+        through torch (InvalidArgumentError when torch or the device is missing;
+        :class:`~mcf.bucket.tiers.HotTierFullError`, the context left warm, when the device runs out of
+        memory)."""
         with self._tier_mutex:
-            from mcf.bucket.tiers import check_device, to_torch, warm_nbytes
+            from mcf.bucket.tiers import check_device, hot_copy, warm_nbytes
 
             if target_tier not in ("warm", "hot"):
                 raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
@@ -876,7 +878,7 @@ class Bucket:
                     layers = f.load_copy(threads=threads)
                 self._warm.put(context_id, layers)
             if target_tier == "hot":
-                self._hot[context_id] = (dev, [(to_torch(k, device=dev), to_torch(v, device=dev)) for k, v in layers])
+                self._hot[context_id] = (dev, hot_copy(context_id, layers, dev))
             self._tier_set_at[context_id] = self.clock()
             self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
             return self.tier(context_id)

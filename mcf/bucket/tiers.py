@@ -28,8 +28,8 @@ from mcf._core.optional import require
 from mcf.bucket._json import parse_iso
 from mcf.errors import InvalidArgumentError, MissingDependencyError
 
-__all__ = ["TIERS", "WarmBudgetError", "WarmCache", "expired", "nbytes_of", "preference", "preference_steps", "select",
-           "to_torch", "warm_nbytes"]
+__all__ = ["TIERS", "HotTierFullError", "WarmBudgetError", "WarmCache", "expired", "hot_copy", "nbytes_of",
+           "preference", "preference_steps", "select", "to_torch", "warm_nbytes"]
 
 #: the tiers a context can be asked to live in, slowest first
 TIERS = ("cold", "warm", "hot")
@@ -168,6 +168,12 @@ class HotTierUnavailableError(MissingDependencyError, InvalidArgumentError):
     an unmeetable hot preference falls back to warm)."""
 
 
+class HotTierFullError(InvalidArgumentError):
+    """The device ran out of memory while a context was copied onto it: a well-formed request this
+    process cannot satisfy now (the server answers 409, as for the warm budget).  Nothing half-placed
+    is kept; the context stays in the warm tier."""
+
+
 def _torch():
     return require("torch", feature="the hot tier and torch output", extra="torch", error=HotTierUnavailableError)
 
@@ -197,3 +203,16 @@ def check_device(device: Any):
     if dev.type not in ("cpu", "cuda", "mps"):
         raise InvalidArgumentError(f"unsupported device type {dev.type!r}")
     return dev
+
+
+def hot_copy(context_id: str, layers: Sequence[tuple[Any, Any]], device: Any) -> list:
+    """Torch copies of every layer on ``device``, all or nothing: running out of device (or host)
+    memory part way raises :class:`HotTierFullError` and drops the copies made so far."""
+    torch = _torch()
+    oom = tuple(c for c in (getattr(torch, "OutOfMemoryError", None),
+                            getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)) if isinstance(c, type))
+    try:
+        return [(to_torch(k, device=device), to_torch(v, device=device)) for k, v in layers]
+    except (MemoryError, *oom) as exc:
+        raise HotTierFullError(f"context {context_id!r} does not fit on {device}: out of memory "
+                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
