@@ -133,6 +133,34 @@ class RayCluster:
     def find(self, needle: str) -> list:
         return [p for p, c in self.processes().items() if needle in c]
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the processes now alive in the namespace."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                pass
+        return total / tick
+
+    def settle(self, *, busy: float = 0.05, window: float = 2.0, timeout: float = 90.0) -> tuple:
+        """Wait until the cluster is idle: its processes use less than ``busy`` of a core over ``window``
+        seconds (a node that has just joined goes on starting its agents for tens of seconds after it
+        registers, on the cores the next job would use).  Returns ``(seconds waited, CPU-seconds the
+        cluster used meanwhile)``; gives up after ``timeout`` seconds."""
+        t0 = time.monotonic()
+        first = prev = self.cpu_seconds()
+        while time.monotonic() - t0 < timeout:
+            time.sleep(window)
+            now = self.cpu_seconds()
+            if now - prev < busy * window:
+                break
+            prev = now
+        return time.monotonic() - t0, self.cpu_seconds() - first
+
     # -- lifetime -------------------------------------------------------------------------------------
     def _on_sigterm(self, signum, frame):
         raise KeyboardInterrupt("SIGTERM")      # so that finally blocks and fixture teardowns stop the cluster
