@@ -104,6 +104,32 @@ def _registry_doc(root):
     return json.loads((root / "registry.json").read_text())
 
 
+def test_a_mistyped_model_block_is_refused_not_compared(tmp_path):
+    """The metadata's ``model`` block decides compatibility and staleness: a field of the wrong type
+    (a hash that is a number, a vocab_size that is a string or a bool) would compare unequal and mark
+    the context stale or incompatible for no reason, so reading the metadata refuses it, naming it."""
+    with Bucket(tmp_path / "b") as b:
+        b.register_model("m", model_hash="sha256:aa", **SHAPE)
+        cid = b.ingest("m", kv(), content="text")["context_id"]
+    mp = tmp_path / "b" / "contexts" / cid / "metadata.json"
+    good = json.loads(mp.read_text())
+    for block, field in (([1], "model"), ("llama", "model"), ({"model_hash": 5}, "model.model_hash"),
+                         ({"model_hash": {"sha256": "aa"}}, "model.model_hash"),
+                         ({"vocab_size": "32000"}, "model.vocab_size"), ({"vocab_size": True}, "model.vocab_size"),
+                         ({"vocab_size": 0}, "model.vocab_size"), ({"architecture": 3}, "model.architecture")):
+        mp.write_text(json.dumps(dict(good, model=block)))
+        with Bucket(tmp_path / "b") as b:
+            with pytest.raises(mcf.FormatError) as ei:
+                b.lookup(cid)
+            assert field in str(ei.value) and "metadata.json" in str(ei.value), (block, str(ei.value))
+    # null, an empty block and partial blocks of the right types are read (older buckets, other writers)
+    for block in (None, {}, {"model_hash": None}, {"architecture": "llama", "vocab_size": 32000}):
+        mp.write_text(json.dumps(dict(good, model=block)))
+        with Bucket(tmp_path / "b") as b:
+            assert b.lookup(cid)["context_id"] == cid
+            assert b.is_stale(cid) is False
+
+
 def test_the_registry_version_is_checked_on_read(tmp_path):
     root = tmp_path / "b"
     with Bucket(root) as b:

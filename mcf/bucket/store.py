@@ -518,6 +518,21 @@ class Bucket:
             get_field(meta, p, "prefix", "chunk_tokens", types=int)
             if not all(isinstance(h, str) for h in get_field(meta, p, "prefix", "hashes", types=list)):
                 raise FormatError("prefix hashes must be strings", path=p, field="prefix.hashes")
+        # what computed the KV data (written since the model block exists; absent or null in older
+        # buckets): its fields decide compatibility and staleness, so a mistyped one is refused, not compared
+        maker = meta.get("model")
+        if maker is not None:
+            if not isinstance(maker, dict):
+                raise FormatError("wrong type", path=p, field="model", expected="an object or null",
+                                  got=type(maker).__name__)
+            for k, kinds in (("architecture", str), ("vocab_size", int), ("model_hash", str)):
+                v = maker.get(k)
+                if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
+                    raise FormatError("wrong type", path=p, field=f"model.{k}", expected=f"{kinds.__name__} or null",
+                                      got=type(v).__name__)
+            if maker.get("vocab_size") is not None and maker["vocab_size"] < 1:
+                raise FormatError("vocab_size must be positive", path=p, field="model.vocab_size",
+                                  got=maker["vocab_size"])
 
     def _expired(self, summary_or_meta: dict, now: float) -> bool:
         return expired(summary_or_meta, now, path=self._reg.registry_path)
