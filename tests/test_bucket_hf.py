@@ -37,6 +37,14 @@ def from_scratch(model, ids, steps=STEPS):
     return out.sequences[0, len(ids):].tolist(), torch.stack([x[0] for x in out.logits]).float().numpy()
 
 
+def cache_kw(model, cache) -> dict:
+    """The forward's cache keyword: ``cache`` in transformers releases that renamed it (the old name warns
+    there), ``past_key_values`` before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def rounded_prefix_run(model, content, query, steps, dtype, *, temperature=0.0, seed=None):
     """A from-scratch run whose prefix cache is rounded to ``dtype`` and back, as a stored cache of that
     dtype is: the content's prefill, the rounding, then the query and greedy (or seeded sampled) decoding."""
@@ -44,7 +52,7 @@ def rounded_prefix_run(model, content, query, steps, dtype, *, temperature=0.0, 
 
     with torch.inference_mode():
         cache = transformers.DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([content]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([content]), use_cache=True, **cache_kw(model, cache))
         pairs = [(layer.keys.to(dtype).to(model.dtype), layer.values.to(dtype).to(model.dtype)) for layer in cache.layers]
         cache = transformers.DynamicCache(pairs, config=model.config)
         gen = None
@@ -53,7 +61,7 @@ def rounded_prefix_run(model, content, query, steps, dtype, *, temperature=0.0, 
             gen.manual_seed(seed)
         feed, toks, logits = query, [], []
         for _ in range(steps):
-            step = model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True).logits[0, -1].float()
+            step = model(input_ids=torch.tensor([feed]), use_cache=True, **cache_kw(model, cache)).logits[0, -1].float()
             logits.append(step.numpy())
             toks.append(_pick(step, temperature, None, None, gen))
             feed = [toks[-1]]

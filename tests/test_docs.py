@@ -143,17 +143,19 @@ def _needs_minilm(tmp, request):
     request.getfixturevalue("minilm_dir")   # present (installed, cached or fetched) before the page runs
 
 
-def _needs(*mods):
+def _needs(*mods, extra="test"):
     def setup(tmp, request):
         for mod in mods:
-            pytest.importorskip(mod, reason=f"{mod} is in the test extra (the test-core legs run without it)")
+            why = (f"{mod} is in the test extra (the test-core legs run without it)" if extra == "test" else
+                   f"{mod} (in the {extra} extra) is not installed")
+            pytest.importorskip(mod, reason=why)
     return setup
 
 
 SETUP = {
     "torch.md": _needs("torch"),
     "bucket.md": _needs("torch", "transformers"),   # §11 runs a model in the bucket's loop
-    "extending.md": _needs("setuptools", "Cython"),   # builds a compiled extension against mcf
+    "extending.md": _needs("setuptools", "Cython", extra="test-core"),   # builds an extension against mcf
     "guide.md": _setup_guide,
     "convert.md": _setup_convert,
     "gguf.md": _setup_gguf,

@@ -13,7 +13,9 @@ import mcf
 import mcf.io
 from mcf._core import _fpconv
 
-pytest.importorskip("Cython")
+for _mod in ("Cython", "setuptools"):
+    pytest.importorskip(_mod, reason=f"{_mod} (in the test-core extra) is not installed: this environment was "
+                                     "not made with pip install -e '.[test-core]'")
 
 # The extension reads bfloat16 values from a Source (the mapped bytes through its base pointer when
 # there is one, else copy_to), checking the range first, and widens them with mcf's kernel.

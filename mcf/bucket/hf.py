@@ -143,6 +143,9 @@ class TransformersBackend:
         self._layout: dict | None = None
         accepts = inspect.signature(model.forward).parameters
         self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+        # transformers 5.x renames the forward's cache argument: ``cache`` where the model takes it (the old
+        # name warns there, and goes at 5.40), ``past_key_values`` before the rename
+        self._cache_kw = "cache" if "cache" in accepts else "past_key_values"
         self.eos_token_ids = self._eos_ids()
 
     @classmethod
@@ -194,8 +197,8 @@ class TransformersBackend:
             torch, _ = _require()
             with self._lock, torch.inference_mode():
                 cache = self._new_cache()
-                self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device), past_key_values=cache,
-                           use_cache=True, **self._keep_kw)
+                self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                           use_cache=True, **{self._cache_kw: cache}, **self._keep_kw)
                 self._layout = _layout_of(cache, 1, type(self.model).__name__)
         return self._layout
 
@@ -270,8 +273,8 @@ class TransformersBackend:
 
     def _forward(self, ids, cache):
         torch, _ = _require()
-        return self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device), past_key_values=cache,
-                          use_cache=True, **self._keep_kw)
+        return self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                          use_cache=True, **{self._cache_kw: cache}, **self._keep_kw)
 
     def prefill(self, token_ids) -> list[tuple[np.ndarray, np.ndarray]]:
         """Run the model once over ``token_ids``: per layer (K, V), each [num_kv_heads, tokens, head_dim] as
