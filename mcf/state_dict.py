@@ -176,15 +176,23 @@ def numpy_dtype(kind: str) -> np.dtype:
     return np.dtype({"f32": np.float32, "f16": np.float16, "f64": np.float64}[kind])
 
 
-def stored_view(c: Container, p: Plan) -> np.ndarray:
+def stored_view(c: Container, p: Plan, *, cow: bool = False) -> np.ndarray:
     """The tensor's stored values (zero-copy when mapped), restricted to the plan's rows/columns.  A row
-    share reads only its rows' bytes (what matters when the source is a URL or read with pread)."""
-    if p.rows is not None:
+    share reads only its rows' bytes (what matters when the source is a URL or read with pread).
+
+    ``cow=True``: a writable array whose writes never reach the file (a private copy-on-write mapping,
+    :meth:`mcf.io.Source.cow_view`), for callers that hand the memory to torch, which ignores numpy's
+    read-only flag."""
+    if p.rows is not None or cow:
         t = c.info(p.name)
-        r0, r1 = p.rows
-        row = t.nbytes // p.shape[0] if p.shape[0] else 0
+        r0, r1 = p.rows if p.rows is not None else (0, p.shape[0] if p.shape else 1)
+        row = t.nbytes // p.shape[0] if p.shape and p.shape[0] else t.nbytes
         dt = numpy_dtype("bf16") if t.dtype.code == DType.BF16 else t.dtype.numpy
-        a = c.source.array(t.offset + r0 * row, dt, (r1 - r0,) + tuple(p.shape[1:]))
+        shape = (r1 - r0,) + tuple(p.shape[1:]) if p.shape else ()
+        if cow:
+            a = c.source.cow_view(t.offset + r0 * row, (r1 - r0) * row).view(dt).reshape(shape)
+        else:
+            a = c.source.array(t.offset + r0 * row, dt, shape)
     else:
         a = c.tensor(p.name)
     if p.cols is not None:

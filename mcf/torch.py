@@ -4,13 +4,14 @@
 
 Where the bytes go, and why:
 
-- Plain tensors that need no change are wrapped in place with ``torch.frombuffer`` over the mapped file:
-  no copy, no allocation, and the tensor keeps the mapping alive after the container is closed.  The
-  mapping is read-only (``PROT_READ``): such tensors are **read-only in spirit**, and an in-place
-  operation on one (``w.mul_(2)``) crashes the process with a segmentation fault.
-  ``module.load_state_dict(sd)`` copies into the module's own parameters, so the common use is safe;
-  pass ``copy=True`` for tensors you mean to modify (one compiled read into fresh memory, see
-  :meth:`mcf.Container.load`).
+- By default every tensor is the caller's own memory, as ``safetensors.torch.load_file`` returns them:
+  in-place operations (``w.mul_(2)``) are fine and never reach the file.  Plain tensors are read by one
+  compiled loop into one fresh arena (:meth:`mcf.Container.load`).
+- ``copy=False`` opts into zero-copy tensors over the file: they lie in a private copy-on-write mapping
+  (:meth:`mcf.io.Source.cow_view`), so nothing is read until a page is touched, and an in-place operation
+  copies only the pages it writes, for this process alone; the file is never changed.  (torch ignores
+  numpy's read-only flag, so a tensor over the shared read-only mapping that numpy arrays use would kill
+  the process on its first write; no tensor returned here lies there.)
 - Quantized tensors and float casts are decoded by the compiled kernels straight into the storage of the
   ``torch.Tensor`` that is returned (bfloat16 included: its storage is written as bf16 bits); a
   tensor-parallel rank decodes only its own rows.
@@ -19,7 +20,6 @@ Where the bytes go, and why:
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import numpy as np
@@ -45,19 +45,13 @@ for _code, _attr, _fallback in ((DType.U16, "uint16", _torch.int16), (DType.U32,
 
 
 def _wrap(buf: np.ndarray, tdtype, shape) -> "_torch.Tensor":
-    """A tensor over the bytes of ``buf`` (C-contiguous), without copying."""
-    nbytes = buf.nbytes
-    if nbytes == 0:
+    """A tensor over the bytes of ``buf`` (C-contiguous and writable), without copying."""
+    if buf.nbytes == 0:
         return _torch.empty(shape, dtype=tdtype)
+    if not buf.flags.writeable:  # torch would write through it anyway: never hand such memory out
+        raise AssertionError("mcf.torch: a read-only buffer reached _wrap")
     raw = buf.reshape(-1).view(np.uint8)  # bytes view: ml_dtypes' bfloat16 has no buffer format
-    if raw.flags.writeable:
-        t = _torch.frombuffer(raw, dtype=tdtype)
-    else:
-        with warnings.catch_warnings():
-            # "The given buffer is not writable...": documented above (read-only in spirit)
-            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-            t = _torch.frombuffer(raw, dtype=tdtype)
-    return t.reshape(shape)
+    return _torch.frombuffer(raw, dtype=tdtype).reshape(shape)
 
 
 def _empty(shape, kind):
@@ -71,16 +65,17 @@ def _empty(shape, kind):
 
 
 def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, tp_rank: int | None = None,
-                    tp_size: int | None = None, tp_dim: int | Callable = 0, copy: bool = False,
+                    tp_size: int | None = None, tp_dim: int | Callable = 0, copy: bool = True,
                     threads: int = 1) -> dict:
     """Tensors of an MCF file (path, URL, file-like, buffer or open :class:`mcf.Container`) as torch tensors.
 
     ``dtype`` (a torch dtype such as ``torch.bfloat16``, or a string) casts every float and quantized
     tensor (quantized ones default to float32); integer tensors keep theirs.  ``tp_rank``/``tp_size``/
     ``tp_dim`` keep one tensor-parallel rank's share, with the rules of :func:`mcf.load_state_dict`.
-    Without ``copy=True``, unchanged plain tensors share the read-only file mapping (see the module
-    docstring: do not modify them in place).  Unsigned 16/32/64-bit tensors use torch's uint16/32/64
-    where it has them (torch >= 2.3), else the signed type of the same size holding the same bits.
+    Every tensor is the caller's to modify.  ``copy=False`` makes unchanged plain tensors zero-copy views
+    of a private copy-on-write mapping of the file (see the module docstring): in-place operations stay
+    safe and private.  Unsigned 16/32/64-bit tensors use torch's uint16/32/64 where it has them (torch >=
+    2.3), else the signed type of the same size holding the same bits.
     """
     dev = _torch.device(device)
     c, owned = _sd.open_input(path_or_container)
@@ -100,9 +95,9 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
                 tdt = _TORCH_OF_STORED[p.stored]
                 a = loaded.get(p.name)
                 if a is None:
-                    a = _sd.stored_view(c, p)
-                    if copy or not a.flags.c_contiguous:
-                        a = np.ascontiguousarray(a) if not copy else np.array(a, order="C")
+                    a = _sd.stored_view(c, p, cow=not copy)
+                    if copy or not a.flags.c_contiguous or not a.flags.writeable:
+                        a = np.array(a, order="C")   # a row or column share, or a read-only one: copied
                 t = _wrap(a, tdt, p.out_shape)
             if dev.type != "cpu":
                 t = t.to(dev)

@@ -1,13 +1,15 @@
 """mcf.torch.load_state_dict against safetensors.torch.load_file of the same weights (packed with mcf.pack
 from a checkpoint directory the safetensors package wrote), Container.dequantize for quantized tensors,
-torch's own casts, concatenation of tensor-parallel shares, and data_ptr() inside the file mapping as
-the proof that plain tensors were not copied."""
+torch's own casts, concatenation of tensor-parallel shares; data_ptr() against the mappings as the proof
+of where plain tensors lie (fresh memory by default, the private copy-on-write mapping with copy=False,
+never the shared read-only one), and in-place operations run in a child process that must not crash."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,7 +95,8 @@ def test_unsigned_16_bit(tmp_path):
     assert np.array_equal(t.view(torch.int16).numpy().view(np.uint16), a)
 
 
-def test_plain_tensors_share_the_mapping(packed):
+def test_default_tensors_are_the_callers_own(packed):
+    """As safetensors.torch.load_file: fresh memory, not the file's mapping, modifiable in place."""
     _, out = packed
     with mcf.open(out) as c:
         whole = c.source.view(0, c.source.size)
@@ -101,17 +104,68 @@ def test_plain_tensors_share_the_mapping(packed):
         sd = mtorch.load_state_dict(c)
         for name, t in sd.items():
             if t.numel():
-                p = t.data_ptr()
-                assert lo <= p and p + t.numel() * t.element_size() <= hi, name
-        copied = mtorch.load_state_dict(c, copy=True)
-        for name, t in copied.items():
-            if t.numel():
                 assert not lo <= t.data_ptr() < hi, name
-        copied["emb.weight"].mul_(2)   # fresh memory: in-place operations are fine
-    # the tensors keep the mapping alive after the container is closed
+        sd["emb.weight"].mul_(2)
     ref = safetensors_torch.load_file(out.replace("model.mcf", "model.safetensors"))
+    _same(sd["emb.weight"], ref["emb.weight"] * 2)
+
+
+def test_zero_copy_tensors_are_private_copy_on_write(packed):
+    """copy=False: no tensor lies in the shared read-only mapping (a write there kills the process); they
+    lie in a private copy-on-write mapping, so in-place operations work and reach neither the file nor
+    another load."""
+    _, out = packed
+    before = Path(out).read_bytes()
+    with mcf.open(out) as c:
+        shared = c.source.view(0, c.source.size)
+        private = c.source.cow_view(0, c.source.size)
+        sd = mtorch.load_state_dict(c, copy=False)
+        for name, t in sd.items():
+            if t.numel():
+                p, n = t.data_ptr(), t.numel() * t.element_size()
+                assert not shared.ctypes.data <= p < shared.ctypes.data + shared.nbytes, name
+                assert private.ctypes.data <= p and p + n <= private.ctypes.data + private.nbytes, name
+        assert private.flags.writeable and not shared.flags.writeable
+    ref = safetensors_torch.load_file(out.replace("model.mcf", "model.safetensors"))
+    # the tensors keep the private mapping alive after the container is closed
     _same(sd["emb.weight"], ref["emb.weight"])
-    _same(copied["emb.weight"], ref["emb.weight"] * 2)
+    for op in (lambda t: t.mul_(2), lambda t: t.add_(1), lambda t: t.copy_(torch.zeros_like(t))):
+        op(sd["attn.q.weight"])
+    assert not sd["attn.q.weight"].any()
+    _same(mtorch.load_state_dict(out, copy=False)["attn.q.weight"], ref["attn.q.weight"])
+    with mcf.open(out) as c:
+        np.testing.assert_array_equal(c.tensor("attn.q.weight"), ref["attn.q.weight"].numpy())
+    assert Path(out).read_bytes() == before
+
+
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("share", [False, True])
+def test_in_place_ops_never_kill_the_process(packed, copy, share):
+    """The audit's crash: mul_, add_ or copy_ on a loaded tensor ended in SIGSEGV (rc 139).  The ops run
+    in a child, so a crash fails this test instead of ending the suite."""
+    _, out = packed
+    tp = ", tp_rank=1, tp_size=2, tp_dim=lambda n, s: 0 if len(s) >= 2 and s[0] % 2 == 0 else None" if share else ""
+    code = (f"import torch, mcf.torch\n"
+            f"sd = mcf.torch.load_state_dict({out!r}, copy={copy}{tp})\n"
+            "for t in sd.values():\n"
+            "    t.mul_(2); t.add_(1); t.copy_(torch.zeros_like(t)); t.zero_()\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_numpy_views_refuse_to_become_writable(packed, tmp_path):
+    """numpy's read-only flag is what keeps a write off the shared mapping: no zero-copy array handed out
+    by a reader may have it lifted (a write would be a SIGSEGV)."""
+    _, out = packed
+    with mcf.open(out) as c:
+        arrays = [c.tensor(n) for n in c.keys() if not c.info(n).dtype.quantized]
+        arrays += list(mcf.load_state_dict(c).values())
+        arrays += [c.source.view(0, 64), c.source.array(0, np.uint8, 64)]
+        for a in arrays:
+            if a.size:
+                with pytest.raises(ValueError, match="WRITEABLE"):
+                    np.asarray(a).setflags(write=True)
 
 
 def test_module_load_state_dict(packed):

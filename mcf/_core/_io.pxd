@@ -7,6 +7,7 @@ from libc.stdint cimport uint8_t, uint64_t, int64_t
 cdef class _Mapping:
     cdef void* addr
     cdef size_t length
+    cdef bint writable               # a private copy-on-write mapping (Source.cow_view), else read-only
 
 
 cdef class Source:
@@ -19,6 +20,8 @@ cdef class Source:
     cdef const uint8_t* base         # start of the bytes when mapped or in memory, else NULL
     cdef object _mapping             # _Mapping or memoryview that owns `base`
     cdef object _whole               # uint8 ndarray over all bytes (mapped/memory modes)
+    cdef object _cow                 # Source.cow_view's private copy-on-write mapping as a writable uint8
+                                     # ndarray, made on first use; False when the kernel refused it
     cdef object _fileobj
     cdef object _lock
     cdef bint _owns_fileobj

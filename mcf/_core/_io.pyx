@@ -6,7 +6,10 @@ A :class:`Source` is a read-only, bounds-checked window on the bytes of one file
 - ``mmap``: the file is mapped once; :meth:`Source.view` returns zero-copy numpy arrays.  The mapping
   is owned by a small ``_Mapping`` object that every view references, so :meth:`Source.close` only
   drops the source's own reference: views handed out earlier stay valid and the mapping is unmapped
-  when the last of them dies (the crash of numpy issues #9537/#9562 cannot happen).
+  when the last of them dies (the crash of numpy issues #9537/#9562 cannot happen).  The mapping is
+  shared and read-only, so views are read-only arrays that refuse ``setflags(write=True)``;
+  :meth:`Source.cow_view` gives writable zero-copy views of a second, private copy-on-write mapping for
+  callers such as torch that ignore numpy's read-only flag.
 - ``pread``: positional reads with the GIL released into page-aligned buffers, for file systems where
   mapping is slow or forbidden (parallel file systems, the MCF spec's "mmap must be optional").
 - ``fileobj``: any binary file-like object with ``seek`` and ``readinto`` (or ``read``), e.g. fsspec.
@@ -26,8 +29,13 @@ from libc.string cimport memcpy
 from libc.errno cimport errno, EINTR
 from posix.types cimport off_t
 from posix.unistd cimport pread
-from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, PROT_READ, MAP_SHARED, MADV_NORMAL,
-                         MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED)
+from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE,
+                         MADV_NORMAL, MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED)
+
+cdef extern from "sys/mman.h":
+    # a private mapping's copy-on-write pages are not reserved up front: mapping a checkpoint larger than
+    # RAM + swap must not fail with ENOMEM when the caller writes to a few tensors at most
+    enum: MAP_NORESERVE
 from cpython.buffer cimport PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 
 cimport numpy as cnp
@@ -85,14 +93,16 @@ def aligned_empty(nbytes, align=4096):
 
 
 cdef class _Mapping:
-    """Owns one read-only mapping; exports it through the buffer protocol; unmaps on last release."""
+    """Owns one mapping; exports it through the buffer protocol (read-only, or writable for a private
+    copy-on-write mapping); unmaps on last release."""
 
     def __cinit__(self):
         self.addr = NULL
         self.length = 0
+        self.writable = False
 
     def __getbuffer__(self, Py_buffer* buffer, int flags):
-        PyBuffer_FillInfo(buffer, self, self.addr, <Py_ssize_t>self.length, 1, flags)
+        PyBuffer_FillInfo(buffer, self, self.addr, <Py_ssize_t>self.length, 0 if self.writable else 1, flags)
 
     def __releasebuffer__(self, Py_buffer* buffer):
         pass
@@ -112,15 +122,22 @@ cdef int _get_writable(object buffer, Py_buffer* view) except -1:
     return 0
 
 
-cdef _Mapping _map_fd(int fd, uint64_t size, object name):
+cdef _Mapping _map_fd(int fd, uint64_t size, object name, bint private=False):
+    """The whole file mapped: shared and read-only (arrays over it are read-only and refuse
+    ``setflags(write=True)``: a write would be a SIGSEGV), or ``private``: readable and writable, every
+    written page copied for this process alone, the file never changed (:meth:`Source.cow_view`).
+    ``MAP_NORESERVE`` keeps a private mapping of a checkpoint larger than RAM + swap possible."""
     cdef _Mapping m = _Mapping.__new__(_Mapping)
     cdef void* p
+    cdef int prot = PROT_READ | PROT_WRITE if private else PROT_READ
+    cdef int flags = MAP_PRIVATE | MAP_NORESERVE if private else MAP_SHARED
+    m.writable = private
     if size == 0:
         return m
     if size > <uint64_t>(<size_t>-1):
         raise MCFIOError(0, "file too large to map on this platform", name)
     with nogil:
-        p = mmap(NULL, <size_t>size, PROT_READ, MAP_SHARED, fd, 0)
+        p = mmap(NULL, <size_t>size, prot, flags, fd, 0)
     if p == MAP_FAILED:
         raise os_error(OSError(errno, os.strerror(errno)), name)
     m.addr = p
@@ -411,6 +428,37 @@ cdef class Source:
             self.copy_to(offset, size, &mv[0])
         return out
 
+    def cow_view(self, offset, size):
+        """``size`` bytes at ``offset`` as a **writable** uint8 array whose writes never reach the file.
+
+        Zero-copy when the source is a mapped file: the array lies in a second, private copy-on-write
+        mapping of the file (made on first use, shared by every such view and kept alive by them), so
+        nothing is read until it is touched and a write copies only the page it lands on, for this
+        process alone.  Any other source (or a kernel that refuses the private mapping) gives a fresh
+        copy.  This is what a torch tensor over file bytes needs: torch does not honour numpy's
+        read-only flag, and a write through the shared read-only mapping would kill the process.
+        """
+        offset = integer(offset, "offset")
+        size = integer(size, "size")
+        self.check_range(offset, size)
+        if self.mode == "mmap" and size:
+            with self._lock:
+                if self._cow is None:
+                    self.pin()   # the descriptor stays open while it is mapped again
+                    try:
+                        self._cow = np.frombuffer(_map_fd(self._fd, self._size, self.name, True), dtype=np.uint8)
+                    except MCFIOError:
+                        self._cow = False   # refused (e.g. strict overcommit accounting): copies from here on
+                    finally:
+                        self.unpin()
+                whole = self._cow
+            if whole is not False:
+                return whole[offset:offset + size]
+        out = aligned_empty(size)
+        if size:
+            self.readinto(offset, out)
+        return out
+
     def array(self, offset, dtype, shape):
         """An array of ``dtype`` and ``shape`` read at ``offset`` (zero-copy when mapped)."""
         dt = np.dtype(dtype)
@@ -638,6 +686,7 @@ cdef class Source:
         self._release_pending = False
         self._mapping = None
         self._whole = None
+        self._cow = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
