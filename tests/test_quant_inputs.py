@@ -227,3 +227,63 @@ def test_activation_clips_outside_the_data_range(method, lo, hi):
     want = np.clip(x, np.float32(lo), np.float32(hi))
     step = max(abs(lo), abs(hi)) / ((1 << (8 if method == "int8" else 4)) - 1)
     assert np.abs(y - want).max() <= step * 0.51 + 1e-7
+
+
+# -- issue 23: silent wrong answers ---------------------------------------------------------------------
+QMAX = {"q8": 127, "q4": 7, "k6": 31, "k4": 7, "k3": 3, "k2": 1}
+
+
+@pytest.mark.parametrize("method", list(QMAX))
+def test_scale_overflow_is_refused_in_every_mode(method):
+    """compat=True truncates scales to f16 instead of rounding them; a block with max|x| / qmax >= 65536
+    truncated to infinity and was written, so the tensor read back as inf/NaN (the other modes refuse it)."""
+    x = np.ones((2, 64), np.float32)
+    x[1, 5] = np.float32(70000.0 * QMAX[method])
+    for kw in ({}, {"fast": True}, {"compat": True}):
+        for impl in ("scalar", None):
+            with pytest.raises(mcf.InvalidArgumentError, match="overflows float16"):
+                mcf.quantize(x, method, impl=impl, **kw)
+    x[1, 5] = np.float32(65500.0 * QMAX[method])  # truncates to 65504, the largest finite f16: kept
+    p, _ = mcf.quantize(x, method, compat=True)
+    assert np.isfinite(mcf.dequantize(p, method, x.shape)).all()
+
+
+def test_compat_overflow_refused_by_quantize_file_and_cli(tmp_path):
+    src = tmp_path / "big.mcf"
+    with mcf.Writer(src) as w:
+        w.add_tensor("huge", np.full((2, 32), 70000.0 * 127, np.float32))
+    with pytest.raises(mcf.InvalidArgumentError, match="overflows float16") as ei:
+        quantize_file(src, tmp_path / "o.mcf", "q8", compat=True)
+    assert "tensor 'huge'" in str(ei.value) and not (tmp_path / "o.mcf").exists()
+    assert main_err(["quantize", str(src), str(tmp_path / "o.mcf"), "--method", "k4", "--compat", "mantle"],
+                    "overflows float16")
+    assert not (tmp_path / "o.mcf").exists()
+
+
+@pytest.mark.parametrize("method, region, bits", [("q8", "scales", b"\x00\x7c"), ("k4", "super_scales", b"\x00\xfc"),
+                                                  ("int8", "scale", b"\x00\x00\x80\x7f"),
+                                                  ("int4", "zero", b"\x01\x00\xc0\x7f")])
+def test_verify_reports_non_finite_scales(tmp_path, method, region, bits, capsys):
+    """A file written by another tool with an infinite or NaN scale decodes to inf/NaN without an error;
+    verify() is where that is found (it used to pass such a file)."""
+    path = tmp_path / "m.mcf"
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    domain = 1 if region == "zero" else 0
+    with mcf.Writer(path) as w:
+        w.add_tensor("ok", x, method=method)
+        w.add_tensor_bytes("bad", method, x.shape, mcf.quantize(x, method, domain=domain)[0],
+                           quant={"domain": domain})
+    with mcf.open(path) as c:
+        assert c.verify() == []
+        lay = c.quant_layout("bad")
+        at = c.index["bad"].offset + {r.name: r for r in lay.regions}[region].offset
+    data = bytearray(path.read_bytes())
+    data[at:at + len(bits)] = bits
+    path.write_bytes(bytes(data))
+    with mcf.open(path) as c:
+        assert not np.isfinite(c.dequantize("bad")).all()
+        problems = c.verify()
+    assert len(problems) == 1 and "tensor 'bad'" in problems[0] and region in problems[0], problems
+    assert "infinite or NaN" in problems[0] and str(path) in problems[0]
+    assert cli_main(["verify", str(path)]) == 1
+    assert "FAIL" in capsys.readouterr().out
