@@ -287,3 +287,27 @@ def test_verify_reports_non_finite_scales(tmp_path, method, region, bits, capsys
     assert "infinite or NaN" in problems[0] and str(path) in problems[0]
     assert cli_main(["verify", str(path)]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", list(QMAX))
+def test_importance_scale_does_not_matter(method):
+    """Only the ratios of an importance vector matter.  Large finite values overflowed the mean to inf, the
+    weights became all zeros, and the tensor was quantized as if unweighted (a different file)."""
+    from mcf.container.quant import importance_weights
+
+    rng = np.random.default_rng(zlib.crc32(method.encode()))
+    x = rng.standard_normal((8, 96)).astype(np.float32)
+    v = rng.random(96)
+    want = mcf.quantize(x, method, importance=v)[0].tobytes()
+    assert want != mcf.quantize(x, method)[0].tobytes()
+    w = importance_weights(v, 96)
+    for big in (v * 1e306, v * 2.0 ** 1000, np.full(96, 1.7e308) * (v > 0.5), v * 1e-300, v * 5e-324 * 2 ** 60):
+        got = importance_weights(big, 96)
+        if big is not v and np.array_equal(big / big.max(), v / v.max()):  # exactly the same ratios
+            assert got.tobytes() == w.tobytes()
+        assert np.isfinite(got).all() and abs(float(got.astype(np.float64).mean()) - 1) < 1e-6
+    for factor in (1e306, 2.0 ** 1000, 1e-300, 2.0 ** -1000):
+        assert mcf.quantize(x, method, importance=v * factor)[0].tobytes() == want, factor
+    f32 = v.astype(np.float32)
+    assert (mcf.quantize(x, method, importance=f32 * np.float32(3e38))[0].tobytes()
+            == mcf.quantize(x, method, importance=f32)[0].tobytes())

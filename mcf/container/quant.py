@@ -81,7 +81,11 @@ def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
 def importance_weights(importance, cols: int) -> np.ndarray | None:
     """The per-column weights the search quantizer uses for an importance vector: one finite value >= 0
     per column, divided by its mean (so only the ratios matter: a mean of squares and a sum of squares give
-    the same file).  None for ``None`` or an all-zero vector (no information: every column counts the same)."""
+    the same file).  None for ``None`` or an all-zero vector (no information: every column counts the same).
+
+    The vector is first scaled by a power of two that brings its largest value into [0.5, 1): exact, so
+    the weights are those of the plain division wherever that does not overflow, and the mean of values
+    near the float64 limit (1e306 and up) cannot overflow to infinity and turn every weight into 0."""
     if importance is None:
         return None
     imp = np.asarray(importance, dtype=np.float64)
@@ -91,10 +95,11 @@ def importance_weights(importance, cols: int) -> np.ndarray | None:
     if not (np.isfinite(imp).all() and (imp >= 0).all()):
         bad = int(np.flatnonzero(~(np.isfinite(imp) & (imp >= 0)))[0])
         raise InvalidArgumentError(f"importance[{bad}] = {imp[bad]!r}; importance values must be finite and >= 0")
-    mean = float(imp.mean()) if cols else 0.0
-    if mean == 0.0:
+    top = float(imp.max()) if cols else 0.0
+    if top == 0.0:
         return None
-    return np.ascontiguousarray(imp / mean, dtype=np.float32)
+    imp = np.ldexp(imp, -math.frexp(top)[1])
+    return np.ascontiguousarray(imp / imp.mean(), dtype=np.float32)
 
 
 def quantize(array, method, *, compat: bool = False, fast: bool = False, importance=None,
