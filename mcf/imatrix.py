@@ -36,9 +36,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from mcf._core.args import file_path, integer, real, reals
 from mcf._core.fs import write_all, write_atomic
 from mcf.container.reader import open as open_container
-from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
+from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
 
@@ -58,7 +59,9 @@ class ImportanceCollector:
         self.counts: dict[str, int] = {}
 
     def add(self, name: str, x) -> None:
-        x = np.asarray(x)
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"the tensor name must be a str, got {name!r} ({type(name).__name__})")
+        x = reals(x, f"the inputs of {name!r}")
         if x.ndim != 2:
             raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {x.shape}")
         sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
@@ -92,20 +95,38 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
                   chunk_size: int = 0) -> None:
     """Write llama.cpp's GGUF importance-matrix file: ``sums[name]`` (per-column sums of squared inputs)
     and ``counts[name]`` (tokens).  Tensors are sorted by name, as llama-imatrix writes them.  The file
-    is written to a temporary name and renamed into place."""
+    is written to a temporary name and renamed into place.  Everything is checked before anything is
+    written: what :func:`read_imatrix` would refuse (a sum beyond float32, a negative one) is refused
+    here, so a file this writes can always be read."""
+    path = file_path(path, "path")
+    names_of_data = [] if isinstance(datasets, (str, bytes)) else _iterable(datasets, "datasets")
+    if isinstance(datasets, (str, bytes)) or not all(isinstance(d, (str, os.PathLike)) for d in names_of_data):
+        raise ArgumentTypeError(f"datasets must be a sequence of str (what the activations came from), got "
+                                f"{datasets!r}")
+    datasets = [os.fsdecode(d) for d in names_of_data]
+    u32 = {}
+    for what, v in (("chunk_count", chunk_count), ("chunk_size", chunk_size)):
+        u32[what] = integer(v, what, minimum=0)
+        if u32[what] > 0xFFFFFFFF:
+            raise InvalidArgumentError(f"{what} = {u32[what]} does not fit the file's u32 field")
+    for n in sums:
+        if not isinstance(n, str):
+            raise ArgumentTypeError(f"every tensor name must be a str, got {n!r} ({type(n).__name__})")
     names = sorted(sums)
+    tensors = []
     for n in names:
         if n not in counts:
             raise InvalidArgumentError(f"no token count for {n!r}")
-    kv = [("general.type", 8, _gguf_str("imatrix")),
-          ("imatrix.datasets", 9, struct.pack("<IQ", 8, len(datasets)) + b"".join(_gguf_str(str(d)) for d in datasets)),
-          ("imatrix.chunk_count", 4, struct.pack("<I", int(chunk_count))),
-          ("imatrix.chunk_size", 4, struct.pack("<I", int(chunk_size)))]
-    tensors = []
-    for n in names:
-        s = np.ascontiguousarray(sums[n], dtype="<f4").reshape(-1)
+        s = _f32_entry(reals(sums[n], f"sums[{n!r}]"), f"sums[{n!r}]")
+        if s.ndim != 1:
+            raise InvalidArgumentError(f"sums[{n!r}] must be 1-D (one sum per column), got shape {s.shape}")
+        c = _f32_entry(np.array(real(counts[n], f"counts[{n!r}]")), f"counts[{n!r}]")
         tensors.append((n + _SUM2, (s.shape[0], 1), s))
-        tensors.append((n + _COUNTS, (1, 1), np.array([counts[n]], "<f4")))
+        tensors.append((n + _COUNTS, (1, 1), c.reshape(1)))
+    kv = [("general.type", 8, _gguf_str("imatrix")),
+          ("imatrix.datasets", 9, struct.pack("<IQ", 8, len(datasets)) + b"".join(_gguf_str(d) for d in datasets)),
+          ("imatrix.chunk_count", 4, struct.pack("<I", u32["chunk_count"])),
+          ("imatrix.chunk_size", 4, struct.pack("<I", u32["chunk_size"]))]
     head = [_GGUF_MAGIC, struct.pack("<IQQ", 3, len(tensors), len(kv))]
     for key, vtype, value in kv:
         head += [_gguf_str(key), struct.pack("<I", vtype), value]
@@ -116,7 +137,6 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
         off += -(-data.nbytes // _ALIGN) * _ALIGN
     header = b"".join(head)
     header += b"\0" * (-len(header) % _ALIGN)
-    path = os.fspath(path)
 
     def write(fd):
         write_all(fd, header)
@@ -125,6 +145,25 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
             write_all(fd, b"\0" * (-data.nbytes % _ALIGN))
 
     write_atomic(path, write)
+
+
+def _iterable(obj, what: str):
+    try:
+        return list(obj)
+    except TypeError:
+        raise ArgumentTypeError(f"{what} must be a sequence, got {type(obj).__name__}") from None
+
+
+def _f32_entry(v: np.ndarray, what: str) -> np.ndarray:
+    """float64 values as the little-endian float32 the file holds, refused unless finite and >= 0 there."""
+    with np.errstate(over="ignore"):
+        f = np.ascontiguousarray(v, dtype="<f4")
+    bad = ~(np.isfinite(f) & (f >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad.reshape(-1))[0])
+        raise InvalidArgumentError(f"{what}: {v.reshape(-1)[i]!r} at flat index {i}; the file holds finite float32 "
+                                   "values >= 0")
+    return f
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -136,7 +175,7 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
     :class:`mcf.FormatError` naming the field."""
     from mcf.errors import os_error
 
-    path = os.fspath(path)
+    path = file_path(path, "path")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -244,14 +283,18 @@ def _read_legacy(path) -> dict[str, np.ndarray]:
 
 
 def as_importance(obj) -> Mapping:
-    """``None`` -> {}; a path -> :func:`read_imatrix`; a mapping (name -> per-column vector) as it is."""
+    """``None`` -> {}; a path -> :func:`read_imatrix`; a mapping (str name -> per-column vector) as it is."""
     if obj is None:
         return {}
     if isinstance(obj, Mapping):
+        for k in obj:
+            if not isinstance(k, str):
+                raise ArgumentTypeError(f"imatrix: the names of a mapping must be str (tensor names), got {k!r} "
+                                        f"({type(k).__name__})")
         return obj
     if isinstance(obj, (str, bytes, os.PathLike)):
         return read_imatrix(obj)
-    raise InvalidArgumentError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
+    raise ArgumentTypeError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
 
 
 # -- collecting ------------------------------------------------------------------------------------
@@ -308,10 +351,18 @@ def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tup
     the number of chunks."""
     from mcf.models.bert import bert_forward
 
-    cfg = _model_config(os.fspath(model))
+    model = file_path(model, "model")
+    chunk_tokens = integer(chunk_tokens, "chunk_tokens")
+    if isinstance(texts, (str, bytes)):  # would be read as one text per character
+        raise ArgumentTypeError("texts must be a sequence of texts, got a single " + type(texts).__name__)
+    texts = _iterable(texts, "texts")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ArgumentTypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+    cfg = _model_config(model)
     if not isinstance(cfg, dict) or cfg.get("model_type") != "bert":
         got = cfg.get("model_type") if isinstance(cfg, dict) else cfg
-        raise InvalidArgumentError(f"{os.fspath(model)}: model_type {got!r}; the numpy forward pass runs BERT "
+        raise InvalidArgumentError(f"{model}: model_type {got!r}; the numpy forward pass runs BERT "
                                    "encoders only (for other models, llama.cpp's llama-imatrix writes the same "
                                    "file format)")
     weights, cfg, tok = _model_parts(model)

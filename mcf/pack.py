@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from mcf._core.args import file_path
 from mcf._core.gojson import go_marshal
 from mcf._core._io import alloc_buffer
 from mcf.safetensors.reader import Checkpoint, open_checkpoint
@@ -199,7 +200,7 @@ def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool 
     Peak memory stays near one conversion chunk: tensors are streamed from the input.
     :func:`mcf.convert.convert` is the same with quantization and GGUF input.
     """
-    cast = cast.strip().lower()
+    cast = cast.strip().lower() if isinstance(cast, str) else cast
     if cast not in CASTS:
         raise InvalidArgumentError(f"cast must be one of {CASTS}, got {cast!r}")
     pack_checkpoint(model_dir, output, dtype=cast, align=align, dedup=dedup, resources=resources, mmap=mmap,
@@ -291,7 +292,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     before the output is created."""
     from mcf.quant_policy import resolve_policy
 
-    path = os.fspath(path)
+    path = file_path(path, "path")
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written
     if dtype != "keep":
         parse_dtype(dtype)

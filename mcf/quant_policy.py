@@ -17,7 +17,7 @@ import numpy as np
 
 from mcf.container.reader import open as open_container
 from mcf._core.dtypes import DTypeInfo, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, in_tensor
+from mcf.errors import ArgumentTypeError, InvalidArgumentError, MCFError, in_tensor
 from mcf.imatrix import as_importance
 from mcf.container.layout import SectionType
 from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
@@ -35,9 +35,17 @@ def method_for(name: str, default: str | None, overrides) -> str | None:
 
 
 def parse_overrides(items) -> list:
-    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins."""
+    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins.  Already parsed
+    pairs pass as they are.  A single string is refused: iterated, it would be one override per character."""
+    if isinstance(items, (str, bytes)):
+        raise ArgumentTypeError(f"overrides must be a list of PATTERN=METHOD strings, got the single string {items!r}")
+    items = list(items or ())
+    if items and isinstance(items[0], tuple):
+        return items
     out = []
-    for it in items or ():
+    for it in items:
+        if not isinstance(it, str):
+            raise ArgumentTypeError(f"override {it!r} is not a PATTERN=METHOD string")
         if "=" not in it:
             raise InvalidArgumentError(f"override {it!r} is not PATTERN=METHOD")
         pat, m = it.rsplit("=", 1)
@@ -61,9 +69,7 @@ def resolve_policy(method, overrides) -> tuple:
             pass
         if method not in METHODS:
             raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
-    overrides = list(overrides or ())
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
-    return method, ov
+    return method, parse_overrides(overrides)
 
 
 def plan_method(name: str, shape, dtype: DTypeInfo, method: str | None, overrides) -> str | None:

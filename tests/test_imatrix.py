@@ -309,3 +309,68 @@ def test_convert_and_quantize_file_weight_alike(tmp_path):
             for n in names:
                 kw = {"importance": imat[n]} if n in imat and method == "k3" else {}
                 assert b.raw(n).tobytes() == mcf.quantize(c.tensor(n), method, **kw)[0].tobytes(), n
+
+
+# -- issue 23: arguments of the wrong type are named -------------------------------------------------
+@pytest.mark.parametrize("path", [5, None, ["a.gguf"], 2.5])
+def test_read_and_write_refuse_a_path_of_the_wrong_type(tmp_path, path):
+    with pytest.raises(mcf.ArgumentTypeError, match="path"):
+        read_imatrix(path)
+    with pytest.raises(mcf.ArgumentTypeError, match="path"):
+        write_imatrix(path, {"a": np.ones(3)}, {"a": 1})
+
+
+@pytest.mark.parametrize("sums, counts, kw, cls, match", [
+    ({"a": np.ones(3)}, {"a": "x"}, {}, mcf.ArgumentTypeError, "counts"),
+    ({"a": "abc"}, {"a": 1}, {}, mcf.ArgumentTypeError, "sums"),
+    ({5: np.ones(3)}, {5: 1}, {}, mcf.ArgumentTypeError, "name"),
+    ({"a": np.ones(3)}, {"a": 1}, {"datasets": 5}, mcf.ArgumentTypeError, "datasets"),
+    ({"a": np.ones(3)}, {"a": 1}, {"chunk_count": "x"}, mcf.InvalidArgumentError, "chunk_count"),
+    ({"a": np.ones(3)}, {"a": 1}, {"chunk_size": -1}, mcf.InvalidArgumentError, "chunk_size"),
+    ({"a": np.ones(3)}, {"a": 1}, {"chunk_count": 2 ** 32}, mcf.InvalidArgumentError, "chunk_count"),
+    ({"a": np.full(3, 1e40)}, {"a": 1}, {}, mcf.InvalidArgumentError, "float32"),
+    ({"a": np.array([1.0, -1.0])}, {"a": 1}, {}, mcf.InvalidArgumentError, ">= 0"),
+    ({"a": np.ones(3)}, {"a": -2}, {}, mcf.InvalidArgumentError, ">= 0"),
+    ({"a": np.ones((2, 2, 2))}, {"a": 1}, {}, mcf.InvalidArgumentError, "1-D"),
+], ids=["count str", "sums str", "name int", "datasets int", "chunk_count str", "chunk_size negative",
+        "chunk_count u32", "sums beyond f32", "negative sum", "negative count", "3-D sums"])
+def test_write_imatrix_refuses_what_it_cannot_write(tmp_path, sums, counts, kw, cls, match):
+    """Each used to raise a bare ValueError/TypeError/struct.error, or wrote a file (infinite in_sum2) that
+    read_imatrix then refused."""
+    p = tmp_path / "o.gguf"
+    with pytest.raises(cls, match=match):
+        write_imatrix(p, sums, counts, **kw)
+    assert not p.exists()
+
+
+def test_collector_refuses_inputs_that_are_not_numbers():
+    col = ImportanceCollector()
+    with pytest.raises(mcf.ArgumentTypeError, match="name"):
+        col.add(5, np.ones((2, 3), np.float32))
+    with pytest.raises(mcf.ArgumentTypeError, match="'w'"):
+        col.add("w", [[object(), object()]])
+    with pytest.raises(mcf.ArgumentTypeError, match="'w'"):
+        col.add("w", np.ones((2, 3), bool))
+    assert col.sums == {}
+
+
+def test_as_importance_refuses_other_types_and_keys():
+    from mcf.imatrix import as_importance
+
+    with pytest.raises(mcf.ArgumentTypeError, match="imatrix"):
+        as_importance(5)
+    with pytest.raises(mcf.ArgumentTypeError, match="imatrix"):
+        as_importance({5: np.ones(3)})
+
+
+def test_collect_bert_refuses_arguments_of_the_wrong_type(minilm_dir):
+    """A single string as ``texts`` was read as one text per character; a path or chunk size of the wrong
+    type leaked a bare TypeError."""
+    from mcf.imatrix import collect_bert
+
+    for kw, match in [({"texts": "one text"}, "texts"), ({"texts": [b"bytes"]}, r"texts\[0\]"),
+                      ({"texts": ["ok"], "chunk_tokens": "64"}, "chunk_tokens"),
+                      ({"texts": ["ok"], "model": None}, "model")]:
+        args = {"model": minilm_dir, **kw}
+        with pytest.raises((mcf.ArgumentTypeError, mcf.InvalidArgumentError), match=match):
+            collect_bert(args.pop("model"), args.pop("texts"), **args)

@@ -311,3 +311,70 @@ def test_importance_scale_does_not_matter(method):
     f32 = v.astype(np.float32)
     assert (mcf.quantize(x, method, importance=f32 * np.float32(3e38))[0].tobytes()
             == mcf.quantize(x, method, importance=f32)[0].tobytes())
+
+
+@pytest.mark.parametrize("importance, cls", [
+    ("abc", mcf.ArgumentTypeError), ({"a": 1.0}, mcf.ArgumentTypeError), ([object()] * 64, mcf.ArgumentTypeError),
+    ([None] * 64, mcf.ArgumentTypeError), (np.ones(64, complex), mcf.ArgumentTypeError),
+    (np.ones(64, bool), mcf.ArgumentTypeError), ([10 ** 400] * 64, mcf.InvalidArgumentError),
+    ([[1.0], [1.0, 2.0]], mcf.InvalidArgumentError)],
+    ids=["str", "dict", "objects", "None", "complex", "bool", "huge int", "ragged"])
+def test_importance_of_the_wrong_type_is_named(importance, cls):
+    """Strings, mappings, objects, complex numbers and bools were turned into bare ValueError, TypeError,
+    OverflowError or a ComplexWarning by numpy (or, for bools and None, silently into numbers)."""
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(cls, match="importance"):
+        mcf.quantize(x, "k4", importance=importance)
+
+
+@pytest.mark.parametrize("lo, hi, cls, match", [
+    ("0.1", 1.0, mcf.ArgumentTypeError, "min_clip"), (-1.0, "1", mcf.ArgumentTypeError, "max_clip"),
+    ([0.0], [1.0], mcf.ArgumentTypeError, "min_clip"), (False, True, mcf.ArgumentTypeError, "min_clip"),
+    (-10 ** 400, 1.0, mcf.InvalidArgumentError, "min_clip"),
+    (-1e39, 1.0, mcf.InvalidArgumentError, "min_clip.*float32"), (-1.0, 3.5e38, mcf.InvalidArgumentError,
+                                                                   "max_clip.*float32"),
+    (-np.inf, 1.0, mcf.InvalidArgumentError, "min_clip"), (0.0, np.nan, mcf.InvalidArgumentError, "max_clip"),
+    (1.0, 0.5, mcf.InvalidArgumentError, "min_clip")],
+    ids=["str", "str max", "list", "bool", "huge int", "1e39", "3.5e38", "-inf", "nan", "reversed"])
+@pytest.mark.parametrize("method", ["k4", "q8", "int8"])
+def test_bad_clips_are_named(method, lo, hi, cls, match):
+    """A string clip leaked a bare TypeError; clips beyond the float32 range were accepted and recorded as
+    +-inf in QuantInfo (the clips are stored as float32)."""
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(cls, match=match):
+        mcf.quantize(x, method, min_clip=lo, max_clip=hi)
+    if method == "int8":
+        with pytest.raises(cls, match=match):
+            mcf.quantize(x, method, min_clip=lo, max_clip=hi, domain=1)
+
+
+def test_clips_at_the_float32_limit_are_kept():
+    big = float(np.finfo(np.float32).max)
+    x = np.ones((2, 64), np.float32)
+    for method in ("k4", "int8"):
+        _, q = mcf.quantize(x, method, min_clip=-big, max_clip=np.float32(big))
+        assert (q["min_clip"], q["max_clip"]) == (-big, big)
+
+
+def test_quantize_entry_points_name_arguments_of_the_wrong_type(tmp_path):
+    """Siblings of the bare-TypeError leaks: output paths, checkpoint paths and override lists (a single
+    string was iterated one character at a time)."""
+    from mcf.convert import convert
+
+    src = tmp_path / "s.mcf"
+    with mcf.Writer(src) as w:
+        w.add_tensor("a", np.ones((2, 64), np.float32))
+    for call, match in [(lambda: mcf.Writer(5), "path"), (lambda: quantize_file(src, None, "k4"), "path"),
+                        (lambda: convert(5, tmp_path / "o.mcf"), "src"), (lambda: mcf.pack(None, tmp_path / "o.mcf"),
+                                                                          "path"),
+                        (lambda: quantize_file(src, tmp_path / "o.mcf", "k4", overrides="a=q8"), "overrides"),
+                        (lambda: quantize_file(src, tmp_path / "o.mcf", "k4", overrides=["a=q8", 5]), "override"),
+                        (lambda: quantize_file(src, tmp_path / "o.mcf", "k4", min_clip="0", max_clip=1), "min_clip"),
+                        ]:
+        with pytest.raises(mcf.ArgumentTypeError, match=match):
+            call()
+    assert not (tmp_path / "o.mcf").exists()
+    with mcf.Writer(tmp_path / "w.mcf") as w:
+        with pytest.raises(mcf.ArgumentTypeError, match="tensor 'a': importance"):
+            w.add_tensor("a", np.ones((2, 64), np.float32), method="k4", importance="abc")
+        w.add_tensor("b", np.ones((2, 64), np.float32))

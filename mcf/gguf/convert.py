@@ -219,8 +219,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
         if info.family != "float":
             raise InvalidArgumentError(f"dtype must be 'keep', 'f32', 'f16', 'bf16' or 'f64', got {dtype!r}")
         dtype = info.name
-    overrides = list(overrides or ())
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
+    ov = parse_overrides(overrides)
     stats = []
     g = open(src, mmap=mmap)
     try:
