@@ -15,7 +15,9 @@ from either tool work with both:
 - per weight tensor ``NAME``: ``NAME.in_sum2``, F32 with GGUF dims ``[columns, 1]``, the sum over all
   calibration tokens of the squared input of each column, and ``NAME.counts``, F32 ``[1, 1]``, the
   number of tokens.  The importance is ``in_sum2 / counts``.  (llama.cpp also writes ``NAME.in_sum``,
-  the plain sums; it is read and ignored.  3-D mixture-of-experts entries, ``[columns, experts]``,
+  the plain sums; its values are not used.  As llama.cpp does, a file is refused when a ``NAME.counts``
+  or ``NAME.in_sum`` has no ``NAME.in_sum2``, or the reverse, or when ``NAME.in_sum`` is not F32 or holds
+  another number of values than ``NAME.in_sum2``.  3-D mixture-of-experts entries, ``[columns, experts]``,
   read as one row per expert; MCF quantizes rank-2 tensors, so they never apply.)
 
 Tensor names are the names of the MCF file being quantized: Hugging Face names for files packed from a
@@ -206,13 +208,27 @@ def _read_gguf(path) -> dict[str, np.ndarray]:
         if kind is not None and kind != "imatrix":
             raise FormatError("not an importance matrix", path=path, field="general.type", expected="imatrix",
                               got=kind)
-        for tname, t in g.tensors.items():
-            if not tname.endswith(_SUM2):
-                continue  # NAME.counts (read with its sums), NAME.in_sum (unused), anything newer
-            base = tname[: -len(_SUM2)]
-            cname = base + _COUNTS
-            if cname not in g.tensors:
-                raise FormatError("in_sum2 without counts", path=path, field=tname, expected=cname)
+        bases = {}  # NAME -> its tensors; other names (anything newer) are ignored, as llama.cpp does
+        for tname in g.tensors:
+            for suffix in (_SUM2, _COUNTS, _SUM):
+                if tname.endswith(suffix):
+                    bases.setdefault(tname[: -len(suffix)], []).append(tname)
+                    break
+        for base, present in bases.items():
+            # llama.cpp's rules (common_imatrix_load: "mismatched sums and counts"): NAME.in_sum2 and
+            # NAME.counts come together; NAME.in_sum, when present, is F32 and as large as NAME.in_sum2
+            tname, cname, iname = base + _SUM2, base + _COUNTS, base + _SUM
+            for need in (tname, cname):
+                if need not in g.tensors:
+                    raise FormatError(f"an importance entry needs both {_SUM2} and {_COUNTS}", path=path,
+                                      field=present[0], expected=need)
+            if iname in g.tensors:
+                ti, t2 = g.tensors[iname], g.tensors[tname]
+                if ti.type.name != "F32":
+                    raise FormatError("in_sum must be F32", path=path, field=iname, got=ti.type.name)
+                if ti.n_elements != t2.n_elements:
+                    raise FormatError(f"in_sum holds {ti.n_elements} values, in_sum2 {t2.n_elements}", path=path,
+                                      field=iname, expected=t2.n_elements, got=ti.n_elements)
             for n in (tname, cname):
                 ti = g.tensors[n]
                 if ti.type.name != "F32" or len(ti.shape) not in (1, 2):

@@ -374,3 +374,40 @@ def test_collect_bert_refuses_arguments_of_the_wrong_type(minilm_dir):
         args = {"model": minilm_dir, **kw}
         with pytest.raises((mcf.ArgumentTypeError, mcf.InvalidArgumentError), match=match):
             collect_bert(args.pop("model"), args.pop("texts"), **args)
+
+
+def write_tensors(path, tensors):
+    """A GGUF imatrix holding exactly ``tensors`` (name -> array), by gguf-py."""
+    w = gguf.GGUFWriter(str(path), arch="")
+    w.kv_data[0].pop("general.architecture", None)
+    w.add_string("general.type", "imatrix")
+    for n, a in tensors.items():
+        w.add_tensor(n, np.asarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+GOOD = {"a.in_sum2": np.ones((1, 8), np.float32), "a.counts": np.ones((1, 1), np.float32)}
+
+
+@pytest.mark.parametrize("tensors, field, match", [
+    ({**GOOD, "b.counts": np.ones((1, 1), np.float32)}, "b.counts", "b.in_sum2"),
+    ({**GOOD, "b.in_sum": np.ones((1, 8), np.float32)}, "b.in_sum", "b.in_sum2"),
+    ({**GOOD, "a.in_sum": np.ones((1, 7), np.float32)}, "a.in_sum", "7 values"),
+    ({**GOOD, "a.in_sum": np.ones((1, 8), np.float16)}, "a.in_sum", "F32"),
+    ({"a.in_sum2": np.ones((2, 8), np.float32), "a.counts": np.ones((1, 1), np.float32)}, "a.counts", "one count"),
+    ({"a.in_sum2": np.ones((1, 8), np.float32), "a.counts": np.ones((3, 1), np.float32)}, "a.counts", "one count"),
+], ids=["counts without in_sum2", "in_sum alone", "in_sum of another size", "in_sum not F32",
+        "fewer counts than matrices", "more counts than matrices"])
+def test_gguf_entries_follow_llama_cpp_rules(tmp_path, tensors, field, match):
+    """llama.cpp refuses an imatrix whose NAME.counts has no NAME.in_sum2 (or the reverse), whose NAME.in_sum
+    differs in size from NAME.in_sum2 or is not F32 ("mismatched sums and counts"); these were ignored."""
+    p = tmp_path / "x.gguf"
+    write_tensors(p, tensors)
+    with pytest.raises(mcf.FormatError, match=match) as ei:
+        read_imatrix(p)
+    assert ei.value.field == field and ei.value.path == str(p)
+    write_tensors(p, {**GOOD, "a.in_sum": np.ones((1, 8), np.float32), "a.extra_stat": np.ones(3, np.float32)})
+    assert read_imatrix(p)["a"].tolist() == [1.0] * 8  # a matching in_sum and tensors of other names: fine
