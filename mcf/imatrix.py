@@ -20,9 +20,13 @@ from either tool work with both:
   another number of values than ``NAME.in_sum2``.  3-D mixture-of-experts entries, ``[columns, experts]``,
   read as one row per expert; MCF quantizes rank-2 tensors, so they never apply.)
 
-Tensor names are the names of the MCF file being quantized: Hugging Face names for files packed from a
-checkpoint, GGUF names (``blk.0.attn_q.weight``) for files converted from GGUF, so an imatrix made by
-llama.cpp for the same GGUF model applies to its conversion.  The legacy llama.cpp ``.dat`` format
+Tensor names: an entry applies to the tensor of the same name, and across the two naming conventions
+(:func:`match_tensors`).  MCF files packed from a checkpoint have Hugging Face names
+(``model.layers.0.self_attn.q_proj.weight``), files converted from GGUF and llama.cpp's importance
+matrices have GGUF names (``blk.0.attn_q.weight``); :func:`gguf_name` translates the weight matrices of
+llama-style and BERT-style models the way llama.cpp's ``convert_hf_to_gguf.py`` names them, so an
+imatrix made by llama-imatrix applies to the checkpoint the GGUF model came from, and one made by
+``mcf imatrix`` to a GGUF conversion.  The legacy llama.cpp ``.dat`` format
 (``int32 n_entries``, then per entry ``int32 len, name, int32 ncall, int32 nval, float32[nval]``
 holding ``mean * ncall``, then optionally ``int32 chunks, int32 len, dataset name``) is read too.
 
@@ -33,8 +37,9 @@ all-MiniLM-L6-v2), and ``mcf imatrix`` is its command line.
 from __future__ import annotations
 
 import os
+import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -43,7 +48,8 @@ from mcf._core.fs import write_all, write_atomic
 from mcf.container.reader import open as open_container
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
 
-__all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
+__all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert", "gguf_name",
+           "match_tensors"]
 
 _GGUF_MAGIC = b"GGUF"
 _ALIGN = 32                     # GGUF's default alignment (no general.alignment key is written)
@@ -311,6 +317,78 @@ def as_importance(obj) -> Mapping:
     if isinstance(obj, (str, bytes, os.PathLike)):
         return read_imatrix(obj)
     raise ArgumentTypeError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
+
+
+# -- names -----------------------------------------------------------------------------------------
+
+# The weight matrices an importance matrix holds (every linear layer; embeddings and output heads for
+# completeness), under their Hugging Face names without ``.weight``/``.bias`` (group 1: the layer), and
+# the GGUF name llama.cpp's convert_hf_to_gguf.py gives them through gguf-py's TensorNameMap; a test
+# checks the two agree.  A small table rather than TensorNameMap itself: mcf needs only numpy, and
+# TensorNameMap needs the architecture, which the names alone already tell for these models.  Norms
+# are 1-D (never quantized, never in an imatrix) and differ between architectures, so they are left
+# out, like every other architecture's names: an entry of those must use the file's own names.
+# (llama.cpp permutes the rows of Q and K for rotary embeddings; an importance vector is per column.)
+_L = r"(?:model\.)?layers\.(\d+)\."        # transformers' llama-style models, and Meta's original names
+_B = r"(?:bert\.)?"                         # BertModel inside a task model; llama.cpp drops the prefix
+_HF_TO_GGUF = tuple((re.compile(rx), gg) for rx, gg in (
+    (_L + r"self_attn\.q_proj", "blk.{}.attn_q"), (_L + r"self_attn\.k_proj", "blk.{}.attn_k"),
+    (_L + r"self_attn\.v_proj", "blk.{}.attn_v"), (_L + r"self_attn\.o_proj", "blk.{}.attn_output"),
+    (_L + r"mlp\.gate_proj", "blk.{}.ffn_gate"), (_L + r"mlp\.up_proj", "blk.{}.ffn_up"),
+    (_L + r"mlp\.down_proj", "blk.{}.ffn_down"),
+    (_L + r"attention\.wq", "blk.{}.attn_q"), (_L + r"attention\.wk", "blk.{}.attn_k"),
+    (_L + r"attention\.wv", "blk.{}.attn_v"), (_L + r"attention\.wo", "blk.{}.attn_output"),
+    (_L + r"feed_forward\.w1", "blk.{}.ffn_gate"), (_L + r"feed_forward\.w3", "blk.{}.ffn_up"),
+    (_L + r"feed_forward\.w2", "blk.{}.ffn_down"),
+    (r"(?:model\.)?embed_tokens", "token_embd"), (r"tok_embeddings", "token_embd"), (r"lm_head", "output"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.self\.query", "blk.{}.attn_q"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.self\.key", "blk.{}.attn_k"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.self\.value", "blk.{}.attn_v"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.output\.dense", "blk.{}.attn_output"),
+    (_B + r"encoder\.layer\.(\d+)\.intermediate\.dense", "blk.{}.ffn_up"),
+    (_B + r"encoder\.layer\.(\d+)\.output\.dense", "blk.{}.ffn_down"),
+    (_B + r"embeddings\.word_embeddings", "token_embd"), (_B + r"embeddings\.position_embeddings", "position_embd"),
+    (_B + r"embeddings\.token_type_embeddings", "token_types"),
+))
+
+
+def gguf_name(name: str) -> str | None:
+    """The GGUF name llama.cpp's converter gives the Hugging Face tensor ``name``
+    (``model.layers.0.self_attn.q_proj.weight`` -> ``blk.0.attn_q.weight``,
+    ``encoder.layer.0.intermediate.dense.weight`` -> ``blk.0.ffn_up.weight``), for the weight matrices
+    of llama-style and BERT-style models; None for any other name (GGUF names included)."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    for rx, gg in _HF_TO_GGUF:
+        m = rx.fullmatch(base)
+        if m:
+            return gg.format(*m.groups()) + "." + suffix
+    return None
+
+
+def match_tensors(imatrix: Mapping, names: Iterable[str]) -> dict[str, str]:
+    """tensor name -> the name of the ``imatrix`` entry that applies to it, for each of ``names`` that has
+    one: the entry of the same name, else the entry with the same GGUF name (:func:`gguf_name` of a
+    Hugging Face name, a GGUF name as it is), so Hugging Face and GGUF names meet whichever side has
+    which.  A GGUF name that two entries, or two of ``names``, share is not guessed at."""
+    def key(n):
+        return gguf_name(n) or n
+
+    names = list(names)
+    entries: dict[str, list] = {}
+    for e in imatrix:
+        entries.setdefault(key(e), []).append(e)
+    claimed: dict[str, int] = {}
+    for n in names:
+        claimed[key(n)] = claimed.get(key(n), 0) + 1
+    out = {}
+    for n in names:
+        if n in imatrix:
+            out[n] = n
+        elif len(entries.get(key(n), ())) == 1 and claimed[key(n)] == 1:
+            out[n] = entries[key(n)][0]
+    return out
 
 
 # -- collecting ------------------------------------------------------------------------------------

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 
 import numpy as np
 
 from mcf.container.reader import open as open_container
 from mcf._core.dtypes import DTypeInfo, parse_dtype
 from mcf.errors import ArgumentTypeError, InvalidArgumentError, MCFError, in_tensor
-from mcf.imatrix import as_importance
+from mcf.imatrix import as_importance, match_tensors
 from mcf.container.layout import SectionType
 from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
 from mcf.container.writer import Writer
 
 __all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "add_quantized", "importance_for",
-           "check_imatrix_mode", "quantize_file"]
+           "check_imatrix_mode", "resolve_imatrix", "quantize_file"]
 
 
 def method_for(name: str, default: str | None, overrides) -> str | None:
@@ -116,6 +117,44 @@ def importance_for(imatrix, name: str, method: str):
     return imatrix.get(name)
 
 
+def _few(names, n: int = 3) -> str:
+    names = list(names)
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def resolve_imatrix(imatrix, planned) -> dict:
+    """The importance vector of each tensor a run quantizes, keyed by the file's tensor names, from
+    ``imatrix`` (None, or a mapping as :func:`mcf.imatrix.as_importance` returns; its names are matched
+    by :func:`mcf.imatrix.match_tensors`, across Hugging Face and GGUF naming).  ``planned`` is the
+    ``(name, method)`` of every tensor the run will quantize, known before anything is written.
+
+    N, the tensors an importance matrix is for, are the planned tensors whose method searches scales
+    (q*, k*): int8/int4 keep one scale per tensor and do not use it.  An imatrix that matches none of
+    N tensors (N > 0) is an error, since quantizing on would give the same bytes as without it, which
+    is what a file named for another model, or in another naming convention, used to do silently.  One
+    that matches some gives a warning saying how many and naming a few of the others, which are
+    quantized unweighted: usual for embeddings and output heads (llama-imatrix does not record them),
+    a sign of the wrong file otherwise."""
+    if imatrix is None:
+        return {}
+    targets = [n for n, m in planned if m is not None and parse_dtype(m).family != "raw"]
+    if not targets:
+        return {}
+    found = match_tensors(imatrix, targets)
+    if not found:
+        raise InvalidArgumentError(
+            f"the importance matrix matched 0 of the {len(targets)} tensors quantized with a q*/k* method: its "
+            f"entries ({_few(sorted(imatrix))}) name none of the tensors ({_few(targets)}), under their own "
+            "names or their Hugging Face / GGUF counterparts; was it made for another model?")
+    missing = [n for n in targets if n not in found]
+    if missing:
+        warnings.warn(f"the importance matrix matched {len(found)} of the {len(targets)} tensors quantized with a "
+                      f"q*/k* method; quantized unweighted (no entry): {_few(missing)}",
+                      UserWarning, stacklevel=3)
+    return {n: imatrix[e] for n, e in found.items()}
+
+
 def check_imatrix_mode(imatrix, compat: bool, fast: bool) -> None:
     """An importance matrix weights the search: refuse it up front with the single-pass modes."""
     if imatrix is not None and (compat or fast):
@@ -133,39 +172,43 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
     ``compat=True`` and the same method it is byte-identical to ``mantle quantize``.  ``fast`` keeps the
     single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.imatrix.read_imatrix`
     reads, or a mapping name -> per-column importance) weights the error of the tensors it names; the
-    others are quantized unweighted.  Returns a list of :class:`QuantStats` when ``report`` is true (else
-    an empty list).
+    others are quantized unweighted, with a warning, and an imatrix that names none of them is refused
+    (:func:`resolve_imatrix`).  Returns a list of :class:`QuantStats` when ``report`` is true (else an
+    empty list).
     """
 
     method, ov = resolve_policy(method, overrides)
     check_imatrix_mode(imatrix, compat, fast)
-    imat = as_importance(imatrix)
+    imat = None if imatrix is None else as_importance(imatrix)
     stats = []
-    with open_container(src, mmap=mmap) as c, Writer(dst, align=64) as w:
-        for s in c.sections:
-            if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
-                continue
-            w.add_section(s.type, c.section_bytes(s.type), version=s.version)
-        names = list(c)
-        for i, name in enumerate(names):
-            t = c.info(name)
-            try:
-                m = plan_method(name, t.shape, t.dtype, method, ov)
-                if m is not None:
-                    st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
-                                       importance=importance_for(imat, name, m), min_clip=min_clip,
-                                       max_clip=max_clip, report=report)
-                    if st is not None:
-                        stats.append(st)
-                elif t.dtype.quantized:
-                    rec = c.quant_record(name)
-                    q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
-                                                  "domain": rec.domain}
-                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
-                else:
-                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
-            except MCFError as exc:  # name the file and the tensor, whatever failed
-                raise in_tensor(exc, c.path, name) from exc
-            if progress is not None:
-                progress(i + 1, len(names), name)
+    with open_container(src, mmap=mmap) as c:
+        plan = {n: plan_method(n, c.info(n).shape, c.info(n).dtype, method, ov) for n in c}
+        imat = resolve_imatrix(imat, plan.items())  # before the output exists
+        with Writer(dst, align=64) as w:
+            for s in c.sections:
+                if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
+                    continue
+                w.add_section(s.type, c.section_bytes(s.type), version=s.version)
+            names = list(c)
+            for i, name in enumerate(names):
+                t = c.info(name)
+                try:
+                    m = plan[name]
+                    if m is not None:
+                        st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
+                                           importance=importance_for(imat, name, m), min_clip=min_clip,
+                                           max_clip=max_clip, report=report)
+                        if st is not None:
+                            stats.append(st)
+                    elif t.dtype.quantized:
+                        rec = c.quant_record(name)
+                        q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
+                                                      "domain": rec.domain}
+                        w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
+                    else:
+                        w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
+                except MCFError as exc:  # name the file and the tensor, whatever failed
+                    raise in_tensor(exc, c.path, name) from exc
+                if progress is not None:
+                    progress(i + 1, len(names), name)
     return stats
