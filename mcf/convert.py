@@ -78,7 +78,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     check_imatrix_mode(imatrix, compat, fast)
-    imatrix = None if imatrix is None else as_importance(imatrix)
+    imatrix = None if imatrix is None else as_importance(imatrix)  # a bad file fails before the output exists
     if _is_gguf(path):
         from mcf.gguf.convert import convert_gguf
 

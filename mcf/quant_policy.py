@@ -109,9 +109,9 @@ def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, com
 
 
 def importance_for(imatrix, name: str, method: str):
-    """The importance vector of tensor ``name`` in ``imatrix`` (a mapping, see :func:`mcf.imatrix.as_importance`)
-    when ``method`` can use it (the q*/k* search), else None: int8/int4 keep one scale per tensor, so there
-    is nothing for per-column weights to choose."""
+    """The importance vector of tensor ``name`` in ``imatrix`` (keyed by the file's tensor names, as
+    :func:`resolve_imatrix` returns it) when ``method`` can use it (the q*/k* search), else None:
+    int8/int4 keep one scale per tensor, so there is nothing for per-column weights to choose."""
     if not imatrix or parse_dtype(method).family == "raw":
         return None
     return imatrix.get(name)
@@ -125,8 +125,8 @@ def _few(names, n: int = 3) -> str:
 
 def resolve_imatrix(imatrix, planned) -> dict:
     """The importance vector of each tensor a run quantizes, keyed by the file's tensor names, from
-    ``imatrix`` (None, or a mapping as :func:`mcf.imatrix.as_importance` returns; its names are matched
-    by :func:`mcf.imatrix.match_tensors`, across Hugging Face and GGUF naming).  ``planned`` is the
+    ``imatrix`` (None, a file or a mapping, as :func:`mcf.imatrix.as_importance` takes; its names are
+    matched by :func:`mcf.imatrix.match_tensors`, across Hugging Face and GGUF naming).  ``planned`` is the
     ``(name, method)`` of every tensor the run will quantize, known before anything is written.
 
     N, the tensors an importance matrix is for, are the planned tensors whose method searches scales
@@ -138,6 +138,7 @@ def resolve_imatrix(imatrix, planned) -> dict:
     a sign of the wrong file otherwise."""
     if imatrix is None:
         return {}
+    imatrix = as_importance(imatrix)
     targets = [n for n, m in planned if m is not None and parse_dtype(m).family != "raw"]
     if not targets:
         return {}
@@ -179,11 +180,10 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
 
     method, ov = resolve_policy(method, overrides)
     check_imatrix_mode(imatrix, compat, fast)
-    imat = None if imatrix is None else as_importance(imatrix)
     stats = []
     with open_container(src, mmap=mmap) as c:
         plan = {n: plan_method(n, c.info(n).shape, c.info(n).dtype, method, ov) for n in c}
-        imat = resolve_imatrix(imat, plan.items())  # before the output exists
+        imat = resolve_imatrix(imatrix, plan.items())  # before the output exists
         with Writer(dst, align=64) as w:
             for s in c.sections:
                 if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):

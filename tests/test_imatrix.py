@@ -287,6 +287,11 @@ def test_convert_gguf_with_llama_cpp_imatrix(tmp_path):
         assert c.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", importance=imp)[0].tobytes()
         assert c.raw("blk.0.ffn_up.weight").tobytes() == mcf.quantize(up, "k4")[0].tobytes()
         assert f.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", fast=True)[0].tobytes()
+    from mcf.gguf import convert_gguf
+
+    with pytest.warns(UserWarning, match="matched 1 of the 2"):  # a path, as convert() takes (was AttributeError)
+        convert_gguf(model, tmp_path / "p.mcf", method="k4", imatrix=im)
+    assert (tmp_path / "p.mcf").read_bytes() == (tmp_path / "w.mcf").read_bytes()
     with pytest.raises(mcf.InvalidArgumentError, match="fast"):
         convert(model, tmp_path / "x.mcf", method="k4", fast=True, imatrix=im)
     assert not (tmp_path / "x.mcf").exists()

@@ -190,8 +190,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     - ``method`` (``"q8"``, ``"q4"``, ``"k6"``, ``"k4"``, ``"k3"``, ``"k2"``, ``"int8"``, ``"int4"``)
       requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant_policy.quantize_file` does (the
       ggml blocks are decoded to float32 first); ``overrides`` (``["*.ffn_down.*=q8", "output.*=none"]``)
-      choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (None or a mapping name ->
-      importance; llama.cpp's importance matrices use GGUF names, and Hugging Face names are matched too) as
+      choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (None, a file, or a mapping
+      name -> importance; llama.cpp's importance matrices use GGUF names, and Hugging Face names are matched too) as
       in ``mcf quantize`` (:func:`mcf.quant_policy.resolve_imatrix`).
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
