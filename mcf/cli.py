@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fast", action="store_true",
                    help="single-pass quantizer scales instead of the error-minimizing search")
     s.add_argument("--imatrix", metavar="FILE",
-                   help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix) weighting the quantization error; "
-                        "names matched as in mcf quantize --imatrix")
+                   help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix) weighting the quantization "
+                        "error; names matched as in mcf quantize --imatrix")
     s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16"), default="keep",
                    help="cast the float tensors that are not quantized")
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")

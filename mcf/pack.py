@@ -154,8 +154,9 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                      progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
     tensors picked by ``method``/``overrides`` (:func:`mcf.quant_policy.plan_method`) are quantized (``compat``,
-    ``fast``, and ``imatrix``, None, a file or a mapping name -> importance, as in :func:`mcf.quant_policy.quantize_file`,
-    matched to the tensors by :func:`mcf.quant_policy.resolve_imatrix` before anything is written), the
+    ``fast``, and ``imatrix``, None, a file or a mapping name -> importance, as in
+    :func:`mcf.quant_policy.quantize_file`, matched to the tensors by :func:`mcf.quant_policy.resolve_imatrix`
+    before anything is written), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
     :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
     from mcf.quant_policy import add_quantized, importance_for, plan_method, resolve_imatrix, resolve_policy
