@@ -41,8 +41,9 @@ float mcf_scale_from_f16(uint16_t h);
  * the tensor's full layout, i.e. the caller passes pointers already advanced to the first row.
  * compat = 1 reproduces the Go quantizer bit for bit (truncating f32->f16 scales, codes from the
  * unrounded f32 scale); compat = 0 rounds scales to nearest even and derives codes from the stored
- * scale.  Returns 0, or -1 if a stored scale would overflow f16 (compat = 0 only).  `impl` picks the
- * variant (scalar, avx2 or avx512; all give the same bytes). */
+ * scale.  Returns 0, or -1 if a stored scale would be infinite (rounded: max|x| / qmax >= 65520;
+ * truncated, compat = 1: >= 65536), since the decoder would read it back as inf/NaN.  `impl` picks
+ * the variant (scalar, avx2 or avx512; all give the same bytes). */
 int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                       float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl);
 

@@ -5,7 +5,9 @@
  * = super * (u6 / 32) from the unrounded super; codes = clamp(round_half_away(v * (1 / scale)), +-qmax)
  * with the product in f32; stored scales truncated to f16 (subnormals flushed).
  * compat = 0 (the default) rounds stored scales to nearest even and computes codes against the scale
- * the decoder will actually see, which lowers the error. */
+ * the decoder will actually see, which lowers the error.  In both modes a stored scale that comes out
+ * infinite is refused (-1) rather than written: the Go tool writes it, and the tensor then decodes to
+ * inf/NaN. */
 #include <math.h>
 #include <string.h>
 
@@ -374,9 +376,9 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                     h = mcf_f32_to_f16_trunc(scale);
                 } else {
                     h = mcf_f32_to_f16_one(scale);
-                    if ((h & 0x7c00u) == 0x7c00u) overflow = 1;
                     scale = dec16(h);  /* codes against the scale the decoder sees */
                 }
+                if ((h & 0x7c00u) == 0x7c00u) overflow = 1;  /* truncation too: it reaches inf at 65536 */
                 scales[r * bpr + b] = h;
                 if (scale != 0.0f) mkcodes(v, 1.0f / scale, qmax, compat, bits, codes + (r * bpr + b) * bb);
                 else memset(codes + (r * bpr + b) * bb, 0, bb);
@@ -397,9 +399,9 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                     h = mcf_f32_to_f16_trunc(super);
                 } else {
                     h = mcf_f32_to_f16_one(super);
-                    if ((h & 0x7c00u) == 0x7c00u) overflow = 1;
                     super = dec16(h);
                 }
+                if ((h & 0x7c00u) == 0x7c00u) overflow = 1;
                 scales[r * spr + s] = h;
                 for (int k = 0; k < 8; k++) {
                     size_t b = s * 8 + (size_t)k;

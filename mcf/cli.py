@@ -6,10 +6,12 @@ How a failure is reported (one line, an exit code, ``--debug`` for the traceback
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+import warnings
 
 from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
 from mcf._core.console import Progress, human, info_dict, print_info, print_report
@@ -61,6 +63,20 @@ def cmd_pack(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str):
+    """Show each UserWarning of the command (an importance matrix that matched only some tensors) as one
+    line on stderr, ``mcf quantize: warning: ...``, when it is issued, not as Python's two-line report
+    with a source line, and whatever the interpreter's warning filters say (a user should see it)."""
+    def show(message, category, *_args, **_kw):
+        print(f"mcf {command}: warning: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UserWarning)
+        warnings.showwarning = show
+        yield
+
+
 def cmd_quantize(args) -> int:
     from mcf.quant_policy import parse_overrides, quantize_file
 
@@ -70,10 +86,11 @@ def cmd_quantize(args) -> int:
     compat = args.compat == "mantle"
     _check_imatrix_flags(args, compat)
     t0 = time.perf_counter()
-    stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
-                          compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
-                          max_clip=args.max_clip, report=args.report,
-                          progress=Progress("quantize", enabled=False if args.quiet else None))
+    with _warnings_as_lines("quantize"):
+        stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
+                              compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
+                              max_clip=args.max_clip, report=args.report,
+                              progress=Progress("quantize", enabled=False if args.quiet else None))
     dt = time.perf_counter() - t0
     size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
@@ -95,9 +112,11 @@ def cmd_convert(args) -> int:
     compat = args.compat == "mantle"
     _check_imatrix_flags(args, compat)
     t0 = time.perf_counter()
-    stats = convert(args.src, args.output, method=method, overrides=args.override, compat=compat, fast=args.fast,
-                    imatrix=args.imatrix, dtype=args.dtype, resources=not args.no_resources, report=args.report,
-                    progress=Progress("convert", enabled=False if args.quiet else None), durable=not args.no_fsync)
+    with _warnings_as_lines("convert"):
+        stats = convert(args.src, args.output, method=method, overrides=args.override, compat=compat,
+                        fast=args.fast, imatrix=args.imatrix, dtype=args.dtype, resources=not args.no_resources,
+                        report=args.report, progress=Progress("convert", enabled=False if args.quiet else None),
+                        durable=not args.no_fsync)
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
@@ -207,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "~0.6 dB lower SNR at 4 bits")
     s.add_argument("--imatrix", metavar="FILE",
                    help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix, .gguf or .dat): weights each "
-                        "column's error by the mean squared input of that column")
+                        "column's error by the mean squared input of that column; Hugging Face and GGUF tensor "
+                        "names are matched to each other; an imatrix matching none of the q*/k* tensors is an "
+                        "error")
     s.add_argument("--min-clip", type=float)
     s.add_argument("--max-clip", type=float)
     s.add_argument("--override", action="append", default=[], metavar="PATTERN=METHOD",
@@ -229,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fast", action="store_true",
                    help="single-pass quantizer scales instead of the error-minimizing search")
     s.add_argument("--imatrix", metavar="FILE",
-                   help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix) weighting the quantization error")
+                   help="importance matrix (mcf imatrix or llama.cpp's llama-imatrix) weighting the quantization "
+                        "error; names matched as in mcf quantize --imatrix")
     s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16"), default="keep",
                    help="cast the float tensors that are not quantized")
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from mcf._core.args import file_path
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
@@ -35,7 +36,7 @@ def files_left_out(src) -> list:
     ``special_tokens_map.json``, sentence-transformers' module folders...).  Empty for a file."""
     from mcf.container.layout import RESOURCE_FILES
 
-    path = os.fspath(src)
+    path = file_path(src, "src")
     if not os.path.isdir(path):
         return []
     kept = set(RESOURCE_FILES.values()) | {"chat_template.jinja", "model.safetensors.index.json"}
@@ -72,12 +73,12 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     from mcf.pack import pack_checkpoint
     from mcf.quant_policy import check_imatrix_mode, resolve_policy
 
-    path = os.fspath(src)
+    path = file_path(src, "src")
     dtype = str(dtype).strip().lower()
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     check_imatrix_mode(imatrix, compat, fast)
-    imatrix = as_importance(imatrix)
+    imatrix = None if imatrix is None else as_importance(imatrix)  # a bad file fails before the output exists
     if _is_gguf(path):
         from mcf.gguf.convert import convert_gguf
 

@@ -15,12 +15,18 @@ from either tool work with both:
 - per weight tensor ``NAME``: ``NAME.in_sum2``, F32 with GGUF dims ``[columns, 1]``, the sum over all
   calibration tokens of the squared input of each column, and ``NAME.counts``, F32 ``[1, 1]``, the
   number of tokens.  The importance is ``in_sum2 / counts``.  (llama.cpp also writes ``NAME.in_sum``,
-  the plain sums; it is read and ignored.  3-D mixture-of-experts entries, ``[columns, experts]``,
+  the plain sums; its values are not used.  As llama.cpp does, a file is refused when a ``NAME.counts``
+  or ``NAME.in_sum`` has no ``NAME.in_sum2``, or the reverse, or when ``NAME.in_sum`` is not F32 or holds
+  another number of values than ``NAME.in_sum2``.  3-D mixture-of-experts entries, ``[columns, experts]``,
   read as one row per expert; MCF quantizes rank-2 tensors, so they never apply.)
 
-Tensor names are the names of the MCF file being quantized: Hugging Face names for files packed from a
-checkpoint, GGUF names (``blk.0.attn_q.weight``) for files converted from GGUF, so an imatrix made by
-llama.cpp for the same GGUF model applies to its conversion.  The legacy llama.cpp ``.dat`` format
+Tensor names: an entry applies to the tensor of the same name, and across the two naming conventions
+(:func:`match_tensors`).  MCF files packed from a checkpoint have Hugging Face names
+(``model.layers.0.self_attn.q_proj.weight``), files converted from GGUF and llama.cpp's importance
+matrices have GGUF names (``blk.0.attn_q.weight``); :func:`gguf_name` translates the weight matrices of
+llama-style and BERT-style models the way llama.cpp's ``convert_hf_to_gguf.py`` names them, so an
+imatrix made by llama-imatrix applies to the checkpoint the GGUF model came from, and one made by
+``mcf imatrix`` to a GGUF conversion.  The legacy llama.cpp ``.dat`` format
 (``int32 n_entries``, then per entry ``int32 len, name, int32 ncall, int32 nval, float32[nval]``
 holding ``mean * ncall``, then optionally ``int32 chunks, int32 len, dataset name``) is read too.
 
@@ -31,16 +37,19 @@ all-MiniLM-L6-v2), and ``mcf imatrix`` is its command line.
 from __future__ import annotations
 
 import os
+import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from mcf._core.args import file_path, integer, real, reals
 from mcf._core.fs import write_all, write_atomic
 from mcf.container.reader import open as open_container
-from mcf.errors import FormatError, InvalidArgumentError, TruncatedError
+from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
 
-__all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert"]
+__all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert", "gguf_name",
+           "match_tensors"]
 
 _GGUF_MAGIC = b"GGUF"
 _ALIGN = 32                     # GGUF's default alignment (no general.alignment key is written)
@@ -58,7 +67,9 @@ class ImportanceCollector:
         self.counts: dict[str, int] = {}
 
     def add(self, name: str, x) -> None:
-        x = np.asarray(x)
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"the tensor name must be a str, got {name!r} ({type(name).__name__})")
+        x = reals(x, f"the inputs of {name!r}")
         if x.ndim != 2:
             raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {x.shape}")
         sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
@@ -92,20 +103,38 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
                   chunk_size: int = 0) -> None:
     """Write llama.cpp's GGUF importance-matrix file: ``sums[name]`` (per-column sums of squared inputs)
     and ``counts[name]`` (tokens).  Tensors are sorted by name, as llama-imatrix writes them.  The file
-    is written to a temporary name and renamed into place."""
+    is written to a temporary name and renamed into place.  Everything is checked before anything is
+    written: what :func:`read_imatrix` would refuse (a sum beyond float32, a negative one) is refused
+    here, so a file this writes can always be read."""
+    path = file_path(path, "path")
+    names_of_data = [] if isinstance(datasets, (str, bytes)) else _iterable(datasets, "datasets")
+    if isinstance(datasets, (str, bytes)) or not all(isinstance(d, (str, os.PathLike)) for d in names_of_data):
+        raise ArgumentTypeError(f"datasets must be a sequence of str (what the activations came from), got "
+                                f"{datasets!r}")
+    datasets = [os.fsdecode(d) for d in names_of_data]
+    u32 = {}
+    for what, v in (("chunk_count", chunk_count), ("chunk_size", chunk_size)):
+        u32[what] = integer(v, what, minimum=0)
+        if u32[what] > 0xFFFFFFFF:
+            raise InvalidArgumentError(f"{what} = {u32[what]} does not fit the file's u32 field")
+    for n in sums:
+        if not isinstance(n, str):
+            raise ArgumentTypeError(f"every tensor name must be a str, got {n!r} ({type(n).__name__})")
     names = sorted(sums)
+    tensors = []
     for n in names:
         if n not in counts:
             raise InvalidArgumentError(f"no token count for {n!r}")
-    kv = [("general.type", 8, _gguf_str("imatrix")),
-          ("imatrix.datasets", 9, struct.pack("<IQ", 8, len(datasets)) + b"".join(_gguf_str(str(d)) for d in datasets)),
-          ("imatrix.chunk_count", 4, struct.pack("<I", int(chunk_count))),
-          ("imatrix.chunk_size", 4, struct.pack("<I", int(chunk_size)))]
-    tensors = []
-    for n in names:
-        s = np.ascontiguousarray(sums[n], dtype="<f4").reshape(-1)
+        s = _f32_entry(reals(sums[n], f"sums[{n!r}]"), f"sums[{n!r}]")
+        if s.ndim != 1:
+            raise InvalidArgumentError(f"sums[{n!r}] must be 1-D (one sum per column), got shape {s.shape}")
+        c = _f32_entry(np.array(real(counts[n], f"counts[{n!r}]")), f"counts[{n!r}]")
         tensors.append((n + _SUM2, (s.shape[0], 1), s))
-        tensors.append((n + _COUNTS, (1, 1), np.array([counts[n]], "<f4")))
+        tensors.append((n + _COUNTS, (1, 1), c.reshape(1)))
+    kv = [("general.type", 8, _gguf_str("imatrix")),
+          ("imatrix.datasets", 9, struct.pack("<IQ", 8, len(datasets)) + b"".join(_gguf_str(d) for d in datasets)),
+          ("imatrix.chunk_count", 4, struct.pack("<I", u32["chunk_count"])),
+          ("imatrix.chunk_size", 4, struct.pack("<I", u32["chunk_size"]))]
     head = [_GGUF_MAGIC, struct.pack("<IQQ", 3, len(tensors), len(kv))]
     for key, vtype, value in kv:
         head += [_gguf_str(key), struct.pack("<I", vtype), value]
@@ -116,7 +145,6 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
         off += -(-data.nbytes // _ALIGN) * _ALIGN
     header = b"".join(head)
     header += b"\0" * (-len(header) % _ALIGN)
-    path = os.fspath(path)
 
     def write(fd):
         write_all(fd, header)
@@ -125,6 +153,25 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
             write_all(fd, b"\0" * (-data.nbytes % _ALIGN))
 
     write_atomic(path, write)
+
+
+def _iterable(obj, what: str):
+    try:
+        return list(obj)
+    except TypeError:
+        raise ArgumentTypeError(f"{what} must be a sequence, got {type(obj).__name__}") from None
+
+
+def _f32_entry(v: np.ndarray, what: str) -> np.ndarray:
+    """float64 values as the little-endian float32 the file holds, refused unless finite and >= 0 there."""
+    with np.errstate(over="ignore"):
+        f = np.ascontiguousarray(v, dtype="<f4")
+    bad = ~(np.isfinite(f) & (f >= 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad.reshape(-1))[0])
+        raise InvalidArgumentError(f"{what}: {v.reshape(-1)[i]!r} at flat index {i}; the file holds finite float32 "
+                                   "values >= 0")
+    return f
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -136,7 +183,7 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
     :class:`mcf.FormatError` naming the field."""
     from mcf.errors import os_error
 
-    path = os.fspath(path)
+    path = file_path(path, "path")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -167,13 +214,27 @@ def _read_gguf(path) -> dict[str, np.ndarray]:
         if kind is not None and kind != "imatrix":
             raise FormatError("not an importance matrix", path=path, field="general.type", expected="imatrix",
                               got=kind)
-        for tname, t in g.tensors.items():
-            if not tname.endswith(_SUM2):
-                continue  # NAME.counts (read with its sums), NAME.in_sum (unused), anything newer
-            base = tname[: -len(_SUM2)]
-            cname = base + _COUNTS
-            if cname not in g.tensors:
-                raise FormatError("in_sum2 without counts", path=path, field=tname, expected=cname)
+        bases = {}  # NAME -> its tensors; other names (anything newer) are ignored, as llama.cpp does
+        for tname in g.tensors:
+            for suffix in (_SUM2, _COUNTS, _SUM):
+                if tname.endswith(suffix):
+                    bases.setdefault(tname[: -len(suffix)], []).append(tname)
+                    break
+        for base, present in bases.items():
+            # llama.cpp's rules (common_imatrix_load: "mismatched sums and counts"): NAME.in_sum2 and
+            # NAME.counts come together; NAME.in_sum, when present, is F32 and as large as NAME.in_sum2
+            tname, cname, iname = base + _SUM2, base + _COUNTS, base + _SUM
+            for need in (tname, cname):
+                if need not in g.tensors:
+                    raise FormatError(f"an importance entry needs both {_SUM2} and {_COUNTS}", path=path,
+                                      field=present[0], expected=need)
+            if iname in g.tensors:
+                ti, t2 = g.tensors[iname], g.tensors[tname]
+                if ti.type.name != "F32":
+                    raise FormatError("in_sum must be F32", path=path, field=iname, got=ti.type.name)
+                if ti.n_elements != t2.n_elements:
+                    raise FormatError(f"in_sum holds {ti.n_elements} values, in_sum2 {t2.n_elements}", path=path,
+                                      field=iname, expected=t2.n_elements, got=ti.n_elements)
             for n in (tname, cname):
                 ti = g.tensors[n]
                 if ti.type.name != "F32" or len(ti.shape) not in (1, 2):
@@ -244,14 +305,90 @@ def _read_legacy(path) -> dict[str, np.ndarray]:
 
 
 def as_importance(obj) -> Mapping:
-    """``None`` -> {}; a path -> :func:`read_imatrix`; a mapping (name -> per-column vector) as it is."""
+    """``None`` -> {}; a path -> :func:`read_imatrix`; a mapping (str name -> per-column vector) as it is."""
     if obj is None:
         return {}
     if isinstance(obj, Mapping):
+        for k in obj:
+            if not isinstance(k, str):
+                raise ArgumentTypeError(f"imatrix: the names of a mapping must be str (tensor names), got {k!r} "
+                                        f"({type(k).__name__})")
         return obj
     if isinstance(obj, (str, bytes, os.PathLike)):
         return read_imatrix(obj)
-    raise InvalidArgumentError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
+    raise ArgumentTypeError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
+
+
+# -- names -----------------------------------------------------------------------------------------
+
+# The weight matrices an importance matrix holds (every linear layer; embeddings and output heads for
+# completeness), under their Hugging Face names without ``.weight``/``.bias`` (group 1: the layer), and
+# the GGUF name llama.cpp's convert_hf_to_gguf.py gives them through gguf-py's TensorNameMap; a test
+# checks the two agree.  A small table rather than TensorNameMap itself: mcf needs only numpy, and
+# TensorNameMap needs the architecture, which the names alone already tell for these models.  Norms
+# are 1-D (never quantized, never in an imatrix) and differ between architectures, so they are left
+# out, like every other architecture's names: an entry of those must use the file's own names.
+# (llama.cpp permutes the rows of Q and K for rotary embeddings; an importance vector is per column.)
+_L = r"(?:model\.)?layers\.(\d+)\."        # transformers' llama-style models, and Meta's original names
+_B = r"(?:bert\.)?"                         # BertModel inside a task model; llama.cpp drops the prefix
+_HF_TO_GGUF = tuple((re.compile(rx), gg) for rx, gg in (
+    (_L + r"self_attn\.q_proj", "blk.{}.attn_q"), (_L + r"self_attn\.k_proj", "blk.{}.attn_k"),
+    (_L + r"self_attn\.v_proj", "blk.{}.attn_v"), (_L + r"self_attn\.o_proj", "blk.{}.attn_output"),
+    (_L + r"mlp\.gate_proj", "blk.{}.ffn_gate"), (_L + r"mlp\.up_proj", "blk.{}.ffn_up"),
+    (_L + r"mlp\.down_proj", "blk.{}.ffn_down"),
+    (_L + r"attention\.wq", "blk.{}.attn_q"), (_L + r"attention\.wk", "blk.{}.attn_k"),
+    (_L + r"attention\.wv", "blk.{}.attn_v"), (_L + r"attention\.wo", "blk.{}.attn_output"),
+    (_L + r"feed_forward\.w1", "blk.{}.ffn_gate"), (_L + r"feed_forward\.w3", "blk.{}.ffn_up"),
+    (_L + r"feed_forward\.w2", "blk.{}.ffn_down"),
+    (r"(?:model\.)?embed_tokens", "token_embd"), (r"tok_embeddings", "token_embd"), (r"lm_head", "output"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.self\.query", "blk.{}.attn_q"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.self\.key", "blk.{}.attn_k"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.self\.value", "blk.{}.attn_v"),
+    (_B + r"encoder\.layer\.(\d+)\.attention\.output\.dense", "blk.{}.attn_output"),
+    (_B + r"encoder\.layer\.(\d+)\.intermediate\.dense", "blk.{}.ffn_up"),
+    (_B + r"encoder\.layer\.(\d+)\.output\.dense", "blk.{}.ffn_down"),
+    (_B + r"embeddings\.word_embeddings", "token_embd"), (_B + r"embeddings\.position_embeddings", "position_embd"),
+    (_B + r"embeddings\.token_type_embeddings", "token_types"),
+))
+
+
+def gguf_name(name: str) -> str | None:
+    """The GGUF name llama.cpp's converter gives the Hugging Face tensor ``name``
+    (``model.layers.0.self_attn.q_proj.weight`` -> ``blk.0.attn_q.weight``,
+    ``encoder.layer.0.intermediate.dense.weight`` -> ``blk.0.ffn_up.weight``), for the weight matrices
+    of llama-style and BERT-style models; None for any other name (GGUF names included)."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    for rx, gg in _HF_TO_GGUF:
+        m = rx.fullmatch(base)
+        if m:
+            return gg.format(*m.groups()) + "." + suffix
+    return None
+
+
+def match_tensors(imatrix: Mapping, names: Iterable[str]) -> dict[str, str]:
+    """tensor name -> the name of the ``imatrix`` entry that applies to it, for each of ``names`` that has
+    one: the entry of the same name, else the entry with the same GGUF name (:func:`gguf_name` of a
+    Hugging Face name, a GGUF name as it is), so Hugging Face and GGUF names meet whichever side has
+    which.  A GGUF name that two entries, or two of ``names``, share is not guessed at."""
+    def key(n):
+        return gguf_name(n) or n
+
+    names = list(names)
+    entries: dict[str, list] = {}
+    for e in imatrix:
+        entries.setdefault(key(e), []).append(e)
+    claimed: dict[str, int] = {}
+    for n in names:
+        claimed[key(n)] = claimed.get(key(n), 0) + 1
+    out = {}
+    for n in names:
+        if n in imatrix:
+            out[n] = n
+        elif len(entries.get(key(n), ())) == 1 and claimed[key(n)] == 1:
+            out[n] = entries[key(n)][0]
+    return out
 
 
 # -- collecting ------------------------------------------------------------------------------------
@@ -308,10 +445,18 @@ def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tup
     the number of chunks."""
     from mcf.models.bert import bert_forward
 
-    cfg = _model_config(os.fspath(model))
+    model = file_path(model, "model")
+    chunk_tokens = integer(chunk_tokens, "chunk_tokens")
+    if isinstance(texts, (str, bytes)):  # would be read as one text per character
+        raise ArgumentTypeError("texts must be a sequence of texts, got a single " + type(texts).__name__)
+    texts = _iterable(texts, "texts")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ArgumentTypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+    cfg = _model_config(model)
     if not isinstance(cfg, dict) or cfg.get("model_type") != "bert":
         got = cfg.get("model_type") if isinstance(cfg, dict) else cfg
-        raise InvalidArgumentError(f"{os.fspath(model)}: model_type {got!r}; the numpy forward pass runs BERT "
+        raise InvalidArgumentError(f"{model}: model_type {got!r}; the numpy forward pass runs BERT "
                                    "encoders only (for other models, llama.cpp's llama-imatrix writes the same "
                                    "file format)")
     weights, cfg, tok = _model_parts(model)

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from mcf._core.args import file_path
 from mcf._core.gojson import go_marshal
 from mcf._core._io import alloc_buffer
 from mcf.safetensors.reader import Checkpoint, open_checkpoint
@@ -153,21 +154,26 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                      progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
     tensors picked by ``method``/``overrides`` (:func:`mcf.quant_policy.plan_method`) are quantized (``compat``,
-    ``fast``, and ``imatrix``, a mapping name -> importance, as in :func:`mcf.quant_policy.quantize_file`), the
+    ``fast``, and ``imatrix``, None, a file or a mapping name -> importance, as in
+    :func:`mcf.quant_policy.quantize_file`, matched to the tensors by :func:`mcf.quant_policy.resolve_imatrix`
+    before anything is written), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
     :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
-    from mcf.quant_policy import add_quantized, importance_for, plan_method, resolve_policy
+    from mcf.quant_policy import add_quantized, importance_for, plan_method, resolve_imatrix, resolve_policy
 
     target = None if dtype == "keep" else parse_dtype(dtype)
     method, ov = resolve_policy(method, overrides)
     stats = []
-    buf = alloc_buffer(_STREAM_BYTES)
     names = ckpt.sorted_names()
+    # a raw quantized payload (U8, 1-D) is never planned: plan_method takes rank-2 float tensors only
+    plan = {n: plan_method(n, ckpt.tensors[n].shape, ckpt.tensors[n].dtype, method, ov) for n in names}
+    imatrix = resolve_imatrix(imatrix, plan.items())
+    buf = alloc_buffer(_STREAM_BYTES)
     for i, name in enumerate(names):
         t = ckpt.tensors[name]
         try:
             raw = _raw_quantized(t)
-            m = None if raw is not None else plan_method(name, t.shape, t.dtype, method, ov)
+            m = None if raw is not None else plan[name]
             if raw is not None:  # a quantized payload exported with dtype="raw": stored again as it was
                 qinfo, shape, q = raw
                 w.add_tensor_bytes(name, qinfo, shape, _stream_plain(t, t.dtype, buf), quant=q)
@@ -199,7 +205,7 @@ def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool 
     Peak memory stays near one conversion chunk: tensors are streamed from the input.
     :func:`mcf.convert.convert` is the same with quantization and GGUF input.
     """
-    cast = cast.strip().lower()
+    cast = cast.strip().lower() if isinstance(cast, str) else cast
     if cast not in CASTS:
         raise InvalidArgumentError(f"cast must be one of {CASTS}, got {cast!r}")
     pack_checkpoint(model_dir, output, dtype=cast, align=align, dedup=dedup, resources=resources, mmap=mmap,
@@ -291,7 +297,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     before the output is created."""
     from mcf.quant_policy import resolve_policy
 
-    path = os.fspath(path)
+    path = file_path(path, "path")
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written
     if dtype != "keep":
         parse_dtype(dtype)

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 
 import numpy as np
 
 from mcf.container.reader import open as open_container
 from mcf._core.dtypes import DTypeInfo, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, in_tensor
-from mcf.imatrix import as_importance
+from mcf.errors import ArgumentTypeError, InvalidArgumentError, MCFError, in_tensor
+from mcf.imatrix import as_importance, match_tensors
 from mcf.container.layout import SectionType
 from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
 from mcf.container.writer import Writer
 
 __all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "add_quantized", "importance_for",
-           "check_imatrix_mode", "quantize_file"]
+           "check_imatrix_mode", "resolve_imatrix", "quantize_file"]
 
 
 def method_for(name: str, default: str | None, overrides) -> str | None:
@@ -35,9 +36,17 @@ def method_for(name: str, default: str | None, overrides) -> str | None:
 
 
 def parse_overrides(items) -> list:
-    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins."""
+    """``["embed*=q8", "lm_head.weight=none"]`` -> [(pattern, method)]; first match wins.  Already parsed
+    pairs pass as they are.  A single string is refused: iterated, it would be one override per character."""
+    if isinstance(items, (str, bytes)):
+        raise ArgumentTypeError(f"overrides must be a list of PATTERN=METHOD strings, got the single string {items!r}")
+    items = list(items or ())
+    if items and isinstance(items[0], tuple):
+        return items
     out = []
-    for it in items or ():
+    for it in items:
+        if not isinstance(it, str):
+            raise ArgumentTypeError(f"override {it!r} is not a PATTERN=METHOD string")
         if "=" not in it:
             raise InvalidArgumentError(f"override {it!r} is not PATTERN=METHOD")
         pat, m = it.rsplit("=", 1)
@@ -61,9 +70,7 @@ def resolve_policy(method, overrides) -> tuple:
             pass
         if method not in METHODS:
             raise InvalidArgumentError(f"unknown method {method!r}; expected one of {METHODS}")
-    overrides = list(overrides or ())
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
-    return method, ov
+    return method, parse_overrides(overrides)
 
 
 def plan_method(name: str, shape, dtype: DTypeInfo, method: str | None, overrides) -> str | None:
@@ -102,12 +109,51 @@ def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, com
 
 
 def importance_for(imatrix, name: str, method: str):
-    """The importance vector of tensor ``name`` in ``imatrix`` (a mapping, see :func:`mcf.imatrix.as_importance`)
-    when ``method`` can use it (the q*/k* search), else None: int8/int4 keep one scale per tensor, so there
-    is nothing for per-column weights to choose."""
+    """The importance vector of tensor ``name`` in ``imatrix`` (keyed by the file's tensor names, as
+    :func:`resolve_imatrix` returns it) when ``method`` can use it (the q*/k* search), else None:
+    int8/int4 keep one scale per tensor, so there is nothing for per-column weights to choose."""
     if not imatrix or parse_dtype(method).family == "raw":
         return None
     return imatrix.get(name)
+
+
+def _few(names, n: int = 3) -> str:
+    names = list(names)
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def resolve_imatrix(imatrix, planned) -> dict:
+    """The importance vector of each tensor a run quantizes, keyed by the file's tensor names, from
+    ``imatrix`` (None, a file or a mapping, as :func:`mcf.imatrix.as_importance` takes; its names are
+    matched by :func:`mcf.imatrix.match_tensors`, across Hugging Face and GGUF naming).  ``planned`` is the
+    ``(name, method)`` of every tensor the run will quantize, known before anything is written.
+
+    N, the tensors an importance matrix is for, are the planned tensors whose method searches scales
+    (q*, k*): int8/int4 keep one scale per tensor and do not use it.  An imatrix that matches none of
+    N tensors (N > 0) is an error, since quantizing on would give the same bytes as without it, which
+    is what a file named for another model, or in another naming convention, used to do silently.  One
+    that matches some gives a warning saying how many and naming a few of the others, which are
+    quantized unweighted: usual for embeddings and output heads (llama-imatrix does not record them),
+    a sign of the wrong file otherwise."""
+    if imatrix is None:
+        return {}
+    imatrix = as_importance(imatrix)
+    targets = [n for n, m in planned if m is not None and parse_dtype(m).family != "raw"]
+    if not targets:
+        return {}
+    found = match_tensors(imatrix, targets)
+    if not found:
+        raise InvalidArgumentError(
+            f"the importance matrix matched 0 of the {len(targets)} tensors quantized with a q*/k* method: its "
+            f"entries ({_few(sorted(imatrix))}) name none of the tensors ({_few(targets)}), under their own "
+            "names or their Hugging Face / GGUF counterparts; was it made for another model?")
+    missing = [n for n in targets if n not in found]
+    if missing:
+        warnings.warn(f"the importance matrix matched {len(found)} of the {len(targets)} tensors quantized with a "
+                      f"q*/k* method; quantized unweighted (no entry): {_few(missing)}",
+                      UserWarning, stacklevel=3)
+    return {n: imatrix[e] for n, e in found.items()}
 
 
 def check_imatrix_mode(imatrix, compat: bool, fast: bool) -> None:
@@ -127,39 +173,42 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
     ``compat=True`` and the same method it is byte-identical to ``mantle quantize``.  ``fast`` keeps the
     single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.imatrix.read_imatrix`
     reads, or a mapping name -> per-column importance) weights the error of the tensors it names; the
-    others are quantized unweighted.  Returns a list of :class:`QuantStats` when ``report`` is true (else
-    an empty list).
+    others are quantized unweighted, with a warning, and an imatrix that names none of them is refused
+    (:func:`resolve_imatrix`).  Returns a list of :class:`QuantStats` when ``report`` is true (else an
+    empty list).
     """
 
     method, ov = resolve_policy(method, overrides)
     check_imatrix_mode(imatrix, compat, fast)
-    imat = as_importance(imatrix)
     stats = []
-    with open_container(src, mmap=mmap) as c, Writer(dst, align=64) as w:
-        for s in c.sections:
-            if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
-                continue
-            w.add_section(s.type, c.section_bytes(s.type), version=s.version)
-        names = list(c)
-        for i, name in enumerate(names):
-            t = c.info(name)
-            try:
-                m = plan_method(name, t.shape, t.dtype, method, ov)
-                if m is not None:
-                    st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
-                                       importance=importance_for(imat, name, m), min_clip=min_clip,
-                                       max_clip=max_clip, report=report)
-                    if st is not None:
-                        stats.append(st)
-                elif t.dtype.quantized:
-                    rec = c.quant_record(name)
-                    q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
-                                                  "domain": rec.domain}
-                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
-                else:
-                    w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
-            except MCFError as exc:  # name the file and the tensor, whatever failed
-                raise in_tensor(exc, c.path, name) from exc
-            if progress is not None:
-                progress(i + 1, len(names), name)
+    with open_container(src, mmap=mmap) as c:
+        plan = {n: plan_method(n, c.info(n).shape, c.info(n).dtype, method, ov) for n in c}
+        imat = resolve_imatrix(imatrix, plan.items())  # before the output exists
+        with Writer(dst, align=64) as w:
+            for s in c.sections:
+                if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
+                    continue
+                w.add_section(s.type, c.section_bytes(s.type), version=s.version)
+            names = list(c)
+            for i, name in enumerate(names):
+                t = c.info(name)
+                try:
+                    m = plan[name]
+                    if m is not None:
+                        st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
+                                           importance=importance_for(imat, name, m), min_clip=min_clip,
+                                           max_clip=max_clip, report=report)
+                        if st is not None:
+                            stats.append(st)
+                    elif t.dtype.quantized:
+                        rec = c.quant_record(name)
+                        q = None if rec is None else {"min_clip": rec.min_clip, "max_clip": rec.max_clip,
+                                                      "domain": rec.domain}
+                        w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name), quant=q)
+                    else:
+                        w.add_tensor_bytes(name, t.dtype.code, t.shape, c.raw(name))
+                except MCFError as exc:  # name the file and the tensor, whatever failed
+                    raise in_tensor(exc, c.path, name) from exc
+                if progress is not None:
+                    progress(i + 1, len(names), name)
     return stats

@@ -227,3 +227,154 @@ def test_activation_clips_outside_the_data_range(method, lo, hi):
     want = np.clip(x, np.float32(lo), np.float32(hi))
     step = max(abs(lo), abs(hi)) / ((1 << (8 if method == "int8" else 4)) - 1)
     assert np.abs(y - want).max() <= step * 0.51 + 1e-7
+
+
+# -- issue 23: silent wrong answers ---------------------------------------------------------------------
+QMAX = {"q8": 127, "q4": 7, "k6": 31, "k4": 7, "k3": 3, "k2": 1}
+
+
+@pytest.mark.parametrize("method", list(QMAX))
+def test_scale_overflow_is_refused_in_every_mode(method):
+    """compat=True truncates scales to f16 instead of rounding them; a block with max|x| / qmax >= 65536
+    truncated to infinity and was written, so the tensor read back as inf/NaN (the other modes refuse it)."""
+    x = np.ones((2, 64), np.float32)
+    x[1, 5] = np.float32(70000.0 * QMAX[method])
+    for kw in ({}, {"fast": True}, {"compat": True}):
+        for impl in ("scalar", None):
+            with pytest.raises(mcf.InvalidArgumentError, match="overflows float16"):
+                mcf.quantize(x, method, impl=impl, **kw)
+    x[1, 5] = np.float32(65500.0 * QMAX[method])  # truncates to 65504, the largest finite f16: kept
+    p, _ = mcf.quantize(x, method, compat=True)
+    assert np.isfinite(mcf.dequantize(p, method, x.shape)).all()
+
+
+def test_compat_overflow_refused_by_quantize_file_and_cli(tmp_path):
+    src = tmp_path / "big.mcf"
+    with mcf.Writer(src) as w:
+        w.add_tensor("huge", np.full((2, 32), 70000.0 * 127, np.float32))
+    with pytest.raises(mcf.InvalidArgumentError, match="overflows float16") as ei:
+        quantize_file(src, tmp_path / "o.mcf", "q8", compat=True)
+    assert "tensor 'huge'" in str(ei.value) and not (tmp_path / "o.mcf").exists()
+    assert main_err(["quantize", str(src), str(tmp_path / "o.mcf"), "--method", "k4", "--compat", "mantle"],
+                    "overflows float16")
+    assert not (tmp_path / "o.mcf").exists()
+
+
+@pytest.mark.parametrize("method, region, bits", [("q8", "scales", b"\x00\x7c"), ("k4", "super_scales", b"\x00\xfc"),
+                                                  ("int8", "scale", b"\x00\x00\x80\x7f"),
+                                                  ("int4", "zero", b"\x01\x00\xc0\x7f")])
+def test_verify_reports_non_finite_scales(tmp_path, method, region, bits, capsys):
+    """A file written by another tool with an infinite or NaN scale decodes to inf/NaN without an error;
+    verify() is where that is found (it used to pass such a file)."""
+    path = tmp_path / "m.mcf"
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    domain = 1 if region == "zero" else 0
+    with mcf.Writer(path) as w:
+        w.add_tensor("ok", x, method=method)
+        w.add_tensor_bytes("bad", method, x.shape, mcf.quantize(x, method, domain=domain)[0],
+                           quant={"domain": domain})
+    with mcf.open(path) as c:
+        assert c.verify() == []
+        lay = c.quant_layout("bad")
+        at = c.index["bad"].offset + {r.name: r for r in lay.regions}[region].offset
+    data = bytearray(path.read_bytes())
+    data[at:at + len(bits)] = bits
+    path.write_bytes(bytes(data))
+    with mcf.open(path) as c:
+        assert not np.isfinite(c.dequantize("bad")).all()
+        problems = c.verify()
+    assert len(problems) == 1 and "tensor 'bad'" in problems[0] and region in problems[0], problems
+    assert "infinite or NaN" in problems[0] and str(path) in problems[0]
+    assert cli_main(["verify", str(path)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", list(QMAX))
+def test_importance_scale_does_not_matter(method):
+    """Only the ratios of an importance vector matter.  Large finite values overflowed the mean to inf, the
+    weights became all zeros, and the tensor was quantized as if unweighted (a different file)."""
+    from mcf.container.quant import importance_weights
+
+    rng = np.random.default_rng(zlib.crc32(method.encode()))
+    x = rng.standard_normal((8, 96)).astype(np.float32)
+    v = rng.random(96)
+    want = mcf.quantize(x, method, importance=v)[0].tobytes()
+    assert want != mcf.quantize(x, method)[0].tobytes()
+    w = importance_weights(v, 96)
+    for big in (v * 1e306, v * 2.0 ** 1000, np.full(96, 1.7e308) * (v > 0.5), v * 1e-300, v * 5e-324 * 2 ** 60):
+        got = importance_weights(big, 96)
+        if big is not v and np.array_equal(big / big.max(), v / v.max()):  # exactly the same ratios
+            assert got.tobytes() == w.tobytes()
+        assert np.isfinite(got).all() and abs(float(got.astype(np.float64).mean()) - 1) < 1e-6
+    for factor in (1e306, 2.0 ** 1000, 1e-300, 2.0 ** -1000):
+        assert mcf.quantize(x, method, importance=v * factor)[0].tobytes() == want, factor
+    f32 = v.astype(np.float32)
+    assert (mcf.quantize(x, method, importance=f32 * np.float32(3e38))[0].tobytes()
+            == mcf.quantize(x, method, importance=f32)[0].tobytes())
+
+
+@pytest.mark.parametrize("importance, cls", [
+    ("abc", mcf.ArgumentTypeError), ({"a": 1.0}, mcf.ArgumentTypeError), ([object()] * 64, mcf.ArgumentTypeError),
+    ([None] * 64, mcf.ArgumentTypeError), (np.ones(64, complex), mcf.ArgumentTypeError),
+    (np.ones(64, bool), mcf.ArgumentTypeError), ([10 ** 400] * 64, mcf.InvalidArgumentError),
+    ([[1.0], [1.0, 2.0]], mcf.InvalidArgumentError)],
+    ids=["str", "dict", "objects", "None", "complex", "bool", "huge int", "ragged"])
+def test_importance_of_the_wrong_type_is_named(importance, cls):
+    """Strings, mappings, objects, complex numbers and bools were turned into bare ValueError, TypeError,
+    OverflowError or a ComplexWarning by numpy (or, for bools and None, silently into numbers)."""
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(cls, match="importance"):
+        mcf.quantize(x, "k4", importance=importance)
+
+
+@pytest.mark.parametrize("lo, hi, cls, match", [
+    ("0.1", 1.0, mcf.ArgumentTypeError, "min_clip"), (-1.0, "1", mcf.ArgumentTypeError, "max_clip"),
+    ([0.0], [1.0], mcf.ArgumentTypeError, "min_clip"), (False, True, mcf.ArgumentTypeError, "min_clip"),
+    (-10 ** 400, 1.0, mcf.InvalidArgumentError, "min_clip"),
+    (-1e39, 1.0, mcf.InvalidArgumentError, "min_clip.*float32"), (-1.0, 3.5e38, mcf.InvalidArgumentError,
+                                                                   "max_clip.*float32"),
+    (-np.inf, 1.0, mcf.InvalidArgumentError, "min_clip"), (0.0, np.nan, mcf.InvalidArgumentError, "max_clip"),
+    (1.0, 0.5, mcf.InvalidArgumentError, "min_clip")],
+    ids=["str", "str max", "list", "bool", "huge int", "1e39", "3.5e38", "-inf", "nan", "reversed"])
+@pytest.mark.parametrize("method", ["k4", "q8", "int8"])
+def test_bad_clips_are_named(method, lo, hi, cls, match):
+    """A string clip leaked a bare TypeError; clips beyond the float32 range were accepted and recorded as
+    +-inf in QuantInfo (the clips are stored as float32)."""
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(cls, match=match):
+        mcf.quantize(x, method, min_clip=lo, max_clip=hi)
+    if method == "int8":
+        with pytest.raises(cls, match=match):
+            mcf.quantize(x, method, min_clip=lo, max_clip=hi, domain=1)
+
+
+def test_clips_at_the_float32_limit_are_kept():
+    big = float(np.finfo(np.float32).max)
+    x = np.ones((2, 64), np.float32)
+    for method in ("k4", "int8"):
+        _, q = mcf.quantize(x, method, min_clip=-big, max_clip=np.float32(big))
+        assert (q["min_clip"], q["max_clip"]) == (-big, big)
+
+
+def test_quantize_entry_points_name_arguments_of_the_wrong_type(tmp_path):
+    """Siblings of the bare-TypeError leaks: output paths, checkpoint paths and override lists (a single
+    string was iterated one character at a time)."""
+    from mcf.convert import convert
+
+    src = tmp_path / "s.mcf"
+    with mcf.Writer(src) as w:
+        w.add_tensor("a", np.ones((2, 64), np.float32))
+    for call, match in [(lambda: mcf.Writer(5), "path"), (lambda: quantize_file(src, None, "k4"), "path"),
+                        (lambda: convert(5, tmp_path / "o.mcf"), "src"), (lambda: mcf.pack(None, tmp_path / "o.mcf"),
+                                                                          "path"),
+                        (lambda: quantize_file(src, tmp_path / "o.mcf", "k4", overrides="a=q8"), "overrides"),
+                        (lambda: quantize_file(src, tmp_path / "o.mcf", "k4", overrides=["a=q8", 5]), "override"),
+                        (lambda: quantize_file(src, tmp_path / "o.mcf", "k4", min_clip="0", max_clip=1), "min_clip"),
+                        ]:
+        with pytest.raises(mcf.ArgumentTypeError, match=match):
+            call()
+    assert not (tmp_path / "o.mcf").exists()
+    with mcf.Writer(tmp_path / "w.mcf") as w:
+        with pytest.raises(mcf.ArgumentTypeError, match="tensor 'a': importance"):
+            w.add_tensor("a", np.ones((2, 64), np.float32), method="k4", importance="abc")
+        w.add_tensor("b", np.ones((2, 64), np.float32))

@@ -1,4 +1,4 @@
-"""The rules every public function applies to counts, offsets, lengths and indices.
+"""The rules every public function applies to counts, offsets, lengths, indices and real numbers.
 
 Python and numpy convert a float to an integer silently in many places (``int(2.9) == 2``,
 ``np.asarray([2.9]).astype(np.int64)``), and a bool is an int to Python but a mask to numpy.  A reader
@@ -7,15 +7,25 @@ index 2.9, sequences 1, 0, 0, 0, 1 for a five-entry mask.  These helpers are the
 decides instead: integers are Python or numpy integers (never bools, never floats, even integral
 ones), and an index array is what numpy accepts as one (an integer array, or a boolean mask with one
 entry per item), anything else is refused with a message that names the argument.
+
+Real-valued arguments (clip ranges, importance vectors) have the same problem the other way round:
+``np.asarray(x, dtype=np.float64)`` turns a bool into 1.0, None into NaN, drops a complex number's
+imaginary part with only a warning, and fails on a string or an object with a bare ``ValueError`` or
+``TypeError`` that names nothing.  :func:`real` and :func:`reals` accept ints and floats (Python or
+numpy, bfloat16 included) and refuse the rest by name; :func:`file_path` does the same for paths.
 """
 
 from __future__ import annotations
 
+import numbers
+import os
+
 import numpy as np
 
-from mcf.errors import InvalidArgumentError, OutOfBoundsError
+from mcf.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError
 
-__all__ = ["integer", "integers", "index_array", "row_range", "out_array", "byte_order_problem"]
+__all__ = ["integer", "integers", "index_array", "row_range", "out_array", "byte_order_problem", "real", "reals",
+           "file_path"]
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -46,6 +56,46 @@ def integers(values, what: str) -> np.ndarray:
     if a.dtype.kind == "u" and a.dtype.itemsize == 8 and int(a.max()) > _INT64_MAX:
         raise OutOfBoundsError(f"{what} holds {int(a.max())}, outside int64")
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+
+
+def real(value, what: str) -> float:
+    """``value`` as a Python float when it is a real number (``int``, ``float``, a numpy integer or
+    floating; not a bool), else :class:`mcf.ArgumentTypeError`; an integer too large for a float is
+    :class:`mcf.InvalidArgumentError`.  Infinities and NaN pass: the caller decides about those."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{what} must be a real number, got {value!r} ({type(value).__name__})")
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidArgumentError(f"{what} is an integer of {len(str(abs(int(value))))} digits, outside the "
+                                   "float64 range") from None
+
+
+def reals(values, what: str) -> np.ndarray:
+    """``values`` (an array or a nested sequence of real numbers, any shape) as a float64 array; strings,
+    mappings, bools, complex numbers, None and other objects are refused (:class:`mcf.ArgumentTypeError`),
+    as are ragged nesting and integers beyond the float64 range (:class:`mcf.InvalidArgumentError`)."""
+    try:
+        a = values if isinstance(values, np.ndarray) else np.asarray(values)
+    except (ValueError, TypeError) as exc:  # ragged nesting, or an object numpy cannot take apart
+        raise InvalidArgumentError(f"{what} must be an array of real numbers ({exc})") from None
+    if a.dtype.kind in "iuf" or (a.dtype.kind == "V" and np.can_cast(a.dtype, np.float64)):  # V: bfloat16
+        return a.astype(np.float64)
+    if a.ndim == 0:
+        return np.array(real(a.item() if isinstance(values, np.ndarray) else values, what), dtype=np.float64)
+    if a.dtype.kind != "O":
+        raise ArgumentTypeError(f"{what} must be real numbers, got an array of {a.dtype}")
+    flat = a.reshape(-1)
+    return np.array([real(v, f"every entry of {what}") for v in flat], dtype=np.float64).reshape(a.shape)
+
+
+def file_path(value, what: str):
+    """``os.fspath(value)`` for a str, bytes or ``os.PathLike``; anything else (None, a number, a list)
+    is :class:`mcf.ArgumentTypeError` naming ``what``, where ``os.fspath`` would raise a bare TypeError."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        return os.fspath(value)
+    raise ArgumentTypeError(f"{what} must be a file path (str, bytes or os.PathLike), got {value!r} "
+                            f"({type(value).__name__})")
 
 
 def index_array(indices, n: int, what: str = "indices") -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from mcf._core import _fpconv
 from mcf._core import _kernels as K
-from mcf._core.args import integer
+from mcf._core.args import integer, real, reals
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.container.layout import Domain, quant_layout
@@ -81,20 +81,37 @@ def _float_dtype(a: np.ndarray, src_dtype) -> DTypeInfo:
 def importance_weights(importance, cols: int) -> np.ndarray | None:
     """The per-column weights the search quantizer uses for an importance vector: one finite value >= 0
     per column, divided by its mean (so only the ratios matter: a mean of squares and a sum of squares give
-    the same file).  None for ``None`` or an all-zero vector (no information: every column counts the same)."""
+    the same file).  None for ``None`` or an all-zero vector (no information: every column counts the same).
+
+    The vector is first scaled by a power of two that brings its largest value into [0.5, 1): exact, so
+    the weights are those of the plain division wherever that does not overflow, and the mean of values
+    near the float64 limit (1e306 and up) cannot overflow to infinity and turn every weight into 0."""
     if importance is None:
         return None
-    imp = np.asarray(importance, dtype=np.float64)
+    imp = reals(importance, "importance")
     if imp.ndim != 1 or imp.shape[0] != cols:
         raise InvalidArgumentError(f"importance has shape {imp.shape}; the tensor has {cols} columns, one value "
                                    "per column is needed")
     if not (np.isfinite(imp).all() and (imp >= 0).all()):
         bad = int(np.flatnonzero(~(np.isfinite(imp) & (imp >= 0)))[0])
         raise InvalidArgumentError(f"importance[{bad}] = {imp[bad]!r}; importance values must be finite and >= 0")
-    mean = float(imp.mean()) if cols else 0.0
-    if mean == 0.0:
+    top = float(imp.max()) if cols else 0.0
+    if top == 0.0:
         return None
-    return np.ascontiguousarray(imp / mean, dtype=np.float32)
+    imp = np.ldexp(imp, -math.frexp(top)[1])
+    return np.ascontiguousarray(imp / imp.mean(), dtype=np.float32)
+
+
+def _clip(value, what: str) -> float:
+    """A clip as the float64 the caller meant; it must be finite and round to a finite float32, since
+    the kernels clamp in float32 and QuantInfo stores it as one (1e39 was recorded as infinity)."""
+    v = real(value, what)
+    with np.errstate(over="ignore"):
+        finite32 = math.isfinite(v) and math.isfinite(np.float32(v))
+    if not finite32:
+        raise InvalidArgumentError(f"{what} = {v!r}: clips must be finite and within the float32 range "
+                                   f"(|x| <= {float(np.finfo(np.float32).max):.7g}); they are stored as float32")
+    return v
 
 
 def quantize(array, method, *, compat: bool = False, fast: bool = False, importance=None,
@@ -112,7 +129,9 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     :mod:`mcf.imatrix`) weights each column's error in that search.  ``fast=True`` keeps the single-pass
     quantizer (3-4x faster, ~0.6 dB worse at 4 bits); ``compat=True`` reproduces the Go quantizer
     byte for byte (truncating f16 scales).  Clips default to -max|x| and +max|x|, as the Go tool records
-    them; explicit ones clamp the values before they are quantized.  NaN and infinity are refused.
+    them; explicit ones clamp the values before they are quantized, and must be real numbers that round
+    to a finite float32 (QuantInfo stores them as float32).  NaN and infinity are refused, in the array
+    and in the clips, and so is a block scale that would overflow f16, in every mode.
     ``threads`` splits the rows across threads (q*/k* without explicit clips); the bytes do not depend
     on it.
     """
@@ -126,9 +145,10 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     rows, cols = a.shape
     if (min_clip is None) != (max_clip is None):
         raise InvalidArgumentError("give both min_clip and max_clip, or neither")
-    if min_clip is not None and not (math.isfinite(min_clip) and math.isfinite(max_clip)
-                                     and min_clip <= max_clip):
-        raise InvalidArgumentError(f"bad clip range [{min_clip}, {max_clip}]")
+    if min_clip is not None:
+        min_clip, max_clip = _clip(min_clip, "min_clip"), _clip(max_clip, "max_clip")
+        if min_clip > max_clip:
+            raise InvalidArgumentError(f"min_clip ({min_clip}) is above max_clip ({max_clip})")
     if compat and info.family == "raw":
         raise InvalidArgumentError("the Go tool has no int8/int4 quantizer to be compatible with")
     search = info.family != "raw" and not (fast or compat)

@@ -461,7 +461,9 @@ class Container:
         """Checks beyond what opening does; returns a list of problems (empty when clean).
 
         Opening already validated the structure; this adds: resource JSON parses, ModelInfo decodes,
-        tensor ranges overlap only when identical (dedup), quantized sub-scales use 6 bits."""
+        tensor ranges overlap only when identical (dedup), quantized sub-scales use 6 bits, and stored
+        scales (and int* zero points) are finite: the format has room for an infinite or NaN scale, and
+        a decoder reads it back as inf/NaN weights without complaint, so only a check here finds it."""
         problems = []
         for t, fname in RESOURCE_FILES.items():
             if t in self._by_type and fname.endswith(".json"):
@@ -479,10 +481,22 @@ class Container:
                 problems.append(f"{self.path}: tensor data ranges [{o1}, {o1 + n1}) and [{o2}, {o2 + n2}) "
                                 "partially overlap")
         for t in self.index.values():
+            if not t.dtype.quantized:
+                continue
+            regions = self.quant_regions(t.name)
             if t.dtype.family == "super":
-                sub = self.quant_regions(t.name)["sub_scales"]
+                sub = regions["sub_scales"]
                 if sub.size and int(sub.max()) > 63:
                     problems.append(f"{self.path}: tensor {t.name!r}: sub-scale above 63 (top bits set)")
+            for key, bits, exp in (("scales", "<u2", 0x7C00), ("super_scales", "<u2", 0x7C00),
+                                   ("scale", "<u4", 0x7F800000), ("zero", "<u4", 0x7F800000)):
+                if key not in regions:
+                    continue
+                bad = np.flatnonzero((regions[key].view(bits) & exp) == exp)  # on the bits: no float op
+                if bad.size:
+                    problems.append(f"{self.path}: tensor {t.name!r}: {bad.size} of {regions[key].size} {key} "
+                                    f"infinite or NaN (first: {key}[{int(bad[0])}]); the tensor decodes to "
+                                    "inf/NaN")
         return problems
 
     # -- lifetime ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 
 from mcf._core import _fpconv
 from mcf._core.fs import create_temp, publish
-from mcf._core.args import integer
+from mcf._core.args import file_path, integer
 from mcf._core.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
 from mcf.container.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
@@ -67,7 +67,7 @@ class Writer:
         from mcf.remote import refuse_url
 
         refuse_url(path, what="writing an MCF file")
-        self.path = os.fspath(path)
+        self.path = file_path(path, "path")
         self.align = int(align)
         self.dedup = bool(dedup)
         self._atomic = atomic

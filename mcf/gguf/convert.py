@@ -190,8 +190,9 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     - ``method`` (``"q8"``, ``"q4"``, ``"k6"``, ``"k4"``, ``"k3"``, ``"k2"``, ``"int8"``, ``"int4"``)
       requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant_policy.quantize_file` does (the
       ggml blocks are decoded to float32 first); ``overrides`` (``["*.ffn_down.*=q8", "output.*=none"]``)
-      choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (a mapping name ->
-      importance; llama.cpp's importance matrices use GGUF names) as in ``mcf quantize``.
+      choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (None, a file, or a mapping
+      name -> importance; llama.cpp's importance matrices use GGUF names, and Hugging Face names are matched too) as
+      in ``mcf quantize`` (:func:`mcf.quant_policy.resolve_imatrix`).
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
       subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32
@@ -206,7 +207,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     """
     from mcf._core.dtypes import parse_dtype
     from mcf.container.quant import METHODS, quantize
-    from mcf.quant_policy import importance_for, method_for, parse_overrides
+    from mcf.quant_policy import importance_for, method_for, parse_overrides, resolve_imatrix
     from mcf.container.writer import Writer, cast_chunk
 
     if method is not None and method != "native" and method not in METHODS:
@@ -219,8 +220,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
         if info.family != "float":
             raise InvalidArgumentError(f"dtype must be 'keep', 'f32', 'f16', 'bf16' or 'f64', got {dtype!r}")
         dtype = info.name
-    overrides = list(overrides or ())
-    ov = overrides if overrides and isinstance(overrides[0], tuple) else parse_overrides(overrides)
+    ov = parse_overrides(overrides)
     stats = []
     g = open(src, mmap=mmap)
     try:
@@ -228,6 +228,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
             if t.type.kind == "unsupported":
                 raise DTypeError(f"{g.path}: tensor {t.name!r} has ggml type {t.type.name}, which mcf cannot "
                                  f"decode (supported: {', '.join(SUPPORTED_TYPES)}, I8..I64)")
+        imatrix = resolve_imatrix(imatrix, [(t.name, _requantized(t, method_for(t.name, method, ov)))
+                                            for t in g.tensors.values()])
         rd = _Reader(g)
         with Writer(dst, align=64, durable=durable) as w:  # durable: see mcf.Writer
             w.add_model_info(model_info(g))
@@ -236,7 +238,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
             for i, name in enumerate(names):
                 t = g.tensors[name]
                 m = method_for(name, method, ov)
-                imp = importance_for(imatrix, name, m) if m not in (None, "native") else None
+                imp = importance_for(imatrix, name, m) if _requantized(t, m) else None
                 try:
                     stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, cast_chunk, fast,
                                               imp))
@@ -248,6 +250,12 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     finally:
         g.close()
     return stats
+
+
+def _requantized(t: GGUFTensor, m) -> str | None:
+    """The MCF method tensor ``t`` is quantized with under method ``m`` (what :func:`_convert_one` does), or None:
+    "native" reuses ggml blocks, integer tensors are copied, only rank-2 tensors are quantized."""
+    return m if m not in (None, "native") and t.type.kind != "int" and len(t.shape) == 2 else None
 
 
 def _stream_copy(rd: _Reader, t: GGUFTensor):
