@@ -207,6 +207,7 @@ def file_size(level: int, count: int, embedding_dim: int, dtype: CtxDType) -> in
 def span_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple:
     """The LOD0 tokens ``[start, stop)`` that entry ``index`` of ``level`` summarizes: token i at LOD0,
     tokens [K*i, K*i+K) for LOD1 gist i, tokens [K*K*j, K*K*j+K*K) for LOD2 gist j."""
+    level = integer(level, "level")
     if level not in LEVELS:
         raise InvalidArgumentError(f"unknown level {level!r}; expected 0, 1 or 2")
     w = integer(block_size, "block_size") ** level
@@ -217,7 +218,7 @@ def span_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tup
 def children_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> range:
     """Entries of ``level - 1`` that entry ``index`` of ``level`` summarizes (LOD2 gist j covers LOD1
     gists 32j..32j+31, LOD1 gist i covers tokens 32i..32i+31)."""
-    if level not in (1, 2):
+    if integer(level, "level") not in (1, 2):
         raise InvalidArgumentError(f"only LOD1 and LOD2 entries have children, not level {level!r}")
     i, k = integer(index, "index"), integer(block_size, "block_size")
     return range(i * k, i * k + k)
@@ -225,7 +226,7 @@ def children_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) ->
 
 def parent_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The entry of ``level + 1`` whose span holds entry ``index`` of ``level``."""
-    if level not in (0, 1):
+    if integer(level, "level") not in (0, 1):
         raise InvalidArgumentError(f"only LOD0 and LOD1 entries have parents, not level {level!r}")
     return integer(index, "index") // integer(block_size, "block_size")
 

@@ -168,7 +168,7 @@ class Tree:
         return self._levels[0].count // self.block_size
 
     def num_gists(self, level: int) -> int:
-        if level not in (1, 2):
+        if integer(level, "level") not in (1, 2):   # (True and 1.0 are not level 1)
             raise InvalidArgumentError(f"gists live at levels 1 and 2, not {level!r}")
         return self._levels[level].count
 
@@ -189,13 +189,14 @@ class Tree:
                 for r in self._meta["levels"][f"LOD{level}"]["gists"]]
 
     def header(self, level: int) -> CtxHeader:
-        if level not in LEVELS:
+        if integer(level, "level") not in LEVELS:
             raise InvalidArgumentError(f"unknown level {level!r}")
         return self._levels[level].header.with_count(self._levels[level].committed)
 
     def source(self, level: int) -> Source:
         """The I/O-core source of a level's file (refreshed to cover this process's count)."""
         self._check_open()
+        self.header(level)   # the level checked
         return self._src(level, self._levels[level].count)
 
     # -- offsets and spans (seed 000's formulas with this tree's geometry) -------------------------------
