@@ -29,7 +29,7 @@ from mcf.errors import InvalidArgumentError, OutOfBoundsError, TruncatedError, o
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
 from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LEVELS, CtxDType, CtxHeader,
-                                     children_of, gist_dtypes, gist_policy, parent_of, parse_header, q8_row_bytes,
+                                     children_of, gist_dtypes, gist_policy, parent_of, parse_header,
                                      raw_gist_dtype, span_of, token_offset)
 from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._validate import Level, Problem, cross_check, deep_checks, scan, stable_header
