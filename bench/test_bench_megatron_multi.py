@@ -2,7 +2,8 @@
 into one file, as ratios measured in the same run:
 
 - per-item cost of ``ds[i]`` and of ``gather`` (random sequences), target <= 1.2x a single file's;
-- opening 1,000 shards (from their headers, and from a shard list), target: milliseconds.
+- opening 1,000 shards (from their headers, and from a shard list), target: milliseconds;
+- numpy integers against Python ints as indices of the sharded view (issue 23 item 12), target <= 1.5x.
 
     python -m pytest bench/test_bench_megatron_multi.py --benchmark-only -s
 
@@ -26,6 +27,7 @@ import pytest
 
 import mcf.megatron as mm
 from mcf.megatron.sharded import write_shard_list
+from test_bench_megatron import INDEX_KINDS, index_kinds, interleaved
 
 SIZES = {64: 1 << 20, 512: 1 << 18}     # tokens per sequence: sequences
 RESULTS: list = []
@@ -143,6 +145,28 @@ def test_getitem_and_gather_vs_single_file(benchmark, data, k, tokens):
     record(benchmark, f"gather 1024, {what}", f"{r_gat:.2f}x", "<= 1.2x", r_gat <= 1.2,
            sharded_ns_per_seq=t_ns["s_gat"], single_ns_per_seq=t_ns["m_gat"])
     record(benchmark, "  (ns per sequence: shards / one file)", f"{t_ns['s_gat']:.1f} / {t_ns['m_gat']:.1f}",
+           "(info)", True)
+
+
+@pytest.mark.parametrize("k", [16, 1000])
+@pytest.mark.parametrize("what", INDEX_KINDS)
+def test_numpy_integer_indices_sharded(benchmark, data, k, what):
+    """The sharded view indexed with numpy integers against Python ints (the anchor), as
+    test_bench_megatron.py's test_numpy_integer_indices does for one file (issue 23 item 12): medians
+    of interleaved rounds, 64-token sequences.  Target: numpy integers within 1.5x of Python ints."""
+    prefixes = data[0][64, k]
+    touch(prefixes)
+    rng = np.random.default_rng(7)
+    with mm.open(prefixes) as s:
+        s.open_all()
+        idx = rng.integers(0, len(s), 100_000).tolist()
+        batches = [rng.integers(0, len(s), 1024) for _ in range(20)]
+        numpy_call, python_call = index_kinds(s, idx, batches)[what]
+        t_np, t_py = interleaved(benchmark, numpy_call, python_call, rounds=15)
+    per = 20 * 1024 if what.startswith("gather") else len(idx)
+    record(benchmark, f"{what}, {k} shards: numpy-int / Python-int", f"{t_np / t_py:.2f}x", "<= 1.5x",
+           t_np / t_py <= 1.5, numpy_int_us=t_np / per * 1e6, python_int_us=t_py / per * 1e6)
+    record(benchmark, "  (us per item: numpy int / Python int)", f"{t_np / per * 1e6:.3f} / {t_py / per * 1e6:.3f}",
            "(info)", True)
 
 

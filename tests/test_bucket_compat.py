@@ -223,3 +223,118 @@ def test_rest_stale_contexts_and_discovery_with_metadata(tmp_path):
         assert st == 409 and "stale" in out["error"]
         st, raw = call(base, f"/contexts/{cid}/kv?force=true")
         assert st == 200 and raw[:4] == (root / "contexts" / cid / "kv_data.mcb").read_bytes()[:4]
+
+
+# -- issue 23 items 9 and 11: check_compatible compares model_hash, refuses unknown keys and stale contexts -
+def test_check_compatible_compares_the_model_hash(tmp_path):
+    """``load(cid, model={..., "model_hash": "sha256:new"})`` returned the cache computed under the old
+    hash: the hash was never compared."""
+    with Bucket(tmp_path / "b") as b:
+        b.register_model("m", model_hash="sha256:old", **SHAPE)
+        cid = b.ingest("m", kv(), content="text")["context_id"]
+        assert b.check_compatible(cid, dict(SHAPE, model_hash="sha256:old"))["context_id"] == cid
+        assert len(b.load(cid, model=dict(SHAPE, model_hash="sha256:old"))) == 2
+        for call in (lambda: b.check_compatible(cid, dict(SHAPE, model_hash="sha256:new")),
+                     lambda: b.load(cid, model=dict(SHAPE, model_hash="sha256:new")),
+                     lambda: b.load(cid, model={"model_hash": "sha256:new"}, force=True)):
+            with pytest.raises(mcf.InvalidArgumentError, match="model_hash is 'sha256:old', the model needs 'sha256:new'"):
+                call()
+        # a context whose weights nobody recorded cannot be compared: only its shape is checked
+        old = b.ingest("u", kv(1), content="unregistered")["context_id"]
+        assert b.check_compatible(old, {"model_hash": "sha256:any", "num_layers": 2})["context_id"] == old
+        # the dtype may be given as any spelling the bucket accepts
+        assert b.check_compatible(cid, {"dtype": np.float16})["context_id"] == cid
+        with pytest.raises(mcf.InvalidArgumentError, match="dtype"):
+            b.check_compatible(cid, {"dtype": "float64x"})
+
+
+def test_check_compatible_refuses_unknown_keys(tmp_path):
+    """A typo (``"architectur"``) was ignored: the check passed without checking the architecture."""
+    with Bucket(tmp_path / "b") as b:
+        b.register_model("m", model_hash="sha256:aa", **SHAPE)
+        cid = b.ingest("m", kv(), content="text")["context_id"]
+        for model in ({"architectur": "qwen2"}, dict(SHAPE, model_id="m"), {1: 2}):
+            for call in (lambda: b.check_compatible(cid, model), lambda: b.load(cid, model=model)):
+                with pytest.raises(mcf.InvalidArgumentError, match="unknown key") as e:
+                    call()
+                assert repr(next(k for k in model if k not in SHAPE)) in str(e.value)
+                for known in ("architecture", "model_hash", "vocab_size", "num_layers", "dtype"):
+                    assert known in str(e.value)
+
+
+def test_check_compatible_reports_a_stale_context(tmp_path):
+    with Bucket(tmp_path / "b") as b:
+        b.register_model("m", model_hash="sha256:v1", **SHAPE)
+        cid = b.ingest("m", kv(), content="text")["context_id"]
+        b.register_model("m", model_hash="sha256:v2", **SHAPE)
+        for model in ("m", dict(SHAPE), {}):
+            with pytest.raises(StaleContextError, match=rf"{cid} is stale"):
+                b.check_compatible(cid, model)
+            with pytest.raises(StaleContextError):
+                b.load(cid, model=model)
+            assert len(b.load(cid, model=model, force=True)) == 2     # force loads it anyway, still checked
+        with pytest.raises(mcf.InvalidArgumentError, match="incompatible: head_dim"):
+            b.load(cid, model=dict(SHAPE, head_dim=8), force=True)
+
+
+def test_is_stale_names_what_a_metadata_dict_lacks(tmp_path):
+    """``is_stale({})`` raised a bare KeyError."""
+    with Bucket(tmp_path / "b") as b:
+        b.register_model("m", model_hash="sha256:v1", **SHAPE)
+        meta = b.ingest("m", kv(), content="text")
+        assert b.is_stale(meta) is False and b.is_stale(meta["context_id"]) is False
+        for bad, what in (({}, "model_id"), ({"model_id": 5}, "model_id"), ({"model_id": "m", "model": 3}, "model"),
+                          ({"model_id": "m", "model": {"model_hash": 7}}, "model.model_hash")):
+            with pytest.raises(mcf.InvalidArgumentError, match=what.replace(".", r"\.")):
+                b.is_stale(bad)
+        with pytest.raises(mcf.ArgumentTypeError, match="context id or"):
+            b.is_stale(None)
+        assert b.is_stale({"model_id": "m"}) is False                     # no recorded weights: never stale
+        assert b.is_stale({"model_id": "m", "model": {"model_hash": "sha256:v0"}}) is True
+
+
+def asgi(app, method, path, body=b""):
+    """``(status, JSON body)`` of one request to the ASGI application, in this process (no socket)."""
+    import asyncio
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    sent, events = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return events.pop(0) if events else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+def test_rest_query_refuses_a_stale_context(tmp_path):
+    """The query route handed a stale context to its backend, which may read the KV data without
+    Bucket.load's check: it answers 409 as /kv does, before the backend runs."""
+    pytest.importorskip("starlette", reason="the server needs the 'server' extra")
+    from mcf.bucket.server import create_app
+
+    asked = []
+
+    class Backend:
+        def query(self, bucket, context_id, query, options):
+            asked.append(context_id)
+            return {"status": "success", "response": "ok"}
+
+    with Bucket(tmp_path / "b") as b:
+        b.register_model("m", model_hash="sha256:v1", **SHAPE)
+        cid = b.ingest("m", kv(), content="text")["context_id"]
+        app = create_app(tmp_path / "b", backend=Backend(), bucket=b)
+        body = json.dumps({"query": "why?"}).encode()
+        assert asgi(app, "POST", f"/mcrp/v1/contexts/{cid}/query", body) == (200, {"status": "success", "response": "ok"})
+        b.register_model("m", model_hash="sha256:v2", **SHAPE)
+        st, out = asgi(app, "POST", f"/mcrp/v1/contexts/{cid}/query", body)
+        assert st == 409 and f"{cid} is stale" in out["error"], out
+        assert asked == [cid]

@@ -300,6 +300,9 @@ def test_bad_input_is_refused(models, tmp_path):
             (lambda: be.generate(b, cid, query_ids=[3], temperature=1.0, seed=-1), "seed"),
             (lambda: be.query(b, cid, "x", {"stream": True}), "unknown option"),
             (lambda: be.query(b, cid, "x", {"max_tokens": "3"}), "max_tokens"),
+            (lambda: be.query(b, cid, "x", None), "options must be a dict"),          # was a bare TypeError
+            (lambda: be.query(b, cid, "x", ["max_tokens"]), "options must be a dict"),  # was an AttributeError
+            (lambda: be.query(b, cid, "x", {1: 2, "stream": 3}), r"unknown option\(s\) 1, 'stream'"),
             (lambda: be.generate(b, "ctx_" + "0" * 32, query_ids=[3]), "ctx_0000"),
         ]
         for call, what in cases:

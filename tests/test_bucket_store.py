@@ -376,6 +376,62 @@ def test_prefix_lookup_longest_and_partial_load(tmp_path):
     assert b.lookup_prefix("m", base[:70])["context_id"] == c3
 
 
+def test_prefix_lookup_skips_what_load_refuses(tmp_path):
+    """A stale 1,024-token context was returned (its load raises StaleContextError) instead of the current
+    one sharing 512 tokens (issue 23 item 10); an encrypted one cannot be loaded without the key."""
+    pytest.importorskip("cryptography", reason="encrypted contexts need the 'bucket' extra")
+    b = Bucket(tmp_path, prefix_chunk_tokens=256)
+    rng = np.random.default_rng(40)
+    prompt = rng.integers(0, 50_000, 1100).tolist()
+    b.register_model("m", model_hash="sha256:v1")
+    stale = b.ingest("m", kv_tokens(41, 1024), token_ids=prompt[:1024])["context_id"]
+    b.register_model("m", model_hash="sha256:v2")            # other weights: `stale` is now stale
+    current = b.ingest("m", kv_tokens(42, 600), token_ids=prompt[:512] + [1] * 88)["context_id"]
+    assert b.is_stale(stale) and not b.is_stale(current)
+    hit = b.lookup_prefix("m", prompt)
+    assert (hit["context_id"], hit["tokens"]) == (current, 512)
+    assert len(b.load(hit["context_id"], tokens=hit["tokens"])) == 2
+    # an encrypted context is offered to a bucket that has the key only
+    key = bytes(range(32))
+    secret = Bucket(tmp_path, prefix_chunk_tokens=256, key=key).ingest(
+        "m", kv_tokens(43, 768), token_ids=prompt[:768])["context_id"]
+    assert Bucket(tmp_path, prefix_chunk_tokens=256, key=key).lookup_prefix("m", prompt)["context_id"] == secret
+    hit = b.lookup_prefix("m", prompt)
+    assert (hit["context_id"], hit["tokens"]) == (current, 512)
+    # nothing loadable at all: None, not a context that load refuses
+    b.delete(current)
+    assert b.lookup_prefix("m", prompt) is None
+
+
+def test_layer_and_token_selections_follow_the_integer_rules(tmp_path):
+    """``load(tokens=True)`` returned one token and ``load(layers=True)`` layer 1 from the warm tier (a
+    sibling of issue 23 item 8): bools, floats and strings are refused on every path, numpy integers
+    taken, in Bucket.load (cold and warm) and KVFile.load alike."""
+    b = Bucket(tmp_path)
+    layers = kv(50, n_layers=3)
+    cid = b.ingest("m", layers, content="sel", dtype="float32")["context_id"]
+    from mcf.bucket import open_kv
+
+    for warm in (False, True):
+        if warm:
+            b.promote(cid, "warm")
+        want = b.load(cid, layers=[2, 0], tokens=3)
+        np.testing.assert_array_equal(want[0][0], layers[2][0][:, :3])
+        for good in ({"layers": [np.int64(2), np.uint8(0)], "tokens": np.int32(3)},):
+            got = b.load(cid, **good)
+            assert all(np.array_equal(x, y) for p, q in zip(got, want) for x, y in zip(p, q))
+        for bad in ({"tokens": True}, {"tokens": 2.0}, {"tokens": np.bool_(True)}, {"layers": True},
+                    {"layers": [1.0]}, {"layers": [np.bool_(False)]}, {"layers": "1"}, {"tokens": "3"},
+                    {"layers": [3]}, {"tokens": 9}, {"layers": [-1]}):
+            with pytest.raises(mcf.InvalidArgumentError):
+                b.load(cid, **bad)
+    with open_kv(tmp_path / "contexts" / cid / "kv_data.mcb") as f:
+        for bad in ({"tokens": True}, {"layers": True}, {"layers": [1.0]}, {"layers": "1"}):
+            with pytest.raises(mcf.InvalidArgumentError):
+                f.load(**bad)
+        assert np.array_equal(f.load(np.int64(1), tokens=np.uint16(2))[0][1], layers[1][1][:, :2])
+
+
 def test_prefix_argument_errors(tmp_path):
     b = Bucket(tmp_path, prefix_chunk_tokens=4)
     with pytest.raises(mcf.InvalidArgumentError, match="token ids"):

@@ -24,10 +24,16 @@ K = 32
 
 
 # -- the plain-numpy reference ----------------------------------------------------------------------------
+def row_bytes(raw):
+    """Stored rows (``gists(raw=True)``: [n] or 0-d of the level's raw_gist_dtype) as [n, row_bytes] uint8."""
+    raw = np.ascontiguousarray(raw).reshape(-1)
+    return raw.view(np.uint8).reshape(raw.shape[0], raw.dtype.itemsize)
+
+
 def ref_decode(raw, d):
     """Decode stored q8 rows [n, row_bytes] with numpy: f16 scales (subnormals flushed, as MCF's decoder
     does), int8 codes, x = scale * q in float32."""
-    raw = np.asarray(raw, dtype=np.uint8)
+    raw = row_bytes(raw) if raw.dtype.kind == "V" else np.asarray(raw, dtype=np.uint8)
     nb = -(-d // 32)
     assert raw.shape[1] == 34 * nb
     bits = np.ascontiguousarray(raw[:, :2 * nb]).view("<u2")
@@ -97,7 +103,8 @@ def test_row_layout_and_sizes(tmp_path):
         assert os.path.getsize(tmp_path / "t" / "LOD1.ctx") == 64 + len(g1) * D * 2
         raw = (tmp_path / "t" / "LOD2.ctx").read_bytes()
         assert struct.unpack_from("<H", raw, 12)[0] == 4           # dtype_code 4 = q8 in the header
-        assert np.array_equal(t.gists(2, raw=True), np.frombuffer(raw[64:], np.uint8).reshape(len(g2), -1))
+        assert np.array_equal(row_bytes(t.gists(2, raw=True)), np.frombuffer(raw[64:], np.uint8).reshape(len(g2), -1))
+        assert t.gists(2, raw=True).dtype == mc.raw_gist_dtype("q8", D) == t.raw_gist_dtype(2)
         assert t.info()["gist_dtype"] == {"LOD1": "fp16", "LOD2": "q8"}
         assert "LOD1 fp16 + LOD2 q8" in repr(t)
     meta = json.loads((tmp_path / "t" / "metadata.json").read_text())
@@ -109,7 +116,7 @@ def test_q8_bytes_are_mcf_q8_and_decode_matches_numpy(tmp_path):
     """The stored scales and codes are exactly those mcf.quantize(rows, "q8") writes, row by row."""
     t, g1, g2 = make(tmp_path / "t", "q8")
     with t:
-        raw = t.gists(1, raw=True)
+        raw = row_bytes(t.gists(1, raw=True))
         assert np.array_equal(raw, mc_q8_ref_bytes(g1))
         payload, _ = mcf.quantize(g1, "q8")
         nb = -(-D // 32)
@@ -123,7 +130,11 @@ def test_q8_bytes_are_mcf_q8_and_decode_matches_numpy(tmp_path):
         ix = np.array([5, 0, 5, len(g1) - 1])
         assert np.array_equal(t.gists(1, ix), dec[ix])
         assert np.array_equal(t.gist(1, 7), dec[7]) and np.array_equal(t.gists(1, slice(3, 20, 4)), dec[3:20:4])
-        assert np.array_equal(t.gist(1, 7, raw=True), raw[7])
+        assert np.array_equal(row_bytes(t.gist(1, 7, raw=True))[0], raw[7])
+        assert np.array_equal(row_bytes(t.gists(1, [7, 2], raw=True)), raw[[7, 2]])
+        stored = t.gists(1, raw=True)
+        assert np.array_equal(stored["q8_scales"].view("<u2"), raw[:, :2 * nb].copy().view("<u2"))
+        assert np.array_equal(stored["q8_codes"].view(np.uint8), raw[:, 2 * nb:])
 
 
 def assert_codes_of_their_scale(raw, x, d):
@@ -132,6 +143,7 @@ def assert_codes_of_their_scale(raw, x, d):
     a step, or, where the search picked a scale below max|block| / 127 and clipped the block's largest
     values (it trades their error for a smaller one on the other 31), decoded as +-127 steps."""
     n, nb = len(x), -(-d // 32)
+    raw = row_bytes(raw)
     s = np.repeat(raw[:, :2 * nb].copy().view(np.float16).astype(np.float32), 32, axis=1)[:, :d]
     codes = raw[:, 2 * nb:].copy().view(np.int8)[:, :d].astype(np.float32)
     dec = ref_decode(raw, d)
@@ -272,11 +284,13 @@ def test_write_errors(tmp_path):
         with pytest.raises(mcf.InvalidArgumentError, match="shape"):
             t.write_gists(1, 0, np.ones((1, D + 1), np.float32), checkpoint=None)
         raw = t.gists(1, slice(0, 1), raw=True).copy()
-        raw[0, 0:2] = [0x00, 0x7C]                     # an Inf scale
+        raw["q8_scales"][0, 0] = np.inf                # an Inf scale
         with pytest.raises(mcf.InvalidArgumentError, match="block scale"):
             t.write_gists(1, 0, raw, checkpoint=None)
-        with pytest.raises(mcf.InvalidArgumentError, match="shape"):
-            t.write_gists(1, 0, raw[:, :-1], checkpoint=None)
+        with pytest.raises(mcf.InvalidArgumentError, match="raw_gist_dtype"):
+            t.write_gists(1, 0, row_bytes(raw), checkpoint=None)       # bytes that do not say what they are
+        with pytest.raises(mcf.InvalidArgumentError, match="q8"):
+            t.write_gists(1, 0, row_bytes(raw)[:, :-1].copy().view(f"V{raw.dtype.itemsize - 1}")[:, 0], checkpoint=None)
         assert np.array_equal(t.gists(1), ref_decode(t.gists(1, raw=True), D))   # nothing was written
     for policy in ("int4", "uint32", {1: "fp16"}, {1: "fp16", 3: "q8"}, {1: "fp16", 2: "int4"}):
         with pytest.raises(mcf.InvalidArgumentError):
@@ -371,3 +385,52 @@ def test_cli_hybrid(tmp_path, capsys):
     assert info["gist_dtype"] == {"LOD1": "fp16", "LOD2": "q8"} and info["files"]["LOD2"]["entry_bytes"] == 68
     with pytest.raises(SystemExit):
         main(["ctx", "ingest", str(tmp_path / "u"), str(ids), "--ids", "--embedding-dim", "64", "--dtype", "int8"])
+
+
+# -- raw rows carry their dtype (issue 23 item 7) -----------------------------------------------------------
+@pytest.mark.parametrize("d", [17, 34])            # an fp16/bf16 row of d = 17 or 34 is as wide as a q8 row
+@pytest.mark.parametrize("policy", ["fp16", "bf16"])
+def test_raw_rows_of_another_dtype_are_refused(tmp_path, d, policy):
+    assert d * 2 == q8_row_bytes(d)
+    rng = np.random.default_rng(d)
+    x = rng.standard_normal((2, d)).astype(np.float32)
+    with mc.create(tmp_path / "f", embedding_dim=d, gist_dtype=policy) as f, \
+            mc.create(tmp_path / "q", embedding_dim=d, gist_dtype="q8") as q:
+        for t in (f, q):
+            t.append_tokens(np.zeros(2 * K, np.uint32))
+        f.append_gists(1, x)
+        raw = f.gists(1, raw=True)
+        assert raw.dtype == f.raw_gist_dtype(1) and raw.dtype != q.raw_gist_dtype(1) and raw.shape == (2,)
+        assert policy in str(raw.dtype)                                     # the dtype says what the bytes are
+        assert np.array_equal(raw[policy].view(np.uint8), f.gists(1).view(np.uint8))
+        for rows in (raw, raw[0], f.gist(1, 0, raw=True), raw.view(np.uint8).reshape(2, -1)):
+            with pytest.raises(mcf.InvalidArgumentError, match=policy if rows.dtype != np.uint8 else "raw_gist_dtype"):
+                q.append_gists(1, rows)
+            with pytest.raises(mcf.InvalidArgumentError):
+                f.append_gists(1, row_bytes(rows) if rows.dtype != np.uint8 else rows)   # bytes without a dtype
+        assert q.num_gists(1) == 0 and f.num_gists(1) == 2
+        # rows of the tree's own stored dtype are copied as they are, at either level of a tree of that dtype
+        with mc.create(tmp_path / "g", embedding_dim=d, gist_dtype=policy) as g:
+            g.append_tokens(np.zeros(2 * K, np.uint32))
+            g.append_gists(1, raw)
+            assert np.array_equal(g.gists(1, raw=True), raw)
+            g.write_gists(1, 1, f.gist(1, 0, raw=True), checkpoint="c")
+            assert g.gists(1, raw=True)[1] == raw[0]
+        q.append_gists(1, x)
+        qraw = q.gists(1, raw=True)
+        assert qraw.dtype.names == ("q8_scales", "q8_codes") and qraw.dtype.itemsize == q8_row_bytes(d)
+        with pytest.raises(mcf.InvalidArgumentError, match="q8"):
+            f.write_gists(1, 0, qraw, checkpoint=None)
+
+
+def test_fp16_raw_rows_do_not_pass_as_q8(tmp_path):
+    """The report's case: fp16 bits read as scales and codes stored a gist off by up to 198."""
+    x = np.linspace(-3, 3, 17, dtype=np.float32)[None]
+    with mc.create(tmp_path / "f", embedding_dim=17, gist_dtype="fp16") as f, \
+            mc.create(tmp_path / "q", embedding_dim=17, gist_dtype="q8") as q:
+        f.append_tokens(np.zeros(K, np.uint32))
+        q.append_tokens(np.zeros(K, np.uint32))
+        f.append_gists(1, x)
+        with pytest.raises(mcf.InvalidArgumentError):
+            q.append_gists(1, f.gists(1, raw=True))
+        assert q.num_gists(1) == 0

@@ -213,6 +213,60 @@ def test_bad_indices_and_arguments(tmp_path):
         mm.open([prefixes[0], str(tmp_path / "nope")])
 
 
+def test_sharded_and_single_refuse_the_same_indices(tmp_path):
+    """``document(1.5)`` and ``document(True)`` returned document 1 on shards while the single reader
+    raised: every indexing entry point of both follows mcf._core.args' rules, with the same error."""
+    prefixes, merged = build_shards(tmp_path, SPEC)
+    calls = {"ds[k]": lambda ds, v: ds[v], "get": lambda ds, v: ds.get(v), "get(offset)": lambda ds, v: ds.get(0, v),
+             "get(length)": lambda ds, v: ds.get(0, 0, v), "document": lambda ds, v: ds.document(v),
+             "document_sequences": lambda ds, v: ds.document_sequences(v), "ds[k:]": lambda ds, v: ds[v:],
+             "ds[:k]": lambda ds, v: ds[:v], "ds[::k]": lambda ds, v: ds[::v],
+             "gather": lambda ds, v: ds.gather([v]), "GPTSamples[k]": lambda ds, v: mm.GPTSamples(ds, 2)[v]}
+    with mm.open(prefixes) as s, mm.open(merged) as m:
+        for name, call in calls.items():
+            assert _same_result(call(s, 1), call(m, 1)), name
+            for bad in (1.5, 1.0, True, np.float64(1.0), np.bool_(True), "1", None if name.startswith("ds[") else 1j):
+                if bad is None:
+                    continue
+                errors = []
+                for ds in (s, m):
+                    with pytest.raises(mcf.MCFError) as e:
+                        call(ds, bad)
+                    errors.append(type(e.value))
+                assert errors[0] is errors[1], (name, bad, errors)
+        for bad in (1.5, True, "1"):
+            with pytest.raises(mcf.MCFError):
+                s.shard(bad)
+            with pytest.raises(mcf.MCFError):
+                s.locate(bad)
+        with pytest.raises(mcf.InvalidArgumentError, match="zero"):
+            s[::0]
+        with pytest.raises(mcf.InvalidArgumentError, match="zero"):
+            m[::0]
+        # numpy integers take the compiled path (issue 23 item 12): every width, negative, and past int64
+        for ds in (s, m):
+            n = len(ds)
+            for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.intp,
+                      np.longlong, np.ulonglong):
+                assert ds[t(5)].tolist() == ds[5].tolist() and ds.get(t(5), t(1), t(1)).tolist() == ds[5][1:2].tolist()
+            assert ds[np.int64(-1)].tolist() == ds[n - 1].tolist() and ds[np.int8(-n)].tolist() == ds[0].tolist()
+            for big in (np.uint64(2**64 - 1), np.uint64(2**63), np.int64(n), np.int64(-n - 1)):
+                with pytest.raises(mcf.OutOfBoundsError):
+                    ds[big]
+                with pytest.raises(mcf.OutOfBoundsError):
+                    ds.get(big)
+            with pytest.raises(mcf.OutOfBoundsError):
+                ds.get(0, np.uint64(2**64 - 1))
+
+
+def _same_result(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(_same_result(x, y) for x, y in zip(a, b))
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same_result(x, y) for x, y in zip(a, b))
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_shard_list_that_disagrees_with_its_shards(tmp_path):
     prefixes, _ = build_shards(tmp_path, SPEC)
     shards = list(mm.open(prefixes).shards)

@@ -398,6 +398,18 @@ def _tree(ctx):
     return mc.open(ctx["dir"] / "tree")
 
 
+def _sharded(ctx):
+    """The dataset twice, as two shards of one ShardedDataset (12 sequences, 12 documents)."""
+    return mm.open([str(ctx["dir"] / "ds"), str(ctx["dir"] / "ds")])
+
+
+def _call_sharded(fn):
+    def run(ctx, v):
+        with _sharded(ctx) as ds:
+            return fn(ds, v)
+    return run
+
+
 def _call_ds(fn):
     def run(ctx, v):
         with _ds(ctx) as ds:
@@ -463,6 +475,35 @@ INTEGER_SLOTS = {
     "ds.get(length)": _call_ds(lambda ds, v: ds.get(0, 0, v)),
     "ds.document(k)": _call_ds(lambda ds, v: ds.document(v)),
     "ds.document_sequences(k)": _call_ds(lambda ds, v: list(ds.document_sequences(v))),
+    "ds[i:]": _call_ds(lambda ds, v: ds[v:]),
+    "ds[:i]": _call_ds(lambda ds, v: ds[:v]),
+    "ds[::i]": _call_ds(lambda ds, v: ds[::v]),
+    "sharded ds[i]": _call_sharded(lambda ds, v: ds[v]),
+    "sharded ds[i:]": _call_sharded(lambda ds, v: ds[v:]),
+    "sharded ds[:i]": _call_sharded(lambda ds, v: ds[:v]),
+    "sharded ds[::i]": _call_sharded(lambda ds, v: ds[::v]),
+    "sharded get(i)": _call_sharded(lambda ds, v: ds.get(v)),
+    "sharded get(offset)": _call_sharded(lambda ds, v: ds.get(0, v)),
+    "sharded get(length)": _call_sharded(lambda ds, v: ds.get(0, 0, v)),
+    "sharded document(k)": _call_sharded(lambda ds, v: ds.document(v)),
+    "sharded document_sequences(k)": _call_sharded(lambda ds, v: list(ds.document_sequences(v))),
+    "sharded shard(k)": _call_sharded(lambda ds, v: ds.shard(v)[0]),
+    "sharded locate(i)": _call_sharded(lambda ds, v: ds.locate(v)),
+    "sharded GPTSamples[i]": _call_sharded(lambda ds, v: si.GPTSamples(ds, 4)[v]),
+    "separate_final_epoch(num_samples)": (lambda ctx, v: si.separate_final_epoch(v, 2, 36, 4), 12),
+    "separate_final_epoch(num_epochs)": (lambda ctx, v: si.separate_final_epoch(12, v, 36, 4), 2),
+    "separate_final_epoch(tokens_per_epoch)": (lambda ctx, v: si.separate_final_epoch(12, 2, v, 4), 36),
+    "separate_final_epoch(seq_length)": (lambda ctx, v: si.separate_final_epoch(12, 2, 36, v), 4),
+    "num_epochs_for(num_samples)": lambda ctx, v: si.num_epochs_for(v, 36, 4),
+    "Tree.num_gists(level)": _call_tree(lambda t, v: t.num_gists(v)),
+    "Tree.gists(level)": _call_tree(lambda t, v: t.gists(v)),
+    "Tree.header(level)": _call_tree(lambda t, v: t.header(v).num_entries),
+    "Tree.source(level)": _call_tree(lambda t, v: t.source(v).size),
+    "span_of(level)": lambda ctx, v: mc.span_of(v, 3),
+    "children_of(level)": lambda ctx, v: list(mc.children_of(v, 3)),
+    "parent_of(level)": (lambda ctx, v: mc.parent_of(v, 3), 0),
+    "Tree.gists(slice start)": _call_tree(lambda t, v: t.gists(1, slice(v, None))),
+    "Tree.gists(slice step)": _call_tree(lambda t, v: t.gists(1, slice(None, None, v))),
     "GPTSamples[i]": _gpt,
     "GPTSamples(seq_length)": (lambda ctx, v: _call_ds(lambda ds, v: len(si.GPTSamples(ds, v)))(ctx, v), 4),
     "build_sample_idx(seq_length)": (lambda ctx, v: si.build_sample_idx(np.full(4, 9, np.int32), np.arange(4, dtype=np.int32), v, 1, 36), 4),
@@ -559,9 +600,8 @@ def test_integer_arguments_refuse_floats_and_bools(ctx, slot):
     for v in good_integers(good):
         assert _same(call(ctx, v), want), (slot, v)
     for v in bad_integers(good):
-        with pytest.raises((mcf.MCFError, TypeError)) as ei:
+        with pytest.raises(mcf.MCFError):
             call(ctx, v)
-        assert not isinstance(ei.value, AttributeError), (slot, v)
 
 
 # index arrays: numpy's meaning of a boolean mask and of integer arrays; floats refused

@@ -24,8 +24,8 @@ import numpy as np
 
 from mcf.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError
 
-__all__ = ["integer", "integers", "index_array", "row_range", "out_array", "byte_order_problem", "real", "reals",
-           "file_path"]
+__all__ = ["integer", "integers", "index_array", "slice_bounds", "row_range", "out_array", "byte_order_problem",
+           "real", "reals", "file_path"]
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -39,6 +39,22 @@ def integer(value, what: str, *, minimum: int | None = None) -> int:
     if minimum is not None and v < minimum:
         raise InvalidArgumentError(f"{what} must be >= {minimum}, got {v}")
     return v
+
+
+def slice_bounds(s: slice, n: int, what: str = "slice") -> tuple:
+    """``(start, stop, step)`` of slice ``s`` over ``n`` items, as ``s.indices(n)`` computes them, once each
+    bound is checked by :func:`integer` (or None): ``slice.indices`` itself takes ``True`` as 1 and
+    raises a bare ``TypeError`` for a float and a bare ``ValueError`` for a zero step."""
+    start, stop, step = s.start, s.stop, s.step
+    if not (type(start) is int or start is None):
+        start = integer(start, f"the start of the {what}")
+    if not (type(stop) is int or stop is None):
+        stop = integer(stop, f"the stop of the {what}")
+    if not (type(step) is int or step is None):
+        step = integer(step, f"the step of the {what}")
+    if step == 0:
+        raise InvalidArgumentError(f"the step of the {what} must not be zero")
+    return slice(start, stop, step).indices(n)
 
 
 def integers(values, what: str) -> np.ndarray:
@@ -120,7 +136,7 @@ def row_range(rows, total: int, exc=OutOfBoundsError) -> tuple:
     if rows is None:
         return 0, total
     if isinstance(rows, slice):
-        start, stop, step = rows.indices(total)
+        start, stop, step = slice_bounds(rows, total, "row slice")
         if step != 1:
             raise InvalidArgumentError("row ranges must be contiguous (step 1)")
         return start, max(start, stop)

@@ -28,6 +28,9 @@ from enum import IntEnum, IntFlag
 
 import numpy as np
 
+from mcf._core.args import integer
+from mcf.errors import InvalidArgumentError
+
 MAGIC = b"MCB\0"
 VERSION = 1
 HEADER = struct.Struct("<4sHHIIIIBBQQI18s")
@@ -140,3 +143,24 @@ def chunk_count(shape: KVShape) -> int:
 
 def chunk_table_size(shape: KVShape) -> int:
     return chunk_count(shape) * CHUNK_ENTRY.size + CHUNK_TRAILER.size
+
+
+def selection(layers, tokens, num_layers: int, sequence_length: int) -> tuple[list[int], int]:
+    """``(layer indices, token count)`` of a load: ``layers`` None (all), one index or a sequence of them,
+    each in ``0..num_layers-1``; ``tokens`` None (all) or a count in ``0..sequence_length``.  Indices and
+    counts follow mcf._core.args.integer (Python or numpy integers; ``True`` is not layer 1 nor one
+    token), checked in one place for the cold path (KVFile.load) and the warm and hot tiers (tiers.select)."""
+    if layers is None:
+        sel = list(range(num_layers))
+    else:
+        items = list(layers) if isinstance(layers, (list, tuple, range, np.ndarray)) else [layers]
+        sel = [integer(i, "a layer index") for i in items]
+        for i in sel:
+            if not 0 <= i < num_layers:
+                raise InvalidArgumentError(f"layer {i!r} out of range 0..{num_layers - 1}")
+    if tokens is None:
+        return sel, sequence_length
+    n = integer(tokens, "tokens")
+    if not 0 <= n <= sequence_length:
+        raise InvalidArgumentError(f"tokens must be in 0..{sequence_length}, got {n!r}")
+    return sel, n

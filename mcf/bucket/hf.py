@@ -47,7 +47,7 @@ import numpy as np
 from mcf._core.optional import require
 from mcf.bucket import _layout as L
 from mcf.bucket.store import Bucket, check_model_id, content_hash, context_id_for, token_array
-from mcf.errors import ContextNotFoundError, InvalidArgumentError, MissingDependencyError
+from mcf.errors import ArgumentTypeError, ContextNotFoundError, InvalidArgumentError, MissingDependencyError
 
 __all__ = ["Generation", "MissingDependencyError", "TransformersBackend", "weights_fingerprint"]
 
@@ -405,10 +405,12 @@ class TransformersBackend:
     def query(self, bucket: Bucket, context_id: str, query: str, options: dict) -> dict:
         """The REST query route's answer (seed 003 §4.3): ``options`` may hold ``max_tokens`` (default 64),
         ``temperature`` (default 0: greedy), ``top_k``, ``top_p``, ``seed`` and ``stop_at_eos``."""
-        unknown = sorted(set(options) - set(QUERY_OPTIONS))
+        if not isinstance(options, dict):
+            raise ArgumentTypeError(f"options must be a dict of {', '.join(QUERY_OPTIONS)}, got {type(options).__name__}")
+        unknown = [k for k in options if k not in QUERY_OPTIONS]
         if unknown:
-            raise InvalidArgumentError(f"unknown option(s) {unknown}; allowed: {list(QUERY_OPTIONS)} (streaming is "
-                                       "not supported)")
+            raise InvalidArgumentError(f"unknown option(s) {', '.join(map(repr, unknown))}; allowed: {list(QUERY_OPTIONS)} "
+                                       "(streaming is not supported)")
         g = self.generate(bucket, context_id, query, max_new_tokens=options.get("max_tokens", 64),
                           temperature=options.get("temperature", 0.0), top_k=options.get("top_k"),
                           top_p=options.get("top_p"), seed=options.get("seed"),

@@ -594,18 +594,9 @@ class KVFile:
         same arrays are returned.  Not for int8 (its scales travel with the data).
         """
         s = self.shape
-        if layers is None:
-            sel = list(range(s.num_layers))
-        else:
-            sel = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
-            for i in sel:
-                if not isinstance(i, (int, np.integer)) or not 0 <= i < s.num_layers:
-                    raise InvalidArgumentError(f"layer {i!r} out of range 0..{s.num_layers - 1}")
-        if tokens is not None and (not isinstance(tokens, (int, np.integer)) or not 0 <= tokens <= s.sequence_length):
-            raise InvalidArgumentError(f"tokens must be in 0..{s.sequence_length}, got {tokens!r}")
+        sel, ntok = L.selection(layers, tokens, s.num_layers, s.sequence_length)
         if not isinstance(threads, int) or threads < 1:
             raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
-        ntok = s.sequence_length if tokens is None else int(tokens)
         dests = self._check_out(out, len(sel), ntok) if out is not None else None
         comp = self.header.compression
         idxs = [2 * i + kv for i in sel for kv in (0, 1)]

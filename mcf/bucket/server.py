@@ -556,13 +556,19 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             raise InvalidArgumentError(f"{name} must be true or false, got {raw[:20]!r}")
         return raw in ("true", "1")
 
-    async def stream_kv(request: Request):
-        cid = request.path_params["id"]
-        force = flag(request, "force")
+    async def usable(cid: str, *, force: bool = False, hint: str = "") -> dict:
+        """The metadata of context ``cid``, which must exist, be unexpired and (unless ``force``) not be
+        stale: every route that hands a context's KV data on (as bytes, or to the query backend, which may
+        read it without Bucket.load's check) refuses a stale one with 409, as Bucket.load does."""
         meta = await run_in_threadpool(b.lookup, cid)
         if not force and await run_in_threadpool(b.is_stale, meta):
             raise StaleContextError(f"{cid} is stale: it was computed by its model's former weights "
-                                    "(ingest the content again, or add ?force=true to fetch it anyway)")
+                                    f"(ingest the content again{hint})")
+        return meta
+
+    async def stream_kv(request: Request):
+        cid = request.path_params["id"]
+        meta = await usable(cid, force=flag(request, "force"), hint=", or add ?force=true to fetch it anyway")
         f = await run_in_threadpool(b.open, cid)  # validates header, sizes and chunk table first
         # the bytes come from the descriptor that was validated, not from a second open of the path
         fh = os.fdopen(os.dup(f.fileno()), "rb")  # noqa: SIM115 - closed by the generator
@@ -583,7 +589,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     async def query(request: Request):
         body = await body_json(request, "QueryRequest")
         cid = request.path_params["id"]
-        await run_in_threadpool(b.lookup, cid)
+        await usable(cid)
         if backend is None:
             return err(501, "no query backend is configured: this engine stores KV caches but contains no "
                             "language model; start the server with --backend transformers --model ..., or pass a "

@@ -72,6 +72,7 @@ from mcf.bucket._registry import Registry, document, made_by, summary
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
 from mcf.bucket.tiers import TIERS, expired, preference, preference_steps
 from mcf.errors import (
+    ArgumentTypeError,
     ContextNotFoundError,
     FormatError,
     InvalidArgumentError,
@@ -84,7 +85,11 @@ from mcf.errors import (
 from mcf.io import open_fd
 from mcf.remote import refuse_url
 
-__all__ = ["Bucket", "content_hash", "context_id_for"]
+__all__ = ["Bucket", "content_hash", "context_id_for", "COMPATIBILITY_KEYS"]
+
+#: what a model may require of a context (Bucket.check_compatible, load(model=...)); register_model records
+#: all but model_hash as the model's ``model_compatibility``, and model_hash as its identity
+COMPATIBILITY_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "vocab_size", "model_hash")
 
 
 #: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
@@ -388,34 +393,101 @@ class Bucket:
         return (doc or {}).get("model_hash")
 
     def check_compatible(self, context_id: str, model: dict | str) -> dict:
-        """Raise InvalidArgumentError unless the context's shape and dtype match ``model`` (a model id
-        registered in this bucket or a compatibility dict); returns the context's metadata."""
+        """Raise unless the context can be used with ``model`` (a model id registered in this bucket, or a
+        dict of :data:`COMPATIBILITY_KEYS`); returns the context's metadata.
+
+        InvalidArgumentError when the context's shape, dtype, architecture, vocab_size or model_hash differ
+        from the model's (each compared where both sides know it: a context ingested before its model was
+        registered has no recorded architecture, vocabulary or weights), or when ``model`` has a key that
+        is not one of these (a misspelt ``"architectur"`` must not pass unchecked).  StaleContextError when
+        the context is stale (computed by other weights than its model's current ones), whatever ``model``
+        says: :meth:`load` with ``force=True`` is the way to use it anyway."""
         meta = self.lookup(context_id)
+        self._check_model(meta, model)
+        stale = self._stale_error(meta)
+        if stale is not None:
+            raise stale
+        return meta
+
+    def _check_model(self, meta: dict, model: dict | str) -> None:
+        """check_compatible's comparison of the context ``meta`` with ``model``, staleness aside."""
+        context_id = meta["context_id"]
         if isinstance(model, str):
             doc = self.model(model)
             if doc is None:
                 raise ContextNotFoundError(f"unknown model {model!r}")
             if doc["model_id"] != meta["model_id"]:
                 raise InvalidArgumentError(f"{context_id} belongs to model {meta['model_id']!r}, not {model!r}")
-            model = doc["model_compatibility"]
+            # the registered hash is the current one: comparing it with the context's is the stale check
+            compat = doc["model_compatibility"]
+            model = {k: compat.get(k) for k in COMPATIBILITY_KEYS if k != "model_hash"}
         if not isinstance(model, dict):
             raise InvalidArgumentError(f"model must be a model id or a compatibility dict, got {type(model).__name__}")
+        unknown = [k for k in model if k not in COMPATIBILITY_KEYS]
+        if unknown:
+            raise InvalidArgumentError(f"unknown key(s) {', '.join(map(repr, unknown))} in the model given for "
+                                       f"{context_id}; the known ones are {', '.join(COMPATIBILITY_KEYS)}")
+        want = dict(model)
+        if want.get("dtype") is not None:
+            want["dtype"] = L.DTYPE_NAMES[L.parse_dtype(want["dtype"])]
         shape, dtype = meta["kv_cache"]["shape"], meta["kv_cache"]["dtype"]
         maker = made_by(meta)
         have = {"num_layers": shape["num_layers"], "num_kv_heads": shape["num_kv_heads"], "head_dim": shape["head_dim"],
-                "dtype": dtype, "architecture": maker.get("architecture"), "vocab_size": maker.get("vocab_size")}
-        for k, want in model.items():
-            # architecture and vocab_size are known for contexts ingested under a registered model only
-            if k in have and want is not None and have[k] is not None and have[k] != want:
-                raise InvalidArgumentError(f"{context_id} is incompatible: {k} is {have[k]!r}, the model needs {want!r}")
-        return meta
+                "dtype": dtype, "architecture": maker.get("architecture"), "vocab_size": maker.get("vocab_size"),
+                "model_hash": maker.get("model_hash")}
+        for k, w in want.items():
+            # architecture, vocab_size and model_hash are known for contexts ingested under a registered model only
+            if w is not None and have[k] is not None and have[k] != w:
+                raise InvalidArgumentError(f"{context_id} is incompatible: {k} is {have[k]!r}, the model needs {w!r}")
+
+    def _stale_error(self, meta: dict) -> StaleContextError | None:
+        """The StaleContextError of a stale context (what load and check_compatible raise), else None."""
+        current = self._model_hash(meta["model_id"])
+        if not _stale(made_by(meta).get("model_hash"), current):
+            return None
+        return StaleContextError(
+            f"{meta['context_id']} is stale: it was computed by model {meta['model_id']!r} with weights "
+            f"{made_by(meta)['model_hash']}, and the model is now registered with {current}"
+            " (ingest the content again, or load(..., force=True) to use it anyway)")
+
+    def _refusal(self, meta: dict, *, force: bool = False) -> MCFError | None:
+        """What :meth:`load` would raise for the context ``meta`` before reading it, or None: expired,
+        stale (unless ``force``), or encrypted while this object has no key.  :meth:`lookup_prefix`
+        offers only contexts with none of these."""
+        if self._expired(meta, self.clock()):
+            return ContextNotFoundError(f"context {meta['context_id']!r} expired at {meta['timestamps']['expires_at']}")
+        if not force:
+            stale = self._stale_error(meta)
+            if stale is not None:
+                return stale
+        if meta["kv_cache"].get("encrypted") is True and self._key is None:
+            return InvalidArgumentError(f"{meta['context_id']}: the KV data is encrypted; open the bucket with key= "
+                                        "(or set MCF_BUCKET_KEY)")
+        return None
 
     def is_stale(self, context_id_or_meta: str | dict) -> bool:
         """True when the context was ingested under another ``model_hash`` than its model's current one.
         A context ingested while its model had no hash (or was unregistered) is never stale: nothing
-        says which weights computed it."""
-        meta = self.lookup(context_id_or_meta, include_expired=True) if isinstance(context_id_or_meta, str) \
-            else context_id_or_meta
+        says which weights computed it.  Takes a context id or its metadata (as :meth:`lookup` returns it:
+        ``model_id`` is needed, the ``model`` block is read when present)."""
+        if isinstance(context_id_or_meta, str):
+            meta = self.lookup(context_id_or_meta, include_expired=True)
+        elif isinstance(context_id_or_meta, dict):
+            meta = context_id_or_meta
+            if not isinstance(meta.get("model_id"), str):
+                raise InvalidArgumentError(f"is_stale: the metadata has no model_id string (got "
+                                           f"{meta.get('model_id', 'none')!r}); give a context id or its metadata "
+                                           "as lookup() returns it")
+            maker = meta.get("model")
+            if maker is not None and not isinstance(maker, dict):
+                raise InvalidArgumentError(f"is_stale: the metadata's model must be an object or null, got "
+                                           f"{type(maker).__name__}")
+            if maker is not None and not isinstance(maker.get("model_hash"), (str, type(None))):
+                raise InvalidArgumentError(f"is_stale: the metadata's model.model_hash must be a string or null, got "
+                                           f"{type(maker['model_hash']).__name__}")
+        else:
+            raise ArgumentTypeError(f"is_stale takes a context id or its metadata (a dict), not "
+                                    f"{type(context_id_or_meta).__name__}")
         return _stale(made_by(meta).get("model_hash"), self._model_hash(meta["model_id"]))
 
     # -- registry (mcf.bucket._registry: snapshot + journal) -----------------------------------------------
@@ -755,19 +827,24 @@ class Bucket:
     def lookup_prefix(self, model_id: str, token_ids: Sequence[int] | np.ndarray, *, dtype: Any = None) -> dict | None:
         """The cached context sharing the longest prefix with ``token_ids`` (whole chunks of
         ``prefix_chunk_tokens``), as ``{"context_id", "tokens", "metadata"}``; None when no chunk
-        matches.  Load just the shared part with ``load(context_id, tokens=result["tokens"])``."""
+        matches.  Load just the shared part with ``load(context_id, tokens=result["tokens"])``.
+
+        Only contexts that :meth:`load` would serve are offered: a longer match that is expired, stale
+        (computed by the model's former weights) or encrypted while this object has no key is passed
+        over for a shorter one that can be used."""
         check_model_id(model_id)
         want_dtype = None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)]
         hashes = prefix_hashes(model_id, token_ids, chunk_tokens=self.prefix_chunk_tokens)
         index = self._prefix()
-        now = self.clock()
         for h in reversed(hashes):  # chained: a match at chunk i implies chunks 0..i match
             for cid, ntok in index.get((model_id, h), ()):
                 try:
                     meta = self.lookup(cid)
                 except (ContextNotFoundError, FormatError):
                     continue
-                if self._expired(meta, now) or (want_dtype is not None and meta["kv_cache"]["dtype"] != want_dtype):
+                if want_dtype is not None and meta["kv_cache"]["dtype"] != want_dtype:
+                    continue
+                if self._refusal(meta) is not None:  # expired, stale, or encrypted without the key: load refuses
                     continue
                 pre = meta.get("prefix") or {}
                 if h not in pre.get("hashes", ()):  # registry stale against the context: skip
@@ -821,15 +898,12 @@ class Bucket:
         if out is not None and as_torch:
             raise InvalidArgumentError("out= and as_torch=True exclude each other")
 
+        meta = self.lookup(context_id)  # absent or expired contexts are not served from a tier either
         if model is not None:
-            meta = self.check_compatible(context_id, model)
-        else:
-            meta = self.lookup(context_id)  # absent or expired contexts are not served from a tier either
-        if not force and self.is_stale(meta):
-            raise StaleContextError(
-                f"{context_id} is stale: it was computed by model {meta['model_id']!r} with weights "
-                f"{made_by(meta)['model_hash']}, and the model is now registered with {self._model_hash(meta['model_id'])}"
-                " (ingest the content again, or load(..., force=True) to use it anyway)")
+            self._check_model(meta, model)
+        refusal = self._refusal(meta, force=force)
+        if refusal is not None:
+            raise refusal
         self._honour_preference(context_id, meta)
         hot = self._hot.get(context_id)
         warm = self._warm.get(context_id)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mcf._core.optional import require
+from mcf.bucket import _layout as L
 from mcf.bucket._json import parse_iso
 from mcf.errors import InvalidArgumentError, MissingDependencyError
 
@@ -93,20 +94,11 @@ def warm_nbytes(meta: dict) -> int:
 
 def select(layers: list[tuple[Any, Any]], which: Sequence[int] | int | None, tokens: int | None) -> list[tuple[Any, Any]]:
     """The chosen layers and token prefix of a full per-layer (K, V) list (arrays or tensors)."""
-    n = len(layers)
-    if which is None:
-        sel = list(range(n))
-    else:
-        sel = [which] if isinstance(which, (int, np.integer)) else list(which)
-        for i in sel:
-            if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or not 0 <= i < n:
-                raise InvalidArgumentError(f"layer {i!r} out of range 0..{n - 1}")
     seq = layers[0][0].shape[1]
-    if tokens is not None and (not isinstance(tokens, (int, np.integer)) or not 0 <= tokens <= seq):
-        raise InvalidArgumentError(f"tokens must be in 0..{seq}, got {tokens!r}")
+    sel, ntok = L.selection(which, tokens, len(layers), seq)
     if tokens is None:
         return [layers[i] for i in sel]
-    return [(layers[i][0][:, :tokens], layers[i][1][:, :tokens]) for i in sel]
+    return [(layers[i][0][:, :ntok], layers[i][1][:, :ntok]) for i in sel]
 
 
 class WarmCache:

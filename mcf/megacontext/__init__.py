@@ -10,7 +10,8 @@ working-context assembly (see docs/megacontext.md).
 """
 
 from mcf.megacontext._layout import (CTX_DTYPES, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LEVEL_FILES, MAGIC, CtxHeader,
-                                     children_of, gist_offset, parent_of, parse_header, span_of, token_offset)
+                                     children_of, gist_offset, parent_of, parse_header, raw_gist_dtype, span_of,
+                                     token_offset)
 from mcf.megacontext.assembly import Plan, WorkingContext, assemble, plan_coverage, plan_tail
 from mcf.megacontext.focus import focus_plan
 from mcf.megacontext.gist import MeanPool, build_gists
@@ -22,6 +23,6 @@ open = open_tree  # noqa: A001 - mcf.megacontext.open(path, mode) mirrors mcf.op
 __all__ = [
     "create", "open", "open_tree", "Tree", "Problem", "verify", "snapshot", "restore",
     "Plan", "WorkingContext", "assemble", "plan_tail", "plan_coverage", "focus_plan", "MeanPool", "build_gists",
-    "CtxHeader", "parse_header", "token_offset", "gist_offset", "span_of", "children_of", "parent_of",
+    "CtxHeader", "parse_header", "token_offset", "gist_offset", "raw_gist_dtype", "span_of", "children_of", "parent_of",
     "MAGIC", "HEADER_SIZE", "LEVEL_FILES", "DEFAULT_BLOCK_SIZE", "CTX_DTYPES",
 ]

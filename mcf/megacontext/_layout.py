@@ -34,7 +34,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE", "CtxDType", "CTX_DTYPES", "ctx_dtype", "CtxHeader", "parse_header",
     "token_offset", "gist_offset", "entry_size", "file_size", "span_of", "children_of", "parent_of",
     "COUNT_OFFSET", "MODEL_NAME_BYTES", "encode_model_name", "GIST_DTYPE_CODES", "Q8_BLOCK", "q8_row_bytes",
-    "gist_dtypes", "gist_policy", "HYBRID",
+    "gist_dtypes", "gist_policy", "HYBRID", "raw_gist_dtype",
 ]
 
 MAGIC = 0x4D434354
@@ -98,6 +98,26 @@ def q8_row_bytes(embedding_dim: int) -> int:
     (32 per block; the codes past ``d`` in the last block are zero padding)."""
     nb = -(-int(embedding_dim) // Q8_BLOCK)
     return nb * 2 + nb * Q8_BLOCK
+
+
+def raw_gist_dtype(dtype, embedding_dim: int) -> np.dtype:
+    """The numpy dtype of one stored gist row of ``dtype`` (a dtype of the table, or its name or code) and
+    width ``embedding_dim``: what ``Tree.gists(level, raw=True)`` hands out and the only rows a raw write
+    takes.
+
+    A structured dtype, because bytes alone do not say what they hold: an fp16 or bf16 row of d = 17 or
+    34 is exactly as wide as a q8 row (``2d == 34 * ceil(d / 32)``), so a q8 level given another tree's
+    fp16 bytes would decode the halves as scales and codes.  The field names say the dtype (``fp16``,
+    ``bf16`` (the bit patterns, as stored), ``fp32``; ``q8_scales`` and ``q8_codes`` for q8) and the
+    subarray shapes say ``d``, so rows of two dtypes or widths never compare equal."""
+    dt = ctx_dtype(dtype)
+    d = integer(embedding_dim, "embedding_dim")
+    if dt.code not in GIST_DTYPE_CODES:
+        raise InvalidArgumentError(f"gists are stored as fp16, bf16, fp32 or q8, not {dt.name}")
+    if dt.quantized:
+        nb = -(-d // Q8_BLOCK)
+        return np.dtype([("q8_scales", "<f2", (nb,)), ("q8_codes", "i1", (nb * Q8_BLOCK,))])
+    return np.dtype([(dt.name, dt.storage, (d,))])
 
 
 def gist_dtypes(policy) -> dict:
@@ -187,6 +207,7 @@ def file_size(level: int, count: int, embedding_dim: int, dtype: CtxDType) -> in
 def span_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple:
     """The LOD0 tokens ``[start, stop)`` that entry ``index`` of ``level`` summarizes: token i at LOD0,
     tokens [K*i, K*i+K) for LOD1 gist i, tokens [K*K*j, K*K*j+K*K) for LOD2 gist j."""
+    level = integer(level, "level")
     if level not in LEVELS:
         raise InvalidArgumentError(f"unknown level {level!r}; expected 0, 1 or 2")
     w = integer(block_size, "block_size") ** level
@@ -197,7 +218,7 @@ def span_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tup
 def children_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> range:
     """Entries of ``level - 1`` that entry ``index`` of ``level`` summarizes (LOD2 gist j covers LOD1
     gists 32j..32j+31, LOD1 gist i covers tokens 32i..32i+31)."""
-    if level not in (1, 2):
+    if integer(level, "level") not in (1, 2):
         raise InvalidArgumentError(f"only LOD1 and LOD2 entries have children, not level {level!r}")
     i, k = integer(index, "index"), integer(block_size, "block_size")
     return range(i * k, i * k + k)
@@ -205,7 +226,7 @@ def children_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) ->
 
 def parent_of(level: int, index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """The entry of ``level + 1`` whose span holds entry ``index`` of ``level``."""
-    if level not in (0, 1):
+    if integer(level, "level") not in (0, 1):
         raise InvalidArgumentError(f"only LOD0 and LOD1 entries have parents, not level {level!r}")
     return integer(index, "index") // integer(block_size, "block_size")
 

@@ -23,14 +23,14 @@ import struct
 import numpy as np
 
 from mcf._core import _fpconv
-from mcf._core.args import index_array, integer
+from mcf._core.args import index_array, integer, slice_bounds
 from mcf._core._io import Source
 from mcf.errors import InvalidArgumentError, OutOfBoundsError, TruncatedError, os_error
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
 from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LEVELS, CtxDType, CtxHeader,
-                                     children_of, gist_dtypes, gist_policy, parent_of, parse_header, q8_row_bytes,
-                                     span_of, token_offset)
+                                     children_of, gist_dtypes, gist_policy, parent_of, parse_header,
+                                     raw_gist_dtype, span_of, token_offset)
 from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._validate import Level, Problem, cross_check, deep_checks, scan, stable_header
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
@@ -168,7 +168,7 @@ class Tree:
         return self._levels[0].count // self.block_size
 
     def num_gists(self, level: int) -> int:
-        if level not in (1, 2):
+        if integer(level, "level") not in (1, 2):   # (True and 1.0 are not level 1)
             raise InvalidArgumentError(f"gists live at levels 1 and 2, not {level!r}")
         return self._levels[level].count
 
@@ -189,13 +189,14 @@ class Tree:
                 for r in self._meta["levels"][f"LOD{level}"]["gists"]]
 
     def header(self, level: int) -> CtxHeader:
-        if level not in LEVELS:
+        if integer(level, "level") not in LEVELS:
             raise InvalidArgumentError(f"unknown level {level!r}")
         return self._levels[level].header.with_count(self._levels[level].committed)
 
     def source(self, level: int) -> Source:
         """The I/O-core source of a level's file (refreshed to cover this process's count)."""
         self._check_open()
+        self.header(level)   # the level checked
         return self._src(level, self._levels[level].count)
 
     # -- offsets and spans (seed 000's formulas with this tree's geometry) -------------------------------
@@ -266,32 +267,39 @@ class Tree:
         return self.tokens(b * self.block_size, min(self.num_tokens, (b + 1) * self.block_size))
 
     def gist(self, level: int, index: int, *, raw: bool = False) -> np.ndarray:
-        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped; q8 rows decoded to float32,
-        or the stored bytes with ``raw=True``)."""
+        """Gist ``index`` of ``level`` as a [d] array (zero-copy when mapped; q8 rows decoded to float32),
+        or with ``raw=True`` the stored row as a 0-d array of :meth:`raw_gist_dtype`."""
         n = self.num_gists(level)
         i = integer(index, "gist index")
         if not 0 <= i < n:
             raise OutOfBoundsError(f"{self.path}: LOD{level} gist {i} outside [0, {n})")
-        return self.gists(level, slice(i, i + 1), raw=raw)[0]
+        return self.gists(level, slice(i, i + 1), raw=raw)[0, ...]
+
+    def raw_gist_dtype(self, level: int) -> np.dtype:
+        """The dtype of one stored row of ``level`` (see :func:`mcf.megacontext.raw_gist_dtype`): what
+        ``gists(level, raw=True)`` returns and the only raw rows ``append_gists``/``write_gists`` take."""
+        return raw_gist_dtype(self.gist_dtype_of(level), self.embedding_dim)
 
     def gists(self, level: int, which=None, *, raw: bool = False) -> np.ndarray:
         """Gists of ``level``: all (None), a slice (zero-copy for step 1) or any integer indices (a
         gathered copy, one compiled call).
 
-        q8 rows are decoded to float32 (one compiled call, MCF's dequantization kernel); ``raw=True``
-        hands out the stored bytes instead, [n, row_bytes] uint8 (zero-copy for a step-1 slice), for
-        every dtype."""
+        q8 rows are decoded to float32 (one compiled call, MCF's dequantization kernel).  ``raw=True``
+        hands out the stored rows instead, for every dtype: ``[n]`` of :meth:`raw_gist_dtype`, whose
+        fields name the dtype (``fp16``, ``bf16``, ``fp32``, or ``q8_scales`` + ``q8_codes``), so that
+        they can only be written back to a level that stores the same dtype and width (zero-copy for a
+        step-1 slice)."""
         self._check_open()
         n = self.num_gists(level)
         d = self.embedding_dim
         dt = self.gist_dtypes[level]
         rb = self._levels[level].header.entry_size
-        shape_of = (lambda k: (k, rb)) if raw else (lambda k: (k, d))
-        npdt = np.dtype(np.uint8) if raw else dt.numpy
+        shape_of = (lambda k: (k,)) if raw else (lambda k: (k, d))
+        npdt = self.raw_gist_dtype(level) if raw else dt.numpy
         if which is None:
             which = slice(0, n)
         if isinstance(which, slice):
-            start, stop, step = which.indices(n)
+            start, stop, step = slice_bounds(which, n, "gist slice")
             if step == 1 and (raw or not dt.quantized):
                 stop = max(stop, start)
                 return self._src(level, stop).array(HEADER_SIZE + start * rb, npdt, shape_of(stop - start))
@@ -388,10 +396,13 @@ class Tree:
         return lv.count
 
     def _as_gist_rows(self, rows, level) -> np.ndarray:
-        """The rows as the level stores them: converted (round to nearest even) or quantized (q8)."""
+        """The rows as the level stores them: converted (round to nearest even), quantized (q8), or
+        stored rows of the level's own :meth:`raw_gist_dtype` taken as they are."""
         d = self.embedding_dim
         dt = self.gist_dtypes[level]
         a = np.asarray(rows)
+        if a.dtype.type is np.void or a.dtype == np.uint8:   # (ml_dtypes' bfloat16 is kind "V" too: not this)
+            return self._as_raw_rows(a, level)
         if dt.quantized:
             return self._as_q8_rows(a)
         if a.ndim == 1 and a.shape[0] == d:
@@ -411,20 +422,33 @@ class Tree:
             raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
         return _mc.convert(a, np.empty(a.shape, dtype=_mc.numpy_dtype(dt.code)))
 
+    def _as_raw_rows(self, a, level) -> np.ndarray:
+        """Stored rows (another tree's ``gists(raw=True)``), taken as they are when their dtype is the
+        level's own stored row dtype, dtype and width both (q8 rows once their scales are checked).
+        Plain bytes are refused: an fp16 row of d = 17 is as wide as a q8 row, and nothing in uint8 says
+        which of the two it is."""
+        want = self.raw_gist_dtype(level)
+        name = self.gist_dtypes[level].name
+        if a.dtype != want:
+            if a.dtype == np.uint8:
+                raise InvalidArgumentError(
+                    f"LOD{level} gists given as uint8 bytes: bytes do not say which dtype they hold; pass stored "
+                    f"rows of the level's raw_gist_dtype({level}) = {want} (what gists(level, raw=True) returns; "
+                    f"rows read from a file: arr.view(tree.raw_gist_dtype({level})))")
+            raise InvalidArgumentError(f"stored gist rows of dtype {a.dtype} cannot be written to LOD{level}, which "
+                                       f"stores {name} rows of d = {self.embedding_dim} ({want})")
+        if a.ndim > 1:
+            raise InvalidArgumentError(f"stored gist rows must be a 0-d or 1-D array of {want}, got shape {a.shape}")
+        a = np.ascontiguousarray(a.reshape(-1))
+        if self.gist_dtypes[level].quantized:
+            bad = ((a["q8_scales"].view("<u2") & 0x7C00) == 0x7C00).any(axis=1)
+            if bad.any():
+                raise InvalidArgumentError(f"stored q8 gist {int(np.flatnonzero(bad)[0])} has a NaN or Inf block scale")
+        return a
+
     def _as_q8_rows(self, a) -> np.ndarray:
-        """Float rows [n, d] quantized with MCF's q8 quantizer, or stored q8 rows [n, row_bytes] (uint8,
-        e.g. another tree's ``gists(raw=True)``) taken as they are once their scales are checked."""
+        """Float rows [n, d] quantized with MCF's q8 quantizer."""
         d = self.embedding_dim
-        rb = q8_row_bytes(d)
-        if a.dtype == np.uint8:
-            if a.ndim != 2 or a.shape[1] != rb:
-                raise InvalidArgumentError(f"stored q8 gists (uint8) must have shape (n, {rb}), got {a.shape}")
-            nb = rb // 34
-            scales = np.ascontiguousarray(a[:, :2 * nb]).view("<u2")
-            if ((scales & 0x7C00) == 0x7C00).any():
-                k = int(np.flatnonzero(((scales & 0x7C00) == 0x7C00).any(axis=1))[0])
-                raise InvalidArgumentError(f"stored q8 gist {k} has a NaN or Inf block scale")
-            return np.ascontiguousarray(a)
         if a.ndim == 1 and a.shape[0] == d:
             a = a.reshape(1, d)
         if a.ndim != 2 or a.shape[1] != d:

@@ -11,6 +11,8 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.long cimport PyLong_AsSsize_t
+from cpython.number cimport PyNumber_Index
+from cpython.object cimport PyObject_TypeCheck, PyTypeObject
 from cpython.ref cimport Py_INCREF
 from libc.math cimport ceilf
 from libc.stdlib cimport calloc, free
@@ -25,6 +27,9 @@ cdef extern from "numpy/arrayobject.h":
     # steals a reference to `descr`
     object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp* dims,
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
+
+cdef extern from "numpy/ndarrayobject.h":
+    PyTypeObject PyIntegerArrType_Type     # np.integer: every numpy integer scalar type derives from it
 
 cdef extern from *:
     """
@@ -365,12 +370,28 @@ cdef cnp.ndarray _gather_output(object out, cnp.dtype dtype, int64_t total):
     return out[:total]
 
 
+cdef inline bint _is_np_integer(object x):
+    """``isinstance(x, np.integer)`` without a Python call (numpy's bool is not an np.integer)."""
+    return PyObject_TypeCheck(x, &PyIntegerArrType_Type)
+
+
+cdef inline object _int_of(object x, str what):
+    """``x`` as a Python int under mcf._core.args.integer's rules, with Python and numpy integers taken on
+    the compiled path: data loaders index with numpy integers (Megatron's sample and shuffle indices are
+    numpy arrays), and the Python-level check made ``ds[np.int64(i)]`` 4-5x slower than ``ds[i]``.
+    Everything else (bools, floats, strings) goes to ``integer``, which refuses it with the message."""
+    if type(x) is int:
+        return x
+    if _is_np_integer(x):
+        return PyNumber_Index(x)
+    return integer(x, what)
+
+
 cdef Py_ssize_t _norm_index(object idx, Py_ssize_t n) except -2:
     """Sequence index ``idx`` (negative counts from the end) checked against ``n`` sequences: Python and
     numpy integers only, never a bool or a float (mcf._core.args.integer)."""
     cdef Py_ssize_t i
-    if type(idx) is not int:
-        idx = integer(idx, "a sequence index")
+    idx = _int_of(idx, "a sequence index")
     try:
         i = PyLong_AsSsize_t(idx)
     except OverflowError:
@@ -385,10 +406,10 @@ cdef Py_ssize_t _norm_index(object idx, Py_ssize_t n) except -2:
 cdef int64_t _part_of(object offset, object length, int64_t ln, Py_ssize_t i, int64_t* count) except -1:
     """The offset of ``get(i, offset, length)`` in sequence ``i`` of ``ln`` tokens, checked; its token
     count goes to ``count``."""
-    off = integer(offset, "offset")
+    off = _int_of(offset, "offset")
     if off < 0 or off > ln:
         raise OutOfBoundsError(f"offset {off} outside sequence {i} of length {ln}")
-    cnt = ln - off if length is None else integer(length, "length")
+    cnt = ln - off if length is None else _int_of(length, "length")
     if cnt < 0 or cnt > ln - off:
         raise OutOfBoundsError(f"length {cnt} at offset {off} runs past the end of sequence {i} (length {ln})")
     count[0] = cnt
@@ -460,7 +481,7 @@ cdef class SequenceTable:
 
     def __getitem__(self, idx):
         cdef Py_ssize_t i
-        if type(idx) is int or isinstance(idx, np.integer):
+        if type(idx) is int or _is_np_integer(idx):
             self._check_open()
             i = self._norm(idx)
             return self._read(ld64(self._ptrs + 8 * i), ld32(self._lens + 4 * i))
@@ -718,7 +739,7 @@ cdef class ShardTable:
     def __getitem__(self, idx):
         cdef Py_ssize_t i, k, j
         cdef _Shard* sh
-        if type(idx) is int or isinstance(idx, np.integer):
+        if type(idx) is int or _is_np_integer(idx):
             self._check_open()
             i = self._norm(idx)
             k = self._locate(i)

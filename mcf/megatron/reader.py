@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core.args import integer
+from mcf._core.args import integer, slice_bounds
 from mcf._core._io import Source, open_source
 from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
                         UnsupportedVersionError)
@@ -338,7 +338,7 @@ class IndexedDataset(_megatron.SequenceTable):
 
     def _getitem_other(self, idx):
         if isinstance(idx, slice):
-            start, stop, step = idx.indices(len(self))
+            start, stop, step = slice_bounds(idx, len(self), "sequence slice")
             if step == 1 and self.validated and stop > start and not self._bin_src.is_mapped:
                 lens = self.sequence_lengths[start:stop]
                 block = self._read_span(start, int(lens.sum(dtype=np.int64)))

@@ -159,11 +159,14 @@ def num_epochs_for(num_samples: int | None, tokens_per_epoch: int, seq_length: i
 def separate_final_epoch(num_samples: int | None, num_epochs: int, tokens_per_epoch: int, seq_length: int,
                          *, add_extra_token_to_sequence: bool = True) -> bool:
     """Megatron's rule: shuffle the last epoch apart when fewer than 80% of its samples are used."""
+    num_epochs = _int_arg(num_epochs, "num_epochs", 1, INT32_MAX)
+    tokens_per_epoch = _int_arg(tokens_per_epoch, "tokens_per_epoch", 1, INT64_MAX)
+    seq_length = _int_arg(seq_length, "seq_length", 1, INT32_MAX)
     if num_epochs == 1 or num_samples is None:
         return False
-    extra = int(add_extra_token_to_sequence)
+    extra = int(bool(add_extra_token_to_sequence))
     sans_final = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
-    from_final = int(num_samples) - sans_final
+    from_final = integer(num_samples, "num_samples") - sans_final
     per_epoch = (tokens_per_epoch - extra) // seq_length
     if not 0 <= from_final <= per_epoch + 1:  # Megatron asserts both
         raise InvalidArgumentError(f"inconsistent sample counts: {from_final} samples from the final epoch, "

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._core._io import open_source
+from mcf._core.args import integer, slice_bounds
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 from mcf.megatron._layout import DOC_DTYPE, LENGTH_DTYPE, MEGATRON_DTYPES, MODE_DTYPE, dtype_code
@@ -284,7 +285,8 @@ class ShardedDataset(_megatron.ShardTable):
     def shard(self, k: int):
         """The open :class:`~mcf.megatron.IndexedDataset` of shard ``k`` (opened now if need be)."""
         nk = len(self.shards)
-        kk = int(k) + nk if int(k) < 0 else int(k)
+        kk = integer(k, "a shard index")
+        kk = kk + nk if kk < 0 else kk
         if not 0 <= kk < nk:
             raise OutOfBoundsError(f"shard {k} out of range for {nk} shards")
         if self._datasets[kk] is None:
@@ -361,7 +363,8 @@ class ShardedDataset(_megatron.ShardTable):
 
     def _document_shard(self, k: int) -> tuple:
         nd = self.num_documents
-        kk = int(k) + nd if int(k) < 0 else int(k)
+        kk = integer(k, "a document index")
+        kk = kk + nd if kk < 0 else kk
         if not 0 <= kk < nd:
             raise OutOfBoundsError(f"document index {k} out of range for {nd} documents")
         s = bisect.bisect_right(self._doc_starts_list, kk) - 1
@@ -381,7 +384,7 @@ class ShardedDataset(_megatron.ShardTable):
 
     def _getitem_other(self, idx):
         if isinstance(idx, slice):
-            return [self[i] for i in range(*idx.indices(len(self)))]
+            return [self[i] for i in range(*slice_bounds(idx, len(self), "sequence slice"))]
         raise ArgumentTypeError(f"dataset indices must be integers or slices, not {type(idx).__name__}")
 
     def __iter__(self):
