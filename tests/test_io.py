@@ -342,3 +342,23 @@ def test_close_racing_copies_never_crashes(mode):
                        timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "ClosedError" in p.stdout or "'ok'" in p.stdout
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_read_into_fills_each_buffer_and_counts_bytes(tmp_path, mmap):
+    data = bytes(range(256)) * 64
+    (tmp_path / "f").write_bytes(data)
+    with mcf.io.open_source(tmp_path / "f", mmap=mmap) as src:
+        a, b, c = np.empty(100, np.uint8), bytearray(7), np.empty((3, 5), np.float32)
+        assert src.read_into([5, 1000, 4000], [a, b, c]) == 100 + 7 + 60
+        assert bytes(a) == data[5:105] and bytes(b) == data[1000:1007] and c.tobytes() == data[4000:4060]
+        assert src.bytes_read == 167
+        src.view(0, 10)                       # a mapped view reads nothing (a pread one does)
+        assert src.bytes_read == (167 if mmap else 177)
+        with pytest.raises(mcf.OutOfBoundsError):
+            src.read_into([0, len(data) - 3], [a, b])   # checked before any byte moves
+        assert src.bytes_read == (167 if mmap else 177)
+        with pytest.raises(mcf.InvalidArgumentError):
+            src.read_into([0], [a, b])
+        with pytest.raises(mcf.InvalidArgumentError):
+            src.read_into([0], [b"read-only"])

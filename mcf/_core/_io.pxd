@@ -15,6 +15,7 @@ cdef class Source:
     cdef readonly object path        # the path when opened from one, else None
     cdef readonly str mode           # "mmap", "pread", "fileobj" or "memory"
     cdef uint64_t _size
+    cdef uint64_t _bytes_read        # fetched from storage so far (Source.bytes_read)
     cdef int _fd
     cdef bint _closed
     cdef const uint8_t* base         # start of the bytes when mapped or in memory, else NULL

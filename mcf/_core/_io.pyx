@@ -281,6 +281,12 @@ cdef class Source:
 
     # -- properties ---------------------------------------------------------------------------
     @property
+    def bytes_read(self):
+        """Bytes this source has fetched from its storage so far (reads and copies; zero-copy views of a
+        mapping read nothing until touched and are not counted): what a partial load is held to."""
+        return self._bytes_read
+
+    @property
     def size(self):
         """Size of the file in bytes (as of opening or the last :meth:`refresh`)."""
         return self._size
@@ -329,6 +335,7 @@ cdef class Source:
         cdef const uint8_t* b = self.base
         if n == 0:
             return 0
+        self._bytes_read += n
         if b != NULL:
             self.pin()
             try:
@@ -396,6 +403,29 @@ cdef class Source:
             mv = out
             self.copy_to(offset, size, &mv[0])
         return bytes(out)
+
+    def read_into(self, offsets, buffers, threads=None, chunk_bytes=None):
+        """Fill every buffer of ``buffers`` (writable, contiguous: numpy arrays, memoryviews, the numpy
+        view of a torch tensor) with the bytes at the matching entry of ``offsets``; returns the bytes
+        read.  Every range is checked before any byte moves.
+
+        The loaders' one entry into storage: a plan of byte ranges, each straight into its destination.
+        ``threads`` and ``chunk_bytes`` tune the read engine (None: chosen for the storage)."""
+        bufs = list(buffers)
+        offs = integers(offsets, "offsets")
+        if offs.shape[0] != len(bufs):
+            raise InvalidArgumentError(f"{offs.shape[0]} offsets for {len(bufs)} buffers")
+        cdef Py_buffer view
+        sizes = []
+        for k, buf in enumerate(bufs):
+            _get_writable(buf, &view)
+            sizes.append(view.len)
+            PyBuffer_Release(&view)
+            self.check_range(int(offs[k]), sizes[k])
+        total = 0
+        for k, buf in enumerate(bufs):
+            total += self.readinto(int(offs[k]), buf)
+        return total
 
     def readinto(self, offset, buffer):
         """Fill the whole of ``buffer`` (any writable contiguous buffer) from ``offset``."""
@@ -587,6 +617,8 @@ cdef class Source:
         cdef const uint8_t* base = self.base
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
+        for k in range(a, b):
+            self._bytes_read += <uint64_t>szs[k]
         if fd >= 0:
             self.pin()
             try:
