@@ -476,9 +476,14 @@ def test_half_open_connections_are_capped_and_timed_out(tmp_path):
 
 
 def test_connections_over_the_cap_get_503(tmp_path):
+    """Past the cap, with every open connection an authorised request in progress (so none is closed
+    to make room: tests/test_bucket_slow_clients.py), a new connection gets 503."""
     with serve(tmp_path, TOKEN, "--max-connections", "4", "--header-timeout", "30") as (base, proc):
         port = int(base.rsplit(":", 1)[1])
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        for s in held:
+            s.sendall(b"POST /mcrp/v1/registry/rebuild HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                      b"\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 2\r\n\r\n")
         try:
             time.sleep(0.2)
             st, out, _ = request(base, "GET", "/mcrp/v1/registry")

@@ -73,7 +73,8 @@ def test_content_length_with_transfer_encoding_is_400_and_closes(server, case):
     responses, closed = exchange(base, data)
     assert [r[0] for r in responses] == [400], responses
     assert closed, "the connection must be closed after a message framed two ways"
-    assert b"Transfer-Encoding" in responses[0][2] and responses[0][1]["connection"] == "close"
+    why = b"obs-fold" if case == "obs-folded" else b"Content-Length and Transfer-Encoding"
+    assert why in responses[0][2] and responses[0][1]["connection"] == "close", responses[0]
     assert exists(base, cid), "the smuggled DELETE ran"
 
 
@@ -176,7 +177,7 @@ def test_oversized_heads_are_431_and_close(server, lines):
     base, _ = server
     responses, closed = exchange(base, head("GET", "/mcrp/v1/registry", *lines, token=TOKEN))
     assert [r[0] for r in responses] == [431], [r[:2] for r in responses]
-    assert closed and b"16384" in responses[0][2]
+    assert closed and (b"16384 bytes" in responses[0][2] or b"the 100 allowed" in responses[0][2]), responses[0]
 
 
 def test_a_head_just_under_the_limits_is_served(server):
@@ -218,9 +219,11 @@ def test_a_repeated_origin_is_refused(server, order):
     cid = victim(base, f"origin-{order}")
     own, evil = f"Origin: {base}", "Origin: http://evil.example"
     lines = (evil, own) if order == "evil-first" else (own, evil)
+    host = f"127.0.0.1:{port_of(base)}"
     responses, _ = exchange(base, head("DELETE", f"/mcrp/v1/contexts/{cid}", *lines, "Connection: close",
-                                       token=TOKEN))
+                                       host=host, token=TOKEN))
     assert [r[0] for r in responses] == [400], responses
     assert b"Origin" in responses[0][2] and exists(base, cid)
-    responses, _ = exchange(base, head("DELETE", f"/mcrp/v1/contexts/{cid}", own, "Connection: close", token=TOKEN))
+    responses, _ = exchange(base, head("DELETE", f"/mcrp/v1/contexts/{cid}", own, "Connection: close", host=host,
+                                       token=TOKEN))
     assert [r[0] for r in responses] == [204]

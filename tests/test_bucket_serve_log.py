@@ -63,7 +63,7 @@ def test_every_request_is_logged_without_tokens_or_query_strings(tmp_path):
         lines = logged(proc, 5)
         assert [(m, p, s) for m, p, s, _, _ in lines] == [
             ("GET", "/mcrp/v1/registry", "200"), ("GET", "/mcrp/v1/registry", "401"),
-            ("GET", "/mcrp/v1/models/m/contexts?…", "400"), ("GET", "/mcrp/v1/nowhere", "404"),
+            ("GET", "/mcrp/v1/models/m/contexts?...", "400"), ("GET", "/mcrp/v1/nowhere", "404"),
             ("GET", "/mcrp/v1/registry", "400")], lines
         assert all(int(b) > 0 and float(ms) >= 0 for *_, b, ms in lines)
         log = server_log(proc)

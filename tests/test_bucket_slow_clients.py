@@ -68,10 +68,19 @@ def test_slow_readers_cannot_lock_out_an_authorised_client(tmp_path, flood):
 
 def test_a_reader_that_does_not_drain_is_closed_after_the_send_timeout(tmp_path):
     """nginx's send_timeout: a client that takes no byte of its answer for that long is closed, token
-    or not (here an authorised one, which shedding would not touch)."""
+    or not (here an authorised one fetching a 32 MiB KV file, which shedding would not touch, in one
+    request, which the pipelining cap would not end).  Before, the connection was still open 65 s later."""
+    import numpy as np
+
+    from mcf.bucket import Bucket
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((8, 4096, 128)).astype(np.float32)
+    cid = Bucket(tmp_path).ingest("m", [(k, k)], content="big", dtype="float32", compression="none")["context_id"]
     with serve(tmp_path, TOKEN, "--send-timeout", "2") as (base, proc):
-        s = slow_reader(base, head("GET", "/mcrp/v1/openapi.json", token=TOKEN), 500, seconds=1)
+        s = slow_reader(base, head("GET", f"/mcrp/v1/contexts/{cid}/kv", token=TOKEN), 1, seconds=0.5)
         try:
+            time.sleep(0.5)
             assert server_end_open(base, s)
             assert wait_for(lambda: not server_end_open(base, s), 12), "the stalled connection is still open"
         finally:
