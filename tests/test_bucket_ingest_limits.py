@@ -145,12 +145,21 @@ def test_concurrent_ingests_are_limited_with_503_and_retry_after(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # item 12: disk full
 # ------------------------------------------------------------------------------------------------
+#: where the disk fills up: (tmpfs size, array shape, stored dtype, compression)
+FULL = {
+    "spool": ("8m", (1, 2, 8192, 128), "float32", "none"),    # the 16 MiB upload does not fit
+    "write": ("8m", (1, 2, 2560, 128), "float32", "none"),    # the 5 MiB upload fits, its 5 MiB KV file does not
+    "convert": ("10m", (1, 2, 4608, 128), "float16", "lz4"),  # 9 MiB fit, the 2.25 MiB conversion buffer does not
+}
+
+
 @pytest.fixture
-def small_disk(tmp_path):
-    """An 8 MiB tmpfs mounted for the test (this needs root, or CAP_SYS_ADMIN)."""
+def small_disk(tmp_path, request):
+    """A tmpfs of the test's size, mounted for the test (this needs root, or CAP_SYS_ADMIN)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL[request.param][0]}", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill up (needs root): {p.stderr.strip()}")
     try:
@@ -159,22 +168,21 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.mark.parametrize("where", ["spool", "write"])
-def test_disk_full_is_507_with_one_log_line(small_disk, where):
+@pytest.mark.parametrize("small_disk", sorted(FULL), indirect=True)
+def test_disk_full_is_507_with_one_log_line(small_disk, request):
     """Reported: a disk that filled up while an upload was spooled was a 500 with a traceback in the log
     for every request.  MinIO answers 507 Insufficient Storage: so does this server, and logs one line.
-    ``spool``: the upload itself does not fit; ``write``: it fits, its KV file does not."""
-    rng = np.random.default_rng(3)
-    if where == "spool":
-        k = rng.standard_normal((1, 2, 8192, 128)).astype(np.float32)     # 2 x 8 MiB stored
-    else:
-        k = rng.standard_normal((1, 2, 4096, 128)).astype(np.float32)     # 2 x 4 MiB stored, 8 MiB written
+    The disk fills while the upload is spooled, while its KV file is written, or when the buffer a
+    tensor is converted in is allocated (in a file: it must be ENOSPC there, never SIGBUS)."""
+    where = request.node.callspec.params["small_disk"]
+    _, shape, dtype, compression = FULL[where]
+    k = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     body = npz(k=k, v=k + 1)
     with serve(small_disk, TOKEN) as (base, proc):
         before = len(server_log(proc))
         for i in range(3):
-            st, out, _ = post(base, f"/mcrp/v1/contexts?model_id=m&content=full-{where}-{i}&dtype=float32"
-                                    "&compression=none", body)
+            st, out, _ = post(base, f"/mcrp/v1/contexts?model_id=m&content=full-{where}-{i}&dtype={dtype}"
+                                    f"&compression={compression}", body)
             assert st == 507, (st, out)
             assert "no space left" in out["error"].lower() and str(small_disk) not in out["error"], out
         time.sleep(0.3)
