@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import http
 import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -127,6 +128,17 @@ def _describe(exc: Exception) -> str:
     return re.sub(r"bytearray\((b['\"].*?['\"])\)", r"\1", str(exc))[:300]
 
 
+def _not_a_parser_refusal(record: logging.LogRecord) -> bool:
+    """uvicorn warns "Invalid HTTP request received." for every refusal of the parser: each has its own
+    access-log line instead, with the status and the request line when there was one."""
+    return record.msg != "Invalid HTTP request received."
+
+
+#: what uvicorn's protocol logs (uvicorn.error otherwise), less the warning above
+_PROTOCOL_LOG = logging.getLogger("mcf.bucket.http")
+_PROTOCOL_LOG.addFilter(_not_a_parser_refusal)
+
+
 def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambda headers: True) -> type:
     """uvicorn's h11 protocol with ``limits`` applied (pass it as ``uvicorn.Config(http=...)``).
     ``authorised(headers)`` says whether a request head (h11's list of lowercased name, value pairs)
@@ -136,6 +148,8 @@ def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambd
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     busy = _response(503, "too many open connections; retry later")
+    if _PROTOCOL_LOG.level == logging.NOTSET:
+        _PROTOCOL_LOG.setLevel(logging.INFO)  # uvicorn formats its trace messages when the level is lower
     send_step = min(1.0, limits.send_timeout / 4)
 
     class ClientClock(FlowControl):
@@ -254,6 +268,7 @@ def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambd
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
             self.conn = StrictConnection(self._saw_request)
+            self.logger = _PROTOCOL_LOG
 
         # -- connections ---------------------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
