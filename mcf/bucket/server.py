@@ -334,32 +334,32 @@ _ORIGIN = re.compile(r"(https?)://([^/?#]*)")
 
 def _authority(value: str) -> tuple[str, int | None]:
     """``(host, port)`` of a Host header or an Origin's authority: the host lowercased, without a final
-    dot, an IPv6 address in its compressed form; ValueError (with the reason) for anything else: a user
-    part (``localhost:1@evil.example``), a path, text after an address in brackets, an IPv6 address
-    without brackets, a zone id, an empty, non-decimal or out-of-range port (RFC 9112 §3.2, RFC 3986
-    §3.2.2: a server answers such a Host with 400)."""
+    dot, an IPv6 address in its compressed form.  Anything else is an :class:`InvalidArgumentError`
+    saying why: a user part (``localhost:1@evil.example``), a path, text after an address in brackets,
+    an IPv6 address without brackets, a zone id, an empty, non-decimal or out-of-range port (RFC 9112
+    §3.2 and RFC 3986 §3.2.2: a server answers such a Host with 400)."""
     v = value.lower()
     if v.startswith("["):
         end = v.find("]")
         if end < 0:
-            raise ValueError("an IPv6 address without its closing ']'")
+            raise InvalidArgumentError("an IPv6 address without its closing ']'")
         try:
-            if "%" in v[1:end]:
-                raise ValueError
             name = ipaddress.IPv6Address(v[1:end]).compressed
         except ValueError:
-            raise ValueError("not an IPv6 address inside the brackets") from None
+            name = None
+        if name is None or "%" in v[1:end]:
+            raise InvalidArgumentError("not an IPv6 address (without a zone id) inside the brackets")
         rest = v[end + 1:]
     else:
         name, sep, port = v.partition(":")
         if not _REG_NAME.fullmatch(name):
-            raise ValueError("not a host name or address (letters, digits, '-', '_' and dots)")
+            raise InvalidArgumentError("not a host name or address (letters, digits, '-', '_' and dots)")
         name, rest = name.rstrip("."), sep + port
     if not rest:
         return name, None
     m = _PORT.fullmatch(rest)
     if m is None or not 0 < int(m.group(1)) <= 65535:
-        raise ValueError("a port must be a decimal number from 1 to 65535")
+        raise InvalidArgumentError("a port must be a decimal number from 1 to 65535")
     return name, int(m.group(1))
 
 
@@ -372,7 +372,7 @@ def _host_name(value: str) -> str:
         pass
     try:
         return _authority(value.strip())[0]
-    except ValueError as exc:
+    except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"allowed host {value!r} is not a host name or address: {exc}") from None
 
 
@@ -852,7 +852,7 @@ class _Exposure:
             return 400, "a Host header is required"
         try:
             name, port = _authority(hosts[0])
-        except ValueError as exc:
+        except InvalidArgumentError as exc:
             return 400, f"Host {hosts[0]!r} is not a valid host[:port] (RFC 9112 §3.2): {exc}"
         if not self.any_host and name not in self.hosts:
             return 400, f"Host {hosts[0]!r} is not served here (allowed: {sorted(self.hosts)}; see --allow-host)"
@@ -874,7 +874,7 @@ def _same_origin(origin: str, scheme: str, name: str, port: int | None) -> bool:
         return False
     try:
         o_name, o_port = _authority(m.group(2))
-    except ValueError:
+    except InvalidArgumentError:
         return False
     default = {"http": 80, "https": 443}
     return (m.group(1), o_name, o_port or default[m.group(1)]) == (scheme, name, port or default.get(scheme))
