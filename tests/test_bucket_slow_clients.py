@@ -233,3 +233,20 @@ def test_a_body_the_server_is_slow_to_read_is_not_cut_off(tmp_path):
         out = json.loads(r.read())
         conn.close()
         assert r.status == 201, out
+
+
+def test_unauthenticated_requests_share_one_budget(monkeypatch):
+    """The token bucket that paces requests from connections without the token: a burst of ``rate``,
+    then one every 1/rate seconds, each waiting its turn in arrival order (a fake clock)."""
+    from mcf.bucket import _http_limits
+
+    now = [100.0]
+    monkeypatch.setattr(_http_limits.time, "monotonic", lambda: now[0])
+    bucket = _http_limits._TokenBucket(10.0)
+    assert [bucket.wait() for _ in range(10)] == [0.0] * 10
+    assert [round(bucket.wait(), 6) for _ in range(3)] == [0.1, 0.2, 0.3]
+    now[0] += 1.0  # a second refills ten turns: three are owed
+    assert round(bucket.wait(), 6) == 0.0 and round(bucket.wait(), 6) == 0.0
+    now[0] += 60
+    assert [bucket.wait() for _ in range(10)] == [0.0] * 10  # never more than the burst banked
+    assert bucket.wait() > 0

@@ -14,6 +14,10 @@ the former.  So the protocol is uvicorn's h11 one, subclassed:
   newcomer gets 503 and is closed.  A flood of unauthenticated or half-open connections thus cannot
   lock out a client that holds the token (Redis closes clients under memory pressure the same way,
   worst first, with ``maxmemory-clients``).
+* **Unauthenticated requests share a budget** of ``untrusted_rate`` a second (all connections that have
+  not shown the token together, a token bucket as nginx's ``limit_req``): past it, each waits its turn
+  before the application sees it, so a flood of them (or of guesses at the token) takes a bounded
+  share of the server, whatever its number of connections, and requests with the token go first.
 * **Deadlines**, each counting only the time the server waits for the client (not while it is busy
   itself and has stopped reading):
 
@@ -57,8 +61,8 @@ from mcf.bucket._access_log import log_request, request_target
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_BODY_DEADLINE", "DEFAULT_BODY_MIN_RATE", "DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT",
-           "DEFAULT_MAX_CONNECTIONS", "DEFAULT_SEND_TIMEOUT", "MAX_HEADER_BYTES", "MAX_HEADERS", "MAX_PIPELINED",
-           "Limits", "protocol_class"]
+           "DEFAULT_MAX_CONNECTIONS", "DEFAULT_SEND_TIMEOUT", "DEFAULT_UNTRUSTED_RATE", "MAX_HEADER_BYTES", "MAX_HEADERS",
+           "MAX_PIPELINED", "Limits", "protocol_class"]
 
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_HEADER_TIMEOUT = 10.0
@@ -75,6 +79,8 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 100
 #: requests answered in a row from what a client pipelined
 MAX_PIPELINED = 32
+#: requests a second from connections that have not shown the token, all together (and the burst)
+DEFAULT_UNTRUSTED_RATE = 50.0
 _LONGEST_WAIT = 86400.0
 
 # where h11 ends a request head: a blank line, after CRLF or a bare LF
@@ -96,12 +102,14 @@ class Limits:
     max_header_bytes: int = MAX_HEADER_BYTES
     max_headers: int = MAX_HEADERS
     max_pipelined: int = MAX_PIPELINED
+    untrusted_rate: float = DEFAULT_UNTRUSTED_RATE
     #: the open connections, oldest first (a dict keeps insertion order)
     open: dict = field(default_factory=dict)
     refused: int = 0
     shed: int = 0
     timed_out: int = 0
     rejected: int = 0
+    throttled: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_header_bytes", "max_headers", "max_pipelined"):
@@ -110,9 +118,24 @@ class Limits:
             v = real(getattr(self, name), name)
             if not 0 < v <= _LONGEST_WAIT:
                 raise InvalidArgumentError(f"{name} must be a number of seconds in (0, {_LONGEST_WAIT:.0f}], got {v!r}")
-        rate = real(self.body_min_rate, "body_min_rate")
-        if not 0 < rate < float("inf"):
-            raise InvalidArgumentError(f"body_min_rate must be a positive number of bytes a second, got {rate!r}")
+        for name in ("body_min_rate", "untrusted_rate"):
+            rate = real(getattr(self, name), name)
+            if not 0 < rate < float("inf"):
+                raise InvalidArgumentError(f"{name} must be a positive number (a second), got {rate!r}")
+
+
+class _TokenBucket:
+    """``rate`` requests a second with a burst of as many: :meth:`wait` is how long the next one waits
+    for its turn (each takes a turn, so waits grow in arrival order)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.tokens, self.at = rate, rate, time.monotonic()
+
+    def wait(self) -> float:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate) - 1
+        self.at = now
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
 def _response(status: int, message: str) -> bytes:
@@ -148,6 +171,7 @@ def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambd
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     busy = _response(503, "too many open connections; retry later")
+    untrusted = _TokenBucket(limits.untrusted_rate)
     if _PROTOCOL_LOG.level == logging.NOTSET:
         _PROTOCOL_LOG.setLevel(logging.INFO)  # uvicorn formats its trace messages when the level is lower
     send_step = min(1.0, limits.send_timeout / 4)
@@ -269,6 +293,18 @@ def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambd
             super().__init__(*args, **kwargs)
             self.conn = StrictConnection(self._saw_request)
             self.logger = _PROTOCOL_LOG
+            app = self.app
+
+            async def in_turn(scope, receive, send) -> None:
+                """The application, once a request without the token has had its turn."""
+                if not self._trusted:
+                    wait = untrusted.wait()
+                    if wait > 0:
+                        limits.throttled += 1
+                        await asyncio.sleep(wait)
+                await app(scope, receive, send)
+
+            self.app = in_turn
 
         # -- connections ---------------------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

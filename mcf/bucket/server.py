@@ -436,7 +436,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         async def handler(request: Request):
             if token is not None and request.url.path != f"{PREFIX}/openapi.json":
                 if not _bearer_ok(request.headers.get("authorization"), token):
-                    return err(401, "missing or wrong bearer token")
+                    # a body it sent is not read: end the connection rather than wait for the rest
+                    h = request.headers
+                    pending = h.get("content-length", "0") != "0" or "transfer-encoding" in h
+                    return err(401, "missing or wrong bearer token", close=pending)
             try:
                 return await fn(request)
             except UploadTooLargeError as exc:
@@ -741,8 +744,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         skipped = [dict(x, reason=scrub(str(x.get("reason", "")))) for x in reg["skipped"]]
         return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": skipped})
 
+    openapi_body = JSONResponse(OPENAPI).body  # rendered once: anyone may ask for it, without the token
+
     async def openapi(request: Request):
-        return JSONResponse(OPENAPI)
+        return Response(openapi_body, media_type="application/json")
 
     def by_method(**handlers):
         """One route per path, so a wrong method gets 405 with the full Allow header."""
