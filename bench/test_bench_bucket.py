@@ -313,8 +313,8 @@ def load_server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MCF_BUCKET_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root), "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root), "--port",
+                             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -562,7 +562,7 @@ def test_server_lookups_beside_slow_clients(benchmark, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root), "--port",
-                             str(port), "--max-connections", str(SLOW_CAP), "--no-access-log"],
+                             str(port), "--max-connections", str(SLOW_CAP)],
                             env=dict(os.environ, MCF_BUCKET_TOKEN=TOKEN), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

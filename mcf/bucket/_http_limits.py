@@ -61,8 +61,8 @@ from mcf.bucket._access_log import log_request, request_target
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_BODY_DEADLINE", "DEFAULT_BODY_MIN_RATE", "DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT",
-           "DEFAULT_MAX_CONNECTIONS", "DEFAULT_SEND_TIMEOUT", "DEFAULT_UNTRUSTED_RATE", "MAX_HEADER_BYTES", "MAX_HEADERS",
-           "MAX_PIPELINED", "Limits", "protocol_class"]
+           "DEFAULT_MAX_CONNECTIONS", "DEFAULT_SEND_TIMEOUT", "DEFAULT_UNTRUSTED_RATE", "MAX_HEADER_BYTES",
+           "MAX_HEADERS", "MAX_PIPELINED", "Limits", "protocol_class"]
 
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_HEADER_TIMEOUT = 10.0

@@ -15,10 +15,11 @@ on loopback only (Redis' protected mode); bodies are read in pieces up to a hard
 few at a time (503 with Retry-After past :data:`DEFAULT_MAX_CONCURRENT_INGESTS`), their arrays bounded
 once decoded; a full disk is 507 (as MinIO answers), logged in one line; connections are capped,
 slow ones closed, and requests framed strictly (:mod:`mcf.bucket._http_limits`); every request is
-logged in one line (:mod:`mcf.bucket._access_log`).  ``query`` needs a language model, which this engine does not contain:
-it goes through a :class:`QueryBackend` given to :func:`create_app` (:class:`mcf.bucket.hf.TransformersBackend`
-is one); a backend that also has ``ingest`` (:class:`IngestBackend`) lets the ingest route take the content
-itself as a JSON body and compute its KV cache.
+logged in one line (:mod:`mcf.bucket._access_log`).  ``query`` needs a language model, which this
+engine does not contain: it goes through a :class:`QueryBackend` given to :func:`create_app`
+(:class:`mcf.bucket.hf.TransformersBackend` is one); a backend that also has ``ingest``
+(:class:`IngestBackend`) lets the ingest route take the content itself as a JSON body and compute its
+KV cache.
 """
 
 from __future__ import annotations
@@ -396,8 +397,9 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload as sent,
     ``max_ingest_bytes`` the bytes its arrays declare (checked before any is decoded), ``max_json_bytes``
     every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or ``max_body_bytes`` when
-    smaller); past ``max_concurrent_ingests`` ingests at once, one more is 503 with ``Retry-After``.  ``backend`` answers the query route (:class:`QueryBackend`) and,
-    when it has ``ingest`` (:class:`IngestBackend`), takes text ingests; without one both answer 501.
+    smaller); past ``max_concurrent_ingests`` ingests at once, one more is 503 with ``Retry-After``.
+    ``backend`` answers the query route (:class:`QueryBackend`) and, when it has ``ingest``
+    (:class:`IngestBackend`), takes text ingests; without one both answer 501.
     ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
     every ``events_keepalive`` seconds (:mod:`mcf.bucket._events`); the hub is ``app.state.events``."""
     require("starlette", feature="the bucket's REST server", extra="server")
