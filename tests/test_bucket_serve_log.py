@@ -60,14 +60,18 @@ def test_every_request_is_logged_without_tokens_or_query_strings(tmp_path):
         assert get(base, "/mcrp/v1/nowhere")[0] == 404
         responses, _ = exchange(base, head("GET", "/mcrp/v1/registry", "X-A: a\r\n b", token=TOKEN))
         assert responses[0][0] == 400   # refused by the HTTP layer, before the application: logged too
-        lines = logged(proc, 5)
+        responses, _ = exchange(base, head("GET", "/mcrp/v1/registry", "Connection: Upgrade, close",
+                                           "Upgrade: websocket", token=TOKEN))
+        assert responses[0][0] == 200   # no WebSocket here: an ordinary request, one line
+        lines = logged(proc, 6)
         assert [(m, p, s) for m, p, s, _, _ in lines] == [
             ("GET", "/mcrp/v1/registry", "200"), ("GET", "/mcrp/v1/registry", "401"),
             ("GET", "/mcrp/v1/models/m/contexts?...", "400"), ("GET", "/mcrp/v1/nowhere", "404"),
-            ("GET", "/mcrp/v1/registry", "400")], lines
+            ("GET", "/mcrp/v1/registry", "400"), ("GET", "/mcrp/v1/registry", "200")], lines
         assert all(int(b) > 0 and float(ms) >= 0 for *_, b, ms in lines)
         log = server_log(proc)
         assert TOKEN not in log and secret not in log and "Bearer" not in log
+        assert "WARNING" not in log, log
 
 
 def test_no_access_log(tmp_path):

@@ -151,15 +151,20 @@ def _describe(exc: Exception) -> str:
     return re.sub(r"bytearray\((b['\"].*?['\"])\)", r"\1", str(exc))[:300]
 
 
-def _not_a_parser_refusal(record: logging.LogRecord) -> bool:
-    """uvicorn warns "Invalid HTTP request received." for every refusal of the parser: each has its own
-    access-log line instead, with the status and the request line when there was one."""
-    return record.msg != "Invalid HTTP request received."
+#: what uvicorn warns about for every such request, which has its access-log line instead
+_PER_REQUEST_WARNINGS = ("Invalid HTTP request received.", "Unsupported upgrade request.",
+                         "No supported WebSocket library detected")
 
 
-#: what uvicorn's protocol logs (uvicorn.error otherwise), less the warning above
+def _not_per_request(record: logging.LogRecord) -> bool:
+    """uvicorn warns for every refusal of the parser and every ``Upgrade`` request: a client could fill
+    the log with them; each has its own access-log line instead, with the status."""
+    return not str(record.msg).startswith(_PER_REQUEST_WARNINGS)
+
+
+#: what uvicorn's protocol logs (uvicorn.error otherwise), less the warnings above
 _PROTOCOL_LOG = logging.getLogger("mcf.bucket.http")
-_PROTOCOL_LOG.addFilter(_not_a_parser_refusal)
+_PROTOCOL_LOG.addFilter(_not_per_request)
 
 
 def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambda headers: True) -> type:

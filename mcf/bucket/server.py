@@ -967,6 +967,7 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
 
     config = uvicorn.Config(_AccessLog(app), host=host, port=port, log_level=log_level, access_log=False,
                             log_config=_log_config(access_log), server_header=False,
+                            ws="none",  # an upgraded connection would leave the limits of the HTTP protocol
                             http=limits_mod.protocol_class(limits, authorised=authorised))
     protection = "token: required" if token is not None else "token: off, protected mode: loopback only"
     announce = on_listening or _log.info
