@@ -227,3 +227,31 @@ def test_a_repeated_origin_is_refused(server, order):
     responses, _ = exchange(base, head("DELETE", f"/mcrp/v1/contexts/{cid}", own, "Connection: close", host=host,
                                        token=TOKEN))
     assert [r[0] for r in responses] == [204]
+
+
+@pytest.mark.parametrize("fold,status", [(False, 200), (True, 400)])
+def test_a_head_sent_a_byte_at_a_time_is_checked_whole(server, fold, status):
+    """The checks see the whole head however it arrives (here one byte per packet, a pipelined request
+    after it): a fold split across packets is still found, and a clean head is still served."""
+    import socket
+    import time
+
+    from _bucket_attacks import connect, parse_responses, read_until_closed
+
+    base, _ = server
+    extra = ("X-A: a\r\n b",) if fold else ()
+    data = head("GET", "/mcrp/v1/registry", *extra, token=TOKEN)
+    if not fold:  # (after a refusal, more bytes would only draw a reset, which can discard the answer)
+        data += head("GET", "/mcrp/v1/registry", "Connection: close", token=TOKEN)
+    with connect(base) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(len(data)):
+            try:
+                s.send(data[i:i + 1])
+            except OSError:  # refused and closed: the rest is not wanted
+                break
+            if i % 64 == 0:
+                time.sleep(0.001)
+        raw, closed = read_until_closed(s, time.monotonic() + 10)
+    statuses = [r[0] for r in parse_responses(raw)]
+    assert statuses == ([200, 200] if status == 200 else [400]) and closed, statuses

@@ -235,17 +235,30 @@ def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambd
             self.refusal: tuple[int, str] | None = None
             self.request_line: tuple[str, str, str] | None = None  # of a refused head, for the access log
             self._on_request = on_request
+            # the bytes of the head being received (h11's buffer is copied once per request, then the
+            # pieces that arrive are added: a head sent a byte at a time costs linear time, not quadratic)
+            self._head: bytearray | None = None
+            self._searched = 0
 
         def refuse(self, status: int, message: str):
             self.refusal = (status, message)
             raise h11.RemoteProtocolError(message, error_status_hint=status)
 
+        def receive_data(self, data: bytes) -> None:
+            if self._head is not None:
+                self._head += data
+            super().receive_data(data)
+
         def next_event(self):
             state = self.their_state
             try:
                 if state is h11.IDLE:
-                    self._check_head(self.trailing_data[0])
+                    if self._head is None:
+                        self._head, self._searched = bytearray(self.trailing_data[0]), 0
+                    self._check_head(self._head)
                 event = super().next_event()
+                if state is h11.IDLE and event is not h11.NEED_DATA:
+                    self._head = None
                 if type(event) is h11.Request:
                     self._check_request(event)
                 return event
@@ -257,13 +270,14 @@ def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambd
                     self.refusal = (status, _describe(exc))
                 raise
 
-        def _check_head(self, data: bytes) -> None:
-            end = _BLANK_LINE.search(data)
+        def _check_head(self, data: bytearray) -> None:
+            end = _BLANK_LINE.search(data, max(0, self._searched - 2))
             if end is None:
+                self._searched = len(data)
                 if len(data) > limits.max_header_bytes:
                     self.refuse(431, f"request head larger than {limits.max_header_bytes} bytes")
                 return
-            head = data[:end.end()]
+            head = bytes(data[:end.end()])
             line = _REQUEST_LINE.match(head)
             if line:
                 self.request_line = tuple(x.decode("latin-1") for x in line.groups())
