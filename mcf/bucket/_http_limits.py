@@ -170,7 +170,8 @@ _PROTOCOL_LOG.addFilter(_not_per_request)
 def protocol_class(limits: Limits, *, authorised: Callable[[list], bool] = lambda headers: True) -> type:
     """uvicorn's h11 protocol with ``limits`` applied (pass it as ``uvicorn.Config(http=...)``).
     ``authorised(headers)`` says whether a request head (h11's list of lowercased name, value pairs)
-    carries the bearer token; connections that have sent one are never closed to make room."""
+    carries the bearer token; connections that have sent one are never closed to make room, and their
+    requests do not wait for the budget of unauthenticated ones."""
     import h11
     from uvicorn.protocols.http.flow_control import FlowControl
     from uvicorn.protocols.http.h11_impl import H11Protocol
