@@ -99,7 +99,8 @@ def _errors(*codes: int) -> dict:
            404: "no such context, model or route",
            409: "the tier cannot be reached here (no torch or no such device, larger than the warm budget, "
                 "or the device out of memory), "
-                "or the context is stale (computed by its model's former weights)",
+                "or the context is stale (computed by its model's former weights), "
+                "or encrypted under a key this server does not hold",
            413: "body too large (or, for an upload, the arrays it declares)",
            415: "content type not accepted on this route (JSON routes take application/json, the upload "
                 "application/octet-stream)",
@@ -212,7 +213,7 @@ OPENAPI: dict = {
                      "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY,
                                                                    "application/json": {"schema": _ref("TextIngest")}}},
                      "responses": {"201": _json("Ingested", "ingested (or found: deduplicated)"),
-                                   **_errors(*_WRITE, 422, 501)}},
+                                   **_errors(*_WRITE, 409, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}": {
             "get": {"summary": "Context metadata", "parameters": [_ID],
@@ -340,6 +341,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
     from mcf.bucket.tiers import HotTierFullError, WarmBudgetError
+    from mcf.errors import EncryptionKeyError
 
     check_token(token)
     for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes)):
@@ -374,7 +376,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 return err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
             except _UnsupportedMedia as exc:
                 return err(415, str(exc), close=True)
-            except (WarmBudgetError, HotTierFullError, StaleContextError) as exc:
+            except (WarmBudgetError, HotTierFullError, StaleContextError, EncryptionKeyError) as exc:
                 return err(409, str(exc))
             except InvalidArgumentError as exc:
                 return err(400, str(exc))

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from mcf.bucket import _layout as L
+from mcf.bucket._crypto import KEY_ID_RE, key_id
 from mcf.bucket._fs import BucketFS, refusal
 from mcf.bucket._json import MAX_DOC_BYTES, dumps, get_field, iso, parse_iso, parse_json
 from mcf.bucket._names import (
@@ -77,7 +78,9 @@ from mcf.bucket.kvfile import KVFile, open_kv, write_kv
 from mcf.bucket.tiers import TIERS, expired, preference, preference_steps
 from mcf.errors import (
     ArgumentTypeError,
+    ChecksumError,
     ContextNotFoundError,
+    EncryptionKeyError,
     FormatError,
     InvalidArgumentError,
     MCFError,
@@ -476,9 +479,20 @@ class Bucket:
             stale = self._stale_error(meta)
             if stale is not None:
                 return stale
-        if meta["kv_cache"].get("encrypted") is True and self._key is None:
-            return InvalidArgumentError(f"{meta['context_id']}: the KV data is encrypted; open the bucket with key= "
-                                        "(or set MCF_BUCKET_KEY)")
+        return self._key_refusal(meta)
+
+    def _key_refusal(self, meta: dict) -> EncryptionKeyError | None:
+        """The EncryptionKeyError of a context this object cannot decrypt, known from its metadata (no key
+        here, or another key's id recorded), else None."""
+        if meta["kv_cache"].get("encrypted") is not True:
+            return None
+        if self._key is None:
+            return EncryptionKeyError(f"{meta['context_id']}: the KV data is encrypted; open the bucket with key= "
+                                      "(or set MCF_BUCKET_KEY)")
+        recorded = meta["kv_cache"].get("key_id")
+        if recorded is not None and recorded != key_id(self._key):
+            return EncryptionKeyError(f"{meta['context_id']}: the KV data is encrypted under another key (key id "
+                                      f"{recorded}) than this bucket's ({key_id(self._key)})")
         return None
 
     def is_stale(self, context_id_or_meta: str | dict) -> bool:
@@ -604,6 +618,10 @@ class Bucket:
             raise FormatError("unknown dtype", path=p, field="kv_cache.dtype", got=dt) from None
         get_field(meta, p, "kv_cache", "size_bytes", types=int)
         get_field(meta, p, "storage", "checksum", types=str)
+        kid = meta["kv_cache"].get("key_id")
+        if kid is not None and (not isinstance(kid, str) or not KEY_ID_RE.fullmatch(kid)):
+            raise FormatError("not a key id", path=p, field="kv_cache.key_id", expected="32 lowercase hex digits",
+                              got=str(kid)[:40])
         get_field(meta, p, "timestamps", "created_at", types=str)
         get_field(meta, p, "timestamps", "last_accessed", types=str)
         get_field(meta, p, "timestamps", "expires_at", types=(str, type(None)))
@@ -640,7 +658,8 @@ class Bucket:
                ttl: float | None = None, pinned: bool = False, threads: int = 1) -> dict:
         """Store a context: ``layers[i] = (K, V)`` of shape [num_kv_heads, tokens, head_dim], for the text
         ``content`` or its ``token_ids``.  Returns the metadata (with ``"deduplicated": True`` when the
-        same context was already stored; its data is then left as it was)."""
+        same context was already stored; its data is then left as it was, unless it is stale or stored
+        in clear while this bucket encrypts: then the new data takes its place; see :meth:`reusable`)."""
         check_model_id(model_id)
         chash = content_hash(content, token_ids=token_ids)
         ttl = self.default_ttl if ttl is None else check_ttl(ttl, "ttl")
@@ -669,10 +688,9 @@ class Bucket:
                            "model_hash": doc.get("model_hash")}
         cid = context_id_for(model_id, chash, kd, shape)
         rel = ctx_rel(cid)
-        if self._fs.lstat(rel) is not None:
-            with self._lock():
-                if not self._replaceable_locked(cid):
-                    return self._deduplicated_locked(cid)
+        found = self.reusable(cid)
+        if found is not None:
+            return found
 
         ntok = shape.sequence_length
         prefix = None
@@ -708,6 +726,7 @@ class Bucket:
                         "compression": L.COMPRESSION_NAMES[comp],
                         "chunked": header.chunked,
                         "encrypted": header.encrypted,
+                        "key_id": key_id(self._key) if header.encrypted else None,
                     },
                     "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
                                 "checksum": f"crc32:{header.checksum:08x}"},
@@ -751,13 +770,56 @@ class Bucket:
         self._emit("context.ingested", model_id=model_id, context_id=cid)
         return meta
 
+    def reusable(self, context_id: str) -> dict | None:
+        """The metadata of the committed context ``context_id`` when an ingest of that id would return it
+        as it is (with ``"deduplicated": True``), None when an ingest would store it: absent, stale
+        (computed by the model's former weights), or stored in clear while this bucket encrypts (the
+        ingest stores it encrypted in its place).  EncryptionKeyError when it is encrypted under a key this
+        bucket does not hold, or while this bucket has none: neither returned as usable nor overwritten.
+        What an ingest checks before computing anything (a model backend checks it before it runs)."""
+        if self._fs.lstat(ctx_rel(context_id)) is None:
+            return None
+        with self._lock():
+            if self._replaceable_locked(context_id):
+                return None
+            return self._deduplicated_locked(context_id)
+
     def _replaceable_locked(self, context_id: str) -> bool:
-        """True when the committed context of this id is stale (computed by the model's former weights),
-        so a new ingest of the same content replaces it instead of returning it (caller holds the lock)."""
+        """True when a new ingest of the committed context of this id replaces it instead of returning it
+        (caller holds the lock): it is stale, or in clear while this bucket encrypts.  EncryptionKeyError
+        when it is encrypted under a key this bucket does not hold (or it has none): deduplicating would
+        answer with data unusable here, replacing would take it from the holders of its key."""
         try:
-            return self.is_stale(self._read_meta(context_id))
+            meta = self._read_meta(context_id)
         except (ContextNotFoundError, FormatError):
             return False
+        if self.is_stale(meta):
+            return True
+        if meta["kv_cache"].get("encrypted") is not True:
+            return self._key is not None
+        if not self._holds_key(context_id, meta):
+            where = ("this bucket has no key" if self._key is None
+                     else "under another key than this bucket's")
+            raise EncryptionKeyError(
+                f"{context_id} is already stored, encrypted, and {where}: returning it would answer with data "
+                "that cannot be loaded here, and storing it again would take it from whoever holds its key. "
+                "Use that key (key=, MCF_BUCKET_KEY), or delete the context first")
+        return False
+
+    def _holds_key(self, context_id: str, meta: dict) -> bool:
+        """True when this object's key decrypts the encrypted context ``meta``: from the key id its
+        metadata records, or, for a context written before key ids were recorded, by authenticating its
+        first layer's chunks with the key."""
+        if self._key_refusal(meta) is not None:
+            return False
+        if meta["kv_cache"].get("key_id") is not None:
+            return True
+        try:
+            with self.open(context_id) as f:
+                f.load(layers=[0], tokens=1, verify=False)
+        except ChecksumError:  # failed authentication: another key (or a deliberate change)
+            return False
+        return True
 
     def _drop_tree(self, rel: str) -> None:
         """Remove a committed context directory (renamed aside first, so the name is free at once)."""
@@ -1029,6 +1091,9 @@ class Bucket:
             if target_tier not in ("warm", "hot"):
                 raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
             meta = self.lookup(context_id)
+            refusal = self._key_refusal(meta)  # before anything is read, as for the budget
+            if refusal is not None:
+                raise refusal
             dev = check_device(device) if target_tier == "hot" else None
             on_host = dev is not None and _in_host_memory(dev)
             size = warm_nbytes(meta)
