@@ -897,8 +897,10 @@ class Bucket:
                 except OSError as exc:
                     raise os_error(exc, self._fs.where("contexts")) from exc
             records, skipped = [], []
+            with self._mem:  # a stamp without its summary (a snapshot edited or restored) lists nothing
+                summarized = {cid for m in state["models"].values() for cid in m["contexts"]}
             for cid, stamp in on_disk.items():
-                if stamp is not None and stamps.get(cid) == stamp:
+                if stamp is not None and stamps.get(cid) == stamp and cid in summarized:
                     continue
                 try:
                     meta = self._read_meta(cid)
