@@ -342,6 +342,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
     from mcf.bucket.tiers import HotTierFullError, WarmBudgetError
     from mcf.errors import EncryptionKeyError
+    from mcf.bucket._names import root_scrubber
 
     check_token(token)
     for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes)):
@@ -351,14 +352,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     hosts = set() if any_host else {_host_name(h) for h in ([allowed_hosts] if isinstance(allowed_hosts, str)
                                                            else allowed_hosts)}
     b = bucket if bucket is not None else Bucket(root)
-    # spellings of the bucket's location that must never reach a client (longest first)
-    secrets_ = sorted({os.path.abspath(b.root), os.path.realpath(b.root)}, key=len, reverse=True)
-    secrets_ = [p for p in secrets_ if len(p) > 1]
-
-    def scrub(message: str) -> str:
-        for p in secrets_:
-            message = message.replace(p, "<bucket>")
-        return message
+    scrub = root_scrubber(root, b.root)  # every spelling of the bucket's location: never sent to a client
 
     def err(status: int, message: str, close: bool = False) -> JSONResponse:
         return JSONResponse({"status": "error", "error": scrub(message)}, status_code=status,
