@@ -171,8 +171,8 @@ def test_one_malformed_summary_does_not_fail_every_list(bucket, where, field, ba
     with Bucket(root, reconcile=False) as b:
         got = b.discover("m")
     assert sorted(c["context_id"] for c in got) == cids
-    assert all(isinstance(c["expires_at"], str) and isinstance(c["pinned"], bool) and isinstance(c["last_accessed"], str)
-               for c in got)
+    assert all(isinstance(c["expires_at"], str) and isinstance(c["pinned"], bool)
+               and isinstance(c["last_accessed"], str) for c in got)
 
 
 def test_rest_lists_survive_a_garbage_expiry(bucket):

@@ -54,7 +54,8 @@ def test_no_spelling_of_the_root_reaches_a_client(tmp_path, spelling):
         seen.append(out["error"])
         (tmp_path / "zqbucket" / "contexts" / cid / "metadata.json").write_text("{not json")
         for method, path in (("GET", f"/mcrp/v1/contexts/{cid}"), ("GET", f"/mcrp/v1/contexts/{cid}/kv"),
-                             ("POST", f"/mcrp/v1/contexts/{cid}/promote"), ("DELETE", "/mcrp/v1/contexts/ctx_" + "1" * 32)):
+                             ("POST", f"/mcrp/v1/contexts/{cid}/promote"),
+                             ("DELETE", "/mcrp/v1/contexts/ctx_" + "1" * 32)):
             st, out, _ = request(base, method, path, b"{}" if method == "POST" else None, JSON)
             assert st in (404, 422), (path, st, out)
             seen.append(out["error"])

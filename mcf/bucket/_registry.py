@@ -38,8 +38,8 @@ from mcf.bucket._names import CTX_RE, JOURNAL_NAME, REGISTRY_NAME, check_model_i
 from mcf.bucket.tiers import preference
 from mcf.errors import FormatError, MCFIOError, UnsupportedVersionError, os_error
 
-__all__ = ["JOURNAL_COMPACT_BYTES", "REGISTRY_BASE_BYTES", "REGISTRY_BYTES_PER_CONTEXT", "REGISTRY_VERSION", "Registry", "check_registry_version", "journal_line",
-           "journal_write", "made_by", "parse_journal_line", "summary"]
+__all__ = ["JOURNAL_COMPACT_BYTES", "REGISTRY_BASE_BYTES", "REGISTRY_BYTES_PER_CONTEXT", "REGISTRY_VERSION", "Registry",
+           "check_registry_version", "journal_line", "journal_write", "made_by", "parse_journal_line", "summary"]
 
 #: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
 #: version is refused on read (UnsupportedVersionError), never rebuilt over; a newer minor version is read.
