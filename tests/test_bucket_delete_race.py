@@ -147,6 +147,30 @@ def test_a_lookup_racing_a_delete_is_not_found(tmp_path, monkeypatch):
         b.lookup(cid)
 
 
+def test_an_ingest_racing_a_delete_stores_the_context(tmp_path, monkeypatch):
+    """The ingest saw the context on disk, then the delete removed it before the ingest got the lock: the
+    ingest stores it (as if it had come after the delete), where it raised ContextNotFoundError."""
+    b = Bucket(tmp_path)
+    cid = b.ingest("m", generation(1), content="doc", dtype="float32")["context_id"]
+    waiting, deleted = threading.Event(), threading.Event()
+    real = Bucket._lock
+
+    def slow_lock(self):
+        if threading.current_thread().name == "ingester" and not waiting.is_set():
+            waiting.set()
+            deleted.wait(10)
+        return real(self)
+
+    monkeypatch.setattr(Bucket, "_lock", slow_lock)
+    got = run_in_thread("ingester", lambda: b.ingest("m", generation(2), content="doc", dtype="float32"))
+    assert waiting.wait(10)
+    b.delete(cid)
+    deleted.set()
+    meta = got()
+    assert isinstance(meta, dict) and meta["context_id"] == cid and not meta.get("deduplicated"), meta
+    assert value_of(b.load(cid)) == 2
+
+
 def test_copies_of_a_context_another_process_replaced_are_not_served(tmp_path):
     """Tiers are per process: a server's warm and hot copies of a context that another process (the
     command line, a second server) deleted and ingested again with new values are of other data, and

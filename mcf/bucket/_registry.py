@@ -126,15 +126,25 @@ def check_registry_version(doc: Any, p: Path) -> None:
             "by another major version", path=p, field="mcrp_version", expected=f"{major}.x", got=v)
 
 
+_SUMMARY_FIELDS = (("context_id", str), ("name", (str, type(None))), ("token_count", int), ("size_bytes", int),
+                   ("last_accessed", str), ("expires_at", (str, type(None))), ("pinned", bool))
+
+
 def check_summary(c: Any, p: Path, where: str) -> None:
     """A context's summary as the registry's readers use it (every list checks its expiry): a malformed
-    one is damage to the cache, which is then rebuilt from the contexts' own metadata."""
-    for k, t in (("context_id", str), ("name", (str, type(None))), ("token_count", int), ("size_bytes", int),
-                 ("last_accessed", str), ("expires_at", (str, type(None))), ("pinned", bool)):
-        get_field({"c": c}, p, "c", k, types=t)
+    one is damage to the cache, which is then rebuilt from the contexts' own metadata.  Runs once per
+    context when a snapshot is read, so the common case is a few type checks; the error names the field."""
+    try:
+        ok = all(isinstance(c[k], t) and (t is not int or type(c[k]) is int) for k, t in _SUMMARY_FIELDS)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        for k, t in _SUMMARY_FIELDS:
+            get_field({"c": c}, p, "c", k, types=t)
     if not CTX_RE.fullmatch(c["context_id"]):
         raise FormatError("invalid context id in registry", path=p, field=where, got=c["context_id"])
-    parse_iso(c["expires_at"], p, f"{where}.expires_at")
+    if c["expires_at"] is not None:
+        parse_iso(c["expires_at"], p, f"{where}.expires_at")
 
 
 def state_remove(state: dict, cid: str) -> None:

@@ -780,7 +780,8 @@ class Bucket:
         if self._fs.lstat(ctx_rel(context_id)) is None:
             return None
         with self._lock():
-            if self._replaceable_locked(context_id):
+            # looked at again under the lock: a delete may have come in between
+            if self._fs.lstat(ctx_rel(context_id)) is None or self._replaceable_locked(context_id):
                 return None
             return self._deduplicated_locked(context_id)
 
