@@ -11,9 +11,9 @@ from mcf import io
 from mcf.container.reader import Container, Header, Section, load_file, open
 from mcf._core.dtypes import DType
 from mcf.errors import (AccessError, ArgumentTypeError, ChecksumError, ClosedError, ContextNotFoundError, DTypeError,
-                        FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingDependencyError,
-                        MissingFileError, OutOfBoundsError, StaleContextError, TensorNotFoundError, TruncatedError,
-                        UnknownNameError, UnsupportedVersionError)
+                        EncryptionKeyError, FormatError, InvalidArgumentError, MCFError, MCFIOError,
+                        MissingDependencyError, MissingFileError, OutOfBoundsError, StaleContextError,
+                        TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
 from mcf.container.layout import SectionType, quant_layout
 from mcf.container.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
@@ -44,6 +44,6 @@ __all__ = [
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "ContextNotFoundError",
-    "ArgumentTypeError", "UnknownNameError", "StaleContextError", "load_state_dict",
+    "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError", "load_state_dict",
     "get_include",
 ]
