@@ -460,7 +460,8 @@ SLOW_CAP = 32  # the connection cap of this run: the attackers alone would fill 
 
 def _slow_attack(port: int, stop, counts: dict) -> list:
     """Threads that attack the server on ``port`` until ``stop`` is set: slow readers (a new one every
-    0.1 s, 8 kept open, each pipelining 300 GET /openapi.json with a 4 KiB window, never reading),
+    0.1 s, none closed, each pipelining 300 GET /openapi.json with a 4 KiB window, never reading: with
+    the drips they fill every slot within 3 s, as in the audit),
     drip-fed uploads (6 without the token, 2 with it: one byte every 0.5 s) and one client sending
     unauthenticated requests as fast as it gets answers."""
     import socket
@@ -490,8 +491,6 @@ def _slow_attack(port: int, stop, counts: dict) -> list:
                 counts["readers"] += 1
             except OSError:
                 counts["refused"] += 1
-            while len(live) > 8:
-                live.pop(0).close()
             time.sleep(0.1)
         for s in live:
             s.close()
@@ -600,9 +599,11 @@ def test_server_lookups_beside_slow_clients(benchmark, tmp_path_factory):
         return float(np.percentile(np.array(r["latencies"]["lookup"]) * 1e3, 99))
 
     anchor = (p99(alone) + p99(alone_again)) / 2
-    _report(benchmark, res)
+    print(f"beside slow clients: {len(res['errors'])} errors of {sum(map(len, res['latencies'].values()))} "
+          f"requests, p99 {p99(res):.1f} ms against {anchor:.1f} ms alone")
     benchmark.extra_info.update(p99_alone_ms=p99(alone), p99_alone_again_ms=p99(alone_again),
                                 p99_ratio=p99(res) / anchor, target_p99_ratio=2.0,
                                 errors_alone=len(alone["errors"]) + len(alone_again["errors"]),
                                 attack_slow_readers=counts["readers"], attack_drips=counts["drips"],
                                 attack_flood_requests=counts["flood"], attack_refused=counts["refused"])
+    _report(benchmark, res)
