@@ -373,7 +373,7 @@ LAYER_NAMES = {CORE: "core", FORMAT: "format", CONVERTER: "converter", APP: "app
 LAYERS = {
     # core: imports only core, the standard library and numpy
     "mcf._core": (CORE, "core"), "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
-    "mcf.remote": (CORE, "core"),
+    "mcf.remote": (CORE, "core"), "mcf.loading": (CORE, "core"),
     # formats: one package each
     "mcf.container": (FORMAT, "mcf"),
     "mcf.safetensors": (FORMAT, "safetensors"),
