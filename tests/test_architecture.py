@@ -35,7 +35,7 @@ CYTHON_RAISE_OK = BUILTIN_RAISE_OK | {"MemoryError"}
 POSITIONAL_OK = {
     # "what to load" / "which dtype" is the one thing a reader call is about
     ("mcf.container.reader", "Container.load", "names"): "c.load(['a', 'b'])",
-    ("mcf.container.reader", "load_file", "names"): "mirrors safetensors' load_file(path, ...)",
+    ("mcf.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
     ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.container.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from mcf._core._io import Source, aligned_empty
+from mcf._core.args import integer
 from mcf.errors import InvalidArgumentError
 from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
@@ -201,6 +202,10 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
     when given (``copy=False``), may return a zero-copy result for a piece with a ``view`` range; None
     reads it like the others.
     """
+    if threads is not None:
+        integer(threads, "threads", minimum=1)
+    if chunk_bytes is not None:
+        integer(chunk_bytes, "chunk_bytes", minimum=1)
     results = {}
     direct = _Reads()
     stages = []
