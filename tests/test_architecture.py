@@ -36,6 +36,7 @@ POSITIONAL_OK = {
     # "what to load" / "which dtype" is the one thing a reader call is about
     ("mcf.container.reader", "Container.load", "names"): "c.load(['a', 'b'])",
     ("mcf.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
+    ("mcf.torch", "load_file", "device"): "safetensors.torch.load_file(filename, device): a drop-in takes it positionally",
     ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.container.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
