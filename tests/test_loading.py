@@ -290,6 +290,20 @@ def test_a_quarter_of_every_matrix_reads_a_quarter(model_files):
     assert total == matrices
 
 
+def test_tp_shares_read_only_their_bytes_through_load_state_dict(model_files):
+    """The tp_rank/tp_size API of load_state_dict reads only each share's bytes too, quantized tensors
+    included (a row share used to read the whole payload when the file was not mapped)."""
+    w, d = model_files
+    with mcf.open(str(d / "quant.mcf"), mmap=False) as c:
+        names = [n for n in c.keys() if c.info(n).dtype.quantized]
+        for dim in (0, 1):
+            before = c.source.bytes_read
+            got = mcf.load_state_dict(c, names=names, tp_rank=1, tp_size=4, tp_dim=dim)
+            read = c.source.bytes_read - before
+            want = sum(_piece_bytes(got[n].shape, c.info(n).dtype.name) for n in names)
+            assert want <= read <= 1.05 * want, (dim, read, want)
+
+
 # -- mcf.load_file on MCF files -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):

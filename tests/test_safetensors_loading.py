@@ -326,6 +326,16 @@ BAD = {
                                           b"\0"), mcf.FormatError, r"header\['w'\]\.dtype.*unsupported"),
     "truncated header": (lambda d: (d / "t.safetensors").write_bytes(struct.pack("<Q", 100) + b"{}"), mcf.FormatError,
                          "header_len"),
+    "empty tensor with a huge dimension": (lambda d: _write_st(d / "t.safetensors", {
+        "w": {"dtype": "F32", "shape": [0, 2**62], "data_offsets": [0, 0]}}, b""), mcf.FormatError,
+        r"t\.safetensors: tensor 'w'\.shape: shape \[0, 4611686018427387904\] is too large"),
+    "dimension past u64": (lambda d: _write_st(d / "t.safetensors", {
+        "w": {"dtype": "U8", "shape": [2**64, 0], "data_offsets": [0, 0]}}, b""), mcf.FormatError, "too large"),
+    "more dimensions than numpy holds": (lambda d: _write_st(d / "t.safetensors", {
+        "w": {"dtype": "U8", "shape": [1] * 33, "data_offsets": [0, 1]}}, b"\0"), mcf.FormatError, "33 dimensions"),
+    "metadata that is not strings": (lambda d: _write_st(d / "t.safetensors", {
+        "__metadata__": {"a": 1}, "w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
+        mcf.FormatError, "__metadata__"),
     "index names a missing shard": (lambda d: _sharded(d, {"a": "s1.safetensors", "b": "s2.safetensors"},
                                                        {"s1.safetensors": ["a"]}),
                                     mcf.MissingFileError, r"holds 'b'.*s2\.safetensors"),
@@ -413,3 +423,20 @@ def test_urls_load_like_paths(tmp_path_factory, every):
             assert list(arrays) == list(local)
         with pytest.raises(mcf.MissingFileError):
             mst.load_file(s.url("nowhere"))
+
+
+def test_url_index_is_checked_against_its_shards(tmp_path_factory):
+    """A sharded checkpoint behind a URL gets the index checks a local directory gets (they were skipped:
+    a tensor the index omits, or one it lists that no shard has, loaded without a word)."""
+    pytest.importorskip("fsspec")
+    pytest.importorskip("aiohttp")
+    import _http_server
+
+    root = tmp_path_factory.mktemp("www-bad")
+    _sharded(root / "omits", {"a": "s1.safetensors"}, {"s1.safetensors": ["a", "hidden"]})
+    _sharded(root / "ghost", {"a": "s1.safetensors", "ghost": "s1.safetensors"}, {"s1.safetensors": ["a"]})
+    with _http_server.serve(str(root), str(tmp_path_factory.mktemp("srv-bad"))) as s:
+        with pytest.raises(mcf.FormatError, match="'hidden' of s1.safetensors is not in the index"):
+            mst.open_checkpoint(s.url("omits"))
+        with pytest.raises(mcf.FormatError, match="'ghost'"):
+            mst.open_checkpoint(s.url("ghost/"))

@@ -33,12 +33,12 @@ import numpy as np
 
 from mcf._core._io import Source, aligned_empty
 from mcf._core.args import integer
-from mcf.errors import InvalidArgumentError
+from mcf.errors import FormatError, InvalidArgumentError
 from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
 
 __all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "execute", "aligned_bytes", "source_options", "STAGING_BYTES",
-           "ALIGN_FROM"]
+           "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
 
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
 STAGING_BYTES = 64 << 20
@@ -138,10 +138,24 @@ def _cast_stages(offsets: np.ndarray, size: int, itemsize: int, src_name: str) -
     return out
 
 
+#: numpy and torch index with int64: an array's dimensions, and its non-zero dimensions times its item
+#: size, must stay below this (an empty tensor's other dimensions are otherwise unchecked by its byte size)
+MAX_ARRAY_BYTES = (1 << 63) - 1
+#: numpy 1.x holds at most 32 dimensions (numpy 2: 64); safetensors sets no limit
+MAX_DIMS = 32
+
+
 def plain_piece(name: str, source: Source, offset: int, shape: tuple, element: Element, cut, *,
                 out: Element | None = None, what: str = "") -> Piece:
     """The piece of a row-major tensor of ``element`` stored at ``offset``: cut ``(dim, start, stop)``
     (None: whole), cast to the float element ``out`` when it differs (F16, BF16, F32 and F64 only)."""
+    widest = max(element.itemsize, out.itemsize if out is not None else 0, 1)
+    if math.prod(d for d in shape if d) * widest > MAX_ARRAY_BYTES:
+        raise FormatError(f"shape {list(shape)} is too large for an array", path=source.name,
+                          field=f"tensor {name!r}.shape", expected="non-zero dims * itemsize < 2**63")
+    if len(shape) > MAX_DIMS:
+        raise FormatError(f"{len(shape)} dimensions are more than numpy holds", path=source.name,
+                          field=f"tensor {name!r}.shape", expected=f"<= {MAX_DIMS}")
     if element.itemsize == 0:   # F4 / F6: the stored bytes, shaped as the tensor
         if cut is not None:
             raise InvalidArgumentError(f"{what}: {element.name} packs values below a byte: it loads whole, "

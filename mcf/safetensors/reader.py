@@ -89,6 +89,9 @@ class SafetensorsFile:
         data_start = 8 + hlen
         data_size = src.size - data_start
         meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise FormatError("__metadata__ must be an object of strings (as safetensors requires)", path=path,
+                              field="header['__metadata__']", offset=8, got=type(meta).__name__)
         tensors = {}
         spans = []
         for name, ent in header.items():
