@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core.args import byte_order_problem, integer, row_range
+from mcf._core.args import byte_order_problem, row_range
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DType
 from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError, UnsupportedVersionError
@@ -22,16 +22,15 @@ from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_AL
 from mcf.container.modelinfo import ModelInfo, decode_model_info
 from mcf.container.quantinfo import QuantRecord, decode_quant_info
 from mcf.container.tensor_index import TensorIndex, TensorInfo, cached_layout
+from mcf.loading.arrays import load_arrays
+from mcf.loading.casts import cast_into
+from mcf.loading.dtypes import BF16_NUMPY as _BF16, ELEMENTS, element_of_mcf
+from mcf.loading.plan import plain_piece
 
 __all__ = ["Container", "Header", "Section", "open"]
 
 _UNIQUE = {SectionType.MODEL_INFO, SectionType.QUANT_INFO, SectionType.TENSOR_INDEX,
            SectionType.TENSOR_DATA, *RESOURCE_FILES}
-
-from mcf.loading.arrays import load_arrays
-from mcf.loading.casts import cast_into
-from mcf.loading.dtypes import BF16_NUMPY as _BF16, ELEMENTS, element_of_mcf
-from mcf.loading.plan import plain_piece
 
 
 @dataclass(frozen=True)
