@@ -304,6 +304,23 @@ def test_tp_shares_read_only_their_bytes_through_load_state_dict(model_files):
             assert want <= read <= 1.05 * want, (dim, read, want)
 
 
+@pytest.mark.parametrize("budget", [4096, 1 << 20])
+def test_decoding_in_small_staging_batches_gives_the_same_result(model_files, monkeypatch, budget):
+    """Casts and quantized tensors are read and decoded in batches of at most STAGING_BYTES of stored
+    bytes (a tensor larger than that in several stages): any budget gives the same arrays."""
+    from mcf.loading import plan
+
+    w, d = model_files
+    want = {kind: mcf.load_file(d / kind, dtype="bfloat16", slices=_tp_plan(4, 3))
+            for kind in ("f16.mcf", "quant.mcf", "ck")}
+    monkeypatch.setattr(plan, "STAGING_BYTES", budget)
+    for kind, ref in want.items():
+        got = mcf.load_file(d / kind, dtype="bfloat16", slices=_tp_plan(4, 3), mmap=False)
+        assert list(got) == list(ref)
+        for n in ref:
+            _same(got[n], ref[n], (kind, n))
+
+
 # -- mcf.load_file on MCF files -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):

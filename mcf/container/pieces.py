@@ -19,7 +19,8 @@ from mcf.container.layout import quant_slice
 from mcf.container.reader import Container
 from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.loading.dtypes import ELEMENTS, element_of_mcf
-from mcf.loading.plan import STAGING_BYTES, Piece, Stage, plain_piece
+from mcf.loading import plan as load_plan
+from mcf.loading.plan import Piece, Stage, plain_piece
 from mcf.loading.slices import cut_of
 
 __all__ = ["tensor_piece"]
@@ -61,9 +62,10 @@ def tensor_piece(c: Container, name: str, spec, dtype, *, threads: int = 1) -> P
     # rows per stage: their stored bytes, and the full-width float32 rows of a cropped or float64 decode,
     # each within the staging budget
     row_bytes = max(1, -(-lay.nbytes // max(1, rows)))
-    per = max(1, STAGING_BYTES // row_bytes)
+    budget = load_plan.STAGING_BYTES
+    per = max(1, budget // row_bytes)
     if not aligned or out.name == "F64":
-        per = max(1, min(per, STAGING_BYTES // max(1, 4 * cols)))
+        per = max(1, min(per, budget // max(1, 4 * cols)))
     stages = []
     for a in range(r0, r1, per):
         b = min(r1, a + per)

@@ -79,13 +79,6 @@ class Piece:
     stages: list | None = None
     view: tuple | None = None
 
-    @property
-    def read_bytes(self) -> int:
-        """Bytes this piece reads from storage."""
-        if self.stages is not None:
-            return sum(int(s.sizes.sum()) for s in self.stages)
-        return int(self.sizes.sum())
-
 
 def cut_ranges(offset: int, shape: tuple, itemsize: int, cut):
     """``(out_shape, offsets, size)`` of a cut ``(dim, start, stop)`` (or None: everything) of a row-major
