@@ -75,7 +75,7 @@ def tensor_piece(c: Container, name: str, spec, dtype, *, threads: int = 1) -> P
                             np.asarray(dst, np.int64), mini.nbytes,
                             _decoder(t.dtype.code, mini.rows, mini.cols, domain, a - r0, c0, c1, aligned, threads)))
     out_shape = (r1 - r0, c1 - c0)
-    return Piece(name, c.source, out_shape, out, np.empty(0, np.int64), np.empty(0, np.int64), stages=stages)
+    return Piece(name, c.source, out_shape, out, stages=stages)
 
 
 def _decoder(code, rows, cols, domain, first, c0, c1, aligned, threads):

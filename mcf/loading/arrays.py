@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mcf.loading.dtypes import numpy_dtype
-from mcf.loading.plan import aligned_bytes, execute
+from mcf.loading.plan import ALIGN_FROM, aligned_bytes, execute
 
 __all__ = ["load_arrays"]
 
@@ -20,11 +22,18 @@ __all__ = ["load_arrays"]
 def load_arrays(pieces: list, *, copy: bool = True, threads=None, chunk_bytes=None) -> dict:
     """``name -> numpy array`` for ``pieces`` (see :func:`mcf.loading.plan.execute`).  Element types numpy
     cannot hold (F4, F6) are refused before anything is read."""
-    dtypes = {p.name: numpy_dtype(p.element, f"{p.source.name}: tensor {p.name!r}") for p in pieces}
+    dtypes = {}
+    known = {}
+    for p in pieces:   # one lookup per element type, each refusal naming the first tensor it meets
+        dt = known.get(p.element.name)
+        if dt is None:
+            dt = known[p.element.name] = numpy_dtype(p.element, f"{p.source.name}: tensor {p.name!r}")
+        dtypes[p.name] = dt
 
     def alloc(p):
         dt = dtypes[p.name]
-        a = aligned_bytes(math.prod(p.shape) * dt.itemsize).view(dt).reshape(p.shape)
+        nbytes = math.prod(p.shape) * dt.itemsize
+        a = aligned_bytes(nbytes).view(dt).reshape(p.shape) if nbytes >= ALIGN_FROM else np.empty(p.shape, dt)
         return a, a
 
     def view(p):

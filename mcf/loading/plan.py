@@ -64,18 +64,19 @@ class Stage:
 class Piece:
     """One tensor of the result: ``shape`` and ``element`` of what is returned, and where it comes from.
 
-    Read straight into the result: ``offsets``/``sizes``, the byte ranges of ``source`` that fill it in
-    order (their sizes add up to its bytes).  Decoded: ``stages`` (:class:`Stage`), each read into
-    staging and decoded into its part of the result.  ``view``: ``(offset, nbytes)`` when the result is
-    one contiguous stored range, unchanged, so ``copy=False`` may return a view of it.
+    Read straight into the result: ``offsets`` (a tuple, or an int64 array when there are many), the
+    byte ranges of ``source`` of ``size`` bytes each that fill it in order.  Decoded: ``stages``
+    (:class:`Stage`), each read into staging and decoded into its part of the result.  ``view``:
+    ``(offset, nbytes)`` when the result is one contiguous stored range, unchanged, so ``copy=False`` may
+    return a view of it.
     """
 
     name: str
     source: Source
     shape: tuple
     element: Element
-    offsets: np.ndarray
-    sizes: np.ndarray
+    offsets: tuple | np.ndarray = ()
+    size: int = 0
     stages: list | None = None
     view: tuple | None = None
 
@@ -142,45 +143,39 @@ def plain_piece(name: str, source: Source, offset: int, shape: tuple, element: E
                 out: Element | None = None, what: str = "") -> Piece:
     """The piece of a row-major tensor of ``element`` stored at ``offset``: cut ``(dim, start, stop)``
     (None: whole), cast to the float element ``out`` when it differs (F16, BF16, F32 and F64 only)."""
-    widest = max(element.itemsize, out.itemsize if out is not None else 0, 1)
-    if math.prod(d for d in shape if d) * widest > MAX_ARRAY_BYTES:
+    itemsize = element.itemsize
+    widest = max(itemsize, out.itemsize if out is not None else 0, 1)
+    if math.prod([d for d in shape if d]) * widest > MAX_ARRAY_BYTES:
         raise FormatError(f"shape {list(shape)} is too large for an array", path=source.name,
                           field=f"tensor {name!r}.shape", expected="non-zero dims * itemsize < 2**63")
     if len(shape) > MAX_DIMS:
         raise FormatError(f"{len(shape)} dimensions are more than numpy holds", path=source.name,
                           field=f"tensor {name!r}.shape", expected=f"<= {MAX_DIMS}")
-    if element.itemsize == 0:   # F4 / F6: the stored bytes, shaped as the tensor
-        if cut is not None:
-            raise InvalidArgumentError(f"{what}: {element.name} packs values below a byte: it loads whole, "
-                                       "a slice of it cannot be read")
-        nbytes = math.ceil(math.prod(shape) * element.bits / 8)
-        out_shape, offsets, size = tuple(shape), np.array([offset] if nbytes else [], np.int64), nbytes
-    else:
-        out_shape, offsets, size = cut_ranges(offset, shape, element.itemsize, cut)
-    if out is None or out.name == element.name:
-        view = None
-        if offsets.shape[0] <= 1:
-            view = (int(offsets[0]) if offsets.shape[0] else offset, size if offsets.shape[0] else 0)
-        return Piece(name, source, out_shape, element, offsets, np.full(offsets.shape[0], size, np.int64),
+    same = out is None or out.name == element.name
+    if cut is None and same:   # the common case, kept cheap: checkpoints can hold 10**5 tensors
+        nbytes = math.prod(shape) * itemsize if itemsize else -(-math.prod(shape) * element.bits // 8)
+        return Piece(name, source, tuple(shape), element, (offset,) if nbytes else (), nbytes,
+                     view=(offset, nbytes))
+    if itemsize == 0:
+        raise InvalidArgumentError(f"{what}: {element.name} packs values below a byte: it loads whole, "
+                                   "a slice of it cannot be read")
+    out_shape, offsets, size = cut_ranges(offset, shape, itemsize, cut)
+    n = offsets.shape[0]
+    if same:
+        view = (int(offsets[0]), size) if n == 1 else ((offset, 0) if n == 0 else None)
+        return Piece(name, source, out_shape, element, tuple(offsets.tolist()) if n <= 1 else offsets, size,
                      view=view)
     if element.name not in FLOAT_ELEMENTS or out.name not in FLOAT_ELEMENTS:
         raise AssertionError(f"plain_piece: no cast from {element.name} to {out.name}")
-    stages = _cast_stages(offsets, size, element.itemsize, element.name) if offsets.shape[0] else []
-    return Piece(name, source, out_shape, out, offsets, np.full(offsets.shape[0], size, np.int64), stages=stages)
+    stages = _cast_stages(offsets, size, itemsize, element.name) if n else []
+    return Piece(name, source, out_shape, out, stages=stages)
 
 
-def _split(flat: np.ndarray, sizes: np.ndarray) -> list:
-    """``flat`` cut into consecutive buffers of ``sizes`` bytes."""
-    n = sizes.shape[0]
-    if n == 0:
-        return []
-    if n == 1:
-        return [flat]
-    size = int(sizes[0])
-    if (sizes == size).all():
-        return list(flat.reshape(n, size))
-    ends = np.cumsum(sizes).tolist()
-    return [flat[e - s:e] for s, e in zip(sizes.tolist(), ends)]
+def _split(flat: np.ndarray, n: int, size: int) -> list:
+    """``flat`` cut into ``n`` consecutive buffers of ``size`` bytes."""
+    if n <= 1:
+        return [flat] if n else []
+    return list(flat.reshape(n, size))
 
 
 class _Reads:
@@ -189,15 +184,17 @@ class _Reads:
     def __init__(self):
         self.by_source = {}
 
-    def add(self, source: Source, offsets: np.ndarray, buffers: list) -> None:
+    def add(self, source: Source, offsets, buffers: list) -> None:
         if buffers:
-            entry = self.by_source.setdefault(id(source), (source, [], []))
-            entry[1].append(offsets)
+            entry = self.by_source.get(id(source))
+            if entry is None:
+                entry = self.by_source[id(source)] = (source, [], [])
+            entry[1].extend(offsets if type(offsets) is tuple else offsets.tolist())
             entry[2].extend(buffers)
 
     def run(self, threads, chunk_bytes) -> None:
         for src, offs, dests in self.by_source.values():
-            src.read_into(np.concatenate(offs), dests, threads=threads, chunk_bytes=chunk_bytes)
+            src.read_into(np.array(offs, np.int64), dests, threads=threads, chunk_bytes=chunk_bytes)
         self.by_source = {}
 
 
@@ -225,7 +222,7 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
         result, out = alloc(p)
         results[p.name] = result
         if p.stages is None:
-            direct.add(p.source, p.offsets, _split(out.reshape(-1).view(np.uint8), p.sizes))
+            direct.add(p.source, p.offsets, _split(out.reshape(-1).view(np.uint8), len(p.offsets), p.size))
         else:
             stages.extend((p.source, s, out) for s in p.stages)
     direct.run(threads, chunk_bytes)
@@ -246,8 +243,8 @@ def _decode_batch(batch, threads, chunk_bytes) -> None:
     stagings = []
     for src, st, _ in batch:
         staging = aligned_empty(st.nbytes, 64)
-        if st.dst is None:
-            bufs = _split(staging[:int(st.sizes.sum())], st.sizes)
+        if st.dst is None:   # equal ranges, one after the other
+            bufs = _split(staging[:st.nbytes], st.sizes.shape[0], int(st.sizes[0]) if st.sizes.shape[0] else 0)
         else:
             bufs = [staging[d:d + s] for d, s in zip(st.dst.tolist(), st.sizes.tolist())]
         reads.add(src, st.offsets, bufs)
@@ -258,7 +255,8 @@ def _decode_batch(batch, threads, chunk_bytes) -> None:
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:
-    """Fresh uint8 memory for one result: page-aligned from :data:`ALIGN_FROM` bytes on."""
+    """Fresh uint8 memory for one result: page-aligned from :data:`ALIGN_FROM` bytes on (smaller results
+    skip the padding page)."""
     return aligned_empty(nbytes, 4096) if nbytes >= ALIGN_FROM else np.empty(nbytes, np.uint8)
 
 

@@ -95,38 +95,30 @@ class SafetensorsFile:
         tensors = {}
         spans = []
         for name, ent in header.items():
-            field = f"header[{name!r}]"
-            if not isinstance(ent, dict):
-                raise FormatError("tensor entry is not an object", path=path, field=field, offset=8)
-            dt = ent.get("dtype")
-            el = element(dt)
-            if el is None:
-                raise FormatError("unsupported dtype", path=path, field=field + ".dtype", offset=8,
-                                  expected="one of " + ",".join(ELEMENTS), got=dt)
-            shape = ent.get("shape")
-            offs = ent.get("data_offsets")
-            if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
-                                                       and d >= 0 for d in shape)):
-                raise FormatError("shape must be a list of non-negative integers", path=path,
-                                  field=field + ".shape", offset=8, got=shape)
-            if (not isinstance(offs, list) or len(offs) != 2
-                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
-                raise FormatError("data_offsets must be [begin, end]", path=path,
-                                  field=field + ".data_offsets", offset=8, got=offs)
+            dt = ent.get("dtype") if type(ent) is dict else None
+            el = ELEMENTS.get(dt) if type(dt) is str else None
+            shape = ent.get("shape") if type(ent) is dict else None
+            offs = ent.get("data_offsets") if type(ent) is dict else None
+            # the common case checked with exact types (JSON gives int, never bool, for a number without a
+            # fraction); anything else takes the slow path below, which says what is wrong
+            if (el is None or type(shape) is not list or type(offs) is not list or len(offs) != 2
+                    or not all(type(d) is int and d >= 0 for d in shape) or type(offs[0]) is not int
+                    or type(offs[1]) is not int):
+                _refuse_entry(path, name, ent)
             b, e = offs
             if not 0 <= b <= e <= data_size:
                 raise TruncatedError("tensor data outside the file", path=path,
-                                     field=field + ".data_offsets", offset=8,
+                                     field=f"header[{name!r}].data_offsets", offset=8,
                                      expected=f"0 <= begin <= end <= {data_size}", got=offs)
             bits = math.prod(shape) * el.bits
             if bits % 8:
                 raise FormatError(f"{el.name} values of this shape do not fill whole bytes", path=path,
-                                  field=field + ".shape", offset=8, expected="a multiple of 8 bits",
+                                  field=f"header[{name!r}].shape", offset=8, expected="a multiple of 8 bits",
                                   got=f"{bits} bits")
             want = bits // 8
             if e - b != want:
                 raise FormatError("data size does not match dtype and shape", path=path,
-                                  field=field + ".data_offsets", offset=8, expected=want, got=e - b)
+                                  field=f"header[{name!r}].data_offsets", offset=8, expected=want, got=e - b)
             info = dtype_info(el.mcf) if el.mcf is not None else None
             tensors[name] = SafetensorsTensor(name, info, tuple(shape), data_start + b, e - b, self, el)
             if e > b:
@@ -151,6 +143,24 @@ class SafetensorsFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_entry(path, name, ent):
+    """The error for a tensor entry of a header that is not ``{"dtype", "shape", "data_offsets"}`` of the
+    right types."""
+    field = f"header[{name!r}]"
+    if not isinstance(ent, dict):
+        raise FormatError("tensor entry is not an object", path=path, field=field, offset=8)
+    dt, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
+    if element(dt) is None:
+        raise FormatError("unsupported dtype", path=path, field=field + ".dtype", offset=8,
+                          expected="one of " + ",".join(ELEMENTS), got=dt)
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in shape)):
+        raise FormatError("shape must be a list of non-negative integers", path=path, field=field + ".shape",
+                          offset=8, got=shape)
+    raise FormatError("data_offsets must be [begin, end]", path=path, field=field + ".data_offsets", offset=8,
+                      got=offs)
 
 
 class Checkpoint:
