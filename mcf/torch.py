@@ -31,7 +31,7 @@ from mcf import state_dict as _sd
 from mcf._core.optional import require
 from mcf.errors import DTypeError
 from mcf.loading.casts import load_dtype
-from mcf.loading.plan import ALIGN_FROM, execute
+from mcf.loading.plan import ALIGN_FROM, execute, mmap_of_backend
 from mcf.loading.select import selection
 
 _torch = require("torch", feature="mcf.torch", extra="torch")
@@ -109,7 +109,7 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> 
 
 
 def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, copy: bool = True, mmap=None,
-              threads=None, chunk_bytes=None) -> dict:
+              threads=None, chunk_bytes=None, backend=None) -> dict:
     """The tensors of a safetensors checkpoint or an MCF file as torch tensors (name -> tensor), as
     ``safetensors.torch.load_file(filename, device)`` returns them: same order, dtypes (bfloat16, float8
     e4m3/e5m2, bool, every integer), shapes and bytes, each tensor the caller's own memory.
@@ -124,9 +124,10 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     dtype (``torch.bfloat16``, ``"float16"``...) every F16/BF16/F32/F64 and quantized tensor is cast to.
     ``copy=False``: unchanged tensors that are one contiguous range of a mapped file are zero-copy views
     of a private copy-on-write mapping (see the module docstring).  ``device``: where the tensors go,
-    after loading on the CPU.  ``mmap``, ``threads``, ``chunk_bytes``: as :func:`mcf.load_file`.
+    after loading on the CPU.  ``mmap``, ``threads``, ``chunk_bytes``, ``backend``: as
+    :func:`mcf.safetensors.load_file`.
     """
-    with _sd.open_weights(filename, mmap=mmap, copy=copy) as w:
+    with _sd.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
         chosen, specs = selection(names, slices, w.order, w.where)
         pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_sd.decode_threads(threads))
         return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)

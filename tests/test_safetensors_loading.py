@@ -150,6 +150,14 @@ def test_torch_equals_safetensors_torch(numpy_written, every, copy):
             _same_tensor(got[n], ref[n], n)
         pos = mtorch.load_file(str(path), "cpu")       # device positional, as safetensors takes it
         assert list(pos) == list(got)
+        for backend in ("mmap", "pread"):              # safetensors' backend= runs unchanged
+            again = mtorch.load_file(str(path), backend=backend, copy=copy)
+            for n in ref:
+                _same_tensor(again[n], ref[n], n)
+    with pytest.raises(mcf.InvalidArgumentError, match="backend"):
+        mtorch.load_file(numpy_written, backend="io_uring")
+    with pytest.raises(mcf.InvalidArgumentError, match="disagree"):
+        mst.load_file(numpy_written, backend="pread", mmap=True)
 
 
 def test_f8_e8m0_and_f4(tmp_path):

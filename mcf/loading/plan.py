@@ -38,7 +38,7 @@ from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
 
 __all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "execute", "aligned_bytes", "source_options", "STAGING_BYTES",
-           "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
+           "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
 
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
 STAGING_BYTES = 64 << 20
@@ -258,6 +258,18 @@ def aligned_bytes(nbytes: int) -> np.ndarray:
     """Fresh uint8 memory for one result: page-aligned from :data:`ALIGN_FROM` bytes on (smaller results
     skip the padding page)."""
     return aligned_empty(nbytes, 4096) if nbytes >= ALIGN_FROM else np.empty(nbytes, np.uint8)
+
+
+def mmap_of_backend(backend, mmap):
+    """``mmap`` from safetensors' ``backend=`` keyword (``"mmap"`` or ``"pread"``), which the drop-ins take so
+    that a call written for safetensors runs unchanged; None leaves ``mmap`` as given."""
+    if backend is None:
+        return mmap
+    if backend not in ("mmap", "pread"):
+        raise InvalidArgumentError(f"backend must be 'mmap' or 'pread' (as in safetensors), got {backend!r}")
+    if mmap is not None and bool(mmap) != (backend == "mmap"):
+        raise InvalidArgumentError(f"backend={backend!r} and mmap={mmap!r} disagree: pass one of them")
+    return backend == "mmap"
 
 
 def source_options(mmap, copy: bool) -> dict:

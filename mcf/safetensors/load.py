@@ -23,7 +23,7 @@ import os
 
 from mcf.loading.arrays import load_arrays
 from mcf.loading.dtypes import ELEMENTS, FLOAT_ELEMENTS
-from mcf.loading.plan import plain_piece, source_options
+from mcf.loading.plan import mmap_of_backend, plain_piece, source_options
 from mcf.loading.select import selection
 from mcf.loading.slices import cut_of
 from mcf.safetensors.reader import Checkpoint, SafetensorsFile, open_checkpoint
@@ -62,7 +62,7 @@ def checkpoint_pieces(ckpt: Checkpoint, chosen: list, specs: dict, dtype) -> lis
 
 
 def load_file(filename, *, names=None, slices=None, copy: bool = True, mmap=None, threads=None,
-              chunk_bytes=None) -> dict:
+              chunk_bytes=None, backend=None) -> dict:
     """The tensors of a safetensors checkpoint as numpy arrays, as ``safetensors.numpy.load_file``
     returns them (same order, dtypes, shapes and bytes; fresh memory the caller owns).
 
@@ -75,8 +75,10 @@ def load_file(filename, *, names=None, slices=None, copy: bool = True, mmap=None
     the file's mapping where a piece is one contiguous range of a mapped file (fresh arrays elsewhere).
     ``mmap``: map the files (True) or read them with pread (False); None leaves it to the reader.
     ``threads``/``chunk_bytes``: the read engine's workers and chunk size (None: chosen for the storage).
+    ``backend``: safetensors' spelling of ``mmap`` (``"mmap"`` or ``"pread"``), accepted so that calls
+    written for safetensors run unchanged.
     """
-    ckpt, owned = open_for_load(filename, mmap=mmap, copy=copy)
+    ckpt, owned = open_for_load(filename, mmap=mmap_of_backend(backend, mmap), copy=copy)
     try:
         chosen, specs = selection(names, slices, ckpt.storage_order(), label(filename, ckpt))
         pieces = checkpoint_pieces(ckpt, chosen, specs, None)
