@@ -91,13 +91,15 @@ class Proxy:
         return best
 
 
-def _ready(port, proc, timeout=15.0) -> bool:
+def _ready(log, proc, timeout=15.0) -> bool:
+    """True once the proxy logged that it listens (a probe connection would count as its first one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
+        with contextlib.suppress(OSError), open(log) as f:
+            if '"listening"' in f.readline():
+                return True
         time.sleep(0.05)
     return False
 
@@ -111,12 +113,14 @@ def start(upstream_port: int, workdir, *, delay: float = 0.0, drop_first: int = 
     for _ in range(3):
         port = _free_port()
         log = os.path.join(workdir, f"proxy-{port}.log")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(log)
         args = [sys.executable, os.path.abspath(__file__), "--port", str(port), "--upstream", str(upstream_port),
                 "--log", log, "--delay", str(delay), "--drop-first", str(drop_first), "--cut-count", str(cut_count)]
         if cut_after is not None:
             args += ["--cut-after", str(cut_after)]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if _ready(port, proc):
+        if _ready(log, proc):
             break
         if proc.poll() is None:
             proc.kill()
@@ -238,6 +242,8 @@ async def _main(a):
         conns.pop(cid, None)
 
     server = await asyncio.start_server(handle, "127.0.0.1", a.port)
+    logf.write(json.dumps({"event": "listening", "port": a.port, "t": time.time()}) + "\n")
+    logf.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -24,9 +24,25 @@ __all__ = ["ObstoreTransport"]
 _STATUS = re.compile(r"status code: (\d{3})")
 
 
+_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_CAUSE = re.compile(r"(?:source|error): ([A-Z]\w*)[,\s]")
+_OS_MESSAGE = re.compile(r'message: "([^"]+)"')
+_NOT_A_CAUSE = {"reqwest", "hyper", "RetryError", "RetryErrorImpl", "Generic", "HttpError", "Status", "Some", "None",
+                "Body", "Custom"}
+
+
 def _first_line(exc) -> str:
-    text = str(exc).strip().splitlines()
-    return redact_text(text[0] if text else type(exc).__name__)
+    """The first line of an obstore error (its "Debug source" tree below is long), with the kind of the
+    HTTP failure and its innermost cause from that tree: "... body error (Timeout: TimedOut)"."""
+    text = str(exc).strip()
+    lines = text.splitlines()
+    line = re.sub(r"^(Generic \w+ error: )+", "", lines[0] if lines else type(exc).__name__)
+    kind = _KIND.search(text)
+    causes = _OS_MESSAGE.findall(text) or [c for c in _CAUSE.findall(text) if c not in _NOT_A_CAUSE]
+    detail = ": ".join(x for x in (kind.group(1) if kind else None, causes[-1] if causes else None) if x)
+    if detail:
+        line += f" ({detail})"
+    return redact_text(line)
 
 
 class ObstoreTransport:
