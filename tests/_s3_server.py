@@ -84,13 +84,17 @@ class S3Server:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
                 "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": self.region}
 
-    def store(self, bucket: str | None = None):
-        """An obstore S3Store on this server (for uploads and for the bare-client ceiling)."""
+    def store(self, bucket: str | None = None, **client_options):
+        """An obstore S3Store on this server (for uploads and for the bare-client ceiling), whatever AWS_*
+        variables the environment holds (its keys come from a credential provider, which a stray
+        AWS_SESSION_TOKEN cannot join)."""
         from obstore.store import S3Store
 
-        return S3Store(bucket or self.bucket, endpoint=self.endpoint, access_key_id=self.access_key,
-                       secret_access_key=self.secret_key, region=self.region,
-                       client_options={"allow_http": True}, retry_config={"max_retries": 2})
+        creds = {"access_key_id": self.access_key, "secret_access_key": self.secret_key, "token": None,
+                 "expires_at": None}
+        return S3Store(bucket or self.bucket, endpoint=self.endpoint, aws_endpoint_url_s3=self.endpoint,
+                       region=self.region, client_options={"allow_http": True, **client_options},
+                       retry_config={"max_retries": 2}, credential_provider=lambda: creds)
 
     def put(self, key: str, data, bucket: str | None = None) -> None:
         """Upload ``data`` (bytes, or a local path, streamed in multipart chunks) as ``key``."""
@@ -103,8 +107,16 @@ class S3Server:
         else:
             obstore.put(store, key, bytes(data))
 
-    def pid(self) -> int:
-        return self.proc.pid
+    def put_tree(self, root, prefix: str = "") -> list:
+        """Upload every file under local directory ``root`` as ``prefix`` + its relative path; returns the keys."""
+        keys = []
+        for d, _, names in os.walk(root):
+            for n in sorted(names):
+                path = os.path.join(d, n)
+                key = prefix + os.path.relpath(path, root).replace(os.sep, "/")
+                self.put(key, path)
+                keys.append(key)
+        return sorted(keys)
 
     def kill(self) -> None:
         """SIGKILL: the server dies at once, connections in flight are cut."""

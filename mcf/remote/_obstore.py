@@ -57,9 +57,16 @@ class ObstoreTransport:
         self.url = url    # redacted, for messages
         self.store = object_store(target.kind, target.root, opts, timeout=timeout)
         self.path = target.key
+        self.kind = target.kind
 
     def size(self):
-        meta = self._obstore.head(self.store, self.path)
+        try:
+            meta = self._obstore.head(self.store, self.path)
+        except FileNotFoundError:
+            if self.kind == "s3":
+                # a HEAD answer has no body: a one-byte GET tells a missing bucket from a missing key
+                self._obstore.get_range(self.store, self.path, start=0, end=1)
+            raise
         return int(meta["size"])
 
     def get(self, start: int, end: int, out=None):
