@@ -64,6 +64,8 @@ def redact(url) -> str:
         pairs = parse_qsl(query, keep_blank_values=True)
         if any(_SECRET_PARAM.search(k) for k, _ in pairs):
             query = urlencode([(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*")
+    if netloc == parts.netloc and query == parts.query:
+        return url   # nothing to hide (and urlunsplit would drop the // of memory:///x)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
