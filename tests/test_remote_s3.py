@@ -165,10 +165,6 @@ def test_many_ranges_in_one_plan_equal_local_bytes(s3, local):
 
 
 # -- configuration, the AWS way ----------------------------------------------------------------------------
-def _load(url, **kw):
-    return mcf.load_file(url) if not kw else mcf.open(open_remote(url, **kw)).load()
-
-
 @needs_weed
 def test_environment_variables_configure_s3(s3, local, monkeypatch):
     for k, v in s3.env().items():

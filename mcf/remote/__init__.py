@@ -33,7 +33,7 @@ readers depends on it.  Remote files are read-only: every writer refuses a URL (
 
 from __future__ import annotations
 
-from mcf.remote._file import (BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_SIZE, DEFAULT_COALESCE, DEFAULT_CONCURRENCY,
+from mcf.remote.file import (BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_SIZE, DEFAULT_COALESCE, DEFAULT_CONCURRENCY,
                               DEFAULT_REQUEST_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT,
                               RemoteFile)
 from mcf.remote._fsspec import url_to_fs

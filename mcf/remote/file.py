@@ -1,4 +1,5 @@
-"""RemoteFile: one remote object as a read-only, seekable file that the I/O core reads like any other."""
+"""RemoteFile: one remote object as a read-only, seekable file that the I/O core reads like any other (see
+:mod:`mcf.remote` for how it reads)."""
 
 from __future__ import annotations
 
