@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import re
 
+from mcf._core.optional import require
 from mcf.errors import AccessError, MCFIOError, MissingFileError
 from mcf.remote._fetch import Retry
 from mcf.remote._stores import object_store
@@ -51,9 +52,8 @@ class ObstoreTransport:
     name = "obstore"
 
     def __init__(self, target, opts: dict, *, timeout: float | None, url: str):
-        import obstore
-
-        self._obstore = obstore
+        self._obstore = require("obstore", feature=f"reading {target.root.split(':', 1)[0]}:// URLs with obstore",
+                                extra="remote")
         self.url = url    # redacted, for messages
         self.store = object_store(target.kind, target.root, opts, timeout=timeout)
         self.path = target.key

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import threading
 from collections import OrderedDict
@@ -33,14 +32,12 @@ DEFAULT_RETRY_DELAY = 0.1
 DEFAULT_TIMEOUT = 60.0
 BACKENDS = ("auto", "obstore", "fsspec")
 
-_HAS_OBSTORE = None
-
-
 def _obstore_installed() -> bool:
-    global _HAS_OBSTORE
-    if _HAS_OBSTORE is None:
-        _HAS_OBSTORE = importlib.util.find_spec("obstore") is not None
-    return _HAS_OBSTORE
+    try:
+        import obstore  # noqa: F401 - a cached import after the first one
+    except ImportError:
+        return False
+    return True
 
 
 def _transport(url, tgt, backend, opts, timeout, redacted):
