@@ -351,7 +351,8 @@ def test_server_killed_mid_read(served, tmp_path):
         th = threading.Thread(target=load)
         th.start()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sum(e["event"] == "open" for e in px.events()) < 3:
+        # a few exchanges done: the load is under way (at 0.2 s a request, it has seconds to go)
+        while time.monotonic() < deadline and sum(e["event"] == "exchange" for e in px.events()) < 4:
             time.sleep(0.02)
         px.kill()
         th.join(60)
@@ -380,13 +381,40 @@ def test_seaweedfs_killed_mid_read(local, tmp_path):
             th = threading.Thread(target=load)
             th.start()
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and sum(e["event"] == "open" for e in px.events()) < 3:
+            while time.monotonic() < deadline and sum(e["event"] == "exchange" for e in px.events()) < 4:
                 time.sleep(0.02)
             s3.kill()
             th.join(60)
     assert not th.is_alive()
     assert "result" not in out and isinstance(out.get("error"), MCFIOError), out
     assert s3.url("model.mcf") in str(out["error"])
+
+
+def test_an_object_replaced_while_read_is_refused(served, local, tmp_path, request):
+    """Every GET is conditional on the ETag seen at opening: a checkpoint overwritten during a load fails
+    with a clear error instead of giving tensors made of two versions."""
+    port, url_of, opts_of = served
+    rng = _remote_files.rng("replaced")
+    first, second = (bytes(rng.integers(0, 256, size=3 << 20, dtype=np.uint8)) for _ in range(2))
+    if "s3" in request.node.callspec.params.get("served", ""):
+        s3 = request.getfixturevalue("s3")
+        s3.put("replaced.bin", first)
+        replace = lambda: s3.put("replaced.bin", second)   # noqa: E731
+    else:
+        (local / "replaced.bin").write_bytes(first)
+        os.utime(local / "replaced.bin", (1_000_000_000, 1_000_000_000))
+
+        def replace():
+            (local / "replaced.bin").write_bytes(second)
+            os.utime(local / "replaced.bin", (1_000_000_100, 1_000_000_100))   # nginx's ETag: mtime and size
+    with _proxy.start(port, str(tmp_path)) as px:
+        f = RemoteFile(url_of("replaced.bin", px.endpoint), storage_options=opts_of(px.endpoint), retry_delay=0.0)
+        assert f.read(1000) == first[:1000]
+        replace()
+        f.seek(2 << 20)
+        with pytest.raises(MCFIOError, match="changed while it was read") as ei:
+            f.read(1000)
+    assert url_of("replaced.bin", px.endpoint) in str(ei.value)
 
 
 # -- nothing partial left behind ----------------------------------------------------------------------------

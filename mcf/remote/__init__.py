@@ -12,7 +12,8 @@ The source's ``read_ranges``/``read_into`` hand a whole load plan to :meth:`Remo
   buffers it covers, so a checkpoint loads with ``concurrency`` requests in flight across its tensors
   and never holds more than ``concurrency * request_size`` bytes of answers (no second copy of the file);
 - **the checks** (``_fetch``): every answer must be exactly the bytes asked for (HTTP: status 206 and
-  the right ``Content-Range`` too); a transient failure (reset, timeout, 5xx, 408, 429, a short body)
+  the right ``Content-Range`` too), of the version seen at opening (``If-Match`` its ETag, where the
+  server sends one: obstore's clients); a transient failure (reset, timeout, 5xx, 408, 429, a short body)
   is retried with exponential backoff and jitter, at most ``retries`` times; a final one (404, 403, a
   server ignoring ``Range``, no attempt left) is an :class:`mcf.MCFError` naming the URL, the range and
   the file size, never a credential;

@@ -58,6 +58,7 @@ class ObstoreTransport:
         self.store = object_store(target.kind, target.root, opts, timeout=timeout)
         self.path = target.key
         self.kind = target.kind
+        self.etag = None
 
     def size(self):
         try:
@@ -67,16 +68,22 @@ class ObstoreTransport:
                 # a HEAD answer has no body: a one-byte GET tells a missing bucket from a missing key
                 self._obstore.get_range(self.store, self.path, start=0, end=1)
             raise
+        self.etag = meta.get("e_tag") or None
         return int(meta["size"])
 
     def get(self, start: int, end: int, out=None):
         """One attempt: the bytes [start, end) as a buffer (obstore allocates it; the fetcher copies it
-        into the destination), and False (not landed in ``out``)."""
-        return self._obstore.get_range(self.store, self.path, start=start, end=end), False
+        into the destination), and False (not landed in ``out``).  With the ETag of the opening, every
+        GET is conditional (``If-Match``): an object replaced while it is read fails, instead of giving a
+        tensor made of two versions."""
+        if self.etag is None:
+            return self._obstore.get_range(self.store, self.path, start=start, end=end), False
+        res = self._obstore.get(self.store, self.path, options={"range": (start, end), "if_match": self.etag})
+        return res.bytes(), False
 
     def classify(self, exc):
         """A final :class:`mcf.MCFError` or a :class:`Retry` verdict for an exception of obstore."""
-        from obstore.exceptions import (NotFoundError, NotSupportedError, PermissionDeniedError,
+        from obstore.exceptions import (NotFoundError, NotSupportedError, PermissionDeniedError, PreconditionError,
                                         UnauthenticatedError)
 
         line = _first_line(exc)
@@ -86,6 +93,9 @@ class ObstoreTransport:
         if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)):
             return AccessError(errno.EACCES, "access to the remote file was denied (check the credentials, "
                                f"and that they may read this object): {line}", self.url)
+        if isinstance(exc, PreconditionError):
+            return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag is no longer "
+                              f"{self.etag}): open it again", self.url)
         if isinstance(exc, NotSupportedError) and "Range request not supported" in line:
             return Retry("the server ignored the Range header (it must answer 206 Partial Content)",
                          transient=False)
