@@ -170,3 +170,45 @@ def test_credentials_never_in_messages():
     with pytest.raises(mcf.MCFIOError) as ei:
         RemoteFile(url, retries=0)
     assert "pw-SECRET" not in str(ei.value) and "user:***@127.0.0.1:9" in str(ei.value)
+
+
+def test_answers_in_memory_are_bounded_by_concurrency_times_part_size():
+    """The fetcher holds one answer per thread at a time and drops it once copied: however large the
+    plan, at most ``concurrency * request_size`` bytes of answers are alive (never a second copy of
+    the file)."""
+    import threading
+    import time
+    import weakref
+
+    from mcf.remote._fetch import Fetcher
+
+    class Answer(bytearray):
+        pass
+
+    live = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def gone(n):
+        with lock:
+            live["now"] -= n
+
+    class Transport:
+        def get(self, start, end, out=None):
+            a = Answer(_BLOB[start:end])
+            with lock:
+                live["now"] += len(a)
+                live["peak"] = max(live["peak"], live["now"])
+            weakref.finalize(a, gone, len(a))
+            time.sleep(0.001)              # an answer in flight for a while, so the threads overlap
+            return a, False
+
+        def classify(self, exc):
+            raise AssertionError(exc)
+
+    dst = bytearray(len(_BLOB))
+    parts = plan([(0, memoryview(dst))], part_size=1000, coalesce=0)
+    stats = {}
+    Fetcher(Transport(), url="u", size=len(_BLOB), retries=0, retry_delay=0, concurrency=4,
+            stats=stats).fetch_all(parts)
+    assert bytes(dst) == _BLOB and len(parts) == 103
+    assert stats["max_in_flight"] == 4 and live["peak"] <= 4 * 1000 and live["now"] == 0, live

@@ -164,6 +164,17 @@ def test_many_ranges_in_one_plan_equal_local_bytes(s3, local):
     assert 1 < f.stats["max_in_flight"] <= 5
 
 
+@needs_weed
+def test_a_source_pickles_with_its_options(s3, local):
+    """DataLoader workers get a source by pickle: it reopens the URL with the same options."""
+    import pickle
+
+    src = open_remote(s3.url("model.mcf"), storage_options=s3.storage_options, request_size=1 << 20)
+    again = pickle.loads(pickle.dumps(src))
+    ref = (local / "model.mcf").read_bytes()
+    assert again.size == len(ref) and again.read(5000, 3 << 20) == ref[5000:5000 + (3 << 20)]
+
+
 # -- configuration, the AWS way ----------------------------------------------------------------------------
 @needs_weed
 def test_environment_variables_configure_s3(s3, local, monkeypatch):
