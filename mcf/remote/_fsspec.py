@@ -37,6 +37,9 @@ def url_to_fs(url, storage_options):
             from None
     except ValueError as exc:
         raise InvalidArgumentError(f"{redact(url)}: not a URL fsspec can open: {redact_text(str(exc))}") from None
+    except TypeError as exc:   # an option the file system does not take
+        raise InvalidArgumentError(f"{redact(url)}: fsspec's file system refused the storage options "
+                                   f"{sorted(storage_options or {})}: {redact_text(str(exc))}") from None
 
 
 def _with_timeout(url, opts, timeout):
