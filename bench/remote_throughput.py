@@ -6,6 +6,8 @@
 Figures (GB/s, medians of interleaved rounds, each from a fresh process so no connection pool or
 page of the destination is reused between them):
 
+Each round runs the cases in a new (seeded) order.
+
 - ceiling: the same bytes as parallel ranged GETs by a bare client, obstore's ``get_ranges`` (8 and
   16 MiB ranges; it keeps 10 in flight and returns every range as its own buffer), nothing else done;
 - mcf: ``mcf.io.open_source(url).read_into([0], [dst])``, a whole-file plan into a fresh array, with
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -126,7 +129,11 @@ def main(argv=None):
             for part, conc in ((4, 8), (8, 4), (8, 16), (16, 8), (16, 16), (32, 8)):
                 cases[f"mcf: {part} MiB x {conc}"] = (_mcf(url, n, request_size=part << 20, concurrency=conc), here)
         for r in range(a.rounds):
-            for name, (code, e) in cases.items():
+            # a new order every round: a case must not always follow the same one (the server's garbage
+            # collection after a 1.5 GB burst slowed whatever came next)
+            order = list(cases.items())
+            random.Random(r).shuffle(order)
+            for name, (code, e) in order:
                 v = _run(code, e)
                 times.setdefault(name, []).append(v)
                 print(f"round {r + 1}: {name}: {v:.3f} GB/s", flush=True)
