@@ -7,7 +7,7 @@ into fresh memory with ``Container.load()``:
 - local, mapped (the anchor) and local ``mmap=False`` (pread): the page cache is warm, so these are
   memory copies;
 - remote: ``mcf.open(url).load()``: the whole plan in ranged GETs of at most ``request_size`` (8 MiB),
-  ``concurrency`` (8) in flight;
+  ``concurrency`` (16) in flight;
 - yardstick: one plain GET of the whole file with http.client into a preallocated buffer, the
   loopback HTTP path without mcf, fsspec or aiohttp.
 

@@ -20,10 +20,12 @@ __all__ = ["RemoteFile", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_RE
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_CACHE_SIZE = 64 << 20
-# one ranged GET: Run:ai's object-store chunk; 8 of them in flight (docs/remote.md, "Cost", has the
-# measurements behind both)
+# one ranged GET: Run:ai's object-store chunk.  16 in flight, not Run:ai's 8: on loopback SeaweedFS and
+# nginx 8 MiB x 16 came out best of the sweep (docs/remote.md, "Cost"), and on a real link one
+# connection to an object store carries ~100 MB/s, so the link needs many (obstore and InstantTensor
+# keep more in flight too).  128 MiB of answers at most.
 DEFAULT_REQUEST_SIZE = 8 << 20
-DEFAULT_CONCURRENCY = 8
+DEFAULT_CONCURRENCY = 16
 DEFAULT_COALESCE = 1 << 20
 DEFAULT_RETRIES = 5
 DEFAULT_RETRY_DELAY = 0.1
