@@ -309,9 +309,10 @@ def test_requests_are_in_flight_together_and_bounded(served, local, tmp_path):
         overlap = px.max_overlap()
     for name in ref:
         _eq(got[name], ref[name])
-    # the 8 MiB tensor went as 1 MiB parts, four in flight at once (the proxy saw them overlap), never more
-    assert 3 <= overlap <= 4, overlap
-    assert 3 <= f.stats["max_in_flight"] <= 4
+    # the 8 MiB tensor went as 1 MiB parts, several in flight at once (the proxy saw them overlap; four
+    # unless the machine is too loaded to start the threads within the 50 ms delay), never more than four
+    assert 2 <= overlap <= 4, overlap
+    assert 2 <= f.stats["max_in_flight"] <= 4
 
 
 def test_a_dropped_first_connection_is_retried(served, local, tmp_path):
