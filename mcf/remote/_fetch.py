@@ -158,12 +158,13 @@ class Fetcher:
         """Every part, ``concurrency`` at a time; the first final error is raised once the others stopped."""
         if not parts:
             return
-        if len(parts) == 1 or self.concurrency <= 1:
+        conc = min(self.concurrency, getattr(self.transport, "max_concurrency", None) or self.concurrency)
+        if len(parts) == 1 or conc <= 1:
             for p in parts:
                 self.fetch(p)
             return
         stop = threading.Event()
-        ex = ThreadPoolExecutor(max_workers=min(self.concurrency, len(parts)), thread_name_prefix="mcf-remote")
+        ex = ThreadPoolExecutor(max_workers=min(conc, len(parts)), thread_name_prefix="mcf-remote")
         try:
             futures = [ex.submit(self.fetch, p, stop) for p in parts]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
