@@ -14,7 +14,7 @@ import time
 import warnings
 
 from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
-from mcf._core.console import Progress, human, info_dict, print_info, print_report
+from mcf._core.console import Progress, human, info_dict, json_text, print_info, print_report, printable
 from mcf.errors import InvalidArgumentError, MCFError, os_error
 
 __all__ = ["main"]
@@ -25,8 +25,7 @@ def cmd_info(args) -> int:
 
     with mcf.open(args.file, mmap=not args.no_mmap) as c:
         if args.json:
-            json.dump(info_dict(c), sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print(json_text(info_dict(c)))
         else:
             print_info(c)
     return 0
@@ -41,13 +40,13 @@ def cmd_verify(args) -> int:
     except OSError:  # missing or unreadable: an error of the command line, not a finding about a file
         raise
     except MCFError as exc:
-        print(f"FAIL {exc}")
+        print(f"FAIL {printable(exc)}")
         return 1
     if problems:
         for p in problems:
-            print(f"FAIL {p}")
+            print(f"FAIL {printable(p)}")
         return 1
-    print(f"OK {args.file}: {len(c)} tensors, {len(c.sections)} sections")
+    print(f"OK {printable(args.file)}: {len(c)} tensors, {len(c.sections)} sections")
     return 0
 
 
@@ -69,7 +68,7 @@ def _warnings_as_lines(command: str):
     line on stderr, ``mcf quantize: warning: ...``, when it is issued, not as Python's two-line report
     with a source line, and whatever the interpreter's warning filters say (a user should see it)."""
     def show(message, category, *_args, **_kw):
-        print(f"mcf {command}: warning: {message}", file=sys.stderr, flush=True)
+        print(f"mcf {command}: warning: {printable(message)}", file=sys.stderr, flush=True)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)
@@ -122,11 +121,11 @@ def cmd_convert(args) -> int:
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
     left = files_left_out(args.src)
     if left:
-        print(f"not stored (MCF has no section for them): {', '.join(left)}")
+        print(f"not stored (MCF has no section for them): {printable(', '.join(left))}")
     if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
-        nw = min(max(len(s.name) for s in stats), 60)
+        nw = min(max(len(printable(s.name)) for s in stats), 60)
         for s in stats:
-            print(f"  {s.name:<{nw}} {s.ggml_type:>6} -> {s.stored_as:<5} {s.how}")
+            print(f"  {printable(s.name):<{nw}} {s.ggml_type:>6} -> {s.stored_as:<5} {printable(s.how)}")
     elif args.report:
         print_report(stats)
     return 0
