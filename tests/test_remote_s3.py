@@ -77,7 +77,7 @@ def nginx(local, tmp_path_factory):
 # -- every reader over S3 equals its local read ------------------------------------------------------------
 @needs_weed
 def test_mcf_over_s3_equals_local(s3, local):
-    ref = mcf.load_file(str(local / "model.mcf"))
+    ref = mcf.load_file(str(local / "model.mcf"), dtype="raw")   # as Container.load: quantized tensors raw
     with storage_options(s3.storage_options, prefix="s3://models/"):
         with mcf.open(s3.url("model.mcf")) as c:
             assert c.source.mode == "fileobj" and "via obstore" in repr(RemoteFile(s3.url("model.mcf")))
@@ -93,6 +93,11 @@ def test_mcf_over_s3_equals_local(s3, local):
             _eq(got[name], ref[name])
         for name, arr in mcf.load_state_dict(s3.url("model.mcf"), dtype="bfloat16").items():
             _eq(arr, mcf.load_state_dict(str(local / "model.mcf"), dtype="bfloat16")[name])
+        want = mcf.load_file(str(local / "model.mcf"))      # the loader's default: quantized tensors decoded
+        got = mcf.load_file(s3.url("model.mcf"))
+        assert list(got) == list(want)
+        for name in want:
+            _eq(got[name], want[name])
 
 
 @needs_weed
@@ -115,6 +120,18 @@ def test_safetensors_and_sharded_checkpoint_over_s3(s3, local):
             assert sorted(ck.sorted_names()) == sorted(want)
             for name in want:
                 _eq(ck.tensors[name].array(), want[name])
+        # the drop-in loaders, on a file and on the sharded "directory"
+        for url, ref_dict in ((s3.url("model.safetensors"), ref), (s3.url("sharded/"), want)):
+            got = mcf.safetensors.load_file(url)
+            assert sorted(got) == sorted(ref_dict)
+            for name in ref_dict:
+                _eq(got[name], ref_dict[name])
+        torch = pytest.importorskip("torch", reason="torch is in the test extra")
+        from mcf import torch as mcf_torch
+
+        got = mcf_torch.load_file(s3.url("sharded"))      # no slash: probed as a file first, then a "directory"
+        for name in want:
+            assert torch.equal(got[name], torch.from_numpy(want[name]))
 
 
 @needs_weed
@@ -299,7 +316,7 @@ def served(request, tmp_path):
 
 def test_requests_are_in_flight_together_and_bounded(served, local, tmp_path):
     port, url_of, opts_of = served
-    ref = mcf.load_file(str(local / "model.mcf"))
+    ref = mcf.load_file(str(local / "model.mcf"), dtype="raw")   # as Container.load: quantized tensors raw
     with _proxy.start(port, str(tmp_path), delay=0.05) as px:
         f = RemoteFile(url_of("model.mcf", px.endpoint), storage_options=opts_of(px.endpoint),
                        request_size=1 << 20, concurrency=4)
