@@ -60,9 +60,13 @@ static int by_offset(const void *a, const void *b) {
     return 0;
 }
 
+/* Record a failure; of several, the one at the lowest offset is kept: requests are handed out in file
+ * order and each worker finishes the one it holds, so every request before a failing one completes or
+ * fails too, and the lowest failure is where the file really ended or first failed, whichever worker
+ * got there first. */
 static void fail(plan_state *st, int error, int truncated, uint64_t offset) {
     pthread_mutex_lock(&st->lock);
-    if (!st->failed) {
+    if (!st->failed || offset < st->fail_offset) {
         st->failed = 1;
         st->error = error;
         st->truncated = truncated;

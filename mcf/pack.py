@@ -194,7 +194,7 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
 
 
 def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool = False,
-         resources: bool = True, mmap: bool = True, model_name: str | None = None,
+         resources: bool = True, mmap: bool | None = None, model_name: str | None = None,
          progress: Callable[[int, int, str], None] | None = None) -> str:
     """Pack a checkpoint directory (``model.safetensors`` or sharded) into ``output``.
 
@@ -257,7 +257,7 @@ def _read_shard_index(idx: str) -> dict:
     return wm
 
 
-def _open_checkpoint(path: str, mmap: bool):
+def _open_checkpoint(path: str, mmap: bool | None):
     """open_checkpoint, with a sharded directory's index checked first and cross-checked after: every
     tensor the index lists must be in the shard it names, and every shard tensor must be listed."""
     idx = os.path.join(path, "model.safetensors.index.json")
@@ -288,7 +288,7 @@ def _open_checkpoint(path: str, mmap: bool):
 
 def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
                     compat: bool = False, fast: bool = False, imatrix=None, report: bool = False, align: int = 64, dedup: bool = False,
-                    resources: bool = True, mmap: bool = True, model_name: str | None = None,
+                    resources: bool = True, mmap: bool | None = None, model_name: str | None = None,
                     progress=None, durable: bool = True) -> list:
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
 

@@ -166,7 +166,7 @@ cdef class _Mapping:
 cdef int _get_writable(object buffer, Py_buffer* view) except -1:
     try:
         PyObject_GetBuffer(buffer, view, PyBUF_SIMPLE | PyBUF_WRITABLE)
-    except (BufferError, TypeError):
+    except (BufferError, TypeError, ValueError):   # numpy refuses a read-only array with ValueError
         raise InvalidArgumentError(
             f"expected a writable contiguous buffer, got {type(buffer).__name__}") from None
     return 0

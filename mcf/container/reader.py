@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core.args import byte_order_problem, integer, row_range
+from mcf._core.args import byte_order_problem, row_range
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DType
 from mcf._core import _fpconv
@@ -325,14 +325,15 @@ class Container:
         dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
         return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
-    def load(self, names=None, *, threads: int = 1) -> dict:
+    def load(self, names=None, *, threads: int | None = None) -> dict:
         """Materialize tensors into fresh, writable arrays (all of them by default): name -> array.
 
         This is the fast path for loading weights: one page-aligned arena is allocated for all of them
-        and filled by one compiled loop (``pread`` from the page cache, GIL released, optionally
-        on several threads), instead of one allocation and one copy per tensor.  The arrays are views
-        into the arena, which is freed when the last of them is.  Quantized tensors come back as their
-        raw payload bytes (uint8).
+        and filled by the read engine in one call (``pread`` straight into the arena, GIL released,
+        several requests in flight), instead of one allocation and one copy per tensor.  ``threads``
+        (None: the engine's choice for the storage, see :mod:`mcf._core.storage`) sets its workers.
+        The arrays are views into the arena, which is freed when the last of them is.  Quantized
+        tensors come back as their raw payload bytes (uint8).
         """
         from mcf._core._io import alloc_buffer
 
@@ -345,7 +346,7 @@ class Container:
             dsts.append(pos)
             pos += (t.nbytes + 63) & ~63
         arena = alloc_buffer(pos)
-        self._src.read_ranges(offs, sizes, arena, dsts, threads=max(1, integer(threads, "threads")))
+        self._src.read_ranges(offs, sizes, arena, dsts, threads=threads)
         out = {}
         for t, d in zip(infos, dsts):
             raw = arena[d:d + t.nbytes]
@@ -525,16 +526,18 @@ class Container:
         return f"<mcf.Container {self.path!r} {len(self)} tensors, {len(self.sections)} sections>"
 
 
-def load_file(path_or_file, names=None, *, mmap: bool = True, threads: int = 1) -> dict:
+def load_file(path_or_file, names=None, *, mmap: bool | None = None, threads: int | None = None) -> dict:
     """Read tensors of an MCF file into fresh numpy arrays (name -> array), like
-    ``safetensors.numpy.load_file``.  See :meth:`Container.load`."""
+    ``safetensors.numpy.load_file``.  See :meth:`Container.load` and :func:`open`."""
     with open(path_or_file, mmap=mmap) as c:
         return c.load(names, threads=threads)
 
 
-def open(path_or_file, *, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open
+def open(path_or_file, *, mmap: bool | None = None) -> Container:  # noqa: A001 - mirrors builtins.open
     """Open an MCF container from a path, a binary file-like object or an in-memory buffer.
 
-    ``mmap=False`` reads with positional reads instead of mapping (parallel file systems)."""
+    ``mmap=None`` (the default) maps a file on a local disk and reads one on a network or FUSE
+    filesystem with positional reads, where page faults are round trips to a server
+    (:func:`mcf.io.open_source`); ``mmap=True``/``False`` decides instead."""
     src = open_source(path_or_file, mmap=mmap)
     return Container(src, owns_source=not isinstance(path_or_file, Source))

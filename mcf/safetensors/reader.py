@@ -44,7 +44,7 @@ class SafetensorsTensor:
 
 
 class SafetensorsFile:
-    def __init__(self, path_or_source, *, mmap: bool = True):
+    def __init__(self, path_or_source, *, mmap: bool | None = None):
         self.source: Source = open_source(path_or_source, mmap=mmap)
         try:
             self.tensors, self.metadata = self._parse()
@@ -125,7 +125,7 @@ class Checkpoint:
     """All tensors of a checkpoint directory: one ``model.safetensors`` or shards listed in
     ``model.safetensors.index.json``."""
 
-    def __init__(self, files: list, *, mmap: bool = True):
+    def __init__(self, files: list, *, mmap: bool | None = None):
         self.files = [SafetensorsFile(f, mmap=mmap) for f in files]
         self.tensors = {}
         for f in self.files:
@@ -160,7 +160,7 @@ def _shard_names(wm, idx):
     return sorted(shards)
 
 
-def _open_remote_checkpoint(url: str, mmap: bool) -> Checkpoint:
+def _open_remote_checkpoint(url: str, mmap: bool | None) -> Checkpoint:
     """A URL naming a ``.safetensors`` file, or a "directory" URL under which ``model.safetensors`` or
     ``model.safetensors.index.json`` (and its shards) can be fetched (no listing needed)."""
     from mcf.remote import RemoteFile
@@ -185,9 +185,10 @@ def _open_remote_checkpoint(url: str, mmap: bool) -> Checkpoint:
     return Checkpoint([base + "/" + s for s in _shard_names(wm, idx)], mmap=mmap)
 
 
-def open_checkpoint(path, *, mmap: bool = True) -> Checkpoint:
+def open_checkpoint(path, *, mmap: bool | None = None) -> Checkpoint:
     """Open a safetensors file, or a directory holding one or an index of shards (a URL of either too:
-    see :mod:`mcf.remote`)."""
+    see :mod:`mcf.remote`).  ``mmap=None`` maps files on a local disk and reads them with positional
+    reads on a network or FUSE filesystem; ``mmap=True``/``False`` decides instead."""
     from mcf.remote import is_url
 
     if is_url(path):
