@@ -105,6 +105,8 @@ cdef size_t _MAX_IO = 0x40000000
 MAX_THREADS = 256
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 1 << 30
+# a single copy this large may go through the engine (two chunks of the smallest default chunk size)
+cdef size_t _ENGINE_MIN_COPY = 4 << 20
 # O_DIRECT requests start, end and land on this boundary: the largest logical block size of common
 # devices (512 and 4096); a device that needs more refuses with EINVAL and the engine reads buffered.
 DIRECT_ALIGN = 4096
@@ -415,11 +417,13 @@ cdef class Source:
             self._bytes_read += n
             return 0
         if self.mode == "pread":
-            settings = self._settings(None, None, None)
-            if n >= 2 * <size_t>settings[1]:
-                self._engine(np.array([offset], np.int64), np.array([n], np.int64),
-                             np.array([<uintptr_t>dst], np.uint64), settings)
-                return 0
+            # the size test comes first: per-item copies (Megatron, MegaContext) are far below any chunk
+            if n >= _ENGINE_MIN_COPY:
+                settings = self._settings(None, None, None)
+                if n >= 2 * <size_t>settings[1]:
+                    self._engine(np.array([offset], np.int64), np.array([n], np.int64),
+                                 np.array([<uintptr_t>dst], np.uint64), settings)
+                    return 0
             self.pin()
             try:
                 with nogil:
