@@ -744,13 +744,13 @@ cdef class Source:
             with self._lock:
                 if self._dfd == -1:
                     flag = getattr(os, "O_DIRECT", 0)
-                    try:
-                        if not flag:
-                            raise OSError(0, "no O_DIRECT")
-                        self._dfd = os.open(f"/proc/self/fd/{self._fd}",
-                                            os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
-                    except OSError:
-                        self._dfd = -2
+                    self._dfd = -2
+                    if flag:
+                        try:
+                            self._dfd = os.open(f"/proc/self/fd/{self._fd}",
+                                                os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+                        except OSError:   # EINVAL: the filesystem has none; no /proc: no way to reopen
+                            pass
         return self._dfd if self._dfd >= 0 else -1
 
     cdef object _engine(self, offs, szs, addrs, object settings):
