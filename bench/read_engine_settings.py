@@ -82,6 +82,7 @@ def engine(src, plan, threads, chunk, direct):
         out = alloc_buffer(total)
         src.read_ranges(offs, sizes, out, dsts, threads=threads, chunk_bytes=chunk, direct=direct)
         return out
+    run.plan = plan
     return run
 
 
@@ -95,6 +96,7 @@ def mmap_copy(path, plan):
             for o, n, d in zip(offs.tolist(), sizes.tolist(), dsts.tolist()):
                 out[d:d + n] = whole[o:o + n]
         return out
+    run.plan = plan
     return run
 
 
@@ -148,17 +150,42 @@ def uring(path, plan, depth, chunk):
             os.close(fd)
             lu.io_uring_queue_exit(ring)
         return out
+    run.plan = plan
     return run
+
+
+# (threads, chunk bytes, O_DIRECT): every worker count at one chunk size, every chunk size at one worker
+# count, Run:ai Model Streamer's filesystem default (16 x 2 MiB), and O_DIRECT at two points
+DEFAULT_SETTINGS = ["1x8", "2x8", "4x8", "8x8", "16x8", "4x0.5", "4x2", "4x32", "16x2", "4x8d", "16x2d"]
+
+
+def parse_setting(text: str):
+    """"THREADSxCHUNK_MIB", with a trailing "d" for O_DIRECT: "16x2d"."""
+    direct = text.endswith("d")
+    t, c = text.rstrip("d").split("x")
+    return int(t), int(float(c) * MiB), direct
+
+
+def page_congruent(plan):
+    """The plan with every destination at the same offset within its page as its range in the file, so
+    that requests starting on a page of the file land on a page of the arena."""
+    offs, sizes, _, _ = plan
+    dsts, d = [], 0
+    for o, n in zip(offs.tolist(), sizes.tolist()):
+        d += (o - d) % 4096
+        dsts.append(d)
+        d += n
+    return offs, sizes, np.array(dsts), d
 
 
 def settings(path, src, plan, args):
     out = {}
-    for t in args.threads:
-        for c in args.chunks:
-            out[f"engine t={t:<2} chunk={c // 1024:>5}K"] = engine(src, plan, t, c, False)
-    for t in args.direct_threads:
-        for c in args.direct_chunks:
-            out[f"engine t={t:<2} chunk={c // 1024:>5}K direct"] = engine(src, plan, t, c, True)
+    for text in args.settings:
+        t, c, direct = parse_setting(text)
+        out[f"engine t={t:<2} chunk={c // 1024:>5}K{' direct' if direct else ''}"] = engine(src, plan, t, c, direct)
+    t, c, direct = parse_setting(args.settings[0] if args.congruent is None else args.congruent)
+    out[f"engine t={t:<2} chunk={c // 1024:>5}K, page-congruent arena"] = engine(src, page_congruent(plan), t, c,
+                                                                                  direct)
     out["mmap copy (1 thread)"] = mmap_copy(path, plan)
     try:
         import liburing  # noqa: F401
@@ -179,11 +206,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", choices=["cold", "warm"])
     ap.add_argument("--dir", default=os.environ.get("MCF_BENCH_DIR", os.path.join(tempfile.gettempdir(), "mcf-bench")))
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--chunks", type=lambda s: int(float(s) * MiB), nargs="+",
-                    default=[MiB // 2, 2 * MiB, 8 * MiB, 32 * MiB], help="MiB")
-    ap.add_argument("--direct-threads", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--direct-chunks", type=lambda s: int(float(s) * MiB), nargs="+", default=[2 * MiB, 8 * MiB])
+    ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
+                    help='THREADSxCHUNK_MIB[d], "d" for O_DIRECT (default: %(default)s)')
+    ap.add_argument("--congruent", help="the setting also measured with a page-congruent arena (default: 4x8)",
+                    default="4x8")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     size = int(args.size)
@@ -196,8 +222,8 @@ def main() -> None:
     # every setting must give the file's bytes
     with open(path, "rb") as f:
         want = np.frombuffer(f.read(), np.uint8)
-    offs, sizes, dsts, _ = plan
     for name, fn in runs.items():
+        offs, sizes, dsts, _ = fn.plan
         got = fn()
         for o, n, d in zip(offs.tolist()[::97], sizes.tolist()[::97], dsts.tolist()[::97]):
             assert np.array_equal(got[d:d + n], want[o:o + n]), name
