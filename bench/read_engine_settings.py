@@ -183,10 +183,13 @@ def settings(path, src, plan, args):
     for text in args.settings:
         t, c, direct = parse_setting(text)
         out[f"engine t={t:<2} chunk={c // 1024:>5}K{' direct' if direct else ''}"] = engine(src, plan, t, c, direct)
-    t, c, direct = parse_setting(args.settings[0] if args.congruent is None else args.congruent)
-    out[f"engine t={t:<2} chunk={c // 1024:>5}K, page-congruent arena"] = engine(src, page_congruent(plan), t, c,
-                                                                                  direct)
+    if args.congruent != "none":
+        t, c, direct = parse_setting(args.congruent)
+        out[f"engine t={t:<2} chunk={c // 1024:>5}K, page-congruent arena"] = engine(src, page_congruent(plan), t,
+                                                                                      c, direct)
     out["mmap copy (1 thread)"] = mmap_copy(path, plan)
+    if args.no_uring:
+        return out
     try:
         import liburing  # noqa: F401
         for depth in (4, 16):
@@ -208,8 +211,9 @@ def main() -> None:
     ap.add_argument("--dir", default=os.environ.get("MCF_BENCH_DIR", os.path.join(tempfile.gettempdir(), "mcf-bench")))
     ap.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
                     help='THREADSxCHUNK_MIB[d], "d" for O_DIRECT (default: %(default)s)')
-    ap.add_argument("--congruent", help="the setting also measured with a page-congruent arena (default: 4x8)",
-                    default="4x8")
+    ap.add_argument("--congruent", default="4x8",
+                    help='the setting also measured with a page-congruent arena, or "none" (default: 4x8)')
+    ap.add_argument("--no-uring", action="store_true", help="leave io_uring out")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     size = int(args.size)

@@ -21,21 +21,41 @@ The kinds:
 - ``object``: object stores and HTTP (``mcf.remote``), listed here so that every kind's figures live in
   one table.
 
-The settings (threads x chunk; O_DIRECT never by default):
+The settings (O_DIRECT is off for every kind):
 
-=========  ======  =======  =========  ==========================================================
-kind       mmap    threads  chunk      why
-=========  ======  =======  =========  ==========================================================
-local      yes     4        8 MiB      measured below: the most of this virtual disk, cold and warm
-network    no      16       2 MiB      Run:ai Model Streamer's filesystem defaults: latency-bound
-fuse       no      16       2 MiB      as network
-unknown    yes     4        8 MiB      as local
-object     no      8        8 MiB      Run:ai Model Streamer's object-store defaults
-=========  ======  =======  =========  ==========================================================
+=========  ======  =======  =======  ===========================================================
+kind       mmap    threads  chunk    why
+=========  ======  =======  =======  ===========================================================
+local      yes     16       8 MiB    the best cold median in every measurement here (below)
+network    no      16       2 MiB    Run:ai Model Streamer's filesystem defaults: latency-bound
+fuse       no      16       2 MiB    as network
+unknown    yes     16       8 MiB    as local
+object     no      8        8 MiB    Run:ai Model Streamer's object-store defaults
+=========  ======  =======  =======  ===========================================================
 
-Measured for ``local`` (2-core VM, virtio disk, ext4, a 1.5 GB file of random bytes, one read of the
-whole file per run as 1 MiB..8 MiB-spaced tensors, page cache dropped before each cold run; figures in
-docs/io.md): see :data:`MEASURED`.
+How ``local`` was chosen (``bench/read_engine_settings.py``, figures in docs/io.md): a 1.5 GB file of
+random bytes on this machine's virtio disk (ext4, 8 MiB readahead, 2 cores shared with other work),
+read as 258 tensors of 1 KiB..64 MiB into one fresh arena, page cache dropped before every cold run,
+settings interleaved over 3, 7 and 9 rounds at load averages of 4 to 18.  Single runs varied 3x with the
+other work on the disk, so only what held in all three sweeps decided:
+
+- Cold, 16 workers x 8 MiB had the best median every time (1.36, 1.23, 1.04 GB/s against fio's
+  sequential-read best of 1.34, 1.54, 1.65); one worker (0.54, 0.17) and chunks of 512 KiB (0.68, 0.23)
+  never came close, two workers once (1.31, then 0.22); 16 x 2 MiB, Run:ai's filesystem setting,
+  trailed 16 x 8 MiB (1.14, 0.55, 0.87): larger requests match the disk's readahead.  A single-threaded copy out of a mapping: 0.25-0.36.
+- Warm, every multi-threaded setting was within the noise of the others (0.6-1.3 GB/s): the time goes
+  to faulting in the fresh arena's pages in this VM (the same read into a reused arena: 1.9-2.6 GB/s).
+- O_DIRECT (4 x 8 MiB, 16 x 2 MiB) gained nothing cold (0.80-1.09, fio's own O_DIRECT 0.72-1.04 against
+  1.34-1.65 buffered) and lost warm, where it cannot use the page cache (0.47-1.08 against 0.61-1.30),
+  so it stays an option (``direct=True``: a file larger than the page cache, or one whose cache must
+  not be disturbed).
+- io_uring through the maintained ``liburing`` binding (one ring, 4 or 16 reads of 2 MiB in flight)
+  reached 0.61-1.05 cold and 0.83-0.98 warm: no gain over the thread pool that would pay for a second
+  I/O path, so it is not used.
+
+The ``network``, ``fuse`` and ``object`` rows are Run:ai's defaults as published: there is no network
+filesystem or object store on these machines to tune them against, and their reads are bound by
+round trips, where the number of requests in flight matters more than their size.
 """
 
 from __future__ import annotations
@@ -116,7 +136,7 @@ class ReadDefaults:
 
 MiB = 1 << 20
 _NETWORK = ReadDefaults(mmap=False, threads=16, chunk_bytes=2 * MiB, direct=False)
-_LOCAL = ReadDefaults(mmap=True, threads=4, chunk_bytes=8 * MiB, direct=False)
+_LOCAL = ReadDefaults(mmap=True, threads=16, chunk_bytes=8 * MiB, direct=False)
 DEFAULTS: dict[str, ReadDefaults] = {
     "local": _LOCAL,
     "network": _NETWORK,
