@@ -300,3 +300,29 @@ def test_close_from_another_thread_while_the_engine_runs(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "'ok'" in r.stdout
+
+
+@pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
+def test_engine_under_sanitizers(tmp_path, data_file, sanitizer):
+    """The C engine alone (tests/readengine_stress.c) built with ThreadSanitizer (a data race between the
+    workers, the counter and the failure record is reported) and with AddressSanitizer + UBSan (a read or
+    write outside a range or a buffer is reported): random plans must give pread's bytes, with no
+    report (the sanitizers exit non-zero on one)."""
+    import shutil
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc/gcc) to build the sanitized engine")
+    here = os.path.dirname(os.path.abspath(__file__))
+    csrc = os.path.join(here, "..", "csrc")
+    exe = tmp_path / "stress"
+    build = subprocess.run([cc, "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all",
+                            "-I", csrc, os.path.join(here, "readengine_stress.c"),
+                            os.path.join(csrc, "readengine.c"), "-o", str(exe), "-lpthread"],
+                           capture_output=True, text=True, timeout=300)
+    missing = ("cannot find -l", "unrecognized", "unsupported option")   # no runtime library, or no such flag
+    if build.returncode != 0 and any(m in build.stderr for m in missing):
+        pytest.skip(f"this compiler has no -fsanitize={sanitizer} runtime: {build.stderr.strip()[-200:]}")
+    assert build.returncode == 0, build.stderr
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=1")
+    r = subprocess.run([str(exe), str(data_file[0]), "60"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -42,7 +42,8 @@ other work on the disk, so only what held in all three sweeps decided:
 - Cold, 16 workers x 8 MiB had the best median every time (1.36, 1.23, 1.04 GB/s against fio's
   sequential-read best of 1.34, 1.54, 1.65); one worker (0.54, 0.17) and chunks of 512 KiB (0.68, 0.23)
   never came close, two workers once (1.31, then 0.22); 16 x 2 MiB, Run:ai's filesystem setting,
-  trailed 16 x 8 MiB (1.14, 0.55, 0.87): larger requests match the disk's readahead.  A single-threaded copy out of a mapping: 0.25-0.36.
+  trailed 16 x 8 MiB (1.14, 0.55, 0.87): larger requests match the disk's readahead.  A single-threaded
+  copy out of a mapping: 0.25-0.36.
 - Warm, every multi-threaded setting was within the noise of the others (0.6-1.3 GB/s): the time goes
   to faulting in the fresh arena's pages in this VM (the same read into a reused arena: 1.9-2.6 GB/s).
 - O_DIRECT (4 x 8 MiB, 16 x 2 MiB) gained nothing cold (0.80-1.09, fio's own O_DIRECT 0.72-1.04 against
