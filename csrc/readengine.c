@@ -319,3 +319,41 @@ int mcf_read_plan(mcf_read_range *ranges, size_t n, const mcf_read_config *cfg, 
     free(first);
     return failed ? -1 : 0;
 }
+
+typedef struct {
+    uintptr_t start, end;
+    size_t index;
+} dst_span;
+
+static int by_start(const void *a, const void *b) {
+    const dst_span *x = a, *y = b;
+    if (x->start != y->start)
+        return x->start < y->start ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;
+}
+
+int mcf_plan_overlap(const mcf_read_range *ranges, size_t n, size_t *first, size_t *second) {
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        m += ranges[i].size != 0;
+    if (m < 2)
+        return 0;
+    dst_span *s = malloc(m * sizeof(*s));
+    if (s == NULL)
+        return -1;
+    m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (ranges[i].size)
+            s[m++] = (dst_span){(uintptr_t)ranges[i].dst, (uintptr_t)ranges[i].dst + ranges[i].size, i};
+    qsort(s, m, sizeof(*s), by_start);
+    /* sorted by start, the first span to overlap any earlier one overlaps its predecessor */
+    for (size_t k = 1; k < m; k++)
+        if (s[k].start < s[k - 1].end) {
+            *first = s[k].index < s[k - 1].index ? s[k].index : s[k - 1].index;
+            *second = s[k].index < s[k - 1].index ? s[k - 1].index : s[k].index;
+            free(s);
+            return 1;
+        }
+    free(s);
+    return 0;
+}

@@ -50,4 +50,9 @@ typedef struct {
  * GIL released. */
 int mcf_read_plan(mcf_read_range *ranges, size_t n, const mcf_read_config *cfg, mcf_read_result *res);
 
+/* Whether two non-empty ranges of the plan share a destination byte: returns 1 and their indices (first <
+ * second) if so, 0 if not, -1 when the scratch array could not be allocated.  The caller checks this before
+ * reading: bytes written twice by different workers would depend on timing. */
+int mcf_plan_overlap(const mcf_read_range *ranges, size_t n, size_t *first, size_t *second);
+
 #endif

@@ -43,9 +43,6 @@ cdef class Source:
     cdef _release(self)
     cdef _set_mapping(self, _Mapping m)
     cdef _fileobj_read(self, uint64_t offset, mv)
-    # a checked plan (file offsets, sizes, destination addresses) read by the engine or, for memory and
-    # file-like sources, copied range by range; returns the bytes read
-    cdef object _read_plan(self, offs, szs, addrs, object settings)
-    cdef object _engine(self, offs, szs, addrs, object settings)
+    # (threads, chunk_bytes, direct) of a plan read: the caller's, checked, or the storage's defaults
     cdef object _settings(self, object threads, object chunk_bytes, object direct)
     cdef int _direct_fd(self) except -2

@@ -76,6 +76,7 @@ cdef extern from "readengine.h" nogil:
         int direct
         int direct_refused
     int mcf_read_plan(mcf_read_range* ranges, size_t n, const mcf_read_config* cfg, mcf_read_result* res)
+    int mcf_plan_overlap(const mcf_read_range* ranges, size_t n, size_t* first, size_t* second)
 
 cimport numpy as cnp
 from cpython.ref cimport Py_INCREF
@@ -405,6 +406,7 @@ cdef class Source:
         cdef int fd = self._fd
         cdef int err = 0
         cdef const uint8_t* b = self.base
+        cdef mcf_read_range one
         if n == 0:
             return 0
         if b != NULL:
@@ -421,8 +423,10 @@ cdef class Source:
             if n >= _ENGINE_MIN_COPY:
                 settings = self._settings(None, None, None)
                 if n >= 2 * <size_t>settings[1]:
-                    self._engine(np.array([offset], np.int64), np.array([n], np.int64),
-                                 np.array([<uintptr_t>dst], np.uint64), settings)
+                    one.offset = offset
+                    one.size = n
+                    one.dst = <uint8_t*>dst
+                    _engine(self, &one, 1, settings)
                     return 0
             self.pin()
             try:
@@ -501,27 +505,28 @@ cdef class Source:
         if offs.shape[0] != n:
             raise InvalidArgumentError(f"{offs.shape[0]} offsets for {n} buffers")
         settings = self._settings(threads, chunk_bytes, direct)
+        cdef const int64_t[::1] o = offs
         cdef Py_buffer* views = <Py_buffer*>calloc(n if n else 1, sizeof(Py_buffer))
-        if views == NULL:
-            raise MemoryError()
-        szs = np.empty(n, np.int64)
-        addrs = np.empty(n, np.uint64)
-        cdef int64_t[::1] zs = szs
-        cdef uint64_t[::1] ad = addrs
+        cdef mcf_read_range* rr = <mcf_read_range*>malloc((n if n else 1) * sizeof(mcf_read_range))
+        cdef uint64_t total = 0
         try:
+            if views == NULL or rr == NULL:
+                raise MemoryError()
+            if self._closed:
+                raise ClosedError(f"{self.name}: source is closed")
             for k in range(n):
                 _get_writable(bufs[k], &views[k])
                 held = k + 1
-                zs[k] = views[k].len
-                ad[k] = <uintptr_t>views[k].buf
-            _check_file_ranges(self, offs, szs)
-            _check_disjoint(addrs, szs, f"{self.name}: read_into: buffers")
-            self._read_plan(offs, szs, addrs, settings)
+                _plan_entry(self, rr, k, o[k], views[k].len, <uint8_t*>views[k].buf)
+                total += rr[k].size
+            _check_overlap(rr, n, f"{self.name}: read_into: buffers")
+            _read_plan(self, rr, n, settings)
         finally:
             for k in range(held):
                 PyBuffer_Release(&views[k])
             free(views)
-        return int(szs.sum())
+            free(rr)
+        return total
 
     def readinto(self, offset, buffer):
         """Fill the whole of ``buffer`` (any writable contiguous buffer) from ``offset``."""
@@ -652,27 +657,37 @@ cdef class Source:
         storage's settings (:mod:`mcf._core.storage`).
         """
         cdef Py_buffer view
+        cdef Py_ssize_t k, n
         offs = integers(offsets, "offsets")
         szs = integers(sizes, "sizes")
         dsts = integers(out_offsets, "out_offsets")
-        if szs.shape[0] != offs.shape[0] or dsts.shape[0] != offs.shape[0]:
+        n = offs.shape[0]
+        if szs.shape[0] != n or dsts.shape[0] != n:
             raise InvalidArgumentError("offsets, sizes and out_offsets must have the same length")
         settings = self._settings(threads, chunk_bytes, direct)
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
-        _get_writable(out, &view)
+        cdef const int64_t[::1] o = offs
+        cdef const int64_t[::1] z = szs
+        cdef const int64_t[::1] d = dsts
+        cdef mcf_read_range* rr = <mcf_read_range*>malloc((n if n else 1) * sizeof(mcf_read_range))
+        if rr == NULL:
+            raise MemoryError()
         try:
-            _check_file_ranges(self, offs, szs)
-            if offs.shape[0]:
-                # each is < 2**63 (int64 and checked non-negative), so the sum cannot wrap in uint64
-                if (dsts < 0).any() or (dsts.astype(np.uint64) + szs.astype(np.uint64) > np.uint64(view.len)).any():
-                    raise OutOfBoundsError(f"{self.name}: read_ranges: a destination range is outside the output "
-                                           f"buffer ({view.len} bytes)")
-            addrs = dsts.astype(np.uint64) + np.uint64(<uintptr_t>view.buf)
-            _check_disjoint(addrs, szs, f"{self.name}: read_ranges: destination ranges")
-            self._read_plan(offs, szs, addrs, settings)
+            _get_writable(out, &view)
+            try:
+                for k in range(n):
+                    if d[k] < 0 or z[k] < 0 or d[k] > view.len or z[k] > view.len - d[k]:
+                        raise OutOfBoundsError(
+                            f"{self.name}: read_ranges: range {k} ({z[k]} bytes at {d[k]}) is outside the output "
+                            f"buffer ({view.len} bytes)")
+                    _plan_entry(self, rr, k, o[k], z[k], <uint8_t*>view.buf + d[k])
+                _check_overlap(rr, n, f"{self.name}: read_ranges: destination ranges")
+                _read_plan(self, rr, n, settings)
+            finally:
+                PyBuffer_Release(&view)
         finally:
-            PyBuffer_Release(&view)
+            free(rr)
 
     cdef object _settings(self, object threads, object chunk_bytes, object direct):
         """``(threads, chunk_bytes, direct)`` of a plan read: the caller's values once checked, else the
@@ -698,45 +713,6 @@ cdef class Source:
             raise ArgumentTypeError(f"direct must be True, False or None, got {direct!r} ({type(direct).__name__})")
         return (t, c, dr)
 
-    cdef object _read_plan(self, offs, szs, addrs, object settings):
-        cdef Py_ssize_t k, n = offs.shape[0]
-        cdef const int64_t[::1] o = offs
-        cdef const int64_t[::1] z = szs
-        cdef const uint64_t[::1] a = addrs
-        cdef const uint8_t* base = self.base
-        if self._closed:
-            raise ClosedError(f"{self.name}: source is closed")
-        if self._fd >= 0:
-            return self._engine(offs, szs, addrs, settings)
-        total = int(szs.sum()) if n else 0
-        if base != NULL:
-            self.pin()
-            try:
-                with nogil:
-                    for k in range(n):
-                        memcpy(<void*><uintptr_t>a[k], base + o[k], <size_t>z[k])
-            finally:
-                self.unpin()
-            self._bytes_read += total
-            return total
-        ks = [k for k in range(n) if z[k]]
-        many = getattr(self._fileobj, "readinto_ranges", None)
-        if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
-            with self._lock:
-                if self._fileobj is None:
-                    raise ClosedError(f"{self.name}: source is closed")
-                try:
-                    many([o[k] for k in ks], [memoryview(<uint8_t[:z[k]]>(<uint8_t*><uintptr_t>a[k])) for k in ks])
-                except OSError as exc:
-                    if isinstance(exc, MCFIOError):
-                        raise
-                    raise os_error(exc, self.name) from None
-            self._bytes_read += total
-            return total
-        for k in ks:
-            self._fileobj_read(<uint64_t>o[k], memoryview(<uint8_t[:z[k]]>(<uint8_t*><uintptr_t>a[k])))
-        return total
-
     cdef int _direct_fd(self) except -2:
         """The file again with O_DIRECT (opened once, through /proc/self/fd: no path to race with), or -1
         where the platform or the filesystem has none.  Call pinned."""
@@ -752,53 +728,6 @@ cdef class Source:
                         except OSError:   # EINVAL: the filesystem has none; no /proc: no way to reopen
                             pass
         return self._dfd if self._dfd >= 0 else -1
-
-    cdef object _engine(self, offs, szs, addrs, object settings):
-        """One call of the read engine over a checked plan; returns the bytes the file returned."""
-        cdef Py_ssize_t k, n = offs.shape[0]
-        cdef const int64_t[::1] o = offs
-        cdef const int64_t[::1] z = szs
-        cdef const uint64_t[::1] a = addrs
-        cdef mcf_read_config cfg
-        cdef mcf_read_result res
-        cdef mcf_read_range* rr
-        cdef int rc
-        threads, chunk, direct = settings
-        rr = <mcf_read_range*>malloc((n if n else 1) * sizeof(mcf_read_range))
-        if rr == NULL:
-            raise MemoryError()
-        for k in range(n):
-            rr[k].offset = <uint64_t>o[k]
-            rr[k].size = <uint64_t>z[k]
-            rr[k].dst = <uint8_t*><uintptr_t>a[k]
-        try:
-            self.pin()
-            try:
-                cfg.fd = self._fd
-                cfg.direct_fd = self._direct_fd() if direct else -1
-                if cfg.direct_fd >= 0 and chunk % DIRECT_ALIGN:
-                    chunk += DIRECT_ALIGN - chunk % DIRECT_ALIGN
-                cfg.threads = <unsigned>threads
-                cfg.chunk = <uint64_t>chunk
-                cfg.align = DIRECT_ALIGN
-                with nogil:
-                    rc = mcf_read_plan(rr, <size_t>n, &cfg, &res)
-            finally:
-                self.unpin()
-        finally:
-            free(rr)
-        self._bytes_read += res.bytes
-        self._read_stats = ReadStats(self._storage, int(res.threads), int(chunk), bool(res.direct), int(res.ranges),
-                                     int(res.requests), int(res.bytes))
-        if rc:
-            if res.truncated:
-                raise TruncatedError("file shrank while reading", path=self.name, offset=res.fail_offset,
-                                     expected=f"{self._size} bytes, its size when opened")
-            if res.error == ENOMEM:
-                raise MemoryError(f"{self.name}: no memory for the read engine's plan")
-            raise os_error(OSError(res.error, f"{os.strerror(res.error)} (read at offset {res.fail_offset})"),
-                           self.name)
-        return int(res.bytes)
 
     def advise(self, advice, offset=0, size=None):
         """Pass a ``madvise`` hint for a range of a mapped file ("random", "sequential", "willneed",
@@ -939,38 +868,101 @@ def storage_of(path):
         os.close(fd)
 
 
-cdef _check_file_ranges(Source s, offs, szs):
-    """OutOfBoundsError naming the first range of the plan that is not inside the file."""
-    if s._closed:
-        raise ClosedError(f"{s.name}: source is closed")
-    if offs.shape[0] == 0:
-        return
-    bad = (offs < 0) | (szs < 0)
-    if not bad.any():
-        # each is < 2**63, so the sum cannot wrap in uint64
-        bad = offs.astype(np.uint64) + szs.astype(np.uint64) > np.uint64(s._size)
-    if bad.any():
-        k = int(np.flatnonzero(bad)[0])
-        raise OutOfBoundsError(f"{s.name}: read of {int(szs[k])} bytes at offset {int(offs[k])} is outside the file "
+cdef inline int _plan_entry(Source s, mcf_read_range* rr, Py_ssize_t k, int64_t offset, int64_t size,
+                            uint8_t* dst) except -1:
+    """Range ``k`` of a plan, once it lies inside the file (OutOfBoundsError naming it otherwise)."""
+    if offset < 0 or size < 0 or <uint64_t>offset > s._size or <uint64_t>size > s._size - <uint64_t>offset:
+        raise OutOfBoundsError(f"{s.name}: read of {size} bytes at offset {offset} (range {k}) is outside the file "
                                f"(size {s._size})")
+    rr[k].offset = <uint64_t>offset
+    rr[k].size = <uint64_t>size
+    rr[k].dst = dst
+    return 0
 
 
-cdef _check_disjoint(addrs, szs, what):
+cdef int _check_overlap(const mcf_read_range* rr, Py_ssize_t n, what) except -1:
     """InvalidArgumentError when two non-empty destination ranges share a byte."""
-    nz = np.flatnonzero(szs > 0)
-    if nz.shape[0] < 2:
-        return
-    start = addrs[nz]
-    order = np.argsort(start, kind="stable")
-    start = start[order]
-    end = start + szs[nz][order].astype(np.uint64)
-    last = nz.shape[0] - 1   # no negative index: the module is compiled with wraparound=False
-    over = start[1:] < end[:last]
-    if over.any():
-        k = int(np.flatnonzero(over)[0])
-        i, j = sorted((int(nz[order[k]]), int(nz[order[k + 1]])))
+    cdef size_t i = 0, j = 0
+    cdef int rc = mcf_plan_overlap(rr, <size_t>n, &i, &j)
+    if rc < 0:
+        raise MemoryError()
+    if rc:
         raise InvalidArgumentError(f"{what} {i} and {j} overlap in memory (each destination byte must belong "
                                    "to one range)")
+    return 0
+
+
+cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings):
+    """A checked plan read by the engine (file sources) or copied range by range (memory and file-like
+    sources); returns the bytes fetched."""
+    cdef Py_ssize_t k
+    cdef const uint8_t* base = s.base
+    cdef uint64_t total = 0
+    if s._closed:
+        raise ClosedError(f"{s.name}: source is closed")
+    if s._fd >= 0:
+        return _engine(s, rr, n, settings)
+    for k in range(n):
+        total += rr[k].size
+    if base != NULL:
+        s.pin()
+        try:
+            with nogil:
+                for k in range(n):
+                    memcpy(rr[k].dst, base + rr[k].offset, <size_t>rr[k].size)
+        finally:
+            s.unpin()
+        s._bytes_read += total
+        return total
+    ks = [k for k in range(n) if rr[k].size]
+    many = getattr(s._fileobj, "readinto_ranges", None)
+    if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
+        with s._lock:
+            if s._fileobj is None:
+                raise ClosedError(f"{s.name}: source is closed")
+            try:
+                many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks])
+            except OSError as exc:
+                if isinstance(exc, MCFIOError):
+                    raise
+                raise os_error(exc, s.name) from None
+        s._bytes_read += total
+        return total
+    for k in ks:
+        s._fileobj_read(rr[k].offset, memoryview(<uint8_t[:rr[k].size]>rr[k].dst))
+    return total
+
+
+cdef object _engine(Source s, mcf_read_range* rr, Py_ssize_t n, object settings):
+    """One call of the read engine over a checked plan (reordered in place); returns the bytes the file
+    returned."""
+    cdef mcf_read_config cfg
+    cdef mcf_read_result res
+    cdef int rc
+    threads, chunk, direct = settings
+    s.pin()
+    try:
+        cfg.fd = s._fd
+        cfg.direct_fd = s._direct_fd() if direct else -1
+        if cfg.direct_fd >= 0 and chunk % DIRECT_ALIGN:
+            chunk += DIRECT_ALIGN - chunk % DIRECT_ALIGN
+        cfg.threads = <unsigned>threads
+        cfg.chunk = <uint64_t>chunk
+        cfg.align = DIRECT_ALIGN
+        with nogil:
+            rc = mcf_read_plan(rr, <size_t>n, &cfg, &res)
+    finally:
+        s.unpin()
+    s._bytes_read += res.bytes
+    s._read_stats = ReadStats(s._storage, res.threads, chunk, res.direct != 0, res.ranges, res.requests, res.bytes)
+    if rc:
+        if res.truncated:
+            raise TruncatedError("file shrank while reading", path=s.name, offset=res.fail_offset,
+                                 expected=f"{s._size} bytes, its size when opened")
+        if res.error == ENOMEM:
+            raise MemoryError(f"{s.name}: no memory for the read engine's plan")
+        raise os_error(OSError(res.error, f"{os.strerror(res.error)} (read at offset {res.fail_offset})"), s.name)
+    return res.bytes
 
 
 def _reopen_memory(data, name):

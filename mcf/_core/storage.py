@@ -62,6 +62,7 @@ round trips, where the number of requests in flight matters more than their size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 __all__ = ["Storage", "ReadDefaults", "ReadStats", "FILESYSTEMS", "DEFAULTS", "KINDS", "storage_for_magic",
            "defaults_for", "FUSE_MAGIC"]
@@ -162,6 +163,7 @@ class ReadStats:
     bytes_read: int
 
 
+@lru_cache(maxsize=64)   # one per filesystem seen: opening a file stays one statfs and one lookup
 def storage_for_magic(magic: int) -> Storage:
     """The :class:`Storage` of a filesystem from its statfs ``f_type``."""
     name, kind = FILESYSTEMS.get(magic, (f"0x{magic:x}", "unknown"))
