@@ -549,7 +549,7 @@ class KVFile:
     """An opened ``kv_data.mcb``.  Construction validates the header and the chunk table; :meth:`load`
     returns per-layer (K, V) arrays, zero-copy views of the mapping when the file is uncompressed."""
 
-    def __init__(self, source: Any, *, mmap: bool = True,
+    def __init__(self, source: Any, *, mmap: bool | None = None,
                  max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES, key: Any = None) -> None:
         from mcf.bucket._crypto import ChunkCipher, parse_key
         from mcf.io import open_source
@@ -863,10 +863,11 @@ class KVFile:
         self.close()
 
 
-def open_kv(source: Any, *, mmap: bool = True, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,
+def open_kv(source: Any, *, mmap: bool | None = None, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,
             key: Any = None) -> KVFile:
     """Open and validate a ``kv_data.mcb`` (path, file-like object or bytes-like); ``key`` decrypts an
-    encrypted one."""
+    encrypted one.  A path is mapped on a local disk and read with positional reads on a network or
+    FUSE filesystem (``mmap=None``, the default); ``mmap=True``/``False`` decides instead."""
     return KVFile(source, mmap=mmap, max_decompressed_bytes=max_decompressed_bytes, key=key)
 
 

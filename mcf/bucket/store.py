@@ -954,8 +954,8 @@ class Bucket:
             raise ContextNotFoundError(f"context {context_id!r} expired at {meta['timestamps']['expires_at']}")
         return meta
 
-    def open(self, context_id: str, *, mmap: bool = True) -> KVFile:
-        """The context's KV file, validated against its metadata."""
+    def open(self, context_id: str, *, mmap: bool | None = None) -> KVFile:
+        """The context's KV file, validated against its metadata (``mmap``: as :func:`mcf.bucket.open_kv`)."""
         rel = f"{ctx_rel(context_id)}/{KV_NAME}"
         path = self._fs.where(rel)
         for attempt in (1, 2):
