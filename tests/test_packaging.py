@@ -82,6 +82,17 @@ def test_every_optional_import_names_an_extra_that_installs_it():
             f"{where}: the {extra!r} extra does not install {package!r}"
 
 
+def test_the_extras_table_of_the_messages_is_pyprojects():
+    """mcf/_core/optional.py's EXTRAS (what a missing-dependency message names) installs what each extra
+    of pyproject.toml installs."""
+    from mcf._core.optional import EXTRAS
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert set(EXTRAS) == set(extras) - {"test", "test-core"}
+    for extra, table in EXTRAS.items():
+        assert {_requirement_name(req) for _, req in table} == _extra_packages(extras, extra), extra
+
+
 def test_the_demo_extra_is_exactly_what_the_demo_imports():
     from mcf.demo import DEMO_REQUIRES
 
