@@ -26,7 +26,7 @@ from mcf._core._kernels import kernel_info
 from mcf.container.quant import dequantize, quantize
 from mcf.state_dict import load_state_dict
 
-__version__ = "0.1.0"
+from mcf._core.about import VERSION as __version__  # noqa: E402 - written once, read by pyproject.toml too
 
 
 def get_include():

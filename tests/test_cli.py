@@ -77,6 +77,68 @@ def test_demo_on_the_real_checkpoint(tmp_path, capsys, minilm_dir):
         assert c.info("embeddings.word_embeddings.weight").shape == (30522, 384)
 
 
+@pytest.fixture
+def demo_without_heavy_steps(monkeypatch):
+    """``mcf demo`` with its pack and round-trip steps for real (on the small mantle checkpoint) and the
+    others replaced by stubs that write a file into the working directory: what the directory handling
+    needs, in a second instead of a minute.  Yields the working directories the steps saw."""
+    import mcf.demo
+    import mcf.demo.megacontext
+    import mcf.demo.megatron
+
+    seen = []
+
+    def step(result):
+        def run(*args, **kwargs):  # every step takes the working directory second
+            workdir = args[1]
+            seen.append(workdir)
+            with open(os.path.join(workdir, f"step{len(seen)}.out"), "wb") as f:
+                f.write(b"x" * 1000)
+            return result
+        return run
+
+    monkeypatch.setattr(mcf.demo, "demo_quantize", step([]))
+    monkeypatch.setattr(mcf.demo, "demo_export", step(0))
+    monkeypatch.setattr(mcf.demo.megatron, "demo_megatron", step({"problems": []}))
+    monkeypatch.setattr(mcf.demo.megacontext, "demo_megacontext", step(0))
+    monkeypatch.setattr(mcf.demo, "demo_bucket", step(0))
+    return seen
+
+
+def test_demo_removes_its_temporary_directory_unless_kept(tmp_path, monkeypatch, capsys, demo_without_heavy_steps):
+    """Issue 26: every `mcf demo` left 339 MB in a temporary directory.  It is removed at the end, on success
+    and on failure; --keep DIR keeps the outputs, and the last line says where they are (or were)."""
+    import tempfile
+
+    from _vectors import MANTLE_MODEL
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where mkdtemp creates the demo's directory
+    assert main(["demo", "--model-dir", MANTLE_MODEL]) == 0
+    out = capsys.readouterr().out
+    used = demo_without_heavy_steps[0]
+    assert os.path.dirname(used) == str(scratch) and len(set(demo_without_heavy_steps)) == 1
+    assert list(scratch.iterdir()) == [], "the demo left its temporary directory behind"
+    assert out.splitlines()[-1] == f"== outputs removed with their temporary directory {used} (keep them with --keep DIR)"
+
+    import mcf.demo
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+    stub = mcf.demo.demo_bucket
+    monkeypatch.setattr(mcf.demo, "demo_bucket", boom)
+    assert main(["demo", "--model-dir", MANTLE_MODEL]) == 130  # interrupted: removed all the same
+    assert list(scratch.iterdir()) == []
+    monkeypatch.setattr(mcf.demo, "demo_bucket", stub)
+
+    keep = tmp_path / "kept"
+    assert main(["demo", "--model-dir", MANTLE_MODEL, "--keep", str(keep)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == f"== outputs kept in {keep}"
+    assert (keep / "all-MiniLM-L6-v2.mcf").is_file()
+
+
 def test_demo_bert_forward_matches_transformers(minilm_dir):
     """The bucket demo's keys and values come from a plain-numpy BERT forward pass: it must compute what
     Hugging Face's BertModel computes on the same checkpoint."""

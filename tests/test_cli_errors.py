@@ -44,8 +44,8 @@ def paths(tmp_path):
 
 # (argv, exit code, what stderr must say); {name} is replaced with paths[name]
 CASES = [
-    ([], 2, "mcf: error: the following arguments are required: cmd"),
-    (["bogus"], 2, "mcf: error: argument cmd: invalid choice: 'bogus'"),
+    ([], 2, "mcf: error: the following arguments are required: COMMAND"),
+    (["bogus"], 2, "mcf: error: argument COMMAND: invalid choice: 'bogus'"),
     (["info"], 2, "mcf info: error: the following arguments are required: file"),
     (["info", "{missing}"], 1, "mcf info: error: {missing}: No such file or directory"),
     (["info", "{text}"], 1, "mcf info: error: {text}: header at offset 0: file shorter than the MCF header "
@@ -74,6 +74,7 @@ CASES = [
     (["export", "{mcf}", "-o", "{out}", "--max-shard-size", "5XB"], 1,
      "mcf export: error: cannot read '5XB' as a size"),
     (["kernels", "--jsn"], 2, "mcf: error: unrecognized arguments: --jsn"),
+    (["version", "--jsn"], 2, "mcf: error: unrecognized arguments: --jsn"),
     (["demo", "--model-dir", "{missing}"], 1, "mcf demo: error: {missing}: no such checkpoint directory"),
     (["megatron"], 2, "mcf megatron: error: the following arguments are required"),
     (["megatron", "info", "{missing}"], 1, "mcf megatron info: error: {missing}.idx: No such file or directory"),
