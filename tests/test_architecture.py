@@ -388,6 +388,7 @@ LAYERS = {
     "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
     "mcf.models": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
     "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
+    "mcf.sniff": (CONVERTER, "converter"),  # knows every format's magic
     # apps: anything
     "mcf": (APP, "app"), "mcf.cli": (APP, "app"), "mcf.demo": (APP, "app"),
     "mcf.megatron.cli": (APP, "app"), "mcf.megacontext.cli": (APP, "app"),
