@@ -79,7 +79,8 @@ def _warnings_as_lines(command: str):
 
 
 def cmd_quantize(args) -> int:
-    from mcf.quant_policy import parse_overrides, quantize_file
+    import mcf
+    from mcf.quant_policy import describe_plan, parse_overrides, plan_file, quantize_file, resolve_policy
 
     if (args.min_clip is None) != (args.max_clip is None):
         raise UsageError("--min-clip and --max-clip go together: give both, or neither")
@@ -95,6 +96,9 @@ def cmd_quantize(args) -> int:
     dt = time.perf_counter() - t0
     size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
+    with mcf.open(args.input) as c:
+        for line in describe_plan(c, plan_file(c, *resolve_policy(method, args.override))):
+            print(line)
     if args.report:
         print_report(stats)
     return 0

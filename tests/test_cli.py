@@ -47,6 +47,35 @@ def test_verify_ok_and_bad(tmp_path, capsys):
     assert "FAIL" in out and "file_size" in out and str(bad) in out
 
 
+def test_quantize_says_what_happened_to_each_tensor(tmp_path, capsys):
+    """Issue 26: re-quantizing a quantized file printed "(100.0% of the input)" and nothing else.  Every run
+    says how many tensors were quantized, kept (quantized already: never quantized twice), left by 'none', or
+    copied (not rank-2 floats)."""
+    src, k4, q8 = mantle_file("f32"), str(tmp_path / "k4.mcf"), str(tmp_path / "q8.mcf")
+    with mcf.open(src) as c:
+        rank2 = [n for n in c if len(c.info(n).shape) == 2]
+        others = len(c) - len(rank2)
+    assert main(["quantize", src, k4, "-q", "--override", f"{rank2[0]}=none"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [f"  quantized: {len(rank2) - 1} tensors (k4 x{len(rank2) - 1})",
+                         "  left as they are by 'none' (the method or an override): 1 tensor (f32 x1)",
+                         f"  copied as they are: {others} tensors (f32 x{others}): only rank-2 float tensors are "
+                         "quantized"]
+    assert main(["quantize", k4, q8, "-q", "--method", "q8"]) == 0  # only the one left float gets quantized
+    out = capsys.readouterr().out
+    assert f"part of the input is already quantized ({len(rank2) - 1} of its {len(rank2) + others} tensors)" in out
+    assert "  quantized: 1 tensor (q8 x1)" in out
+    assert main(["quantize", q8, str(tmp_path / "again.mcf"), "-q", "--method", "k2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"the input is already quantized ({len(rank2)} of its {len(rank2) + others} tensors): nothing "
+                        "was quantized again, the output holds the input's tensors")
+    assert lines[2].startswith(f"  kept as they are: {len(rank2)} tensors, quantized already (")
+    assert f"k4 x{len(rank2) - 1}" in lines[2] and "q8 x1" in lines[2]
+    assert "quantize the float original instead" in lines[2]
+    with mcf.open(q8) as a, mcf.open(str(tmp_path / "again.mcf")) as b:
+        assert [(n, a.info(n).dtype.name) for n in a] == [(n, b.info(n).dtype.name) for n in b]
+
+
 def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["info", str(tmp_path / "missing.mcf")]) == 1
     assert "missing.mcf" in capsys.readouterr().err
