@@ -12,7 +12,6 @@ import os
 
 from mcf._core.args import file_path
 from mcf.errors import FormatError, InvalidArgumentError
-from mcf.sniff import sniff
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
 
@@ -43,6 +42,8 @@ def _input_kind(path: str) -> str:
     """``"gguf"`` or ``"safetensors"`` (also for a checkpoint directory), by the file's first bytes
     whatever its name says; a file of another known kind is refused here, with what it is and which
     command reads it.  Unrecognized bytes go to the reader the name suggests, which says what is wrong."""
+    from mcf.sniff import sniff  # here: it imports every format, which `import mcf` need not
+
     if not os.path.isfile(path):
         return "safetensors"  # a directory, or missing: the checkpoint reader names the problem
     kind = sniff(path)
