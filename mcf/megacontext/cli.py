@@ -108,7 +108,7 @@ def cmd_ingest(args) -> int:
     ckpt = None
     if args.model_dir:
         from mcf.safetensors.reader import open_checkpoint
-        from mcf.megatron.tokenize import load_tokenizer
+        from mcf.tokenizer import load_tokenizer
 
         ckpt = open_checkpoint(args.model_dir)
         table, tname = _embedding_table(ckpt, args.embedding_tensor)

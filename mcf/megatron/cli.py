@@ -181,7 +181,8 @@ def add_megatron_parser(sub) -> None:
 
     s = msub.add_parser("tokenize", help="tokenize jsonl / text (gzip, zstd) into a dataset")
     s.add_argument("inputs", nargs="+", help="input files (.jsonl[.gz|.zst] or plain text, one document a line)")
-    s.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
+    s.add_argument("--tokenizer", required=True, help="a tokenizer.json, a checkpoint directory holding one, or an "
+                   "MCF file packed with its resources (it carries the tokenizer.json)")
     s.add_argument("--output-prefix", required=True,
                    help="the dataset to write: OUTPUT_PREFIX.idx + .bin (missing directories are created)")
     s.add_argument("--json-key", default="text", help="the field of each jsonl line that holds the text")
