@@ -61,7 +61,23 @@ def cmd_pack(args) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
+    _print_left_out(args.dir, args.output)
     return 0
+
+
+def _print_left_out(src, output) -> None:
+    """Name the checkpoint's files the MCF file does not hold, and how to keep them (mcf pack, convert)."""
+    from mcf.container.layout import RESOURCE_FILES
+    from mcf.pack import files_left_out
+
+    left = files_left_out(src)
+    if not left:
+        return
+    shown = [n + "/" if os.path.isdir(os.path.join(src, n)) else n for n in left]
+    kept = list(RESOURCE_FILES.values())
+    print(f"not stored (MCF has no section for them): {', '.join(shown)}")
+    print(f"  besides the weights MCF holds only {', '.join(kept[:-1])} and {kept[-1]}: keep the others beside "
+          f"{output}, and copy them next to what mcf export writes")
 
 
 @contextlib.contextmanager
@@ -111,7 +127,7 @@ def _check_imatrix_flags(args, compat: bool) -> None:
 
 
 def cmd_convert(args) -> int:
-    from mcf.convert import convert, files_left_out
+    from mcf.convert import convert
 
     method = None if args.method in (None, "none", "keep") else args.method
     compat = args.compat == "mantle"
@@ -125,9 +141,7 @@ def cmd_convert(args) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
-    left = files_left_out(args.src)
-    if left:
-        print(f"not stored (MCF has no section for them): {', '.join(left)}")
+    _print_left_out(args.src, args.output)
     if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
         nw = min(max(len(s.name) for s in stats), 60)
         for s in stats:

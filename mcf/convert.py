@@ -12,6 +12,7 @@ import os
 
 from mcf._core.args import file_path
 from mcf.errors import FormatError, InvalidArgumentError
+from mcf.pack import files_left_out  # re-exported: mcf convert and mcf pack leave out the same files
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
 
@@ -53,20 +54,6 @@ def _input_kind(path: str) -> str:
         return kind.name
     raise FormatError(f"{kind.what}, not a checkpoint mcf convert reads; "
                       + _ELSEWHERE[kind.name].format(path=path), path=path, expected=INPUTS)
-
-
-def files_left_out(src) -> list:
-    """Entries of checkpoint directory ``src`` that :func:`convert` does not store: anything that is
-    neither a weight file nor one of the resource files MCF has a section for (a BERT ``vocab.txt``,
-    ``special_tokens_map.json``, sentence-transformers' module folders...).  Empty for a file."""
-    from mcf.container.layout import RESOURCE_FILES
-
-    path = file_path(src, "src")
-    if not os.path.isdir(path):
-        return []
-    kept = set(RESOURCE_FILES.values()) | {"chat_template.jinja", "model.safetensors.index.json"}
-    return sorted(n for n in os.listdir(path)
-                  if n not in kept and not n.endswith(".safetensors") and not n.startswith("."))
 
 
 def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, fast: bool = False,
