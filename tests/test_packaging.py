@@ -150,6 +150,76 @@ def test_ci_runs_the_readme_commands_as_written():
     assert got == ["pip install '.[demo]' && mcf demo", "python -m pip install -e '.[test]' && python -m pytest"]
 
 
+def _ci_functions(*names) -> str:
+    """The bash definitions of these functions of .ci/run, as written there."""
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    out = []
+    for name in names:
+        body = ci[ci.index(f"\n{name}() {{") + 1:]
+        out.append(body[:body.index("\n}\n") + 3])
+    return "".join(out)
+
+
+def test_ci_fails_a_run_that_leaves_files_in_the_temporary_directory(tmp_path):
+    """.ci/run's step 2 runs the suite with TMPDIR a fresh directory and fails when anything but pytest's
+    basetemp is left in it (issue 26: every run left a mkdtemp of tests/_megatron_ref.py and of
+    tests/test_megacontext_assembly.py behind).  The check, run by bash as .ci/run defines it."""
+    import subprocess
+
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert 'TMPDIR="$tmp" bash -c "$SECOND"' in ci and 'check_no_leftovers "$tmp" "$before"' in ci
+    funcs = _ci_functions("leftovers", "check_no_leftovers")
+
+    def check(before: str):
+        return subprocess.run(["bash", "-c", funcs + 'check_no_leftovers "$1" "$2"', "-", str(tmp_path), before],
+                              capture_output=True, text=True, timeout=60)
+
+    (tmp_path / "pytest-of-someone").mkdir()
+    (tmp_path / "already-there").write_text("")
+    r = check("already-there")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "tmpab12cd").mkdir()
+    (tmp_path / "mcf-megatron-core-x").mkdir()
+    r = check("already-there")
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[1:] == ["  mcf-megatron-core-x", "  tmpab12cd"], r.stderr
+
+
+def test_tests_make_temporary_files_with_pytest(tmp_path):
+    """A temporary file or directory a test makes lives under pytest's tmp_path / tmp_path_factory (which
+    pytest cleans), or in a ``with tempfile.TemporaryDirectory()`` block: no mkdtemp / mkstemp /
+    NamedTemporaryFile(delete=False) that nothing removes.  ``ALLOWED`` says why each exception is one."""
+    ALLOWED = {  # (file, call) -> why
+        ("tests/_ray_cluster.py", "mkdtemp"): "Ray's socket paths must fit 107 bytes: a short /tmp path, removed by "
+                                              "RayCluster.stop()",
+    }
+    found, used = [], set()
+    for dirpath, _, files in os.walk(TESTS):
+        for fn in files:
+            if not fn.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, fn)
+            rel = os.path.relpath(path, ROOT)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                kept = name == "NamedTemporaryFile" and any(
+                    k.arg == "delete" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in node.keywords)
+                if name in ("mkdtemp", "mkstemp") or kept:
+                    if (rel, name) in ALLOWED:
+                        used.add((rel, name))
+                    else:
+                        found.append(f"{rel}:{node.lineno}: {name}")
+    assert not found, "use tmp_path / tmp_path_factory instead:\n" + "\n".join(found)
+    assert used == set(ALLOWED), f"stale entries: {set(ALLOWED) - used}"
+
+
 def test_no_negative_constant_index_in_compiled_modules():
     """The extensions are compiled with wraparound=False: Cython then passes a negative index to the
     sequence protocol unadjusted, and numpy >= 2.5 no longer wraps it there (x[-1] raised IndexError:
