@@ -133,6 +133,57 @@ def test_no_install_line_uses_the_name_of_the_unrelated_pypi_project():
     assert not OLD_FORM.search(f"pip install '{DISTRIBUTION}[bucket]'") and not OLD_FORM.search("pip install '.[demo]'")
 
 
+BY_NAME = re.compile(r"pip install '" + re.escape(DISTRIBUTION) + r"\[([\w,-]+)\]'")
+
+
+def _paragraphs(path):
+    """(first line number, text) of each blank-line separated paragraph of a file."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    start, buf = 1, []
+    for n, line in enumerate(lines + [""], 1):
+        if line.strip():
+            if not buf:
+                start = n
+            buf.append(line)
+        elif buf:
+            yield start, "\n".join(buf)
+            buf = []
+
+
+def test_every_by_name_install_line_says_what_works_today():
+    """mcf-formats is not on PyPI yet (issue 26): wherever a page, a docstring or a help text says
+    ``pip install 'mcf-formats[x]'``, the same paragraph gives what works today, ``'.[x]'`` in a checkout;
+    the README's Installing section also gives the wheel route."""
+    bad, seen = [], 0
+    sources = list(_doc_files()) + [os.path.join(dp, f) for dp, _, fs in os.walk(PKG) for f in fs if f.endswith(".py")]
+    for path in sources:
+        for line, text in _paragraphs(path):
+            for extra in BY_NAME.findall(text):
+                seen += 1
+                if f".[{extra}]" not in text.replace(f"{DISTRIBUTION}[{extra}]", ""):
+                    bad.append(f"{os.path.relpath(path, ROOT)}:{line}: pip install '{DISTRIBUTION}[{extra}]' "
+                               f"without '.[{extra}]'")
+    assert seen >= 8, seen  # the scan found the install lines
+    assert not bad, "\n".join(bad)
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("### Installing"):]
+    section = section[:section.index("\n## ")]
+    assert "not on PyPI yet" in section and "pip wheel" in section and "--find-links" in section
+
+
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_the_cpu_only_torch_install_is_shown_where_torch_comes_in():
+    """The torch extra pulls about 20 CUDA packages on Linux (issue 26): the README's extras and
+    docs/torch.md show the CPU-only wheels first."""
+    for page in ("README.md", os.path.join("docs", "torch.md")):
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            assert CPU_TORCH in f.read(), page
+
+
 def test_ci_runs_the_readme_commands_as_written():
     """.ci/run reads the two commands from README.md's first bash block (so CI runs what a user reads);
     the first is the demo from a checkout, which must need no torch."""

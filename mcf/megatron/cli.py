@@ -198,7 +198,8 @@ def add_megatron_parser(sub) -> None:
     s.add_argument("--empty-text", choices=("megatron", "datatrove"), default="megatron",
                    help="a text without tokens: a document with no sequence (megatron), or one sequence "
                         "holding just the EOD, with empty strings dropped (datatrove)")
-    g = s.add_argument_group("on a Ray cluster (pip install 'mcf-formats[ray]'; see docs/scale.md)")
+    g = s.add_argument_group("on a Ray cluster (the ray extra: pip install '.[ray]' in a checkout, or "
+                             "pip install 'mcf-formats[ray]'; see docs/scale.md)")
     g.add_argument("--ray", metavar="ADDRESS", help="run on the Ray cluster at ADDRESS (host:port of the head, "
                    "ray://...), or 'auto': the cluster this machine belongs to, else a local one")
     g.add_argument("--chunk-size", metavar="SIZE", help="bytes of input per task (e.g. 64MiB; default: about "

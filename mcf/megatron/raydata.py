@@ -13,7 +13,8 @@
   fsspec URLs, into blocks of sequences with their global sequence and document ids, split by sequence
   ranges (on document boundaries) across read tasks.
 
-Ray is an optional dependency: ``pip install 'mcf-formats[ray]'``.  See docs/scale.md.
+Ray is an optional dependency, the ``ray`` extra: ``pip install '.[ray]'`` in a checkout, ``pip install
+'mcf-formats[ray]'`` by name.  See docs/scale.md.
 """
 
 from __future__ import annotations
