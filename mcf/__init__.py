@@ -3,17 +3,20 @@
 - MCF model containers: :func:`mcf.open`, :class:`mcf.Writer`, :func:`mcf.pack`; checkpoints in and
   out: :func:`mcf.convert` (safetensors, HF directories, GGUF), :func:`mcf.export` (safetensors).
 - The I/O core every format reads through: :func:`mcf.io.open_source` (paths, buffers, fsspec URLs).
-- State dicts: :func:`mcf.load_state_dict` (numpy), :func:`mcf.torch.load_state_dict` (torch).
+- Loading weights from MCF files and safetensors checkpoints: :func:`mcf.load_file` and
+  :func:`mcf.load_state_dict` (numpy), :func:`mcf.torch.load_file` and :func:`mcf.torch.load_state_dict`
+  (torch), :func:`mcf.safetensors.load_file` (the drop-in for ``safetensors.numpy.load_file``); partial
+  and per-rank loads with ``names=`` and ``slices=`` (:class:`mcf.Rows`, :class:`mcf.Shard`).
 - Errors: everything raised on purpose derives from :class:`mcf.MCFError`.
 """
 
 from mcf import io
-from mcf.container.reader import Container, Header, Section, load_file, open
+from mcf.container.reader import Container, Header, Section, open
 from mcf._core.dtypes import DType
 from mcf.errors import (AccessError, ArgumentTypeError, ChecksumError, ClosedError, ContextNotFoundError, DTypeError,
-                        FormatError, InvalidArgumentError, MCFError, MCFIOError, MissingDependencyError,
-                        MissingFileError, OutOfBoundsError, StaleContextError, TensorNotFoundError, TruncatedError,
-                        UnknownNameError, UnsupportedVersionError)
+                        EncryptionKeyError, FormatError, InvalidArgumentError, MCFError, MCFIOError,
+                        MissingDependencyError, MissingFileError, OutOfBoundsError, StaleContextError,
+                        TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
 from mcf.container.layout import SectionType, quant_layout
 from mcf.container.modelinfo import Arch, ModelInfo, RopeType
 from mcf.pack import pack
@@ -24,7 +27,8 @@ from mcf.container.tensor_index import TensorInfo
 from mcf.container.writer import Writer
 from mcf._core._kernels import kernel_info
 from mcf.container.quant import dequantize, quantize
-from mcf.state_dict import load_state_dict
+from mcf.state_dict import load_file, load_state_dict
+from mcf.loading import Rows, Shard
 
 from mcf._core.about import VERSION as __version__  # noqa: E402 - written once, read by pyproject.toml too
 
@@ -46,6 +50,7 @@ __all__ = [
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "ContextNotFoundError",
-    "ArgumentTypeError", "UnknownNameError", "StaleContextError", "load_state_dict",
+    "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError", "load_state_dict",
+    "Rows", "Shard",
     "get_include",
 ]

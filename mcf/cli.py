@@ -15,7 +15,7 @@ import warnings
 
 from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP, Parser
-from mcf._core.console import Progress, human, info_dict, print_info, print_report
+from mcf._core.console import Progress, human, info_dict, json_text, print_info, print_report, printable
 from mcf.errors import InvalidArgumentError, MCFError, os_error
 
 __all__ = ["main"]
@@ -26,8 +26,7 @@ def cmd_info(args) -> int:
 
     with mcf.open(args.file, mmap=not args.no_mmap) as c:
         if args.json:
-            json.dump(info_dict(c), sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print(json_text(info_dict(c)))
         else:
             print_info(c)
     return 0
@@ -42,13 +41,13 @@ def cmd_verify(args) -> int:
     except OSError:  # missing or unreadable: an error of the command line, not a finding about a file
         raise
     except MCFError as exc:
-        print(f"FAIL {exc}")
+        print(f"FAIL {printable(exc)}")
         return 1
     if problems:
         for p in problems:
-            print(f"FAIL {p}")
+            print(f"FAIL {printable(p)}")
         return 1
-    print(f"OK {args.file}: {len(c)} tensors, {len(c.sections)} sections")
+    print(f"OK {printable(args.file)}: {len(c)} tensors, {len(c.sections)} sections")
     return 0
 
 
@@ -75,7 +74,7 @@ def _print_left_out(src, output) -> None:
         return
     shown = [n + "/" if os.path.isdir(os.path.join(src, n)) else n for n in left]
     kept = list(RESOURCE_FILES.values())
-    print(f"not stored (MCF has no section for them): {', '.join(shown)}")
+    print(f"not stored (MCF has no section for them): {printable(', '.join(shown))}")
     print(f"  besides the weights MCF holds only {', '.join(kept[:-1])} and {kept[-1]}: keep the others beside "
           f"{output}, and copy them next to what mcf export writes")
 
@@ -86,7 +85,7 @@ def _warnings_as_lines(command: str):
     line on stderr, ``mcf quantize: warning: ...``, when it is issued, not as Python's two-line report
     with a source line, and whatever the interpreter's warning filters say (a user should see it)."""
     def show(message, category, *_args, **_kw):
-        print(f"mcf {command}: warning: {message}", file=sys.stderr, flush=True)
+        print(f"mcf {command}: warning: {printable(message)}", file=sys.stderr, flush=True)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)
@@ -114,7 +113,7 @@ def cmd_quantize(args) -> int:
     print(f"wrote {args.output}: {human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
     with mcf.open(args.input) as c:
         for line in describe_plan(c, plan_file(c, *resolve_policy(method, args.override))):
-            print(line)
+            print(printable(line))  # it names tensors: strings from the file
     if args.report:
         print_report(stats)
     return 0
@@ -143,9 +142,9 @@ def cmd_convert(args) -> int:
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
     _print_left_out(args.src, args.output)
     if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
-        nw = min(max(len(s.name) for s in stats), 60)
+        nw = min(max(len(printable(s.name)) for s in stats), 60)
         for s in stats:
-            print(f"  {s.name:<{nw}} {s.ggml_type:>6} -> {s.stored_as:<5} {s.how}")
+            print(f"  {printable(s.name):<{nw}} {s.ggml_type:>6} -> {s.stored_as:<5} {printable(s.how)}")
     elif args.report:
         print_report(stats)
     return 0
@@ -205,7 +204,7 @@ def cmd_version(args) -> int:
     from mcf._core.about import about, format_about
 
     info = about()
-    print(json.dumps(info, indent=2) if args.json else format_about(info))
+    print(json_text(info) if args.json else "\n".join(printable(line) for line in format_about(info).splitlines()))
     return 0
 
 

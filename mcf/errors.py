@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "MCFError",
     "StaleContextError",
+    "EncryptionKeyError",
     "FormatError",
     "TruncatedError",
     "UnsupportedVersionError",
@@ -202,6 +203,12 @@ class StaleContextError(InvalidArgumentError):
     """The context was computed by other weights than its model's current ones (the model was registered
     again with another ``model_hash``): its KV cache would give wrong answers.  ``Bucket.load(force=True)``
     loads it anyway."""
+
+
+class EncryptionKeyError(InvalidArgumentError):
+    """A context's KV data is encrypted under a key this bucket object does not hold (or it holds none):
+    it cannot be loaded here, and ingesting the same content here must neither return it as if it were
+    usable nor overwrite it (the holders of that key would lose it).  The REST server answers 409."""
 
 
 class MissingDependencyError(MCFError, ImportError):

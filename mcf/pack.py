@@ -10,7 +10,6 @@ some NaNs into infinities or -0).
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -21,9 +20,9 @@ import numpy as np
 from mcf._core.args import file_path
 from mcf._core.gojson import go_marshal
 from mcf._core._io import alloc_buffer
-from mcf.safetensors.reader import Checkpoint, open_checkpoint
+from mcf.safetensors.reader import ST_DTYPES, open_checkpoint
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
-from mcf.errors import FormatError, InvalidArgumentError, MCFError, MissingFileError, in_tensor, os_error
+from mcf.errors import FormatError, InvalidArgumentError, MCFError, in_tensor
 from mcf.container.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
 from mcf.container.modelinfo import ModelInfo
 from mcf.container.writer import Writer, cast_chunk
@@ -244,6 +243,10 @@ def _check_shapes(ckpt) -> None:
     empty tensor with one huge dimension can have: it passes the safetensors size check); and a bad
     description of a raw quantized payload."""
     for name, t in ckpt.tensors.items():
+        if t.dtype is None:
+            raise FormatError("unsupported dtype: MCF has no equivalent", path=t.file.source.name,
+                              field=f"header[{name!r}].dtype", offset=8, expected="one of " + ",".join(ST_DTYPES),
+                              got=t.element.name)
         _raw_quantized(t)
         field = f"header[{name!r}].shape"
         if len(t.shape) > MAX_RANK:
@@ -252,57 +255,6 @@ def _check_shapes(ckpt) -> None:
         if _array_bytes(t.shape, max(4, t.dtype.itemsize)) > _MAX_ARRAY_BYTES:
             raise FormatError("shape too large for an array", path=t.file.source.name, field=field, offset=8,
                               expected="non-zero dims * itemsize < 2**63", got=list(t.shape))
-
-
-def _read_shard_index(idx: str) -> dict:
-    """``weight_map`` of a shard index, checked: an object of tensor name -> plain file name in the
-    same directory (no path separators, no ``..``), not empty."""
-    try:
-        with open(idx, "rb") as f:
-            doc = json.load(f)
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"shard index is not valid JSON: {exc}", path=idx) from None
-    except OSError as exc:
-        raise os_error(exc, idx) from None
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wm, dict) or not wm:
-        raise FormatError("shard index needs a non-empty weight_map object", path=idx, field="weight_map",
-                          expected="{tensor name: shard file name}", got=type(wm).__name__)
-    for name, shard in wm.items():
-        if (not isinstance(shard, str) or shard in ("", ".", "..") or os.path.basename(shard) != shard
-                or "/" in shard or "\\" in shard):
-            raise FormatError("shard names must be plain file names in the index's directory", path=idx,
-                              field=f"weight_map[{name!r}]", got=repr(shard))
-    return wm
-
-
-def _open_checkpoint(path: str, mmap: bool):
-    """open_checkpoint, with a sharded directory's index checked first and cross-checked after: every
-    tensor the index lists must be in the shard it names, and every shard tensor must be listed."""
-    idx = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "model.safetensors")) \
-            or not os.path.exists(idx):
-        return open_checkpoint(path, mmap=mmap)
-    wm = _read_shard_index(idx)
-    shards = sorted(set(wm.values()))
-    for s in shards:
-        if not os.path.isfile(os.path.join(path, s)):
-            raise MissingFileError(errno.ENOENT, f"shard listed in {idx} is missing", os.path.join(path, s))
-    ckpt = Checkpoint([os.path.join(path, s) for s in shards], mmap=mmap)
-    try:
-        for name, shard in wm.items():
-            t = ckpt.tensors.get(name)
-            if t is None or os.path.basename(t.file.source.name) != shard:
-                raise FormatError(f"the index puts tensor {name!r} in {shard}, which does not hold it",
-                                  path=idx, field=f"weight_map[{name!r}]")
-        for name, t in ckpt.tensors.items():
-            if name not in wm:
-                raise FormatError(f"tensor {name!r} of {os.path.basename(t.file.source.name)} is not in the "
-                                  "index", path=idx, field="weight_map")
-    except BaseException:
-        ckpt.close()
-        raise
-    return ckpt
 
 
 def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
@@ -320,7 +272,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written
     if dtype != "keep":
         parse_dtype(dtype)
-    with _open_checkpoint(path, mmap) as ckpt:
+    with open_checkpoint(path, mmap=mmap) as ckpt:
         _check_shapes(ckpt)
         is_dir = os.path.isdir(path)
         with Writer(output, align=align, dedup=dedup, durable=durable) as w:

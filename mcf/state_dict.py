@@ -1,254 +1,208 @@
-"""``mcf.load_state_dict``: the tensors of an MCF file as a ``name -> numpy array`` dict, the way a training
-or inference loop wants them (decoded, cast, optionally only one tensor-parallel rank's share).
+"""Loading weights as numpy arrays from either format: :func:`load_file` (the counterpart of
+``safetensors.numpy.load_file``, for MCF files too) and :func:`load_state_dict` (decoded, cast,
+optionally one tensor-parallel rank's share).
 
-The torch flavour, :func:`mcf.torch.load_state_dict`, shares the planning below (which rows or columns of
-which tensor, which output dtype) and differs only in where the bytes land.
+Both open an MCF file or a safetensors checkpoint (:func:`open_weights` tells them apart by the file's
+first bytes; a directory, a shard index or a ``.safetensors`` URL is safetensors), ask the format for the
+read plan of the tensors and pieces requested (:mod:`mcf.container.pieces`, :mod:`mcf.safetensors.load`)
+and carry it out with the core's executor (:mod:`mcf.loading`), which reads every range straight into
+the array that is returned.  The torch flavours, :func:`mcf.torch.load_file` and
+:func:`mcf.torch.load_state_dict`, share everything here and differ only in where the bytes land.
 
-Why a function beside :meth:`mcf.Container.load`: ``load`` returns stored bytes (quantized tensors as
-raw payloads), while a state dict must hold usable floats.  Here plain tensors are returned as zero-copy
-views of the mapped file when nothing has to change, and everything else is decoded once, straight into
-the array that is returned: a quantized tensor never passes through a float32 temporary on its way to a
-float16 or bfloat16 result, and a tensor-parallel rank decodes only its own rows.
+The two functions differ in their defaults, which each keeps from what it mirrors: ``load_file`` returns
+fresh arrays (as safetensors does); ``load_state_dict`` returns zero-copy read-only views of a mapped
+file where nothing has to change (``copy=True`` for fresh arrays) and takes the tensor-parallel
+arguments ``tp_rank``/``tp_size``/``tp_dim``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 from typing import Callable
 
-import numpy as np
-
+from mcf._core._io import Source, open_source
 from mcf._core.args import integer
-from mcf.container.reader import Container, open as _open_container
-from mcf._core.dtypes import DType
-from mcf.errors import DTypeError, InvalidArgumentError
+from mcf.container.layout import MAGIC
+from mcf.container.pieces import tensor_piece
+from mcf.container.reader import Container
+from mcf.errors import InvalidArgumentError, MissingFileError
+from mcf.loading.arrays import load_arrays
+from mcf.loading.casts import load_dtype
+from mcf.loading.plan import source_options
+from mcf.loading.select import select_names, selection
+from mcf.loading.slices import Shard, shard_range
+from mcf.remote import is_url
+from mcf.safetensors.load import checkpoint_pieces, label
+from mcf.safetensors.reader import Checkpoint, SafetensorsFile, open_checkpoint
 
-__all__ = ["load_state_dict", "shard_range"]
+__all__ = ["load_file", "load_state_dict", "shard_range"]
 
-try:  # optional: a real bfloat16 numpy dtype
-    import ml_dtypes as _ml_dtypes
+class Weights:
+    """An open MCF container or safetensors checkpoint, as the loaders see it: the tensors in the order
+    a load returns them, their shapes, and the read plan of pieces of them."""
 
-    BF16 = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - depends on the environment
-    BF16 = None
+    def __init__(self, obj, owned: bool, where: str):
+        self.obj = obj
+        self.owned = owned
+        self.where = where
+        self.is_mcf = isinstance(obj, Container)
+        self.order = list(obj.keys()) if self.is_mcf else obj.storage_order()
 
-_FLOAT_NAMES = {
-    "float32": "f32", "f32": "f32", "fp32": "f32", "float": "f32",
-    "float16": "f16", "f16": "f16", "fp16": "f16", "half": "f16",
-    "bfloat16": "bf16", "bf16": "bf16",
-    "float64": "f64", "f64": "f64", "double": "f64",
-}
+    def shape(self, name: str) -> tuple:
+        return tuple(self.obj.info(name).shape if self.is_mcf else self.obj.tensors[name].shape)
+
+    def pieces(self, chosen: list, specs: dict, dtype, *, threads: int = 1) -> list:
+        """The read plan of ``chosen`` (``specs``: name -> Rows | Shard | None; ``dtype``: as
+        :func:`mcf.loading.casts.load_dtype` returns it)."""
+        if self.is_mcf:
+            return [tensor_piece(self.obj, n, specs.get(n), dtype, threads=threads) for n in chosen]
+        return checkpoint_pieces(self.obj, chosen, specs, dtype)
+
+    def close(self) -> None:
+        if self.owned:
+            self.obj.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
-def _float_kind(dtype) -> str:
-    """'f32', 'f16', 'bf16' or 'f64' for any spelling of a float dtype (numpy, ml_dtypes, torch, str)."""
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype)
-    name = str(name).lower().removeprefix("torch.").removeprefix("<class 'numpy.").rstrip("'>")
-    if name in _FLOAT_NAMES:
-        return _FLOAT_NAMES[name]
+def _sniffed(src: Source, owned: bool, where: str) -> Weights:
+    """An MCF container or a one-file safetensors checkpoint over ``src``, by its first bytes."""
     try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is not None and dt.name in _FLOAT_NAMES:
-        return _FLOAT_NAMES[dt.name]
-    raise DTypeError(f"dtype must be a float dtype (float32, float16, bfloat16 or float64), got {dtype!r}")
+        is_mcf = src.size >= len(MAGIC) and src.read(0, len(MAGIC)) == MAGIC
+        obj = Container(src, owns_source=owned) if is_mcf else Checkpoint.of_files([SafetensorsFile(src)])
+    except BaseException:
+        if owned:
+            src.close()
+        raise
+    return Weights(obj, owned, where)
 
 
-def shard_range(n: int, tp_rank: int, tp_size: int, *, what: str = "dimension") -> tuple[int, int]:
-    """``[start, stop)`` of rank ``tp_rank`` of ``tp_size`` equal shares of ``n``; ``n`` must divide evenly
-    (Megatron's rule: an uneven split would give ranks different parameter shapes)."""
-    if n % tp_size:
-        raise InvalidArgumentError(f"{what} of size {n} does not split evenly into {tp_size} tensor-parallel ranks")
-    k = n // tp_size
-    return tp_rank * k, (tp_rank + 1) * k
+def open_weights(obj, *, mmap=None, copy: bool = True) -> Weights:
+    """An MCF file or a safetensors checkpoint, opened for loading: an open :class:`mcf.Container`,
+    :class:`mcf.safetensors.Checkpoint` or ``SafetensorsFile`` as given; a directory, a
+    ``model.safetensors.index.json`` or a ``.safetensors`` URL as a safetensors checkpoint; any other
+    path, URL, buffer, file-like object or :class:`mcf.io.Source` by the magic of its first bytes."""
+    opts = source_options(mmap, copy)
+    if isinstance(obj, Container):
+        return Weights(obj, False, obj.path)
+    if isinstance(obj, (Checkpoint, SafetensorsFile)):
+        ck = obj if isinstance(obj, Checkpoint) else Checkpoint.of_files([obj])
+        return Weights(ck, False, label(None, ck))
+    if isinstance(obj, Source):
+        return _sniffed(obj, False, obj.name)
+    if is_url(obj):
+        url = os.fsdecode(obj)
+        if url.endswith((".safetensors", ".json", "/")):
+            return Weights(open_checkpoint(url, **opts), True, url)
+        try:
+            src = open_source(url)
+        except (MissingFileError, FileNotFoundError):
+            if url.endswith(".mcf"):
+                raise
+            return Weights(open_checkpoint(url, **opts), True, url)   # a "directory" URL
+        return _sniffed(src, True, url)
+    if isinstance(obj, (str, os.PathLike)):
+        path = os.fspath(obj)
+        if os.path.isdir(path) or (path.endswith(".json") and os.path.isfile(path)):
+            return Weights(open_checkpoint(path, **opts), True, path)
+        return _sniffed(open_source(path, **opts), True, path)
+    return _sniffed(open_source(obj), True, "<buffer>" if not hasattr(obj, "seek") else repr(obj))
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What to produce for one tensor: rows and columns of the stored tensor, and the output dtype."""
-
-    name: str
-    shape: tuple          # stored shape
-    out_shape: tuple
-    rows: tuple | None    # (r0, r1) along dim 0, or None for all
-    cols: tuple | None    # (c0, c1) along dim 1, or None for all
-    stored: DType
-    quantized: bool
-    kind: str | None      # output float kind ('f32', 'f16', 'bf16', 'f64') or None: keep the stored dtype
-
-
-def _check_tp(tp_rank, tp_size):
+def tp_specs(w: Weights, chosen: list, tp_rank, tp_size, tp_dim) -> dict:
+    """``name -> Shard | None`` of the tensor-parallel arguments: rank ``tp_rank`` of ``tp_size`` along
+    ``tp_dim`` (0 or 1, for tensors of two or more dimensions; or ``tp_dim(name, shape) -> 0 | 1 | None``)."""
     if tp_rank is None and tp_size is None:
-        return None
+        return {}
     if tp_rank is None or tp_size is None:
         raise InvalidArgumentError("pass both tp_rank and tp_size, or neither")
     tp_rank, tp_size = integer(tp_rank, "tp_rank"), integer(tp_size, "tp_size")
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise InvalidArgumentError(f"tp_rank must be in 0..tp_size-1 and tp_size >= 1, got {tp_rank} of {tp_size}")
-    return tp_rank, tp_size
-
-
-def plan(c: Container, names, dtype, tp_rank, tp_size, tp_dim) -> list:
-    """One :class:`Plan` per tensor; every argument is checked here, before any byte is read."""
-    tp = _check_tp(tp_rank, tp_size)
-    kind = None if dtype is None else _float_kind(dtype)
-    if not callable(tp_dim) and tp_dim not in (0, 1):
+    if not callable(tp_dim) and (isinstance(tp_dim, bool) or tp_dim not in (0, 1)):
         raise InvalidArgumentError(f"tp_dim must be 0, 1 or a callable(name, shape) -> 0 | 1 | None, got {tp_dim!r}")
-    if names is None:
-        names = list(c.keys())
-    elif isinstance(names, str):
-        raise InvalidArgumentError("names must be a list of tensor names, not one string")
-    plans = []
-    for name in names:
-        t = c.info(name)   # TensorNotFoundError for an unknown name
-        shape = tuple(t.shape)
-        rows = cols = None
-        if tp is not None:
-            dim = tp_dim(name, shape) if callable(tp_dim) else (tp_dim if len(shape) >= 2 else None)
-            if dim not in (0, 1, None):
-                raise InvalidArgumentError(f"tp_dim({name!r}, {shape}) returned {dim!r}; expected 0, 1 or None")
-            if dim is not None:
-                if len(shape) <= dim:
-                    raise InvalidArgumentError(f"tensor {name!r} of shape {shape} has no dimension {dim} to split")
-                rng = shard_range(shape[dim], tp[0], tp[1], what=f"tensor {name!r} dimension {dim}")
-                if dim == 0:
-                    rows = rng
-                else:
-                    cols = rng
-        out_shape = list(shape)
-        if rows is not None:
-            out_shape[0] = rows[1] - rows[0]
-        if cols is not None:
-            out_shape[1] = cols[1] - cols[0]
-        if t.dtype.quantized:
-            if len(shape) != 2:
-                raise DTypeError(f"{c.path}: quantized tensor {name!r} has shape {shape}; expected 2 dimensions")
-            k = kind or "f32"
-        elif t.dtype.family == "float":
-            k = kind
-        else:
-            k = None   # integer tensors keep their dtype (like Module.to(dtype), which casts floats only)
-        plans.append(Plan(name, shape, tuple(out_shape), rows, cols, t.dtype.code, t.dtype.quantized, k))
-    return plans
+    specs = {}
+    for name in chosen:
+        shape = w.shape(name)
+        dim = tp_dim(name, shape) if callable(tp_dim) else (tp_dim if len(shape) >= 2 else None)
+        if dim is not None and (isinstance(dim, bool) or dim not in (0, 1)):
+            raise InvalidArgumentError(f"tp_dim({name!r}, {shape}) returned {dim!r}; expected 0, 1 or None")
+        specs[name] = None if dim is None else Shard(tp_rank, tp_size, dim)
+    return specs
 
 
-_STORED_KIND = {DType.F32: "f32", DType.F16: "f16", DType.BF16: "bf16", DType.F64: "f64"}
-
-
-def needs_decode(p: Plan) -> bool:
-    """True when the stored bytes are not already the output (quantized, or a cast)."""
-    return p.quantized or (p.kind is not None and p.kind != _STORED_KIND.get(p.stored))
-
-
-def decode_into(c: Container, p: Plan, out: np.ndarray, *, threads: int = 1) -> None:
-    """Decode tensor ``p`` into ``out`` (C-contiguous, ``p.out_shape``, dtype of ``p.kind``; bfloat16 as
-    uint16 bits or ml_dtypes.bfloat16): quantized payloads and float casts through the compiled kernels,
-    written in place."""
-    if p.kind == "f64":
-        f32 = np.empty(p.out_shape, np.float32)
-        decode_into(c, Plan(p.name, p.shape, p.out_shape, p.rows, p.cols, p.stored, p.quantized, "f32"), f32, threads=threads)
-        out[...] = f32
-        return
-    if p.cols is None:
-        if out.size:
-            c.dequantize(p.name, rows=p.rows, out=out.reshape(-1), threads=threads)
-        return
-    # a column split: rows stay whole; decode a row block at a time into a bounded temporary
-    c0, c1 = p.cols
-    if p.quantized and not c.source.is_mapped:
-        # each row block would fetch the whole payload again (Container.dequantize reads it per call)
-        out[...] = c.dequantize(p.name, dtype=out.dtype, threads=threads)[:, c0:c1]
-        return
-    nrows, ncols = p.shape[0], p.shape[1]
-    rest = int(np.prod(p.shape[2:], dtype=np.int64)) if len(p.shape) > 2 else 1
-    step = max(1, (8 << 20) // max(1, ncols * rest * out.itemsize))
-    for r in range(0, nrows, step):
-        r1 = min(nrows, r + step)
-        tmp = np.empty((r1 - r,) + p.shape[1:], dtype=out.dtype)
-        c.dequantize(p.name, rows=(r, r1), out=tmp.reshape(-1), threads=threads)
-        out[r:r1] = tmp[:, c0:c1]
-
-
-def numpy_dtype(kind: str) -> np.dtype:
-    if kind == "bf16":
-        return BF16 if BF16 is not None else np.dtype(np.uint16)
-    return np.dtype({"f32": np.float32, "f16": np.float16, "f64": np.float64}[kind])
-
-
-def stored_view(c: Container, p: Plan, *, cow: bool = False) -> np.ndarray:
-    """The tensor's stored values (zero-copy when mapped), restricted to the plan's rows/columns.  A row
-    share reads only its rows' bytes (what matters when the source is a URL or read with pread).
-
-    ``cow=True``: a writable array whose writes never reach the file (a private copy-on-write mapping,
-    :meth:`mcf.io.Source.cow_view`), for callers that hand the memory to torch, which ignores numpy's
-    read-only flag."""
-    if p.rows is not None or cow:
-        t = c.info(p.name)
-        r0, r1 = p.rows if p.rows is not None else (0, p.shape[0] if p.shape else 1)
-        row = t.nbytes // p.shape[0] if p.shape and p.shape[0] else t.nbytes
-        dt = numpy_dtype("bf16") if t.dtype.code == DType.BF16 else t.dtype.numpy
-        shape = (r1 - r0,) + tuple(p.shape[1:]) if p.shape else ()
-        if cow:
-            a = c.source.cow_view(t.offset + r0 * row, (r1 - r0) * row).view(dt).reshape(shape)
-        else:
-            a = c.source.array(t.offset + r0 * row, dt, shape)
+def plan_state_dict(w: Weights, names, slices, dtype, tp_rank, tp_size, tp_dim, threads) -> list:
+    """The read plan of a ``load_state_dict`` call (every argument checked here, before any byte is read)."""
+    kind = load_dtype(dtype)
+    if slices is not None and (tp_rank is not None or tp_size is not None):
+        raise InvalidArgumentError("pass slices= or tp_rank/tp_size, not both")
+    if slices is not None:
+        chosen, specs = selection(names, slices, w.order, w.where)
     else:
-        a = c.tensor(p.name)
-    if p.cols is not None:
-        a = a[:, p.cols[0]:p.cols[1]]
-    return a
+        chosen = select_names(names, w.order, w.where)
+        specs = tp_specs(w, chosen, tp_rank, tp_size, tp_dim)
+    return w.pieces(chosen, specs, kind, threads=decode_threads(threads))
 
 
-def open_input(path_or_container):
-    """(container, owned): a Container as given, or one opened from a path, URL, buffer or file-like."""
-    if isinstance(path_or_container, Container):
-        return path_or_container, False
-    return _open_container(path_or_container), True
+def decode_threads(threads) -> int:
+    """Threads of the decoding kernels: ``threads`` when given, else one."""
+    return 1 if threads is None else integer(threads, "threads", minimum=1)
 
 
-def load_state_dict(path_or_container, *, dtype=None, names=None, tp_rank: int | None = None,
-                    tp_size: int | None = None, tp_dim: int | Callable = 0, copy: bool = False,
-                    threads: int = 1) -> dict:
-    """Tensors of an MCF file (path, URL, file-like, buffer or open :class:`mcf.Container`) as numpy arrays.
+def load_file(path_or_file, names=None, *, slices=None, dtype=None, copy: bool = True, mmap=None, threads=None,
+              chunk_bytes=None) -> dict:
+    """The tensors of an MCF file or a safetensors checkpoint as fresh numpy arrays (name -> array), like
+    ``safetensors.numpy.load_file`` (for safetensors inputs, exactly its dict: see
+    :func:`mcf.safetensors.load_file`).
+
+    ``path_or_file``: an ``.mcf`` or ``.safetensors`` file (told apart by their first bytes), a checkpoint
+    directory, a ``model.safetensors.index.json``, a URL of any of these, a buffer or file-like object,
+    or an open :class:`mcf.Container` / :class:`mcf.safetensors.Checkpoint`.  MCF tensors come in the
+    file's index order, safetensors tensors in the order of their data.
+    ``names``: names or glob patterns; ``slices``: ``{name or pattern: mcf.Rows | mcf.Shard | None}``,
+    reading only the bytes of each piece (:func:`mcf.safetensors.load_file` has the rules).
+    ``dtype``: None keeps stored dtypes and decodes quantized MCF tensors to float32; a float dtype
+    (float32, float16, bfloat16, float64) casts every F16/BF16/F32/F64 and quantized tensor to it; ``"raw"``
+    returns quantized tensors as their payload bytes (uint8).  ``copy=False``: read-only views of the
+    mapped file where a tensor is one unchanged stored range.  ``mmap``, ``threads`` (read engine
+    workers, and decoding threads), ``chunk_bytes``: as :func:`mcf.safetensors.load_file`.
+    """
+    with open_weights(path_or_file, mmap=mmap, copy=copy) as w:
+        chosen, specs = selection(names, slices, w.order, w.where)
+        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=decode_threads(threads))
+        return load_arrays(pieces, copy=copy, threads=threads, chunk_bytes=chunk_bytes)
+
+
+def load_state_dict(path_or_container, *, dtype=None, names=None, slices=None, tp_rank: int | None = None,
+                    tp_size: int | None = None, tp_dim: int | Callable = 0, copy: bool = False, mmap=None,
+                    threads=None, chunk_bytes=None) -> dict:
+    """The tensors of an MCF file (or a safetensors checkpoint; any input :func:`load_file` takes) as
+    numpy arrays, decoded and cast, for a training or inference loop.
 
     - Plain tensors come back in their stored dtype as **zero-copy, read-only views of the mapped file**
-      (they keep the mapping alive after the container is closed), unless ``copy=True`` asks for fresh
-      writable arrays (read with one compiled loop, like :meth:`Container.load`).  BF16 is
+      where a tensor (or its share) is one contiguous stored range (they keep the mapping alive after the
+      file is closed), unless ``copy=True`` asks for fresh writable arrays.  BF16 is
       ``ml_dtypes.bfloat16`` when that package is installed, else the raw ``uint16`` bit patterns.
     - Quantized tensors are dequantized straight into the returned array: float32 by default, or
       ``dtype``.
     - ``dtype`` (float32, float16, bfloat16, float64, as numpy dtypes, torch dtypes or strings) casts
       every float and quantized tensor; integer tensors keep their dtype.
+    - ``names``: tensor names or glob patterns; ``slices``: a per-tensor plan of :class:`mcf.Rows` and
+      :class:`mcf.Shard` (see :func:`mcf.safetensors.load_file`), or instead:
     - ``tp_rank``/``tp_size`` keep only one tensor-parallel rank's equal share of each tensor of two or
       more dimensions, along ``tp_dim``: 0 (rows; the layout of Megatron's column-parallel weights, whose
       rows are output features) or 1 (columns; row-parallel weights).  One-dimensional tensors (biases,
       norms) are returned whole.  A callable ``tp_dim(name, shape)`` returning 0, 1 or None (whole) sets
-      the rule per tensor.  A dimension that does not divide evenly is an error.  A row share of a
-      quantized tensor decodes only those rows; a column share decodes a bounded block of rows at a time.
-    - ``threads`` splits quantized decoding and ``copy=True`` reads across threads.
+      the rule per tensor.  A dimension that does not divide evenly is an error.  Only each share's bytes
+      are read; a quantized tensor decodes only its rows (and, for a column share on block boundaries,
+      only its blocks).
+    - ``threads`` splits quantized decoding across threads and sets the read engine's workers;
+      ``chunk_bytes`` its chunk size; ``mmap`` how files are opened (None: the reader's default).
     """
-    c, owned = open_input(path_or_container)
-    try:
-        plans = plan(c, names, dtype, tp_rank, tp_size, tp_dim)
-        out = {}
-        plain = [p for p in plans if not needs_decode(p)]
-        if copy and plain:
-            whole = [p.name for p in plain if p.rows is None and p.cols is None]
-            if whole:
-                out.update(c.load(whole, threads=threads))
-        for p in plans:
-            if p.name in out:
-                continue
-            if needs_decode(p):
-                arr = np.empty(p.out_shape, numpy_dtype(p.kind))
-                decode_into(c, p, arr, threads=threads)
-                out[p.name] = arr
-            else:
-                a = stored_view(c, p)
-                out[p.name] = np.array(a) if copy or not a.flags.c_contiguous else a
-        return {p.name: out[p.name] for p in plans}
-    finally:
-        if owned:
-            c.close()
-
+    with open_weights(path_or_container, mmap=mmap, copy=copy) as w:
+        pieces = plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
+        return load_arrays(pieces, copy=copy, threads=threads, chunk_bytes=chunk_bytes)

@@ -1,12 +1,14 @@
-"""``mcf.torch.load_state_dict``: an MCF file as a ``name -> torch.Tensor`` dict, ready for
-``module.load_state_dict``.  torch is optional: importing this module without it raises
+"""Loading weights as torch tensors: :func:`load_file` (the drop-in for ``safetensors.torch.load_file``,
+for MCF files too) and :func:`load_state_dict` (decoded, cast, optionally one tensor-parallel rank's
+share), ready for ``module.load_state_dict``.  torch is optional: importing this module without it raises
 :class:`mcf.MissingDependencyError` (an ImportError) that names the package and the extra.
 
 Where the bytes go, and why:
 
 - By default every tensor is the caller's own memory, as ``safetensors.torch.load_file`` returns them:
-  in-place operations (``w.mul_(2)``) are fine and never reach the file.  Plain tensors are read by one
-  compiled loop into one fresh arena (:meth:`mcf.Container.load`).
+  in-place operations (``w.mul_(2)``) are fine and never reach the file.  Each tensor is one fresh
+  allocation (freeing it frees its memory), filled straight from storage by the read engine
+  (:mod:`mcf.loading.plan`): one call for all the tensors of a file, no second copy.
 - ``copy=False`` opts into zero-copy tensors over the file: they lie in a private copy-on-write mapping
   (:meth:`mcf.io.Source.cow_view`), so nothing is read until a page is touched, and an in-place operation
   copies only the pages it writes, for this process alone; the file is never changed.  (torch ignores
@@ -14,95 +16,138 @@ Where the bytes go, and why:
   the process on its first write; no tensor returned here lies there.)
 - Quantized tensors and float casts are decoded by the compiled kernels straight into the storage of the
   ``torch.Tensor`` that is returned (bfloat16 included: its storage is written as bf16 bits); a
-  tensor-parallel rank decodes only its own rows.
-- ``device`` other than ``"cpu"`` moves each tensor after it is decoded on the CPU.
+  tensor-parallel rank reads and decodes only its own share.
+- ``device`` other than ``"cpu"`` moves each tensor after it is loaded on the CPU.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
 
 from mcf import state_dict as _sd
 from mcf._core.optional import require
-from mcf._core.dtypes import DType
+from mcf.errors import DTypeError
+from mcf.loading.casts import load_dtype
+from mcf.loading.plan import ALIGN_FROM, execute, mmap_of_backend
+from mcf.loading.select import selection
 
 _torch = require("torch", feature="mcf.torch", extra="torch")
 
-__all__ = ["load_state_dict"]
+__all__ = ["load_file", "load_state_dict"]
 
-_TORCH_OF_KIND = {"f32": _torch.float32, "f16": _torch.float16, "bf16": _torch.bfloat16, "f64": _torch.float64}
-_TORCH_OF_STORED = {
-    DType.F32: _torch.float32, DType.F16: _torch.float16, DType.BF16: _torch.bfloat16, DType.F64: _torch.float64,
-    DType.I8: _torch.int8, DType.U8: _torch.uint8, DType.I16: _torch.int16, DType.I32: _torch.int32,
-    DType.I64: _torch.int64,
-}
-# torch has uint16/32/64 only since 2.3, with few operations; the bits are kept as the same-size signed type
-for _code, _attr, _fallback in ((DType.U16, "uint16", _torch.int16), (DType.U32, "uint32", _torch.int32),
-                                (DType.U64, "uint64", _torch.int64)):
-    _TORCH_OF_STORED[_code] = getattr(_torch, _attr, _fallback)
+# torch has uint16/32/64 only since 2.3, with few operations; before, the bits are kept as the same-size
+# signed type
+_FALLBACK = {"uint16": "int16", "uint32": "int32", "uint64": "int64"}
+# the numpy dtype decoders write for each torch float result (bfloat16 as its uint16 bits)
+_KERNEL_NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
 
 
-def _wrap(buf: np.ndarray, tdtype, shape) -> "_torch.Tensor":
-    """A tensor over the bytes of ``buf`` (C-contiguous and writable), without copying."""
-    if buf.nbytes == 0:
-        return _torch.empty(shape, dtype=tdtype)
-    if not buf.flags.writeable:  # torch would write through it anyway: never hand such memory out
-        raise AssertionError("mcf.torch: a read-only buffer reached _wrap")
-    raw = buf.reshape(-1).view(np.uint8)  # bytes view: ml_dtypes' bfloat16 has no buffer format
-    return _torch.frombuffer(raw, dtype=tdtype).reshape(shape)
+def _torch_dtype(el, what: str):
+    attr = el.torch
+    t = getattr(_torch, attr, None) if attr else None
+    if t is None and attr in _FALLBACK:
+        t = getattr(_torch, _FALLBACK[attr])
+    if t is None:
+        raise DTypeError(f"{what}: {el.name} has no torch dtype in torch {_torch.__version__}")
+    return t
 
 
-def _empty(shape, kind):
-    """A fresh CPU tensor of ``kind`` and the numpy array over the same memory the kernels write to."""
-    t = _torch.empty(shape, dtype=_TORCH_OF_KIND[kind])
-    if kind == "bf16":
-        arr = t.view(_torch.int16).numpy().view(np.uint16)  # the kernels write bf16 bits into uint16 outputs
-    else:
-        arr = t.numpy()
-    return t, arr
+def _torch_shape(el, shape: tuple, what: str) -> tuple:
+    """torch's shape of a tensor of ``shape``: float4_e2m1fn_x2 holds two F4 values per element, so the
+    last dimension halves (an odd one is refused, as safetensors refuses it)."""
+    if el.name != "F4":
+        return tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise DTypeError(f"{what}: F4 loads as torch.float4_e2m1fn_x2, two values per element, which needs "
+                         f"an even last dimension; got shape {tuple(shape)}")
+    return tuple(shape[:-1]) + (shape[-1] // 2,)
 
 
-def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, tp_rank: int | None = None,
-                    tp_size: int | None = None, tp_dim: int | Callable = 0, copy: bool = True,
-                    threads: int = 1) -> dict:
-    """Tensors of an MCF file (path, URL, file-like, buffer or open :class:`mcf.Container`) as torch tensors.
+def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> dict:
+    """``name -> torch.Tensor`` for ``pieces``: fresh tensors (page-aligned from ALIGN_FROM bytes), or with
+    ``copy=False`` views of the private copy-on-write mapping where a piece is one unchanged stored range
+    of a mapped file."""
+    dev = _torch.device(device)
+    kinds = {}
+    for p in pieces:   # every dtype and shape checked before anything is allocated or read
+        what = f"{p.source.name}: tensor {p.name!r}"
+        kinds[p.name] = (_torch_dtype(p.element, what), _torch_shape(p.element, p.shape, what))
+
+    def alloc(p):
+        tdt, tshape = kinds[p.name]
+        nbytes = math.prod(tshape) * tdt.itemsize
+        if nbytes >= ALIGN_FROM:
+            raw = _torch.empty(nbytes + 4096, dtype=_torch.uint8)
+            start = -raw.data_ptr() % 4096
+            raw = raw[start:start + nbytes]
+        else:
+            raw = _torch.empty(nbytes, dtype=_torch.uint8)
+        t = raw.view(tdt).view(tshape)
+        out = raw.numpy()
+        kernel = _KERNEL_NUMPY.get(p.element.name)
+        out = out.view(kernel).reshape(p.shape) if kernel is not None else out
+        return t, out
+
+    def view(p):
+        if p.source.mode != "mmap":
+            return None
+        tdt, tshape = kinds[p.name]
+        if p.view[1] == 0:
+            return _torch.empty(tshape, dtype=tdt)
+        cow = p.source.cow_view(p.view[0], p.view[1])
+        if not cow.flags.writeable:  # torch would write through it anyway: never hand such memory out
+            raise AssertionError("mcf.torch: a read-only buffer reached a tensor")
+        return _torch.frombuffer(cow, dtype=_torch.uint8).view(tdt).view(tshape)
+
+    out = execute(pieces, alloc, view=None if copy else view, threads=threads, chunk_bytes=chunk_bytes)
+    if dev.type != "cpu":
+        out = {k: v.to(dev) for k, v in out.items()}
+    return out
+
+
+def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, copy: bool = True, mmap=None,
+              threads=None, chunk_bytes=None, backend=None) -> dict:
+    """The tensors of a safetensors checkpoint or an MCF file as torch tensors (name -> tensor), as
+    ``safetensors.torch.load_file(filename, device)`` returns them: same order, dtypes (bfloat16, float8
+    e4m3/e5m2, bool, every integer), shapes and bytes, each tensor the caller's own memory.
+
+    ``filename``: a ``.safetensors`` or ``.mcf`` file (told apart by their first bytes), a checkpoint
+    directory, a ``model.safetensors.index.json`` (every shard, checked against the index), a URL of any
+    of these, or an open :class:`mcf.Container` / :class:`mcf.safetensors.Checkpoint`.  MCF tensors come
+    in the file's index order, quantized ones dequantized to float32 (or ``dtype``; ``"raw"`` keeps
+    their payload bytes as uint8).
+    ``names``: names or glob patterns; ``slices``: ``{name or pattern: mcf.Rows | mcf.Shard | None}``:
+    only the bytes of each piece are read (rules: :func:`mcf.safetensors.load_file`).  ``dtype``: a float
+    dtype (``torch.bfloat16``, ``"float16"``...) every F16/BF16/F32/F64 and quantized tensor is cast to.
+    ``copy=False``: unchanged tensors that are one contiguous range of a mapped file are zero-copy views
+    of a private copy-on-write mapping (see the module docstring).  ``device``: where the tensors go,
+    after loading on the CPU.  ``mmap``, ``threads``, ``chunk_bytes``, ``backend``: as
+    :func:`mcf.safetensors.load_file`.
+    """
+    with _sd.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
+        chosen, specs = selection(names, slices, w.order, w.where)
+        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_sd.decode_threads(threads))
+        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
+
+
+def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, slices=None,
+                    tp_rank: int | None = None, tp_size: int | None = None, tp_dim: int | Callable = 0,
+                    copy: bool = True, mmap=None, threads=None, chunk_bytes=None) -> dict:
+    """Tensors of an MCF file (or a safetensors checkpoint: any input :func:`load_file` takes) as torch
+    tensors.
 
     ``dtype`` (a torch dtype such as ``torch.bfloat16``, or a string) casts every float and quantized
-    tensor (quantized ones default to float32); integer tensors keep theirs.  ``tp_rank``/``tp_size``/
-    ``tp_dim`` keep one tensor-parallel rank's share, with the rules of :func:`mcf.load_state_dict`.
-    Every tensor is the caller's to modify.  ``copy=False`` makes unchanged plain tensors zero-copy views
-    of a private copy-on-write mapping of the file (see the module docstring): in-place operations stay
-    safe and private.  Unsigned 16/32/64-bit tensors use torch's uint16/32/64 where it has them (torch >=
-    2.3), else the signed type of the same size holding the same bits.
+    tensor (quantized ones default to float32); integer tensors keep theirs.  ``names``/``slices`` or
+    ``tp_rank``/``tp_size``/``tp_dim`` keep one tensor-parallel rank's share, with the rules of
+    :func:`mcf.load_state_dict`, reading only its bytes.  Every tensor is the caller's to modify.
+    ``copy=False`` makes unchanged plain tensors zero-copy views of a private copy-on-write mapping of the
+    file (see the module docstring): in-place operations stay safe and private.  Unsigned 16/32/64-bit
+    tensors use torch's uint16/32/64 where it has them (torch >= 2.3), else the signed type of the same
+    size holding the same bits.
     """
-    dev = _torch.device(device)
-    c, owned = _sd.open_input(path_or_container)
-    try:
-        plans = _sd.plan(c, names, dtype, tp_rank, tp_size, tp_dim)
-        loaded = {}
-        if copy:
-            whole = [p.name for p in plans if not _sd.needs_decode(p) and p.rows is None and p.cols is None]
-            if whole:
-                loaded = c.load(whole, threads=threads)   # fresh, writable arena views
-        out = {}
-        for p in plans:
-            if _sd.needs_decode(p):
-                t, arr = _empty(p.out_shape, p.kind)
-                _sd.decode_into(c, p, arr, threads=threads)
-            else:
-                tdt = _TORCH_OF_STORED[p.stored]
-                a = loaded.get(p.name)
-                if a is None:
-                    a = _sd.stored_view(c, p, cow=not copy)
-                    if copy or not a.flags.c_contiguous or not a.flags.writeable:
-                        a = np.array(a, order="C")   # a row or column share, or a read-only one: copied
-                t = _wrap(a, tdt, p.out_shape)
-            if dev.type != "cpu":
-                t = t.to(dev)
-            out[p.name] = t
-        return out
-    finally:
-        if owned:
-            c.close()
+    with _sd.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
+        pieces = _sd.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
+        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)

@@ -20,10 +20,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(root, token: str | None, *args: str, env: dict | None = None, ready: bool = True):
-    """Start the server on ``root`` with bearer ``token`` (None: none) and extra command-line ``args``;
-    yields ``(base_url, process)`` (base ``http://127.0.0.1:<port>``) once the OpenAPI document
-    answers (right away when not ``ready``); stops it by PID on exit."""
+def serve(root, token: str | None, *args: str, env: dict | None = None, ready: bool = True, cwd=None):
+    """Start the server on ``root`` with bearer ``token`` (None: none) and extra command-line ``args``, in
+    directory ``cwd`` (default: this one; a relative ``root`` is relative to it); yields ``(base_url,
+    process)`` (base ``http://127.0.0.1:<port>``) once the OpenAPI document answers (right away when not
+    ``ready``); stops it by PID on exit."""
     port = free_port()
     env = dict(os.environ, **(env or {}))
     env.pop("MCB_TOKEN", None)
@@ -31,7 +32,8 @@ def serve(root, token: str | None, *args: str, env: dict | None = None, ready: b
     if token is not None:
         env["MCF_BUCKET_TOKEN"] = token
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
-                             "--port", str(port), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--port", str(port), *args], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -64,3 +66,27 @@ def peak_rss_bytes(pid: int) -> int:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def request(base, method, path, body=None, headers=None, token=None, timeout=60):
+    """(status, parsed JSON or raw bytes, headers) of one request over a fresh connection to ``base``
+    (``http://127.0.0.1:<port>``); ``token`` is sent as the bearer token when given."""
+    import http.client
+    import json
+
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    h = dict(headers or {})
+    if token is not None:
+        h.setdefault("Authorization", f"Bearer {token}")
+    try:
+        conn.request(method, path, body=body, headers=h)
+        r = conn.getresponse()
+        data = r.read()
+        try:
+            parsed = json.loads(data) if data else None
+        except ValueError:
+            parsed = data
+        return r.status, parsed, dict(r.getheaders())
+    finally:
+        conn.close()

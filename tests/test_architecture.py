@@ -35,7 +35,8 @@ CYTHON_RAISE_OK = BUILTIN_RAISE_OK | {"MemoryError"}
 POSITIONAL_OK = {
     # "what to load" / "which dtype" is the one thing a reader call is about
     ("mcf.container.reader", "Container.load", "names"): "c.load(['a', 'b'])",
-    ("mcf.container.reader", "load_file", "names"): "mirrors safetensors' load_file(path, ...)",
+    ("mcf.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
+    ("mcf.torch", "load_file", "device"): "safetensors.torch.load_file(filename, device): a drop-in takes it positionally",
     ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.container.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
@@ -373,7 +374,7 @@ LAYER_NAMES = {CORE: "core", FORMAT: "format", CONVERTER: "converter", APP: "app
 LAYERS = {
     # core: imports only core, the standard library and numpy
     "mcf._core": (CORE, "core"), "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
-    "mcf.remote": (CORE, "core"),
+    "mcf.remote": (CORE, "core"), "mcf.loading": (CORE, "core"),
     # formats: one package each
     "mcf.container": (FORMAT, "mcf"),
     "mcf.safetensors": (FORMAT, "safetensors"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 import zlib
 
@@ -117,3 +118,112 @@ def test_bucket_with_a_key_encrypts_what_it_ingests(tmp_path, monkeypatch):
         nokey.load(meta["context_id"])
     monkeypatch.setenv(ENV_KEY, KEY.hex())                    # the server's way to get the key
     assert np.array_equal(Bucket(tmp_path).load(meta["context_id"])[2][1], layers[2][1].astype(np.float16))
+
+
+# ------------------------------------------------------------------------------------------------
+# deduplication and keys (issue 25 item 6)
+# ------------------------------------------------------------------------------------------------
+KEY2 = bytes(range(100, 132))
+
+
+def _header_flags(root, cid) -> int:
+    raw = (root / "contexts" / cid / "kv_data.mcb").read_bytes()[:8]
+    return struct.unpack_from("<H", raw, 6)[0]
+
+
+def test_a_keyed_bucket_stores_encrypted_what_was_stored_in_clear(tmp_path, monkeypatch):
+    """Deduplicating would have left the data in clear on disk while the keyed bucket answered as if it
+    were stored as it stores everything: the encrypted data takes its place instead."""
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    layers = _layers("dedup")
+    clear = Bucket(tmp_path).ingest("m", layers, content="doc", compression="lz4")
+    assert not _header_flags(tmp_path, clear["context_id"]) & L.Flags.ENCRYPTED
+    keyed = Bucket(tmp_path, key=KEY)
+    meta = keyed.ingest("m", layers, content="doc", compression="lz4")
+    assert meta["context_id"] == clear["context_id"] and not meta.get("deduplicated")
+    assert meta["kv_cache"]["encrypted"] is True and _header_flags(tmp_path, meta["context_id"]) & L.Flags.ENCRYPTED
+    assert layers[0][0].astype(np.float16).tobytes()[:64] not in (
+        tmp_path / "contexts" / meta["context_id"] / "kv_data.mcb").read_bytes()
+    assert np.array_equal(keyed.load(meta["context_id"])[2][1], layers[2][1].astype(np.float16))
+    assert keyed.ingest("m", layers, content="doc")["deduplicated"]  # now under its key: the same context
+    assert [c["context_id"] for c in Bucket(tmp_path).discover("m")] == [meta["context_id"]]
+
+
+def test_content_encrypted_under_another_key_is_neither_reused_nor_overwritten(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    layers = _layers("k1")
+    first = Bucket(tmp_path, key=KEY)
+    cid = first.ingest("m", layers, content="doc")["context_id"]
+    before = (tmp_path / "contexts" / cid / "kv_data.mcb").read_bytes()
+    for other, why in ((Bucket(tmp_path, key=KEY2), "under another key"), (Bucket(tmp_path), "has no key")):
+        with pytest.raises(mcf.EncryptionKeyError, match=why):
+            other.ingest("m", _layers("other values"), content="doc")
+        with pytest.raises(mcf.EncryptionKeyError):
+            other.load(cid)
+        with pytest.raises(mcf.EncryptionKeyError):
+            other.promote(cid)
+        assert other.tier(cid) == "cold"
+    assert (tmp_path / "contexts" / cid / "kv_data.mcb").read_bytes() == before
+    assert np.array_equal(first.load(cid)[0][0], layers[0][0].astype(np.float16))
+    assert first.ingest("m", layers, content="doc")["deduplicated"]
+    # a context written before key ids were recorded: its first layer is tried with the key
+    meta_path = tmp_path / "contexts" / cid / "metadata.json"
+    doc = json.loads(meta_path.read_text())
+    del doc["kv_cache"]["key_id"]
+    meta_path.write_text(json.dumps(doc))
+    with pytest.raises(mcf.EncryptionKeyError, match="under another key"):
+        Bucket(tmp_path, key=KEY2).ingest("m", layers, content="doc")
+    assert Bucket(tmp_path, key=KEY).ingest("m", layers, content="doc")["deduplicated"]
+    doc["kv_cache"]["key_id"] = "not hex"
+    meta_path.write_text(json.dumps(doc))
+    with pytest.raises(mcf.FormatError, match="kv_cache.key_id"):
+        first.lookup(cid)
+
+
+def test_prefix_lookup_passes_over_contexts_under_another_key(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    ids = list(range(16))
+    Bucket(tmp_path, key=KEY, prefix_chunk_tokens=4).ingest("m", _layers("p"), token_ids=ids)
+    assert Bucket(tmp_path, key=KEY, prefix_chunk_tokens=4).lookup_prefix("m", ids)["tokens"] == 16
+    assert Bucket(tmp_path, key=KEY2, prefix_chunk_tokens=4).lookup_prefix("m", ids) is None
+
+
+def test_rest_ingests_of_content_stored_under_other_keys(tmp_path):
+    """Over HTTP, servers started on one bucket with no key, key 1 and key 2: content first stored in
+    clear is stored encrypted by the keyed server (201, not "deduplicated"), and content stored under
+    key 1 is a 409 for the server with key 2 and the one without a key, on ingest and on use."""
+    from _bucket_server import request, serve
+
+    pytest.importorskip("starlette", reason="the server needs the 'server' extra (starlette)")
+    pytest.importorskip("uvicorn", reason="the server needs the 'server' extra (uvicorn)")
+    bio = io.BytesIO()
+    k = np.random.default_rng(0).standard_normal((2, 2, 8, 4)).astype(np.float32)
+    np.savez(bio, k=k, v=-k)
+    upload = (bio.getvalue(), {"Content-Type": "application/octet-stream"})
+    root = tmp_path / "b"
+    keys = {"none": {ENV_KEY: ""}, "k1": {ENV_KEY: KEY.hex()}, "k2": {ENV_KEY: KEY2.hex()}}
+
+    def ingest(base, content):
+        return request(base, "POST", f"/mcrp/v1/contexts?model_id=m&content={content}&dtype=float32", *upload)
+
+    with serve(root, None, env=keys["none"]) as (base, _):
+        st, out, _ = ingest(base, "clear")
+        assert st == 201 and not out["deduplicated"], out
+        clear_id = out["context_id"]
+    with serve(root, None, env=keys["k1"]) as (base, _):
+        st, out, _ = ingest(base, "clear")
+        assert st == 201 and not out["deduplicated"] and out["context_id"] == clear_id, out
+        assert _header_flags(root, clear_id) & L.Flags.ENCRYPTED
+        assert ingest(base, "clear")[1]["deduplicated"]
+        st, out, _ = ingest(base, "secret")
+        assert st == 201, out
+        secret_id = out["context_id"]
+    stored = (root / "contexts" / secret_id / "kv_data.mcb").read_bytes()
+    for name in ("k2", "none"):
+        with serve(root, None, env=keys[name]) as (base, _):
+            st, out, _ = ingest(base, "secret")
+            assert st == 409 and "encrypted" in out["error"], (name, st, out)
+            st, out, _ = request(base, "POST", f"/mcrp/v1/contexts/{secret_id}/promote", b"{}",
+                                 {"Content-Type": "application/json"})
+            assert st == 409 and "key" in out["error"], (name, st, out)
+    assert (root / "contexts" / secret_id / "kv_data.mcb").read_bytes() == stored

@@ -180,6 +180,27 @@ def test_text_in_text_out_and_deduplication(models, tmp_path):
     assert ans["cache_hit"] and ans["status"] == "success" and ans["model_id"] == "llama-gqa"
 
 
+def test_the_backend_reuses_only_what_the_bucket_would(models, tmp_path, monkeypatch):
+    """The backend looks for stored content before it runs the model, and finds what the bucket's own
+    ingest would deduplicate: content stored in clear is computed again and stored encrypted by a keyed
+    bucket; content under another key is refused before the model runs (issue 25 item 6)."""
+    monkeypatch.delenv("MCF_BUCKET_KEY", raising=False)
+    be = TransformersBackend(models["llama-gqa"], tiny_tokenizer(), model_id="llama-gqa")
+    text = "the cat sat on the mat"
+    clear = be.ingest(Bucket(tmp_path), text)
+    keyed = be.ingest(Bucket(tmp_path, key=bytes(32)), text)
+    assert keyed["context_id"] == clear["context_id"] and not keyed.get("deduplicated")
+    assert keyed["kv_cache"]["encrypted"] is True
+    assert be.ingest(Bucket(tmp_path, key=bytes(32)), text)["deduplicated"]
+
+    def no_prefill(ids):
+        raise AssertionError("the model ran for content stored under another key")
+
+    be.prefill = no_prefill
+    with pytest.raises(mcf.EncryptionKeyError, match="another key"):
+        be.ingest(Bucket(tmp_path, key=bytes(range(32))), text)
+
+
 def test_stops_at_the_end_of_sequence_token(models, tmp_path):
     be = TransformersBackend(models["llama-gqa"], model_id="llama-gqa")
     assert be.eos_token_ids == {EOS}                        # from the model's config

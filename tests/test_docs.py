@@ -182,7 +182,9 @@ def _check_convert(out):
 
 
 def _check_torch(out):
-    assert out.splitlines() == ["torch.float32 torch.float32", "torch.bfloat16", "True", "True",
+    assert out.splitlines() == ["['emb', 'scale', 'norm'] torch.bfloat16 torch.Size([])",
+                                "torch.float32 torch.float32", "torch.bfloat16",
+                                "torch.Size([32, 32]) torch.Size([32, 128]) torch.Size([64])", "True", "True",
                                 "torch.Size([32, 32]) torch.Size([32, 128])", "True",
                                 "{'fc.weight': ('float16', (64, 32)), 'proj.weight': ('float16', (32, 256))}"]
 

@@ -156,4 +156,22 @@ def test_torch_tensors_never_lie_in_a_read_only_mapping(files):
             maps = Maps()
             for name, t in sd.items():
                 assert maps.writable(t.data_ptr(), t.numel() * t.element_size()), (copy, kw, name)
+        # the safetensors drop-in and mcf.load_file's torch flavour, on both formats, whole and in pieces
+        for path in (d / "m.mcf", d / "s.safetensors"):
+            for kw in ({}, {"slices": {"w": mcf.Rows(1, 5)}}, {"slices": {"w": mcf.Shard(1, 2, 1)}}):
+                sd = mcf.torch.load_file(path, copy=copy, **kw)
+                maps = Maps()
+                for name, t in sd.items():
+                    assert maps.writable(t.data_ptr(), t.numel() * t.element_size()), (path, copy, kw, name)
     assert sys.modules["mcf.torch"]
+
+
+def test_numpy_loaders_hand_out_read_only_views_only(files):
+    """copy=False views of the new loaders lie in the shared mapping: flagged read-only, not liftable."""
+    d, _ = files
+    import mcf.safetensors
+
+    arrays = list(mcf.safetensors.load_file(d / "s.safetensors", copy=False).values())
+    arrays += list(mcf.load_file(d / "m.mcf", copy=False).values())
+    arrays += list(mcf.load_file(d / "s.safetensors", copy=False, slices={"w": mcf.Rows(2, 9)}).values())
+    assert check_arrays(arrays, "loaders") >= 5

@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from mcf._core.console import printable
 from mcf.errors import InvalidArgumentError, MCFError
 
 __all__ = ["UsageError", "describe", "run", "DEBUG_FLAG", "DEBUG_ENV"]
@@ -105,12 +106,12 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     except (MCFError, OSError) as exc:
         if debug:
             raise
-        print(f"{prog}: error: {describe(exc)}", file=sys.stderr)
+        print(f"{prog}: error: {printable(describe(exc))}", file=sys.stderr)  # messages quote files' strings
         return EXIT_USAGE if isinstance(exc, UsageError) else EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - the point: no traceback unless asked for
         if debug:
             raise
-        print(f"{prog}: internal error: {describe(exc)}\n"
+        print(f"{prog}: internal error: {printable(describe(exc))}\n"
               f"{prog}: this is a bug in mcf; run again with {DEBUG_FLAG} (or {DEBUG_ENV}=1) to see the traceback, "
               "and please report it", file=sys.stderr)
         return EXIT_FAILED

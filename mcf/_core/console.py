@@ -1,5 +1,14 @@
-"""The command-line scaffolding every subcommand shares: a progress bar, human-readable sizes and
-the reports of ``mcf info`` and ``mcf quantize --report``.
+"""The command-line scaffolding every subcommand shares: a progress bar, human-readable sizes, the
+reports of ``mcf info`` and ``mcf quantize --report``, and the one rule for printing what came from a
+file (:func:`printable`, :func:`json_text`).
+
+Why the rule: names, metadata strings and paths come from files someone else made (a context's name in
+a bucket, a tensor name or metadata value in an MCF or GGUF file, a MegaContext tree's timestamps).
+Printed raw, an escape sequence in one of them drives the user's terminal (retitles the window, writes
+the clipboard through OSC 52, clears the screen), a newline forges a second row in a listing, and a
+bidirectional override makes the text read differently from what it is.  Every command prints such
+strings through :func:`printable` (or, as JSON, :func:`json_text`), which shows those characters as
+escapes instead.
 
 It lives in the core (not in :mod:`mcf.cli`) so format CLIs (``mcf megatron``, ``mcf megacontext``)
 and the demo use it without importing the ``mcf`` entry point, which imports them.  The error
@@ -8,11 +17,38 @@ printing and ``--debug`` handling are in :mod:`mcf._core.cli_errors`.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import sys
 import time
+from typing import Any
 
-__all__ = ["Progress", "human", "info_dict", "print_info", "print_report"]
+__all__ = ["Progress", "human", "info_dict", "json_text", "print_info", "print_report", "printable"]
+
+#: what a terminal acts on instead of showing: C0 controls (ESC, BEL, CR, LF, BS, ...), DEL, C1 controls
+#: (CSI, OSC, ... as single code points), the bidirectional marks, embeddings, overrides and isolates
+#: (which reorder what follows), the line and paragraph separators, and lone surrogates (undecodable
+#: bytes of a file name, which cannot be printed at all)
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def printable(text: Any) -> str:
+    """``str(text)`` with every character a terminal would act on (C0 and C1 controls, DEL, bidirectional
+    controls, line separators, lone surrogates) shown as ``\\xNN`` or ``\\uNNNN``: one line, nothing for the
+    terminal to do; everything else, other scripts included, is left as it is."""
+    return _UNSAFE.sub(_escape, str(text))
+
+
+def json_text(obj: Any, *, indent: int | None = 2) -> str:
+    """``obj`` as JSON safe to print: ASCII only (json's ``ensure_ascii``: control characters, C1, bidi
+    and surrogates as ``\\uNNNN``), and DEL, which JSON leaves raw, as ``\\u007f``."""
+    return json.dumps(obj, indent=indent).replace("\x7f", "\\u007f")
 
 
 def human(n: int) -> str:
@@ -38,7 +74,7 @@ class Progress:
         frac = done / total if total else 1.0
         bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
         el = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{total} {el:5.1f}s {what[:40]:<40}")
+        sys.stderr.write(f"\r{self.label} [{bar}] {done}/{total} {el:5.1f}s {printable(what)[:40]:<40}")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -68,33 +104,35 @@ def print_info(c, *, out=None) -> None:
     d = info_dict(c)
     h = d["header"]
     w = out.write
-    w(f"{c.path}: MCF {h['major']}.{h['minor']}, {human(h['file_size'])} ({h['file_size']} bytes), "
+    w(f"{printable(c.path)}: MCF {h['major']}.{h['minor']}, {human(h['file_size'])} ({h['file_size']} bytes), "
       f"flags=0x{h['flags']:x}{' (tensor data aligned 64)' if h['flags'] & 1 else ''}\n")
     w(f"\nsections ({len(d['sections'])}, directory at {h['section_dir_offset']}):\n")
     w(f"  {'type':>6}  {'name':<24} {'offset':>12} {'size':>12}\n")
     for s in sorted(d["sections"], key=lambda s: s["offset"]):
-        w(f"  0x{s['type']:04x}  {s['name']:<24} {s['offset']:>12} {s['size']:>12}\n")
+        w(f"  0x{s['type']:04x}  {printable(s['name']):<24} {s['offset']:>12} {s['size']:>12}\n")
     mi = d["model_info"]
     if mi:
         w("\nmodel info:\n")
         for k in ("model_name", "base_model", "arch", "vocab_size", "hidden_size", "layer_count", "head_count",
                   "head_count_kv", "context_length", "train_context", "rope_type", "rope_freq_base", "rope_scale"):
             if mi[k] not in ("", 0, 0.0, None):
-                w(f"  {k:<16} {mi[k]}\n")
+                w(f"  {k:<16} {printable(mi[k])}\n")
         for k, v in mi["extras"].items():
-            w(f"  {k:<16} {v}\n")
+            w(f"  {printable(k):<16} {printable(v)}\n")
     tensors = d["tensors"]
     total = sum(t["size"] for t in tensors)
     w(f"\ntensors ({len(tensors)}, {human(total)}):\n")
-    nw = min(max([len(t["name"]) for t in tensors] + [4]), 60)
+    names = [printable(t["name"]) for t in tensors]
+    nw = min(max([len(n) for n in names] + [4]), 60)
     w(f"  {'name':<{nw}} {'dtype':<5} {'shape':<18} {'size':>12} {'offset':>12}\n")
-    for t in tensors:
+    for t, name in zip(tensors, names):
         shape = "x".join(map(str, t["shape"])) or "scalar"
-        w(f"  {t['name']:<{nw}} {t['dtype']:<5} {shape:<18} {t['size']:>12} {t['offset']:>12}\n")
+        w(f"  {name:<{nw}} {t['dtype']:<5} {shape:<18} {t['size']:>12} {t['offset']:>12}\n")
     if d["quant_info"]:
         w(f"\nquant records ({len(d['quant_info'])}):\n")
         for r in d["quant_info"]:
-            w(f"  {r['tensor']:<{nw}} method=0x{r['method']:02x} domain={r['domain']} block={r['block_size']} "
+            w(f"  {printable(r['tensor']):<{nw}} method=0x{r['method']:02x} domain={r['domain']} "
+              f"block={r['block_size']} "
               f"super={r['super_size']} clip=[{r['min_clip']:.6g}, {r['max_clip']:.6g}]\n")
 
 
@@ -104,11 +142,11 @@ def print_report(stats, *, out=None) -> None:
     if not stats:
         out.write("no tensor was quantized\n")
         return
-    nw = min(max(len(s.name) for s in stats), 60)
+    nw = min(max(len(printable(s.name)) for s in stats), 60)
     out.write(f"\n  {'tensor':<{nw}} {'method':<6} {'shape':<14} {'RMSE':>10} {'SNR dB':>8} {'max|err|':>10} {'ratio':>6}\n")
     for s in stats:
         shape = "x".join(map(str, s.shape))
-        out.write(f"  {s.name:<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "
+        out.write(f"  {printable(s.name):<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "
                   f"{s.max_abs_err:>10.3g} {s.nbytes_in / max(1, s.nbytes_out):>5.2f}x\n")
     n = sum(math.prod(s.shape) for s in stats)
     mse = sum(s.rmse ** 2 * math.prod(s.shape) for s in stats) / max(1, n)

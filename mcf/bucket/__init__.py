@@ -7,11 +7,12 @@ bucket directory (registry, contexts, models) and its operations.  See docs/buck
 from mcf.bucket.kvfile import DEFAULT_MAX_DECOMPRESSED_BYTES, Int8KV, KVFile, KVHeader, open_kv, read_kv, write_kv
 from mcf.bucket.store import Bucket, content_hash, context_id_for
 from mcf.bucket.tiers import HotTierFullError, HotTierUnavailableError, WarmBudgetError
-from mcf.errors import StaleContextError
+from mcf.errors import EncryptionKeyError, StaleContextError
 
 __all__ = [
     "DEFAULT_MAX_DECOMPRESSED_BYTES",
     "Bucket",
+    "EncryptionKeyError",
     "HotTierFullError",
     "HotTierUnavailableError",
     "WarmBudgetError",

@@ -9,7 +9,8 @@ first 42 bytes of the file's header (magic .. compressed_size: shape, dtype, com
 followed by the chunk's index as a u32, so a chunk cannot be moved to another position or another file
 without failing authentication.  The header, the chunk table and the CRC-32s stay in clear: the CRC-32s
 cover the stored (encrypted) bytes and still find accidental damage without the key; GCM's tag finds
-tampering.  metadata.json (names, token counts, hashes) is not encrypted.
+tampering.  metadata.json (names, token counts, hashes) is not encrypted; it records the
+:func:`key_id` of the key a context was encrypted with.
 
 Keys are 32 random bytes.  A bucket takes one as ``Bucket(root, key=...)`` or from the environment
 variable ``MCF_BUCKET_KEY`` (64 hex digits); :func:`generate_key` makes one.
@@ -17,7 +18,9 @@ variable ``MCF_BUCKET_KEY`` (64 hex digits); :func:`generate_key` makes one.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import struct
 
 from mcf._core.optional import require
@@ -30,6 +33,8 @@ KEY_SIZE = 32
 #: header bytes bound to every chunk (magic .. compressed_size; the CRC-32 is computed afterwards)
 AAD_HEADER_BYTES = 42
 ENV_KEY = "MCF_BUCKET_KEY"
+#: what :func:`key_id` returns
+KEY_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
 def _aesgcm():
@@ -61,6 +66,13 @@ def parse_key(key) -> bytes | None:
     if len(key) != KEY_SIZE:
         raise InvalidArgumentError(f"an encryption key must be {KEY_SIZE} bytes (AES-256), got {len(key)}")
     return key
+
+
+def key_id(key: bytes) -> str:
+    """A public name of ``key``: 32 hex digits of a domain-separated SHA-256 of it, recorded with each
+    context encrypted under it, so a bucket tells which key a context needs without trying to decrypt
+    (the key cannot be recovered from it: a preimage of SHA-256)."""
+    return hashlib.sha256(b"mcf-bucket-key-id\0" + parse_key(key)).hexdigest()[:32]
 
 
 def key_from_env() -> bytes | None:

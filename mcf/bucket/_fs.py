@@ -103,6 +103,8 @@ class BucketFS:
             return FormatError("a path component is not a directory", path=self.where(rel))
         if exc.errno == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO without a reader, or a socket
             return FormatError("not a regular file", path=self.where(rel))
+        if exc.errno == errno.EISDIR:  # a directory where a file is written (opened for writing, renamed over)
+            return FormatError("is a directory, not a regular file", path=self.where(rel))
         return os_error(exc, self.where(rel))
 
     # -- directories ---------------------------------------------------------------------------------

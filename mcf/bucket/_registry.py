@@ -11,7 +11,10 @@ crash between writing a snapshot and starting a new journal loses nothing.
 
 The registry is a cache of ``contexts/``: when the snapshot or the journal is missing or damaged,
 :meth:`Registry.load_locked` calls the ``rebuild`` it was given (the bucket re-reads every
-metadata.json), and the bucket's scan heals what a killed writer left out.  The bucket's file lock
+metadata.json), and the bucket's scan heals what a killed writer left out.  Nothing in them is trusted
+more than that: a file larger than the bucket's contexts can need (:data:`REGISTRY_BYTES_PER_CONTEXT`) is
+refused unread, a malformed summary makes the file damaged, and a directory planted under either name
+is moved aside so the rebuilt file can take its place.  The bucket's file lock
 is taken by the caller (the ``*_locked`` methods say so); :attr:`Registry.mem` guards the in-memory
 state between the threads of one process.
 """
@@ -21,20 +24,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
+import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mcf.bucket._fs import BucketFS
-from mcf.bucket._json import dumps, get_field, iso, parse_json
+from mcf.bucket._json import dumps, get_field, iso, parse_iso, parse_json
 from mcf.bucket._names import CTX_RE, JOURNAL_NAME, REGISTRY_NAME, check_model_id
 from mcf.bucket.tiers import preference
-from mcf.errors import FormatError, UnsupportedVersionError, os_error
+from mcf.errors import FormatError, MCFIOError, UnsupportedVersionError, os_error
 
-__all__ = ["JOURNAL_COMPACT_BYTES", "REGISTRY_VERSION", "Registry", "check_registry_version", "journal_line",
-           "journal_write", "made_by", "parse_journal_line", "summary"]
+__all__ = ["JOURNAL_COMPACT_BYTES", "REGISTRY_BASE_BYTES", "REGISTRY_BYTES_PER_CONTEXT", "REGISTRY_VERSION", "Registry",
+           "check_registry_version", "journal_line", "journal_write", "made_by", "parse_journal_line", "summary"]
 
 #: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
 #: version is refused on read (UnsupportedVersionError), never rebuilt over; a newer minor version is read.
@@ -43,6 +48,13 @@ _VERSION_RE = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})(\.(0|[1-9][
 #: the registry journal is folded into a new registry.json once it passes this size (or 64 bytes per
 #: context, whichever is larger), so replaying it stays a small fraction of reading the snapshot
 JOURNAL_COMPACT_BYTES = 1 << 20
+#: registry.json and registry.journal larger than REGISTRY_BASE_BYTES plus REGISTRY_BYTES_PER_CONTEXT per entry
+#: of contexts/ are not read (a planted multi-gigabyte file must not be read into memory: it is damage, and
+#: the registry is rebuilt over it).  A context's summary is a few hundred bytes and its prefix index, 35
+#: bytes per 256 tokens: 256 KiB holds the summary of a context of 1.8 million tokens.  A bucket whose
+#: contexts average more is rebuilt at every open (its registry is then larger than it may be read).
+REGISTRY_BASE_BYTES = 16 << 20
+REGISTRY_BYTES_PER_CONTEXT = 256 << 10
 
 
 def made_by(meta: dict) -> dict:
@@ -114,11 +126,25 @@ def check_registry_version(doc: Any, p: Path) -> None:
             "by another major version", path=p, field="mcrp_version", expected=f"{major}.x", got=v)
 
 
+_SUMMARY_FIELDS = (("context_id", str), ("name", (str, type(None))), ("token_count", int), ("size_bytes", int),
+                   ("last_accessed", str), ("expires_at", (str, type(None))), ("pinned", bool))
+
+
 def check_summary(c: Any, p: Path, where: str) -> None:
-    for k, t in (("context_id", str), ("name", (str, type(None))), ("token_count", int), ("size_bytes", int)):
-        get_field({"c": c}, p, "c", k, types=t)
+    """A context's summary as the registry's readers use it (every list checks its expiry): a malformed
+    one is damage to the cache, which is then rebuilt from the contexts' own metadata.  Runs once per
+    context when a snapshot is read, so the common case is a few type checks; the error names the field."""
+    try:
+        ok = all(isinstance(c[k], t) and (t is not int or type(c[k]) is int) for k, t in _SUMMARY_FIELDS)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        for k, t in _SUMMARY_FIELDS:
+            get_field({"c": c}, p, "c", k, types=t)
     if not CTX_RE.fullmatch(c["context_id"]):
         raise FormatError("invalid context id in registry", path=p, field=where, got=c["context_id"])
+    if c["expires_at"] is not None:
+        parse_iso(c["expires_at"], p, f"{where}.expires_at")
 
 
 def state_remove(state: dict, cid: str) -> None:
@@ -191,6 +217,16 @@ class Registry:
         st = self._fs.lstat(name)
         return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
+    def size_limit(self) -> int:
+        """The most bytes registry.json (or the journal to replay) may hold for contexts/ as it is now
+        (:data:`REGISTRY_BYTES_PER_CONTEXT`)."""
+        try:
+            with self._fs.dir("contexts") as d, os.scandir(d) as it:
+                n = sum(1 for _ in it)
+        except (OSError, FormatError):
+            n = 0
+        return REGISTRY_BASE_BYTES + n * REGISTRY_BYTES_PER_CONTEXT
+
     def check_record(self, rec: Any) -> dict:
         p = self.journal_path
         op = get_field(rec, p, "op", types=str)
@@ -207,7 +243,7 @@ class Registry:
     def read_snapshot(self) -> dict:
         """registry.json as in-memory state (FileNotFoundError / FormatError when unusable)."""
         p = self.registry_path
-        doc = parse_json(self._fs.read(REGISTRY_NAME), p)
+        doc = parse_json(self._fs.read(REGISTRY_NAME, limit=self.size_limit()), p)
         check_registry_version(doc, p)
         state = self.empty_state()
         state["created_at"] = doc.get("created_at", state["created_at"]) if isinstance(doc, dict) else None
@@ -236,6 +272,10 @@ class Registry:
             return start
         try:
             with os.fdopen(fd, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size - start > REGISTRY_BASE_BYTES and size - start > self.size_limit():
+                    raise FormatError(f"{size - start} bytes to replay, more than the {self.size_limit()} a "
+                                      "registry of this bucket may hold", path=self.journal_path)
                 f.seek(start)
                 data = f.read()
         except OSError as exc:
@@ -300,9 +340,22 @@ class Registry:
         state["last_updated"] = iso(self.clock())
         doc = document(state)
         doc["stamps"] = state["stamps"]
-        self._fs.write_atomic(REGISTRY_NAME, dumps(doc, True))
-        self._fs.write_atomic(JOURNAL_NAME, b"")  # after the snapshot: replaying the old journal is harmless
+        self._publish_locked(REGISTRY_NAME, dumps(doc, True))
+        self._publish_locked(JOURNAL_NAME, b"")  # after the snapshot: replaying the old journal is harmless
         self._set_cache(state, self.file_stamp(REGISTRY_NAME), self.file_stamp(JOURNAL_NAME), 0)
+
+    def _publish_locked(self, name: str, data: bytes) -> None:
+        """Replace registry file ``name`` with ``data``.  A rename replaces a planted link or file but not
+        a directory: one planted under the name is moved aside (to ``.<name>.<random>.displaced``, kept
+        for whoever put it there), so a bucket whose cache location is taken still opens."""
+        try:
+            self._fs.write_atomic(name, data)
+        except (FormatError, MCFIOError):
+            st = self._fs.lstat(name)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                raise
+            self._fs.rename(name, f".{name}.{uuid.uuid4().hex}.displaced")
+            self._fs.write_atomic(name, data)
 
     def journal_locked(self, records: list[dict]) -> None:
         """Append records (caller holds the lock): applied in memory, then written as whole lines and

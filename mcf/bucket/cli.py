@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from mcf._core.cli_parser import JSON_HELP
+from mcf._core.console import json_text, printable
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["add_bucket_parser"]
@@ -23,7 +24,7 @@ def _bucket(args):
 
 
 def _print(obj) -> None:
-    print(json.dumps(obj, indent=1))
+    print(json_text(obj, indent=1))
 
 
 def _load_npz(path: str, scratch=None):
@@ -68,8 +69,9 @@ def cmd_ls(args) -> int:
         _print(rows)
     else:
         for r in rows:
+            # the name is the ingester's text: shown escaped, so it cannot drive the terminal or forge a row
             print(f"{r['context_id']}  {r['model_id']}  {r['token_count']:>8} tok  {r['size_bytes']:>12} B  "
-                  f"{r['name'] or ''}")
+                  f"{printable(r['name'] or '')}")
     return 0
 
 
@@ -103,8 +105,8 @@ def _token(args, *, for_server: bool) -> str | None:
             raise InvalidArgumentError(f"{args.token_file}: cannot read the token file ({exc.strerror})") from None
         token = token[0].strip() if token else ""
         if for_server and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            print(f"mcf: warning: {args.token_file} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-                  "chmod 600 it", file=sys.stderr)
+            print(f"mcf: warning: {printable(args.token_file)} is readable by other users "
+                  f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it", file=sys.stderr)
         if not token:
             raise InvalidArgumentError(f"{args.token_file}: the token file is empty")
     elif args.token is not None:

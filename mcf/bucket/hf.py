@@ -47,7 +47,7 @@ import numpy as np
 from mcf._core.optional import require
 from mcf.bucket import _layout as L
 from mcf.bucket.store import Bucket, check_model_id, content_hash, context_id_for, token_array
-from mcf.errors import ArgumentTypeError, ContextNotFoundError, InvalidArgumentError, MissingDependencyError
+from mcf.errors import ArgumentTypeError, InvalidArgumentError, MissingDependencyError
 
 __all__ = ["Generation", "MissingDependencyError", "TransformersBackend", "weights_fingerprint"]
 
@@ -321,12 +321,11 @@ class TransformersBackend:
         num_layers, num_kv_heads, head_dim = self.kv_shape
         chash = content_hash(content) if content is not None else content_hash(token_ids=ids)
         cid = context_id_for(self.model_id, chash, kd, L.KVShape(num_layers, num_kv_heads, head_dim, len(ids)))
-        try:  # pre-compute once: the same content for the same model and dtype is already there
-            meta = bucket.lookup(cid)
-            if not bucket.is_stale(meta):  # (a stale one, of the former weights, is computed again)
-                return dict(meta, deduplicated=True, ingestion_time_ms=(time.perf_counter() - t0) * 1e3)
-        except ContextNotFoundError:
-            pass
+        # pre-compute once: the same content for the same model and dtype is already there, as the bucket's
+        # ingest would return it (a stale one, or one in clear while the bucket encrypts, is computed again)
+        meta = bucket.reusable(cid)
+        if meta is not None:
+            return dict(meta, ingestion_time_ms=(time.perf_counter() - t0) * 1e3)
         layers = self.prefill(ids)
         src = {"content": content} if content is not None else {"token_ids": ids}
         meta = bucket.ingest(self.model_id, layers, name=name, source=source, dtype=kd, compression=compression,

@@ -99,7 +99,8 @@ def _errors(*codes: int) -> dict:
            404: "no such context, model or route",
            409: "the tier cannot be reached here (no torch or no such device, larger than the warm budget, "
                 "or the device out of memory), "
-                "or the context is stale (computed by its model's former weights)",
+                "or the context is stale (computed by its model's former weights), "
+                "or encrypted under a key this server does not hold",
            413: "body too large (or, for an upload, the arrays it declares)",
            415: "content type not accepted on this route (JSON routes take application/json, the upload "
                 "application/octet-stream)",
@@ -212,7 +213,7 @@ OPENAPI: dict = {
                      "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY,
                                                                    "application/json": {"schema": _ref("TextIngest")}}},
                      "responses": {"201": _json("Ingested", "ingested (or found: deduplicated)"),
-                                   **_errors(*_WRITE, 422, 501)}},
+                                   **_errors(*_WRITE, 409, 422, 501)}},
         },
         f"{PREFIX}/contexts/{{id}}": {
             "get": {"summary": "Context metadata", "parameters": [_ID],
@@ -340,6 +341,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
     from mcf.bucket.tiers import HotTierFullError, WarmBudgetError
+    from mcf.errors import EncryptionKeyError
+    from mcf.bucket._names import root_scrubber
 
     check_token(token)
     for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes)):
@@ -349,14 +352,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     hosts = set() if any_host else {_host_name(h) for h in ([allowed_hosts] if isinstance(allowed_hosts, str)
                                                            else allowed_hosts)}
     b = bucket if bucket is not None else Bucket(root)
-    # spellings of the bucket's location that must never reach a client (longest first)
-    secrets_ = sorted({os.path.abspath(b.root), os.path.realpath(b.root)}, key=len, reverse=True)
-    secrets_ = [p for p in secrets_ if len(p) > 1]
-
-    def scrub(message: str) -> str:
-        for p in secrets_:
-            message = message.replace(p, "<bucket>")
-        return message
+    scrub = root_scrubber(root, b.root)  # every spelling of the bucket's location: never sent to a client
 
     def err(status: int, message: str, close: bool = False) -> JSONResponse:
         return JSONResponse({"status": "error", "error": scrub(message)}, status_code=status,
@@ -374,7 +370,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 return err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
             except _UnsupportedMedia as exc:
                 return err(415, str(exc), close=True)
-            except (WarmBudgetError, HotTierFullError, StaleContextError) as exc:
+            except (WarmBudgetError, HotTierFullError, StaleContextError, EncryptionKeyError) as exc:
                 return err(409, str(exc))
             except InvalidArgumentError as exc:
                 return err(400, str(exc))

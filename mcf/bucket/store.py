@@ -28,6 +28,10 @@ Why the design:
 * **Nothing planted in the directory is followed.**  Every file operation goes through
   :class:`mcf.bucket._fs.BucketFS`: relative to the root's descriptor, ``O_NOFOLLOW`` on every
   component, ``fstat`` on what was opened; links, FIFOs and devices are refused, never followed.
+* **A delete is final.**  Ids come from the content, not the values, so a context deleted and ingested
+  again has the same id: the delete drops the tier copies after the rename, under the mutex a promotion
+  holds until its copy is in a tier, and every copy is tagged with the data it was read from, so no read
+  in flight (here or in another process) can bring the deleted data back.
 * **The registry heals itself.**  Opening a bucket reconciles the registry with ``contexts/`` (the
   incremental :meth:`Bucket.scan`), and an ingest that finds its context already committed but not
   listed (a writer killed between the commit rename and the journal append) lists it.
@@ -52,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from mcf.bucket import _layout as L
+from mcf.bucket._crypto import KEY_ID_RE, key_id
 from mcf.bucket._fs import BucketFS, refusal
 from mcf.bucket._json import MAX_DOC_BYTES, dumps, get_field, iso, parse_iso, parse_json
 from mcf.bucket._names import (
@@ -73,7 +78,9 @@ from mcf.bucket.kvfile import KVFile, open_kv, write_kv
 from mcf.bucket.tiers import TIERS, expired, preference, preference_steps
 from mcf.errors import (
     ArgumentTypeError,
+    ChecksumError,
     ContextNotFoundError,
+    EncryptionKeyError,
     FormatError,
     InvalidArgumentError,
     MCFError,
@@ -209,6 +216,17 @@ def check_ttl(ttl: Any, name: str) -> float | None:
     return ttl
 
 
+def _data_tag(meta: dict) -> tuple[str, str]:
+    """What tells two contexts of one id apart (the id depends on the content, not on the values): the
+    checksum of the stored data and when it was committed."""
+    return meta["storage"]["checksum"], meta["timestamps"]["created_at"]
+
+
+def _in_host_memory(device: Any) -> bool:
+    """True for a torch device whose tensors live in the process's own RAM."""
+    return device.type == "cpu"
+
+
 def _stale(context_hash: Any, current_hash: Any) -> bool:
     return context_hash is not None and current_hash is not None and context_hash != current_hash
 
@@ -248,7 +266,8 @@ class Bucket:
         self._verified: dict[str, tuple] = {}
 
         self._warm = WarmCache(warm_budget_bytes)
-        self._hot: dict[str, tuple[Any, list[tuple[Any, Any]]]] = {}
+        #: context id -> (torch device, per-layer tensors, tag of the data they hold: see _tier_copies)
+        self._hot: dict[str, tuple[Any, list[tuple[Any, Any]], Any]] = {}
         self.root = Path(root)
         self.clock = clock
         prefix_hashes("m", [], chunk_tokens=prefix_chunk_tokens)  # validates the chunk size
@@ -460,9 +479,20 @@ class Bucket:
             stale = self._stale_error(meta)
             if stale is not None:
                 return stale
-        if meta["kv_cache"].get("encrypted") is True and self._key is None:
-            return InvalidArgumentError(f"{meta['context_id']}: the KV data is encrypted; open the bucket with key= "
-                                        "(or set MCF_BUCKET_KEY)")
+        return self._key_refusal(meta)
+
+    def _key_refusal(self, meta: dict) -> EncryptionKeyError | None:
+        """The EncryptionKeyError of a context this object cannot decrypt, known from its metadata (no key
+        here, or another key's id recorded), else None."""
+        if meta["kv_cache"].get("encrypted") is not True:
+            return None
+        if self._key is None:
+            return EncryptionKeyError(f"{meta['context_id']}: the KV data is encrypted; open the bucket with key= "
+                                      "(or set MCF_BUCKET_KEY)")
+        recorded = meta["kv_cache"].get("key_id")
+        if recorded is not None and recorded != key_id(self._key):
+            return EncryptionKeyError(f"{meta['context_id']}: the KV data is encrypted under another key (key id "
+                                      f"{recorded}) than this bucket's ({key_id(self._key)})")
         return None
 
     def is_stale(self, context_id_or_meta: str | dict) -> bool:
@@ -551,6 +581,8 @@ class Bucket:
                 try:
                     kv = os.stat(KV_NAME, dir_fd=d, follow_symlinks=False)
                 except FileNotFoundError:
+                    if self._unlinked(rel, d):  # a delete moved the directory away while it was read
+                        raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
                     raise FormatError("kv_data.mcb is missing", path=self._fs.where(rel)) from None
                 if not stat.S_ISREG(kv.st_mode):
                     raise FormatError(refusal(kv.st_mode), path=self._fs.where(f"{rel}/{KV_NAME}"))
@@ -562,6 +594,11 @@ class Bucket:
         meta = parse_json(raw, p)
         self._validate_meta(meta, p, context_id)
         return meta
+
+    def _unlinked(self, rel: str, dir_fd: int) -> bool:
+        """True when the directory open as ``dir_fd`` is no longer the one at ``rel``."""
+        st, here = self._fs.lstat(rel), os.fstat(dir_fd)
+        return st is None or (st.st_dev, st.st_ino) != (here.st_dev, here.st_ino)
 
     @staticmethod
     def _validate_meta(meta: Any, p: Path, context_id: str) -> None:
@@ -580,6 +617,11 @@ class Bucket:
         except InvalidArgumentError:
             raise FormatError("unknown dtype", path=p, field="kv_cache.dtype", got=dt) from None
         get_field(meta, p, "kv_cache", "size_bytes", types=int)
+        get_field(meta, p, "storage", "checksum", types=str)
+        kid = meta["kv_cache"].get("key_id")
+        if kid is not None and (not isinstance(kid, str) or not KEY_ID_RE.fullmatch(kid)):
+            raise FormatError("not a key id", path=p, field="kv_cache.key_id", expected="32 lowercase hex digits",
+                              got=str(kid)[:40])
         get_field(meta, p, "timestamps", "created_at", types=str)
         get_field(meta, p, "timestamps", "last_accessed", types=str)
         get_field(meta, p, "timestamps", "expires_at", types=(str, type(None)))
@@ -616,7 +658,8 @@ class Bucket:
                ttl: float | None = None, pinned: bool = False, threads: int = 1) -> dict:
         """Store a context: ``layers[i] = (K, V)`` of shape [num_kv_heads, tokens, head_dim], for the text
         ``content`` or its ``token_ids``.  Returns the metadata (with ``"deduplicated": True`` when the
-        same context was already stored; its data is then left as it was)."""
+        same context was already stored; its data is then left as it was, unless it is stale or stored
+        in clear while this bucket encrypts: then the new data takes its place; see :meth:`reusable`)."""
         check_model_id(model_id)
         chash = content_hash(content, token_ids=token_ids)
         ttl = self.default_ttl if ttl is None else check_ttl(ttl, "ttl")
@@ -645,10 +688,9 @@ class Bucket:
                            "model_hash": doc.get("model_hash")}
         cid = context_id_for(model_id, chash, kd, shape)
         rel = ctx_rel(cid)
-        if self._fs.lstat(rel) is not None:
-            with self._lock():
-                if not self._replaceable_locked(cid):
-                    return self._deduplicated_locked(cid)
+        found = self.reusable(cid)
+        if found is not None:
+            return found
 
         ntok = shape.sequence_length
         prefix = None
@@ -656,6 +698,7 @@ class Bucket:
             prefix = {"chunk_tokens": self.prefix_chunk_tokens,
                       "hashes": prefix_hashes(model_id, token_ids, chunk_tokens=self.prefix_chunk_tokens)}
         tmp_rel = f"contexts/.tmp-{uuid.uuid4().hex}"
+        replaced = False
         try:
             self._fs.mkdir(tmp_rel)
             with self._fs.dir(tmp_rel) as td:
@@ -683,6 +726,7 @@ class Bucket:
                         "compression": L.COMPRESSION_NAMES[comp],
                         "chunked": header.chunked,
                         "encrypted": header.encrypted,
+                        "key_id": key_id(self._key) if header.encrypted else None,
                     },
                     "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
                                 "checksum": f"crc32:{header.checksum:08x}"},
@@ -708,9 +752,13 @@ class Bucket:
                     # a stale context of the same content: the new one takes its place (a crash between
                     # the two steps loses only the stale one)
                     self._drop_tree(rel)
+                    replaced = True
                 self._fs.rename(tmp_rel, rel)  # the commit point
                 self._fs.fsync_dir("contexts")
                 self._journal_locked([self._put_record(meta, self._meta_stamp(cid))])
+            if replaced:
+                with self._tier_mutex:  # copies of the replaced context are of other data
+                    self._drop_tiers(cid)
         except OSError as exc:
             self._fs.remove_tree(tmp_rel)
             if isinstance(exc, MCFError):
@@ -722,13 +770,57 @@ class Bucket:
         self._emit("context.ingested", model_id=model_id, context_id=cid)
         return meta
 
+    def reusable(self, context_id: str) -> dict | None:
+        """The metadata of the committed context ``context_id`` when an ingest of that id would return it
+        as it is (with ``"deduplicated": True``), None when an ingest would store it: absent, stale
+        (computed by the model's former weights), or stored in clear while this bucket encrypts (the
+        ingest stores it encrypted in its place).  EncryptionKeyError when it is encrypted under a key this
+        bucket does not hold, or while this bucket has none: neither returned as usable nor overwritten.
+        What an ingest checks before computing anything (a model backend checks it before it runs)."""
+        if self._fs.lstat(ctx_rel(context_id)) is None:
+            return None
+        with self._lock():
+            # looked at again under the lock: a delete may have come in between
+            if self._fs.lstat(ctx_rel(context_id)) is None or self._replaceable_locked(context_id):
+                return None
+            return self._deduplicated_locked(context_id)
+
     def _replaceable_locked(self, context_id: str) -> bool:
-        """True when the committed context of this id is stale (computed by the model's former weights),
-        so a new ingest of the same content replaces it instead of returning it (caller holds the lock)."""
+        """True when a new ingest of the committed context of this id replaces it instead of returning it
+        (caller holds the lock): it is stale, or in clear while this bucket encrypts.  EncryptionKeyError
+        when it is encrypted under a key this bucket does not hold (or it has none): deduplicating would
+        answer with data unusable here, replacing would take it from the holders of its key."""
         try:
-            return self.is_stale(self._read_meta(context_id))
+            meta = self._read_meta(context_id)
         except (ContextNotFoundError, FormatError):
             return False
+        if self.is_stale(meta):
+            return True
+        if meta["kv_cache"].get("encrypted") is not True:
+            return self._key is not None
+        if not self._holds_key(context_id, meta):
+            where = ("this bucket has no key" if self._key is None
+                     else "under another key than this bucket's")
+            raise EncryptionKeyError(
+                f"{context_id} is already stored, encrypted, and {where}: returning it would answer with data "
+                "that cannot be loaded here, and storing it again would take it from whoever holds its key. "
+                "Use that key (key=, MCF_BUCKET_KEY), or delete the context first")
+        return False
+
+    def _holds_key(self, context_id: str, meta: dict) -> bool:
+        """True when this object's key decrypts the encrypted context ``meta``: from the key id its
+        metadata records, or, for a context written before key ids were recorded, by authenticating its
+        first layer's chunks with the key."""
+        if self._key_refusal(meta) is not None:
+            return False
+        if meta["kv_cache"].get("key_id") is not None:
+            return True
+        try:
+            with self.open(context_id) as f:
+                f.load(layers=[0], tokens=1, verify=False)
+        except ChecksumError:  # failed authentication: another key (or a deliberate change)
+            return False
+        return True
 
     def _drop_tree(self, rel: str) -> None:
         """Remove a committed context directory (renamed aside first, so the name is free at once)."""
@@ -806,8 +898,10 @@ class Bucket:
                 except OSError as exc:
                     raise os_error(exc, self._fs.where("contexts")) from exc
             records, skipped = [], []
+            with self._mem:  # a stamp without its summary (a snapshot edited or restored) lists nothing
+                summarized = {cid for m in state["models"].values() for cid in m["contexts"]}
             for cid, stamp in on_disk.items():
-                if stamp is not None and stamps.get(cid) == stamp:
+                if stamp is not None and stamps.get(cid) == stamp and cid in summarized:
                     continue
                 try:
                     meta = self._read_meta(cid)
@@ -861,10 +955,19 @@ class Bucket:
 
     def open(self, context_id: str, *, mmap: bool = True) -> KVFile:
         """The context's KV file, validated against its metadata."""
-        meta = self.lookup(context_id)
         rel = f"{ctx_rel(context_id)}/{KV_NAME}"
         path = self._fs.where(rel)
-        f = open_kv(open_fd(self._fs.open_file(rel), path, mmap=mmap), key=self._key)
+        for attempt in (1, 2):
+            meta = self.lookup(context_id)
+            try:
+                fd = self._fs.open_file(rel)
+                break
+            except FileNotFoundError:
+                # deleted (or replaced) between the two reads: looking again says which (not found, or
+                # the new context), never an I/O error
+                if attempt == 2:
+                    raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
+        f = open_kv(open_fd(fd, path, mmap=mmap), key=self._key)
         s, want = f.shape, meta["kv_cache"]["shape"]
         got = {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
                "sequence_length": s.sequence_length}
@@ -905,8 +1008,7 @@ class Bucket:
         if refusal is not None:
             raise refusal
         self._honour_preference(context_id, meta)
-        hot = self._hot.get(context_id)
-        warm = self._warm.get(context_id)
+        hot, warm = self._tier_copies(context_id, meta)
         if as_torch and hot is not None:
             # copies on the device: the tier's own tensors stay what every later load returns
             res = [(k.clone(), v.clone()) for k, v in select(hot[1], layers, tokens)]
@@ -938,7 +1040,45 @@ class Bucket:
 
     @property
     def warm_used_bytes(self) -> int:
+        """Bytes the warm tier holds: its arrays, and the hot copies on the CPU counted with them."""
         return self._warm.used_bytes
+
+    def _tier_copies(self, context_id: str, meta: dict) -> tuple[Any, Any]:
+        """(hot entry, warm arrays) of ``context_id`` that hold the committed data ``meta`` describes, each
+        None when absent.  Ids come from the content, not the values: a copy read before the context was
+        deleted and stored again (by this process or another) is of other data, told apart by its tag,
+        and dropped here instead of being served."""
+        tag = _data_tag(meta)
+        with self._tier_mutex:
+            if self._warm.tag(context_id) not in (None, tag):
+                self._drop_tiers(context_id)
+            hot = self._hot.get(context_id)
+            if hot is not None and hot[2] != tag:
+                self._drop_hot(context_id)
+                hot = None
+            return hot, self._warm.get(context_id)
+
+    def _drop_hot(self, context_id: str) -> None:
+        """Drop the hot copy (and its charge on the warm budget when it is in host memory)."""
+        entry = self._hot.pop(context_id, None)
+        if entry is not None and _in_host_memory(entry[0]):
+            self._warm.uncharge(context_id)
+
+    def _drop_tiers(self, context_id: str) -> None:
+        self._hot.pop(context_id, None)
+        self._warm.pop(context_id)
+
+    def _evicted(self, ids: list[str]) -> None:
+        """Contexts the warm tier evicted for room: a hot copy in host memory, charged to the warm entry,
+        leaves with it (a device's copy stays: its memory is the device's)."""
+        for old in ids:
+            entry = self._hot.get(old)
+            from_tier = "warm"
+            if entry is not None and _in_host_memory(entry[0]):
+                del self._hot[old]
+                from_tier = "hot"
+            self._emit("context.demoted", context_id=old, from_tier=from_tier, to_tier=self.tier(old),
+                       reason="warm budget")
 
     def promote(self, context_id: str, target_tier: str = "warm", *, device: Any = "cuda", threads: int = 2) -> str:
         """Move a context to a faster tier: ``warm`` loads and decompresses it into RAM (evicting the
@@ -946,28 +1086,43 @@ class Bucket:
         with nothing read, when it is larger than the whole budget); ``hot`` also places it on ``device``
         through torch (InvalidArgumentError when torch or the device is missing;
         :class:`~mcf.bucket.tiers.HotTierFullError`, the context left warm, when the device runs out of
-        memory)."""
+        memory).  A hot copy on ``device="cpu"`` is host memory: it counts against the warm budget
+        with the warm arrays (twice the context's warm size in all), and leaves when they are evicted."""
         with self._tier_mutex:
-            from mcf.bucket.tiers import check_device, hot_copy, warm_nbytes
+            from mcf.bucket.tiers import check_device, hot_copy, nbytes_of, warm_nbytes
 
             if target_tier not in ("warm", "hot"):
                 raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
             meta = self.lookup(context_id)
-            if target_tier == "hot":
-                dev = check_device(device)
-            layers = self._warm.get(context_id)
+            refusal = self._key_refusal(meta)  # before anything is read, as for the budget
+            if refusal is not None:
+                raise refusal
+            dev = check_device(device) if target_tier == "hot" else None
+            on_host = dev is not None and _in_host_memory(dev)
+            size = warm_nbytes(meta)
+            # both budgets are checked against the metadata's size before anything is read
+            self._warm.check_fits(context_id, 2 * size if on_host else size,
+                                  what=" (its warm arrays and their hot copy on the CPU)" if on_host else "")
+            hot, layers = self._tier_copies(context_id, meta)
             if layers is None:
-                # the budget is checked against the metadata's size before anything is read, and room is
-                # made before the arrays are allocated; each byte is then decompressed (or copied) once,
-                # straight into the arrays the tier keeps
-                for old in self._warm.make_room(context_id, warm_nbytes(meta)):
-                    self._emit("context.demoted", context_id=old, from_tier="warm", to_tier="cold",
-                               reason="warm budget")
+                # room is made before the arrays are allocated; each byte is then decompressed (or copied)
+                # once, straight into the arrays the tier keeps
+                self._evicted(self._warm.make_room(context_id, size))
                 with self.open(context_id) as f:
+                    # the tag of the file actually read: if the context was replaced since the lookup,
+                    # this copy matches the new metadata only when it holds the new data
+                    tag = (f"crc32:{f.header.checksum:08x}", meta["timestamps"]["created_at"])
                     layers = f.load_copy(threads=threads)
-                self._warm.put(context_id, layers)
-            if target_tier == "hot":
-                self._hot[context_id] = (dev, hot_copy(context_id, layers, dev))
+                self._warm.put(context_id, layers, tag=tag)
+            if dev is not None:
+                self._drop_hot(context_id)
+                if on_host:
+                    self._evicted(self._warm.charge(context_id, nbytes_of(layers)))
+                try:
+                    self._hot[context_id] = (dev, hot_copy(context_id, layers, dev), self._warm.tag(context_id))
+                except BaseException:
+                    self._warm.uncharge(context_id)
+                    raise
             self._tier_set_at[context_id] = self.clock()
             self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
             return self.tier(context_id)
@@ -979,7 +1134,7 @@ class Bucket:
             if target_tier not in ("warm", "cold"):
                 raise InvalidArgumentError(f"demote to 'warm' or 'cold', not {target_tier!r}")
             before = self.tier(context_id)
-            self._hot.pop(context_id, None)
+            self._drop_hot(context_id)
             if target_tier == "cold":
                 self._warm.pop(context_id)
             self._tier_set_at[context_id] = self.clock()
@@ -1097,20 +1252,27 @@ class Bucket:
 
     def _delete(self, context_id: str, *, event: str) -> None:
         rel = ctx_rel(context_id)
-        self._hot.pop(context_id, None)
-        self._warm.pop(context_id)
-        with self._lock():
-            if self._fs.lstat(rel) is None:
-                raise ContextNotFoundError(f"no context {context_id!r} in {self.root}")
-            try:
-                model_id = self._read_meta(context_id)["model_id"]
-            except (FormatError, ContextNotFoundError, MCFIOError):
-                model_id = None
-            grave = f"contexts/.del-{uuid.uuid4().hex}"
-            self._fs.rename(rel, grave)  # a planted link is moved (and removed) as itself
-            self._fs.fsync_dir("contexts")
-            self._journal_locked([{"op": "del", "context_id": context_id}])
-            self._fs.remove_tree(grave)
+        try:
+            with self._lock():
+                if self._fs.lstat(rel) is None:
+                    raise ContextNotFoundError(f"no context {context_id!r} in {self.root}")
+                try:
+                    model_id = self._read_meta(context_id)["model_id"]
+                except (FormatError, ContextNotFoundError, MCFIOError):
+                    model_id = None
+                grave = f"contexts/.del-{uuid.uuid4().hex}"
+                self._fs.rename(rel, grave)  # a planted link is moved (and removed) as itself
+                self._fs.fsync_dir("contexts")
+                self._journal_locked([{"op": "del", "context_id": context_id}])
+                self._fs.remove_tree(grave)
+        except ContextNotFoundError:
+            with self._tier_mutex:  # deleted by another process: copies of it are of nothing
+                self._drop_tiers(context_id)
+            raise
+        # after the rename, under the tier mutex: a promotion that read the old file holds the mutex until
+        # its copy is in a tier, so this drops that copy too, and one that starts later finds no context
+        with self._tier_mutex:
+            self._drop_tiers(context_id)
         self._emit(event, model_id=model_id, context_id=context_id)
 
     def gc(self) -> list[str]:

@@ -7,8 +7,11 @@ records *before* anything is read, and room is made before the new arrays are al
 promotion never holds more than the budget plus nothing (a context larger than the budget is refused
 unread).  Warm arrays are read-only: a caller's ``k *= 10`` on a loaded array must not change what every
 later load of the context returns.  Hot holds torch tensors on a device (a GPU when one
-exists); it needs torch and says so clearly when torch or the device is missing.  Tiers are per
-process: they are not persisted (the file on disk stays the source of truth).
+exists); it needs torch and says so clearly when torch or the device is missing.  A hot copy on the CPU
+is a second copy in the same RAM the warm budget bounds, so it is charged to its warm entry and leaves
+with it; a GPU's memory is the device's, and is not budgeted here.  Tiers are per process: they are not
+persisted (the file on disk stays the source of truth), and each copy is tagged with the data it was
+read from, so a copy of a context deleted and stored again under the same id is never served.
 
 The policy lives here too: which tier a context asks for (its persistent preference in metadata.json),
 whether this process should act on that preference (the newer of the preference and this process's
@@ -101,14 +104,30 @@ def select(layers: list[tuple[Any, Any]], which: Sequence[int] | int | None, tok
     return [(layers[i][0][:, :ntok], layers[i][1][:, :ntok]) for i in sel]
 
 
+class _Entry:
+    """One warm context: its arrays, their bytes, the bytes of the host copy kept with them (a hot copy
+    on the CPU) and the tag of the committed data they were read from."""
+
+    __slots__ = ("layers", "nbytes", "extra", "tag")
+
+    def __init__(self, layers: list[tuple[np.ndarray, np.ndarray]], nbytes: int, tag: Any) -> None:
+        self.layers, self.nbytes, self.extra, self.tag = layers, nbytes, 0, tag
+
+
 class WarmCache:
-    """context id -> per-layer (K, V) arrays, least recently used first, within ``budget_bytes``."""
+    """context id -> per-layer (K, V) arrays, least recently used first, within ``budget_bytes``.
+
+    An entry may also be charged for a copy of the same data kept elsewhere in host memory (a hot copy
+    on the CPU, :meth:`charge`): those bytes count against the budget like the arrays, and an entry
+    evicted to make room takes its charge with it, so the caller drops that copy too.  Each entry keeps
+    the ``tag`` of the data it was read from (the bucket's (checksum, created_at) of the committed
+    context), so a copy of a context deleted and stored again under the same id is told apart."""
 
     def __init__(self, budget_bytes: int) -> None:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
             raise InvalidArgumentError(f"warm budget must be a non-negative integer, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
-        self._items: OrderedDict[str, tuple[list[tuple[np.ndarray, np.ndarray]], int]] = OrderedDict()
+        self._items: OrderedDict[str, _Entry] = OrderedDict()
         self.used_bytes = 0
 
     def __contains__(self, cid: str) -> bool:
@@ -119,35 +138,67 @@ class WarmCache:
         if item is None:
             return None
         self._items.move_to_end(cid)
-        return item[0]
+        return item.layers
+
+    def tag(self, cid: str) -> Any:
+        """The tag ``cid`` was put with (None when it is not warm)."""
+        item = self._items.get(cid)
+        return None if item is None else item.tag
+
+    def check_fits(self, cid: str, size: int, *, what: str = "") -> None:
+        """WarmBudgetError unless ``size`` bytes fit the whole budget (checked before anything is read)."""
+        if size > self.budget_bytes:
+            raise WarmBudgetError(f"{cid} needs {size} bytes{what}, more than the warm budget of {self.budget_bytes}")
+
+    def _evict_for(self, size: int, keep: str | None = None) -> list[str]:
+        evicted = []
+        while self.used_bytes + size > self.budget_bytes:
+            old = next(k for k in self._items if k != keep)
+            self.pop(old)
+            evicted.append(old)
+        return evicted
 
     def make_room(self, cid: str, size: int) -> list[str]:
         """Drop ``cid`` and evict least recently used contexts until ``size`` more bytes fit; returns the
         ids evicted.  WarmBudgetError (nothing evicted) when ``size`` exceeds the whole budget."""
-        if size > self.budget_bytes:
-            raise WarmBudgetError(f"{cid} needs {size} bytes, more than the warm budget of {self.budget_bytes}")
+        self.check_fits(cid, size)
         self.pop(cid)
-        evicted = []
-        while self.used_bytes + size > self.budget_bytes:
-            old, (_, n) = self._items.popitem(last=False)
-            self.used_bytes -= n
-            evicted.append(old)
-        return evicted
+        return self._evict_for(size)
 
-    def put(self, cid: str, layers: list[tuple[np.ndarray, np.ndarray]]) -> list[str]:
+    def put(self, cid: str, layers: list[tuple[np.ndarray, np.ndarray]], *, tag: Any = None) -> list[str]:
         """Insert (most recently used), read-only; returns the ids evicted to stay within the budget."""
-        evicted = self.make_room(cid, nbytes_of(layers))
+        n = nbytes_of(layers)
+        evicted = self.make_room(cid, n)
         for k, v in layers:
             k.flags.writeable = False
             v.flags.writeable = False
-        self._items[cid] = (layers, nbytes_of(layers))
-        self.used_bytes += nbytes_of(layers)
+        self._items[cid] = _Entry(layers, n, tag)
+        self.used_bytes += n
         return evicted
+
+    def charge(self, cid: str, extra: int) -> list[str]:
+        """Count ``extra`` more bytes against warm context ``cid`` (replacing its former charge), evicting
+        other contexts, least recently used first, until they fit; returns the ids evicted.
+        WarmBudgetError (nothing evicted) when the context and ``extra`` exceed the whole budget."""
+        item = self._items[cid]
+        self.check_fits(cid, item.nbytes + extra, what=" with its copy in host memory")
+        self.uncharge(cid)
+        self._items.move_to_end(cid)
+        evicted = self._evict_for(extra, keep=cid)
+        item.extra = extra
+        self.used_bytes += extra
+        return evicted
+
+    def uncharge(self, cid: str) -> None:
+        item = self._items.get(cid)
+        if item is not None:
+            self.used_bytes -= item.extra
+            item.extra = 0
 
     def pop(self, cid: str) -> bool:
         item = self._items.pop(cid, None)
         if item is not None:
-            self.used_bytes -= item[1]
+            self.used_bytes -= item.nbytes + item.extra
         return item is not None
 
     def ids(self) -> list[str]:

@@ -17,7 +17,7 @@ from mcf.errors import InvalidArgumentError, UnknownNameError
 __all__ = [
     "MAGIC", "MAJOR", "MINOR", "HEADER", "HEADER_SIZE", "DIR_ENTRY", "DIR_ENTRY_SIZE",
     "FLAG_TENSOR_DATA_ALIGNED64", "SectionType", "RESOURCE_FILES", "align", "align64",
-    "QuantLayout", "Region", "quant_layout", "tensor_nbytes", "MAX_RANK", "Domain",
+    "QuantLayout", "Region", "quant_layout", "tensor_nbytes", "MAX_RANK", "Domain", "quant_slice",
 ]
 
 MAGIC = b"MCF\x00"
@@ -188,6 +188,65 @@ def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
     regions.append(Region("data", off, data, "u1", data))
     return QuantLayout(info, rows, cols, bpr, spr, block_bytes, bpr * block_bytes, tuple(regions),
                        off + data)
+
+
+def _col_unit(lay: QuantLayout) -> int:
+    """Columns a payload can be cut at without splitting what one stored value covers: a block (q*),
+    a super-block (k*: its scale covers 8 blocks), a byte (int4: two columns), one column (int8)."""
+    fam = lay.dtype.family
+    if fam == "raw":
+        return 1 if lay.dtype.bits == 8 else 2
+    return BLOCK * (SUPER_BLOCKS if fam == "super" else 1)
+
+
+def quant_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int, *, domain: int = Domain.WEIGHTS):
+    """Rows ``r0:r1`` and columns ``c0:c1`` of a quantized payload as a payload of their own:
+    ``(layout, src, sizes, dst)``, the ranges of the original (``src``, relative to the tensor's data)
+    that make up the smaller payload of ``layout`` (at ``dst``; ``domain`` is the tensor's), or None when ``c0``/``c1`` do not fall
+    where the payload can be cut (a block for q*, a super-block of 256 for k*, an even column for int4;
+    the last column always can).
+
+    Rows are independent in every layout (each region holds its rows one after the other), so a row
+    range is one range per region; a column range is one range per row and region.  The per-tensor
+    scale (and zero point) of int8/int4 is copied whole."""
+    rows, cols = lay.rows, lay.cols
+    unit = _col_unit(lay)
+    if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
+        raise InvalidArgumentError(f"rows {r0}:{r1}, columns {c0}:{c1} outside a {rows} x {cols} payload")
+    if c0 % unit or (c1 % unit and c1 != cols):
+        return None
+    mini = quant_layout(lay.dtype, (r1 - r0, c1 - c0), domain=domain)
+    n = r1 - r0
+    src, sizes, dst = [], [], []
+
+    def per_row(region, new, stride, first, count):
+        """``count`` items from item ``first`` of each row, rows ``stride`` items apart."""
+        if n == 0 or count == 0:
+            return
+        item = region.size // region.count if region.count else 1
+        if first == 0 and count == stride:   # whole rows: one range
+            src.append(region.offset + r0 * stride * item)
+            sizes.append(n * stride * item)
+            dst.append(new.offset)
+            return
+        for k in range(n):
+            src.append(region.offset + ((r0 + k) * stride + first) * item)
+            sizes.append(count * item)
+            dst.append(new.offset + k * count * item)
+
+    for region, new in zip(lay.regions, mini.regions):
+        if region.name in ("scale", "zero"):   # int8/int4: one value per tensor
+            src.append(region.offset)
+            sizes.append(region.size)
+            dst.append(new.offset)
+        elif region.name == "data":            # bytes, rows of row_bytes
+            first = c0 * lay.dtype.bits // 8 if lay.dtype.family == "raw" else c0 // BLOCK * lay.block_bytes
+            per_row(region, new, lay.row_bytes, first, mini.row_bytes)
+        elif region.name == "super_scales":     # one per super-block
+            per_row(region, new, lay.supers_per_row, c0 // (BLOCK * SUPER_BLOCKS), mini.supers_per_row)
+        else:                                   # scales, sub_scales: one per block
+            per_row(region, new, lay.blocks_per_row, c0 // BLOCK, mini.blocks_per_row)
+    return mini, src, sizes, dst
 
 
 def tensor_nbytes(dtype, shape, *, domain: int = Domain.WEIGHTS) -> int:

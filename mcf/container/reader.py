@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core.args import byte_order_problem, integer, row_range
+from mcf._core.args import byte_order_problem, row_range
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DType
-from mcf._core import _fpconv
 from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError, UnsupportedVersionError
 from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
                         MAJOR, MAX_SECTIONS, RESOURCE_BY_FILE, RESOURCE_FILES, SECTION_ALIGN, Domain,
@@ -23,18 +22,15 @@ from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_AL
 from mcf.container.modelinfo import ModelInfo, decode_model_info
 from mcf.container.quantinfo import QuantRecord, decode_quant_info
 from mcf.container.tensor_index import TensorIndex, TensorInfo, cached_layout
+from mcf.loading.arrays import load_arrays
+from mcf.loading.casts import cast_into
+from mcf.loading.dtypes import BF16_NUMPY as _BF16, ELEMENTS, element_of_mcf
+from mcf.loading.plan import plain_piece
 
-__all__ = ["Container", "Header", "Section", "open", "load_file"]
+__all__ = ["Container", "Header", "Section", "open"]
 
 _UNIQUE = {SectionType.MODEL_INFO, SectionType.QUANT_INFO, SectionType.TENSOR_INDEX,
            SectionType.TENSOR_DATA, *RESOURCE_FILES}
-
-try:  # optional: a real bfloat16 numpy dtype
-    import ml_dtypes as _ml_dtypes
-
-    _BF16 = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - depends on the environment
-    _BF16 = None
 
 
 @dataclass(frozen=True)
@@ -325,36 +321,23 @@ class Container:
         dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
         return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
-    def load(self, names=None, *, threads: int = 1) -> dict:
-        """Materialize tensors into fresh, writable arrays (all of them by default): name -> array.
+    def load(self, names=None, *, threads=None, chunk_bytes=None) -> dict:
+        """Read tensors (all of them by default) into fresh, writable arrays: name -> array, each its own
+        memory.  Stored bytes as they are: quantized tensors come back as their raw payload (uint8); for
+        decoded, cast or partial loads see :func:`mcf.load_file` and :func:`mcf.load_state_dict`.
 
-        This is the fast path for loading weights: one page-aligned arena is allocated for all of them
-        and filled by one compiled loop (``pread`` from the page cache, GIL released, optionally
-        on several threads), instead of one allocation and one copy per tensor.  The arrays are views
-        into the arena, which is freed when the last of them is.  Quantized tensors come back as their
-        raw payload bytes (uint8).
+        Every tensor's range goes to the read engine in one call (:meth:`mcf.io.Source.read_into`),
+        straight into its array; ``threads``/``chunk_bytes`` tune the engine (None: chosen for the
+        storage).
         """
-        from mcf._core._io import alloc_buffer
-
-        infos = [self.index[n] for n in (self.index.keys() if names is None else names)]
-        offs, sizes, dsts = [], [], []
-        pos = 0
-        for t in infos:
-            offs.append(t.offset)
-            sizes.append(t.nbytes)
-            dsts.append(pos)
-            pos += (t.nbytes + 63) & ~63
-        arena = alloc_buffer(pos)
-        self._src.read_ranges(offs, sizes, arena, dsts, threads=max(1, integer(threads, "threads")))
-        out = {}
-        for t, d in zip(infos, dsts):
-            raw = arena[d:d + t.nbytes]
+        pieces = []
+        for n in (self.index.keys() if names is None else names):
+            t = self.index[n]
             if t.dtype.quantized:
-                out[t.name] = raw
+                pieces.append(plain_piece(t.name, self._src, t.offset, (t.nbytes,), ELEMENTS["U8"], None))
             else:
-                dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
-                out[t.name] = raw.view(dt).reshape(t.shape)
-        return out
+                pieces.append(plain_piece(t.name, self._src, t.offset, t.shape, element_of_mcf(t.dtype.code), None))
+        return load_arrays(pieces, threads=threads, chunk_bytes=chunk_bytes)
 
     def to_float32(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
         """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array, or into ``out``:
@@ -410,30 +393,11 @@ class Container:
             raise InvalidArgumentError(byte_order_problem(dt, "the output dtype"))
         if dt != np.float32 and not half:
             raise DTypeError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
-        if t.dtype.code == DType.F64 and half:  # one rounding from the exact value, not two via float32
-            conv = _fpconv.f64_to_f16 if dt == np.float16 else _fpconv.f64_to_bf16
-            res = conv(src).view(dt)
-        else:
-            if src.dtype.name == "bfloat16" or t.dtype.code == DType.BF16:
-                f32 = _fpconv.bf16_to_f32(np.ascontiguousarray(src).view(np.uint16))
-            elif t.dtype.code == DType.F16:
-                f32 = _fpconv.f16_to_f32(src)
-            else:
-                with np.errstate(over="ignore"):
-                    f32 = np.asarray(src, dtype=np.float32)
-            if dt == np.float32:
-                res = f32
-            elif dt == np.float16:
-                res = _fpconv.f32_to_f16(f32).view(np.float16)
-            else:
-                res = _fpconv.f32_to_bf16(f32).view(dt)
         if out is None:
-            if res.size and np.shares_memory(res, src):
-                res = res.copy()
-            return res.reshape(src.shape)
-        if out.size != res.size or not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgumentError(f"out must be a writeable C-contiguous array of {res.size} elements")
-        out.reshape(-1)[...] = res.reshape(-1).view(out.dtype)
+            out = np.empty(src.shape, dt)
+        elif out.size != src.size or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(f"out must be a writeable C-contiguous array of {src.size} elements")
+        cast_into(src, element_of_mcf(t.dtype.code).name, out)
         return out
 
     def raw(self, name: str) -> np.ndarray:
@@ -523,13 +487,6 @@ class Container:
 
     def __repr__(self) -> str:
         return f"<mcf.Container {self.path!r} {len(self)} tensors, {len(self.sections)} sections>"
-
-
-def load_file(path_or_file, names=None, *, mmap: bool = True, threads: int = 1) -> dict:
-    """Read tensors of an MCF file into fresh numpy arrays (name -> array), like
-    ``safetensors.numpy.load_file``.  See :meth:`Container.load`."""
-    with open(path_or_file, mmap=mmap) as c:
-        return c.load(names, threads=threads)
 
 
 def open(path_or_file, *, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -11,6 +10,7 @@ __all__ = ["add_ctx_parser"]
 
 
 from mcf._core.console import human as _human  # noqa: E402  (one formatter for every subcommand)
+from mcf._core.console import json_text, printable  # noqa: E402  (strings from a tree, printed safely)
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP  # noqa: E402
 
 
@@ -20,23 +20,23 @@ def cmd_info(args) -> int:
     with mc.open(args.tree, mmap=not args.no_mmap) as tree:
         d = tree.info()
     if args.json:
-        json.dump(d, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print(json_text(d))
         return 0
     w = sys.stdout.write
     g = d["gist_dtype"]
-    g = g if isinstance(g, str) else f"LOD1 {g['LOD1']} + LOD2 {g['LOD2']}"
-    w(f"{d['path']}: MegaContext tree, model {d['model_name']!r}, d={d['embedding_dim']} {g}, "
+    g = printable(g if isinstance(g, str) else f"LOD1 {g['LOD1']} + LOD2 {g['LOD2']}")
+    w(f"{printable(d['path'])}: MegaContext tree, model {d['model_name']!r}, d={d['embedding_dim']} {g}, "
       f"K={d['block_size']}" + (f", vocab {d['vocab_size']}" if d["vocab_size"] else "") + "\n")
     w(f"  {d['num_tokens']} tokens ({d['num_blocks']} full blocks), {d['num_gists']['LOD1']} LOD1 gists, "
       f"{d['num_gists']['LOD2']} LOD2 gists; ingestion {'complete' if d['ingestion_complete'] else 'open'}\n")
-    w(f"  created {d['created_at']}, modified {d['last_modified']}, gistnet checkpoint "
+    w(f"  created {printable(d['created_at'])}, modified {printable(d['last_modified'])}, gistnet checkpoint "
       f"{d['gistnet_checkpoint']!r}\n\n")
     w(f"  {'file':<9} {'layout':<10} {'magic':<9} {'dtype':<6} {'entries':>12} {'entry':>7} {'size':>14} "
       f"{'uncommitted':>11}\n")
     for key, f in d["files"].items():
-        w(f"  {key + '.ctx':<9} {f['layout']:<10} {f['magic_order']:<9} {f['dtype']:<6} {f['num_entries']:>12} "
-          f"{f['entry_bytes']:>7} {f['file_size_bytes']:>14,} {f['uncommitted_bytes']:>11}\n")
+        w(f"  {key + '.ctx':<9} {printable(f['layout']):<10} {printable(f['magic_order']):<9} "
+          f"{printable(f['dtype']):<6} {f['num_entries']:>12} {f['entry_bytes']:>7} {f['file_size_bytes']:>14,} "
+          f"{f['uncommitted_bytes']:>11}\n")
     total = sum(f["file_size_bytes"] for f in d["files"].values())
     w(f"  total {_human(total)}\n")
     for key, ranges in d["checkpoints"].items():
@@ -44,7 +44,7 @@ def cmd_info(args) -> int:
             w(f"  {key} gists [{r['start']}, {r['stop']}): {r['gistnet_checkpoint']!r}"
               f"{' (rewrite pending)' if r['pending'] else ''}\n")
     for n in d["notes"]:
-        w(f"  {n}\n")
+        w(f"  {printable(n)}\n")
     return 0
 
 
@@ -61,10 +61,10 @@ def cmd_verify(args) -> int:
     problems = mc.verify(args.tree, deep=args.deep, mmap=not args.no_mmap)
     errors = [p for p in problems if p.severity == "error"]
     for p in problems:
-        print(f"{'FAIL' if p.severity == 'error' else p.severity.upper()} {p.error}")
+        print(f"{'FAIL' if p.severity == 'error' else p.severity.upper()} {printable(p.error)}")
     if errors:
         return 1
-    print(f"OK {args.tree}" + (f" ({len(problems)} warnings/notes)" if problems else ""))
+    print(f"OK {printable(args.tree)}" + (f" ({len(problems)} warnings/notes)" if problems else ""))
     return 0
 
 
@@ -130,7 +130,7 @@ def cmd_ingest(args) -> int:
                              gist_dtype=args.dtype, vocab_size=None if table is None else table.shape[0])
         with tree:
             for n in tree.notes:
-                print(f"  {n}")
+                print(f"  {printable(n)}")
             t0 = time.perf_counter()
             start = tree.num_tokens
             total = os.path.getsize(args.input) if args.input != "-" else 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -11,6 +10,7 @@ import numpy as np
 
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP
 from mcf._core.console import human as _human
+from mcf._core.console import json_text, printable
 
 __all__ = ["add_megatron_parser"]
 
@@ -48,11 +48,10 @@ def cmd_info(args) -> int:
     with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
         d = info_dict(ds)
         if args.json:
-            json.dump(d, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print(json_text(d))
             return 0
         w = sys.stdout.write
-        w(f"{d['prefix']}: Megatron indexed dataset ({d['variant']} index, version {d['version']})\n")
+        w(f"{printable(d['prefix'])}: Megatron indexed dataset ({d['variant']} index, version {d['version']})\n")
         w(f"  dtype        {d['dtype']} (code {d['dtype_code']})\n")
         w(f"  sequences    {d['sequences']:,}\n")
         w(f"  documents    {d['documents']:,}\n")
@@ -84,10 +83,10 @@ def cmd_verify(args) -> int:
     problems = verify(args.prefix, mmap=not args.no_mmap)
     if problems:
         for p in problems:
-            print(f"FAIL {p}")
+            print(f"FAIL {printable(p)}")
         return 1
     with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
-        print(f"OK {ds.path_prefix}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
+        print(f"OK {printable(ds.path_prefix)}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
               f"{ds.num_tokens:,} tokens ({ds.dtype}, {ds.variant})")
     return 0
 

@@ -3,11 +3,18 @@
 Layout: ``u64 header_len | JSON header (header_len bytes) | data``.  The header maps tensor names to
 ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data start, plus an optional
 ``__metadata__`` of strings.  Checks follow the safetensors library's own: header size cap, integer
-fields, offsets inside the data, ``end - begin == numel * itemsize``, no overlaps.
+fields, offsets inside the data, ``end - begin`` equal to the bits of the dtype and shape in whole
+bytes, no overlaps.  Every dtype safetensors defines is read (:mod:`mcf.loading.dtypes`); those MCF
+cannot store (BOOL, F8, F4, F6, C64) are refused by the converters, not here.
+
+A sharded checkpoint (``model.safetensors.index.json``) is checked against its shards before anything
+is read: every tensor the index lists must be in the shard it names, every shard tensor must be
+listed, no tensor may be in two shards, and a shard the index names must exist.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -15,35 +22,46 @@ import struct
 from dataclasses import dataclass
 
 from mcf._core._io import Source, open_source
-from mcf._core.dtypes import DType, DTypeInfo, dtype_info
-from mcf.errors import FormatError, MissingFileError, TruncatedError
+from mcf._core.dtypes import DTypeInfo, dtype_info
+from mcf.errors import FormatError, MissingFileError, TruncatedError, os_error
+from mcf.loading.dtypes import ELEMENTS, Element, element
 
-__all__ = ["SafetensorsFile", "SafetensorsTensor", "open_checkpoint", "ST_DTYPES"]
+__all__ = ["SafetensorsFile", "SafetensorsTensor", "Checkpoint", "open_checkpoint", "ST_DTYPES", "INDEX_NAME"]
 
 MAX_HEADER = 100 * 1024 * 1024
+INDEX_NAME = "model.safetensors.index.json"
 
-ST_DTYPES = {
-    "F32": DType.F32, "F16": DType.F16, "BF16": DType.BF16, "F64": DType.F64,
-    "I8": DType.I8, "U8": DType.U8, "I16": DType.I16, "U16": DType.U16,
-    "I32": DType.I32, "U32": DType.U32, "I64": DType.I64, "U64": DType.U64,
-}
+#: safetensors dtype name -> the MCF dtype of the same bits, for those MCF can store (what ``mcf pack``
+#: and ``mcf export`` map between).
+ST_DTYPES = {e.name: e.mcf for e in ELEMENTS.values() if e.mcf is not None}
 
 
 @dataclass(frozen=True)
 class SafetensorsTensor:
+    """One tensor of a safetensors file: ``element`` is its safetensors dtype, ``dtype`` the MCF dtype of
+    the same bits (None when MCF has none: BOOL, F8, F4, F6, C64)."""
+
     name: str
-    dtype: DTypeInfo
+    dtype: DTypeInfo | None
     shape: tuple
     offset: int     # absolute offset in the file
     nbytes: int
     file: "SafetensorsFile"
+    element: Element
 
     def array(self):
-        """Zero-copy (when mapped) numpy view of the tensor's storage dtype."""
-        return self.file.source.array(self.offset, self.dtype.numpy, self.shape)
+        """Zero-copy (when mapped) numpy view of the tensor (bfloat16 and float8 as ml_dtypes types when
+        installed, else their raw bits; see :mod:`mcf.loading.dtypes`)."""
+        from mcf.loading.dtypes import numpy_dtype
+
+        dt = numpy_dtype(self.element, f"{self.file.source.name}: tensor {self.name!r}")
+        return self.file.source.array(self.offset, dt, self.shape)
 
 
 class SafetensorsFile:
+    """One ``.safetensors`` file (a path, URL, buffer, file-like or :class:`mcf.io.Source`), its header
+    validated when opened: ``tensors`` (name -> :class:`SafetensorsTensor`) and ``metadata``."""
+
     def __init__(self, path_or_source, *, mmap: bool = True):
         self.source: Source = open_source(path_or_source, mmap=mmap)
         try:
@@ -71,37 +89,38 @@ class SafetensorsFile:
         data_start = 8 + hlen
         data_size = src.size - data_start
         meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise FormatError("__metadata__ must be an object of strings (as safetensors requires)", path=path,
+                              field="header['__metadata__']", offset=8, got=type(meta).__name__)
         tensors = {}
         spans = []
         for name, ent in header.items():
-            field = f"header[{name!r}]"
-            if not isinstance(ent, dict):
-                raise FormatError("tensor entry is not an object", path=path, field=field, offset=8)
-            dt = ent.get("dtype")
-            if not isinstance(dt, str) or dt not in ST_DTYPES:
-                raise FormatError("unsupported dtype", path=path, field=field + ".dtype", offset=8,
-                                  expected="one of " + ",".join(ST_DTYPES), got=dt)
-            shape = ent.get("shape")
-            offs = ent.get("data_offsets")
-            if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
-                                                       and d >= 0 for d in shape)):
-                raise FormatError("shape must be a list of non-negative integers", path=path,
-                                  field=field + ".shape", offset=8, got=shape)
-            if (not isinstance(offs, list) or len(offs) != 2
-                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
-                raise FormatError("data_offsets must be [begin, end]", path=path,
-                                  field=field + ".data_offsets", offset=8, got=offs)
+            dt = ent.get("dtype") if type(ent) is dict else None
+            el = ELEMENTS.get(dt) if type(dt) is str else None
+            shape = ent.get("shape") if type(ent) is dict else None
+            offs = ent.get("data_offsets") if type(ent) is dict else None
+            # the common case checked with exact types (JSON gives int, never bool, for a number without a
+            # fraction); anything else takes the slow path below, which says what is wrong
+            if (el is None or type(shape) is not list or type(offs) is not list or len(offs) != 2
+                    or not all(type(d) is int and d >= 0 for d in shape) or type(offs[0]) is not int
+                    or type(offs[1]) is not int):
+                _refuse_entry(path, name, ent)
             b, e = offs
             if not 0 <= b <= e <= data_size:
                 raise TruncatedError("tensor data outside the file", path=path,
-                                     field=field + ".data_offsets", offset=8,
+                                     field=f"header[{name!r}].data_offsets", offset=8,
                                      expected=f"0 <= begin <= end <= {data_size}", got=offs)
-            info = dtype_info(ST_DTYPES[dt])
-            want = math.prod(shape) * info.itemsize
+            bits = math.prod(shape) * el.bits
+            if bits % 8:
+                raise FormatError(f"{el.name} values of this shape do not fill whole bytes", path=path,
+                                  field=f"header[{name!r}].shape", offset=8, expected="a multiple of 8 bits",
+                                  got=f"{bits} bits")
+            want = bits // 8
             if e - b != want:
                 raise FormatError("data size does not match dtype and shape", path=path,
-                                  field=field + ".data_offsets", offset=8, expected=want, got=e - b)
-            tensors[name] = SafetensorsTensor(name, info, tuple(shape), data_start + b, e - b, self)
+                                  field=f"header[{name!r}].data_offsets", offset=8, expected=want, got=e - b)
+            info = dtype_info(el.mcf) if el.mcf is not None else None
+            tensors[name] = SafetensorsTensor(name, info, tuple(shape), data_start + b, e - b, self, el)
             if e > b:
                 spans.append((b, e, name))
         spans.sort()
@@ -110,6 +129,11 @@ class SafetensorsFile:
                 raise FormatError(f"tensors {n1!r} and {n2!r} overlap", path=path,
                                   field=f"header[{n2!r}].data_offsets", offset=8)
         return tensors, meta
+
+    def storage_order(self) -> list:
+        """Tensor names in the order of their data in the file (what safetensors' ``load_file`` returns;
+        empty tensors at one offset, which safetensors orders at random, by name)."""
+        return [t.name for t in sorted(self.tensors.values(), key=lambda t: (t.offset, t.nbytes, t.name))]
 
     def close(self):
         self.source.close()
@@ -121,23 +145,69 @@ class SafetensorsFile:
         self.close()
 
 
-class Checkpoint:
-    """All tensors of a checkpoint directory: one ``model.safetensors`` or shards listed in
-    ``model.safetensors.index.json``."""
+def _refuse_entry(path, name, ent):
+    """The error for a tensor entry of a header that is not ``{"dtype", "shape", "data_offsets"}`` of the
+    right types."""
+    field = f"header[{name!r}]"
+    if not isinstance(ent, dict):
+        raise FormatError("tensor entry is not an object", path=path, field=field, offset=8)
+    dt, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
+    if element(dt) is None:
+        raise FormatError("unsupported dtype", path=path, field=field + ".dtype", offset=8,
+                          expected="one of " + ",".join(ELEMENTS), got=dt)
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in shape)):
+        raise FormatError("shape must be a list of non-negative integers", path=path, field=field + ".shape",
+                          offset=8, got=shape)
+    raise FormatError("data_offsets must be [begin, end]", path=path, field=field + ".data_offsets", offset=8,
+                      got=offs)
 
-    def __init__(self, files: list, *, mmap: bool = True):
-        self.files = [SafetensorsFile(f, mmap=mmap) for f in files]
-        self.tensors = {}
-        for f in self.files:
+
+class Checkpoint:
+    """All tensors of a checkpoint: one ``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json`` (``index`` and its ``weight_map``, checked against the shards
+    here), or every ``*.safetensors`` of a directory.  ``files`` may be paths, URLs or sources."""
+
+    def __init__(self, files: list, *, mmap: bool = True, index: str | None = None,
+                 weight_map: dict | None = None):
+        self.files = []
+        self.index = index
+        try:
+            for f in files:
+                self.files.append(_open_shard(f, mmap, index, weight_map))
+            self.tensors = {}
+            for f in self.files:
+                for name, t in f.tensors.items():
+                    if name in self.tensors:
+                        raise FormatError(f"tensor {name!r} appears in two shards "
+                                          f"({self.tensors[name].file.source.name} and {f.source.name})",
+                                          path=f.source.name, field=f"header[{name!r}]", offset=8)
+                    self.tensors[name] = t
+            if weight_map is not None:
+                _check_index(self, weight_map, index)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def of_files(cls, files: list) -> "Checkpoint":
+        """A checkpoint of already open :class:`SafetensorsFile` objects (closing it closes them)."""
+        ck = cls([])
+        ck.files = list(files)
+        for f in ck.files:
             for name, t in f.tensors.items():
-                if name in self.tensors:
-                    self.close()
+                if name in ck.tensors:
                     raise FormatError(f"tensor {name!r} appears in two shards", path=f.source.name,
                                       field=f"header[{name!r}]", offset=8)
-                self.tensors[name] = t
+                ck.tensors[name] = t
+        return ck
 
     def sorted_names(self):
         return sorted(self.tensors, key=lambda n: n.encode("utf-8"))
+
+    def storage_order(self) -> list:
+        """Tensor names shard by shard (in the order of ``files``), each shard's in the order of its data."""
+        return [n for f in self.files for n in f.storage_order()]
 
     def close(self):
         for f in self.files:
@@ -150,72 +220,117 @@ class Checkpoint:
         self.close()
 
 
-def _shard_names(wm, idx):
-    shards = []
-    for v in wm.values():
-        if not isinstance(v, str) or os.path.basename(v) != v or v in ("", ".", ".."):
-            raise FormatError("shard names must be plain file names", path=idx, field="weight_map", got=v)
-        if v not in shards:
-            shards.append(v)
-    return sorted(shards)
+def _open_shard(f, mmap, index, weight_map) -> SafetensorsFile:
+    """A shard, with a missing one named by the index that lists it and a tensor it should hold."""
+    try:
+        return SafetensorsFile(f, mmap=mmap)
+    except MissingFileError as exc:
+        if index is None or isinstance(f, Source):
+            raise
+        shard = os.path.basename(os.fsdecode(f).rstrip("/"))
+        held = [n for n, s in (weight_map or {}).items() if s == shard]
+        what = f" (it holds {held[0]!r}" + (f" and {len(held) - 1} more)" if len(held) > 1 else ")") if held else ""
+        raise MissingFileError(exc.errno or errno.ENOENT, f"shard listed in {index}{what} is missing",
+                               exc.filename) from None
 
 
-def _open_remote_checkpoint(url: str, mmap: bool) -> Checkpoint:
-    """A URL naming a ``.safetensors`` file, or a "directory" URL under which ``model.safetensors`` or
-    ``model.safetensors.index.json`` (and its shards) can be fetched (no listing needed)."""
+def parse_index(raw: bytes, idx: str) -> dict:
+    """``weight_map`` of a shard index: an object of tensor name -> plain file name in the index's
+    directory (no path separators, no ``..``), not empty."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"shard index is not valid JSON: {exc}", path=idx) from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise FormatError("shard index needs a non-empty weight_map object", path=idx, field="weight_map",
+                          expected="{tensor name: shard file name}", got=type(wm).__name__)
+    for name, shard in wm.items():
+        if (not isinstance(shard, str) or shard in ("", ".", "..") or os.path.basename(shard) != shard
+                or "/" in shard or "\\" in shard):
+            raise FormatError("shard names must be plain file names in the index's directory", path=idx,
+                              field=f"weight_map[{name!r}]", got=repr(shard))
+    return wm
+
+
+def _check_index(ckpt: Checkpoint, wm: dict, idx: str) -> None:
+    for name, shard in wm.items():
+        t = ckpt.tensors.get(name)
+        if t is None or os.path.basename(t.file.source.name) != shard:
+            raise FormatError(f"the index puts tensor {name!r} in {shard}, which does not hold it",
+                              path=idx, field=f"weight_map[{name!r}]")
+    for name, t in ckpt.tensors.items():
+        if name not in wm:
+            raise FormatError(f"tensor {name!r} of {os.path.basename(t.file.source.name)} is not in the "
+                              "index", path=idx, field="weight_map")
+
+
+def _shards(wm: dict) -> list:
+    return sorted(set(wm.values()))
+
+
+def _open_index(idx: str, mmap) -> Checkpoint:
+    """The checkpoint a local ``model.safetensors.index.json`` describes."""
+    try:
+        with open(idx, "rb") as f:
+            raw = f.read(MAX_HEADER + 1)
+    except OSError as exc:
+        raise os_error(exc, idx) from None
+    if len(raw) > MAX_HEADER:
+        raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes")
+    wm = parse_index(raw, idx)
+    base = os.path.dirname(idx)
+    return Checkpoint([os.path.join(base, s) for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
+
+
+def _open_remote_checkpoint(url: str, mmap) -> Checkpoint:
+    """A URL naming a ``.safetensors`` file or an index, or a "directory" URL under which
+    ``model.safetensors.index.json`` (and its shards) or ``model.safetensors`` can be fetched (no
+    listing needed)."""
     from mcf.remote import RemoteFile
 
     if url.endswith(".safetensors"):
         return Checkpoint([url], mmap=mmap)
-    base = url.rstrip("/")
-    idx = base + "/model.safetensors.index.json"
+    if url.endswith(".json"):
+        idx, base = url, url.rsplit("/", 1)[0]
+    else:
+        base = url.rstrip("/")
+        idx = base + "/" + INDEX_NAME
     try:
         with RemoteFile(idx) as f:
             if f.size > MAX_HEADER:
                 raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes", got=f.size)
             raw = f.read()
     except FileNotFoundError:
+        if url.endswith(".json"):
+            raise
         return Checkpoint([base + "/model.safetensors"], mmap=mmap)
-    try:
-        wm = json.loads(raw).get("weight_map", {})
-    except (ValueError, AttributeError) as exc:
-        raise FormatError(f"bad shard index: {exc}", path=idx, field="weight_map") from None
-    if not isinstance(wm, dict):
-        raise FormatError("weight_map must be an object", path=idx, field="weight_map")
-    return Checkpoint([base + "/" + s for s in _shard_names(wm, idx)], mmap=mmap)
+    wm = parse_index(raw, idx)
+    return Checkpoint([base + "/" + s for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
 
 
 def open_checkpoint(path, *, mmap: bool = True) -> Checkpoint:
-    """Open a safetensors file, or a directory holding one or an index of shards (a URL of either too:
-    see :mod:`mcf.remote`)."""
+    """Open a safetensors file, a ``model.safetensors.index.json`` and its shards, or a directory
+    holding ``model.safetensors``, an index, or else ``*.safetensors`` files (a URL of any of these too:
+    see :mod:`mcf.remote`).  Sharded checkpoints are checked against their index."""
     from mcf.remote import is_url
 
     if is_url(path):
         return _open_remote_checkpoint(os.fsdecode(path), mmap)
-    path = os.fspath(path)
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return Checkpoint([path], mmap=mmap)   # a buffer, file-like object or Source
+    path = os.fsdecode(os.fspath(path))
     if os.path.isdir(path):
-        idx = os.path.join(path, "model.safetensors.index.json")
+        idx = os.path.join(path, INDEX_NAME)
         single = os.path.join(path, "model.safetensors")
         if os.path.exists(single):
             return Checkpoint([single], mmap=mmap)
         if os.path.exists(idx):
-            with open(idx, "rb") as f:
-                try:
-                    wm = json.load(f).get("weight_map", {})
-                except (ValueError, AttributeError) as exc:
-                    raise FormatError(f"bad shard index: {exc}", path=idx, field="weight_map") from None
-            shards = []
-            for v in wm.values():
-                if not isinstance(v, str) or os.path.basename(v) != v:
-                    raise FormatError("shard names must be plain file names", path=idx,
-                                      field="weight_map", got=v)
-                if v not in shards:
-                    shards.append(v)
-            return Checkpoint([os.path.join(path, s) for s in sorted(shards)], mmap=mmap)
+            return _open_index(idx, mmap)
         cands = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not cands:
-            import errno
-
             raise MissingFileError(errno.ENOENT, "no model.safetensors, shard index or *.safetensors", path)
         return Checkpoint([os.path.join(path, c) for c in cands], mmap=mmap)
+    if path.endswith(".json") and os.path.isfile(path):
+        return _open_index(path, mmap)
     return Checkpoint([path], mmap=mmap)
