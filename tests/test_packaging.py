@@ -72,6 +72,15 @@ def _require_calls():
                     yield os.path.relpath(path, ROOT), module, package, extra
 
 
+def test_every_package_of_the_source_tree_goes_into_the_wheel():
+    """pyproject.toml lists the packages explicitly: a new one left out of the list is missing from every
+    wheel, and `import mcf` fails there while it works from a checkout (mcf.loading, found by
+    docs/extending.md's check building a wheel in a fresh venv)."""
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    found = {os.path.relpath(dp, ROOT).replace(os.sep, ".") for dp, _, fs in os.walk(PKG) if "__init__.py" in fs}
+    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; not packages: {sorted(listed - found)}"
+
+
 def test_every_optional_import_names_an_extra_that_installs_it():
     extras = _pyproject()["project"]["optional-dependencies"]
     calls = list(_require_calls())
