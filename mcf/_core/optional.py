@@ -33,7 +33,7 @@ EXTRAS = {
     "tokenize": (("tokenizers", "tokenizers"), ("zstandard", "zstandard")),
     "bucket": _BUCKET,
     "server": _BUCKET + (("starlette", "starlette"), ("uvicorn", "uvicorn")),
-    "remote": (("fsspec", "fsspec"), ("aiohttp", "aiohttp")),
+    "remote": (("obstore", "obstore"), ("fsspec", "fsspec"), ("aiohttp", "aiohttp")),
     "torch": (("torch", "torch"),),
     "transformers": (("transformers", "transformers"), ("torch", "torch")),
     "ray": (("ray", "ray[data]"), ("pyarrow", "ray[data]"), ("tokenizers", "tokenizers")),

@@ -705,7 +705,8 @@ class Bucket:
                 fd = self._fs.open_file_at(td, KV_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                            rel=f"{tmp_rel}/{KV_NAME}")
                 with os.fdopen(fd, "wb") as f:
-                    header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key)
+                    header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key,
+                                      scratch=self.scratch_file)  # conversions in a file, not in RAM
                     f.flush()
                     os.fsync(f.fileno())
                 now = self.clock()
