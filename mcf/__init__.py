@@ -30,16 +30,18 @@ from mcf.container.quant import dequantize, quantize
 from mcf.state_dict import load_file, load_state_dict
 from mcf.loading import Rows, Shard
 
-__version__ = "0.1.0"
+from mcf._core.about import VERSION as __version__  # noqa: E402 - written once, read by pyproject.toml too
 
 
 def get_include():
-    """The directory to add to ``include_dirs`` (and Cython's include path) to build a compiled extension
-    against mcf: it holds the ``mcf`` package, so ``cimport mcf._core._io`` and ``cimport mcf._core._fpconv`` find the
-    shipped ``.pxd`` files (they need no C header).  See docs/extending.md."""
+    """The directory to add to Cython's include path to build a compiled extension against mcf:
+    ``cimport mcf._core._io`` and ``cimport mcf._core._fpconv`` find their ``.pxd`` files under it.  It
+    holds only those (``mcf/_include``), not the directory above the package, which in a normal install
+    is all of site-packages.  The ``.pxd`` files need no C header: the C compiler needs nothing from mcf.
+    See docs/extending.md."""
     import os
 
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_include")
 
 
 __all__ = [

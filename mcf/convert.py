@@ -11,37 +11,49 @@ from __future__ import annotations
 import os
 
 from mcf._core.args import file_path
-from mcf.errors import InvalidArgumentError
+from mcf.errors import FormatError, InvalidArgumentError
+from mcf.pack import files_left_out  # re-exported: mcf convert and mcf pack leave out the same files
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
 
 DTYPES = ("keep", "f32", "f16", "bf16")
 
 
-def _is_gguf(path: str) -> bool:
-    if path.lower().endswith(".gguf"):
-        return True
-    if os.path.isfile(path):
-        try:
-            with open(path, "rb") as f:
-                return f.read(4) == b"GGUF"
-        except OSError:
-            return False
-    return False
+# What a file mcf convert cannot read is good for, by its kind (mcf.sniff): the command the user seems to want.
+_ELSEWHERE = {
+    "mcf": "it is MCF already: to quantize it, mcf quantize {path} OUT.mcf --method k4 (in Python: "
+           "mcf.quant_policy.quantize_file); to get safetensors back, mcf export {path} -o DIR",
+    "json": "pass the checkpoint directory that holds it and the weights (model.safetensors)",
+    "megatron-index": "a dataset, not a model: mcf megatron info / mcf megatron verify read it",
+    "megacontext-level": "part of a tree, not a model: mcf ctx info TREE_DIR reads the tree",
+    "bucket-kv": "a stored KV cache, not a model: mcf bucket verify --root BUCKET CONTEXT_ID checks it",
+    "zip": "mcf converts safetensors and GGUF: save the weights as safetensors first "
+           "(safetensors.torch.save_file(torch.load(...), 'model.safetensors'))",
+    "pickle": "mcf converts safetensors and GGUF: save the weights as safetensors first "
+              "(safetensors.torch.save_file(torch.load(...), 'model.safetensors'))",
+    "npy": "one array: write it with mcf.Writer(...).add_tensor(name, numpy.load(...))",
+    "gzip": "decompress it first",
+    "zstd": "decompress it first",
+    "text": "pass a checkpoint directory, a .safetensors or a .gguf file",
+}
+INPUTS = "a checkpoint directory, a .safetensors or a .gguf file"
 
 
-def files_left_out(src) -> list:
-    """Entries of checkpoint directory ``src`` that :func:`convert` does not store: anything that is
-    neither a weight file nor one of the resource files MCF has a section for (a BERT ``vocab.txt``,
-    ``special_tokens_map.json``, sentence-transformers' module folders...).  Empty for a file."""
-    from mcf.container.layout import RESOURCE_FILES
+def _input_kind(path: str) -> str:
+    """``"gguf"`` or ``"safetensors"`` (also for a checkpoint directory), by the file's first bytes
+    whatever its name says; a file of another known kind is refused here, with what it is and which
+    command reads it.  Unrecognized bytes go to the reader the name suggests, which says what is wrong."""
+    from mcf.sniff import sniff  # here: it imports every format, which `import mcf` need not
 
-    path = file_path(src, "src")
-    if not os.path.isdir(path):
-        return []
-    kept = set(RESOURCE_FILES.values()) | {"chat_template.jinja", "model.safetensors.index.json"}
-    return sorted(n for n in os.listdir(path)
-                  if n not in kept and not n.endswith(".safetensors") and not n.startswith("."))
+    if not os.path.isfile(path):
+        return "safetensors"  # a directory, or missing: the checkpoint reader names the problem
+    kind = sniff(path)
+    if kind is None:
+        return "gguf" if path.lower().endswith(".gguf") else "safetensors"
+    if kind.name in ("gguf", "safetensors"):
+        return kind.name
+    raise FormatError(f"{kind.what}, not a checkpoint mcf convert reads; "
+                      + _ELSEWHERE[kind.name].format(path=path), path=path, expected=INPUTS)
 
 
 def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, fast: bool = False,
@@ -80,7 +92,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
         raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     check_imatrix_mode(imatrix, compat, fast)
     imatrix = None if imatrix is None else as_importance(imatrix)  # a bad file fails before the output exists
-    if _is_gguf(path):
+    if _input_kind(path) == "gguf":
         from mcf.gguf.convert import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,

@@ -216,21 +216,24 @@ class MissingDependencyError(MCFError, ImportError):
 
     Raised where the feature is used, not when mcf is imported.  ``package`` is what to ``pip install``,
     ``extra`` the mcf extra that installs it (``None`` when none does) and ``feature`` what needed it;
-    the message says all three, with the command to run.  Also an ``ImportError`` (its ``name`` is the
-    package), so ``except ImportError`` keeps working.
+    the message says all three, with the command to run.  ``missing`` lists every package of the extra
+    that is not installed, ``package`` first: the user installs them in one go instead of meeting them
+    one failure at a time.  Also an ``ImportError`` (its ``name`` is the package), so
+    ``except ImportError`` keeps working.
     """
 
     def __init__(self, message: str, *, package: str | None = None, extra: str | None = None,
-                 feature: str | None = None) -> None:
+                 feature: str | None = None, missing=()) -> None:
         super().__init__(message, name=package)
         self.package = package
         self.extra = extra
         self.feature = feature
+        self.missing = tuple(missing) or ((package,) if package else ())
 
     def __reduce__(self):  # ImportError pickles its keyword arguments away
         return (_rebuild_missing_dependency, (type(self), str(self.args[0]) if self.args else "", self.package,
-                                              self.extra, self.feature))
+                                              self.extra, self.feature, self.missing))
 
 
-def _rebuild_missing_dependency(cls, message, package, extra, feature):
-    return cls(message, package=package, extra=extra, feature=feature)
+def _rebuild_missing_dependency(cls, message, package, extra, feature, missing=()):
+    return cls(message, package=package, extra=extra, feature=feature, missing=missing)

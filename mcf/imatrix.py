@@ -397,30 +397,25 @@ def _model_parts(model):
     """(weights mapping, config dict, tokenizers.Tokenizer) of an MCF file or a checkpoint directory."""
     import json
 
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise InvalidArgumentError("collecting an importance matrix needs the tokenizers package") from None
+    from mcf.tokenizer import load_tokenizer
+
     path = os.fspath(model)
     if os.path.isdir(path):
         from mcf.safetensors.reader import open_checkpoint
 
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
-        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        tok = load_tokenizer(path)
         ckpt = open_checkpoint(path)
         weights = {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
     else:
         with open_container(path) as c:
             cfg = c.resource_json("config.json")
-            tjson = c.resource_text("tokenizer.json")
-            if cfg is None or tjson is None:
-                raise InvalidArgumentError(f"{path}: the file holds no config.json / tokenizer.json resource; "
-                                           "pack it with its resources (mcf pack)")
+            if cfg is None:
+                raise InvalidArgumentError(f"{path}: the file holds no config.json resource; pack it with its "
+                                           "resources (mcf pack)")
+            tok = load_tokenizer(c)
             weights = {n: np.array(c.tensor(n)) for n in c}  # copies: the file is closed afterwards
-        tok = Tokenizer.from_str(tjson)
-    tok.no_truncation()
-    tok.no_padding()
     return weights, cfg, tok
 
 

@@ -27,7 +27,13 @@ from mcf.container.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_n
 from mcf.container.modelinfo import ModelInfo
 from mcf.container.writer import Writer, cast_chunk
 
-__all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir"]
+__all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir",
+           "files_left_out", "STORED_FILES"]
+
+#: the files of a checkpoint directory an MCF file keeps besides the weights: the resource sections
+#: (written back under these names by mcf export), and what goes into them (the chat template, the
+#: shard index)
+STORED_FILES = tuple(RESOURCE_FILES.values()) + ("chat_template.jinja", "model.safetensors.index.json")
 
 CASTS = ("keep", "f16", "bf16")
 _STREAM_BYTES = 1 << 20  # bytes of a plain tensor read, converted and written per step
@@ -65,6 +71,19 @@ def tokenizer_config_with_template(model_dir: str) -> bytes | None:
     if not cfg:
         return cfg_bytes
     return go_marshal(cfg)
+
+
+def files_left_out(src) -> list:
+    """Entries of checkpoint directory ``src`` that :func:`pack` and :func:`mcf.convert.convert` do not
+    store: anything that is neither a weight file nor one of :data:`STORED_FILES` (a BERT ``vocab.txt``,
+    ``special_tokens_map.json``, sentence-transformers' ``modules.json`` and module folders...).  MCF has
+    no section for them, so the commands name them and say to keep them beside the MCF file.  Empty for
+    a file."""
+    path = file_path(src, "src")
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path)
+                  if n not in STORED_FILES and not n.endswith(".safetensors") and not n.startswith("."))
 
 
 def model_info_for_dir(model_dir: str, *, model_name: str | None = None) -> ModelInfo:

@@ -24,8 +24,8 @@ from mcf.container.layout import SectionType
 from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
 from mcf.container.writer import Writer
 
-__all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "add_quantized", "importance_for",
-           "check_imatrix_mode", "resolve_imatrix", "quantize_file"]
+__all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "plan_file", "describe_plan",
+           "add_quantized", "importance_for", "check_imatrix_mode", "resolve_imatrix", "quantize_file"]
 
 
 def method_for(name: str, default: str | None, overrides) -> str | None:
@@ -82,6 +82,63 @@ def plan_method(name: str, shape, dtype: DTypeInfo, method: str | None, override
     if m is None or len(shape) != 2 or dtype.family != "float":
         return None
     return m
+
+
+def plan_file(c, method: str | None, overrides) -> dict:
+    """``{name: method or None}`` for every tensor of the open container ``c``, by :func:`plan_method`
+    (``method`` and ``overrides`` as :func:`resolve_policy` returns them)."""
+    return {n: plan_method(n, c.info(n).shape, c.info(n).dtype, method, overrides) for n in c}
+
+
+def _tensors(n: int) -> str:
+    return f"{n} tensor{'' if n == 1 else 's'}"
+
+
+def _counted(dtypes) -> str:
+    counts: dict = {}
+    for d in dtypes:
+        counts[d] = counts.get(d, 0) + 1
+    return ", ".join(f"{d} x{k}" for d, k in counts.items())
+
+
+def describe_plan(c, plan) -> list:
+    """What :func:`quantize_file` does with each tensor of ``c`` under ``plan`` (:func:`plan_file`), as
+    lines for a person: how many are quantized now (and with what), kept because they are quantized
+    already, left as they are by ``none`` (the method or an override), or copied because they are not
+    rank-2 floats.
+
+    A quantized tensor is never quantized again: that would decode it and add a second rounding error
+    to the first, at a size no smaller than quantizing the original once.  When the input holds such
+    tensors the first line says so, since a run that quantizes nothing writes a copy of its input."""
+    def quantizable(n):
+        t = c.info(n)
+        return len(t.shape) == 2 and t.dtype.family == "float"
+
+    now = {n: m for n, m in plan.items() if m is not None}
+    kept = [n for n in c if plan[n] is None and c.info(n).dtype.quantized]
+    left = [n for n in c if plan[n] is None and quantizable(n)]
+    copied = [n for n in c if plan[n] is None and not quantizable(n) and not c.info(n).dtype.quantized]
+    lines = []
+    if kept and not now:
+        lines.append(f"the input is already quantized ({len(kept)} of its {_tensors(len(plan))}): nothing was "
+                     "quantized again, the output holds the input's tensors")
+    elif kept:
+        lines.append(f"part of the input is already quantized ({len(kept)} of its {_tensors(len(plan))})")
+
+    def dtypes(names):
+        return _counted(c.info(n).dtype.name for n in names)
+
+    if now:
+        lines.append(f"  quantized: {_tensors(len(now))} ({_counted(now.values())})")
+    if kept:
+        lines.append(f"  kept as they are: {_tensors(len(kept))}, quantized already ({dtypes(kept)}: {_few(kept)}); quantizing "
+                     "them again would add a second rounding error to the first: quantize the float original instead")
+    if left:
+        lines.append(f"  left as they are by 'none' (the method or an override): {_tensors(len(left))} ({dtypes(left)})")
+    if copied:
+        lines.append(f"  copied as they are: {_tensors(len(copied))} ({dtypes(copied)}): only rank-2 float tensors "
+                     "are quantized")
+    return lines
 
 
 def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, compat: bool = False,
@@ -182,7 +239,7 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
     check_imatrix_mode(imatrix, compat, fast)
     stats = []
     with open_container(src, mmap=mmap) as c:
-        plan = {n: plan_method(n, c.info(n).shape, c.info(n).dtype, method, ov) for n in c}
+        plan = plan_file(c, method, ov)
         imat = resolve_imatrix(imatrix, plan.items())  # before the output exists
         with Writer(dst, align=64) as w:
             for s in c.sections:

@@ -13,7 +13,6 @@ import os
 import struct
 import subprocess
 import sys
-import tempfile
 import zipfile
 
 import numpy as np
@@ -145,9 +144,9 @@ class MegatronOracle:
         return self.helpers.build_sample_idx_int64(sizes, doc_idx, seq, epochs, tpe, drop_last, extra)
 
 
-def load_megatron_oracle() -> MegatronOracle:
-    """Download the megatron-core wheel for this interpreter once (``pip download --no-deps``) into the
-    mcf cache and load its helpers.  Raises RuntimeError when the wheel cannot be had, OracleLoadError
+def load_megatron_oracle(scratch) -> MegatronOracle:
+    """Download the megatron-core wheel for this interpreter once (``pip download --no-deps``, into the
+    directory ``scratch``: the caller's pytest temporary directory) into the mcf cache and load its helpers.  Raises RuntimeError when the wheel cannot be had, OracleLoadError
     (also a RuntimeError) when its compiled helper does not load here.
 
     The cache is per interpreter (``megatron-core-0.16.1-cp312``): helpers_cpp is compiled for one
@@ -157,7 +156,7 @@ def load_megatron_oracle() -> MegatronOracle:
     sos = glob.glob(os.path.join(dest, "helpers_cpp*.so"))
     gpt = os.path.join(dest, "gpt_dataset.py")
     if not sos or not os.path.exists(gpt):
-        tmp = tempfile.mkdtemp(prefix="mcf-megatron-core-")
+        tmp = os.fspath(scratch)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, MEGATRON_CORE]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = glob.glob(os.path.join(tmp, "*.whl"))

@@ -389,6 +389,10 @@ LAYERS = {
     "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
     "mcf.models": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
     "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
+    "mcf.sniff": (CONVERTER, "converter"),  # knows every format's magic
+    "mcf.tokenizer": (CONVERTER, "converter"),  # reads tokenizer.json out of MCF files too
+    # text -> Megatron: the tokenizer (from any source mcf.tokenizer reads) and the input chunks of the Ray run
+    "mcf.megatron.tokenize": (CONVERTER, "converter"), "mcf.megatron._chunks": (CONVERTER, "converter"),
     # apps: anything
     "mcf": (APP, "app"), "mcf.cli": (APP, "app"), "mcf.demo": (APP, "app"),
     "mcf.megatron.cli": (APP, "app"), "mcf.megacontext.cli": (APP, "app"),

@@ -47,6 +47,35 @@ def test_verify_ok_and_bad(tmp_path, capsys):
     assert "FAIL" in out and "file_size" in out and str(bad) in out
 
 
+def test_quantize_says_what_happened_to_each_tensor(tmp_path, capsys):
+    """Issue 26: re-quantizing a quantized file printed "(100.0% of the input)" and nothing else.  Every run
+    says how many tensors were quantized, kept (quantized already: never quantized twice), left by 'none', or
+    copied (not rank-2 floats)."""
+    src, k4, q8 = mantle_file("f32"), str(tmp_path / "k4.mcf"), str(tmp_path / "q8.mcf")
+    with mcf.open(src) as c:
+        rank2 = [n for n in c if len(c.info(n).shape) == 2]
+        others = len(c) - len(rank2)
+    assert main(["quantize", src, k4, "-q", "--override", f"{rank2[0]}=none"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:] == [f"  quantized: {len(rank2) - 1} tensors (k4 x{len(rank2) - 1})",
+                         "  left as they are by 'none' (the method or an override): 1 tensor (f32 x1)",
+                         f"  copied as they are: {others} tensors (f32 x{others}): only rank-2 float tensors are "
+                         "quantized"]
+    assert main(["quantize", k4, q8, "-q", "--method", "q8"]) == 0  # only the one left float gets quantized
+    out = capsys.readouterr().out
+    assert f"part of the input is already quantized ({len(rank2) - 1} of its {len(rank2) + others} tensors)" in out
+    assert "  quantized: 1 tensor (q8 x1)" in out
+    assert main(["quantize", q8, str(tmp_path / "again.mcf"), "-q", "--method", "k2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"the input is already quantized ({len(rank2)} of its {len(rank2) + others} tensors): nothing "
+                        "was quantized again, the output holds the input's tensors")
+    assert lines[2].startswith(f"  kept as they are: {len(rank2)} tensors, quantized already (")
+    assert f"k4 x{len(rank2) - 1}" in lines[2] and "q8 x1" in lines[2]
+    assert "quantize the float original instead" in lines[2]
+    with mcf.open(q8) as a, mcf.open(str(tmp_path / "again.mcf")) as b:
+        assert [(n, a.info(n).dtype.name) for n in a] == [(n, b.info(n).dtype.name) for n in b]
+
+
 def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["info", str(tmp_path / "missing.mcf")]) == 1
     assert "missing.mcf" in capsys.readouterr().err
@@ -75,6 +104,68 @@ def test_demo_on_the_real_checkpoint(tmp_path, capsys, minilm_dir):
         assert c.model_info.hidden_size == 384
         assert c.resource_json("config.json")["model_type"] == "bert"
         assert c.info("embeddings.word_embeddings.weight").shape == (30522, 384)
+
+
+@pytest.fixture
+def demo_without_heavy_steps(monkeypatch):
+    """``mcf demo`` with its pack and round-trip steps for real (on the small mantle checkpoint) and the
+    others replaced by stubs that write a file into the working directory: what the directory handling
+    needs, in a second instead of a minute.  Yields the working directories the steps saw."""
+    import mcf.demo
+    import mcf.demo.megacontext
+    import mcf.demo.megatron
+
+    seen = []
+
+    def step(result):
+        def run(*args, **kwargs):  # every step takes the working directory second
+            workdir = args[1]
+            seen.append(workdir)
+            with open(os.path.join(workdir, f"step{len(seen)}.out"), "wb") as f:
+                f.write(b"x" * 1000)
+            return result
+        return run
+
+    monkeypatch.setattr(mcf.demo, "demo_quantize", step([]))
+    monkeypatch.setattr(mcf.demo, "demo_export", step(0))
+    monkeypatch.setattr(mcf.demo.megatron, "demo_megatron", step({"problems": []}))
+    monkeypatch.setattr(mcf.demo.megacontext, "demo_megacontext", step(0))
+    monkeypatch.setattr(mcf.demo, "demo_bucket", step(0))
+    return seen
+
+
+def test_demo_removes_its_temporary_directory_unless_kept(tmp_path, monkeypatch, capsys, demo_without_heavy_steps):
+    """Issue 26: every `mcf demo` left 339 MB in a temporary directory.  It is removed at the end, on success
+    and on failure; --keep DIR keeps the outputs, and the last line says where they are (or were)."""
+    import tempfile
+
+    from _vectors import MANTLE_MODEL
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where mkdtemp creates the demo's directory
+    assert main(["demo", "--model-dir", MANTLE_MODEL]) == 0
+    out = capsys.readouterr().out
+    used = demo_without_heavy_steps[0]
+    assert os.path.dirname(used) == str(scratch) and len(set(demo_without_heavy_steps)) == 1
+    assert list(scratch.iterdir()) == [], "the demo left its temporary directory behind"
+    assert out.splitlines()[-1] == f"== outputs removed with their temporary directory {used} (keep them with --keep DIR)"
+
+    import mcf.demo
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+    stub = mcf.demo.demo_bucket
+    monkeypatch.setattr(mcf.demo, "demo_bucket", boom)
+    assert main(["demo", "--model-dir", MANTLE_MODEL]) == 130  # interrupted: removed all the same
+    assert list(scratch.iterdir()) == []
+    monkeypatch.setattr(mcf.demo, "demo_bucket", stub)
+
+    keep = tmp_path / "kept"
+    assert main(["demo", "--model-dir", MANTLE_MODEL, "--keep", str(keep)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == f"== outputs kept in {keep}"
+    assert (keep / "all-MiniLM-L6-v2.mcf").is_file()
 
 
 def test_demo_bert_forward_matches_transformers(minilm_dir):

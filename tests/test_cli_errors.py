@@ -44,8 +44,8 @@ def paths(tmp_path):
 
 # (argv, exit code, what stderr must say); {name} is replaced with paths[name]
 CASES = [
-    ([], 2, "mcf: error: the following arguments are required: cmd"),
-    (["bogus"], 2, "mcf: error: argument cmd: invalid choice: 'bogus'"),
+    ([], 2, "mcf: error: the following arguments are required: COMMAND"),
+    (["bogus"], 2, "mcf: error: argument COMMAND: invalid choice: 'bogus'"),
     (["info"], 2, "mcf info: error: the following arguments are required: file"),
     (["info", "{missing}"], 1, "mcf info: error: {missing}: No such file or directory"),
     (["info", "{text}"], 1, "mcf info: error: {text}: header at offset 0: file shorter than the MCF header "
@@ -69,11 +69,13 @@ CASES = [
     (["imatrix", "{mcf}", "--text", "{missing}", "-o", "{out_mcf}"], 1,
      "mcf imatrix: error: {missing}: No such file or directory"),
     (["convert", "{missing}", "-o", "{out_mcf}"], 1, "mcf convert: error: {missing}: No such file or directory"),
-    (["convert", "{text}", "-o", "{out_mcf}"], 1, "mcf convert: error: {text}: header_len at offset 0"),
+    (["convert", "{text}", "-o", "{out_mcf}"], 1, "mcf convert: error: {text}: a text file, not a checkpoint mcf "
+                                                   "convert reads; pass a checkpoint directory"),
     (["export", "{missing}", "-o", "{out}"], 1, "mcf export: error: {missing}: No such file or directory"),
     (["export", "{mcf}", "-o", "{out}", "--max-shard-size", "5XB"], 1,
      "mcf export: error: cannot read '5XB' as a size"),
     (["kernels", "--jsn"], 2, "mcf: error: unrecognized arguments: --jsn"),
+    (["version", "--jsn"], 2, "mcf: error: unrecognized arguments: --jsn"),
     (["demo", "--model-dir", "{missing}"], 1, "mcf demo: error: {missing}: no such checkpoint directory"),
     (["megatron"], 2, "mcf megatron: error: the following arguments are required"),
     (["megatron", "info", "{missing}"], 1, "mcf megatron info: error: {missing}.idx: No such file or directory"),
@@ -132,6 +134,58 @@ def test_bad_input_gives_one_line_and_an_exit_code(paths, capsys, argv, code, me
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert lines[-1].startswith(("mcf: error:", "mcf " + (argv[0] if argv else "")))
     assert ": error: " in lines[-1]
+
+
+def _wrong_inputs(d):
+    """(file, what convert must say it is, the command it must point to) for files users hand to
+    ``mcf convert`` by mistake."""
+    import gzip
+    import pickle
+
+    fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
+    (d / "config.json").write_text('{"model_type": "bert"}')
+    np.savez(d / "kv.npz", k=np.zeros(2))
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps({"w": [1.0, 2.0]}, protocol=2))
+    (d / "model.safetensors.gz").write_bytes(gzip.compress(b"\0" * 64))
+    return [
+        (mantle_file("k4"), "an MCF model container", "mcf quantize " + mantle_file("k4") + " OUT.mcf --method k4"),
+        (str(d / "config.json"), "a JSON file", "pass the checkpoint directory that holds it"),
+        (os.path.join(fixtures, "megatron", "megatron_u16.idx"), "the index (.idx) of a Megatron indexed dataset",
+         "mcf megatron info"),
+        (os.path.join(fixtures, "megacontext", "canonical_fp16", "LOD2.ctx"), "a level file (LOD*.ctx) of a "
+         "MegaContext tree", "mcf ctx info"),
+        (os.path.join(fixtures, "bucket", "float16_lz4.mcb"), "a KV-cache file (kv_data.mcb) of a Model Context Bucket",
+         "mcf bucket verify"),
+        (str(d / "kv.npz"), "a zip archive", "save the weights as safetensors first"),
+        (str(d / "pytorch_model.bin"), "a Python pickle", "save the weights as safetensors first"),
+        (str(d / "model.safetensors.gz"), "a gzip-compressed file", "decompress it first"),
+    ]
+
+
+def test_convert_says_what_a_wrong_input_is_and_which_command_reads_it(tmp_path, capsys):
+    """Issue 26: ``mcf convert model.mcf`` said "header_len at offset 0: header length too large (expected
+    <= ..., got 281479276282701)".  Any file of a kind mcf knows is named, with the command that reads it."""
+    import mcf
+
+    for path, what, command in _wrong_inputs(tmp_path):
+        out = tmp_path / "out.mcf"
+        assert main(["convert", path, "-o", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"mcf convert: error: {path}: {what}"), err
+        assert command in err and "(expected a checkpoint directory, a .safetensors or a .gguf file)" in err, err
+        assert "header_len" not in err and not out.exists()
+        with pytest.raises(mcf.FormatError, match="not a checkpoint mcf convert reads"):
+            mcf.convert(path, str(out))
+    # what convert does read converts by its bytes, whatever its name says
+    shutil.copy(os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "golden_v3.gguf"),
+                tmp_path / "model.safetensors")
+    assert main(["convert", str(tmp_path / "model.safetensors"), "-o", str(tmp_path / "g.mcf"), "-q"]) == 0
+    mcf.convert(os.path.join(os.path.dirname(__file__), "fixtures", "gguf", "golden_v3.gguf"), str(tmp_path / "h.mcf"))
+    with mcf.open(str(tmp_path / "g.mcf")) as a, mcf.open(str(tmp_path / "h.mcf")) as b:
+        assert list(a) == list(b) and len(a) > 0
+    st = tmp_path / "model.gguf"
+    mcf.export(mantle_file("f32"), str(st), resources=False)  # a safetensors file named .gguf
+    assert main(["convert", str(st), "-o", str(tmp_path / "s.mcf"), "-q"]) == 0
 
 
 def test_every_subcommand_has_a_bad_input_case():

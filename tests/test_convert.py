@@ -84,15 +84,26 @@ def test_minilm_converts_exports_and_loads_back(tmp_path, minilm_dir):
         assert c.model_info.hidden_size == 384
 
 
-def test_cli_names_the_files_it_leaves_out(tmp_path, minilm_dir, capsys):
-    assert cli_main(["convert", minilm_dir, "-o", str(tmp_path / "m.mcf"), "-q"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("not stored"))
-    left = line.split(": ", 1)[1].split(", ")
-    assert "vocab.txt" in left and "special_tokens_map.json" in left and "1_Pooling" in left
-    with mcf.open(tmp_path / "m.mcf") as c:
+@pytest.mark.parametrize("command", ["convert", "pack"])
+def test_cli_names_the_files_it_leaves_out(tmp_path, minilm_dir, capsys, command):
+    """mcf convert and mcf pack (which said nothing: issue 26) name every file of the checkpoint the MCF
+    file does not hold, directories with a slash, and say how to keep them."""
+    out = str(tmp_path / "m.mcf")
+    assert cli_main([command, minilm_dir, "-o", out, "-q"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    k = next(i for i, x in enumerate(lines) if x.startswith("not stored (MCF has no section for them): "))
+    left = lines[k].split(": ", 1)[1].split(", ")
+    assert "vocab.txt" in left and "special_tokens_map.json" in left and "1_Pooling/" in left
+    with mcf.open(out) as c:
         stored = set(c.resources)
-    want = {n for n in os.listdir(minilm_dir) if not n.startswith(".") and n != "model.safetensors"} - stored
+    want = {n + "/" * os.path.isdir(os.path.join(minilm_dir, n)) for n in os.listdir(minilm_dir)
+            if not n.startswith(".") and n != "model.safetensors"} - stored
     assert set(left) == want
+    assert lines[k + 1] == ("  besides the weights MCF holds only config.json, generation_config.json, tokenizer.json, "
+                            f"vocab.json, tokenizer_config.json and merges.txt: keep the others beside {out}, and copy "
+                            "them next to what mcf export writes")
+    assert stored <= {"config.json", "generation_config.json", "tokenizer.json", "vocab.json",
+                      "tokenizer_config.json", "merges.txt"}
 
 
 def test_minilm_k4_round_trip_through_safetensors(tmp_path, minilm_dir):

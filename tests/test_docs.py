@@ -9,71 +9,24 @@ comment on the line directly before its fence::
     <!-- not run: installs packages from the network -->
 
 Blocks without a language, or with ``text``/``json``, are not examples (byte layouts, command
-synopses, output). Some pages need inputs that a reader would have (a checkpoint directory, a GGUF
-file): ``SETUP`` creates them under the names the page uses. ``CHECKS`` then compares what the page
+synopses, output). A block whose fence is directly preceded by ``<!-- file: NAME -->`` is a file the
+reader saves (a ``pyproject.toml``, a ``.pyx``): it is written to NAME in the scratch directory, in
+document order, and not run. Some pages need inputs that a reader would have (a checkpoint directory, a
+GGUF file): ``SETUP`` creates them under the names the page uses. ``CHECKS`` then compares what the page
 printed with what its comments say.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = os.path.join(ROOT, "docs")
-PAGES = sorted(n for n in os.listdir(DOCS) if n.endswith(".md")) + ["README.md"]
-EXAMPLE_LANGS = {"python", "py", "sh", "bash", "console", "shell"}
-NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>\S.*?) -->$")
-FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
-
-
-@dataclass
-class Block:
-    page: str
-    line: int            # 1-based line of the opening fence
-    lang: str
-    body: str
-    not_run: str | None  # the reason, when marked
-
-    @property
-    def example(self) -> bool:
-        return self.lang in EXAMPLE_LANGS
-
-    @property
-    def python(self) -> bool:
-        return self.lang in ("python", "py")
-
-
-def page_path(page: str) -> str:
-    return os.path.join(ROOT, page) if page == "README.md" else os.path.join(DOCS, page)
-
-
-def blocks_of(page: str) -> list:
-    with open(page_path(page), encoding="utf-8") as f:
-        lines = f.read().split("\n")
-    out, i = [], 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        j = i + 1
-        while j < len(lines) and lines[j].strip() != "```":
-            j += 1
-        assert j < len(lines), f"{page}:{i + 1}: unclosed fence"
-        mark = NOT_RUN.match(lines[i - 1].strip()) if i else None
-        out.append(Block(page, i + 1, m.group("lang"), "\n".join(lines[i + 1:j]) + "\n",
-                         mark.group("reason") if mark else None))
-        i = j + 1
-    return out
-
+from _doc_blocks import DOCS, FILE, NOT_RUN, PAGES, ROOT, blocks_of, page_path
 
 # -- inputs a page assumes its reader has -----------------------------------------------------------------
 def _mantle_model(dst):
@@ -137,6 +90,33 @@ def _setup_io(tmp, request):
     (tmp / "data.bin").write_bytes(bytes(range(256)) * 64)
 
 
+def _checkout_copy(dst):
+    """The files of this checkout (tracked, and new ones git does not ignore), as a user's clone holds
+    them: no compiled modules, no build directories."""
+    try:
+        names = subprocess.run(["git", "-C", ROOT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                               capture_output=True, check=True, timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.SubprocessError):
+        names = None
+    if names is None:  # not a git checkout: everything but what a build leaves
+        shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                                  "*.so", "*.o", "_*.c", ".hypothesis"))
+        return
+    for name in filter(None, names):
+        src = os.path.join(ROOT, name)
+        if os.path.isfile(src):
+            os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dst, name))
+
+
+def _setup_extending(tmp, request):
+    """A fresh virtual environment builds mcf's wheel from a checkout and the page's extension in isolation:
+    pip must reach a package index (or its cache) for setuptools, Cython and numpy."""
+    for mod in ("setuptools", "Cython"):
+        pytest.importorskip(mod, reason=f"{mod} (in the test-core extra) is not installed")
+    _checkout_copy(tmp / "path" / "to" / "mcf")
+
+
 def _setup_remote(tmp, request):
     """A SeaweedFS S3 server for the page's s3:// examples, configured through the AWS variables as a
     reader's machine would be; its bucket holds the page's example.mcf and a checkpoint under ckpt/."""
@@ -184,7 +164,7 @@ def _needs(*mods, extra="test"):
 SETUP = {
     "torch.md": _needs("torch"),
     "bucket.md": _needs("torch", "transformers"),   # §11 runs a model in the bucket's loop
-    "extending.md": _needs("setuptools", "Cython", extra="test-core"),   # builds an extension against mcf
+    "extending.md": _setup_extending,   # builds mcf's wheel and an extension against it, in a fresh venv
     "guide.md": _setup_guide,
     "convert.md": _setup_convert,
     "gguf.md": _setup_gguf,
@@ -273,12 +253,22 @@ def _check_io(out):
     assert "b'\\x00\\x01\\x02\\x03' 16384" in out
 
 
+def _check_extending(out):
+    lines = out.splitlines()
+    assert lines[0] == "_include ['mcf']"
+    assert lines[-2:] == ["mmap True", "fileobj True"], lines
+
+
 CHECKS = {
     "guide.md": _check_guide, "quickstart.md": _check_quickstart, "megacontext.md": _check_megacontext,
     "megatron.md": _check_megatron, "convert.md": _check_convert, "torch.md": _check_torch,
     "remote.md": _check_remote, "quantization.md": _check_quantization, "README.md": _check_readme,
-    "kernels.md": _check_kernels, "io.md": _check_io,
+    "kernels.md": _check_kernels, "io.md": _check_io, "extending.md": _check_extending,
 }
+
+# Pages whose shell blocks make their own virtual environment: the suite's PYTHONPATH (a checkout run
+# without installing it) must not reach the interpreters of that environment.
+OWN_ENVIRONMENT = {"extending.md"}
 
 
 # -- the tests -----------------------------------------------------------------------------------------------
@@ -295,12 +285,17 @@ def test_every_example_runs_or_says_why_not(page):
             b = fences.get(k + 2)
             assert b is not None and b.example, f"{page}:{k + 1}: a not-run comment must sit directly " \
                                                  "before an example's fence"
+        if "<!-- file:" in line:
+            assert FILE.match(line.strip()), f"{page}:{k + 1}: write it as <!-- file: NAME -->"
+            assert k + 2 in fences, f"{page}:{k + 1}: a file comment must sit directly before a fence"
 
 
 RUNNABLE = [p for p in PAGES if any(b.example and b.not_run is None for b in blocks_of(p))]
+# the extending page compiles mcf and an extension in a fresh venv: minutes, not seconds
+RUNNABLE_PARAMS = [pytest.param(p, marks=pytest.mark.slow) if p in OWN_ENVIRONMENT else p for p in RUNNABLE]
 
 
-@pytest.mark.parametrize("page", RUNNABLE)
+@pytest.mark.parametrize("page", RUNNABLE_PARAMS)
 def test_page_examples_run(page, tmp_path, monkeypatch, capsys, request):
     from pathlib import Path
 
@@ -309,9 +304,16 @@ def test_page_examples_run(page, tmp_path, monkeypatch, capsys, request):
         SETUP[page](Path(tmp_path), request)
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if page in OWN_ENVIRONMENT:
+        env.pop("PYTHONPATH", None)
     ns: dict = {"__name__": "__main__"}
     shell_out = []
     for b in blocks_of(page):
+        if b.file is not None:
+            target = tmp_path / b.file
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(b.body)
+            continue
         if not b.example or b.not_run is not None:
             continue
         where = f"{page}:{b.line}"
@@ -319,7 +321,7 @@ def test_page_examples_run(page, tmp_path, monkeypatch, capsys, request):
             exec(compile(b.body, where, "exec"), ns)  # noqa: S102 - our own documentation
         else:
             p = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", b.body], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=600)
+                               capture_output=True, text=True, timeout=2400 if page in OWN_ENVIRONMENT else 600)
             assert p.returncode == 0, f"{where} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
             shell_out.append(p.stdout)
     out = capsys.readouterr().out + "".join(shell_out)

@@ -1,95 +1,57 @@
-"""The compiled backend surface (docs/extending.md): an extension built outside mcf, against the installed
-package with ``include_dirs=[mcf.get_include(), numpy.get_include()]``, cimports the I/O core and a
-kernel, and gives what mcf's Python API gives."""
+"""The compiled backend surface (docs/extending.md): the page's own extension, built outside mcf with the
+page's setup.py (Cython's include path ``[mcf.get_include()]``, nothing from mcf for the C compiler), cimports
+the I/O core and a kernel, and gives what mcf's Python API gives, over every kind of source and variant."""
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import mcf
 import mcf.io
+from _doc_blocks import blocks_of
 from mcf._core import _fpconv
 
 for _mod in ("Cython", "setuptools"):
     pytest.importorskip(_mod, reason=f"{_mod} (in the test-core extra) is not installed: this environment was "
                                      "not made with pip install -e '.[test-core]'")
 
-# The extension reads bfloat16 values from a Source (the mapped bytes through its base pointer when
-# there is one, else copy_to), checking the range first, and widens them with mcf's kernel.
-PYX = textwrap.dedent('''
-    # cython: language_level=3
-    from libc.stdint cimport uint16_t
-    from libc.stdlib cimport malloc, free
-    from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 
-    from mcf._core._io cimport Source
-    from mcf._core._fpconv cimport resolve_impl, bf16_to_f32_n
-
-    def bf16_as_f32(Source src, offset, count, impl=None):
-        """float32 bytes of ``count`` bfloat16 values at ``offset`` of ``src``."""
-        src.check_range(offset, 2 * count)          # raises mcf.OutOfBoundsError / ClosedError
-        cdef int im = resolve_impl(impl)            # raises mcf.InvalidArgumentError
-        cdef size_t n = count, off = offset
-        out = PyBytes_FromStringAndSize(NULL, 4 * n)
-        cdef float* dst = <float*>PyBytes_AS_STRING(out)
-        cdef uint16_t* tmp
-        if src.base != NULL and off % 2 == 0:       # mapped or in memory, aligned: no copy
-            src.pin()                               # keeps the mapping alive without the GIL
-            try:
-                with nogil:
-                    bf16_to_f32_n(<const uint16_t*>(src.base + off), dst, n, im)
-            finally:
-                src.unpin()
-            return out
-        tmp = <uint16_t*>malloc(2 * n + 2)
-        if tmp == NULL:
-            raise MemoryError()
-        try:
-            src.copy_to(off, 2 * n, tmp)            # pread or file object
-            with nogil:
-                bf16_to_f32_n(tmp, dst, n, im)
-        finally:
-            free(tmp)
-        return out
-''')
-
-SETUP = textwrap.dedent('''
-    import mcf, numpy
-    from Cython.Build import cythonize
-    from setuptools import Extension, setup
-
-    setup(name="mcf_ext_probe", ext_modules=cythonize(
-        [Extension("mcf_ext_probe", ["mcf_ext_probe.pyx"], include_dirs=[mcf.get_include(), numpy.get_include()],
-                   extra_compile_args=["-O0", "-g0"])],
-        include_path=[mcf.get_include()], quiet=True))
-''')
+def _page_files() -> dict:
+    """The files docs/extending.md has its reader save (``<!-- file: NAME -->`` blocks): the extension
+    tested here is the page's own, built with the page's setup.py."""
+    return {b.file: b.body for b in blocks_of("extending.md") if b.file}
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     d = tmp_path_factory.mktemp("ext")
-    (d / "mcf_ext_probe.pyx").write_text(PYX)
-    (d / "setup.py").write_text(SETUP)
-    # run from the temp dir, so `mcf` is the installed package and not a checkout next to the test
-    env = dict(os.environ, PYTHONPATH="")
+    files = _page_files()
+    for name in ("setup.py", "myext.pyx"):
+        (d / name).write_text(files[name])
+    # run from the temp dir, against the mcf this process imports (a checkout on PYTHONPATH, or the installed one)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(mcf.__file__))))
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=d, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     sys.path.insert(0, str(d))
     try:
-        import mcf_ext_probe
+        import myext
     finally:
         sys.path.remove(str(d))
-    return mcf_ext_probe
+    return myext
 
 
-def test_get_include_holds_the_pxd_files():
+def test_get_include_holds_the_pxd_files_and_nothing_else():
+    """Issue 26: get_include() returned the directory above the package, all of site-packages in a normal
+    install.  It is a directory of mcf's own that holds only the shipped .pxd files."""
     inc = mcf.get_include()
-    for name in ("_io.pxd", "_fpconv.pxd"):
-        assert os.path.isfile(os.path.join(inc, "mcf", "_core", name)), name
+    assert os.path.commonpath([inc, os.path.dirname(mcf.__file__)]) == os.path.dirname(mcf.__file__)
+    found = sorted(os.path.relpath(os.path.join(d, f), inc) for d, _, fs in os.walk(inc) for f in fs)
+    assert found == [os.path.join("mcf", "_core", "_fpconv.pxd"), os.path.join("mcf", "_core", "_io.pxd")]
+    real = [os.path.realpath(p or os.getcwd()) for p in sys.path]
+    assert os.path.realpath(inc) not in real and os.path.realpath(os.path.dirname(inc)) not in real
 
 
 @pytest.mark.parametrize("mode", ["mmap", "pread", "memory", "fileobj"])

@@ -218,7 +218,7 @@ def test_pooling_and_conversion_bit_exact(src, dst):
     assert np.array_equal(conv.view(np.uint8), want.view(np.uint8))
 
 
-def test_pooling_errors():
+def test_pooling_errors(tmp_path):
     t = np.zeros((10, 4), np.float32)
     with pytest.raises(mcf.OutOfBoundsError):
         _mc.pool_tokens(np.array([1, 10], np.uint32), 2, t, np.float32)
@@ -230,6 +230,6 @@ def test_pooling_errors():
                 lambda: mc.MeanPool(np.zeros(4, np.float32))):
         with pytest.raises(mcf.InvalidArgumentError):
             bad()
-    with mc.create(__import__("tempfile").mkdtemp() + "/t", embedding_dim=5) as tree:
+    with mc.create(tmp_path / "t", embedding_dim=5) as tree:
         with pytest.raises(mcf.InvalidArgumentError, match="wide"):
             mc.build_gists(tree, mc.MeanPool(t))

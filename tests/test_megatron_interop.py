@@ -21,9 +21,9 @@ from mcf.megatron.tokenize import tokenize
 
 
 @pytest.fixture(scope="session")
-def oracle():
+def oracle(tmp_path_factory):
     try:
-        return load_megatron_oracle()
+        return load_megatron_oracle(tmp_path_factory.mktemp("megatron-core-wheel"))
     except RuntimeError as exc:  # no PyPI access, no wheel for this Python, or one that does not load here
         pytest.skip(f"Megatron's helpers_cpp oracle unavailable: {exc}")
 

@@ -198,6 +198,61 @@ def test_cli_tokenize_info_verify_merge(tmp_path, tok_path, texts, capsys):
     assert "missing.idx" in capsys.readouterr().err
 
 
+def test_output_prefix_in_a_new_directory(tmp_path, tok_path, texts, capsys):
+    """Issue 26: docs/megatron.md's own example (--output-prefix data/corpus) failed on a fresh directory with
+    "data/corpus.bin: No such file or directory", which reads like a missing input.  The missing directories
+    are created, as mcf export -o DIR creates DIR; merge's output prefix too."""
+    write_jsonl(tmp_path / "in.jsonl", texts)
+    out = tmp_path / "data" / "v1" / "corpus"
+    assert main(["megatron", "tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", tok_path, "--output-prefix",
+                 str(out), "-q"]) == 0
+    assert (tmp_path / "data" / "v1" / "corpus.idx").is_file() and (tmp_path / "data" / "v1" / "corpus.bin").is_file()
+    merged = tmp_path / "merged" / "all"
+    assert main(["megatron", "merge", str(merged), str(out), str(out), "-q"]) == 0
+    with mm.open(str(merged)) as ds:
+        assert ds.verify() == []
+    (tmp_path / "file").write_text("x")
+    assert main(["megatron", "tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", tok_path, "--output-prefix",
+                 str(tmp_path / "file" / "corpus"), "-q"]) == 1
+    assert "mcf megatron tokenize: error: " + str(tmp_path / "file") in capsys.readouterr().err
+    with pytest.raises(mcf.InvalidArgumentError, match="remote URLs"):
+        tokenize(tmp_path / "in.jsonl", "s3://bucket/corpus", tok_path)
+    assert not os.path.exists("s3:")
+
+
+def test_tokenizer_from_an_mcf_file_or_a_checkpoint_directory(tmp_path, model_dir, tok_path, texts, capsys):
+    """Issue 26: --tokenizer model.mcf was refused ("stream did not contain valid UTF-8") although the MCF file
+    carries the checkpoint's tokenizer.json.  An MCF file, an open container and a checkpoint directory are
+    tokenizer sources wherever a tokenizer is taken, and give the bytes tokenizer.json gives."""
+    write_jsonl(tmp_path / "in.jsonl", texts)
+    packed = str(tmp_path / "model.mcf")
+    mcf.pack(model_dir, packed)
+    outs = {}
+    for name, source in (("json", tok_path), ("mcf", packed), ("dir", model_dir)):
+        outs[name] = str(tmp_path / name)
+        assert main(["megatron", "tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", source, "--output-prefix",
+                     outs[name], "--append-eod", "-q"]) == 0
+    capsys.readouterr()
+    want = [Path(outs["json"] + ext).read_bytes() for ext in (".idx", ".bin")]
+    for name in ("mcf", "dir"):
+        assert [Path(outs[name] + ext).read_bytes() for ext in (".idx", ".bin")] == want, name
+    from mcf.tokenizer import load_tokenizer
+
+    with mcf.open(packed) as c:
+        tok = load_tokenizer(c)
+    assert tok.encode(texts[0]).ids == load_tokenizer(tok_path).encode(texts[0]).ids
+    assert tok.truncation is None and tok.padding is None
+
+    bare = str(tmp_path / "bare.mcf")
+    mcf.pack(model_dir, bare, resources=False)
+    assert main(["megatron", "tokenize", str(tmp_path / "in.jsonl"), "--tokenizer", bare, "--output-prefix",
+                 str(tmp_path / "x"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert f"{bare}: the MCF file holds no tokenizer.json resource" in err
+    with pytest.raises(mcf.InvalidArgumentError, match="a safetensors file, not a tokenizer"):
+        load_tokenizer(os.path.join(model_dir, "model.safetensors"))
+
+
 def test_progress_reports_tokens_per_second(tmp_path, tok_path, texts):
     write_jsonl(tmp_path / "in.jsonl", texts * 5)
     calls = []

@@ -113,6 +113,41 @@ def test_starlette_and_uvicorn_for_the_server(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("mcf bucket serve: error: mcf bucket serve needs the 'uvicorn' package")
 
 
+def test_every_missing_package_of_the_extra_is_named_at_once(monkeypatch, tmp_path, capsys):
+    """Issue 26: without uvicorn and starlette, `mcf bucket serve` asked for uvicorn, and after
+    `pip install uvicorn` for starlette.  The first failure names both, and one command installs both."""
+    from mcf.bucket.server import serve
+
+    block(monkeypatch, "starlette", "uvicorn")
+    with pytest.raises(mcf.MissingDependencyError) as ei:
+        serve(tmp_path / "b", port=0)
+    exc = ei.value
+    assert set(exc.missing) == {"starlette", "uvicorn"} and exc.missing[0] == exc.package
+    other = ({"starlette", "uvicorn"} - {exc.package}).pop()
+    assert f"the 'server' extra's {other!r} is missing too" in str(exc)
+    assert f"pip install {exc.package} {other}" in str(exc) and f"pip install '{DISTRIBUTION}[server]'" in str(exc)
+    assert main(["bucket", "serve", "--root", str(tmp_path / "b"), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "'starlette'" in err and "'uvicorn'" in err, err
+    # the same for any extra: lz4 and zstandard of the bucket extra
+    monkeypatch.undo()
+    block(monkeypatch, "lz4", "zstandard", "cryptography")
+    from mcf.bucket.kvfile import write_kv
+
+    with pytest.raises(mcf.MissingDependencyError) as ei:
+        write_kv(tmp_path / "a.mcb", [(np.ones((1, 2, 2), np.float32),) * 2], compression="lz4")
+    assert ei.value.missing == ("lz4", "zstandard", "cryptography")
+    assert "the 'bucket' extra's 'zstandard', 'cryptography' are missing too" in str(ei.value)
+    assert "pip install lz4 zstandard cryptography" in str(ei.value)
+
+
+def test_a_requirement_with_brackets_is_quoted_for_the_shell(monkeypatch):
+    from mcf._core.optional import install_hint
+
+    assert install_hint("ray", ["ray[data]", "tokenizers"]).endswith("or: pip install 'ray[data]' tokenizers")
+    assert install_hint(None, "s3fs") == "pip install s3fs"
+
+
 def test_fsspec_and_aiohttp_for_urls(monkeypatch):
     url = "http://127.0.0.1:9/model.mcf"  # never contacted: the import fails first
     # without obstore, http(s):// goes through fsspec's aiohttp (and names what is missing)
@@ -242,6 +277,8 @@ def test_the_error_pickles_with_its_fields():
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is mcf.MissingDependencyError
     assert (str(back), back.package, back.extra, back.feature, back.name) == ("x needs y", "y", "bucket", "x", "y")
+    exc = mcf.MissingDependencyError("x needs y, z", package="y", extra="server", feature="x", missing=("y", "z"))
+    assert pickle.loads(pickle.dumps(exc)).missing == ("y", "z")
 
 
 def test_speedups_and_bfloat16_fall_back_without_their_packages(tmp_path):

@@ -15,6 +15,9 @@ reader, or a crash, sees the old file or the new one, never a torn one.
   refuses: a caller that asked for durability is told when it did not get it.  No writer swallows
   that error (an earlier version of the MCF writer did).
 - :func:`write_atomic` does the three for a small file written in one go (JSON lists, indexes).
+- :func:`make_parent_dir` creates the missing directories an output path names (``--output-prefix
+  data/corpus`` in a fresh checkout), as ``mcf export -o DIR`` creates ``DIR``: a command that fails
+  with "data/corpus.bin: No such file or directory" reads as if an input were missing.
 
 The bucket keeps its own descriptor-relative variants (``mcf.bucket._fs``: every path is opened
 under a directory descriptor with ``O_NOFOLLOW``), because a bucket directory is shared with other
@@ -29,10 +32,25 @@ import secrets
 
 from mcf.errors import MCFError, os_error
 
-__all__ = ["TEMP_SUFFIX", "create_temp", "fsync_dir", "publish", "temp_name", "write_all", "write_atomic"]
+__all__ = ["TEMP_SUFFIX", "create_temp", "fsync_dir", "make_parent_dir", "publish", "temp_name", "write_all",
+           "write_atomic"]
 
 TEMP_SUFFIX = ".tmp"
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def make_parent_dir(path, *, what: str = "writing") -> None:
+    """Create the directories above the file ``path`` that do not exist yet (``mkdir -p``); an
+    :class:`mcf.MCFIOError` subclass names the directory when that fails.  A URL is refused first
+    (:func:`mcf.remote.refuse_url`, saying ``what`` was attempted): it names no local directory."""
+    from mcf.remote import refuse_url
+
+    refuse_url(path, what=what)
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise os_error(exc, directory) from None
 
 
 def temp_name(directory: str, base: str) -> str:

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mcf._core.cli_parser import JSON_HELP
 from mcf._core.console import json_text, printable
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["add_bucket_parser"]
+
+CONTEXT_ID_HELP = "the context's id (mcf bucket ls lists them)"
 
 
 def _bucket(args):
@@ -273,7 +276,8 @@ def _port(text: str) -> int:
 def add_bucket_parser(sub) -> None:
     """Register ``mcf bucket ...`` on the top-level subparsers."""
     p = sub.add_parser("bucket", help="Model Context Bucket: a store of pre-computed KV caches")
-    bsub = p.add_subparsers(dest="bucket_cmd", required=True)
+    bsub = p.add_subparsers(dest="bucket_cmd", required=True, metavar="COMMAND",
+                            help="what to do (mcf bucket COMMAND --help tells more)")
 
     def cmd(name, func, help, *, url=False):
         s = bsub.add_parser(name, help=help)
@@ -292,46 +296,47 @@ def add_bucket_parser(sub) -> None:
         return s
 
     s = cmd("ingest", cmd_ingest, "store a context from an .npz of k/v arrays [layers, heads, tokens, head_dim]")
-    s.add_argument("model")
+    s.add_argument("model", help="the id of a model registered in the bucket")
     s.add_argument("kv", help=".npz with arrays 'k' and 'v'")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="the content the KV cache was computed from")
     src.add_argument("--text-file", help="a file holding that content")
     src.add_argument("--tokens", help=".npy of the token ids (enables prefix reuse)")
-    s.add_argument("--name")
-    s.add_argument("--source")
-    s.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16", "int8"))
-    s.add_argument("--compression", default="lz4", choices=("none", "lz4", "zstd"))
+    s.add_argument("--name", help="a name for the context, shown by mcf bucket ls")
+    s.add_argument("--source", help="where the content came from (a path or URL, kept in the metadata)")
+    s.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16", "int8"),
+                   help="how the K/V values are stored")
+    s.add_argument("--compression", default="lz4", choices=("none", "lz4", "zstd"), help="of the KV file")
     s.add_argument("--ttl", type=float, help="seconds until the context expires")
     s.add_argument("--pin", action="store_true", help="never expire or garbage-collect it")
 
     s = cmd("ls", cmd_ls, "list the (unexpired) contexts of one model or of all")
-    s.add_argument("model", nargs="?")
+    s.add_argument("model", nargs="?", help="a model id (default: every model)")
     s.add_argument("--scan", action="store_true", help="rescan contexts/ instead of trusting the registry")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
 
     s = cmd("show", cmd_show, "print a context's metadata")
-    s.add_argument("context_id")
+    s.add_argument("context_id", help=CONTEXT_ID_HELP)
 
     s = cmd("rm", cmd_rm, "delete contexts")
-    s.add_argument("context_ids", nargs="+")
+    s.add_argument("context_ids", nargs="+", help="ids of the contexts (mcf bucket ls lists them)")
 
     s = cmd("promote", cmd_promote, "move a context to a faster tier: warm (RAM) or hot (a torch device)", url=True)
-    s.add_argument("context_id")
-    s.add_argument("--tier", default="warm", choices=("warm", "hot"))
+    s.add_argument("context_id", help=CONTEXT_ID_HELP)
+    s.add_argument("--tier", default="warm", choices=("warm", "hot"), help="the tier to move it to")
     s.add_argument("--device", help="torch device for the hot tier (default cuda)")
 
     s = cmd("demote", cmd_demote, "move a context to a slower tier: warm or cold (disk only)", url=True)
-    s.add_argument("context_id")
-    s.add_argument("--tier", default="cold", choices=("warm", "cold"))
+    s.add_argument("context_id", help=CONTEXT_ID_HELP)
+    s.add_argument("--tier", default="cold", choices=("warm", "cold"), help="the tier to move it to")
 
     cmd("gc", cmd_gc, "delete expired contexts and leftovers of crashed writers")
     cmd("rebuild", cmd_rebuild, "recreate registry.json from contexts/ (exit 1 if some could not be read)")
 
     s = cmd("serve", cmd_serve, "serve the REST API of seed 003 under /mcrp/v1/ (needs the 'server' extra)")
     s.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: loopback only; any other address needs a token)")
-    s.add_argument("--port", type=_port, default=8765)
+                   help="address to listen on (default: %(default)s, loopback only; any other address needs a token)")
+    s.add_argument("--port", type=_port, default=8765, help="TCP port to listen on")
     tok = s.add_mutually_exclusive_group()
     tok.add_argument("--token-file", help="require 'Authorization: Bearer TOKEN', TOKEN being the first line of this "
                                           "file (or set MCF_BUCKET_TOKEN)")
@@ -369,5 +374,5 @@ def add_bucket_parser(sub) -> None:
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="the model's dtype (default: as stored)")
 
     s = cmd("verify", cmd_verify, "check a context's KV file completely (header, sizes, CRC-32s)")
-    s.add_argument("context_id")
+    s.add_argument("context_id", help=CONTEXT_ID_HELP)
 

@@ -1,6 +1,6 @@
 """A model in the bucket's loop: a Hugging Face causal LM computes the KV cache of a text at ingest, and
 answers queries from the stored cache (seed 003, "pre-compute once, query many"; the ``transformers``
-extra: ``pip install 'mcf-formats[transformers]'``).
+extra: ``pip install '.[transformers]'`` in a checkout, ``pip install 'mcf-formats[transformers]'`` by name).
 
 Why it is built this way:
 

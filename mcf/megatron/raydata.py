@@ -13,7 +13,8 @@
   fsspec URLs, into blocks of sequences with their global sequence and document ids, split by sequence
   ranges (on document boundaries) across read tasks.
 
-Ray is an optional dependency: ``pip install 'mcf-formats[ray]'``.  See docs/scale.md.
+Ray is an optional dependency, the ``ray`` extra: ``pip install '.[ray]'`` in a checkout, ``pip install
+'mcf-formats[ray]'`` by name.  See docs/scale.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import numpy as np
 
+from mcf._core.fs import make_parent_dir
 from mcf._core.optional import require
 
 pa = require("pyarrow", feature="mcf.megatron.raydata (Megatron datasets on Ray Data)", extra="ray",
@@ -158,7 +160,8 @@ class TokenizeStep:
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = False, eod: int | None = None, dtype=np.int32,
                  batch_size: int = 1000, empty_text: str = "megatron"):
-        from mcf.megatron.tokenize import EMPTY_TEXT_RULES, load_tokenizer
+        from mcf.megatron.tokenize import EMPTY_TEXT_RULES
+        from mcf.tokenizer import load_tokenizer
 
         if empty_text not in EMPTY_TEXT_RULES:
             raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
@@ -622,7 +625,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     finished), ``tokenize`` (the Ray Data job: starting the workers, reading, tokenizing, writing the
     shards) and ``commit`` (checking and merging the shards)."""
     from mcf.megatron._layout import dtype_for_vocab
-    from mcf.megatron.tokenize import TokenizeStats, eod_token_id, load_tokenizer
+    from mcf.megatron.tokenize import TokenizeStats, eod_token_id
+    from mcf.tokenizer import load_tokenizer
     from mcf.remote import refuse_url
 
     t0 = time.perf_counter()
@@ -644,6 +648,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                         empty_text=empty_text)
     files = describe_inputs(inputs)
     total_bytes = sum(f.size for f in files)
+    make_parent_dir(output_prefix, what="writing a dataset")  # and of the default shard directory beside it
     t_connect = time.perf_counter()
     connect(address)
     t_plan = time.perf_counter()

@@ -12,6 +12,9 @@ sequences (``empty_text="datatrove"``: one sequence of just the EOD, and no docu
 string, as datatrove's reader and tokenizer step write).  The token dtype follows Megatron's rule (uint16 below 65500 tokens of vocabulary, else
 int32) or datatrove's (``dtype_rule="datatrove"``: uint16 up to 65536).
 
+The tokenizer is anything :func:`mcf.tokenizer.load_tokenizer` takes: a ``tokenizers.Tokenizer``, a
+``tokenizer.json``, a checkpoint directory, or an MCF file packed with its resources.
+
 ``workers`` threads tokenize batches in parallel (``tokenizers`` releases the GIL while encoding);
 the main thread reads, parses and writes in input order, so the output does not depend on
 ``workers``.  The library's own thread pool is turned off (``TOKENIZERS_PARALLELISM=false``) unless
@@ -32,17 +35,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mcf._core.args import integer
+from mcf._core.fs import make_parent_dir
 from mcf._core.optional import require
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
+from mcf.tokenizer import load_tokenizer  # the tokenizer argument: any source mcf.tokenizer takes
 
 try:  # faster JSON when available
     import orjson as _orjson
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
-__all__ = ["tokenize", "iter_documents", "load_tokenizer", "eod_token_id", "TokenizeStats", "EMPTY_TEXT_RULES"]
+__all__ = ["tokenize", "iter_documents", "eod_token_id", "TokenizeStats", "EMPTY_TEXT_RULES"]
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
 _COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -143,28 +148,6 @@ def iter_documents(path: str, *, json_key: str = "text", position=None, stream=N
         raw.close()
 
 
-def load_tokenizer(tokenizer):
-    """A ``tokenizers.Tokenizer`` from a path to ``tokenizer.json`` (or a checkpoint directory holding
-    one) with truncation and padding turned off, or the object itself, as configured."""
-    Tokenizer = require("tokenizers", feature="tokenizing text", extra="tokenize").Tokenizer
-    if isinstance(tokenizer, Tokenizer):
-        return tokenizer
-    p = os.fspath(tokenizer)
-    if os.path.isdir(p):
-        p = os.path.join(p, "tokenizer.json")
-    if not os.path.isfile(p):
-        raise InvalidArgumentError(f"no tokenizer file at {p}")
-    try:
-        tok = Tokenizer.from_file(p)
-    except Exception as exc:  # the library raises plain Exception subclasses
-        raise InvalidArgumentError(f"{p}: not a tokenizers file: {exc}") from None
-    # Checkpoints ship inference settings (sentence-transformers: truncate and pad to 128 tokens);
-    # pretraining data keeps every token and no padding.
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
-
-
 def eod_token_id(tok, *, token: str | None = None) -> int:
     """The id of ``token``, or of the first of the usual end-of-document tokens the vocabulary has."""
     names = (token,) if token else EOD_CANDIDATES
@@ -257,6 +240,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
             raise os_error(exc, p) from None
     t0 = time.perf_counter()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
+    make_parent_dir(output_prefix, what="writing a dataset")
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule)
     run = batch_encoder(tok, add_special_tokens, eod, w.dtype, empty_text=empty_text)
     done_before = 0

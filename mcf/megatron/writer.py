@@ -26,7 +26,7 @@ import tempfile
 import numpy as np
 
 from mcf._core.args import integer, integers
-from mcf._core.fs import create_temp, fsync_dir
+from mcf._core.fs import create_temp, fsync_dir, make_parent_dir
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MODE_DTYPE, VERSION,
@@ -562,6 +562,7 @@ def merge(output_prefix, inputs, *, mmap: bool | None = None, progress=None) -> 
         raise InvalidArgumentError("merge needs at least one input dataset")
     with open_dataset(inputs[0], mmap=mmap) as first:
         dtype, multimodal = first.dtype, first.multimodal
+    make_parent_dir(output_prefix, what="writing a dataset")
     w = Writer(output_prefix, dtype=dtype, multimodal=multimodal)
     with w:
         for k, p in enumerate(inputs):
