@@ -21,8 +21,9 @@ __attribute__((unused)) static const float mcf_e2m1_f32[16] = {0.0f, 0.5f, 1.0f,
 /* E2M1 code -> twice its value, code 8 as +0 (ggml's kvalues_mxfp4) */
 __attribute__((unused)) static const int8_t mcf_e2m1_x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-/* Half the E8M0 scale 2^(e - 127), as ggml_e8m0_to_fp32_half: exact, 2^-128 for e = 0 (a float32
- * subnormal), and 2^127 for e = 0xFF, which the MX spec calls NaN (ggml and gguf-py do not). */
+/* Half the E8M0 scale 2^(e - 127), as ggml_e8m0_to_fp32_half: exact for every e, 2^-128 for e = 0 (a
+ * float32 subnormal).  e = 0xFF, which the MX spec reserves for NaN, gives 2^127 (the scale 2^128), as in
+ * ggml and gguf-py: a reader that must refuse NaN scales checks for 0xFF itself. */
 static inline float mcf_e8m0_to_f32_half(uint8_t e)
 {
     uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;

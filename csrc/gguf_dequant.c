@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "cpu.h"
+#include "fp4.h"
 #include "fpconv.h"
 #include "gguf_dequant.h"
 #include "gguf_kernels.h"
@@ -575,7 +576,14 @@ int mcf_gguf_has_variant(int type, int impl)
     return impl == MCF_IMPL_AVX512 ? t->avx512 != NULL : impl == MCF_IMPL_AVX2 ? t->avx2 != NULL : 0;
 }
 
-const void *mcf_gguf_table(const char *name, size_t *nbytes) { return mcf_gguf_iq_table(name, nbytes); }
+const void *mcf_gguf_table(const char *name, size_t *nbytes)
+{
+    if (!strcmp(name, "kvalues_mxfp4")) {
+        *nbytes = sizeof mcf_e2m1_x2;
+        return mcf_e2m1_x2;
+    }
+    return mcf_gguf_iq_table(name, nbytes);
+}
 
 static void decode_f32(const gguf_type *t, const uint8_t *x, size_t nb, float *y, int impl)
 {
