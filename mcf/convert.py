@@ -12,22 +12,11 @@ import os
 
 from mcf._core.args import file_path
 from mcf.errors import InvalidArgumentError
+from mcf.gguf.info import is_gguf_file
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
 
 DTYPES = ("keep", "f32", "f16", "bf16")
-
-
-def _is_gguf(path: str) -> bool:
-    if path.lower().endswith(".gguf"):
-        return True
-    if os.path.isfile(path):
-        try:
-            with open(path, "rb") as f:
-                return f.read(4) == b"GGUF"
-        except OSError:
-            return False
-    return False
 
 
 def files_left_out(src) -> list:
@@ -61,8 +50,9 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that are not quantized.
     ``progress(done, total, name)`` is called after each tensor.  ``mmap=False`` reads safetensors
     inputs with ``pread`` instead of mapping them.  For GGUF input the report is
-    :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
-    stored), as GGUF's own blocks are already lossy.
+    :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats`: how each tensor was
+    stored, and for a requantized one the error the MCF method added to the GGUF values (GGUF's own
+    blocks are already lossy, and the original weights are not in the file).
 
     ``durable=False`` skips the fsyncs of the output (still published atomically; see :class:`mcf.Writer`).
 
@@ -79,11 +69,11 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
         raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     check_imatrix_mode(imatrix, compat, fast)
     imatrix = None if imatrix is None else as_importance(imatrix)  # a bad file fails before the output exists
-    if _is_gguf(path):
+    if is_gguf_file(path):
         from mcf.gguf.convert import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
-                             progress=progress, durable=durable, fast=fast, imatrix=imatrix)
+                             progress=progress, durable=durable, fast=fast, imatrix=imatrix, report=report)
         return list(stats) if report else []
     method, overrides = resolve_policy(method, overrides)
     return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,

@@ -344,3 +344,67 @@ def test_dequantize_errors():
         G.dequantize(b"\0" * 34, 8)
     with pytest.raises(mcf.InvalidArgumentError, match="0-d"):
         G.dequantize(np.array(3, np.uint8), 30)
+
+
+# -- conversion and mcf info -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def new_types_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("new_types") / "new.gguf")
+    tensors = []
+    for name in NEW:
+        if name == "Q2_0":
+            continue  # gguf-py cannot label it (test_q2_0_through_a_file)
+        arr, raw = fx.make_tensor(name, (4, 2 * fx.sizes(name)[0]), fx.rng_for(f"convert {name}"))
+        tensors.append((f"blk.{name}.weight", arr, raw))
+    tensors.append(("output_norm.weight", np.ones(64, np.float32), None))
+    fx.write_gguf(path, tensors)
+    return path
+
+
+def test_convert_decodes_and_requantizes_the_new_types_with_the_error_reported(new_types_file, tmp_path):
+    from mcf.container.quant import tensor_error_stats
+
+    dst = str(tmp_path / "k4.mcf")
+    stats = G.convert_gguf(new_types_file, dst, method="k4", overrides=["*IQ1_S*=q8"], report=True)
+    by = {s.name: s for s in stats}
+    with mcf.open(dst) as c, G.open(new_types_file) as g:
+        for name, t in g.tensors.items():
+            s = by[name]
+            if name == "output_norm.weight":
+                assert s.how == "copy" and s.rmse is None
+                continue
+            assert s.how == "quantize" and s.stored_as == ("q8" if "IQ1_S" in name else "k4"), name
+            want = tensor_error_stats(g.dequantize(name), c.dequantize(name))
+            assert (s.rmse, s.snr_db, s.max_abs_err) == want, name
+            assert 0 < s.rmse < np.abs(g.dequantize(name)).max()
+    plain = str(tmp_path / "f32.mcf")
+    stats = G.convert_gguf(new_types_file, plain)
+    with mcf.open(plain) as c, G.open(new_types_file) as g:
+        for s in stats:
+            assert s.rmse is None
+            if s.name != "output_norm.weight":
+                assert s.how == "decode" and s.stored_as == "f32"
+                assert_same(c.tensor(s.name), g.dequantize(s.name), s.name)
+
+
+def test_cli_convert_report_and_info(new_types_file, tmp_path, capsys):
+    import json
+
+    from mcf.cli import main
+
+    dst = str(tmp_path / "cli.mcf")
+    assert main(["convert", new_types_file, "-o", dst, "--method", "k4", "--report", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "blk.IQ2_XXS.weight" in ln)
+    assert "IQ2_XXS -> k4" in line and "quantize" in line and "RMSE" in line and "SNR" in line
+    assert "output_norm.weight" in out and "-> f32   copy" in out
+    assert main(["info", new_types_file]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF v3" in out and "IQ1_M x 1" in out
+    assert any("blk.NVFP4.weight" in ln and "NVFP4" in ln and "4x128" in ln for ln in out.splitlines())
+    assert main(["info", "--json", "--no-mmap", new_types_file]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["format"] == "gguf" and d["types"]["MXFP4"] == 1
+    assert {t["ggml_type"] for t in d["tensors"]} >= set(NEW) - {"Q2_0"}
+    assert all(t["kind"] in ("quant", "float") for t in d["tensors"])
