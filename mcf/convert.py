@@ -12,7 +12,6 @@ import os
 
 from mcf._core.args import file_path
 from mcf.errors import InvalidArgumentError
-from mcf.gguf.info import is_gguf_file
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
 
@@ -59,6 +58,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     Every input is validated before the output is created; a bad input raises a
     :class:`mcf.MCFError` subclass naming the file and field, and leaves ``dst`` untouched.
     """
+    from mcf.gguf.info import is_gguf_file
     from mcf.imatrix import as_importance
     from mcf.pack import pack_checkpoint
     from mcf.quant_policy import check_imatrix_mode, resolve_policy
