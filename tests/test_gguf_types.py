@@ -258,6 +258,33 @@ def test_block_count_that_does_not_divide_names_the_tensor(tmp_path):
         G.open(path)
 
 
+GOLDEN_NEW = os.path.join(fx.HERE, "golden_new_types.gguf")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_golden_new_types(impl):
+    """The committed bytes decode to what gguf-py (numpy for Q1_0) gave when they were made, and still give."""
+    import json
+
+    with open(os.path.join(fx.HERE, "golden_new_types.json")) as f:
+        digests = json.load(f)["decoded_sha256"]
+    r = gguf.GGUFReader(GOLDEN_NEW)
+    with G.open(GOLDEN_NEW) as g:
+        assert set(g.tensors) == set(digests) and {t.type.name for t in g.tensors.values()} == set(NEW) - {"Q2_0"}
+        for t in r.tensors:
+            got = g.dequantize(t.name, impl=impl)
+            assert fx.decoded_digest(got) == digests[t.name], t.name
+            want = fx.reference_decode(np.asarray(t.data), g.info(t.name).type.name, got.shape)
+            assert_same(got, want, t.name)
+
+
+def test_golden_new_types_generator_reproduces_the_committed_bytes(tmp_path):
+    path = str(tmp_path / "g.gguf")
+    fx.write_gguf(path, fx.golden_new_tensors(), [("add_name", "golden new types")])
+    with open(path, "rb") as a, open(GOLDEN_NEW, "rb") as b:
+        assert a.read() == b.read()
+
+
 # -- mcf.gguf.dequantize, gguf.quants.dequantize's drop-in -------------------------------------------
 
 DROP_IN = [t.name for t in gguf.GGMLQuantizationType if _gguf_py_decodes(t)]
