@@ -22,7 +22,10 @@ static const int8_t mcf_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22
  * constant -1 into a sign flip, which differs from the product for a NaN db */
 static inline void iq_group8(float db, const uint8_t *grid, uint8_t signs, float *y)
 {
-    for (int j = 0; j < 8; j++) y[j] = db * (float)((signs >> j) & 1 ? -(int)grid[j] : (int)grid[j]);
+    for (int j = 0; j < 8; j++) {
+        int neg = -((signs >> j) & 1);   /* 0 or -1: (g ^ neg) - neg is g or -g, without a branch to mispredict */
+        y[j] = db * (float)(((int)grid[j] ^ neg) - neg);
+    }
 }
 
 /* IQ2_XXS (66 bytes): d | per 32 values: 4 grid indices (bytes), then 4 x 7 sign bits and a 4-bit scale

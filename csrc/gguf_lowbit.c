@@ -63,12 +63,18 @@ void mcf_gguf_tq2_0_scalar(const uint8_t *x, size_t nb, float *y)
     }
 }
 
-/* Q1_0 (18 bytes, 128 values): d | qs[16]; element j is bit j%8 of qs[j/8]: d if set, -d if not */
+/* Q1_0 (18 bytes, 128 values): d | qs[16]; element j is bit j%8 of qs[j/8]: d if set, -d if not (the
+ * sign bit of d flipped, as C's unary minus does, also for a NaN d) */
 void mcf_gguf_q1_0_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 18, y += 128) {
-        float d = mcf_f16_at(x), neg = -d;
-        for (int j = 0; j < 128; j++) y[j] = (x[2 + j / 8] >> (j % 8)) & 1 ? d : neg;
+        float d = mcf_f16_at(x);
+        uint32_t u;
+        memcpy(&u, &d, 4);
+        for (int j = 0; j < 128; j++) {
+            uint32_t v = u ^ ((~(uint32_t)(x[2 + j / 8] >> (j % 8)) & 1u) << 31);
+            memcpy(y + j, &v, 4);
+        }
     }
 }
 
