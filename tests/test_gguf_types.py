@@ -438,3 +438,21 @@ def test_cli_convert_report_and_info(new_types_file, tmp_path, capsys):
     assert d["format"] == "gguf" and d["types"]["MXFP4"] == 1
     assert {t["ggml_type"] for t in d["tensors"]} >= set(NEW) - {"Q2_0"}
     assert all(t["kind"] in ("quant", "float") for t in d["tensors"])
+
+
+def test_cli_info_escapes_what_the_file_says(tmp_path, capsys):
+    """Metadata strings and tensor names come from whoever made the file: `mcf info` shows their control
+    characters as escapes instead of sending them to the terminal."""
+    from mcf.cli import main
+
+    path = str(tmp_path / "hostile.gguf")
+    fx.write_gguf(path, [("w\x1b[2J\nforged row", np.ones((1, 32), np.float32), None)],
+                  [("add_string", "general.name", "\x1b]0;pwned\x07\u202eevil"),
+                   ("add_array", "tok\x1b[31m", ["a\nb", "\x9b1m"])])
+    assert main(["info", path]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\u202e\x9b") and "forged row" in out
+    assert "\\x1b]0;pwned\\x07\\u202eevil" in out and "w\\x1b[2J\\x0aforged row" in out
+    assert main(["info", "--json", path]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\u001b" in out
