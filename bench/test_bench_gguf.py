@@ -1,4 +1,5 @@
-"""GGUF decode and conversion throughput (issue 7, GGUF part).
+"""GGUF decode and conversion throughput (issue 7, GGUF part; issue 27: the IQ / ternary / FP4 types and
+transformers' GGUF loading).
 
 1. Full decode of one 4096x4096 tensor of Q4_K, Q6_K, Q8_0 and Q4_0 to float32 (``GGUFFile.dequantize``
    into a preallocated 64-byte aligned buffer, every kernel variant this CPU supports) against
@@ -9,11 +10,19 @@
    (``shutil.copyfile`` + fsync, and a 16 MiB-chunk read/write loop + fsync; page cache warm), and the
    decode-to-float32 conversion of a Q4_K file against the same copies.
 
+3. Every type added by issue 27 (IQ1_S ... IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0, Q2_0): the same full
+   decode, every variant, against gguf-py's dequantizer on the same bytes (Q1_0 / Q2_0, which gguf-py
+   cannot decode: against the numpy reference of ggml's layout in tests/fixtures/gguf).  Target: >= 10x.
+4. transformers' ``from_pretrained(dir, gguf_file=...)`` of a Q4_K_M-style llama (random Q4_K / Q6_K
+   blocks, ~240M parameters) with gguf-py's ``gguf.dequantize`` and with ``mcf.gguf.dequantize`` in its
+   place: whole load time, and the time spent inside the dequantizer, both ways.
+
 Run: python -m pytest bench/test_bench_gguf.py --benchmark-only -s
 """
 
 import os
 import shutil
+import sys
 import time
 import zlib
 
@@ -26,6 +35,10 @@ from mcf.io import aligned_empty
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
 from gguf import GGMLQuantizationType as GT
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path.insert(0, os.path.join(TESTS, "fixtures", "gguf"))
+import gguf_fixtures as fx  # noqa: E402
 
 N = 4096
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0"]
@@ -227,6 +240,123 @@ def test_open_vocabulary(benchmark, vocab_file):
     _SUMMARY.append(("open-vocab", "-", "best", os.path.getsize(vocab_file) / t / 1e9, t_ref / t, None))
 
 
+NEW_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
+             "MXFP4", "NVFP4", "Q1_0", "Q2_0"]
+_ANCHOR_BITS = {}  # type -> the reference decode's bits, computed once per type
+
+
+def _new_type_blocks(tname):
+    """N x N values of ``tname``: random codes, normal scales (float16 ones around 0.01; MXFP4 exponents
+    2^-10..2^-2 as in real checkpoints, so that no value is a float32 subnormal)."""
+    bs, _ = fx.sizes(tname)
+    rng = np.random.default_rng(zlib.crc32(f"bench {tname}".encode()))
+    b = fx.random_blocks(tname, N * N // bs, rng, normal=True)
+    if tname == "MXFP4":
+        b[:, 0] = rng.integers(117, 126, len(b), dtype=np.uint8)
+    return b.reshape(N, -1)
+
+
+def _anchor(tname, raw):
+    """gguf-py's dequantizer on the bytes as GGUFReader hands them out; for Q1_0 / Q2_0, which it cannot
+    decode, the numpy reference of ggml's layout (tests/fixtures/gguf)."""
+    if tname in ("Q1_0", "Q2_0"):
+        return fx.reference_decode(raw, tname, (N, N))
+    return gguf.quants.dequantize(raw, GT[tname])
+
+
+@pytest.mark.parametrize("tname", NEW_TYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.benchmark(group="gguf-decode-new-types-4096x4096")
+def test_decode_new_types(benchmark, out_buf, tname, impl):
+    """The ratio is the median of three pairs (mcf's best of three decodes, then one anchor decode, back to
+    back), so that a change of the machine's load between the two measurements moves both."""
+    from mcf.gguf import _gguf
+
+    raw = _new_type_blocks(tname)
+    flat = out_buf.reshape(-1)
+    nb = raw.size // fx.sizes(tname)[1]
+    code = G.ggml_type(tname).code
+
+    def decode():
+        _gguf.dequantize_blocks(raw.reshape(-1), code, nb, flat, impl=impl)
+
+    benchmark.pedantic(decode, rounds=9, warmup_rounds=1, iterations=1)
+    t = benchmark.stats.stats.median
+    if tname not in _ANCHOR_BITS:
+        _ANCHOR_BITS[tname] = _anchor(tname, raw).view(np.uint32).reshape(-1)
+    assert np.array_equal(out_buf.view(np.uint32).reshape(-1), _ANCHOR_BITS[tname])
+    ratios = []
+    for _ in range(3):
+        t_ours = min(_median_time(decode, rounds=1) for _ in range(3))
+        ratios.append(_median_time(lambda: _anchor(tname, raw), rounds=1) / t_ours)
+    ratio = float(np.median(ratios))
+    gbps = N * N * 4 / t / 1e9
+    benchmark.extra_info.update(gbps_out=gbps, vs_anchor=ratio, vs_anchor_pairs=ratios)
+    _SUMMARY.append(("decode-new", tname, impl, gbps, ratio, None))
+
+
+def _load_with(path, dequantize):
+    """transformers' GGUF load of ``path`` with ``dequantize`` as gguf.dequantize; returns (seconds, seconds
+    inside dequantize)."""
+    import transformers
+
+    spent = [0.0]
+
+    def timed(data, qtype):
+        t0 = time.perf_counter()
+        try:
+            return dequantize(data, qtype)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    saved = gguf.dequantize
+    gguf.dequantize = timed
+    try:
+        t0 = time.perf_counter()
+        model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                                  gguf_file=os.path.basename(path))
+        total = time.perf_counter() - t0
+    finally:
+        gguf.dequantize = saved
+    del model
+    return total, spent[0]
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory):
+    pytest.importorskip("transformers", reason="the loader being measured")
+    pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate")
+    sys.path.insert(0, TESTS)
+    from _gguf_llama import Q4_K_M, write_llama_gguf
+    from _hf_models import tiny_model
+
+    model = tiny_model("llama", hidden=1536, heads=16, kv_heads=4, layers=6, vocab=32000, positions=2048)
+    path = str(tmp_path_factory.mktemp("gguf_llama") / "llama-q4_k_m.gguf")
+    write_llama_gguf(model, path, Q4_K_M)
+    del model
+    return path
+
+
+@pytest.mark.benchmark(group="gguf-transformers-load")
+def test_transformers_load(benchmark, llama_gguf):
+    """from_pretrained(gguf_file=...) with mcf's dequantize in place of gguf-py's, against gguf-py's."""
+    import mcf.gguf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _touch(llama_gguf)
+    inner = []
+    benchmark.pedantic(lambda: inner.append(_load_with(llama_gguf, mcf.gguf.dequantize)), rounds=3,
+                       warmup_rounds=1, iterations=1)
+    t = benchmark.stats.stats.median
+    t_dq = float(np.median([d for _, d in inner[1:]]))
+    ref = [_load_with(llama_gguf, gguf.quants.dequantize) for _ in range(3)]
+    t_ref, t_ref_dq = float(np.median([a for a, _ in ref])), float(np.median([d for _, d in ref]))
+    size = os.path.getsize(llama_gguf)
+    benchmark.extra_info.update(seconds=t, gguf_py_seconds=t_ref, vs_gguf_py=t_ref / t, dequant_seconds=t_dq,
+                                gguf_py_dequant_seconds=t_ref_dq, dequant_vs_gguf_py=t_ref_dq / t_dq)
+    _SUMMARY.append(("hf-load", "Q4KM", "best", size / t / 1e9, t_ref / t, t_ref_dq / t_dq))
+
+
 def teardown_module(module):
     if not _SUMMARY:
         return
@@ -237,6 +367,9 @@ def teardown_module(module):
     print("  2thr: ratio-a = 2 threads / 1 thread;  open-vocab: GB/s of header, ratio-a = vs gguf.GGUFReader")
     print("  conv-*: GB/s of GGUF input; ratio-a = vs shutil.copyfile + fsync, ratio-b = vs a 16 MiB-chunk")
     print("          read/write copy + fsync of the same file (the writer fsyncs too)")
+    print("  decode-new: as decode, ratio-a = vs gguf-py (Q1_0 / Q2_0: vs the numpy reference); target >= 10")
+    print("  hf-load: GB/s of GGUF file loaded by transformers; ratio-a = whole load vs gguf-py's dequantize,")
+    print("          ratio-b = time inside the dequantizer, gguf-py's / mcf's")
     for kind, tn, impl, gbps, a, b in _SUMMARY:
         fa = f"{a:8.2f}x" if a is not None else "        -"
         fb = f"{b:8.2f}x" if b is not None else "        -"

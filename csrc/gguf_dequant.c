@@ -1,5 +1,7 @@
-/* ggml block types -> float: a scalar reference for every supported type, AVX2 and AVX-512 variants
- * for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K.
+/* ggml block types -> float: the type table (block sizes and each variant's kernel), the dispatch, and
+ * the kernels of the legacy and K-quant types: a scalar reference for every one, AVX2 and AVX-512
+ * variants for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K.  The IQ types are
+ * in gguf_iq.c, the ternary, 1-/2-bit and FP4 types in gguf_lowbit.c.
  *
  * Every variant computes each value with the operation sequence of gguf-py's numpy dequantizers
  * (gguf/quants.py), which is also ggml's: f16 scales converted exactly to f32 (subnormals kept), then
@@ -12,66 +14,35 @@
 #include <string.h>
 
 #include "cpu.h"
+#include "fp4.h"
 #include "fpconv.h"
 #include "gguf_dequant.h"
+#include "gguf_kernels.h"
 #include "simd.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MCF_X86 1
-#endif
-
-#define QK_K 256
-
-static inline float f16(const uint8_t *p) { return mcf_f16_to_f32_one((uint16_t)(p[0] | (p[1] << 8))); }
-
-size_t mcf_gguf_block_size(int type)
-{
-    switch (type) {
-    case MCF_GGML_F32: case MCF_GGML_F16: case MCF_GGML_BF16: case MCF_GGML_F64: return 1;
-    case MCF_GGML_Q4_0: case MCF_GGML_Q4_1: case MCF_GGML_Q5_0: case MCF_GGML_Q5_1: case MCF_GGML_Q8_0: return 32;
-    case MCF_GGML_Q2_K: case MCF_GGML_Q3_K: case MCF_GGML_Q4_K: case MCF_GGML_Q5_K: case MCF_GGML_Q6_K:
-    case MCF_GGML_Q8_K: return QK_K;
-    default: return 0;
-    }
-}
-
-size_t mcf_gguf_type_size(int type)
-{
-    switch (type) {
-    case MCF_GGML_F32: return 4;
-    case MCF_GGML_F16: case MCF_GGML_BF16: return 2;
-    case MCF_GGML_F64: return 8;
-    case MCF_GGML_Q4_0: return 18;
-    case MCF_GGML_Q4_1: return 20;
-    case MCF_GGML_Q5_0: return 22;
-    case MCF_GGML_Q5_1: return 24;
-    case MCF_GGML_Q8_0: return 34;
-    case MCF_GGML_Q2_K: return 84;
-    case MCF_GGML_Q3_K: return 110;
-    case MCF_GGML_Q4_K: return 144;
-    case MCF_GGML_Q5_K: return 176;
-    case MCF_GGML_Q6_K: return 210;
-    case MCF_GGML_Q8_K: return 292;
-    default: return 0;
-    }
-}
+#define QK_K MCF_QK_K
+#define f16 mcf_f16_at
+#define le32 mcf_le32
 
 /* ---- scalar reference ----------------------------------------------------------------------- */
 
-static void plain_scalar(int type, const uint8_t *x, size_t n, float *y)
+static void f32_scalar(const uint8_t *x, size_t n, float *y) { memcpy(y, x, n * 4); }
+static void f16_scalar(const uint8_t *x, size_t n, float *y) { for (size_t i = 0; i < n; i++) y[i] = f16(x + 2 * i); }
+
+static void bf16_scalar(const uint8_t *x, size_t n, float *y)
 {
-    if (type == MCF_GGML_F32) { memcpy(y, x, n * 4); return; }
     for (size_t i = 0; i < n; i++) {
-        if (type == MCF_GGML_F16) y[i] = f16(x + 2 * i);
-        else if (type == MCF_GGML_BF16) {
-            uint32_t u = (uint32_t)(x[2 * i] | (x[2 * i + 1] << 8)) << 16;
-            memcpy(y + i, &u, 4);
-        } else {
-            double v;
-            memcpy(&v, x + 8 * i, 8);
-            y[i] = (float)v;
-        }
+        uint32_t u = (uint32_t)(x[2 * i] | (x[2 * i + 1] << 8)) << 16;
+        memcpy(y + i, &u, 4);
+    }
+}
+
+static void f64_scalar(const uint8_t *x, size_t n, float *y)
+{
+    for (size_t i = 0; i < n; i++) {
+        double v;
+        memcpy(&v, x + 8 * i, 8);
+        y[i] = (float)v;
     }
 }
 
@@ -96,8 +67,6 @@ static void q4_1_scalar(const uint8_t *x, size_t nb, float *y)
         }
     }
 }
-
-static inline uint32_t le32(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24); }
 
 static void q5_0_scalar(const uint8_t *x, size_t nb, float *y)
 {
@@ -261,25 +230,7 @@ static void q8_k_scalar(const uint8_t *x, size_t nb, float *y)
     }
 }
 
-static void decode_scalar(int type, const uint8_t *x, size_t nb, float *y)
-{
-    switch (type) {
-    case MCF_GGML_Q4_0: q4_0_scalar(x, nb, y); break;
-    case MCF_GGML_Q4_1: q4_1_scalar(x, nb, y); break;
-    case MCF_GGML_Q5_0: q5_0_scalar(x, nb, y); break;
-    case MCF_GGML_Q5_1: q5_1_scalar(x, nb, y); break;
-    case MCF_GGML_Q8_0: q8_0_scalar(x, nb, y); break;
-    case MCF_GGML_Q2_K: q2_k_scalar(x, nb, y); break;
-    case MCF_GGML_Q3_K: q3_k_scalar(x, nb, y); break;
-    case MCF_GGML_Q4_K: q4_k_scalar(x, nb, y); break;
-    case MCF_GGML_Q5_K: q5_k_scalar(x, nb, y); break;
-    case MCF_GGML_Q6_K: q6_k_scalar(x, nb, y); break;
-    case MCF_GGML_Q8_K: q8_k_scalar(x, nb, y); break;
-    default: plain_scalar(type, x, nb, y); break;
-    }
-}
-
-#ifdef MCF_X86
+#ifdef MCF_GGUF_X86
 /* ---- AVX2 ----------------------------------------------------------------------------------- */
 /* Stores: streaming (non-temporal) for outputs far larger than the caches when aligned, else plain.
  * Only where the values are written, never how they are computed, so the bytes do not change. */
@@ -543,51 +494,119 @@ MCF_TARGET_AVX512 static void q6_k_avx512(const uint8_t *x, size_t nb, float *y,
         }
     }
 }
-#endif /* MCF_X86 */
+/* F16 / BF16: the shared conversions (fpconv_simd.c), which have their own variants */
+static void f16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX2); }
+static void f16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
+static void bf16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX2); }
+static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
+#endif /* MCF_GGUF_X86 */
 
-static void decode_f32(int type, const uint8_t *x, size_t nb, float *y, int impl)
-{
-#ifdef MCF_X86
-    /* streaming stores when the output (>= 8 MiB) is 64-byte aligned: every block's output then
-     * starts on a 64-byte boundary (32 or 256 floats) */
-    int st = mcf_use_streaming(y, nb * mcf_gguf_block_size(type) * 4);
-    if (impl >= MCF_IMPL_AVX512) {
-        switch (type) {
-        case MCF_GGML_Q8_0: q8_0_avx512(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q4_0: q4_0_avx512(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q4_K: q4_k_avx512(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q6_K: q6_k_avx512(x, nb, y, st); _mm_sfence(); return;
-        /* no AVX-512 variant: decode is write-bound, the AVX2 code reaches the same bandwidth */
-        case MCF_GGML_Q5_K: q5_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q2_K: q2_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q3_K: q3_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        default: break;
-        }
-    } else if (impl == MCF_IMPL_AVX2) {
-        switch (type) {
-        case MCF_GGML_Q8_0: q8_0_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q4_0: q4_0_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q4_K: q4_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q6_K: q6_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q5_K: q5_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q2_K: q2_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        case MCF_GGML_Q3_K: q3_k_avx2(x, nb, y, st); _mm_sfence(); return;
-        default: break;
-        }
-    }
-    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_F16) { mcf_convert(MCF_F16_TO_F32, x, y, nb, impl); return; }
-    if (impl >= MCF_IMPL_AVX2 && type == MCF_GGML_BF16) { mcf_convert(MCF_BF16_TO_F32, x, y, nb, impl); return; }
+/* ---- the type table and the dispatch -------------------------------------------------------------- */
+
+/* One ggml type: `block` values in `size` bytes, and its kernel in each variant.  A NULL vector kernel
+ * means that tier runs the next lower one's (Q2_K's AVX2 code when AVX-512 is selected: the decode is
+ * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  A variant for
+ * another architecture is one more column. */
+typedef struct {
+    uint16_t block, size;
+    mcf_gguf_scalar_fn scalar;
+    mcf_gguf_vector_fn avx2, avx512;
+} gguf_type;
+
+#ifdef MCF_GGUF_X86
+#define X86(fn) fn
+#else
+#define X86(fn) NULL
 #endif
-    (void)impl;
-    decode_scalar(type, x, nb, y);
+#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512)}
+
+static const gguf_type TYPES[MCF_GGML_TYPE_LIMIT] = {
+    [MCF_GGML_F32] = {1, 4, f32_scalar, NULL, NULL},
+    [MCF_GGML_F16] = {1, 2, f16_scalar, X86(f16_avx2), X86(f16_avx512)},
+    [MCF_GGML_BF16] = {1, 2, bf16_scalar, X86(bf16_avx2), X86(bf16_avx512)},
+    [MCF_GGML_F64] = {1, 8, f64_scalar, NULL, NULL},
+    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, X86(q4_0_avx2), X86(q4_0_avx512)},
+    [MCF_GGML_Q4_1] = {32, 20, q4_1_scalar, NULL, NULL},
+    [MCF_GGML_Q5_0] = {32, 22, q5_0_scalar, NULL, NULL},
+    [MCF_GGML_Q5_1] = {32, 24, q5_1_scalar, NULL, NULL},
+    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, X86(q8_0_avx2), X86(q8_0_avx512)},
+    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, X86(q2_k_avx2), NULL},
+    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, X86(q3_k_avx2), NULL},
+    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, X86(q4_k_avx2), X86(q4_k_avx512)},
+    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, X86(q5_k_avx2), NULL},
+    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, X86(q6_k_avx2), X86(q6_k_avx512)},
+    [MCF_GGML_Q8_K] = {QK_K, 292, q8_k_scalar, NULL, NULL},
+    [MCF_GGML_IQ2_XXS] = EXTERNAL(mcf_gguf_iq2_xxs, QK_K, 66),
+    [MCF_GGML_IQ2_XS] = EXTERNAL(mcf_gguf_iq2_xs, QK_K, 74),
+    [MCF_GGML_IQ2_S] = EXTERNAL(mcf_gguf_iq2_s, QK_K, 82),
+    [MCF_GGML_IQ3_XXS] = EXTERNAL(mcf_gguf_iq3_xxs, QK_K, 98),
+    [MCF_GGML_IQ3_S] = EXTERNAL(mcf_gguf_iq3_s, QK_K, 110),
+    [MCF_GGML_IQ1_S] = EXTERNAL(mcf_gguf_iq1_s, QK_K, 50),
+    [MCF_GGML_IQ1_M] = EXTERNAL(mcf_gguf_iq1_m, QK_K, 56),
+    [MCF_GGML_IQ4_NL] = EXTERNAL(mcf_gguf_iq4_nl, 32, 18),
+    [MCF_GGML_IQ4_XS] = EXTERNAL(mcf_gguf_iq4_xs, QK_K, 136),
+    [MCF_GGML_TQ1_0] = EXTERNAL(mcf_gguf_tq1_0, QK_K, 54),
+    [MCF_GGML_TQ2_0] = EXTERNAL(mcf_gguf_tq2_0, QK_K, 66),
+    [MCF_GGML_MXFP4] = EXTERNAL(mcf_gguf_mxfp4, 32, 17),
+    [MCF_GGML_NVFP4] = EXTERNAL(mcf_gguf_nvfp4, 64, 36),
+    [MCF_GGML_Q1_0] = EXTERNAL(mcf_gguf_q1_0, 128, 18),
+    [MCF_GGML_Q2_0] = EXTERNAL(mcf_gguf_q2_0, 64, 18),
+};
+
+static const gguf_type *type_of(int type)
+{
+    return type >= 0 && type < MCF_GGML_TYPE_LIMIT && TYPES[type].scalar ? &TYPES[type] : NULL;
+}
+
+size_t mcf_gguf_block_size(int type) { const gguf_type *t = type_of(type); return t ? t->block : 0; }
+size_t mcf_gguf_type_size(int type) { const gguf_type *t = type_of(type); return t ? t->size : 0; }
+
+static mcf_gguf_vector_fn vector_kernel(const gguf_type *t, int impl)
+{
+    if (impl >= MCF_IMPL_AVX512 && t->avx512) return t->avx512;
+    if (impl >= MCF_IMPL_AVX2 && t->avx2) return t->avx2;
+    return NULL;
+}
+
+int mcf_gguf_has_variant(int type, int impl)
+{
+    const gguf_type *t = type_of(type);
+    if (!t) return 0;
+    if (impl == MCF_IMPL_SCALAR) return 1;
+    return impl == MCF_IMPL_AVX512 ? t->avx512 != NULL : impl == MCF_IMPL_AVX2 ? t->avx2 != NULL : 0;
+}
+
+const void *mcf_gguf_table(const char *name, size_t *nbytes)
+{
+    if (!strcmp(name, "kvalues_mxfp4")) {
+        *nbytes = sizeof mcf_e2m1_x2;
+        return mcf_e2m1_x2;
+    }
+    return mcf_gguf_iq_table(name, nbytes);
+}
+
+static void decode_f32(const gguf_type *t, const uint8_t *x, size_t nb, float *y, int impl)
+{
+    mcf_gguf_vector_fn fn = vector_kernel(t, impl);
+    if (fn) {
+        /* streaming stores when the output (>= 8 MiB) is 64-byte aligned: every block's output then
+         * starts on a 64-byte boundary (a multiple of 16 floats) */
+        fn(x, nb, y, mcf_use_streaming(y, nb * t->block * 4));
+#ifdef MCF_GGUF_X86
+        _mm_sfence();
+#endif
+        return;
+    }
+    t->scalar(x, nb, y);
 }
 
 int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, int out_kind, int impl)
 {
-    size_t bs = mcf_gguf_block_size(type), ts = mcf_gguf_type_size(type);
-    if (!bs || !ts) return -1;
+    const gguf_type *t = type_of(type);
+    if (!t) return -1;
+    size_t bs = t->block, ts = t->size;
     if (out_kind == MCF_OUT_F32) {
-        decode_f32(type, src, nblocks, (float *)out, impl);
+        decode_f32(t, src, nblocks, (float *)out, impl);
         return 0;
     }
     if (out_kind == MCF_OUT_F16 && type == MCF_GGML_F16) { memcpy(out, src, nblocks * 2); return 0; }
@@ -598,7 +617,7 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
     uint16_t *o = (uint16_t *)out;
     while (done < nblocks) {
         size_t n = nblocks - done < per ? nblocks - done : per;
-        decode_f32(type, src + done * ts, n, tmp, impl);
+        decode_f32(t, src + done * ts, n, tmp, impl);
         mcf_convert(out_kind == MCF_OUT_F16 ? MCF_F32_TO_F16 : MCF_F32_TO_BF16, tmp, o + done * bs, n * bs, impl);
         done += n;
     }

@@ -23,7 +23,18 @@ __all__ = ["main"]
 
 def cmd_info(args) -> int:
     import mcf
+    from mcf.gguf.info import is_gguf_file
 
+    if is_gguf_file(args.file):
+        import mcf.gguf
+        from mcf.gguf import info as gguf_info
+
+        with mcf.gguf.open(args.file, mmap=False if args.no_mmap else None) as g:
+            if args.json:
+                print(json_text(gguf_info.info_dict(g)))
+            else:
+                gguf_info.print_info(g)
+        return 0
     with mcf.open(args.file, mmap=False if args.no_mmap else None) as c:
         if args.json:
             print(json_text(info_dict(c)))
@@ -141,10 +152,12 @@ def cmd_convert(args) -> int:
     size = os.path.getsize(args.output)
     print(f"wrote {args.output}: {human(size)} in {dt:.2f}s")
     _print_left_out(args.src, args.output)
-    if args.report and stats and not hasattr(stats[0], "rmse"):  # GGUF: how each tensor was stored
+    if args.report and stats and hasattr(stats[0], "ggml_type"):  # GGUF: how each tensor was stored
         nw = min(max(len(printable(s.name)) for s in stats), 60)
         for s in stats:
-            print(f"  {printable(s.name):<{nw}} {s.ggml_type:>6} -> {s.stored_as:<5} {printable(s.how)}")
+            err = "" if s.rmse is None else (f"  RMSE {s.rmse:.3g}  SNR {s.snr_db:.2f} dB  max|err| "
+                                             f"{s.max_abs_err:.3g}")
+            print(f"  {printable(s.name):<{nw}} {s.ggml_type:>7} -> {s.stored_as:<5} {printable(s.how):<8}{err}".rstrip())
     elif args.report:
         print_report(stats)
     return 0
@@ -227,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                            help="one of the commands below; mcf COMMAND --help tells more")
 
-    s = sub.add_parser("info", help="show header, sections, model info and tensor table")
-    s.add_argument("file", help="an MCF file")
+    s = sub.add_parser("info", help="show header, sections, model info and tensor table (of an MCF or a GGUF file)")
+    s.add_argument("file", help="an MCF or a GGUF file")
     s.add_argument("--json", action="store_true", help=JSON_HELP)
     s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_info)

@@ -74,8 +74,9 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     ``progress(done, total, name)`` is called after each tensor.  ``mmap`` chooses how safetensors
     inputs are read: mapped (True), with ``pread`` (False), or by their filesystem (None, the default:
     mapped on local disks).  For GGUF input the report is
-    :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
-    stored), as GGUF's own blocks are already lossy.
+    :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats`: how each tensor was
+    stored, and for a requantized one the error the MCF method added to the GGUF values (GGUF's own
+    blocks are already lossy, and the original weights are not in the file).
 
     ``durable=False`` skips the fsyncs of the output (still published atomically; see :class:`mcf.Writer`).
 
@@ -96,7 +97,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
         from mcf.gguf.convert import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
-                             progress=progress, durable=durable, fast=fast, imatrix=imatrix)
+                             progress=progress, durable=durable, fast=fast, imatrix=imatrix, report=report)
         return list(stats) if report else []
     method, overrides = resolve_policy(method, overrides)
     return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,

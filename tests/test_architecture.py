@@ -378,7 +378,8 @@ LAYERS = {
     # formats: one package each
     "mcf.container": (FORMAT, "mcf"),
     "mcf.safetensors": (FORMAT, "safetensors"),
-    "mcf.gguf.reader": (FORMAT, "gguf"), "mcf.gguf._gguf": (FORMAT, "gguf"),
+    "mcf.gguf.reader": (FORMAT, "gguf"), "mcf.gguf._gguf": (FORMAT, "gguf"), "mcf.gguf.quants": (FORMAT, "gguf"),
+    "mcf.gguf.info": (FORMAT, "gguf"),
     "mcf.megatron": (FORMAT, "megatron"),
     "mcf.megacontext": (FORMAT, "megacontext"),
     "mcf.bucket": (FORMAT, "bucket"),

@@ -249,6 +249,11 @@ def _check_kernels(out):
     assert "(512, 256) float16" in out and "True" in out.splitlines()
 
 
+def _check_gguf(out):
+    assert "(64, 512) float32" in out                         # mcf.gguf.dequantize of raw rows
+    assert "GGUF v3" in out and "Q4_K x 1" in out            # mcf info model.gguf
+
+
 def _check_io(out):
     assert "b'\\x00\\x01\\x02\\x03' 16384" in out
 
@@ -263,7 +268,7 @@ CHECKS = {
     "guide.md": _check_guide, "quickstart.md": _check_quickstart, "megacontext.md": _check_megacontext,
     "megatron.md": _check_megatron, "convert.md": _check_convert, "torch.md": _check_torch,
     "remote.md": _check_remote, "quantization.md": _check_quantization, "README.md": _check_readme,
-    "kernels.md": _check_kernels, "io.md": _check_io, "extending.md": _check_extending,
+    "kernels.md": _check_kernels, "io.md": _check_io, "extending.md": _check_extending, "gguf.md": _check_gguf,
 }
 
 # Pages whose shell blocks make their own virtual environment: the suite's PYTHONPATH (a checkout run

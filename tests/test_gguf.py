@@ -101,7 +101,8 @@ def test_every_access_mode_decodes_the_same(many_types, reader, mode):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("tname", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "F16", "F32", "BF16"])
+@pytest.mark.parametrize("tname", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K", "F16", "F32", "BF16", "IQ2_XS", "IQ1_S",
+                                   "TQ2_0", "NVFP4", "Q1_0"])
 def test_narrow_outputs_round_like_fpconv(many_types, tname, impl):
     """float16 / bfloat16 outputs are the float32 decode rounded to nearest even."""
     with G.open(many_types) as g:
@@ -375,17 +376,17 @@ def test_convert_progress_and_refusals(tmp_path):
 
 
 def test_unsupported_type_is_a_clear_dtype_error(tmp_path):
-    """IQ* / TQ* blocks: the file opens (sizes are known), raw bytes are readable, decoding and
-    converting name the type."""
-    b = np.random.default_rng(1).integers(0, 256, (2, 66), dtype=np.uint8)
-    path = str(tmp_path / "iq.gguf")
-    fx.write_gguf(path, [("iq", b, fx.qtype("IQ2_XXS")), ("ok", np.ones((2, 4), np.float32), None)])
+    """Q8_1 blocks (ggml's intermediate type for dot products, which no dequantizer decodes): the file
+    opens (sizes are known), raw bytes are readable, decoding and converting name the type."""
+    b = np.random.default_rng(1).integers(0, 256, (2, 40), dtype=np.uint8)
+    path = str(tmp_path / "q81.gguf")
+    fx.write_gguf(path, [("q81", b, fx.qtype("Q8_1")), ("ok", np.ones((2, 4), np.float32), None)])
     with G.open(path) as g:
-        assert g.info("iq").type.name == "IQ2_XXS" and g.raw("iq").tobytes() == b.tobytes()
-        with pytest.raises(mcf.DTypeError, match="IQ2_XXS"):
-            g.dequantize("iq")
-    dst = tmp_path / "iq.mcf"
-    with pytest.raises(mcf.DTypeError, match="IQ2_XXS"):
+        assert g.info("q81").type.name == "Q8_1" and g.raw("q81").tobytes() == b.tobytes()
+        with pytest.raises(mcf.DTypeError, match="Q8_1"):
+            g.dequantize("q81")
+    dst = tmp_path / "q81.mcf"
+    with pytest.raises(mcf.DTypeError, match="Q8_1"):
         G.convert_gguf(path, str(dst))
     assert not dst.exists()
 
@@ -442,7 +443,8 @@ def test_non_utf8_strings_stay_bytes(tmp_path):
         assert doc["metadata"]["tokenizer.ggml.tokens"][0] == {"bytes_hex": "6162ffa9"}
 
 
-@pytest.mark.parametrize("tname", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("tname", ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q3_K", "Q2_K", "IQ2_XXS", "IQ1_M",
+                                   "IQ4_NL", "TQ1_0", "MXFP4", "NVFP4", "Q1_0"])
 def test_large_outputs_use_streaming_stores_with_the_same_bits(tmp_path, tname):
     """Outputs of 8 MiB and more, 64-byte aligned, are written with non-temporal stores by the vector
     variants: same values as gguf-py, and as an unaligned (plain-store) output."""

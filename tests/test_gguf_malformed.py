@@ -159,9 +159,11 @@ def test_types():
     expect(build([], [tinfo("t", (32,), 4, 0)], b"\0" * 64), mcf.DTypeError, "code 4")  # removed Q4_2
     expect(build([], [tinfo("t", (33,), 8, 0)], b"\0" * 64), mcf.FormatError, "block size 32")
     expect(build([], [tinfo("t", (100,), 12, 0)], b"\0" * 256), mcf.FormatError, "Q4_K block size 256")
-    g = G.open(build([], [tinfo("t", (256,), 16, 0)], b"\0" * 96))  # IQ2_XXS: opens, cannot decode
-    with pytest.raises(mcf.DTypeError, match="IQ2_XXS"):
+    g = G.open(build([], [tinfo("t", (32,), 9, 0)], b"\0" * 64))  # Q8_1: opens, cannot decode
+    with pytest.raises(mcf.DTypeError, match="Q8_1"):
         g.dequantize("t")
+    g = G.open(build([], [tinfo("t", (256,), 16, 0)], b"\0" * 96))  # IQ2_XXS: decodes since issue 27
+    assert not g.dequantize("t").any()
 
 
 def test_every_truncation_of_the_golden_file():

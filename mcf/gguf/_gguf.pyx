@@ -18,17 +18,37 @@ from mcf.errors import DTypeError, InvalidArgumentError
 cdef extern from "gguf_dequant.h" nogil:
     size_t mcf_gguf_block_size(int type)
     size_t mcf_gguf_type_size(int type)
+    int mcf_gguf_has_variant(int type, int impl)
+    const void* mcf_gguf_table(const char* name, size_t* nbytes)
     int mcf_gguf_dequant(int type, const uint8_t* src, size_t nblocks, void* out, int out_kind, int impl)
     size_t mcf_gguf_scales(int type, const uint8_t* src, size_t nblocks, uint16_t* scales)
     void mcf_gguf_codes(int type, const uint8_t* src, size_t nblocks, uint8_t* codes)
 
-# ggml types with a vector variant; the others run the scalar code whatever impl says
-VECTOR_TYPES = (8, 2, 12, 14, 10, 11, 13, 1, 30)  # Q8_0, Q4_0, Q4_K, Q6_K, Q2_K, Q3_K, Q5_K, F16, BF16
-
-
 def block_info(int gtype):
     """(values per block, bytes per block) of a ggml type mcf decodes, else (0, 0)."""
     return mcf_gguf_block_size(gtype), mcf_gguf_type_size(gtype)
+
+
+def own_variants(int gtype):
+    """The kernel variants with their own code for ggml type ``gtype`` (``("scalar", "avx2", "avx512")``
+    at most); a variant left out runs the next lower one's code."""
+    names = ("scalar", "avx2", "avx512")
+    return tuple(n for k, n in enumerate(names) if mcf_gguf_has_variant(gtype, k))
+
+
+# ggml types with a vector variant; the others run the scalar code whatever impl says
+VECTOR_TYPES = tuple(c for c in range(64) if len(own_variants(c)) > 1)
+
+
+def table(str name):
+    """The bytes of a compiled-in IQ codebook (``"iq2xxs_grid"``, ``"ksigns_iq2xs"``, ...), for the tests
+    that compare them with gguf-py's."""
+    cdef size_t n = 0
+    b = name.encode("ascii")
+    cdef const void* p = mcf_gguf_table(b, &n)
+    if p == NULL:
+        raise InvalidArgumentError(f"no compiled table named {name!r}")
+    return (<const char*>p)[:n]
 
 
 from mcf._core._kernels import out_kind as _kind  # one output-dtype table for every kernel module

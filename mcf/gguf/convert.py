@@ -27,7 +27,12 @@ _NATIVE = {"Q8_0": "q8", "Q4_0": "q4"}
 class ConvertStats:
     """What :func:`convert_gguf` did with one tensor.  ``how`` is ``"copy"`` (bytes as they are),
     ``"cast"`` (float to another float dtype), ``"decode"`` (ggml blocks to float), ``"native"``
-    (Q8_0/Q4_0 re-laid out as MCF q8/q4 without loss) or ``"quantize"`` (to ``stored_as``)."""
+    (Q8_0/Q4_0 re-laid out as MCF q8/q4 without loss) or ``"quantize"`` (to ``stored_as``).
+
+    With ``report=True``, a quantized tensor also carries the error the requantization added: RMSE,
+    SNR in dB and max |error| of MCF's decoded values against the GGUF tensor's own decoded values (the
+    loss of the GGUF quantization itself is not included: the original weights are not in the file).
+    None for the other tensors, which are stored without loss."""
 
     name: str
     ggml_type: str
@@ -36,6 +41,9 @@ class ConvertStats:
     shape: tuple
     nbytes_in: int
     nbytes_out: int
+    rmse: float | None = None
+    snr_db: float | None = None
+    max_abs_err: float | None = None
 
 
 _ARCH_WORDS = (("llama", "LLAMA"), ("mistral", "MISTRAL"), ("qwen", "QWEN"), ("gemma", "GEMMA"),
@@ -182,7 +190,7 @@ def _float_target(t: GGUFTensor, dtype: str):
 
 def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="keep", progress=None,
                  mmap: bool = False, threads: int = 1, durable: bool = True, fast: bool = False,
-                 imatrix=None) -> list:
+                 imatrix=None, report: bool = False) -> list:
     """Convert a GGUF file to MCF, one tensor at a time (peak memory near one tensor).
 
     - ``dtype="keep"``: F32/F16/BF16/F64 tensors are stored as they are; quantized ggml types are
@@ -193,6 +201,9 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
       choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (None, a file, or a mapping
       name -> importance; llama.cpp's importance matrices use GGUF names, and Hugging Face names are matched too) as
       in ``mcf quantize`` (:func:`mcf.quant_policy.resolve_imatrix`).
+    - ``report=True``: each requantized tensor's :class:`ConvertStats` carries the error the MCF method
+      added (RMSE, SNR, max |error| against the tensor's decoded GGUF values), as ``mcf convert --report``
+      prints it.
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
       subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32
@@ -241,7 +252,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
                 imp = importance_for(imatrix, name, m) if _requantized(t, m) else None
                 try:
                     stats.append(_convert_one(g, w, rd, t, m, compat, dtype, threads, quantize, cast_chunk, fast,
-                                              imp))
+                                              imp, report))
                 except MCFError as exc:  # name the file and the tensor, whatever failed
                     raise in_tensor(exc, g.path, name) from exc
                 rd.release()
@@ -292,7 +303,8 @@ def _decode_all_f32(g: GGUFFile, rd: _Reader, t: GGUFTensor, threads) -> np.ndar
     return out
 
 
-def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, cast, fast=False, importance=None):
+def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, cast, fast=False, importance=None,
+                 report=False):
     from mcf._core.dtypes import parse_dtype
 
     tn = t.type.name
@@ -323,9 +335,10 @@ def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, c
             if importance is None:
                 raise
             raise InvalidArgumentError(f"{g.path}: tensor {t.name!r}: {exc}") from None
+        err = _requantization_error(arr, sd, payload, m, t.shape) if report else (None, None, None)
         del arr
         w.add_tensor_bytes(t.name, m, t.shape, payload, quant=q)
-        return ConvertStats(t.name, tn, m, "quantize", t.shape, t.nbytes, payload.nbytes)
+        return ConvertStats(t.name, tn, m, "quantize", t.shape, t.nbytes, payload.nbytes, *err)
     target = _float_target(t, dtype)
     if t.type.kind == "float":
         src_info = parse_dtype({"F32": "f32", "F16": "f16", "BF16": "bf16", "F64": "f64"}[tn])
@@ -340,6 +353,15 @@ def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, c
                                                                         else np.uint16)
     w.add_tensor_bytes(t.name, target, t.shape, _stream_decode(g, rd, t, out_dt, threads))
     return ConvertStats(t.name, tn, target.name, "decode", t.shape, t.nbytes, t.n_elements * target.itemsize)
+
+
+def _requantization_error(arr, src_dtype: str, payload, method: str, shape) -> tuple:
+    """(RMSE, SNR dB, max |error|) of MCF's decode of ``payload`` against the values it was made from."""
+    from mcf._core.dtypes import parse_dtype
+    from mcf.container.quant import dequantize, rows_f32, tensor_error_stats
+
+    ref = rows_f32(np.asarray(arr), 0, shape[0], parse_dtype(src_dtype))
+    return tensor_error_stats(ref, dequantize(payload, method, shape))
 
 
 def _native(g, w, rd, t: GGUFTensor):

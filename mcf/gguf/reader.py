@@ -76,22 +76,27 @@ class GGMLType:
         return _PLAIN_NUMPY.get(self.name)
 
 
-_T = GGMLType
+# ggml.h's enum ggml_type: code, name, values per block, bytes per block, what mcf does with it.  The
+# sizes are also what validates a file's layout, so types mcf cannot decode are listed too (their files
+# open, and raw() works).  csrc/gguf_dequant.c holds the same sizes for the decoders; a test checks that
+# both agree with each other and with gguf-py's GGML_QUANT_SIZES.
 _TYPES = {t.code: t for t in [
-    _T(0, "F32", 1, 4, "float"), _T(1, "F16", 1, 2, "float"), _T(2, "Q4_0", 32, 18, "quant"),
-    _T(3, "Q4_1", 32, 20, "quant"), _T(6, "Q5_0", 32, 22, "quant"), _T(7, "Q5_1", 32, 24, "quant"),
-    _T(8, "Q8_0", 32, 34, "quant"), _T(9, "Q8_1", 32, 40, "unsupported"), _T(10, "Q2_K", 256, 84, "quant"),
-    _T(11, "Q3_K", 256, 110, "quant"), _T(12, "Q4_K", 256, 144, "quant"), _T(13, "Q5_K", 256, 176, "quant"),
-    _T(14, "Q6_K", 256, 210, "quant"), _T(15, "Q8_K", 256, 292, "quant"),
-    _T(16, "IQ2_XXS", 256, 66, "unsupported"), _T(17, "IQ2_XS", 256, 74, "unsupported"),
-    _T(18, "IQ3_XXS", 256, 98, "unsupported"), _T(19, "IQ1_S", 256, 50, "unsupported"),
-    _T(20, "IQ4_NL", 32, 18, "unsupported"), _T(21, "IQ3_S", 256, 110, "unsupported"),
-    _T(22, "IQ2_S", 256, 82, "unsupported"), _T(23, "IQ4_XS", 256, 136, "unsupported"),
-    _T(24, "I8", 1, 1, "int"), _T(25, "I16", 1, 2, "int"), _T(26, "I32", 1, 4, "int"),
-    _T(27, "I64", 1, 8, "int"), _T(28, "F64", 1, 8, "float"), _T(29, "IQ1_M", 256, 56, "unsupported"),
-    _T(30, "BF16", 1, 2, "float"), _T(34, "TQ1_0", 256, 54, "unsupported"),
-    _T(35, "TQ2_0", 256, 66, "unsupported"), _T(39, "MXFP4", 32, 17, "unsupported"),
-    _T(40, "NVFP4", 64, 36, "unsupported"), _T(41, "Q1_0", 128, 18, "unsupported"),
+    GGMLType(0, "F32", 1, 4, "float"), GGMLType(1, "F16", 1, 2, "float"), GGMLType(2, "Q4_0", 32, 18, "quant"),
+    GGMLType(3, "Q4_1", 32, 20, "quant"), GGMLType(6, "Q5_0", 32, 22, "quant"), GGMLType(7, "Q5_1", 32, 24, "quant"),
+    GGMLType(8, "Q8_0", 32, 34, "quant"), GGMLType(9, "Q8_1", 32, 40, "unsupported"),
+    GGMLType(10, "Q2_K", 256, 84, "quant"), GGMLType(11, "Q3_K", 256, 110, "quant"),
+    GGMLType(12, "Q4_K", 256, 144, "quant"), GGMLType(13, "Q5_K", 256, 176, "quant"),
+    GGMLType(14, "Q6_K", 256, 210, "quant"), GGMLType(15, "Q8_K", 256, 292, "quant"),
+    GGMLType(16, "IQ2_XXS", 256, 66, "quant"), GGMLType(17, "IQ2_XS", 256, 74, "quant"),
+    GGMLType(18, "IQ3_XXS", 256, 98, "quant"), GGMLType(19, "IQ1_S", 256, 50, "quant"),
+    GGMLType(20, "IQ4_NL", 32, 18, "quant"), GGMLType(21, "IQ3_S", 256, 110, "quant"),
+    GGMLType(22, "IQ2_S", 256, 82, "quant"), GGMLType(23, "IQ4_XS", 256, 136, "quant"),
+    GGMLType(24, "I8", 1, 1, "int"), GGMLType(25, "I16", 1, 2, "int"), GGMLType(26, "I32", 1, 4, "int"),
+    GGMLType(27, "I64", 1, 8, "int"), GGMLType(28, "F64", 1, 8, "float"), GGMLType(29, "IQ1_M", 256, 56, "quant"),
+    GGMLType(30, "BF16", 1, 2, "float"), GGMLType(34, "TQ1_0", 256, 54, "quant"),
+    GGMLType(35, "TQ2_0", 256, 66, "quant"), GGMLType(39, "MXFP4", 32, 17, "quant"),
+    GGMLType(40, "NVFP4", 64, 36, "quant"), GGMLType(41, "Q1_0", 128, 18, "quant"),
+    GGMLType(42, "Q2_0", 64, 18, "quant"),
 ]}
 _BY_NAME = {t.name: t for t in _TYPES.values()}
 _PLAIN_NUMPY = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8"),
@@ -128,7 +133,12 @@ def ggml_type(t) -> GGMLType:
     try:
         return _TYPES[int(t)]
     except (KeyError, ValueError, TypeError):
-        raise DTypeError(f"unknown ggml type code {t!r}") from None
+        raise DTypeError(f"unknown ggml type code {t!r}; known: {known_types()}") from None
+
+
+def known_types() -> str:
+    """The ggml type codes mcf knows, for error messages: ``0 F32, 1 F16, 2 Q4_0, ...``."""
+    return ", ".join(f"{t.code} {t.name}" for t in _TYPES.values())
 
 
 class _Cursor:
@@ -385,7 +395,8 @@ class GGUFFile:
             dims = tuple(cur.u64(f"{fld}.dims[{i}]") for i in range(n_dims))
             tcode = cur.u32(fld + ".type")
             if tcode not in _TYPES:
-                raise DTypeError(f"{path}: {fld}.type at offset {cur.pos - 4}: unknown ggml type code {tcode}")
+                raise DTypeError(f"{path}: {fld}.type at offset {cur.pos - 4}: unknown ggml type code {tcode} "
+                                 f"(known: {known_types()})")
             rel = cur.u64(fld + ".offset")
             infos.append((name, dims, _TYPES[tcode], rel, at))
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
