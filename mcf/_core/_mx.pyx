@@ -1,5 +1,5 @@
 """Compiled decoders of mcf's extension dtypes (docs/mcf.md, "mcf extensions"): thin, validating wrappers over
-csrc/mx.c.
+csrc/mx.c.  The payloads' regions come from :mod:`mcf._core.scaled`.
 
 - :func:`decode_elements`: FP8 (E4M3, E5M2 and their FNUZ variants), E8M0 and FP4 (E2M1) values to float32,
   float16 or bfloat16.
@@ -24,7 +24,7 @@ from mcf._core.dtypes import DType, parse_dtype
 from mcf.errors import DTypeError, FormatError, InvalidArgumentError
 from mcf._core._buffers cimport check_out, flat_bytes
 from mcf._core._fpconv cimport resolve_impl
-from mcf.container.layout import quant_layout
+from mcf._core.scaled import scaled_layout
 
 cdef extern from "mx.h" nogil:
     enum: MCF_MX_MXFP4, MCF_MX_NVFP4, MCF_MX_F8B128
@@ -90,13 +90,13 @@ def first_nan_scale(payload, code, shape, *, rows=None):
     ``(start, stop)`` pair; None: all): ``where`` names the region and index ("scales[12]", "scale"),
     ``bits`` is the stored value; None when every scale is a number."""
     info = parse_dtype(code)
-    lay = quant_layout(info, shape)
+    lay = scaled_layout(info, shape)
     buf = flat_bytes(payload)
     if buf.size < lay.nbytes:
         raise InvalidArgumentError(f"payload has {buf.size} bytes, {info.name} {list(shape)} needs {lay.nbytes}")
     a, b = (0, lay.rows) if rows is None else rows
-    reg = lay.region("scales")
-    scales = buf[reg.offset:reg.offset + reg.size]
+    _, off, size, _, _ = lay.region("scales")
+    scales = buf[off:off + size]
     if info.family == "fp8block":
         s0, s1 = a // 128 * lay.blocks_per_row, -(-b // 128) * lay.blocks_per_row
         vals = scales.view("<u4")[s0:s1]
@@ -119,7 +119,7 @@ cdef class _Scaled:
     cdef readonly object layout
 
     def __init__(self, payload, info, shape):
-        lay = quant_layout(info, shape)
+        lay = scaled_layout(info, shape)
         buf = flat_bytes(payload)
         if buf.size < lay.nbytes:
             raise InvalidArgumentError(f"payload has {buf.size} bytes, {info.name} {list(shape)} needs {lay.nbytes}")
@@ -130,13 +130,13 @@ cdef class _Scaled:
         self.t.rows = lay.rows
         self.t.cols = lay.cols
         self.t.glob = 0
-        for r in lay.regions:   # quant_layout's regions end inside lay.nbytes <= buf.size (checked above)
-            if r.name == "scales":
-                self.t.scales = <const uint8_t*><uintptr_t>(base + r.offset)
-            elif r.name == "data":
-                self.t.data = <const uint8_t*><uintptr_t>(base + r.offset)
-            elif r.name == "scale":
-                self.t.glob = float(buf[r.offset:r.offset + 4].view("<f4")[0])
+        for name, off, _, _, _ in lay.regions:   # they end inside lay.nbytes <= buf.size (checked above)
+            if name == "scales":
+                self.t.scales = <const uint8_t*><uintptr_t>(base + off)
+            elif name == "data":
+                self.t.data = <const uint8_t*><uintptr_t>(base + off)
+            elif name == "scale":
+                self.t.glob = float(buf[off:off + 4].view("<f4")[0])
 
 
 def dequantize(payload, code, shape, *, dtype=np.float32, row_range=None, out=None, impl=None, threads=1):

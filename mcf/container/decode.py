@@ -13,7 +13,8 @@ import numpy as np
 
 from mcf._core import _kernels, _mx
 from mcf._core.dtypes import DTypeInfo
-from mcf.container.layout import Domain, payload_rows
+from mcf._core.scaled import payload_rows
+from mcf.container.layout import Domain
 
 __all__ = ["decode_payload"]
 

@@ -12,13 +12,13 @@ import struct
 from dataclasses import dataclass
 
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype, plain_nbytes
+from mcf._core.scaled import SCALE_BLOCK, payload_rows, scaled_layout, scaled_slice
 from mcf.errors import InvalidArgumentError, UnknownNameError
 
 __all__ = [
     "MAGIC", "MAJOR", "MINOR", "HEADER", "HEADER_SIZE", "DIR_ENTRY", "DIR_ENTRY_SIZE",
     "FLAG_TENSOR_DATA_ALIGNED64", "SectionType", "RESOURCE_FILES", "align", "align64",
-    "QuantLayout", "Region", "quant_layout", "tensor_nbytes", "MAX_RANK", "Domain", "quant_slice", "row_unit",
-    "payload_rows", "SCALE_BLOCK",
+    "QuantLayout", "Region", "quant_layout", "tensor_nbytes", "MAX_RANK", "Domain", "quant_slice",
 ]
 
 MAGIC = b"MCF\x00"
@@ -137,58 +137,14 @@ class QuantLayout:
 
 BLOCK = 32          # values per block (q* and k*)
 SUPER_BLOCKS = 8    # blocks per super-block (k*: 256 values)
-#: values per scale of the block-scaled extensions: along a row for mxfp4/nvfp4, a square for f8_e4m3_b128
-SCALE_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8block": 128}
-
-
-def payload_rows(info: DTypeInfo, shape) -> tuple:
-    """``(rows, cols)`` of a quantized tensor's payload: its two dimensions, or for mxfp4/nvfp4, which
-    may have any rank from 2 (an expert stack [E, out, in]), every dimension but the last as rows."""
-    shape = tuple(int(d) for d in shape)
-    multi = info.family in ("mxfp4", "nvfp4")
-    if len(shape) != 2 and not (multi and len(shape) > 2):
-        raise InvalidArgumentError(f"{info.name} tensors are {'rank 2 or more' if multi else 'rank 2'}; "
-                                   f"got shape {shape}")
-    if any(d < 0 for d in shape):
-        raise InvalidArgumentError(f"negative dimension in {shape}")
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows, shape[-1]
-
-
 def _scaled_layout(info: DTypeInfo, shape) -> QuantLayout:
-    """The extension formats (docs/mcf.md, "mcf extensions"), each row's blocks stored one after the other:
-
-    mxfp4: ``u8 e8m0_scales[TB]`` -> align64 -> ``data[TB * 16]`` (32 E2M1 values per block, two per byte,
-        element 2k in the low nibble of byte k): the bytes of gpt-oss's ``*_scales`` and ``*_blocks``;
-    nvfp4: ``f32 scale`` (the tensor's) -> align64 -> ``u8 e4m3_scales[TB]`` -> align64 -> ``data[TB * 8]``
-        (16 values per block): ModelOpt's ``weight_scale_2``, ``weight_scale`` and ``weight``;
-    f8_e4m3_b128: ``f32 scales[ceil(rows/128) * ceil(cols/128)]`` -> align64 -> ``data[rows * cols]`` (E4M3):
-        DeepSeek-V3's ``weight_scale_inv`` and ``weight``.
-    """
-    rows, cols = payload_rows(info, shape)
-    bs = SCALE_BLOCK[info.family]
-    regions = []
-    if info.family == "fp8block":
-        ns = -(-rows // bs) * -(-cols // bs)
-        regions.append(Region("scales", 0, 4 * ns, "<f4", ns))
-        off = align64(4 * ns)
-        regions.append(Region("data", off, rows * cols, "u1", rows * cols))
-        return QuantLayout(info, rows, cols, -(-cols // bs), 0, 0, cols, tuple(regions), off + rows * cols)
-    if cols % bs:
-        raise InvalidArgumentError(f"{info.name} stores blocks of {bs} values along the last dimension; "
-                                   f"{cols} is not a multiple of {bs}")
-    bpr = cols // bs
-    tb = rows * bpr
-    off = 0
-    if info.family == "nvfp4":
-        regions.append(Region("scale", 0, 4, "<f4", 1))
-        off = 64
-    regions.append(Region("scales", off, tb, "u1", tb))
-    off = align64(off + tb)
-    regions.append(Region("data", off, tb * bs // 2, "u1", tb * bs // 2))
-    return QuantLayout(info, rows, cols, bpr, 0, bs // 2, cols // 2, tuple(regions), off + tb * bs // 2)
+    """The block-scaled extensions' layout (:mod:`mcf._core.scaled` computes it) as a QuantLayout."""
+    sl = scaled_layout(info, shape)
+    block = SCALE_BLOCK[info.family]
+    block_bytes = 0 if info.family == "fp8block" else block // 2
+    row_bytes = sl.cols if info.family == "fp8block" else sl.cols // 2
+    return QuantLayout(info, sl.rows, sl.cols, sl.blocks_per_row, 0, block_bytes, row_bytes,
+                       tuple(Region(*r) for r in sl.regions), sl.nbytes)
 
 
 def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
@@ -199,7 +155,7 @@ def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
         -> ``u8 sub[TB]`` -> align64 -> codes
     int*: ``f32 scale`` -> align64 -> [``f32 zero`` -> align64, activations only] -> codes, each row
         packed separately (``cols`` bytes for int8, ``ceil(cols/2)`` for int4) so row ranges can be read.
-    mxfp4, nvfp4, f8_e4m3_b128: see :func:`_scaled_layout`.
+    mxfp4, nvfp4, f8_e4m3_b128: see :mod:`mcf._core.scaled`.
     """
     info = parse_dtype(dtype)
     if not info.quantized:
@@ -254,14 +210,7 @@ def _col_unit(lay: QuantLayout) -> int:
     fam = lay.dtype.family
     if fam == "raw":
         return 1 if lay.dtype.bits == 8 else 2
-    if fam in SCALE_BLOCK:
-        return SCALE_BLOCK[fam]
     return BLOCK * (SUPER_BLOCKS if fam == "super" else 1)
-
-
-def row_unit(lay: QuantLayout) -> int:
-    """Payload rows a slice must start on: 128 for f8_e4m3_b128 (a row of scales covers 128 rows), else 1."""
-    return SCALE_BLOCK["fp8block"] if lay.dtype.family == "fp8block" else 1
 
 
 def quant_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int, *, domain: int = Domain.WEIGHTS):
@@ -270,19 +219,24 @@ def quant_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int, *, domain:
     that make up the smaller payload of ``layout`` (at ``dst``; ``domain`` is the tensor's), or None when ``c0``/``c1`` do not fall
     where the payload can be cut (a block for q*, a super-block of 256 for k*, an even column for int4,
     a scale block for the extensions; the last column always can), or, for f8_e4m3_b128, when ``r0`` is not a
-    multiple of 128 (its rows of scales cover 128 rows each).
+    multiple of 128 (its rows of scales cover 128 rows each: :func:`mcf._core.scaled.scaled_slice`).
 
     Rows are independent in every layout (each region holds its rows one after the other), so a row
     range is one range per region; a column range is one range per row and region.  The per-tensor
     scale (and zero point) of int8/int4 is copied whole."""
     rows, cols = lay.rows, lay.cols
+    if lay.dtype.scaled:
+        got = scaled_slice(lay.dtype, (rows, cols), r0, r1, c0, c1)
+        if got is None:
+            return None
+        mini = quant_layout(lay.dtype, (r1 - r0, c1 - c0))
+        return (mini, [lay.region(n).offset + o for n, o, _, _ in got[1]], [k for _, _, k, _ in got[1]],
+                [d for _, _, _, d in got[1]])
     unit = _col_unit(lay)
     if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
         raise InvalidArgumentError(f"rows {r0}:{r1}, columns {c0}:{c1} outside a {rows} x {cols} payload")
-    if c0 % unit or (c1 % unit and c1 != cols) or r0 % row_unit(lay):
+    if c0 % unit or (c1 % unit and c1 != cols):
         return None
-    if lay.dtype.family == "fp8block":
-        return _fp8block_slice(lay, r0, r1, c0, c1)
     mini = quant_layout(lay.dtype, (r1 - r0, c1 - c0), domain=domain)
     n = r1 - r0
     src, sizes, dst = [], [], []
@@ -308,40 +262,12 @@ def quant_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int, *, domain:
             sizes.append(region.size)
             dst.append(new.offset)
         elif region.name == "data":            # bytes, rows of row_bytes
-            first = c0 * lay.dtype.bits // 8 if lay.dtype.family in ("raw", "mxfp4", "nvfp4") \
-                else c0 // BLOCK * lay.block_bytes
+            first = c0 * lay.dtype.bits // 8 if lay.dtype.family == "raw" else c0 // BLOCK * lay.block_bytes
             per_row(region, new, lay.row_bytes, first, mini.row_bytes)
         elif region.name == "super_scales":     # one per super-block
             per_row(region, new, lay.supers_per_row, c0 // (BLOCK * SUPER_BLOCKS), mini.supers_per_row)
         else:                                   # scales, sub_scales: one per block
-            per_row(region, new, lay.blocks_per_row, c0 // _col_unit(lay) if lay.dtype.scaled else c0 // BLOCK,
-                    mini.blocks_per_row)
-    return mini, src, sizes, dst
-
-
-def _fp8block_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int):
-    """quant_slice of an f8_e4m3_b128 payload (``r0`` and ``c0`` on block boundaries): the scale rows
-    ``r0/128 .. ceil(r1/128)`` (their columns ``c0/128 ..``), then the data rows."""
-    bs = SCALE_BLOCK["fp8block"]
-    mini = quant_layout(lay.dtype, (r1 - r0, c1 - c0))
-    scales, data = lay.region("scales"), lay.region("data")
-    mscales, mdata = mini.region("scales"), mini.region("data")
-    src, sizes, dst = [], [], []
-    n_sr, n_sc = -(-(r1 - r0) // bs), mini.blocks_per_row
-    for k in range(n_sr if c1 > c0 else 0):
-        src.append(scales.offset + 4 * ((r0 // bs + k) * lay.blocks_per_row + c0 // bs))
-        sizes.append(4 * n_sc)
-        dst.append(mscales.offset + 4 * k * n_sc)
-    if c0 == 0 and c1 == lay.cols:
-        if r1 > r0 and lay.cols:
-            src.append(data.offset + r0 * lay.cols)
-            sizes.append((r1 - r0) * lay.cols)
-            dst.append(mdata.offset)
-    elif c1 > c0:
-        for k in range(r1 - r0):
-            src.append(data.offset + (r0 + k) * lay.cols + c0)
-            sizes.append(c1 - c0)
-            dst.append(mdata.offset + k * (c1 - c0))
+            per_row(region, new, lay.blocks_per_row, c0 // BLOCK, mini.blocks_per_row)
     return mini, src, sizes, dst
 
 

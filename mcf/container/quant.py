@@ -19,7 +19,8 @@ from mcf._core.args import integer, real, reals
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.container.decode import decode_payload
-from mcf.container.layout import Domain, payload_rows, quant_layout
+from mcf._core.scaled import payload_rows
+from mcf.container.layout import Domain, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "QuantStats", "tensor_error_stats", "METHODS",
            "importance_weights"]
