@@ -24,7 +24,7 @@ from mcf._core.dtypes import DType, parse_dtype
 from mcf.errors import DTypeError, FormatError, InvalidArgumentError
 from mcf._core._buffers cimport check_out, flat_bytes
 from mcf._core._fpconv cimport resolve_impl
-from mcf._core.scaled import scaled_layout
+from mcf._core.scaled import nan_scales, scaled_layout
 
 cdef extern from "mx.h" nogil:
     enum: MCF_MX_MXFP4, MCF_MX_NVFP4, MCF_MX_F8B128
@@ -95,21 +95,19 @@ def first_nan_scale(payload, code, shape, *, rows=None):
     if buf.size < lay.nbytes:
         raise InvalidArgumentError(f"payload has {buf.size} bytes, {info.name} {list(shape)} needs {lay.nbytes}")
     a, b = (0, lay.rows) if rows is None else rows
-    _, off, size, _, _ = lay.region("scales")
-    scales = buf[off:off + size]
-    if info.family == "fp8block":
-        s0, s1 = a // 128 * lay.blocks_per_row, -(-b // 128) * lay.blocks_per_row
-        vals = scales.view("<u4")[s0:s1]
-        bad = np.flatnonzero((vals & 0x7FFFFFFF) > 0x7F800000)
-        return None if not bad.size else (f"scales[{s0 + int(bad[0])}]", f"0x{int(vals[bad[0]]):08x}")
-    if info.family == "nvfp4":
-        g = buf[0:4].view("<u4")[0]
-        if (int(g) & 0x7FFFFFFF) > 0x7F800000:
-            return "scale", f"0x{int(g):08x}"
-    s0, s1 = a * lay.blocks_per_row, b * lay.blocks_per_row
-    part = scales[s0:s1]
-    bad = np.flatnonzero(part == 0xFF if info.family == "mxfp4" else (part & 0x7F) == 0x7F)
-    return None if not bad.size else (f"scales[{s0 + int(bad[0])}]", f"0x{int(part[bad[0]]):02x}")
+    if info.family == "nvfp4" and nan_scales(info, "scale", buf[0:4]).size:
+        return "scale", f"0x{int(buf[0:4].view('<u4')[0]):08x}"
+    _, off, _, _, _ = lay.region("scales")
+    if info.family == "fp8block":   # float32 scales, a row of them per 128 rows
+        s0, s1, item = a // 128 * lay.blocks_per_row, -(-b // 128) * lay.blocks_per_row, 4
+    else:
+        s0, s1, item = a * lay.blocks_per_row, b * lay.blocks_per_row, 1
+    part = buf[off + s0 * item:off + s1 * item]
+    bad = nan_scales(info, "scales", part)
+    if not bad.size:
+        return None
+    k = int(bad[0])
+    return f"scales[{s0 + k}]", "0x" + bytes(part[k * item:(k + 1) * item][::-1]).hex()
 
 
 cdef class _Scaled:

@@ -25,7 +25,10 @@ from typing import NamedTuple
 from mcf._core.dtypes import DTypeInfo
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["SCALE_BLOCK", "ScaledLayout", "payload_rows", "scaled_layout", "scaled_slice", "row_unit", "col_unit"]
+import numpy as np
+
+__all__ = ["SCALE_BLOCK", "ScaledLayout", "payload_rows", "scaled_layout", "scaled_slice", "row_unit", "col_unit",
+           "nan_scales"]
 
 #: values per scale: along a row for mxfp4 / nvfp4, a square of 128 x 128 for f8_e4m3_b128
 SCALE_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8block": 128}
@@ -137,3 +140,15 @@ def scaled_slice(info: DTypeInfo, shape, r0: int, r1: int, c0: int, c1: int):
     per_row("scales", lay.blocks_per_row, c0 // unit, mini.blocks_per_row, n, r0, 1)
     per_row("data", lay.cols // 2, c0 // 2, (c1 - c0) // 2, n, r0, 1)
     return mini, ranges
+
+
+def nan_scales(info: DTypeInfo, region: str, raw) -> np.ndarray:
+    """The indexes of the NaN scales among the bytes ``raw`` (a uint8 array, whole values) of region ``region``
+    ("scales" or nvfp4's "scale"): E8M0 0xFF (mxfp4), E4M3 S.1111.111 (nvfp4), float32 NaN (f8_e4m3_b128 and
+    the per-tensor scale).  A NaN scale makes every value of its block NaN."""
+    raw = np.asarray(raw, np.uint8)
+    if region == "scale" or info.family == "fp8block":
+        return np.flatnonzero((raw.view("<u4") & 0x7FFFFFFF) > 0x7F800000)
+    if info.family == "mxfp4":
+        return np.flatnonzero(raw == 0xFF)
+    return np.flatnonzero((raw & 0x7F) == 0x7F)
