@@ -195,7 +195,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
       name -> importance; llama.cpp's importance matrices use GGUF names, and Hugging Face names are matched too) as
       in ``mcf quantize`` (:func:`mcf.quant_policy.resolve_imatrix`).
     - MXFP4 tensors (type 39, gpt-oss) become MCF mxfp4 with the same values, their bytes re-laid out, unless
-      ``method`` requantizes them (an E8M0 scale of 0xFF, which ggml reads as 2^128 and MCF as NaN, is refused).
+      ``method`` requantizes them (an E8M0 scale of 0xFF, which ggml reads as 2^128 and MCF as NaN, is refused;
+      the code ggml reads as +0 and E2M1 as -0 is stored as +0).
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
       subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32
@@ -387,9 +388,12 @@ def _native(g, w, rd, t: GGUFTensor):
 def _mxfp4_codes(blocks: np.ndarray) -> np.ndarray:
     """The codes of ggml MXFP4 blocks (``[n, 17]``: E8M0, then byte j holding element j in its low nibble and
     element j + 16 in its high one, as ggml's dequantize_row_mxfp4 reads them) in the order of OCP MX and of
-    MCF's mxfp4: byte k holding element 2k (low nibble) and 2k + 1 (high); ``[n, 16]``."""
+    MCF's mxfp4: byte k holding element 2k (low nibble) and 2k + 1 (high); ``[n, 16]``.  ggml's table reads
+    code 0b1000 as +0 where E2M1 has -0: it becomes code 0, so every value, the sign of zero included, is
+    the one ggml (and gguf-py) decodes."""
     q = blocks[:, 1:]
     x = np.concatenate([q & 0x0F, q >> 4], axis=1)   # the 32 elements in order
+    x[x == 8] = 0
     return x[:, 0::2] | (x[:, 1::2] << 4)
 
 
