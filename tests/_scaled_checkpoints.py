@@ -213,6 +213,48 @@ def nvfp4_reference(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2
     return (vals.reshape(weight.shape[0], -1, 16) * per_block[..., None]).reshape(vals.shape)
 
 
+# -- MCF payloads of the three formats, split by docs/mcf.md's formulas (not mcf's code) --------------------
+
+def align64(x):
+    return (x + 63) // 64 * 64
+
+
+def split_payload(fmt, shape, p):
+    """The regions of an MCF payload, by docs/mcf.md's formulas (not mcf's code)."""
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    if fmt == "mxfp4":
+        tb = rows * cols // 32
+        return {"scales": p[:tb], "data": p[align64(tb):align64(tb) + 16 * tb]}
+    if fmt == "nvfp4":
+        tb = rows * cols // 16
+        return {"scale": p[:4], "scales": p[64:64 + tb], "data": p[align64(64 + tb):align64(64 + tb) + 8 * tb]}
+    ns = -(-rows // 128) * -(-cols // 128)
+    return {"scales": p[:4 * ns], "data": p[align64(4 * ns):align64(4 * ns) + rows * cols]}
+
+
+def payload_reference(fmt, shape, p):
+    """The float32 values of an MCF payload of ``fmt``, from the conventions' numpy references."""
+    r = split_payload(fmt, shape, p)
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    if fmt == "mxfp4":
+        return mxfp4_reference(r["data"].reshape(rows, cols // 32, 16), r["scales"].reshape(rows, cols // 32))
+    if fmt == "nvfp4":
+        return nvfp4_reference(r["data"].reshape(rows, cols // 2), r["scales"].reshape(rows, cols // 16),
+                               r["scale"].view("<f4")[0])
+    return fp8_block_reference(r["data"].reshape(rows, cols),
+                               r["scales"].view("<f4").reshape(-(-rows // 128), -(-cols // 128)))
+
+
+def payload_size(fmt, shape):
+    """The payload size of docs/mcf.md's formulas."""
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    if fmt == "mxfp4":
+        return align64(rows * cols // 32) + rows * cols // 2
+    if fmt == "nvfp4":
+        return align64(64 + rows * cols // 16) + rows * cols // 2
+    return align64(4 * -(-rows // 128) * -(-cols // 128)) + rows * cols
+
+
 def read_tensor(path, name):
     """A tensor of a file written by :func:`write_safetensors`, as numpy (raw U8 / F32 / float8 views)."""
     with open(path, "rb") as f:

@@ -108,50 +108,11 @@ def test_element_arguments_are_checked():
 
 # -- block formats -------------------------------------------------------------------------------------------
 
-def align64(x):
-    return (x + 63) // 64 * 64
-
-
-def split(fmt, shape, p):
-    """The regions of an MCF payload, by docs/mcf.md's formulas (not mcf's code)."""
-    rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    if fmt == "mxfp4":
-        tb = rows * cols // 32
-        return {"scales": p[:tb], "data": p[align64(tb):align64(tb) + 16 * tb]}
-    if fmt == "nvfp4":
-        tb = rows * cols // 16
-        return {"scale": p[:4], "scales": p[64:64 + tb], "data": p[align64(64 + tb):align64(64 + tb) + 8 * tb]}
-    ns = -(-rows // 128) * -(-cols // 128)
-    return {"scales": p[:4 * ns], "data": p[align64(4 * ns):align64(4 * ns) + rows * cols]}
-
-
-def reference(fmt, shape, p):
-    """The float32 values of an MCF payload of ``fmt``, from the conventions' numpy references."""
-    r = split(fmt, shape, p)
-    rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    if fmt == "mxfp4":
-        return S.mxfp4_reference(r["data"].reshape(rows, cols // 32, 16), r["scales"].reshape(rows, cols // 32))
-    if fmt == "nvfp4":
-        return S.nvfp4_reference(r["data"].reshape(rows, cols // 2), r["scales"].reshape(rows, cols // 16),
-                                 r["scale"].view("<f4")[0])
-    return S.fp8_block_reference(r["data"].reshape(rows, cols),
-                                 r["scales"].view("<f4").reshape(-(-rows // 128), -(-cols // 128)))
-
-
-def size(fmt, shape):
-    rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    if fmt == "mxfp4":
-        return align64(rows * cols // 32) + rows * cols // 2
-    if fmt == "nvfp4":
-        return align64(64 + rows * cols // 16) + rows * cols // 2
-    return align64(4 * -(-rows // 128) * -(-cols // 128)) + rows * cols
-
-
 def random_payload(fmt, shape, rng, *, edge=True):
     """Random codes; every scale bit pattern but the NaN ones (zeros, E4M3 subnormals, 2^-127, float32 subnormals,
     infinities and huge values, to exercise inf * 0 and overflow)."""
-    p = rng.integers(0, 256, size(fmt, shape), dtype=np.uint8)
-    r = split(fmt, shape, p)
+    p = rng.integers(0, 256, S.payload_size(fmt, shape), dtype=np.uint8)
+    r = S.split_payload(fmt, shape, p)
     if fmt == "mxfp4":
         s = r["scales"]
         s[s == 0xFF] = 0xFE
@@ -180,7 +141,7 @@ CASES = [(f, s) for f, shapes in SHAPES.items() for s in shapes]
 def test_block_formats_match_the_references(fmt, shape, impl):
     with np.errstate(over="ignore", invalid="ignore"):
         p = random_payload(fmt, shape, rng_for(fmt, shape))
-        want = reference(fmt, shape, p).reshape(-1, shape[-1])
+        want = S.payload_reference(fmt, shape, p).reshape(-1, shape[-1])
         for dt in OUT:
             same_values(_mx.dequantize(p, fmt, shape, dtype=dt, impl=impl), rounded(want, dt))
 
@@ -219,7 +180,7 @@ def test_large_float32_output_takes_the_streaming_path_with_the_same_bits():
 def test_a_nan_block_scale_is_refused_naming_it(fmt, region, at, value, shown):
     shape = (4, 64) if fmt != "f8_e4m3_b128" else (4, 300)
     p = random_payload(fmt, shape, rng_for("nan", fmt), edge=False)
-    r = split(fmt, shape, p)
+    r = S.split_payload(fmt, shape, p)
     r[region][at:at + len(value)] = np.frombuffer(value, np.uint8)
     with pytest.raises(mcf.FormatError, match=rf"{re.escape(shown)}.*NaN block scale"):
         _mx.dequantize(p, fmt, shape)
@@ -237,7 +198,7 @@ def test_payload_sizes_and_shapes_are_checked():
     with pytest.raises(mcf.DTypeError, match="not a block-scaled"):
         _mx.dequantize(np.zeros(1000, np.uint8), "q8", (2, 32))
     with pytest.raises(mcf.InvalidArgumentError, match="outside"):
-        _mx.dequantize(np.zeros(size("nvfp4", (2, 16)), np.uint8), "nvfp4", (2, 16), row_range=(1, 3))
+        _mx.dequantize(np.zeros(S.payload_size("nvfp4", (2, 16)), np.uint8), "nvfp4", (2, 16), row_range=(1, 3))
 
 
 # -- through the readers -------------------------------------------------------------------------------------
@@ -252,7 +213,7 @@ def ext_file(tmp_path_factory):
         for fmt, shape in (("mxfp4", (4, 8, 64)), ("nvfp4", (20, 48)), ("f8_e4m3_b128", (300, 260))):
             p = random_payload(fmt, shape, rng, edge=False)
             w.add_tensor_bytes(fmt, fmt, shape, p)
-            want[fmt] = reference(fmt, shape, p).reshape(shape)
+            want[fmt] = S.payload_reference(fmt, shape, p).reshape(shape)
         for name in ML:
             raw = rng.integers(0, 256, (16, 16), dtype=np.uint8)
             w.add_tensor_bytes(name, name, raw.shape, raw)
