@@ -342,3 +342,34 @@ def test_a_nan_scale_is_refused_naming_the_scales_tensor_and_block(ckpts, tmp_pa
     with pytest.raises(mcf.FormatError, match=pattern):
         mcf.pack(bad, tmp_path / "o.mcf")
     assert not (tmp_path / "o.mcf").exists()
+
+
+def test_parts_in_different_shards(ckpts, tmp_path):
+    """A sharded checkpoint may put a weight's blocks and its scales in different files: each region is read
+    from the shard that holds it (one read plan, several sources), for decoding and for packing."""
+    src = st_tensors(ckpts["gpt-oss"])
+    d = tmp_path / "sharded"
+    d.mkdir()
+    first = {n: v for n, v in src.items() if not n.endswith("_scales")}
+    second = {n: v for n, v in src.items() if n.endswith("_scales")}
+    S.write_safetensors(d / "model-00001-of-00002.safetensors", first)
+    S.write_safetensors(d / "model-00002-of-00002.safetensors", second)
+    wm = {**{n: "model-00001-of-00002.safetensors" for n in first}, **{n: "model-00002-of-00002.safetensors" for n in second}}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    refs = references(ckpts["gpt-oss"])
+    for n, want in refs.items():
+        same(mst.dequantize(d, n), want)
+        same(mst.load_file(d, dequantize=True, names=[n], slices={n: mcf.Rows(2, 4)})[n], want[2:4])
+    mcf.pack(d, tmp_path / "s.mcf")
+    with mcf.open(tmp_path / "s.mcf") as c:
+        for n, want in refs.items():
+            same(c.tensor(n), want)
+
+
+def test_a_weight_named_like_another_tensor_is_refused(ckpts, tmp_path):
+    bad = rewrite(ckpts["gpt-oss"], tmp_path / "bad",
+                  lambda t: t.__setitem__(EXPERTS + "down_proj", ("BF16", (2,), bytes(4))))
+    with pytest.raises(mcf.FormatError, match=r"weight 'model.layers.0.mlp.experts.down_proj'.*name of another tensor"):
+        mst.load_file(bad, dequantize=True)
+    with pytest.raises(mcf.FormatError, match="name of another tensor"):
+        mcf.pack(bad, tmp_path / "o.mcf")
