@@ -208,6 +208,20 @@ def test_plain_fp8_and_f4_tensors_pack_and_export(tmp_path):
             c.tensor("w.F4")
     mcf.export(tmp_path / "p.mcf", tmp_path / "back.safetensors")
     assert st_tensors(tmp_path / "back.safetensors") == st_tensors(src)
+    # torch, from the MCF file: the dtypes and shapes safetensors.torch gives the checkpoint (F4 as
+    # float4_e2m1fn_x2, whose shape counts pairs: [3, 4] for 3 x 8 values), the same bytes
+    torch = pytest.importorskip("torch")
+    storch = pytest.importorskip("safetensors.torch")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip(f"torch {torch.__version__} has no float4_e2m1fn_x2")
+    from mcf import torch as mcf_torch
+
+    want = storch.load_file(str(src))
+    got = mcf_torch.load_file(tmp_path / "p.mcf")
+    assert got["w.F4"].shape == (3, 4) == want["w.F4"].shape
+    for n, t in want.items():
+        assert got[n].dtype == t.dtype and got[n].shape == t.shape
+        assert got[n].view(torch.uint8).numpy().tobytes() == t.view(torch.uint8).numpy().tobytes()
 
 
 # -- GGUF MXFP4 -------------------------------------------------------------------------------------------------
