@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype, plain_nbytes
-from mcf._core.scaled import SCALE_BLOCK, payload_rows, scaled_layout, scaled_slice
+from mcf._core.scaled import SCALE_BLOCK, scaled_layout, scaled_slice
 from mcf.errors import InvalidArgumentError, UnknownNameError
 
 __all__ = [
