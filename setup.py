@@ -66,7 +66,7 @@ def ext(name, sources):
 SHARED_UTILITY = "mcf._core._cyutility"
 
 extensions = [
-    ext("mcf._core._io", ["mcf/_core/_io.pyx"]),
+    ext("mcf._core._io", ["mcf/_core/_io.pyx", "csrc/readengine.c"]),
     ext("mcf._core._fpconv", ["mcf/_core/_fpconv.pyx", "csrc/fpconv.c", "csrc/fpconv_simd.c", "csrc/cpu.c"]),
     ext("mcf.container._index", ["mcf/container/_index.pyx"]),
     ext("mcf._core._kernels", ["mcf/_core/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/quant_search.c", "csrc/cpu.c", "csrc/fpconv.c"]),

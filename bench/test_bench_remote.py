@@ -1,4 +1,4 @@
-"""Remote reads (mcf.remote over fsspec/aiohttp) against local reads, over loopback HTTP.
+"""Remote reads (mcf.remote: obstore for http(s)://) against local reads, over loopback HTTP.
 
 A ~256 MiB MCF file (32 F16 tensors of 4096 x 1024) is served by nginx (or the uvicorn fallback of
 tests/_http_server.py, named in the summary) on a free loopback port.  Every round loads all tensors
@@ -6,13 +6,15 @@ into fresh memory with ``Container.load()``:
 
 - local, mapped (the anchor) and local ``mmap=False`` (pread): the page cache is warm, so these are
   memory copies;
-- remote: ``mcf.open(url).load()``: range requests of ``request_size`` (16 MiB), 4 at a time;
+- remote: ``mcf.open(url).load()``: the whole plan in ranged GETs of at most ``request_size`` (8 MiB),
+  ``concurrency`` (16) in flight;
 - yardstick: one plain GET of the whole file with http.client into a preallocated buffer, the
   loopback HTTP path without mcf, fsspec or aiohttp.
 
-Ratios compare interleaved medians of the same run.  There is no target in the issue; the point is
-what remote loading costs next to local loading on one machine (no network: loopback measures the
-HTTP stack and the copies, never a real link).
+Ratios compare interleaved medians of the same run.  The point is what remote loading costs next to
+local loading on one machine (no network: loopback measures the HTTP stack and the copies, never a
+real link); bench/remote_throughput.py measures the remote path against the bare client's ceiling, on
+SeaweedFS (S3) and nginx.
 """
 
 from __future__ import annotations

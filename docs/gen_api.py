@@ -32,7 +32,7 @@ OUT = os.path.join(HERE, "api.md")
 MODULES = [
     ("mcf", "MCF model containers: open, write, pack, quantize; the error classes"),
     ("mcf.io", "the I/O core every format reads through (mmap, pread, file-like, memory, remote)"),
-    ("mcf.remote", "remote files: fsspec URLs read with checked range requests and a block cache"),
+    ("mcf.remote", "remote files: object stores, HTTP(S) and fsspec URLs read with concurrent, checked ranged GETs"),
     ("mcf.convert", "import from safetensors / Hugging Face checkpoints and GGUF"),
     ("mcf.export", "export MCF back to safetensors checkpoints"),
     ("mcf.gguf", "the validating GGUF reader and its decoders"),

@@ -23,7 +23,7 @@ __all__ = ["main"]
 def cmd_info(args) -> int:
     import mcf
 
-    with mcf.open(args.file, mmap=not args.no_mmap) as c:
+    with mcf.open(args.file, mmap=False if args.no_mmap else None) as c:
         if args.json:
             print(json_text(info_dict(c)))
         else:
@@ -35,7 +35,7 @@ def cmd_verify(args) -> int:
     import mcf
 
     try:
-        with mcf.open(args.file, mmap=not args.no_mmap) as c:
+        with mcf.open(args.file, mmap=False if args.no_mmap else None) as c:
             problems = c.verify()
     except OSError:  # missing or unreadable: an error of the command line, not a finding about a file
         raise

@@ -46,7 +46,7 @@ def files_left_out(src) -> list:
 
 def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool = False, fast: bool = False,
             imatrix=None, dtype: str = "keep", resources: bool = True, progress=None, report: bool = False,
-            mmap: bool = True, durable: bool = True) -> list:
+            mmap: bool | None = None, durable: bool = True) -> list:
     """Convert checkpoint ``src`` into the MCF file ``dst``; returns per-tensor
     :class:`mcf.container.quant.QuantStats` when ``report`` is true (else an empty list).
 
@@ -59,8 +59,9 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     the Go quantizer's bytes; ``fast=True`` keeps the single-pass quantizer; ``imatrix`` (a file or a
     mapping name -> importance, see :mod:`mcf.imatrix`) weights the quantization error per column.
     ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that are not quantized.
-    ``progress(done, total, name)`` is called after each tensor.  ``mmap=False`` reads safetensors
-    inputs with ``pread`` instead of mapping them.  For GGUF input the report is
+    ``progress(done, total, name)`` is called after each tensor.  ``mmap`` chooses how safetensors
+    inputs are read: mapped (True), with ``pread`` (False), or by their filesystem (None, the default:
+    mapped on local disks).  For GGUF input the report is
     :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats` (how each tensor was
     stored), as GGUF's own blocks are already lossy.
 

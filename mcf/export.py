@@ -251,7 +251,7 @@ def _shards(entries, max_shard_size):
 
 
 def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_shard_size=None, progress=None,
-           mmap: bool = True) -> list:
+           mmap: bool | None = None) -> list:
     """Write the tensors of MCF file ``src`` as safetensors; returns the paths written.
 
     ``dst`` ending in ``.safetensors`` is one file.  Anything else is a checkpoint directory (created

@@ -251,7 +251,7 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
 
 
 def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool = False,
-         resources: bool = True, mmap: bool = True, model_name: str | None = None,
+         resources: bool = True, mmap: bool | None = None, model_name: str | None = None,
          progress: Callable[[int, int, str], None] | None = None) -> str:
     """Pack a checkpoint directory (``model.safetensors`` or sharded) into ``output``.
 
@@ -299,7 +299,7 @@ def _check_shapes(ckpt) -> None:
 
 def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
                     compat: bool = False, fast: bool = False, imatrix=None, report: bool = False, align: int = 64, dedup: bool = False,
-                    resources: bool = True, mmap: bool = True, model_name: str | None = None,
+                    resources: bool = True, mmap: bool | None = None, model_name: str | None = None,
                     progress=None, durable: bool = True) -> list:
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
 

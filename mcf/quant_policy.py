@@ -165,7 +165,7 @@ def check_imatrix_mode(imatrix, compat: bool, fast: bool) -> None:
 
 def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = False, fast: bool = False,
                   imatrix=None, min_clip: float | None = None, max_clip: float | None = None,
-                  report: bool = False, progress=None, mmap: bool = True):
+                  report: bool = False, progress=None, mmap: bool | None = None):
     """Quantize every rank-2 float tensor of MCF file ``src`` into ``dst``; copy everything else.
 
     The output is laid out as the Go quantizer lays it out (ModelInfo and resource sections copied in

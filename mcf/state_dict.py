@@ -25,7 +25,7 @@ from mcf._core.args import integer
 from mcf.container.layout import MAGIC
 from mcf.container.pieces import tensor_piece
 from mcf.container.reader import Container
-from mcf.errors import InvalidArgumentError, MissingFileError
+from mcf.errors import AccessError, InvalidArgumentError, MissingFileError
 from mcf.loading.arrays import load_arrays
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import source_options
@@ -112,10 +112,12 @@ def open_weights(obj, *, mmap=None, copy: bool = True) -> Weights:
             return Weights(open_checkpoint(url, **opts), True, url)
         try:
             src = open_source(url)
-        except (MissingFileError, FileNotFoundError):
+        except (MissingFileError, FileNotFoundError, AccessError):
+            # a "directory" URL: nothing there (S3), or a refusal (nginx forbids listing a directory; S3
+            # answers 403 for a missing key to whoever may not list the bucket)
             if url.endswith(".mcf"):
                 raise
-            return Weights(open_checkpoint(url, **opts), True, url)   # a "directory" URL
+            return Weights(open_checkpoint(url, **opts), True, url)
         return _sniffed(src, True, url)
     if isinstance(obj, (str, os.PathLike)):
         path = os.fspath(obj)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -24,16 +25,20 @@ def serve(root, token: str | None, *args: str, env: dict | None = None, ready: b
     """Start the server on ``root`` with bearer ``token`` (None: none) and extra command-line ``args``, in
     directory ``cwd`` (default: this one; a relative ``root`` is relative to it); yields ``(base_url,
     process)`` (base ``http://127.0.0.1:<port>``) once the OpenAPI document answers (right away when not
-    ``ready``); stops it by PID on exit."""
+    ``ready``); stops it by PID on exit.  Its standard error (the listening line, the access log,
+    warnings) goes to a temporary file, read with :func:`server_log`: a pipe nobody reads would block a
+    server that logs every request once 64 KiB are waiting."""
     port = free_port()
     env = dict(os.environ, **(env or {}))
     env.pop("MCB_TOKEN", None)
     env.pop("MCF_BUCKET_TOKEN", None)
     if token is not None:
         env["MCF_BUCKET_TOKEN"] = token
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
                              "--port", str(port), *args], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=log)
+    proc.log_file = log
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -43,16 +48,25 @@ def serve(root, token: str | None, *args: str, env: dict | None = None, ready: b
                 break
             except (urllib.error.URLError, ConnectionError):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start: {proc.communicate(timeout=5)[1]!r}") from None
+                    raise RuntimeError(f"server did not start: {server_log(proc)!r}") from None
                 time.sleep(0.1)
         yield base, proc
     finally:
         proc.terminate()
         try:
-            proc.communicate(timeout=20)
+            proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        log.close()
+
+
+def server_log(proc) -> str:
+    """Everything the server started by :func:`serve` has written to its standard error so far."""
+    proc.log_file.flush()
+    with open(proc.log_file.fileno(), "rb", closefd=False) as f:
+        f.seek(0)
+        return f.read().decode("utf-8", "replace")
 
 
 def peak_rss_bytes(pid: int) -> int:

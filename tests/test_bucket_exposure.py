@@ -17,10 +17,10 @@ import subprocess
 import sys
 import time
 import zipfile
-import zlib
 
 import numpy as np
 import pytest
+from _bucket_attacks import bomb, good_npz, npz
 from _bucket_server import free_port, open_fds, peak_rss_bytes, serve
 
 pytest.importorskip("starlette", reason="the server needs the 'server' extra (starlette)")
@@ -52,63 +52,6 @@ def request(base, method, path, body=None, headers=None, token=TOKEN, timeout=60
         return r.status, parsed, dict(r.getheaders())
     finally:
         conn.close()
-
-
-def npz(**arrays) -> bytes:
-    bio = io.BytesIO()
-    np.savez(bio, **arrays)
-    return bio.getvalue()
-
-
-def good_npz(seed=0, layers=2, heads=2, tokens=6, dim=4):
-    rng = np.random.default_rng(seed)
-    return npz(k=rng.standard_normal((layers, heads, tokens, dim)).astype(np.float32),
-               v=rng.standard_normal((layers, heads, tokens, dim)).astype(np.float32))
-
-
-def bomb(shape=(16, 8, 4096, 512), corrupt_tail=False) -> bytes:
-    """A valid .npz of two deflated float32 arrays of zeros of ``shape`` (1 GiB each at the default shape,
-    the reported attack: about 2 MiB in all).  Made in a second: the zero blocks are compressed once,
-    each ending with a full flush, so one compressed block can be repeated.  ``corrupt_tail`` damages the
-    last compressed bytes of ``v``."""
-    zero = bytes(4 * MiB)
-    nbytes = int(np.prod(shape)) * 4
-    c = zlib.compressobj(6, zlib.DEFLATED, -15)
-    c.compress(b"x")
-    c.flush(zlib.Z_FULL_FLUSH)
-    block = c.compress(zero) + c.flush(zlib.Z_FULL_FLUSH)  # independent of what came before
-
-    class Repeating:
-        def __init__(self):
-            self.c = zlib.compressobj(6, zlib.DEFLATED, -15)
-
-        def compress(self, data):
-            return block if data is zero else self.c.compress(data) + self.c.flush(zlib.Z_FULL_FLUSH)
-
-        def flush(self, mode=zlib.Z_FINISH):
-            return self.c.flush(mode)
-
-    bio = io.BytesIO()
-    real = zipfile._get_compressor
-    zipfile._get_compressor = lambda *a, **k: Repeating()
-    try:
-        with zipfile.ZipFile(bio, "w", zipfile.ZIP_DEFLATED) as z:
-            for name in ("k.npy", "v.npy"):
-                with z.open(name, "w", force_zip64=True) as m:
-                    np.lib.format.write_array_header_1_0(m, {"descr": "<f4", "fortran_order": False, "shape": shape})
-                    for _ in range(nbytes // len(zero)):
-                        m.write(zero)
-                    m.write(bytes(nbytes % len(zero)))
-    finally:
-        zipfile._get_compressor = real
-    data = bytearray(bio.getvalue())
-    if corrupt_tail:
-        with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
-            info = z.getinfo("v.npy")
-        start = info.header_offset + 30 + len(info.filename) + len(info.extra)
-        for i in range(start + info.compress_size - 64, start + info.compress_size - 8):
-            data[i] ^= 0x5A
-    return bytes(data)
 
 
 UPLOAD = {"Content-Type": "application/octet-stream"}
@@ -533,9 +476,14 @@ def test_half_open_connections_are_capped_and_timed_out(tmp_path):
 
 
 def test_connections_over_the_cap_get_503(tmp_path):
+    """Past the cap, with every open connection an authorised request in progress (so none is closed
+    to make room: tests/test_bucket_slow_clients.py), a new connection gets 503."""
     with serve(tmp_path, TOKEN, "--max-connections", "4", "--header-timeout", "30") as (base, proc):
         port = int(base.rsplit(":", 1)[1])
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        for s in held:
+            s.sendall(b"POST /mcrp/v1/registry/rebuild HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                      b"\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 2\r\n\r\n")
         try:
             time.sleep(0.2)
             st, out, _ = request(base, "GET", "/mcrp/v1/registry")

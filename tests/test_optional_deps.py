@@ -115,20 +115,35 @@ def test_starlette_and_uvicorn_for_the_server(monkeypatch, tmp_path, capsys):
 
 def test_fsspec_and_aiohttp_for_urls(monkeypatch):
     url = "http://127.0.0.1:9/model.mcf"  # never contacted: the import fails first
-    block(monkeypatch, "fsspec")
+    # without obstore, http(s):// goes through fsspec's aiohttp (and names what is missing)
+    block(monkeypatch, "obstore", "fsspec")
     with pytest.raises(mcf.MissingDependencyError) as ei:
         mcf.open(url)
     check(ei, "fsspec", "remote")
     monkeypatch.undo()
-    block(monkeypatch, "aiohttp")
+    block(monkeypatch, "obstore", "aiohttp")
     with pytest.raises(mcf.MissingDependencyError) as ei:
         mcf.open(url)
     check(ei, "aiohttp", "remote")
+    monkeypatch.undo()
+    block(monkeypatch, "fsspec")   # every other scheme needs fsspec
+    with pytest.raises(mcf.MissingDependencyError) as ei:
+        mcf.open("memory:///model.mcf")
+    check(ei, "fsspec", "remote")
+
+
+def test_obstore_for_object_stores(monkeypatch):
+    from mcf.remote import RemoteFile
+
+    block(monkeypatch, "obstore")
+    with pytest.raises(mcf.MissingDependencyError) as ei:
+        RemoteFile("s3://bucket/model.mcf", backend="obstore")   # asked for by name: never a silent fallback
+    check(ei, "obstore", "remote")
 
 
 def test_a_url_scheme_whose_fsspec_backend_is_missing(monkeypatch):
     pytest.importorskip("fsspec", reason="the scheme is resolved by fsspec")
-    block(monkeypatch, "s3fs")
+    block(monkeypatch, "s3fs", "obstore")   # without obstore, s3:// goes to fsspec, which needs s3fs
     with pytest.raises(mcf.MissingDependencyError) as ei:
         mcf.open("s3://bucket/model.mcf")
     assert isinstance(ei.value, mcf.MCFError) and "s3://bucket/model.mcf" in str(ei.value)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.server
 import pickle
 import threading
-import zlib
 
 import numpy as np
 import pytest
@@ -22,63 +21,18 @@ import mcf  # noqa: E402
 from mcf import InvalidArgumentError, MCFIOError, MissingFileError  # noqa: E402
 from mcf.remote import RemoteFile, is_url  # noqa: E402
 import _http_server  # noqa: E402  (tests/ is on sys.path: pytest inserts the directory of test modules)
+import _remote_files  # noqa: E402
 
 
-def _rng(tag):
-    return np.random.default_rng(zlib.crc32(tag.encode()))
+_rng = _remote_files.rng
+_eq = _remote_files.assert_same
 
 
 # -- the served directory ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def www(tmp_path_factory):
     root = tmp_path_factory.mktemp("www")
-    rng = _rng("remote-files")
-    # MCF: plain dtypes and quantized tensors, one large enough to bypass the block cache
-    with mcf.Writer(str(root / "model.mcf")) as w:
-        w.add_tensor("big", rng.standard_normal((1024, 2048)).astype(np.float32))    # 8 MiB
-        w.add_tensor("f16", rng.standard_normal((33, 65)).astype(np.float16))
-        w.add_tensor("i64", rng.integers(-2**40, 2**40, size=(7,), dtype=np.int64))
-        w.add_tensor("u8", rng.integers(0, 255, size=(3, 5), dtype=np.uint8))
-        w.add_tensor("q", rng.standard_normal((64, 256)).astype(np.float32), method="k4")
-        w.add_tensor("q8", rng.standard_normal((16, 64)).astype(np.float32), method="q8")
-    # safetensors, written by the safetensors package
-    from safetensors.numpy import save_file
-
-    save_file({"w": rng.standard_normal((40, 24)).astype(np.float32),
-               "b": rng.integers(0, 100, size=(9,), dtype=np.int32)}, str(root / "model.safetensors"))
-    # GGUF, written by the gguf package
-    import gguf
-
-    gw = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
-    gw.add_tensor("tok", rng.standard_normal((8, 64)).astype(np.float32))
-    gw.add_tensor("h", rng.standard_normal((4, 32)).astype(np.float16))
-    q8 = gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-    gw.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    gw.write_header_to_file()
-    gw.write_kv_data_to_file()
-    gw.write_tensors_to_file()
-    gw.close()
-    # Megatron dataset
-    from mcf.megatron import Writer as MWriter
-
-    mw = MWriter(str(root / "data"), dtype=np.uint16)
-    for k in range(50):
-        n = int(rng.integers(2, 300))
-        mw.add_document(rng.integers(0, 60000, size=(n,), dtype=np.uint16), [n // 2, n - n // 2])
-    mw.finalize()
-    # MegaContext tree
-    from mcf import megacontext
-
-    with megacontext.create(str(root / "tree"), embedding_dim=16, model_name="t", gist_dtype="fp16") as t:
-        t.append_tokens(rng.integers(0, 1000, size=32 * 40, dtype=np.uint32))
-        t.append_gists(1, rng.standard_normal((40, 16)).astype(np.float32))
-        t.append_gists(2, rng.standard_normal((1, 16)).astype(np.float32))
-    # MCB kv file
-    from mcf.bucket.kvfile import write_kv
-
-    layers = [(rng.standard_normal((2, 10, 8)).astype(np.float16), rng.standard_normal((2, 10, 8)).astype(np.float16))
-              for _ in range(3)]
-    write_kv(str(root / "kv_data.mcb"), layers)
+    _remote_files.make_files(root)
     return root
 
 
@@ -91,12 +45,6 @@ def server(www, tmp_path_factory, request):
             with capman.global_and_fixture_disabled():
                 tr.write_line(f"\ntest_remote: HTTP server on loopback: {s.kind} (port {s.port})")
         yield s
-
-
-def _eq(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert np.array_equal(a.view(np.uint8) if a.dtype.kind == "V" else a, b.view(np.uint8) if b.dtype.kind == "V" else b,
-                          equal_nan=a.dtype.kind == "f")
 
 
 # -- every format: remote equals local ---------------------------------------------------------------------
@@ -260,7 +208,9 @@ def test_large_read_bypasses_cache_in_pieces(server, www):
     assert f.readinto(buf) == len(buf) and bytes(buf) == ref[100:100 + len(buf)]
     reqs = [r for r in server.requests("model.mcf") if r[0] == "GET"]
     ranges = sorted(r[4] for r in reqs)
-    want = sorted(f"bytes={a}-{min(a + (3 << 20), 100 + (8 << 20)) - 1}" for a in range(100, 100 + (8 << 20), 3 << 20))
+    # 8 MiB in three even parts of at most 3 MiB (not 3 + 3 + 2)
+    cuts = [100 + (8 << 20) * k // 3 for k in range(4)]
+    want = sorted(f"bytes={a}-{b - 1}" for a, b in zip(cuts, cuts[1:]))
     assert ranges == want and all(r[2] == 206 for r in reqs)
     assert f.stats["cache_hits"] == 0 and f.stats["retries"] == 0
 
@@ -290,7 +240,7 @@ def test_cache_is_bounded(server):
     for k in range(20):
         f.seek(k * 4096)
         f.read(10)
-    assert len(f._cache) == 4 and f.stats["requests"] == 20
+    assert len(f._cache) == 4 and f.stats["requests"] == 1 + 20    # the size, then one GET per block
 
 
 def test_remote_source_pickles(server, www):
@@ -315,7 +265,8 @@ def test_bounds_still_checked(server):
 
 # -- fault injection --------------------------------------------------------------------------------------
 class _Faulty(http.server.BaseHTTPRequestHandler):
-    """Serves one byte string; ``server.mode`` picks the misbehaviour for GET requests."""
+    """Serves one byte string; ``server.mode`` picks the misbehaviour for GET requests (the first
+    ``server.fail_first`` ones only, when that is set)."""
 
     protocol_version = "HTTP/1.1"
 
@@ -343,18 +294,27 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
         rng = self._range()
         self.server.log.append(("GET", rng))
         n_get = sum(1 for m, _ in self.server.log if m == "GET")
-        if mode == "flaky" and n_get > self.server.fail_first:
+        if self.server.fail_first and n_get > self.server.fail_first:
             mode = "ok"
         if mode == "norange" or rng is None:
             body, status = data, 200
         else:
             body, status = data[rng[0]:rng[1]], 206
+        if mode == "status":   # an error status, with Retry-After when the test set one
+            self.send_response(self.server.status)
+            if self.server.retry_after is not None:
+                self.send_header("Retry-After", self.server.retry_after)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if mode == "short":   # a lying server: the Content-Range of the request, half the body
             body = body[: len(body) // 2]
         if mode == "wrongoffset":   # the right length from the wrong place, honestly labelled
             body = data[rng[0] + 1:rng[1] + 1] if rng else data
         if mode == "stall":  # headers, then silence
             self.send_response(206 if rng else 200)
+            if rng:
+                self.send_header("Content-Range", f"bytes {rng[0]}-{rng[1] - 1}/{len(data)}")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.flush()
@@ -372,7 +332,7 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
         if status == 206:
             a = rng[0] + (1 if mode == "wrongoffset" else 0)
             self.send_header("Content-Range", f"bytes {a}-{rng[1] - 1 + a - rng[0]}/{len(data)}")
-        if mode in ("drop", "flaky"):
+        if mode == "drop":
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body[: len(body) // 3])
@@ -397,6 +357,7 @@ def faulty():
     srv.data = bytes(_rng("faulty").integers(0, 256, size=3 << 20, dtype=np.uint8))
     srv.mode = "ok"
     srv.fail_first = 0
+    srv.status, srv.retry_after = 503, None
     srv.log = []
     srv.release = threading.Event()
     th = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -408,6 +369,19 @@ def faulty():
     srv.server_close()
 
 
+@pytest.fixture(params=["obstore", "fsspec"])
+def backend(request):
+    """Both clients of http(s):// URLs: obstore (the default) and fsspec's aiohttp (URLs with a query
+    string, backend="fsspec")."""
+    if request.param == "obstore":
+        pytest.importorskip("obstore")
+    return request.param
+
+
+def _gets(faulty):
+    return sum(1 for g in faulty.log if g[0] == "GET")
+
+
 def _read_all(url, **kw):
     f = RemoteFile(url, retry_delay=0.0, **kw)
     buf = bytearray(f.size)
@@ -417,25 +391,24 @@ def _read_all(url, **kw):
 
 @pytest.mark.parametrize("mode", ["drop", "short"])
 @pytest.mark.parametrize("size", ["small", "large"])
-def test_fault_gives_clear_error_after_bounded_retries(faulty, mode, size):
+def test_fault_gives_clear_error_after_bounded_retries(faulty, backend, mode, size):
     faulty.mode = mode
-    f = RemoteFile(faulty.url, retries=2, retry_delay=0.0, block_size=1 << 16)
+    f = RemoteFile(faulty.url, retries=2, retry_delay=0.0, block_size=1 << 16, backend=backend)
     f.seek(5000)
     buf = bytearray(300 if size == "small" else (1 << 20))
     with pytest.raises(MCFIOError) as ei:
         f.readinto(buf)
     msg = str(ei.value)
     assert faulty.url in msg and "at offset" in msg and "3 attempts" in msg, msg
-    gets = [g for g in faulty.log if g[0] == "GET"]
-    assert len(gets) == 3                           # bounded: 1 + retries, not forever
+    assert _gets(faulty) == 3                           # bounded: 1 + retries, not forever
     assert f.tell() == 5000   # nothing was reported as read (the buffer may hold part of it)
     if mode == "short":
         assert "short read" in msg
 
 
-def test_wrong_content_range_is_refused(faulty):
+def test_wrong_content_range_is_refused(faulty, backend):
     faulty.mode = "wrongoffset"
-    f = RemoteFile(faulty.url, retries=1, retry_delay=0.0)
+    f = RemoteFile(faulty.url, retries=1, retry_delay=0.0, backend=backend)
     f.seek(1000)
     with pytest.raises(MCFIOError, match="wrong range"):
         f.read(100)
@@ -444,55 +417,117 @@ def test_wrong_content_range_is_refused(faulty):
         f.readinto(bytearray(2 << 20))   # the large-read path too
 
 
-def test_range_ignored_is_refused_without_retrying(faulty):
+def test_range_ignored_is_refused_without_retrying(faulty, backend):
     faulty.mode = "norange"
-    f = RemoteFile(faulty.url, retries=3, retry_delay=0.0)
+    f = RemoteFile(faulty.url, retries=3, retry_delay=0.0, backend=backend)
     f.seek(1000)
     with pytest.raises(MCFIOError, match="ignored the Range header") as ei:
         f.read(100)
     assert "at offset 0 " in str(ei.value) and "after 1 attempt:" in str(ei.value)   # the block holding 1000
-    assert sum(1 for g in faulty.log if g[0] == "GET") == 1
+    assert _gets(faulty) == 1
     # reading from offset 0 with Range ignored is still refused unless the whole file was asked for
     with pytest.raises(MCFIOError, match="ignored the Range"):
-        RemoteFile(faulty.url, retry_delay=0.0).read(10)
+        RemoteFile(faulty.url, retry_delay=0.0, backend=backend).read(10)
 
 
-def test_transient_drops_are_retried(faulty):
-    faulty.mode = "flaky"
+def test_transient_drops_are_retried(faulty, backend):
+    faulty.mode = "drop"
     faulty.fail_first = 2
-    got, f = _read_all(faulty.url, retries=3, request_size=1 << 20)
+    got, f = _read_all(faulty.url, retries=3, request_size=1 << 20, backend=backend)
     assert got == faulty.data and f.stats["retries"] >= 2
 
 
-def test_whole_file_through_a_container_of_faults(faulty, tmp_path):
+@pytest.mark.parametrize("status", [500, 502, 503, 408, 429])
+def test_transient_statuses_are_retried(faulty, backend, status):
+    faulty.mode, faulty.status, faulty.fail_first = "status", status, 2
+    got, f = _read_all(faulty.url, retries=2, backend=backend)
+    assert got == faulty.data and f.stats["retries"] == 2 and _gets(faulty) == 3
+    faulty.log.clear()
+    faulty.fail_first = 0                 # always failing: bounded, then a clear error with the status
+    f = RemoteFile(faulty.url, retries=2, retry_delay=0.0, backend=backend)
+    with pytest.raises(MCFIOError, match=f"3 attempts: .*{status}") as ei:
+        f.read(10)
+    assert faulty.url in str(ei.value) and _gets(faulty) == 3
+
+
+@pytest.mark.parametrize("status", [400, 416])
+def test_client_errors_are_final(faulty, backend, status):
+    faulty.mode, faulty.status = "status", status
+    f = RemoteFile(faulty.url, retries=3, retry_delay=0.0, backend=backend)
+    with pytest.raises(MCFIOError, match=f"after 1 attempt: .*{status}"):
+        f.read(10)
+    assert _gets(faulty) == 1
+
+
+@pytest.mark.parametrize("status, error", [(404, MissingFileError), (403, mcf.AccessError)])
+def test_missing_or_refused_on_get(faulty, backend, status, error):
+    """The size was known, then a GET is refused (the object deleted, a token expired): the class the
+    status means, at once."""
+    f = RemoteFile(faulty.url, retries=3, retry_delay=0.0, backend=backend)
+    faulty.mode, faulty.status = "status", status
+    with pytest.raises(error) as ei:
+        f.read(10)
+    assert faulty.url in str(ei.value) and _gets(faulty) == 1
+
+
+def test_retry_after_is_honoured(faulty, monkeypatch):
+    """A 429 or 503 with Retry-After waits as long as the server asked (up to a bound) before the next
+    attempt, on the client that can see the header (fsspec's aiohttp; obstore does not expose it)."""
+    from mcf.remote import _fetch
+
+    waits = []
+    monkeypatch.setattr(_fetch.time, "sleep", waits.append)
+    faulty.mode, faulty.status, faulty.fail_first = "status", 429, 1
+    faulty.retry_after = "7"
+    got, f = _read_all(faulty.url, retries=2, backend="fsspec")
+    assert got == faulty.data and waits == [7.0]
+    faulty.log.clear()
+    faulty.retry_after = "100000"         # bounded: a server cannot park the reader for a day
+    waits.clear()
+    _read_all(faulty.url, retries=2, backend="fsspec")
+    assert waits == [_fetch.MAX_RETRY_AFTER]
+
+
+def test_backoff_grows_with_jitter():
+    from mcf.remote._fetch import MAX_DELAY, Fetcher
+
+    f = Fetcher(None, url="u", size=0, retries=9, retry_delay=0.1, concurrency=1, stats={})
+    for k in range(9):
+        got = [f.backoff(k) for _ in range(200)]
+        top = min(MAX_DELAY, 0.1 * 2 ** k)
+        assert all(top / 2 <= d <= top for d in got) and len(set(got)) > 100   # jittered, in [top/2, top]
+
+
+def test_whole_file_through_a_container_of_faults(faulty, backend, tmp_path):
     """An MCF reader over a server that drops every body: a clear MCFIOError, never a short tensor."""
+    from mcf.remote import open_remote
+
     with mcf.Writer(str(tmp_path / "x.mcf")) as w:
         w.add_tensor("x", np.arange(4096, dtype=np.float32))
     faulty.data = (tmp_path / "x.mcf").read_bytes()
     faulty.mode = "drop"
     with pytest.raises(MCFIOError, match="127.0.0.1"):
-        mcf.open(faulty.url).tensor("x")
+        mcf.open(open_remote(faulty.url, retry_delay=0.0, backend=backend)).tensor("x")
     faulty.mode = "ok"
-    from mcf.remote import open_remote
-
-    c = mcf.open(open_remote(faulty.url, block_size=1024, retry_delay=0.0))   # 16 KiB: a "large" read
+    c = mcf.open(open_remote(faulty.url, block_size=1024, retry_delay=0.0, backend=backend))   # 16 KiB: "large"
     faulty.mode = "drop"
     with pytest.raises(MCFIOError, match="127.0.0.1"):
         c.load()          # read_ranges -> RemoteFile.readinto_ranges
 
 
-def test_stalled_server_times_out(faulty):
+def test_stalled_server_times_out(faulty, backend):
     faulty.mode = "stall"
-    f = RemoteFile(faulty.url, retries=1, retry_delay=0.0, timeout=0.3)
-    with pytest.raises(MCFIOError, match="2 attempts"):
+    f = RemoteFile(faulty.url, retries=1, retry_delay=0.0, timeout=0.3, backend=backend)
+    with pytest.raises(MCFIOError, match="2 attempts") as ei:
         f.read(100)
-    assert sum(1 for g in faulty.log if g[0] == "GET") == 2
+    assert _gets(faulty) == 2
+    assert "imeout" in str(ei.value) or "timed out" in str(ei.value), str(ei.value)
 
 
-def test_unknown_size_is_refused(faulty):
+def test_unknown_size_is_refused(faulty, backend):
     faulty.mode = "nolength"
     with pytest.raises(MCFIOError, match="size"):
-        RemoteFile(faulty.url, retry_delay=0.0)
+        RemoteFile(faulty.url, retry_delay=0.0, backend=backend)
 
 
 def test_bad_arguments():
@@ -551,13 +586,13 @@ def test_safetensors_checkpoint_directory_url(server, www, tmp_path):
     rng = _rng("sharded")
     a = {"a.weight": rng.standard_normal((8, 4)).astype(np.float32)}
     b = {"b.weight": rng.standard_normal((3,)).astype(np.float16)}
-    d = www / "sharded"
+    d = www / "sharded-small"
     d.mkdir(exist_ok=True)
     save_file(a, str(d / "model-00001-of-00002.safetensors"))
     save_file(b, str(d / "model-00002-of-00002.safetensors"))
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
-    with open_checkpoint(server.url("sharded/")) as ck:
+    with open_checkpoint(server.url("sharded-small/")) as ck:
         assert ck.sorted_names() == ["a.weight", "b.weight"]
         _eq(ck.tensors["a.weight"].array(), a["a.weight"])
         _eq(ck.tensors["b.weight"].array(), b["b.weight"])
@@ -569,6 +604,6 @@ def test_safetensors_checkpoint_directory_url(server, www, tmp_path):
         assert sorted(ck.tensors) == sorted(ref)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": "../x.safetensors"}}))
     with pytest.raises(mcf.FormatError, match="plain file names"):
-        open_checkpoint(server.url("sharded"))
+        open_checkpoint(server.url("sharded-small"))
     with pytest.raises(MissingFileError):
         open_checkpoint(server.url("no-such-dir"))

@@ -28,6 +28,9 @@ cdef class Source:
     cdef bint _owns_fileobj
     cdef int _inflight               # copies running without the GIL (counted under the GIL)
     cdef bint _release_pending       # close() came while copies ran: the last one releases
+    cdef int _dfd                    # the file again with O_DIRECT: -1 not opened yet, -2 refused
+    cdef object _storage             # mcf._core.storage.Storage of a file source, else None
+    cdef object _read_stats          # mcf._core.storage.ReadStats of the last engine call, or None
 
     # raise (OutOfBoundsError, ClosedError) unless [offset, offset+size) lies inside the open file
     cdef int check_range(self, object offset, object size) except -1
@@ -40,5 +43,6 @@ cdef class Source:
     cdef _release(self)
     cdef _set_mapping(self, _Mapping m)
     cdef _fileobj_read(self, uint64_t offset, mv)
-    cdef _copy_ranges(self, const int64_t[::1] offs, const int64_t[::1] szs, const int64_t[::1] dsts,
-                      uint8_t* out, Py_ssize_t a, Py_ssize_t b)
+    # (threads, chunk_bytes, direct) of a plan read: the caller's, checked, or the storage's defaults
+    cdef object _settings(self, object threads, object chunk_bytes, object direct)
+    cdef int _direct_fd(self) except -2

@@ -11,12 +11,22 @@ A :class:`Source` is a read-only, bounds-checked window on the bytes of one file
   :meth:`Source.cow_view` gives writable zero-copy views of a second, private copy-on-write mapping for
   callers such as torch that ignore numpy's read-only flag.
 - ``pread``: positional reads with the GIL released into page-aligned buffers, for file systems where
-  mapping is slow or forbidden (parallel file systems, the MCF spec's "mmap must be optional").
+  mapping is slow or forbidden (network and FUSE filesystems, the MCF spec's "mmap must be optional").
 - ``fileobj``: any binary file-like object with ``seek`` and ``readinto`` (or ``read``), e.g. fsspec.
 - ``memory``: any bytes-like object already in memory (tests, fuzzers, network payloads).
 
 Every read checks ``offset`` and ``size`` against the file size with Python integers, before any
 C arithmetic, so no caller value can wrap around.
+
+``mmap=None`` (every reader's default) picks the mode from the filesystem the file is on
+(:mod:`mcf._core.storage`): mapped on local disks, ``pread`` on network and FUSE filesystems, where
+page faults are round trips to a server and a vanished server is a SIGBUS.
+
+Plans of many ranges (:meth:`Source.read_into`, :meth:`Source.read_ranges`, and large reads in ``pread``
+mode) go through the read engine (``csrc/readengine.c``): every range and destination is checked here,
+then one call without the GIL sorts and coalesces the plan, cuts it into chunks and reads them with a
+pool of pthreads straight into the destinations, with the workers and chunk size of the storage's kind
+unless the caller says otherwise.
 """
 
 import os
@@ -25,8 +35,9 @@ import threading
 import numpy as np
 
 from libc.stdint cimport uint8_t, uint64_t, int64_t, uintptr_t
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
-from libc.errno cimport errno, EINTR
+from libc.errno cimport errno, EINTR, ENOMEM
 from posix.types cimport off_t
 from posix.unistd cimport pread
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE,
@@ -37,6 +48,35 @@ cdef extern from "sys/mman.h":
     # RAM + swap must not fail with ENOMEM when the caller writes to a few tensors at most
     enum: MAP_NORESERVE
 from cpython.buffer cimport PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+
+cdef extern from "sys/vfs.h" nogil:
+    struct statfs:
+        long f_type
+    int fstatfs(int fd, statfs* buf)
+
+cdef extern from "readengine.h" nogil:
+    ctypedef struct mcf_read_range:
+        uint64_t offset
+        uint64_t size
+        uint8_t* dst
+    ctypedef struct mcf_read_config:
+        int fd
+        int direct_fd
+        unsigned threads
+        uint64_t chunk
+        uint64_t align
+    ctypedef struct mcf_read_result:
+        int error
+        int truncated
+        uint64_t fail_offset
+        uint64_t bytes
+        uint64_t requests
+        uint64_t ranges
+        unsigned threads
+        int direct
+        int direct_refused
+    int mcf_read_plan(mcf_read_range* ranges, size_t n, const mcf_read_config* cfg, mcf_read_result* res)
+    int mcf_plan_overlap(const mcf_read_range* ranges, size_t n, size_t* first, size_t* second)
 
 cimport numpy as cnp
 from cpython.ref cimport Py_INCREF
@@ -49,15 +89,28 @@ cdef extern from "numpy/arrayobject.h":
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
 from mcf._core.args import integer, integers
+from mcf._core.storage import ReadStats, Storage, defaults_for, storage_for_magic
 from mcf.errors import (ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError,
                         TruncatedError, os_error)
 
-__all__ = ["Source", "open_source", "aligned_empty", "alloc_buffer", "PAGE_SIZE"]
+__all__ = ["Source", "open_source", "open_fd", "storage_of", "aligned_empty", "alloc_buffer", "PAGE_SIZE",
+           "MAX_THREADS", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "DIRECT_ALIGN"]
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 # Linux transfers at most 0x7ffff000 bytes per read call.
 cdef size_t _MAX_IO = 0x40000000
+
+# The read engine's limits: more workers than this is a mistake, not a setting (each is a thread); a
+# chunk below a page costs a system call per page, above 1 GiB it is more than one read call anyway.
+MAX_THREADS = 256
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 1 << 30
+# a single copy this large may go through the engine (two chunks of the smallest default chunk size)
+cdef size_t _ENGINE_MIN_COPY = 4 << 20
+# O_DIRECT requests start, end and land on this boundary: the largest logical block size of common
+# devices (512 and 4096); a device that needs more refuses with EINVAL and the engine reads buffered.
+DIRECT_ALIGN = 4096
 
 _ADVICE = {
     "normal": MADV_NORMAL,
@@ -116,7 +169,7 @@ cdef class _Mapping:
 cdef int _get_writable(object buffer, Py_buffer* view) except -1:
     try:
         PyObject_GetBuffer(buffer, view, PyBUF_SIMPLE | PyBUF_WRITABLE)
-    except (BufferError, TypeError):
+    except (BufferError, TypeError, ValueError):   # numpy refuses a read-only array with ValueError
         raise InvalidArgumentError(
             f"expected a writable contiguous buffer, got {type(buffer).__name__}") from None
     return 0
@@ -178,13 +231,14 @@ cdef class Source:
         self._owns_fileobj = False
         self._inflight = 0
         self._release_pending = False
+        self._dfd = -1
 
     def __init__(self):
         raise ArgumentTypeError("use mcf.io.open_source() to create a Source")
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
-    def _from_path(path, bint use_mmap):
+    def _from_path(path, use_mmap):
         fspath = os.fspath(path)
         try:
             fd = os.open(fspath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -193,9 +247,10 @@ cdef class Source:
         return Source._from_fd(fd, fspath, use_mmap)
 
     @staticmethod
-    def _from_fd(int fd, path, bint use_mmap):
+    def _from_fd(int fd, path, use_mmap):
         """A source over ``fd`` (an open, readable descriptor), which it owns from here on: closed with
-        the source, or at once when it is refused (not a regular file, or the mapping fails)."""
+        the source, or at once when it is refused (not a regular file, or the mapping fails).
+        ``use_mmap`` None maps the file when its filesystem is local (:mod:`mcf._core.storage`)."""
         cdef Source s = Source.__new__(Source)
         s.path = path
         s.name = os.fsdecode(path) if path is not None else f"<fd {fd}>"
@@ -214,6 +269,9 @@ cdef class Source:
         s._size = st.st_size
         s._closed = False
         s._lock = threading.Lock()
+        s._storage = _fd_storage(fd)
+        if use_mmap is None:
+            use_mmap = defaults_for(s._storage.kind).mmap
         if use_mmap:
             s.mode = "mmap"
             try:
@@ -287,6 +345,20 @@ cdef class Source:
         return self._bytes_read
 
     @property
+    def storage(self):
+        """Where the file lives (:class:`mcf._core.storage.Storage`: kind, filesystem, statfs magic), which
+        decides the defaults of ``mmap``, ``threads`` and ``chunk_bytes``; None for file-like and memory
+        sources."""
+        return self._storage
+
+    @property
+    def read_stats(self):
+        """What the read engine did in this source's last plan read (:class:`mcf._core.storage.ReadStats`:
+        storage, threads, chunk_bytes, direct, ranges, requests, bytes_read), for loaders to report;
+        None before the first one, and for file-like and memory sources, which do not use the engine."""
+        return self._read_stats
+
+    @property
     def size(self):
         """Size of the file in bytes (as of opening or the last :meth:`refresh`)."""
         return self._size
@@ -328,14 +400,15 @@ cdef class Source:
 
     # -- reads --------------------------------------------------------------------------------
     cdef int copy_to(self, uint64_t offset, size_t n, void* dst) except -1:
-        """Copy ``n`` bytes at ``offset`` into ``dst``; the range must have been checked."""
+        """Copy ``n`` bytes at ``offset`` into ``dst``; the range must have been checked.  In ``pread``
+        mode a read of two chunks or more goes through the read engine (requests in flight in parallel)."""
         cdef size_t done = 0
         cdef int fd = self._fd
         cdef int err = 0
         cdef const uint8_t* b = self.base
+        cdef mcf_read_range one
         if n == 0:
             return 0
-        self._bytes_read += n
         if b != NULL:
             self.pin()
             try:
@@ -343,16 +416,27 @@ cdef class Source:
                     memcpy(dst, b + offset, n)
             finally:
                 self.unpin()
+            self._bytes_read += n
             return 0
         if self.mode == "pread":
+            # the size test comes first: per-item copies (Megatron, MegaContext) are far below any chunk
+            if n >= _ENGINE_MIN_COPY:
+                settings = self._settings(None, None, None)
+                if n >= 2 * <size_t>settings[1]:
+                    one.offset = offset
+                    one.size = n
+                    one.dst = <uint8_t*>dst
+                    _engine(self, &one, 1, settings)
+                    return 0
             self.pin()
             try:
                 with nogil:
                     done = <size_t>_pread_full(fd, <uint8_t*>dst, n, offset, &err)
             finally:
                 self.unpin()
+            self._bytes_read += done
             if err:
-                raise os_error(OSError(err, os.strerror(err)), self.name)
+                raise os_error(OSError(err, f"{os.strerror(err)} (read at offset {offset + done})"), self.name)
             if done < n:
                 raise TruncatedError("file shrank while reading", path=self.name, offset=offset + done,
                                      expected=f"{n} bytes", got=f"{done} bytes")
@@ -385,6 +469,8 @@ cdef class Source:
                         done += len(chunk)
             except OSError as exc:
                 raise os_error(exc, self.name) from None
+            finally:
+                self._bytes_read += done
         if done < n:
             raise TruncatedError("file-like object returned fewer bytes than its size promised",
                                  path=self.name, offset=offset + done, expected=f"{n} bytes",
@@ -404,27 +490,42 @@ cdef class Source:
             self.copy_to(offset, size, &mv[0])
         return bytes(out)
 
-    def read_into(self, offsets, buffers, threads=None, chunk_bytes=None):
+    def read_into(self, offsets, buffers, threads=None, chunk_bytes=None, *, direct=None):
         """Fill every buffer of ``buffers`` (writable, contiguous: numpy arrays, memoryviews, the numpy
         view of a torch tensor) with the bytes at the matching entry of ``offsets``; returns the bytes
-        read.  Every range is checked before any byte moves.
+        the buffers hold.  Every range, every buffer and every argument is checked before any byte
+        moves; buffers that overlap one another are refused (their bytes would depend on timing).
 
-        The loaders' one entry into storage: a plan of byte ranges, each straight into its destination.
-        ``threads`` and ``chunk_bytes`` tune the read engine (None: chosen for the storage)."""
+        The loaders' one entry into storage: a plan of byte ranges read by the engine straight into its
+        destinations.  ``threads``, ``chunk_bytes`` and ``direct`` (O_DIRECT) default to the settings of
+        the storage's kind (:mod:`mcf._core.storage`); :attr:`read_stats` tells what was used."""
         bufs = list(buffers)
         offs = integers(offsets, "offsets")
-        if offs.shape[0] != len(bufs):
-            raise InvalidArgumentError(f"{offs.shape[0]} offsets for {len(bufs)} buffers")
-        cdef Py_buffer view
-        sizes = []
-        for k, buf in enumerate(bufs):
-            _get_writable(buf, &view)
-            sizes.append(view.len)
-            PyBuffer_Release(&view)
-            self.check_range(int(offs[k]), sizes[k])
-        total = 0
-        for k, buf in enumerate(bufs):
-            total += self.readinto(int(offs[k]), buf)
+        cdef Py_ssize_t n = len(bufs), k, held = 0
+        if offs.shape[0] != n:
+            raise InvalidArgumentError(f"{offs.shape[0]} offsets for {n} buffers")
+        settings = self._settings(threads, chunk_bytes, direct)
+        cdef const int64_t[::1] o = offs
+        cdef Py_buffer* views = <Py_buffer*>calloc(n if n else 1, sizeof(Py_buffer))
+        cdef mcf_read_range* rr = <mcf_read_range*>malloc((n if n else 1) * sizeof(mcf_read_range))
+        cdef uint64_t total = 0
+        try:
+            if views == NULL or rr == NULL:
+                raise MemoryError()
+            if self._closed:
+                raise ClosedError(f"{self.name}: source is closed")
+            for k in range(n):
+                _get_writable(bufs[k], &views[k])
+                held = k + 1
+                _plan_entry(self, rr, k, o[k], views[k].len, <uint8_t*>views[k].buf)
+                total += rr[k].size
+            _check_overlap(rr, n, f"{self.name}: read_into: buffers")
+            _read_plan(self, rr, n, settings)
+        finally:
+            for k in range(held):
+                PyBuffer_Release(&views[k])
+            free(views)
+            free(rr)
         return total
 
     def readinto(self, offset, buffer):
@@ -545,13 +646,15 @@ cdef class Source:
         cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_ALIGNED)
         return arr
 
-    def read_ranges(self, offsets, sizes, out, out_offsets, threads=1):
+    def read_ranges(self, offsets, sizes, out, out_offsets, threads=None, chunk_bytes=None, *, direct=None):
         """Copy many ranges of the file into one writable buffer, with the GIL released.
 
-        ``offsets``/``sizes``/``out_offsets`` are equal-length integer sequences; every source range
-        and every destination range is checked before any byte moves.  Files opened from a path are
-        read with ``pread`` (also in mmap mode: the kernel copies from the page cache without
-        faulting the mapping in); ``threads`` > 1 splits the ranges by bytes across threads.
+        ``offsets``/``sizes``/``out_offsets`` are equal-length integer sequences; every source range and
+        every destination range is checked before any byte moves, and destination ranges that overlap
+        are refused.  Files opened from a path are read by the read engine with ``pread`` (also in mmap
+        mode: the kernel copies from the page cache without faulting the mapping in, and a cold file is
+        read with many requests in flight); ``threads``, ``chunk_bytes`` and ``direct`` default to the
+        storage's settings (:mod:`mcf._core.storage`).
         """
         cdef Py_buffer view
         cdef Py_ssize_t k, n
@@ -561,105 +664,70 @@ cdef class Source:
         n = offs.shape[0]
         if szs.shape[0] != n or dsts.shape[0] != n:
             raise InvalidArgumentError("offsets, sizes and out_offsets must have the same length")
+        settings = self._settings(threads, chunk_bytes, direct)
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
-        _get_writable(out, &view)
+        cdef const int64_t[::1] o = offs
+        cdef const int64_t[::1] z = szs
+        cdef const int64_t[::1] d = dsts
+        cdef mcf_read_range* rr = <mcf_read_range*>malloc((n if n else 1) * sizeof(mcf_read_range))
+        if rr == NULL:
+            raise MemoryError()
         try:
-            if n:
-                if (offs < 0).any() or (szs < 0).any() or (dsts < 0).any():
-                    raise OutOfBoundsError(f"{self.name}: negative offset or size in read_ranges")
-                # sizes and offsets are each < 2**63, so these sums cannot overflow uint64
-                if ((offs.astype(np.uint64) + szs.astype(np.uint64) > np.uint64(self._size)).any()):
-                    k = int(np.flatnonzero(offs.astype(np.uint64) + szs.astype(np.uint64)
-                                           > np.uint64(self._size))[0])
-                    raise OutOfBoundsError(
-                        f"{self.name}: read of {szs[k]} bytes at offset {offs[k]} is outside the file "
-                        f"(size {self._size})")
-                if (dsts.astype(np.uint64) + szs.astype(np.uint64) > np.uint64(view.len)).any():
-                    raise OutOfBoundsError("read_ranges: a destination range is outside the output buffer")
-            if self.mode == "fileobj" or threads <= 1 or n < 2:
-                self._copy_ranges(offs, szs, dsts, <uint8_t*>view.buf, 0, n)
-            else:
-                # split by bytes so the threads get similar work.  No negative index here: the module is
-                # compiled with wraparound=False, which hands -1 to the sequence protocol unadjusted, and
-                # numpy >= 2.5 no longer wraps it there (IndexError: index -11 ... size 10)
-                cum = np.cumsum(szs)
-                total = int(cum[n - 1])
-                cuts = [0] + [int(np.searchsorted(cum, total * t // threads, side="left")) + 1
-                              for t in range(1, threads)] + [int(n)]
-                errors = []
-                addr = <uintptr_t>view.buf
-
-                def work(a, b):
-                    try:
-                        self._copy_ranges(offs, szs, dsts, <uint8_t*><uintptr_t>addr, a, b)
-                    except BaseException as exc:  # re-raised in the caller
-                        errors.append(exc)
-
-                ts = [threading.Thread(target=work, args=(cuts[t], cuts[t + 1]))
-                      for t in range(threads) if cuts[t] < cuts[t + 1]]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                if errors:
-                    raise errors[0]
+            _get_writable(out, &view)
+            try:
+                for k in range(n):
+                    if d[k] < 0 or z[k] < 0 or d[k] > view.len or z[k] > view.len - d[k]:
+                        raise OutOfBoundsError(
+                            f"{self.name}: read_ranges: range {k} ({z[k]} bytes at {d[k]}) is outside the output "
+                            f"buffer ({view.len} bytes)")
+                    _plan_entry(self, rr, k, o[k], z[k], <uint8_t*>view.buf + d[k])
+                _check_overlap(rr, n, f"{self.name}: read_ranges: destination ranges")
+                _read_plan(self, rr, n, settings)
+            finally:
+                PyBuffer_Release(&view)
         finally:
-            PyBuffer_Release(&view)
+            free(rr)
 
-    cdef _copy_ranges(self, const int64_t[::1] offs, const int64_t[::1] szs, const int64_t[::1] dsts,
-                      uint8_t* out, Py_ssize_t a, Py_ssize_t b):
-        cdef Py_ssize_t k
-        cdef int fd = self._fd
-        cdef size_t done, n
-        cdef int err = 0
-        cdef Py_ssize_t bad = -1
-        cdef const uint8_t* base = self.base
-        if self._closed:
-            raise ClosedError(f"{self.name}: source is closed")
-        for k in range(a, b):
-            self._bytes_read += <uint64_t>szs[k]
-        if fd >= 0:
-            self.pin()
-            try:
-                with nogil:
-                    for k in range(a, b):
-                        n = <size_t>szs[k]
-                        done = <size_t>_pread_full(fd, out + dsts[k], n, <uint64_t>offs[k], &err)
-                        if err or done < n:
-                            bad = k
-                            break
-            finally:
-                self.unpin()
-            if err:
-                raise os_error(OSError(err, os.strerror(err)), self.name)
-            if bad >= 0:
-                raise TruncatedError("file shrank while reading", path=self.name, offset=offs[bad],
-                                     expected=f"{szs[bad]} bytes")
-            return
-        if base != NULL:
-            self.pin()
-            try:
-                with nogil:
-                    for k in range(a, b):
-                        memcpy(out + dsts[k], base + offs[k], <size_t>szs[k])
-            finally:
-                self.unpin()
-            return
-        many = getattr(self._fileobj, "readinto_ranges", None)
-        if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
-            ks = [k for k in range(a, b) if szs[k]]
+    cdef object _settings(self, object threads, object chunk_bytes, object direct):
+        """``(threads, chunk_bytes, direct)`` of a plan read: the caller's values once checked, else the
+        defaults of the storage's kind."""
+        d = defaults_for(self._storage.kind if self._storage is not None else "unknown")
+        if threads is None:
+            t = d.threads
+        else:
+            t = integer(threads, "threads", minimum=1)
+            if t > MAX_THREADS:
+                raise InvalidArgumentError(f"threads must be <= {MAX_THREADS}, got {t}")
+        if chunk_bytes is None:
+            c = d.chunk_bytes
+        else:
+            c = integer(chunk_bytes, "chunk_bytes", minimum=MIN_CHUNK_BYTES)
+            if c > MAX_CHUNK_BYTES:
+                raise InvalidArgumentError(f"chunk_bytes must be <= {MAX_CHUNK_BYTES}, got {c}")
+        if direct is None:
+            dr = d.direct
+        elif isinstance(direct, (bool, np.bool_)):
+            dr = bool(direct)
+        else:
+            raise ArgumentTypeError(f"direct must be True, False or None, got {direct!r} ({type(direct).__name__})")
+        return (t, c, dr)
+
+    cdef int _direct_fd(self) except -2:
+        """The file again with O_DIRECT (opened once, through /proc/self/fd: no path to race with), or -1
+        where the platform or the filesystem has none.  Call pinned."""
+        if self._dfd == -1:
             with self._lock:
-                try:
-                    many([offs[k] for k in ks], [memoryview(<uint8_t[:szs[k]]>(out + dsts[k])) for k in ks])
-                except OSError as exc:
-                    if isinstance(exc, MCFIOError):
-                        raise
-                    raise os_error(exc, self.name) from None
-            return
-        for k in range(a, b):
-            if szs[k]:
-                self._fileobj_read(<uint64_t>offs[k], memoryview(<uint8_t[:szs[k]]>(out + dsts[k])))
+                if self._dfd == -1:
+                    flag = getattr(os, "O_DIRECT", 0)
+                    self._dfd = -2
+                    if flag:
+                        try:
+                            self._dfd = os.open(f"/proc/self/fd/{self._fd}",
+                                                os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+                        except OSError:   # EINVAL: the filesystem has none; no /proc: no way to reopen
+                            pass
+        return self._dfd if self._dfd >= 0 else -1
 
     def advise(self, advice, offset=0, size=None):
         """Pass a ``madvise`` hint for a range of a mapped file ("random", "sequential", "willneed",
@@ -719,6 +787,9 @@ cdef class Source:
         self._mapping = None
         self._whole = None
         self._cow = None
+        if self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -751,6 +822,9 @@ cdef class Source:
         self.close()
 
     def __dealloc__(self):
+        if self._dfd >= 0:
+            os.close(self._dfd)
+            self._dfd = -1
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -768,6 +842,129 @@ def _reopen_path(path, use_mmap):
     return Source._from_path(path, use_mmap)
 
 
+cdef object _fd_storage(int fd):
+    """The :class:`Storage` of the filesystem holding ``fd`` (``unknown`` when statfs fails)."""
+    cdef statfs buf
+    cdef int rc
+    with nogil:
+        rc = fstatfs(fd, &buf)
+    if rc != 0:
+        return Storage("unknown", "?", None)
+    return storage_for_magic(<unsigned long>buf.f_type & 0xFFFFFFFF)
+
+
+def storage_of(path):
+    """Where ``path`` (a file or a directory) lives: a :class:`mcf._core.storage.Storage` with its kind
+    (``local``, ``network``, ``fuse`` or ``unknown``), filesystem name and statfs magic number, which
+    :func:`open_source` follows for ``mmap=None`` and the read engine for its defaults."""
+    fspath = os.fspath(path)
+    try:
+        fd = os.open(fspath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise os_error(exc, os.fsdecode(fspath)) from None
+    try:
+        return _fd_storage(fd)
+    finally:
+        os.close(fd)
+
+
+cdef inline int _plan_entry(Source s, mcf_read_range* rr, Py_ssize_t k, int64_t offset, int64_t size,
+                            uint8_t* dst) except -1:
+    """Range ``k`` of a plan, once it lies inside the file (OutOfBoundsError naming it otherwise)."""
+    if offset < 0 or size < 0 or <uint64_t>offset > s._size or <uint64_t>size > s._size - <uint64_t>offset:
+        raise OutOfBoundsError(f"{s.name}: read of {size} bytes at offset {offset} (range {k}) is outside the file "
+                               f"(size {s._size})")
+    rr[k].offset = <uint64_t>offset
+    rr[k].size = <uint64_t>size
+    rr[k].dst = dst
+    return 0
+
+
+cdef int _check_overlap(const mcf_read_range* rr, Py_ssize_t n, what) except -1:
+    """InvalidArgumentError when two non-empty destination ranges share a byte."""
+    cdef size_t i = 0, j = 0
+    cdef int rc = mcf_plan_overlap(rr, <size_t>n, &i, &j)
+    if rc < 0:
+        raise MemoryError()
+    if rc:
+        raise InvalidArgumentError(f"{what} {i} and {j} overlap in memory (each destination byte must belong "
+                                   "to one range)")
+    return 0
+
+
+cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings):
+    """A checked plan read by the engine (file sources) or copied range by range (memory and file-like
+    sources); returns the bytes fetched."""
+    cdef Py_ssize_t k
+    cdef const uint8_t* base = s.base
+    cdef uint64_t total = 0
+    if s._closed:
+        raise ClosedError(f"{s.name}: source is closed")
+    if s._fd >= 0:
+        return _engine(s, rr, n, settings)
+    for k in range(n):
+        total += rr[k].size
+    if base != NULL:
+        s.pin()
+        try:
+            with nogil:
+                for k in range(n):
+                    memcpy(rr[k].dst, base + rr[k].offset, <size_t>rr[k].size)
+        finally:
+            s.unpin()
+        s._bytes_read += total
+        return total
+    ks = [k for k in range(n) if rr[k].size]
+    many = getattr(s._fileobj, "readinto_ranges", None)
+    if many is not None:  # e.g. mcf.remote.RemoteFile: requests in flight across ranges
+        with s._lock:
+            if s._fileobj is None:
+                raise ClosedError(f"{s.name}: source is closed")
+            try:
+                many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks])
+            except OSError as exc:
+                if isinstance(exc, MCFIOError):
+                    raise
+                raise os_error(exc, s.name) from None
+        s._bytes_read += total
+        return total
+    for k in ks:
+        s._fileobj_read(rr[k].offset, memoryview(<uint8_t[:rr[k].size]>rr[k].dst))
+    return total
+
+
+cdef object _engine(Source s, mcf_read_range* rr, Py_ssize_t n, object settings):
+    """One call of the read engine over a checked plan (reordered in place); returns the bytes the file
+    returned."""
+    cdef mcf_read_config cfg
+    cdef mcf_read_result res
+    cdef int rc
+    threads, chunk, direct = settings
+    s.pin()
+    try:
+        cfg.fd = s._fd
+        cfg.direct_fd = s._direct_fd() if direct else -1
+        if cfg.direct_fd >= 0 and chunk % DIRECT_ALIGN:
+            chunk += DIRECT_ALIGN - chunk % DIRECT_ALIGN
+        cfg.threads = <unsigned>threads
+        cfg.chunk = <uint64_t>chunk
+        cfg.align = DIRECT_ALIGN
+        with nogil:
+            rc = mcf_read_plan(rr, <size_t>n, &cfg, &res)
+    finally:
+        s.unpin()
+    s._bytes_read += res.bytes
+    s._read_stats = ReadStats(s._storage, res.threads, chunk, res.direct != 0, res.ranges, res.requests, res.bytes)
+    if rc:
+        if res.truncated:
+            raise TruncatedError("file shrank while reading", path=s.name, offset=res.fail_offset,
+                                 expected=f"{s._size} bytes, its size when opened")
+        if res.error == ENOMEM:
+            raise MemoryError(f"{s.name}: no memory for the read engine's plan")
+        raise os_error(OSError(res.error, f"{os.strerror(res.error)} (read at offset {res.fail_offset})"), s.name)
+    return res.bytes
+
+
 def _reopen_memory(data, name):
     return Source._from_memory(data, name)
 
@@ -781,8 +978,9 @@ def _is_url(obj):
     return is_url(obj)
 
 
-def open_fd(fd, name=None, mmap=True):
-    """Open an already open file descriptor as a :class:`Source` (``mmap`` or ``pread`` mode).
+def open_fd(fd, name=None, mmap=None):
+    """Open an already open file descriptor as a :class:`Source` (``mmap`` or ``pread`` mode; ``mmap=None``
+    maps it when its filesystem is local, as :func:`open_source`).
 
     For callers that must open the file themselves: relative to a directory descriptor, with
     ``O_NOFOLLOW``, after checking what the descriptor is (:mod:`mcf.bucket` does all three).  The
@@ -792,16 +990,26 @@ def open_fd(fd, name=None, mmap=True):
     """
     if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
         raise ArgumentTypeError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
-    return Source._from_fd(fd, os.fspath(name) if name is not None else None, bool(mmap))
+    return Source._from_fd(fd, os.fspath(name) if name is not None else None, _mmap_choice(mmap))
 
 
-def open_source(obj, mmap=True):
+def _mmap_choice(mmap):
+    if mmap is None or isinstance(mmap, (bool, np.bool_)):
+        return None if mmap is None else bool(mmap)
+    raise ArgumentTypeError(f"mmap must be True, False or None, got {mmap!r} ({type(mmap).__name__})")
+
+
+def open_source(obj, mmap=None):
     """Open ``obj`` as a :class:`Source`.
 
     ``obj`` may be a path (``str`` or ``os.PathLike``), an existing :class:`Source` (returned as is),
     the file's content in memory (``bytes``, ``bytearray``, ``memoryview`` or a numpy array) read in
-    place, or a binary file-like object with ``seek`` and ``readinto``/``read``.  ``mmap=False`` reads
-    paths with positional reads instead of mapping them.
+    place, or a binary file-like object with ``seek`` and ``readinto``/``read``.
+
+    ``mmap=None`` (the default) follows the filesystem (:func:`storage_of`): a file on a local disk is
+    mapped, one on a network or FUSE filesystem (NFS, SMB, Lustre, GPFS, CephFS, 9p, s3fs, gcsfuse...)
+    is read with positional reads by the read engine, because page faults there are round trips to a
+    server (and SIGBUS when it goes away).  ``mmap=True`` or ``False`` decides instead.
 
     ``bytes`` are content, never a path, for every reader alike (as ``safetensors.load`` and
     ``mcf.gguf.open`` take them): a path given as bytes would be ambiguous.  Decode such a path with
@@ -822,7 +1030,7 @@ def open_source(obj, mmap=True):
         from mcf.remote import open_remote
         return open_remote(obj)
     if isinstance(obj, (str, os.PathLike)):
-        return Source._from_path(obj, bool(mmap))
+        return Source._from_path(obj, _mmap_choice(mmap))
     if isinstance(obj, (bytearray, memoryview, np.ndarray)):
         return Source._from_memory(obj)
     if hasattr(obj, "seek"):

@@ -216,7 +216,8 @@ def cmd_serve(args) -> int:
 
     from mcf.bucket.server import check_bind, serve
 
-    kw = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    kw = {k: getattr(args, k) for k in ("max_body_bytes", "max_ingest_bytes", "max_concurrent_ingests")
+          if getattr(args, k) is not None}
     if args.warm_budget_bytes is not None:
         kw["warm_budget_bytes"] = args.warm_budget_bytes
     if args.max_event_streams is not None:
@@ -245,7 +246,9 @@ def cmd_serve(args) -> int:
     try:
         serve(args.root, host=args.host, port=args.port, token=token, allowed_hosts=args.allow_host,
               max_connections=args.max_connections, header_timeout=args.header_timeout,
-              body_timeout=args.body_timeout,
+              body_timeout=args.body_timeout, body_min_rate=args.body_min_rate, body_deadline=args.body_deadline,
+              send_timeout=args.send_timeout, access_log=not args.no_access_log,
+              on_listening=lambda m: print(f"mcf: {m}", file=sys.stderr, flush=True),
               on_warning=lambda w: print(f"mcf: warning: {w}", file=sys.stderr, flush=True), **kw)
     except SystemExit as exc:  # uvicorn's way to give up after logging why
         if exc.code in (0, None):
@@ -336,12 +339,22 @@ def add_bucket_parser(sub) -> None:
     s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header is NAME (repeatable; '*' for any, with a token only). "
                         "Default: localhost, 127.0.0.1, ::1 and the --host address")
-    s.add_argument("--max-body-bytes", type=int, help="largest ingest upload, and the most its arrays may declare "
-                                                      "(default 1 GiB)")
-    s.add_argument("--max-connections", type=int, help="open connections at most; more are refused with 503 "
-                                                       "(default 256)")
+    s.add_argument("--max-body-bytes", type=int, help="largest ingest upload as sent (default 1 GiB)")
+    s.add_argument("--max-ingest-bytes", type=int, metavar="N",
+                   help="the most an upload's arrays may hold once decoded, checked before any is (default 1 GiB)")
+    s.add_argument("--max-concurrent-ingests", type=int, metavar="N",
+                   help="ingests running at once; more are refused with 503 and Retry-After (default 4)")
+    s.add_argument("--max-connections", type=int, help="open connections at most; at the cap a new one replaces "
+                                                       "the oldest without the token, else gets 503 (default 256)")
     s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")
     s.add_argument("--body-timeout", type=float, help="seconds a request body may pause (default 30)")
+    s.add_argument("--body-min-rate", type=float, metavar="BYTES_PER_S",
+                   help="after --body-timeout seconds, a body must average this rate (default 1024)")
+    s.add_argument("--body-deadline", type=float, metavar="SECONDS",
+                   help="seconds a request body may take in all (default 600)")
+    s.add_argument("--send-timeout", type=float, metavar="SECONDS",
+                   help="close a client that takes no byte of its answer for this long (default 60)")
+    s.add_argument("--no-access-log", action="store_true", help="do not log a line per request on standard error")
     s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
     s.add_argument("--max-event-streams", type=int, metavar="N",
                    help="open /mcrp/v1/events streams allowed at once (default 32; 503 past it)")

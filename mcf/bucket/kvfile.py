@@ -5,6 +5,15 @@ the CHUNKED flag each layer's K and each layer's V is an independent compressed 
 table with its own CRC-32, so one layer (or a token prefix of some layers) is read and checked without
 touching the rest, and chunks are decompressed on several threads (lz4 and zstandard release the GIL).
 
+Why the writer works a piece at a time: a server ingests arrays it was sent, and a small compressed
+upload can declare large ones.  Each tensor is converted to its stored dtype in row slices of about
+4 MiB, each chunk is compressed and written as soon as it is made (the chunk table, which comes first
+in the file, is written last, and the file's CRC-32 is combined from the table's and the chunks'),
+and a tensor that needs converting is assembled in one reused buffer, which can live in a file
+(``scratch``: the bucket's nameless files) rather than in anonymous memory.  Writing thus holds about
+one compressed chunk in memory, not the whole context converted; an encrypted file, whose header
+(authenticated with every chunk) needs every chunk's size first, still holds all its chunks.
+
 Why the header is trusted for nothing: every size in it is recomputed from the shape with Python
 integers and compared, the file length must match exactly, and a compressed file may not claim more
 than ``max_decompressed_bytes`` of payload (a decompression bomb is refused before anything is
@@ -13,10 +22,12 @@ allocated).
 
 from __future__ import annotations
 
+import itertools
 import math
+import mmap
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
@@ -45,6 +56,8 @@ MAX_LAYERS = 4096
 LZ4_MAX_INPUT = 0x7E000000
 _U32 = 2**32 - 1
 _CRC_PIECE = 64 * 2**20
+#: input bytes of one tensor converted at a time (float -> float16, bfloat16, int8 work on row slices)
+_ENCODE_PIECE = 4 * 2**20
 
 try:
     from mcf.bucket._codec import lz4_block_decompress_into as _lz4_into
@@ -157,18 +170,84 @@ def _kv_array(t: Any, where: str) -> np.ndarray:
     return a
 
 
-def _encode_block(arr: Any, dtype: L.KVDType) -> bytes:
-    if isinstance(arr, Int8KV):
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _encoded_pieces(t: Any, dtype: L.KVDType) -> Iterator[np.ndarray]:
+    """The stored bytes of one tensor (uint8 arrays, in file order), converted a row slice of about
+    :data:`_ENCODE_PIECE` input bytes at a time; a tensor already stored as it is comes out as one view
+    of itself.  int8: the quantized rows, then the scales (a row is quantized whole, so slices give the
+    bytes the whole tensor would)."""
+    if isinstance(t, Int8KV):
         if dtype != L.KVDType.INT8:
             raise InvalidArgumentError("an Int8KV tensor can only be written with dtype int8")
-        return np.ascontiguousarray(arr.data, np.int8).tobytes() + np.ascontiguousarray(arr.scales, "<f4").tobytes()
-    arr = _kv_array(arr, "KV tensor")
+        yield _as_bytes(np.ascontiguousarray(t.data, np.int8))
+        yield _as_bytes(np.ascontiguousarray(t.scales, "<f4"))
+        return
+    arr = _kv_array(t, "KV tensor")
+    if arr.nbytes <= _ENCODE_PIECE or arr.ndim != 3:
+        slices = [arr]
+    else:
+        heads, tokens, dim = arr.shape
+        step = max(1, _ENCODE_PIECE // max(1, dim * arr.dtype.itemsize))
+        slices = (arr[h, a:a + step] for h in range(heads) for a in range(0, tokens, step))
+    scales = []
+    for piece in slices:
+        if dtype == L.KVDType.INT8:
+            q = quantize_int8(piece)
+            scales.append(q.scales.reshape(-1))
+            yield _as_bytes(q.data)
+        elif dtype == L.KVDType.BF16:
+            yield _as_bytes(_to_bf16_bits(piece).astype("<u2", copy=False))
+        else:
+            yield _as_bytes(np.ascontiguousarray(piece, dtype=NP_DTYPES[dtype]))
     if dtype == L.KVDType.INT8:
-        q = quantize_int8(arr)
-        return q.data.tobytes() + q.scales.tobytes()
-    if dtype == L.KVDType.BF16:
-        return _to_bf16_bits(arr).astype("<u2", copy=False).tobytes()
-    return np.ascontiguousarray(arr, dtype=NP_DTYPES[dtype]).tobytes()
+        yield _as_bytes(np.concatenate(scales).astype("<f4", copy=False) if scales else np.empty(0, "<f4"))
+
+
+class _Buffer:
+    """One reused buffer of ``size`` bytes where a tensor's converted pieces are put together for its
+    compressor: in a file from ``scratch()`` (mapped) when given, else in memory; made on first use."""
+
+    def __init__(self, size: int, scratch: Callable[[], BinaryIO] | None) -> None:
+        self.size, self.scratch = size, scratch
+        self.array: np.ndarray | None = None
+        self._file = self._map = None
+
+    def get(self) -> np.ndarray:
+        if self.array is None:
+            if self.scratch is not None and self.size:
+                self._file = self.scratch()
+                # the blocks are allocated now: a full disk is ENOSPC here, not SIGBUS on a write to the map
+                os.posix_fallocate(self._file.fileno(), 0, self.size)
+                self._map = mmap.mmap(self._file.fileno(), self.size)
+                self.array = np.frombuffer(self._map, np.uint8)
+            else:
+                self.array = np.empty(self.size, np.uint8)
+        return self.array
+
+    def close(self) -> None:
+        self.array = None  # the map's only export
+        if self._map is not None:
+            self._map.close()
+            self._file.close()
+            self._map = self._file = None
+
+
+def _tensor_bytes(t: Any, dtype: L.KVDType, buf: _Buffer) -> np.ndarray:
+    """All stored bytes of tensor ``t``: a view of it when it needs no conversion, else assembled in
+    ``buf`` (valid until ``buf`` is used again)."""
+    pieces = _encoded_pieces(t, dtype)
+    first = next(pieces, None)
+    second = next(pieces, None)
+    if second is None:
+        return first if first is not None else np.empty(0, np.uint8)
+    out, pos = buf.get(), 0
+    for p in itertools.chain((first, second), pieces):  # one piece alive at a time
+        out[pos:pos + p.size] = p
+        pos += p.size
+    return out[:pos]
 
 
 def _compress(data: bytes, compression: L.Compression, level: int | None) -> bytes:
@@ -211,14 +290,17 @@ def shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
 
 def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]], *, dtype: Any = "float16",
              compression: Any = "none", level: int | None = None, chunked: bool | None = None,
-             threads: int = 1, key: Any = None) -> KVHeader:
+             threads: int = 1, key: Any = None, scratch: Callable[[], BinaryIO] | None = None) -> KVHeader:
     """Write a KV cache: ``layers[i] = (K, V)``, each ``[num_kv_heads, sequence_length, head_dim]``.
 
     ``dtype`` is the stored dtype (float inputs are converted; int8 quantizes per row, see
     :func:`quantize_int8`, or takes :class:`Int8KV` pairs as they are).  ``compression`` is none, lz4
     or zstd; compressed files are CHUNKED unless ``chunked=False`` (one stream).  ``key`` (32 bytes or 64
     hex digits) encrypts every chunk with AES-256-GCM (always CHUNKED; see :mod:`mcf.bucket._crypto`).
-    Returns the header.
+    ``threads`` chunks are compressed at once.  ``scratch()``, when given, returns a new empty
+    read-write binary file in which a tensor that needs converting is assembled for its compressor
+    (mapped, so the memory is the file's cache, which the kernel can drop, not the process's own).
+    A file ``dest`` must be seekable (the header and chunk table are written last).  Returns the header.
     """
     from mcf.bucket._crypto import ChunkCipher, OVERHEAD, parse_key
 
@@ -237,42 +319,10 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
         raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
     shape = shape_of(layers)
     original = L.payload_size(shape, kd)
-    blocks = (t for pair in layers for t in pair)
-
+    tensors = [t for pair in layers for t in pair]
     flags = int(L.Flags.CHUNKED) if chunked else 0
-    if comp == L.Compression.NONE and not chunked:
-        pieces_iter = (_encode_block(t, kd) for t in blocks)
-        table = b""
-    elif chunked:
-        def enc(t):
-            b = _encode_block(t, kd)
-            return b if comp == L.Compression.NONE else _compress(b, comp, level)
-
-        def pool_map(fn, items):
-            if threads > 1:
-                with ThreadPoolExecutor(threads) as pool:
-                    return list(pool.map(fn, items))
-            return [fn(x) for x in items]
-
-        chunks = pool_map(enc, list(blocks))
-        if key is not None:
-            # the header is authenticated with every chunk, so its sizes come first: each chunk grows by
-            # its nonce and tag
-            flags |= int(L.Flags.ENCRYPTED)
-            stored_size = L.chunk_table_size(shape) + sum(len(c) + OVERHEAD for c in chunks)
-            pre = KVHeader(L.VERSION, flags, shape, kd, comp, original, stored_size, 0).pack()
-            cipher = ChunkCipher(key, pre)
-            chunks = pool_map(lambda ic: cipher.encrypt(ic[0], ic[1]), list(enumerate(chunks)))
-        off = L.HEADER_SIZE + L.chunk_table_size(shape)
-        entries = bytearray()
-        for c in chunks:
-            entries += L.CHUNK_ENTRY.pack(off, len(c), _crc32(c), 0)
-            off += len(c)
-        table = bytes(entries) + L.CHUNK_TRAILER.pack(_crc32(entries))
-        pieces_iter = iter(chunks)
-    else:
-        pieces_iter = iter([_compress(b"".join(_encode_block(t, kd) for t in blocks), comp, level)])
-        table = b""
+    if key is not None:
+        flags |= int(L.Flags.ENCRYPTED)
 
     own = not hasattr(dest, "write")
     if own:
@@ -286,20 +336,38 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
     try:
         start = f.tell()
         f.write(bytes(L.HEADER_SIZE))
-        crc = _crc32(table)
-        stored = len(table)
-        f.write(table)
-        for p in pieces_iter:
-            f.write(p)
-            crc = _crc32(p, crc)
-            stored += len(p)
-        if comp == L.Compression.NONE and not chunked and stored != original:  # pragma: no cover
-            raise InvalidArgumentError("internal size mismatch")
+        if not chunked:
+            stored, crc = _write_stream(f, tensors, kd, comp, level, original)
+        else:
+            table_size = L.chunk_table_size(shape)
+            sizes = _tensor_size(shape, kd)
+            f.write(bytes(table_size))  # the table's place: it is known once every chunk is
+            entries = bytearray()
+            off, crc_chunks, chunk_bytes = L.HEADER_SIZE + table_size, 0, 0
+            chunks = _chunks(tensors, kd, comp, level, threads, scratch, sizes)
+            if key is not None:
+                # the header is authenticated with every chunk, so its sizes come first: each chunk
+                # grows by its nonce and tag, and all of them are held until then
+                chunks = list(chunks)
+                stored_size = table_size + sum(len(c) + OVERHEAD for c in chunks)
+                cipher = ChunkCipher(key, KVHeader(L.VERSION, flags, shape, kd, comp, original, stored_size, 0).pack())
+                chunks = (cipher.encrypt(i, c) for i, c in enumerate(chunks))
+            for c in chunks:
+                f.write(c)
+                c_crc = _crc32(c)
+                entries += L.CHUNK_ENTRY.pack(off, len(c), c_crc, 0)
+                crc_chunks = _crc32(c, crc_chunks)
+                off += len(c)
+                chunk_bytes += len(c)
+            table = bytes(entries) + L.CHUNK_TRAILER.pack(_crc32(entries))
+            f.seek(start + L.HEADER_SIZE)
+            f.write(table)
+            stored = table_size + chunk_bytes
+            crc = _crc32_combine(_crc32(table), crc_chunks, chunk_bytes)
         header = KVHeader(L.VERSION, flags, shape, kd, comp, original, stored, crc)
-        end = f.tell()
         f.seek(start)
         f.write(header.pack())
-        f.seek(end)
+        f.seek(start + L.HEADER_SIZE + stored)
         f.flush()
     except OSError as exc:
         raise os_error(exc, dest) from exc
@@ -307,6 +375,94 @@ def write_kv(dest: str | os.PathLike | BinaryIO, layers: Sequence[Sequence[Any]]
         if own:
             f.close()
     return header
+
+
+def _tensor_size(shape: L.KVShape, dtype: L.KVDType) -> int:
+    """The stored bytes of one tensor (one chunk before compression)."""
+    return L.payload_size(L.KVShape(1, shape.num_kv_heads, shape.head_dim, shape.sequence_length), dtype) // 2
+
+
+def _write_stream(f: BinaryIO, tensors: list, kd: L.KVDType, comp: L.Compression, level: int | None,
+                  original: int) -> tuple[int, int]:
+    """An unchunked payload, after the header: the tensors' bytes in pieces, or (compressed as one
+    stream) their bytes joined first.  Returns (stored bytes, their CRC-32)."""
+    crc = stored = 0
+    if comp == L.Compression.NONE:
+        for t in tensors:
+            for p in _encoded_pieces(t, kd):
+                f.write(p)
+                crc = _crc32(p, crc)
+                stored += p.size
+        if stored != original:  # pragma: no cover
+            raise InvalidArgumentError("internal size mismatch")
+        return stored, crc
+    data = _compress(b"".join(p.tobytes() for t in tensors for p in _encoded_pieces(t, kd)), comp, level)
+    f.write(data)
+    return len(data), _crc32(data)
+
+
+def _chunks(tensors: list, kd: L.KVDType, comp: L.Compression, level: int | None, threads: int,
+            scratch: Callable[[], BinaryIO] | None, size: int) -> Iterator[bytes]:
+    """Each tensor's chunk (its stored bytes, compressed unless ``comp`` is none), in order, made at
+    most ``threads`` at a time, each in one of ``threads`` reused buffers of ``size`` bytes."""
+    bufs = [_Buffer(size, scratch) for _ in range(min(threads, len(tensors)))]
+
+    def make(t: Any, buf: _Buffer) -> bytes:
+        data = _tensor_bytes(t, kd, buf)
+        return data.tobytes() if comp == L.Compression.NONE else _compress(data, comp, level)
+
+    try:
+        if len(bufs) <= 1:
+            for t in tensors:
+                yield make(t, bufs[0])
+        else:
+            with ThreadPoolExecutor(len(bufs)) as pool:
+                for i in range(0, len(tensors), len(bufs)):
+                    batch = tensors[i:i + len(bufs)]
+                    yield from pool.map(make, batch, bufs[:len(batch)])
+    finally:
+        for b in bufs:
+            b.close()
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _zero_operators() -> list[list[int]]:
+    """The CRC-32 operators that append 2**k zero bytes, k = 0..63 (zlib's crc32_combine, made once)."""
+    one_bit = [0xEDB88320] + [1 << n for n in range(31)]
+    op = one_bit
+    for _ in range(3):  # one zero bit -> one zero byte
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    ops = []
+    for _ in range(64):
+        ops.append(op)
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    return ops
+
+
+_ZERO_OPS: list[list[int]] = []
+
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and ``len2 = len(b)``: the
+    chunk table comes before the chunks in the file but is known only after them."""
+    if not _ZERO_OPS:
+        _ZERO_OPS.extend(_zero_operators())
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +549,7 @@ class KVFile:
     """An opened ``kv_data.mcb``.  Construction validates the header and the chunk table; :meth:`load`
     returns per-layer (K, V) arrays, zero-copy views of the mapping when the file is uncompressed."""
 
-    def __init__(self, source: Any, *, mmap: bool = True,
+    def __init__(self, source: Any, *, mmap: bool | None = None,
                  max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES, key: Any = None) -> None:
         from mcf.bucket._crypto import ChunkCipher, parse_key
         from mcf.io import open_source
@@ -707,10 +863,11 @@ class KVFile:
         self.close()
 
 
-def open_kv(source: Any, *, mmap: bool = True, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,
+def open_kv(source: Any, *, mmap: bool | None = None, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,
             key: Any = None) -> KVFile:
     """Open and validate a ``kv_data.mcb`` (path, file-like object or bytes-like); ``key`` decrypts an
-    encrypted one."""
+    encrypted one.  A path is mapped on a local disk and read with positional reads on a network or
+    FUSE filesystem (``mmap=None``, the default); ``mmap=True``/``False`` decides instead."""
     return KVFile(source, mmap=mmap, max_decompressed_bytes=max_decompressed_bytes, key=key)
 
 

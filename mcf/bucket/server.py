@@ -9,18 +9,23 @@ stored data, 501 no query backend), and never name the bucket's absolute path.
 
 Exposure (docs/bucket.md, "Deploying"): every state-changing route takes only ``application/json``
 (or the upload's ``application/octet-stream``) and refuses requests whose ``Origin`` is not the
-server's own, so a web page cannot drive it; the ``Host`` header must be in an allow-list (DNS
-rebinding); without a token :func:`serve` listens on loopback only (Redis' protected mode); bodies are
-read in pieces up to a hard limit; connections are capped and slow ones closed
-(:mod:`mcf.bucket._http_limits`).  ``query`` needs a language model, which this engine does not contain:
-it goes through a :class:`QueryBackend` given to :func:`create_app` (:class:`mcf.bucket.hf.TransformersBackend`
-is one); a backend that also has ``ingest`` (:class:`IngestBackend`) lets the ingest route take the content
-itself as a JSON body and compute its KV cache.
+server's own, so a web page cannot drive it; the ``Host`` header must be a valid host and port
+(RFC 9112 §3.2) naming a host in an allow-list (DNS rebinding); without a token :func:`serve` listens
+on loopback only (Redis' protected mode); bodies are read in pieces up to a hard limit; ingests run a
+few at a time (503 with Retry-After past :data:`DEFAULT_MAX_CONCURRENT_INGESTS`), their arrays bounded
+once decoded; a full disk is 507 (as MinIO answers), logged in one line; connections are capped,
+slow ones closed, and requests framed strictly (:mod:`mcf.bucket._http_limits`); every request is
+logged in one line (:mod:`mcf.bucket._access_log`).  ``query`` needs a language model, which this
+engine does not contain: it goes through a :class:`QueryBackend` given to :func:`create_app`
+(:class:`mcf.bucket.hf.TransformersBackend` is one); a backend that also has ``ingest``
+(:class:`IngestBackend`) lets the ingest route take the content itself as a JSON body and compute its
+KV cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import ipaddress
 import json
@@ -32,17 +37,25 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from mcf._core.args import integer
 from mcf._core.optional import require
 from mcf.bucket._events import DEFAULT_KEEPALIVE, DEFAULT_MAX_STREAMS, EventHub, TooManyStreamsError, parse_last_id
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.errors import ContextNotFoundError, FormatError, InvalidArgumentError, MCFError, MCFIOError, StaleContextError
 
-__all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_JSON_BODY", "DEFAULT_MAX_TEXT_BODY", "OPENAPI",
-           "IngestBackend", "QueryBackend", "check_bind", "check_token", "create_app", "serve"]
+__all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_CONCURRENT_INGESTS", "DEFAULT_MAX_INGEST_BYTES",
+           "DEFAULT_MAX_JSON_BODY", "DEFAULT_MAX_TEXT_BODY", "OPENAPI", "IngestBackend", "QueryBackend", "check_bind",
+           "check_token", "create_app", "serve"]
 
 PREFIX = "/mcrp/v1"
-#: the ingest upload (an .npz): the body, and the arrays it declares once decompressed, each at most this
+#: the ingest upload (an .npz) as sent
 DEFAULT_MAX_BODY = 1 << 30
+#: the bytes an upload's arrays hold once decoded (read from their headers before any data): a 32-layer,
+#: 8-KV-head, 128-dim model's 8,192-token context in float16 is 1 GiB
+DEFAULT_MAX_INGEST_BYTES = 1 << 30
+#: ingests (uploads or texts for a model backend) running at once; each holds about one array of the
+#: context, converted and compressed, while it writes (docs/bucket.md, "Limits and their defaults")
+DEFAULT_MAX_CONCURRENT_INGESTS = 4
 #: every other body (promote, demote, query, rebuild) is a small JSON object
 DEFAULT_MAX_JSON_BODY = 1 << 20
 #: a content sent as text to a model backend (JSON): 16 MiB is millions of tokens, beyond any model's window
@@ -106,7 +119,8 @@ def _errors(*codes: int) -> dict:
                 "application/octet-stream)",
            422: "malformed upload or corrupt stored data", 500: "I/O failure on the server",
            501: "no model backend configured (query, or an ingest of text)",
-           503: "too many event streams open"}
+           503: "too many event streams open, or too many ingests running (retry after the Retry-After seconds)",
+           507: "no space left on the server's disk"}
     return {str(c): _json("Error", why[c]) for c in sorted({400, 401, 422, 500, *codes})}
 
 
@@ -213,7 +227,7 @@ OPENAPI: dict = {
                      "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY,
                                                                    "application/json": {"schema": _ref("TextIngest")}}},
                      "responses": {"201": _json("Ingested", "ingested (or found: deduplicated)"),
-                                   **_errors(*_WRITE, 409, 422, 501)}},
+                                   **_errors(*_WRITE, 409, 422, 501, 503, 507)}},
         },
         f"{PREFIX}/contexts/{{id}}": {
             "get": {"summary": "Context metadata", "parameters": [_ID],
@@ -305,14 +319,68 @@ def check_bind(host: str, token: str | None) -> None:
             "--token-file) and put TLS in front (docs/bucket.md, Deploying)")
 
 
+def _bearer_ok(authorization: bytes | str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header value carries ``token``, compared in constant time (the one
+    place that decides: the routes, and the HTTP layer's choice of which connections to close first)."""
+    if authorization is None:
+        return False
+    if isinstance(authorization, str):
+        authorization = authorization.encode("latin-1", "replace")
+    return hmac.compare_digest(authorization, f"Bearer {token}".encode())
+
+
+_REG_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?")
+_PORT = re.compile(r":([0-9]{1,5})")
+_ORIGIN = re.compile(r"(https?)://([^/?#]*)")
+
+
+def _authority(value: str) -> tuple[str, int | None]:
+    """``(host, port)`` of a Host header or an Origin's authority: the host lowercased, without a final
+    dot, an IPv6 address in its compressed form.  Anything else is an :class:`InvalidArgumentError`
+    saying why: a user part (``localhost:1@evil.example``), a path, text after an address in brackets,
+    an IPv6 address without brackets, a zone id, an empty, non-decimal or out-of-range port (RFC 9112
+    §3.2 and RFC 3986 §3.2.2: a server answers such a Host with 400)."""
+    v = value.lower()
+    if v.startswith("["):
+        end = v.find("]")
+        if end < 0:
+            raise InvalidArgumentError("an IPv6 address without its closing ']'")
+        try:
+            name = ipaddress.IPv6Address(v[1:end]).compressed
+        except ValueError:
+            name = None
+        if name is None or "%" in v[1:end]:
+            raise InvalidArgumentError("not an IPv6 address (without a zone id) inside the brackets")
+        rest = v[end + 1:]
+    else:
+        name, sep, port = v.partition(":")
+        if not _REG_NAME.fullmatch(name):
+            raise InvalidArgumentError("not a host name or address (letters, digits, '-', '_' and dots)")
+        name, rest = name.rstrip("."), sep + port
+    if not rest:
+        return name, None
+    m = _PORT.fullmatch(rest)
+    if m is None or not 0 < int(m.group(1)) <= 65535:
+        raise InvalidArgumentError("a port must be a decimal number from 1 to 65535")
+    return name, int(m.group(1))
+
+
 def _host_name(value: str) -> str:
-    """The host part of a Host header or an Origin's authority, lowercased, without port or final dot."""
-    value = value.strip().lower()
-    if value.startswith("["):  # [::1]:8765
-        return value[1:value.find("]")] if "]" in value else value
-    if value.count(":") == 1:
-        value = value.split(":", 1)[0]
-    return value.rstrip(".")
+    """An allowed host as the operator wrote it (``::1``, ``[::1]``, ``mcb.example.com.``), normalized
+    as :func:`_authority` normalizes the Host header."""
+    try:
+        return ipaddress.IPv6Address(value.strip()).compressed
+    except ValueError:
+        pass
+    try:
+        return _authority(value.strip())[0]
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"allowed host {value!r} is not a host name or address: {exc}") from None
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """A full disk, or a full quota: 507 (MinIO's answer), not a server failure."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _media_type(request) -> str | None:
@@ -323,12 +391,16 @@ def _media_type(request) -> str | None:
 def create_app(root: str | os.PathLike, *, token: str | None = None, backend: QueryBackend | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY, max_json_bytes: int = DEFAULT_MAX_JSON_BODY,
                allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None,
-               max_event_streams: int = DEFAULT_MAX_STREAMS, events_keepalive: float = DEFAULT_KEEPALIVE):
+               max_event_streams: int = DEFAULT_MAX_STREAMS, events_keepalive: float = DEFAULT_KEEPALIVE,
+               max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES,
+               max_concurrent_ingests: int = DEFAULT_MAX_CONCURRENT_INGESTS):
     """The Starlette application.  ``allowed_hosts``: the Host names answered (``"*"``: any, for a
-    server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload and the arrays
-    it declares, ``max_json_bytes`` every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or
-    ``max_body_bytes`` when smaller).  ``backend`` answers the query route (:class:`QueryBackend`) and,
-    when it has ``ingest`` (:class:`IngestBackend`), takes text ingests; without one both answer 501.
+    server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload as sent,
+    ``max_ingest_bytes`` the bytes its arrays declare (checked before any is decoded), ``max_json_bytes``
+    every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or ``max_body_bytes`` when
+    smaller); past ``max_concurrent_ingests`` ingests at once, one more is 503 with ``Retry-After``.
+    ``backend`` answers the query route (:class:`QueryBackend`) and, when it has ``ingest``
+    (:class:`IngestBackend`), takes text ingests; without one both answer 501.
     ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
     every ``events_keepalive`` seconds (:mod:`mcf.bucket._events`); the hub is ``app.state.events``."""
     require("starlette", feature="the bucket's REST server", extra="server")
@@ -345,25 +417,27 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     from mcf.bucket._names import root_scrubber
 
     check_token(token)
-    for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
+    for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes),
+                    ("max_ingest_bytes", max_ingest_bytes), ("max_concurrent_ingests", max_concurrent_ingests)):
+        integer(v, name, minimum=1)
     any_host = allowed_hosts == "*" or (not isinstance(allowed_hosts, str) and "*" in allowed_hosts)
     hosts = set() if any_host else {_host_name(h) for h in ([allowed_hosts] if isinstance(allowed_hosts, str)
                                                            else allowed_hosts)}
     b = bucket if bucket is not None else Bucket(root)
     scrub = root_scrubber(root, b.root)  # every spelling of the bucket's location: never sent to a client
 
-    def err(status: int, message: str, close: bool = False) -> JSONResponse:
-        return JSONResponse({"status": "error", "error": scrub(message)}, status_code=status,
-                            headers={"connection": "close"} if close else None)
+    def err(status: int, message: str, close: bool = False, headers: dict | None = None) -> JSONResponse:
+        h = dict(headers or {}, **({"connection": "close"} if close else {}))
+        return JSONResponse({"status": "error", "error": scrub(message)}, status_code=status, headers=h or None)
 
     def endpoint(fn):
         async def handler(request: Request):
             if token is not None and request.url.path != f"{PREFIX}/openapi.json":
-                got = request.headers.get("authorization", "")
-                if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                    return err(401, "missing or wrong bearer token")
+                if not _bearer_ok(request.headers.get("authorization"), token):
+                    # a body it sent is not read: end the connection rather than wait for the rest
+                    h = request.headers
+                    pending = h.get("content-length", "0") != "0" or "transfer-encoding" in h
+                    return err(401, "missing or wrong bearer token", close=pending)
             try:
                 return await fn(request)
             except UploadTooLargeError as exc:
@@ -378,8 +452,15 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                 return err(404, str(exc))
             except FormatError as exc:
                 return err(422, str(exc))
-            except MCFIOError as exc:
-                _log.warning("I/O failure: %s", exc)
+            except OSError as exc:  # MCFIOError from the bucket, or a bare one from the spool's writes
+                if _out_of_space(exc):  # the rest of an upload is not read: end the connection
+                    _log.warning("%s %s: 507, no space left on the bucket's disk (%s)", request.method,
+                                 request.url.path, scrub(str(exc)))
+                    return err(507, f"no space left on the server's disk: {exc}", close=True)
+                if not isinstance(exc, MCFIOError):
+                    _log.exception("unexpected error on %s %s", request.method, request.url.path)
+                    return err(500, "internal server error (logged on the server)")
+                _log.warning("I/O failure: %s", scrub(str(exc)))
                 return err(500, f"I/O failure on the server: {exc}")
             except MCFError as exc:
                 return err(400, str(exc))
@@ -516,10 +597,24 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
             out["ingestion_time_ms"] = meta["ingestion_time_ms"]
         return JSONResponse(out, status_code=201)
 
+    running = [0]  # ingests admitted and not finished (the event loop is the only writer)
+
     async def ingest(request: Request):
+        """Admission first: past ``max_concurrent_ingests``, 503 before any of the body is read."""
+        if running[0] >= max_concurrent_ingests:
+            return err(503, f"{running[0]} concurrent ingests are running, the most this server takes at once "
+                            "(max_concurrent_ingests, --max-concurrent-ingests); retry later",
+                       close=True, headers={"retry-after": "1"})
+        running[0] += 1
+        try:
+            if _media_type(request) in _JSON_TYPES:
+                return await ingest_text(request)
+            return await ingest_upload(request)
+        finally:
+            running[0] -= 1
+
+    async def ingest_upload(request: Request):
         q = request.query_params
-        if _media_type(request) in _JSON_TYPES:
-            return await ingest_text(request)
         kw = ingest_args(q)
         check_type(request, _UPLOAD_TYPES, body_required=True)
         spool = await run_in_threadpool(b.scratch_file)
@@ -528,12 +623,17 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
             def work():
                 spool.flush()
-                with read_kv_npz(spool, limit=max_body_bytes, scratch=b.scratch_file, name="body") as arrays:
+                try:
+                    arrays = read_kv_npz(spool, limit=max_ingest_bytes, scratch=b.scratch_file, name="body")
+                except UploadTooLargeError as exc:
+                    raise UploadTooLargeError(f"{exc} (max_ingest_bytes, --max-ingest-bytes)") from None
+                with arrays:
                     return b.ingest(q["model_id"], arrays.layers(), **kw)
 
             meta = await run_in_threadpool(work)
         finally:
-            spool.close()
+            with contextlib.suppress(OSError):  # a full disk: the write above failed with it already
+                spool.close()
         return JSONResponse({"status": "success", "context_id": meta["context_id"],
                              "deduplicated": meta.get("deduplicated", False),
                              "token_count": meta["content"]["token_count"],
@@ -642,8 +742,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         skipped = [dict(x, reason=scrub(str(x.get("reason", "")))) for x in reg["skipped"]]
         return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": skipped})
 
+    openapi_body = JSONResponse(OPENAPI).body  # rendered once: anyone may ask for it, without the token
+
     async def openapi(request: Request):
-        return JSONResponse(OPENAPI)
+        return Response(openapi_body, media_type="application/json")
 
     def by_method(**handlers):
         """One route per path, so a wrong method gets 405 with the full Allow header."""
@@ -728,50 +830,110 @@ class _UnsupportedMedia(InvalidArgumentError):
 
 class _Exposure:
     """The checks made before any route sees a request (a plain ASGI wrapper: cheap, and it also covers
-    404s and 405s): the ``Host`` header must be an allowed name (DNS rebinding: a page on evil.example
-    whose name now resolves to 127.0.0.1 still sends ``Host: evil.example``), and a state-changing
-    request that carries an ``Origin`` must come from this server's own origin (a page elsewhere, or
-    on another port of localhost, cannot drive it: browsers always send Origin on cross-origin POST
-    and DELETE, even when they skip the CORS preflight)."""
+    404s and 405s): the ``Host`` header must be a valid host and port (RFC 9112 §3.2: 400 otherwise,
+    whatever name it seems to hold) naming an allowed host (DNS rebinding: a page on evil.example
+    whose name now resolves to 127.0.0.1 still sends ``Host: evil.example``), a request carries at
+    most one ``Origin`` (a browser sends one; with two, a check of either could be fooled by the
+    other), and a state-changing request that carries one must come from this server's own origin (a
+    page elsewhere, or on another port of localhost, cannot drive it: browsers always send Origin on
+    cross-origin POST and DELETE, even when they skip the CORS preflight)."""
 
     def __init__(self, app, hosts: set[str], any_host: bool, err) -> None:
         self.app, self.hosts, self.any_host, self.err = app, hosts, any_host, err
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                       if k in (b"host", b"origin", b"content-type")}
-            host = headers.get("host")
-            if host is None:
-                return await self.err(400, "a Host header is required")(scope, receive, send)
-            if not self.any_host and _host_name(host) not in self.hosts:
-                return await self.err(400, f"Host {host!r} is not served here (allowed: {sorted(self.hosts)}; "
-                                           "see --allow-host)")(scope, receive, send)
-            origin = headers.get("origin")
-            if origin is not None and scope["method"] in _UNSAFE_METHODS:
-                own = {f"{scope.get('scheme', 'http')}://{host}".lower()}
-                if origin.strip().lower().rstrip("/") not in own:
-                    return await self.err(403, f"cross-origin request from {origin!r} refused: this API takes "
-                                               "state-changing requests only from programs, not from web pages "
-                                               "of other origins")(scope, receive, send)
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                return await self.err(*refusal)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> tuple[int, str] | None:
+        hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+        origins = [v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"]
+        if not hosts:
+            return 400, "a Host header is required"
+        try:
+            name, port = _authority(hosts[0])
+        except InvalidArgumentError as exc:
+            return 400, f"Host {hosts[0]!r} is not a valid host[:port] (RFC 9112 §3.2): {exc}"
+        if not self.any_host and name not in self.hosts:
+            return 400, f"Host {hosts[0]!r} is not served here (allowed: {sorted(self.hosts)}; see --allow-host)"
+        if len(origins) > 1:
+            return 400, "more than one Origin header: a browser sends one (RFC 6454 §7.3)"
+        if origins and scope["method"] in _UNSAFE_METHODS:
+            scheme = scope.get("scheme", "http")
+            if not _same_origin(origins[0], scheme, name, port):
+                return 403, (f"cross-origin request from {origins[0]!r} refused: this API takes state-changing "
+                             "requests only from programs, not from web pages of other origins")
+        return None
+
+
+def _same_origin(origin: str, scheme: str, name: str, port: int | None) -> bool:
+    """Whether an ``Origin`` value is this server's own origin (scheme, host and port, the default port
+    of the scheme when none is written); ``null`` and anything malformed are not."""
+    m = _ORIGIN.fullmatch(origin.strip().lower().removesuffix("/"))
+    if m is None:
+        return False
+    try:
+        o_name, o_port = _authority(m.group(2))
+    except InvalidArgumentError:
+        return False
+    default = {"http": 80, "https": 443}
+    return (m.group(1), o_name, o_port or default[m.group(1)]) == (scheme, name, port or default.get(scheme))
+
+
+class _AccessLog:
+    """One access-log line per request answered by the application (:mod:`mcf.bucket._access_log`):
+    the status and body bytes it sent, and the time from the request to the last byte handed over."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from mcf.bucket._access_log import log_request, request_target
+
+        start, status, sent = time.perf_counter(), [0], [0]
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            elif message["type"] == "http.response.body":
+                sent[0] += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            log_request(scope.get("client"), scope["method"],
+                        request_target(scope.get("raw_path"), scope.get("query_string")),
+                        scope.get("http_version", "1.1"), status[0] or 500, sent[0], time.perf_counter() - start)
 
 
 def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
           allowed_hosts: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+          max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES,
+          max_concurrent_ingests: int = DEFAULT_MAX_CONCURRENT_INGESTS,
           max_connections: int | None = None, header_timeout: float | None = None,
-          body_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
+          body_timeout: float | None = None, body_min_rate: float | None = None, body_deadline: float | None = None,
+          send_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
+          access_log: bool = True, on_listening: Callable[[str], None] | None = None,
           on_warning: Callable[[str], None] | None = None, backend: QueryBackend | None = None,
           default_ttl: float | None = None, max_event_streams: int = DEFAULT_MAX_STREAMS) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
-    address); ``max_connections``, ``header_timeout`` and ``body_timeout`` are the limits of
-    :mod:`mcf.bucket._http_limits`; ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers
-    queries (and, with an ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds
-    until a context ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open
-    ``/events`` streams allowed.  Token warnings
-    (:func:`check_token`) go to ``on_warning`` (default:
-    :func:`warnings.warn`)."""
+    address); ``max_body_bytes``, ``max_ingest_bytes`` and ``max_concurrent_ingests`` are
+    :func:`create_app`'s; ``max_connections``, ``header_timeout``, ``body_timeout``, ``body_min_rate``,
+    ``body_deadline`` and ``send_timeout`` are the limits of :mod:`mcf.bucket._http_limits` (None: its
+    default); ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers queries (and, with an
+    ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds until a context
+    ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open ``/events``
+    streams allowed.  Once listening, ``on_listening`` (default: the log) is told where and how
+    (``listening on http://127.0.0.1:8765 (token: required)``); each request is logged in one line on
+    standard error unless ``access_log`` is False.  Token warnings (:func:`check_token`) go to
+    ``on_warning`` (default: :func:`warnings.warn`)."""
     from mcf.bucket import _http_limits as limits_mod
 
     uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
@@ -784,28 +946,51 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
                                    "server through DNS rebinding")
     if host not in ("0.0.0.0", "::", ""):
         extra.append(host)
-    limits = limits_mod.Limits(
-        max_connections=limits_mod.DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
-        header_timeout=limits_mod.DEFAULT_HEADER_TIMEOUT if header_timeout is None else header_timeout,
-        body_timeout=limits_mod.DEFAULT_BODY_TIMEOUT if body_timeout is None else body_timeout)
-    if not isinstance(limits.max_connections, int) or limits.max_connections < 1:
-        raise InvalidArgumentError(f"max_connections must be a positive integer, got {limits.max_connections!r}")
-    for name in ("header_timeout", "body_timeout"):
-        v = getattr(limits, name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 86400:
-            raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {v!r}")
+    given = {"max_connections": max_connections, "header_timeout": header_timeout, "body_timeout": body_timeout,
+             "body_min_rate": body_min_rate, "body_deadline": body_deadline, "send_timeout": send_timeout}
+    limits = limits_mod.Limits(**{k: v for k, v in given.items() if v is not None})
     bkw: dict[str, Any] = {"default_ttl": default_ttl}
     if warm_budget_bytes is not None:
         bkw["warm_budget_bytes"] = warm_budget_bytes
     bucket = Bucket(root, **bkw)
     app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
-                     max_event_streams=max_event_streams,
+                     max_event_streams=max_event_streams, max_ingest_bytes=max_ingest_bytes,
+                     max_concurrent_ingests=max_concurrent_ingests,
                      allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=limits_mod.protocol_class(limits),
-                            h11_max_incomplete_event_size=16 * 1024, server_header=False)
+
+    def authorised(headers) -> bool:
+        return token is None or any(k == b"authorization" and _bearer_ok(v, token) for k, v in headers)
+
+    config = uvicorn.Config(_AccessLog(app), host=host, port=port, log_level=log_level, access_log=False,
+                            log_config=_log_config(access_log), server_header=False,
+                            ws="none",  # an upgraded connection would leave the limits of the HTTP protocol
+                            http=limits_mod.protocol_class(limits, authorised=authorised))
+    protection = "token: required" if token is not None else "token: off, protected mode: loopback only"
+    announce = on_listening or _log.info
+
     class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and self.servers:  # the address really bound (port 0 picks one)
+                bound = self.servers[0].sockets[0].getsockname()
+                where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+                announce(f"listening on http://{where}:{bound[1]} ({protection})")
+
         def handle_exit(self, sig, frame):  # end the event streams, or uvicorn waits for them forever
             app.app.state.events.close()
             super().handle_exit(sig, frame)
 
     _Server(config).run()
+
+
+def _log_config(access_log: bool) -> dict:
+    """uvicorn's logging set-up, with the server's own loggers (warnings of ``mcf.bucket.server``, the
+    access log of :mod:`mcf.bucket._access_log`) on uvicorn's standard-error handler and format."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["mcf.bucket"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    config["loggers"]["mcf.bucket.access"] = {"level": "INFO" if access_log else "WARNING"}
+    return config

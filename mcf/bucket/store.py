@@ -705,7 +705,8 @@ class Bucket:
                 fd = self._fs.open_file_at(td, KV_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                            rel=f"{tmp_rel}/{KV_NAME}")
                 with os.fdopen(fd, "wb") as f:
-                    header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key)
+                    header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key,
+                                      scratch=self.scratch_file)  # conversions in a file, not in RAM
                     f.flush()
                     os.fsync(f.fileno())
                 now = self.clock()
@@ -953,8 +954,8 @@ class Bucket:
             raise ContextNotFoundError(f"context {context_id!r} expired at {meta['timestamps']['expires_at']}")
         return meta
 
-    def open(self, context_id: str, *, mmap: bool = True) -> KVFile:
-        """The context's KV file, validated against its metadata."""
+    def open(self, context_id: str, *, mmap: bool | None = None) -> KVFile:
+        """The context's KV file, validated against its metadata (``mmap``: as :func:`mcf.bucket.open_kv`)."""
         rel = f"{ctx_rel(context_id)}/{KV_NAME}"
         path = self._fs.where(rel)
         for attempt in (1, 2):

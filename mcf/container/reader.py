@@ -560,9 +560,11 @@ class Container:
         return f"<mcf.Container {self.path!r} {len(self)} tensors, {len(self.sections)} sections>"
 
 
-def open(path_or_file, *, mmap: bool = True) -> Container:  # noqa: A001 - mirrors builtins.open
+def open(path_or_file, *, mmap: bool | None = None) -> Container:  # noqa: A001 - mirrors builtins.open
     """Open an MCF container from a path, a binary file-like object or an in-memory buffer.
 
-    ``mmap=False`` reads with positional reads instead of mapping (parallel file systems)."""
+    ``mmap=None`` (the default) maps a file on a local disk and reads one on a network or FUSE
+    filesystem with positional reads, where page faults are round trips to a server
+    (:func:`mcf.io.open_source`); ``mmap=True``/``False`` decides instead."""
     src = open_source(path_or_file, mmap=mmap)
     return Container(src, owns_source=not isinstance(path_or_file, Source))

@@ -531,10 +531,11 @@ def _out_dtype(dtype) -> np.dtype:
     return dt
 
 
-def open(obj, *, mmap: bool = True) -> GGUFFile:
+def open(obj, *, mmap: bool | None = None) -> GGUFFile:
     """Open a GGUF file: a path, ``bytes``/``bytearray``/``memoryview`` holding the file, a binary
-    file object, a URL, or an existing :class:`mcf.io.Source` (left open on close).  ``mmap=False``
-    reads a path with positional reads instead of mapping it.  Raises only :class:`mcf.MCFError`
+    file object, a URL, or an existing :class:`mcf.io.Source` (left open on close).  A path is mapped
+    on a local disk and read with positional reads on a network or FUSE filesystem (``mmap=None``, the
+    default; ``mmap=True``/``False`` decides instead).  Raises only :class:`mcf.MCFError`
     subclasses on a bad file."""
     from mcf.io import Source, open_source
 

@@ -179,7 +179,7 @@ def cross_check(dirpath, meta, levels, problems) -> None:
                                                        path=os.path.join(dirpath, METADATA + ".tmp"))))
 
 
-def scan(dirpath, mmap: bool):
+def scan(dirpath, mmap: bool | None):
     """(metadata or None, levels, problems): everything about a tree directory, without raising."""
     problems = []
     if not is_url(dirpath) and not os.path.isdir(dirpath):  # a URL "directory" is checked by its metadata.json

@@ -16,7 +16,7 @@ from mcf._core.console import json_text, printable  # noqa: E402  (strings from 
 def cmd_info(args) -> int:
     import mcf.megacontext as mc
 
-    with mc.open(args.tree, mmap=not args.no_mmap) as tree:
+    with mc.open(args.tree, mmap=False if args.no_mmap else None) as tree:
         d = tree.info()
     if args.json:
         print(json_text(d))
@@ -57,7 +57,7 @@ def cmd_verify(args) -> int:
         if os.path.exists(args.tree):
             raise MCFIOError(errno.ENOTDIR, "not a directory (a MegaContext tree is a directory)", args.tree)
         raise MissingFileError(errno.ENOENT, "no such tree directory", args.tree)
-    problems = mc.verify(args.tree, deep=args.deep, mmap=not args.no_mmap)
+    problems = mc.verify(args.tree, deep=args.deep, mmap=False if args.no_mmap else None)
     errors = [p for p in problems if p.severity == "error"]
     for p in problems:
         print(f"{'FAIL' if p.severity == 'error' else p.severity.upper()} {printable(p.error)}")

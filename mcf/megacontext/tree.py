@@ -50,13 +50,13 @@ class Tree:
     uncommitted appends; other processes see only what :meth:`commit` published.
     """
 
-    def __init__(self, path, *, writable: bool = False, mmap: bool = True, durable: bool = False):
+    def __init__(self, path, *, writable: bool = False, mmap: bool | None = None, durable: bool = False):
         if writable:
             refuse_url(path, what="opening a MegaContext tree for writing")
         self.path = dir_path(path)
         self.writable = bool(writable)
         self.durable = bool(durable)
-        self._mmap = bool(mmap)
+        self._mmap = mmap
         self._lock_fd = -1
         self._levels: dict = {}
         self._closed = True
@@ -662,7 +662,7 @@ def _check_geometry(embedding_dim, block_size):
 
 def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = DEFAULT_BLOCK_SIZE,
            gist_dtype="fp16", vocab_size: int | None = None, gistnet_checkpoint: str | None = None,
-           mmap: bool = True, durable: bool = False) -> Tree:
+           mmap: bool | None = None, durable: bool = False) -> Tree:
     """Create an empty tree in directory ``path`` (created if missing) and open it for writing.
 
     ``gist_dtype`` is one dtype for both gist levels ("fp16", "bf16", "fp32" or "q8": MCF's 8-bit blocks
@@ -731,15 +731,17 @@ def _restore(snapshot_dir, tree_dir, *, locked: bool) -> None:
     restore_validated(snapshot_dir, tree_dir, counts=counts, entry_sizes=entry, meta=snap_meta, locked=locked)
 
 
-def open_tree(path, mode: str = "r", *, mmap: bool = True, durable: bool = False) -> Tree:
+def open_tree(path, mode: str = "r", *, mmap: bool | None = None, durable: bool = False) -> Tree:
     """Open a tree directory: ``mode="r"`` to read (any number of processes), ``"r+"`` to write (one
-    process; it repairs what a killed writer left and reports it in ``tree.notes``)."""
+    process; it repairs what a killed writer left and reports it in ``tree.notes``).  The level files are
+    mapped on a local disk and read with positional reads on a network or FUSE filesystem
+    (``mmap=None``, the default); ``mmap=True``/``False`` decides instead."""
     if mode not in ("r", "r+"):
         raise InvalidArgumentError(f"mode must be 'r' or 'r+', got {mode!r}")
     return Tree(path, writable=mode == "r+", mmap=mmap, durable=durable)
 
 
-def verify(path, *, deep: bool = False, mmap: bool = True) -> list:
+def verify(path, *, deep: bool = False, mmap: bool | None = None) -> list:
     """Every inconsistency of a tree directory, as :class:`Problem` objects (empty when all is well).
 
     Checks the headers, the counts against the file sizes and each other, metadata.json against the

@@ -26,11 +26,13 @@ __all__ = ["open", "verify", "IndexedDataset", "IndexHeader", "Writer", "MEGATRO
            "merge", "ShardedDataset"]
 
 
-def open(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True,  # noqa: A001
+def open(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,  # noqa: A001
          idx=None, bin=None):
     """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
 
-    ``mmap=False`` reads with positional reads (parallel file systems, no address-space limits);
+    The files are mapped on a local disk and read with positional reads on a network or FUSE
+    filesystem (``mmap=None``, the default); ``mmap=False`` always reads with positional reads (no
+    address-space limits), ``mmap=True`` always maps;
     ``idx=`` and ``bin=`` take anything :func:`mcf.io.open_source` takes instead of a prefix (file-like
     objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).

@@ -44,7 +44,7 @@ def info_dict(ds) -> dict:
 def cmd_info(args) -> int:
     from mcf.megatron import open as open_dataset
 
-    with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
+    with open_dataset(args.prefix, mmap=False if args.no_mmap else None) as ds:
         d = info_dict(ds)
         if args.json:
             print(json_text(d))
@@ -74,17 +74,17 @@ def cmd_verify(args) -> int:
     from mcf.megatron import verify
 
     try:  # a missing or unreadable file is an error of the command line, not a finding about a dataset
-        open_dataset(args.prefix, mmap=not args.no_mmap).close()
+        open_dataset(args.prefix, mmap=False if args.no_mmap else None).close()
     except OSError:
         raise
     except MCFError:  # a bad dataset: verify lists every problem
         pass
-    problems = verify(args.prefix, mmap=not args.no_mmap)
+    problems = verify(args.prefix, mmap=False if args.no_mmap else None)
     if problems:
         for p in problems:
             print(f"FAIL {printable(p)}")
         return 1
-    with open_dataset(args.prefix, mmap=not args.no_mmap) as ds:
+    with open_dataset(args.prefix, mmap=False if args.no_mmap else None) as ds:
         print(f"OK {printable(ds.path_prefix)}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
               f"{ds.num_tokens:,} tokens ({ds.dtype}, {ds.variant})")
     return 0
@@ -96,7 +96,7 @@ def cmd_merge(args) -> int:
     from mcf.megatron.writer import merge
 
     t0 = time.perf_counter()
-    merge(args.output_prefix, args.inputs, mmap=not args.no_mmap,
+    merge(args.output_prefix, args.inputs, mmap=False if args.no_mmap else None,
           progress=Progress("merge", enabled=None if not args.quiet else False))
     dt = time.perf_counter() - t0
     with open_dataset(args.output_prefix) as ds:

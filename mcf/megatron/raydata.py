@@ -452,7 +452,7 @@ def _align(view, x: int) -> int:
     return x - j + int(di[d + 1])
 
 
-def read_sequence_blocks(shards, meta: dict, a: int, b: int, block_sequences: int, mmap: bool):
+def read_sequence_blocks(shards, meta: dict, a: int, b: int, block_sequences: int, mmap: bool | None):
     """Blocks ``(tokens, sequence, document)`` of the documents that start in global sequences
     ``[a, b)`` of the shards (a read task's work)."""
     from mcf.megatron.sharded import ShardedDataset
@@ -484,7 +484,7 @@ class MegatronDatasource(Datasource):
     that no document is split between tasks.  The driver reads only the headers (or the shard list);
     each task opens the shards it reads and checks the index entries it uses."""
 
-    def __init__(self, paths, *, block_sequences: int = 65536, mmap: bool = True):
+    def __init__(self, paths, *, block_sequences: int = 65536, mmap: bool | None = None):
         super().__init__()
         from mcf.megatron.sharded import is_shard_list, open_shards
 
@@ -500,7 +500,7 @@ class MegatronDatasource(Datasource):
         self.block_sequences = int(block_sequences)
         if self.block_sequences < 1:
             raise InvalidArgumentError(f"block_sequences must be >= 1, got {block_sequences}")
-        self.mmap = bool(mmap)
+        self.mmap = mmap
 
     def estimate_inmemory_data_size(self):
         """Tokens times their size, plus the ids (None when a token count is unknown: URL shards)."""
@@ -531,7 +531,7 @@ class MegatronDatasource(Datasource):
         return "Megatron"
 
 
-def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool = True, **read_args):
+def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool | None = None, **read_args):
     """``ray.data.read_datasource(MegatronDatasource(paths, ...), **read_args)``."""
     return ray.data.read_datasource(MegatronDatasource(paths, block_sequences=block_sequences, mmap=mmap),
                                     **read_args)

@@ -213,11 +213,11 @@ class IndexedDataset(_megatron.SequenceTable):
     after :meth:`close`.
     """
 
-    def __init__(self, idx, bin, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True,
+    def __init__(self, idx, bin, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,
                  prefix: str | None = None):
         self._opened: list = []
         self._is_closed = False
-        self.mmap = bool(mmap)
+        self.mmap = mmap
         self.validated = bool(validate)
         self.path_prefix = prefix
         try:
@@ -412,11 +412,13 @@ def _sources(prefix, idx, bin):
     return None, idx, bin
 
 
-def open(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True,
+def open(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,
          idx=None, bin=None):
     """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
 
-    ``mmap=False`` reads with positional reads (parallel file systems, no address-space limits);
+    The files are mapped on a local disk and read with positional reads on a network or FUSE
+    filesystem (``mmap=None``, the default); ``mmap=False`` always reads with positional reads (no
+    address-space limits), ``mmap=True`` always maps;
     ``idx=`` and ``bin=`` take anything :func:`mcf.io.open_source` takes instead of a prefix (file-like
     objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
     ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
@@ -487,7 +489,7 @@ def _identity(idx, bin):
     return tuple(out)
 
 
-def verify(prefix=None, *, mmap: bool = True, multimodal: bool | None = None, idx=None, bin=None) -> list:
+def verify(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = None, idx=None, bin=None) -> list:
     """Every problem of a dataset as a message; empty when it is valid.  A broken header stops the
     check (nothing after it can be located); the array checks all run and each reports its first
     offenders and how many there are."""

@@ -197,7 +197,7 @@ def _shards_from_headers(prefixes, multimodal):
     return shards, dtype, bool(mm)
 
 
-def open_shards(obj, *, mmap: bool = True, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
+def open_shards(obj, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
     """One read-only dataset over a shard list file (``*.json``) or a list of dataset prefixes."""
     if is_shard_list(obj):
         shards, meta = read_shard_list(obj)
@@ -226,14 +226,14 @@ class ShardedDataset(_megatron.ShardTable):
     first use (see the module docstring); :meth:`open_all` opens them all now.
     """
 
-    def __init__(self, shards, *, dtype, multimodal: bool = False, mmap: bool = True, validate: bool = True,
+    def __init__(self, shards, *, dtype, multimodal: bool = False, mmap: bool | None = None, validate: bool = True,
                  shard_list: str | None = None):
         self.shards = tuple(shards)
         if not self.shards:
             raise InvalidArgumentError("no shards given")
         self._dtype_ = np.dtype(dtype)
         self.multimodal = bool(multimodal)
-        self.mmap = bool(mmap)
+        self.mmap = mmap
         self.validated = bool(validate)
         self.shard_list = shard_list
         seq = np.zeros(len(self.shards) + 1, np.int64)

@@ -393,7 +393,7 @@ class Writer:
         if self.multimodal:
             self._modes.extend(np.zeros(seqs.size, MODE_DTYPE))
 
-    def add_index(self, source, *, mmap: bool = True) -> None:
+    def add_index(self, source, *, mmap: bool | None = None) -> None:
         """Append a whole dataset (a prefix or an open :class:`IndexedDataset`), streaming: its .bin is
         copied with ``copy_file_range`` when possible and its arrays in chunks."""
         from mcf.megatron.reader import IndexedDataset, open as open_dataset
@@ -551,7 +551,7 @@ class Writer:
             self.abort()
 
 
-def merge(output_prefix, inputs, *, mmap: bool = True, progress=None) -> Writer:
+def merge(output_prefix, inputs, *, mmap: bool | None = None, progress=None) -> Writer:
     """Concatenate the datasets ``inputs`` (prefixes) into ``output_prefix``, streaming: memory stays
     bounded however many shards and sequences.  All inputs must share one dtype; the output is
     multimodal when the first input is.  ``progress(done, total, name)`` is called after each shard."""

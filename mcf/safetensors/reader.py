@@ -62,7 +62,7 @@ class SafetensorsFile:
     """One ``.safetensors`` file (a path, URL, buffer, file-like or :class:`mcf.io.Source`), its header
     validated when opened: ``tensors`` (name -> :class:`SafetensorsTensor`) and ``metadata``."""
 
-    def __init__(self, path_or_source, *, mmap: bool = True):
+    def __init__(self, path_or_source, *, mmap: bool | None = None):
         self.source: Source = open_source(path_or_source, mmap=mmap)
         try:
             self.tensors, self.metadata = self._parse()
@@ -168,7 +168,7 @@ class Checkpoint:
     ``model.safetensors.index.json`` (``index`` and its ``weight_map``, checked against the shards
     here), or every ``*.safetensors`` of a directory.  ``files`` may be paths, URLs or sources."""
 
-    def __init__(self, files: list, *, mmap: bool = True, index: str | None = None,
+    def __init__(self, files: list, *, mmap: bool | None = None, index: str | None = None,
                  weight_map: dict | None = None):
         self.files = []
         self.index = index
@@ -283,7 +283,7 @@ def _open_index(idx: str, mmap) -> Checkpoint:
     return Checkpoint([os.path.join(base, s) for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
 
 
-def _open_remote_checkpoint(url: str, mmap) -> Checkpoint:
+def _open_remote_checkpoint(url: str, mmap: bool | None) -> Checkpoint:
     """A URL naming a ``.safetensors`` file or an index, or a "directory" URL under which
     ``model.safetensors.index.json`` (and its shards) or ``model.safetensors`` can be fetched (no
     listing needed)."""
@@ -309,10 +309,12 @@ def _open_remote_checkpoint(url: str, mmap) -> Checkpoint:
     return Checkpoint([base + "/" + s for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
 
 
-def open_checkpoint(path, *, mmap: bool = True) -> Checkpoint:
+def open_checkpoint(path, *, mmap: bool | None = None) -> Checkpoint:
     """Open a safetensors file, a ``model.safetensors.index.json`` and its shards, or a directory
     holding ``model.safetensors``, an index, or else ``*.safetensors`` files (a URL of any of these too:
-    see :mod:`mcf.remote`).  Sharded checkpoints are checked against their index."""
+    see :mod:`mcf.remote`).  Sharded checkpoints are checked against their index.  ``mmap=None`` maps files
+    on a local disk and reads them with positional reads on a network or FUSE filesystem;
+    ``mmap=True``/``False`` decides instead."""
     from mcf.remote import is_url
 
     if is_url(path):

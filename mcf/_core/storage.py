@@ -1,0 +1,175 @@
+"""Which storage a file lives on, and how the read engine reads from it by default.
+
+A mapping is the fastest way to read a file on a local disk and the worst on a network or FUSE
+filesystem: every page fault there is a round trip, readahead is small, and a server that goes away
+turns a memory access into SIGBUS (Qwen3-32B took 4 min 18 s with mmap against 32 s without on one such
+mount, sglang#7469; TRT-LLM#17368 is the SIGBUS on Lustre).  So the kind of filesystem decides the
+default: ``statfs`` gives its magic number, :data:`FILESYSTEMS` turns that into a name and a kind, and
+:data:`DEFAULTS` gives each kind its settings.  ``mmap=``, ``threads=``, ``chunk_bytes=`` and ``direct=``
+override them per call.
+
+The kinds:
+
+- ``local``: a block-device filesystem (ext4, xfs, btrfs, zfs, f2fs...), or memory (tmpfs, ramfs,
+  overlay): mapped; the engine's requests see the kernel's readahead.
+- ``network``: NFS, CIFS/SMB, Lustre, GPFS, CephFS, BeeGFS, 9p, AFS, OCFS2, GFS2...: never mapped; many
+  requests in flight, since each one waits for a server.
+- ``fuse``: every FUSE filesystem (s3fs, gcsfuse, sshfs, GlusterFS's client, virtiofs...; statfs cannot
+  tell them apart, fuseblk included): treated as ``network``, because most are.
+- ``unknown``: a magic number not in the table: the ``local`` settings, mcf's behaviour before this
+  table existed.
+- ``object``: object stores and HTTP (``mcf.remote``), listed here so that every kind's figures live in
+  one table.
+
+The settings (O_DIRECT is off for every kind):
+
+=========  ======  =======  =======  ===========================================================
+kind       mmap    threads  chunk    why
+=========  ======  =======  =======  ===========================================================
+local      yes     16       8 MiB    the best cold median in every measurement here (below)
+network    no      16       2 MiB    Run:ai Model Streamer's filesystem defaults: latency-bound
+fuse       no      16       2 MiB    as network
+unknown    yes     16       8 MiB    as local
+object     no      8        8 MiB    Run:ai Model Streamer's object-store defaults
+=========  ======  =======  =======  ===========================================================
+
+How ``local`` was chosen (``bench/read_engine_settings.py``, figures in docs/io.md): a 1.5 GB file of
+random bytes on this machine's virtio disk (ext4, 8 MiB readahead, 2 cores shared with other work),
+read as 258 tensors of 1 KiB..64 MiB into one fresh arena, page cache dropped before every cold run,
+settings interleaved over 3, 7 and 9 rounds at load averages of 4 to 18.  Single runs varied 3x with the
+other work on the disk, so only what held in all three sweeps decided:
+
+- Cold, 16 workers x 8 MiB had the best median every time (1.36, 1.23, 1.04 GB/s against fio's
+  sequential-read best of 1.34, 1.54, 1.65); one worker (0.54, 0.17) and chunks of 512 KiB (0.68, 0.23)
+  never came close, two workers once (1.31, then 0.22); 16 x 2 MiB, Run:ai's filesystem setting,
+  trailed 16 x 8 MiB (1.14, 0.55, 0.87): larger requests match the disk's readahead.  A single-threaded
+  copy out of a mapping: 0.25-0.36.
+- Warm, every multi-threaded setting was within the noise of the others (0.6-1.3 GB/s): the time goes
+  to faulting in the fresh arena's pages in this VM (the same read into a reused arena: 1.9-2.6 GB/s).
+- O_DIRECT (4 x 8 MiB, 16 x 2 MiB) gained nothing cold (0.80-1.09, fio's own O_DIRECT 0.72-1.04 against
+  1.34-1.65 buffered) and lost warm, where it cannot use the page cache (0.47-1.08 against 0.61-1.30),
+  so it stays an option (``direct=True``: a file larger than the page cache, or one whose cache must
+  not be disturbed).
+- io_uring through the maintained ``liburing`` binding (one ring, 4 or 16 reads of 2 MiB in flight)
+  reached 0.61-1.05 cold and 0.83-0.98 warm: no gain over the thread pool that would pay for a second
+  I/O path, so it is not used.
+
+The ``network``, ``fuse`` and ``object`` rows are Run:ai's defaults as published: there is no network
+filesystem or object store on these machines to tune them against, and their reads are bound by
+round trips, where the number of requests in flight matters more than their size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["Storage", "ReadDefaults", "ReadStats", "FILESYSTEMS", "DEFAULTS", "KINDS", "storage_for_magic",
+           "defaults_for", "FUSE_MAGIC"]
+
+KINDS = ("local", "network", "fuse", "unknown", "object")
+
+FUSE_MAGIC = 0x65735546
+
+# statfs f_type -> (filesystem, kind).  Sources: linux/magic.h, and coreutils' stat.c for the filesystems
+# that live outside the kernel tree (GPFS, Lustre, BeeGFS, PanFS, ZFS, OpenAFS).
+FILESYSTEMS: dict[int, tuple[str, str]] = {
+    # local disks and memory
+    0xEF53: ("ext2/3/4", "local"),
+    0x58465342: ("xfs", "local"),
+    0x9123683E: ("btrfs", "local"),
+    0x2FC12FC1: ("zfs", "local"),
+    0xF2F52010: ("f2fs", "local"),
+    0xCA451A4E: ("bcachefs", "local"),
+    0x3153464A: ("jfs", "local"),
+    0x52654973: ("reiserfs", "local"),
+    0x5346544E: ("ntfs", "local"),
+    0x7366746E: ("ntfs3", "local"),
+    0x4D44: ("vfat", "local"),
+    0x2011BAB0: ("exfat", "local"),
+    0x15013346: ("udf", "local"),
+    0x9660: ("iso9660", "local"),
+    0x73717368: ("squashfs", "local"),
+    0xE0F5E1E2: ("erofs", "local"),
+    0x01021994: ("tmpfs", "local"),
+    0x858458F6: ("ramfs", "local"),
+    0x958458F6: ("hugetlbfs", "local"),
+    0x794C7630: ("overlay", "local"),
+    # network and cluster filesystems
+    0x6969: ("nfs", "network"),
+    0x517B: ("smb", "network"),
+    0xFF534D42: ("cifs", "network"),
+    0xFE534D42: ("smb2", "network"),
+    0x0BD00BD0: ("lustre", "network"),
+    0x47504653: ("gpfs", "network"),
+    0x00C36400: ("ceph", "network"),
+    0x19830326: ("beegfs", "network"),
+    0xAAD7AAEA: ("panfs", "network"),
+    0x01021997: ("9p", "network"),
+    0x5346414F: ("afs", "network"),
+    0x6B414653: ("kafs", "network"),
+    0x7461636F: ("ocfs2", "network"),
+    0x01161970: ("gfs2", "network"),
+    0x73757245: ("coda", "network"),
+    0x20030528: ("orangefs", "network"),
+    0x786F4256: ("vboxsf", "network"),
+    # FUSE (fuse and fuseblk share the magic number)
+    FUSE_MAGIC: ("fuse", "fuse"),
+}
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where a file lives: ``kind`` (one of :data:`KINDS`), the ``filesystem``'s name and its statfs
+    ``magic`` number (None when not a file on a filesystem)."""
+    kind: str
+    filesystem: str
+    magic: int | None = None
+
+
+@dataclass(frozen=True)
+class ReadDefaults:
+    """What the engine does on one kind of storage unless told otherwise."""
+    mmap: bool
+    threads: int
+    chunk_bytes: int
+    direct: bool
+
+
+MiB = 1 << 20
+_NETWORK = ReadDefaults(mmap=False, threads=16, chunk_bytes=2 * MiB, direct=False)
+_LOCAL = ReadDefaults(mmap=True, threads=16, chunk_bytes=8 * MiB, direct=False)
+DEFAULTS: dict[str, ReadDefaults] = {
+    "local": _LOCAL,
+    "network": _NETWORK,
+    "fuse": _NETWORK,
+    "unknown": _LOCAL,
+    "object": ReadDefaults(mmap=False, threads=8, chunk_bytes=8 * MiB, direct=False),
+}
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    """What one call of the read engine did (:attr:`mcf.io.Source.read_stats`): the ``storage`` it read
+    from, the ``threads`` that ran, the ``chunk_bytes`` requested, whether ``direct`` (O_DIRECT) reads
+    were made, the ``ranges`` left after coalescing, the read ``requests`` issued, and the
+    ``bytes_read`` from storage (O_DIRECT alignment padding included)."""
+    storage: Storage
+    threads: int
+    chunk_bytes: int
+    direct: bool
+    ranges: int
+    requests: int
+    bytes_read: int
+
+
+@lru_cache(maxsize=64)   # one per filesystem seen: opening a file stays one statfs and one lookup
+def storage_for_magic(magic: int) -> Storage:
+    """The :class:`Storage` of a filesystem from its statfs ``f_type``."""
+    name, kind = FILESYSTEMS.get(magic, (f"0x{magic:x}", "unknown"))
+    return Storage(kind, name, magic)
+
+
+def defaults_for(kind: str) -> ReadDefaults:
+    """The engine's settings on storage of ``kind``."""
+    return DEFAULTS[kind]
