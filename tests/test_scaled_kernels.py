@@ -74,12 +74,16 @@ def test_every_byte_as_torch_converts_it(name, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_every_fp4_code_in_both_nibbles(impl):
-    """All 16 E2M1 codes in the low nibble (element 2k) and in the high one (element 2k + 1): ml_dtypes'
-    float4_e2m1fn and the table gpt-oss's loader uses (transformers' FP4_VALUES) agree with the kernel."""
+    """All 16 E2M1 codes in the low nibble (element 2k) and in the high one (element 2k + 1), as ml_dtypes'
+    float4_e2m1fn converts them (torch's float4_e2m1fn_x2 converts to nothing)."""
     want = np.stack([BYTES & 15, BYTES >> 4], -1).reshape(-1).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     same_values(want, S.E2M1[np.stack([BYTES & 15, BYTES >> 4], -1).reshape(-1)])
     for dt in OUT:
         same_values(_mx.decode_elements(BYTES, "f4", dtype=dt, impl=impl), rounded(want, dt))
+
+
+def test_the_fp4_table_is_gpt_oss_loader_s():
+    """The references' E2M1 table is the one transformers decodes gpt-oss with (FP4_VALUES), -0.0 included."""
     tf = pytest.importorskip("transformers.integrations.mxfp4")
     same_values(np.array(tf.FP4_VALUES, np.float32), S.E2M1)
 
