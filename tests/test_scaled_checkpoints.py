@@ -176,6 +176,12 @@ def test_pack_keeps_the_bytes_and_export_gives_them_back(ckpts, tmp_path, which,
     dec = mst.load_file(tmp_path / "f32.safetensors")
     for n, want in refs.items():
         same(dec[n], want)
+    # and dtype="raw" (payloads as U8 tensors described in __metadata__) converts back to the same file contents
+    mcf.export(out, tmp_path / "raw.safetensors", dtype="raw")
+    mcf.convert(tmp_path / "raw.safetensors", tmp_path / "again.mcf")
+    with mcf.open(out) as a, mcf.open(tmp_path / "again.mcf") as b:
+        assert [(n, a.info(n).dtype, a.info(n).shape, a.raw(n).tobytes()) for n in a] == \
+            [(n, b.info(n).dtype, b.info(n).shape, b.raw(n).tobytes()) for n in b]
 
 
 def test_convert_with_a_method_keeps_the_scaled_weights(ckpts, tmp_path):
