@@ -56,15 +56,19 @@ def test_write_and_read_back(tmp_path):
         w.add_tensor("f8", f8)
         w.add_tensor("e8m0", np.arange(6, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).reshape(2, 3))
         w.add_tensor_bytes("f4", "f4", (2, 4), np.array([0x21, 0x43, 0xA9, 0xCB], np.uint8))
+        w.add_tensor_bytes("odd_rows", "f4", (2, 3), np.array([0x00, 0x70, 0x18], np.uint8))   # codes 0 0 0 7 8 1
         w.add_tensor_bytes("experts", "mxfp4", (2, 4, 64), payload)
         w.add_tensor("plain", np.ones(3, np.float32))
     with mcf.open(p) as c:
         assert {n: (c.info(n).dtype.name, c.info(n).shape) for n in c} == {
             "e8m0": ("f8_e8m0", (2, 3)), "experts": ("mxfp4", (2, 4, 64)), "f4": ("f4", (2, 4)),
-            "f8": ("f8_e4m3", (4, 3)), "plain": ("f32", (3,))}
+            "f8": ("f8_e4m3", (4, 3)), "odd_rows": ("f4", (2, 3)), "plain": ("f32", (3,))}
         assert c.tensor("f8").dtype == f8.dtype and c.tensor("f8").tobytes() == f8.tobytes()
         assert c.info("experts").offset % 64 == 0 and c.header.aligned64
         assert c.to_float32("f4").tolist() == [[0.5, 1.0, 1.5, 2.0], [-0.5, -1.0, -1.5, -2.0]]
+        assert c.dequantize("odd_rows", rows=(1, 2)).tolist() == [[6.0, -0.0, 0.5]]   # starts in a byte's high nibble
+        out = np.empty((1, 3), ml_dtypes.bfloat16)
+        assert c.dequantize("odd_rows", rows=(1, 2), out=out) is out and out.astype(np.float32).tolist() == [[6.0, -0.0, 0.5]]
         assert c.raw("experts").tobytes() == payload.tobytes()
         regions = c.quant_regions("experts")
         assert set(regions) == {"scales", "data"} and regions["scales"].tobytes() == payload[:16].tobytes()

@@ -137,6 +137,8 @@ class QuantLayout:
 
 BLOCK = 32          # values per block (q* and k*)
 SUPER_BLOCKS = 8    # blocks per super-block (k*: 256 values)
+
+
 def _scaled_layout(info: DTypeInfo, shape) -> QuantLayout:
     """The block-scaled extensions' layout (:mod:`mcf._core.scaled` computes it) as a QuantLayout."""
     sl = scaled_layout(info, shape)

@@ -17,9 +17,9 @@ from mcf._core import _fpconv
 from mcf._core import _kernels as K
 from mcf._core.args import integer, real, reals
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
+from mcf._core.scaled import payload_rows
 from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.container.decode import decode_payload
-from mcf._core.scaled import payload_rows
 from mcf.container.layout import Domain, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "QuantStats", "tensor_error_stats", "METHODS",

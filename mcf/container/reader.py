@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core.args import byte_order_problem, row_range
+from mcf._core.args import byte_order_problem, out_array, row_range
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DType
 from mcf.errors import (DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError,
@@ -355,7 +355,6 @@ class Container:
         float32 array, or into ``out``: a writeable C-contiguous float32 array of the tensor's size (any shape),
         which is returned."""
         from mcf._core import _fpconv
-        from mcf._core.args import out_array
 
         t = self.index[name]
         code = t.dtype.code
@@ -436,10 +435,7 @@ class Container:
             vals = _mx.decode_elements(raw, t.dtype.code, count=e1 - e0 + e0 % 2, dtype=dt, impl=impl)[e0 % 2:]
             if out is None:
                 return vals.reshape((r1 - r0,) + shape[1:] if shape else ())
-            check = out.size == vals.size and out.dtype == dt and out.flags.c_contiguous and out.flags.writeable
-            if not check:
-                raise InvalidArgumentError(f"out must be a writeable C-contiguous {dt} array of {vals.size} elements")
-            out.reshape(-1)[...] = vals
+            out_array(out, dt, vals.size)[...] = vals
             return out
         raw = self.raw(t.name)[e0:e1]
         res = _mx.decode_elements(raw, t.dtype.code, dtype=dt, out=None if out is None else out.reshape(-1),
