@@ -132,9 +132,11 @@ def _plan(c, dtype) -> list:
             out.append(_Entry(name, "copy", t.dtype, t.shape, t.nbytes))
     seen = {}
     for e in out:   # a block-scaled weight's parts take names of their own (W_scales, W_scale_inv...)
-        if seen.setdefault(e.name, e.src) != e.src:
-            raise InvalidArgumentError(f"{c.path}: tensor {e.name!r} would be written twice: it is a tensor of the file "
-                                       f"and a part of the block-scaled weight {e.src if e.src != e.name else seen[e.name]!r}")
+        first = seen.setdefault(e.name, e.src)
+        if first != e.src:
+            weight = e.src if e.src != e.name else first
+            raise InvalidArgumentError(f"{c.path}: two tensors would be named {e.name!r} in safetensors: a tensor of "
+                                       f"the file and a part of the block-scaled weight {weight!r}")
     # as the safetensors library lays files out: larger items first, so every tensor is aligned
     out.sort(key=lambda e: (-e.out.itemsize, e.name.encode("utf-8")))
     return out
@@ -162,10 +164,11 @@ def _chunks(c, e: _Entry, buf):
     t = c.info(e.src)
     src = c.source
     if e.kind in ("copy", "raw", "cast"):
-        isz = max(1, e.out.itemsize if e.kind == "copy" else t.dtype.itemsize)
+        stored = t.nbytes if e.kind == "cast" else e.nbytes   # (a block-scaled weight's part: one region of it)
+        isz = max(1, t.dtype.itemsize if e.kind == "cast" else e.out.itemsize)
         step = max(isz, buf.nbytes // isz * isz)
-        for o in range(0, e.nbytes if e.kind == "copy" else t.nbytes, step):
-            n = min(step, (e.nbytes if e.kind == "copy" else t.nbytes) - o)
+        for o in range(0, stored, step):
+            n = min(step, stored - o)
             chunk = buf[:n]
             src.read_ranges((t.offset + e.at + o,), (n,), chunk, (0,))
             if e.kind == "cast":

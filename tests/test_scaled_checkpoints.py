@@ -393,3 +393,14 @@ def test_a_weight_named_like_another_tensor_is_refused(ckpts, tmp_path):
         mst.load_file(bad, dequantize=True)
     with pytest.raises(mcf.FormatError, match="name of another tensor"):
         mcf.pack(bad, tmp_path / "o.mcf")
+
+
+def test_export_refuses_a_part_name_taken_by_another_tensor(tmp_path):
+    """An MCF file holding mxfp4 ``W`` and a tensor named ``W_scales``: the export cannot name both."""
+    p = tmp_path / "clash.mcf"
+    with mcf.Writer(p) as w:
+        w.add_tensor_bytes("w", "mxfp4", (2, 32), np.zeros(mcf.quant_layout("mxfp4", (2, 32)).nbytes, np.uint8))
+        w.add_tensor("w_scales", np.zeros(2, np.float32))
+    with pytest.raises(mcf.InvalidArgumentError, match=r"two tensors would be named 'w_scales'.*weight 'w'"):
+        mcf.export(p, tmp_path / "out")
+    mcf.export(p, tmp_path / "f32.safetensors", dtype="f32")   # decoded, the weight is one tensor: no clash
