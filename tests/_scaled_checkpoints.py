@@ -203,10 +203,12 @@ def modelopt_nvfp4(d, *, seed=2):
 
 
 def nvfp4_reference(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2) -> np.ndarray:
-    """ModelOpt's NVFP4 weight [M, N/2] decoded as float32 [M, N], from NVFP4QTensor (modelopt/torch/
-    quantization/qtensor/nvfp4_tensor.py): values packed ``(q[..., 1::2] << 4) | q[..., 0::2]`` (even column in
-    the low nibble), E2M1 codes; ``dequantize``: ``per_block_scale = weight_scale.to(float32) * weight_scale_2``,
-    then each block of 16 values times its scale.  (ModelOpt's own table maps code 0b1000 to +0.0; E2M1 defines
+    """ModelOpt's NVFP4 weight [M, N/2] decoded as float32 [M, N].  The format (NVIDIA, "Introducing NVFP4 for
+    efficient and accurate low-precision inference"): E2M1 values in blocks of 16, each block with an FP8 E4M3
+    scale, and an FP32 scale per tensor.  The layout and the order of operations, from NVFP4QTensor
+    (NVIDIA/Model-Optimizer, modelopt/torch/quantization/qtensor/nvfp4_tensor.py): values packed
+    ``(q[..., 1::2] << 4) | q[..., 0::2]`` (even column in the low nibble), E2M1 codes; ``dequantize``:
+    ``per_block_scale = weight_scale.to(float32) * weight_scale_2``, then each block of 16 values times it.  (ModelOpt's own table maps code 0b1000 to +0.0; E2M1 defines
     it as -0.0, which is what this reference and mcf write: the two differ in the sign of zero only.)"""
     vals = np.stack([E2M1[weight & 0x0F], E2M1[weight >> 4]], axis=-1).reshape(weight.shape[0], -1)
     per_block = weight_scale.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(weight_scale_2)
