@@ -71,6 +71,7 @@ extensions = [
     ext("mcf._core._fpconv", ["mcf/_core/_fpconv.pyx", "csrc/fpconv.c", "csrc/fpconv_simd.c", "csrc/cpu.c"]),
     ext("mcf.container._index", ["mcf/container/_index.pyx"]),
     ext("mcf._core._kernels", ["mcf/_core/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/quant_search.c", "csrc/cpu.c", "csrc/fpconv.c"]),
+    ext("mcf._core._mx", ["mcf/_core/_mx.pyx", "csrc/mx.c", "csrc/cpu.c", "csrc/fpconv.c"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
     ext("mcf.megacontext._megacontext", ["mcf/megacontext/_megacontext.pyx", "csrc/megacontext.c", "csrc/fpconv.c",
                                           "csrc/dequant.c", "csrc/quantize.c", "csrc/quant_search.c", "csrc/cpu.c"]),

@@ -12,12 +12,20 @@ row block straight into the write buffer.  ``dtype="raw"`` keeps a quantized pay
 holds the JSON ``{"method", "shape", "domain", "min_clip", "max_clip"}`` (clips only when the file had
 a QuantInfo record).  :func:`mcf.convert.convert` reads such a file back into the same quantized
 tensors.
+
+The block-scaled extensions have a safetensors form of their own, which is what they are written as by
+default: their regions become the tensors their convention names (:mod:`mcf.safetensors.conventions`), byte
+for byte, so ``mcf pack`` followed by ``mcf export`` gives back the checkpoint's tensors: mxfp4 ``W`` as U8
+``W_blocks`` [..., cols/32, 16] and U8 ``W_scales`` [..., cols/32] (gpt-oss); f8_e4m3_b128 ``W`` as F8_E4M3
+``W`` and F32 ``W_scale_inv`` (DeepSeek); nvfp4 ``W`` as U8 ``W`` [..., cols/2], F8_E4M3 ``W_scale``
+[..., cols/16] and F32 ``W_scale_2`` [] (ModelOpt).  FP8, E8M0 and F4 tensors are copied as F8_*, F4.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 
@@ -63,10 +71,34 @@ def parse_size(value) -> int:
 
 
 class _Entry:
-    __slots__ = ("name", "kind", "out", "shape", "nbytes", "meta")
+    __slots__ = ("name", "kind", "out", "shape", "nbytes", "meta", "src", "at")
 
-    def __init__(self, name, kind, out: DTypeInfo, shape, nbytes, meta=None):
+    def __init__(self, name, kind, out: DTypeInfo, shape, nbytes, meta=None, src=None, at=0):
         self.name, self.kind, self.out, self.shape, self.nbytes, self.meta = name, kind, out, shape, nbytes, meta
+        self.src, self.at = src if src is not None else name, at   # the MCF tensor, and where in it the bytes start
+
+
+#: the tensors a block-scaled weight ``W`` is written as: (region, name suffix, safetensors dtype, shape of it)
+_PARTS = {
+    "mxfp4": (("data", "_blocks", DType.U8, lambda s: s[:-1] + (s[-1] // 32, 16)),
+              ("scales", "_scales", DType.U8, lambda s: s[:-1] + (s[-1] // 32,))),
+    "fp8block": (("data", "", DType.F8_E4M3, lambda s: s),
+                 ("scales", "_scale_inv", DType.F32, lambda s: (-(-s[0] // 128), -(-s[1] // 128)))),
+    "nvfp4": (("data", "", DType.U8, lambda s: s[:-1] + (s[-1] // 2,)),
+              ("scales", "_scale", DType.F8_E4M3, lambda s: s[:-1] + (s[-1] // 16,)),
+              ("scale", "_scale_2", DType.F32, lambda s: ())),
+}
+
+
+def _scaled_parts(c, name, t) -> list:
+    """The entries of block-scaled weight ``name``: its convention's tensors, each one region of the payload."""
+    starts = {r.name: (r.offset, r.size) for r in c.quant_layout(name).regions}
+    out = []
+    for region, suffix, code, shape_of in _PARTS[t.dtype.family]:
+        off, size = starts[region]
+        out.append(_Entry(name + suffix, "copy", dtype_info(code), tuple(shape_of(tuple(t.shape))), size, src=name,
+                          at=off))
+    return out
 
 
 def _plan(c, dtype) -> list:
@@ -79,7 +111,9 @@ def _plan(c, dtype) -> list:
         if name == "__metadata__":
             raise InvalidArgumentError(f"{c.path}: a tensor named '__metadata__' cannot be stored in safetensors "
                                        "(the name is the header's metadata key)")
-        if t.dtype.quantized:
+        if t.dtype.scaled and dtype is None:
+            out.extend(_scaled_parts(c, name, t))
+        elif t.dtype.quantized:
             if dtype == "raw":
                 rec = c.quant_record(name)
                 meta = {"method": t.dtype.name, "shape": list(t.shape), "domain": rec.domain if rec else 0}
@@ -88,7 +122,7 @@ def _plan(c, dtype) -> list:
                 out.append(_Entry(name, "raw", u8, (t.nbytes,), t.nbytes, meta))
             else:
                 o = want or dtype_info(DType.F32)
-                out.append(_Entry(name, "dequant", o, t.shape, t.shape[0] * t.shape[1] * o.itemsize))
+                out.append(_Entry(name, "dequant", o, t.shape, math.prod(t.shape) * o.itemsize))
         elif want is not None and t.dtype.family == "float" and want.code != t.dtype.code:
             n = 1
             for d in t.shape:
@@ -96,6 +130,13 @@ def _plan(c, dtype) -> list:
             out.append(_Entry(name, "cast", want, t.shape, n * want.itemsize))
         else:
             out.append(_Entry(name, "copy", t.dtype, t.shape, t.nbytes))
+    seen = {}
+    for e in out:   # a block-scaled weight's parts take names of their own (W_scales, W_scale_inv...)
+        first = seen.setdefault(e.name, e.src)
+        if first != e.src:
+            weight = e.src if e.src != e.name else first
+            raise InvalidArgumentError(f"{c.path}: two tensors would be named {e.name!r} in safetensors: a tensor of "
+                                       f"the file and a part of the block-scaled weight {weight!r}")
     # as the safetensors library lays files out: larger items first, so every tensor is aligned
     out.sort(key=lambda e: (-e.out.itemsize, e.name.encode("utf-8")))
     return out
@@ -120,22 +161,23 @@ def _chunks(c, e: _Entry, buf):
     """The output bytes of one tensor, in pieces of at most ``buf.nbytes`` (one row block for decoded
     tensors, at least one row).  Stored bytes are read with ``pread`` into ``buf`` (see
     :func:`mcf.pack._stream_plain` for why not through the mapping)."""
-    t = c.info(e.name)
+    t = c.info(e.src)
     src = c.source
     if e.kind in ("copy", "raw", "cast"):
-        isz = max(1, t.dtype.itemsize)
+        stored = t.nbytes if e.kind == "cast" else e.nbytes   # (a block-scaled weight's part: one region of it)
+        isz = max(1, t.dtype.itemsize if e.kind == "cast" else e.out.itemsize)
         step = max(isz, buf.nbytes // isz * isz)
-        for o in range(0, t.nbytes, step):
-            n = min(step, t.nbytes - o)
+        for o in range(0, stored, step):
+            n = min(step, stored - o)
             chunk = buf[:n]
-            src.read_ranges((t.offset + o,), (n,), chunk, (0,))
+            src.read_ranges((t.offset + e.at + o,), (n,), chunk, (0,))
             if e.kind == "cast":
                 with np.errstate(over="ignore"):  # beyond the target's range is infinity, as a cast should
                     chunk = cast_chunk(chunk.view(t.dtype.numpy), t.dtype, e.out)
             yield chunk
         return
-    rows, cols = t.shape
-    row_bytes = cols * e.out.itemsize
+    rows = t.shape[0]
+    row_bytes = math.prod(t.shape[1:]) * e.out.itemsize   # (an mxfp4 expert stack: one expert per row)
     step = max(1, buf.nbytes // max(1, row_bytes))
     if row_bytes > buf.nbytes:  # one row does not fit: a buffer of one row, reused for every row
         buf = alloc_buffer(row_bytes)
@@ -178,10 +220,10 @@ def _write_safetensors(path, c, entries, buf, progress, done_before, total):
     def write(fd):
         write_all(fd, _header(entries))
         for i, e in enumerate(entries):
-            t = c.info(e.name)
+            t = c.info(e.src)
             copied = False
             if e.kind in ("copy", "raw") and use_cfr[0]:
-                copied = use_cfr[0] = _copy_range(in_fd, fd, t.offset, t.nbytes, src.name)
+                copied = use_cfr[0] = _copy_range(in_fd, fd, t.offset + e.at, e.nbytes, src.name)
             if not copied:
                 n = 0
                 for chunk in _chunks(c, e, buf):
@@ -222,10 +264,11 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     unless ``resources=False``.  Weight files of an earlier export that would contradict the new one
     (a ``model.safetensors`` next to a new index, stale shards, an old index) are removed.
 
-    ``dtype``: None keeps plain tensors bit for bit and decodes quantized ones to F32; "f32", "f16",
-    "bf16" make every float tensor that dtype (quantized ones decoded to it, plain ones cast with
-    round-to-nearest-even); "raw" keeps quantized payloads as U8 tensors described in
-    ``__metadata__`` (see the module docs).  Integer tensors are always copied.  Each file is written
+    ``dtype``: None keeps plain tensors bit for bit, writes block-scaled weights (mxfp4, nvfp4, f8_e4m3_b128)
+    as the tensors of their checkpoint convention, byte for byte, and decodes the other quantized ones to F32;
+    "f32", "f16", "bf16" make every float tensor that dtype (quantized ones decoded to it, plain ones cast with
+    round-to-nearest-even; FP8 and F4 tensors are copied); "raw" keeps quantized payloads as U8 tensors
+    described in ``__metadata__`` (see the module docs).  Integer tensors are always copied.  Each file is written
     to a temporary name and renamed, so a failure leaves no partial file.
     """
     if dtype is not None:

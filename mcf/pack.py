@@ -6,6 +6,13 @@ the chat template injected), the same ModelInfo, tensors sorted by name and 64-b
 Differences from the Go tool, all deliberate: non-float tensors are kept as they are under
 ``cast="f16"``/``"bf16"`` (Go refuses them), and NaNs stay NaN in a bf16 cast (Go's rounding can turn
 some NaNs into infinities or -0).
+
+Checkpoints in today's low-precision formats are stored without loss: FP8, E8M0 and F4 tensors as mcf's
+extension dtypes, and each block-scaled weight (gpt-oss MXFP4 ``*_blocks`` + ``*_scales``, DeepSeek FP8 +
+``weight_scale_inv``, ModelOpt NVFP4 ``weight`` + ``weight_scale`` + ``weight_scale_2``:
+:mod:`mcf.safetensors.conventions`) as one tensor of dtype mxfp4, f8_e4m3_b128 or nvfp4 named after the
+weight, its payload the checkpoint's bytes as they are (never requantized); :func:`mcf.export` writes the
+parts back.  (The Go tool knows none of these.)
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import numpy as np
 from mcf._core.args import file_path
 from mcf._core.gojson import go_marshal
 from mcf._core._io import alloc_buffer
+from mcf._core.scaled import nan_scales, payload_rows, scaled_layout
+from mcf.safetensors.conventions import scaled_weights
 from mcf.safetensors.reader import ST_DTYPES, open_checkpoint
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, in_tensor
@@ -123,7 +132,8 @@ def _stream_plain(t, target: DTypeInfo, buf):
     """
     src = t.file.source
     info = t.dtype
-    step = max(info.itemsize, buf.nbytes // info.itemsize * info.itemsize)
+    isz = max(1, info.itemsize)   # (F4: two values per byte)
+    step = max(isz, buf.nbytes // isz * isz)
     same = target.code == info.code
     for o in range(0, t.nbytes, step):
         n = min(step, t.nbytes - o)
@@ -153,18 +163,51 @@ def _raw_quantized(t):
         q = {"domain": int(d.get("domain", 0))}
         if "min_clip" in d:
             q.update(min_clip=float(d["min_clip"]), max_clip=float(d["max_clip"]))
-        if (not info.quantized or len(shape) != 2 or q["domain"] not in (0, 1)
+        if (not info.quantized or q["domain"] not in (0, 1)
                 or (q["domain"] and info.family != "raw")
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
                 or _array_bytes(shape, 4) > _MAX_ARRAY_BYTES):
-            raise FormatError("not a quantized rank-2 description MCF can hold")
+            raise FormatError("not a quantized description MCF can hold")
+        payload_rows(info, shape)   # rank 2 (mxfp4 / nvfp4: 2 or more)
         want = tensor_nbytes(info, shape, domain=q["domain"])
+        if info.scaled:   # no QuantInfo record for the block-scaled extensions
+            q = None
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise FormatError(f"bad quantized-tensor description: {exc}", path=path, field=field, got=desc) from None
     if t.dtype.code != DType.U8 or len(t.shape) != 1 or want != t.nbytes:
         raise FormatError(f"{info.name} {list(shape)} needs a U8 tensor of {want} bytes", path=path,
                           field=field, got=f"{t.dtype.name} {list(t.shape)}")
     return info, shape, q
+
+
+def _stream_scaled(sw, buf):
+    """The MCF payload of block-scaled weight ``sw``: each region the bytes of the checkpoint tensor that holds
+    it, as they are, zero padding between (:mod:`mcf._core.scaled`).  A NaN block scale (an E8M0 0xFF, an E4M3
+    NaN, a float32 NaN: every value of its block would decode to NaN, in mcf as in any reader) is refused with
+    the scales tensor and the block named; the writer then leaves the output untouched."""
+    lay = scaled_layout(sw.dtype, sw.shape)
+    pos = 0
+    for region, off, size, _, _ in lay.regions:
+        if off > pos:
+            yield np.zeros(off - pos, np.uint8)
+        t = sw.parts[region]
+        if t.nbytes != size:   # the conventions checked the shapes: an internal invariant
+            raise AssertionError(f"{t.name}: {t.nbytes} bytes for the {size}-byte {region} region")
+        done = 0
+        for chunk in _stream_plain(t, t.dtype, buf):
+            if region != "data":
+                bad = nan_scales(sw.dtype, region, chunk)
+                if bad.size:
+                    item = 4 if region == "scale" or sw.dtype.family == "fp8block" else 1
+                    k = int(bad[0])
+                    raise FormatError(f"a NaN block scale: every value of its block of weight {sw.name!r} would "
+                                      "decode to NaN", path=t.file.source.name,
+                                      field=f"tensor {t.name!r} block [{done // item + k}]",
+                                      expected=f"a number ({sw.dtype.name} scales)",
+                                      got="0x" + bytes(chunk[k * item:(k + 1) * item][::-1]).hex())
+            done += chunk.nbytes
+            yield chunk
+        pos = off + size
 
 
 def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None = None, overrides=(),
@@ -182,12 +225,27 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
     target = None if dtype == "keep" else parse_dtype(dtype)
     method, ov = resolve_policy(method, overrides)
     stats = []
-    names = ckpt.sorted_names()
-    # a raw quantized payload (U8, 1-D) is never planned: plan_method takes rank-2 float tensors only
-    plan = {n: plan_method(n, ckpt.tensors[n].shape, ckpt.tensors[n].dtype, method, ov) for n in names}
+    weights = scaled_weights(ckpt.tensors)
+    parts = {n for sw in weights.values() for n in sw.part_names}
+    names = sorted([n for n in ckpt.tensors if n not in parts] + list(weights), key=lambda n: n.encode("utf-8"))
+    # a raw quantized payload (U8, 1-D) is never planned: plan_method takes rank-2 float tensors only; nor is a
+    # block-scaled weight (already quantized, its bytes are kept)
+    plan = {n: plan_method(n, ckpt.tensors[n].shape, ckpt.tensors[n].dtype, method, ov) for n in names
+            if n not in weights}
     imatrix = resolve_imatrix(imatrix, plan.items())
     buf = alloc_buffer(_STREAM_BYTES)
     for i, name in enumerate(names):
+        if name in weights:
+            sw = weights[name]
+            try:
+                w.add_tensor_bytes(name, sw.dtype, sw.shape, _stream_scaled(sw, buf))
+            except FormatError:   # names the checkpoint's tensor and block already
+                raise
+            except MCFError as exc:
+                raise in_tensor(exc, sw.parts["data"].file.source.name, name) from exc
+            if progress is not None:
+                progress(i + 1, len(names), name)
+            continue
         t = ckpt.tensors[name]
         try:
             raw = _raw_quantized(t)
@@ -240,8 +298,9 @@ def _array_bytes(shape, itemsize: int) -> int:
 def _check_shapes(ckpt) -> None:
     """Refuse, before the output exists, a tensor the MCF reader would refuse: more than MAX_RANK
     dimensions, or a shape numpy cannot describe (non-zero dims times 4 bytes past 2**63, which an
-    empty tensor with one huge dimension can have: it passes the safetensors size check); and a bad
-    description of a raw quantized payload."""
+    empty tensor with one huge dimension can have: it passes the safetensors size check); a bad
+    description of a raw quantized payload; a block-scaled weight whose parts do not fit together."""
+    scaled_weights(ckpt.tensors)   # block-scaled weights whose parts do not fit together
     for name, t in ckpt.tensors.items():
         if t.dtype is None:
             raise FormatError("unsupported dtype: MCF has no equivalent", path=t.file.source.name,

@@ -32,7 +32,8 @@ from mcf.loading.plan import source_options
 from mcf.loading.select import select_names, selection
 from mcf.loading.slices import Shard, shard_range
 from mcf.remote import is_url
-from mcf.safetensors.load import checkpoint_pieces, label
+from mcf.safetensors.conventions import scaled_weights
+from mcf.safetensors.load import checkpoint_pieces, dequantize_kind, dequantized_order, label
 from mcf.safetensors.reader import Checkpoint, SafetensorsFile, open_checkpoint
 
 __all__ = ["load_file", "load_state_dict", "shard_range"]
@@ -47,16 +48,27 @@ class Weights:
         self.where = where
         self.is_mcf = isinstance(obj, Container)
         self.order = list(obj.keys()) if self.is_mcf else obj.storage_order()
+        self.weights = {}
 
     def shape(self, name: str) -> tuple:
         return tuple(self.obj.info(name).shape if self.is_mcf else self.obj.tensors[name].shape)
 
-    def pieces(self, chosen: list, specs: dict, dtype, *, threads: int = 1) -> list:
+    def pieces(self, chosen: list, specs: dict, dtype, *, threads: int = 1, dequantize: str | None = None) -> list:
         """The read plan of ``chosen`` (``specs``: name -> Rows | Shard | None; ``dtype``: as
-        :func:`mcf.loading.casts.load_dtype` returns it)."""
+        :func:`mcf.loading.casts.load_dtype` returns it; ``dequantize``: the float element a safetensors
+        checkpoint's block-scaled weights decode to, None to load their tensors as stored)."""
         if self.is_mcf:
             return [tensor_piece(self.obj, n, specs.get(n), dtype, threads=threads) for n in chosen]
-        return checkpoint_pieces(self.obj, chosen, specs, dtype)
+        return checkpoint_pieces(self.obj, chosen, specs, dtype, weights=self.weights if dequantize else None,
+                                 dequantize=dequantize, threads=threads)
+
+    def use_weights(self, dequantize: str | None) -> list:
+        """Load a safetensors checkpoint's block-scaled weights decoded (``dequantize``: their float element)
+        rather than their parts: the names a load returns, in order.  MCF files decode theirs anyway."""
+        if dequantize and not self.is_mcf:
+            self.weights = scaled_weights(self.obj.tensors)
+            return dequantized_order(self.obj, self.weights)
+        return self.order
 
     def close(self) -> None:
         if self.owned:
@@ -156,7 +168,7 @@ def decode_threads(threads) -> int:
 
 
 def load_file(path_or_file, names=None, *, slices=None, dtype=None, copy: bool = True, mmap=None, threads=None,
-              chunk_bytes=None) -> dict:
+              chunk_bytes=None, dequantize=False) -> dict:
     """The tensors of an MCF file or a safetensors checkpoint as fresh numpy arrays (name -> array), like
     ``safetensors.numpy.load_file`` (for safetensors inputs, exactly its dict: see
     :func:`mcf.safetensors.load_file`).
@@ -172,10 +184,13 @@ def load_file(path_or_file, names=None, *, slices=None, dtype=None, copy: bool =
     returns quantized tensors as their payload bytes (uint8).  ``copy=False``: read-only views of the
     mapped file where a tensor is one unchanged stored range.  ``mmap``, ``threads`` (read engine
     workers, and decoding threads), ``chunk_bytes``: as :func:`mcf.safetensors.load_file`.
+    ``dequantize`` (True or a float dtype): a safetensors checkpoint's block-scaled weights come back decoded
+    in place of their parts, as :func:`mcf.safetensors.load_file` does.
     """
+    kind = dequantize_kind(dequantize)
     with open_weights(path_or_file, mmap=mmap, copy=copy) as w:
-        chosen, specs = selection(names, slices, w.order, w.where)
-        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=decode_threads(threads))
+        chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
+        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=decode_threads(threads), dequantize=kind)
         return load_arrays(pieces, copy=copy, threads=threads, chunk_bytes=chunk_bytes)
 
 

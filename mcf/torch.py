@@ -33,6 +33,7 @@ from mcf.errors import DTypeError
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import ALIGN_FROM, execute, mmap_of_backend
 from mcf.loading.select import selection
+from mcf.safetensors.load import dequantize_kind
 
 _torch = require("torch", feature="mcf.torch", extra="torch")
 
@@ -109,7 +110,7 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> 
 
 
 def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, copy: bool = True, mmap=None,
-              threads=None, chunk_bytes=None, backend=None) -> dict:
+              threads=None, chunk_bytes=None, backend=None, dequantize=False) -> dict:
     """The tensors of a safetensors checkpoint or an MCF file as torch tensors (name -> tensor), as
     ``safetensors.torch.load_file(filename, device)`` returns them: same order, dtypes (bfloat16, float8
     e4m3/e5m2, bool, every integer), shapes and bytes, each tensor the caller's own memory.
@@ -125,11 +126,15 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     ``copy=False``: unchanged tensors that are one contiguous range of a mapped file are zero-copy views
     of a private copy-on-write mapping (see the module docstring).  ``device``: where the tensors go,
     after loading on the CPU.  ``mmap``, ``threads``, ``chunk_bytes``, ``backend``: as
-    :func:`mcf.safetensors.load_file`.
+    :func:`mcf.safetensors.load_file`.  ``dequantize`` (True for float32, or a float dtype such as
+    ``torch.bfloat16``): a safetensors checkpoint's block-scaled weights (gpt-oss MXFP4, DeepSeek FP8, ModelOpt
+    NVFP4) come back decoded under their weights' names, in place of their parts (rules:
+    :func:`mcf.safetensors.load_file`).
     """
+    kind = dequantize_kind(dequantize)
     with _sd.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
-        chosen, specs = selection(names, slices, w.order, w.where)
-        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_sd.decode_threads(threads))
+        chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
+        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_sd.decode_threads(threads), dequantize=kind)
         return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
 
 

@@ -209,6 +209,11 @@ def _check_convert(out):
     assert "round trip: bit-exact" in out and "raw round trip: True" in out
     assert "['config.json', 'model.safetensors']" in out
     assert "k4 f16 256" in out and "False" in out.splitlines()       # no output after a refused input
+    lines = out.splitlines()   # the low-precision section: gpt-oss experts kept as mxfp4, exported byte for byte
+    at = lines.index("mxfp4 (4, 64, 64)")
+    assert lines[at + 1:at + 5] == ["bfloat16 (4, 64, 64)", "True",
+                                    "['model.layers.0.input_layernorm.weight', 'model.layers.0.mlp.experts.down_proj', "
+                                    "'model.layers.0.mlp.experts.down_proj_bias']", "(1, 64, 64)"]
 
 
 def _check_torch(out):

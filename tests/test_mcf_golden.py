@@ -58,3 +58,30 @@ def test_golden_quant_decodes(mmap):
                 got = c.quant_regions(name)[r.name]
                 assert got.tobytes() == buf[r.offset:r.offset + r.size].tobytes()
         assert np.array_equal(c.tensor("z.plain"), np.arange(6, dtype="<f4").reshape(2, 3))
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_golden_extensions_decode(mmap):
+    """mcf's extension dtypes, committed: every FP8 / E8M0 byte as ml_dtypes converts it, every F4 pair, and the
+    block formats as the numpy references of tests/_scaled_checkpoints.py decode their payloads."""
+    import ml_dtypes
+
+    import _scaled_checkpoints as S
+
+    ml = {"f8_e4m3": ml_dtypes.float8_e4m3fn, "f8_e5m2": ml_dtypes.float8_e5m2, "f8_e8m0": ml_dtypes.float8_e8m0fnu,
+          "f8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "f8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz}
+    with mcf.open(os.path.join(FIXTURES, "golden_extensions.mcf"), mmap=mmap) as c:
+        assert c.verify() == [] and c.quant_info == []
+        for name, (dtype, shape, buf) in golden.extension_tensors().items():
+            t = c.info(name)
+            assert (t.dtype.name, t.shape, c.raw(name).tobytes()) == (dtype, shape, buf.tobytes())
+            if dtype == "f4":
+                want = np.stack([buf & 15, buf >> 4], -1).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+            elif dtype in ml:
+                want = buf.view(ml[dtype]).astype(np.float32)
+            else:
+                want = S.payload_reference(dtype, shape, buf)
+            got = c.dequantize(name)
+            nan = np.isnan(want.reshape(-1))
+            assert np.array_equal(np.isnan(got.reshape(-1)), nan)
+            assert got.reshape(-1)[~nan].tobytes() == want.reshape(-1)[~nan].tobytes()

@@ -3,6 +3,12 @@
 Codes are those of the MCF spec and of the Go reference (``pkg/mcf/tensor_index.go``): plain dtypes
 1..12, the quantization registry 0x10..0x33.  Quantized dtypes have no numpy equivalent; their payload
 layout comes from :func:`mcf.container.layout.quant_layout`.
+
+From 0x8000 on are mcf's own extensions (docs/mcf.md, "mcf extensions"): the element types and block
+formats today's checkpoints ship in (FP8, E8M0, FP4; MXFP4, NVFP4, DeepSeek's block-scaled FP8).  The
+reference implementation numbers its dtypes from 1 up in small groups, so a code this high cannot collide
+with one it adds; a reader that does not know a code refuses the tensor (unknown dtype) rather than guess
+its size.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import numpy as np
 
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["DType", "DTypeInfo", "dtype_info", "parse_dtype", "PLAIN", "QUANTIZED"]
+__all__ = ["DType", "DTypeInfo", "dtype_info", "parse_dtype", "plain_nbytes", "PLAIN", "QUANTIZED", "EXTENSION_BASE"]
+
+#: The first code of mcf's own dtypes (everything below is the MCF spec's).
+EXTENSION_BASE = 0x8000
 
 
 class DType(enum.IntEnum):
@@ -38,20 +47,44 @@ class DType(enum.IntEnum):
     K4 = 0x31
     K3 = 0x32
     K2 = 0x33
+    # mcf extensions (docs/mcf.md): element types, one value per element
+    F8_E4M3 = 0x8001       # float8_e4m3fn (OCP FP8)
+    F8_E5M2 = 0x8002
+    F8_E4M3FNUZ = 0x8003
+    F8_E5M2FNUZ = 0x8004
+    F8_E8M0 = 0x8005       # float8_e8m0fnu: the OCP MX scale
+    F4 = 0x8006            # float4_e2m1fn, two per byte
+    # mcf extensions: block-scaled weight formats (payloads with regions, like q*/k*)
+    MXFP4 = 0x8010         # OCP MX: 32 E2M1 values per E8M0 scale (gpt-oss, GGUF MXFP4)
+    NVFP4 = 0x8011         # NVIDIA ModelOpt: 16 E2M1 values per E4M3 scale, one float32 scale per tensor
+    F8_E4M3_B128 = 0x8012  # DeepSeek-V3: E4M3 values, one float32 scale per 128 x 128 block
 
 
 @dataclass(frozen=True)
 class DTypeInfo:
     code: DType
     name: str            # lower-case user-facing name ("f32", "k4")
-    family: str          # "float", "int", "raw" (int8/int4), "block" (q*), "super" (k*)
-    itemsize: int        # bytes per element for plain dtypes, 0 for quantized
+    family: str          # "float", "int", "raw" (int8/int4), "block" (q*), "super" (k*); extensions: "float8"
+                         # (FP8 and E8M0 elements), "float4" (F4), "mxfp4", "nvfp4", "fp8block"
+    itemsize: int        # bytes per element for plain dtypes, 0 for quantized ones and F4 (half a byte)
     bits: int            # bits per element (for quantized: bits per code)
-    numpy: np.dtype | None  # storage dtype of a plain tensor (BF16 is stored as uint16 bits)
+    numpy: np.dtype | None  # storage dtype of a plain tensor (BF16 as uint16 bits, FP8 as uint8 bits)
 
     @property
     def quantized(self) -> bool:
-        return self.itemsize == 0
+        """A payload of regions (scales, codes) laid out by quant_layout, decoded by the kernels."""
+        return self.family in _QUANTIZED_FAMILIES
+
+    @property
+    def extension(self) -> bool:
+        """One of mcf's own dtypes (code 0x8000 and up), which other MCF readers do not know."""
+        return self.code >= EXTENSION_BASE
+
+    @property
+    def scaled(self) -> bool:
+        """A block-scaled extension format (mxfp4, nvfp4, f8_e4m3_b128): any rank from 2 for the E2M1
+        formats, rows being every dimension but the last; no QuantInfo record (its method is one byte)."""
+        return self.family in _SCALED_FAMILIES
 
 
 def _p(code, name, family, np_dtype):
@@ -61,6 +94,10 @@ def _p(code, name, family, np_dtype):
 
 def _q(code, name, family, bits):
     return DTypeInfo(code, name, family, 0, bits, None)
+
+
+_SCALED_FAMILIES = frozenset({"mxfp4", "nvfp4", "fp8block"})
+_QUANTIZED_FAMILIES = frozenset({"raw", "block", "super"}) | _SCALED_FAMILIES
 
 
 _TABLE = [
@@ -84,6 +121,15 @@ _TABLE = [
     _q(DType.K4, "k4", "super", 4),
     _q(DType.K3, "k3", "super", 3),
     _q(DType.K2, "k2", "super", 2),
+    _p(DType.F8_E4M3, "f8_e4m3", "float8", np.uint8),
+    _p(DType.F8_E5M2, "f8_e5m2", "float8", np.uint8),
+    _p(DType.F8_E4M3FNUZ, "f8_e4m3fnuz", "float8", np.uint8),
+    _p(DType.F8_E5M2FNUZ, "f8_e5m2fnuz", "float8", np.uint8),
+    _p(DType.F8_E8M0, "f8_e8m0", "float8", np.uint8),
+    DTypeInfo(DType.F4, "f4", "float4", 0, 4, None),
+    _q(DType.MXFP4, "mxfp4", "mxfp4", 4),
+    _q(DType.NVFP4, "nvfp4", "nvfp4", 4),
+    _q(DType.F8_E4M3_B128, "f8_e4m3_b128", "fp8block", 8),
 ]
 
 _BY_CODE = {info.code: info for info in _TABLE}
@@ -93,7 +139,13 @@ _ALIASES = {
     "float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "half": "f16",
     "int8_t": "i8", "uint8": "u8", "int16": "i16", "uint16": "u16", "int32": "i32", "uint32": "u32",
     "int64": "i64", "uint64": "u64",
+    # the extensions under their safetensors, torch and ml_dtypes names
+    "float8_e4m3fn": "f8_e4m3", "f8_e4m3fn": "f8_e4m3", "float8_e5m2": "f8_e5m2", "float8_e4m3fnuz": "f8_e4m3fnuz",
+    "float8_e5m2fnuz": "f8_e5m2fnuz", "float8_e8m0fnu": "f8_e8m0", "float4_e2m1fn": "f4", "f4_e2m1": "f4",
 }
+#: ml_dtypes' numpy types of the extension element types (all but F4, which numpy cannot hold packed)
+_ML_DTYPES = {"float8_e4m3fn": DType.F8_E4M3, "float8_e5m2": DType.F8_E5M2, "float8_e4m3fnuz": DType.F8_E4M3FNUZ,
+              "float8_e5m2fnuz": DType.F8_E5M2FNUZ, "float8_e8m0fnu": DType.F8_E8M0}
 
 PLAIN = frozenset(info.code for info in _TABLE if not info.quantized)
 QUANTIZED = frozenset(info.code for info in _TABLE if info.quantized)
@@ -135,10 +187,21 @@ def from_numpy(npdt: np.dtype) -> DTypeInfo:
     """The MCF dtype storing a numpy dtype (``ml_dtypes.bfloat16`` maps to BF16)."""
     if npdt.name == "bfloat16":
         return _BY_CODE[DType.BF16]
+    if npdt.name in _ML_DTYPES:
+        return _BY_CODE[_ML_DTYPES[npdt.name]]
     if npdt.byteorder == ">":
         raise InvalidArgumentError(f"MCF stores little-endian data; {npdt} is big-endian (convert it with "
                                    "a.astype(a.dtype.newbyteorder('<')))")
     for info in _TABLE:
-        if info.numpy is not None and info.code != DType.BF16 and info.numpy == npdt.newbyteorder("<"):
+        if info.numpy is not None and info.family in ("float", "int") and info.code != DType.BF16 \
+                and info.numpy == npdt.newbyteorder("<"):
             return info
     raise InvalidArgumentError(f"numpy dtype {npdt} has no MCF equivalent")
+
+
+def plain_nbytes(info: DTypeInfo, numel: int) -> int | None:
+    """Bytes of ``numel`` elements of the plain dtype ``info``: F4 packs two per byte and needs an even
+    count (None otherwise, as safetensors refuses a tensor that does not fill whole bytes)."""
+    if info.family == "float4":
+        return None if numel % 2 else numel // 2
+    return numel * info.itemsize

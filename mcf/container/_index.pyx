@@ -36,12 +36,14 @@ cdef inline uint64_t ld64(const uint8_t* p) noexcept nogil:
 def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, uint64_t dims_off,
                  uint32_t dims_count, uint64_t strings_off, uint64_t strings_size,
                  bint check_range, uint64_t d_lo, uint64_t d_hi, bint aligned64, uint32_t max_rank,
-                 list dtinfos, list itemsizes, object info_cls, object quant_size, object ferr):
+                 list dtinfos, list itemsizes, dict extensions, object info_cls, object quant_size, object ferr):
     """Return ``(infos, names_b, is_sorted)`` for the entry table, or raise ``ferr(...)``.
 
     ``dtinfos[code]``/``itemsizes[code]`` (256 entries) give the DTypeInfo and the item size (-1
-    unknown code, 0 quantized); ``quant_size(code, shape, i)`` returns a quantized tensor's exact size;
-    ``ferr(kind, reason, field, at, expected, got)`` builds the exception to raise.
+    unknown code, 0 quantized, -2 four bits); ``extensions`` maps the codes from 256 on to the same
+    ``(DTypeInfo, item size)`` pair; ``quant_size(code, shape, i, name, at)`` returns a quantized tensor's
+    exact size (and raises ``ferr(...)`` for a shape its dtype cannot have); ``ferr(kind, reason, field,
+    at, expected, got)`` builds the exception to raise.
     """
     cdef Py_ssize_t n = sec.shape[0]
     # The caller checked the tables; check again here, since this code trusts no length it did not see.
@@ -56,7 +58,7 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
     cdef uint32_t i, k, name_off, name_len, code, rank, dim_off
     cdef uint32_t prev_off = 0, prev_len = 0
     cdef uint64_t data_off, data_size, at, elems, want, d, isz, nonzero, nbytes_np
-    cdef int cmp
+    cdef int cmp, isz_code
     cdef bint is_sorted = True, overflow, too_big
     cdef list infos = []
     cdef list names_b = []
@@ -82,15 +84,21 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
         if <uint64_t>dim_off + rank > dims_count:
             raise ferr("truncated", "shape outside the dims table", f"entry[{i}].dim_off", at + 16,
                        f"dim_off + rank <= {dims_count}", <uint64_t>dim_off + rank)
-        if code > 255 or <int>itemsizes[code] < 0:
-            raise ferr("format", "unknown dtype", f"entry[{i}].dtype", at + 8,
-                       "a code of the MCF dtype table", code)
         raw = PyBytes_FromStringAndSize(<const char*>(strings + name_off), name_len)
         try:
             name = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ferr("format", "tensor name is not valid UTF-8", f"entry[{i}].name", at, None,
                        raw[:80]) from None
+        if code <= 255:
+            dtinfo = dtinfos[code]
+            isz_code = <int>itemsizes[code]
+        else:
+            ext = extensions.get(code)
+            dtinfo, isz_code = ext if ext is not None else (None, -1)
+        if isz_code == -1:   # never guessed at: its size, and what its bytes mean, are unknown here
+            raise ferr("format", f"unknown dtype of tensor {name!r}", f"entry[{i}].dtype", at + 8,
+                       "a code of the MCF dtype table", code)
         if i and is_sorted:
             cmp = memcmp(strings + prev_off, strings + name_off, prev_len if prev_len < name_len else name_len)
             if cmp > 0 or (cmp == 0 and prev_len >= name_len):
@@ -111,10 +119,9 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
                 overflow = True
             if d and mcf_mul_u64(nonzero, d, &nonzero):
                 too_big = True
-        dtinfo = dtinfos[code]
-        isz = <uint64_t><int>itemsizes[code]
-        if isz == 0:
-            if rank != 2:
+        isz = <uint64_t>isz_code if isz_code >= 0 else 1   # (-2: four bits, at most one byte each)
+        if isz_code == 0:
+            if rank != 2 and code <= 255:
                 raise ferr("format", f"quantized tensor {name!r} is not rank 2", f"entry[{i}].rank",
                            at + 12, 2, rank)
             if not aligned64:
@@ -123,9 +130,13 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
             if data_off % 64:
                 raise ferr("format", f"quantized tensor {name!r} data is not 64-byte aligned",
                            f"entry[{i}].data_off", at + 24, "multiple of 64", data_off)
-            pywant = quant_size(code, shape, i)
+            pywant = quant_size(code, shape, i, name, at)
             if pywant != data_size:
                 raise ferr("size", name, f"entry[{i}].data_size", at + 32, (pywant, dtinfo, shape),
+                           data_size)
+        elif isz_code == -2:   # two values per byte: an even count, as safetensors requires
+            if overflow or elems % 2 or elems // 2 != data_size:
+                raise ferr("size", name, f"entry[{i}].data_size", at + 32, (None, dtinfo, shape),
                            data_size)
         else:
             if overflow or mcf_mul_u64(elems, isz, &want) or want != data_size:
@@ -134,7 +145,7 @@ def scan_entries(const uint8_t[::1] sec, uint64_t entries_off, uint32_t count, u
         # (after the size check, so only a shape with a zero dim gets here)
         # numpy refuses any array whose non-zero dims times its item size pass 2**63 - 1, even an empty
         # one: reject such a shape here (itemsize 4 for quantized tensors: they decode to float32)
-        if too_big or mcf_mul_u64(nonzero, isz if isz else 4, &nbytes_np) or nbytes_np > <uint64_t>0x7fffffffffffffff:
+        if too_big or mcf_mul_u64(nonzero, isz if isz_code else 4, &nbytes_np) or nbytes_np > <uint64_t>0x7fffffffffffffff:
             raise ferr("format", f"shape of {name!r} is too large for an array", f"entry[{i}].dim_off",
                        at + 16, "non-zero dims * itemsize < 2**63", shape)
         if check_range and (data_off < d_lo or data_off > d_hi or data_size > d_hi - data_off):

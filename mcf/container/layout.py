@@ -11,7 +11,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
+from mcf._core.dtypes import DType, DTypeInfo, parse_dtype, plain_nbytes
+from mcf._core.scaled import SCALE_BLOCK, scaled_layout, scaled_slice
 from mcf.errors import InvalidArgumentError, UnknownNameError
 
 __all__ = [
@@ -118,7 +119,7 @@ class Region:
 @dataclass(frozen=True)
 class QuantLayout:
     dtype: DTypeInfo
-    rows: int
+    rows: int               # the payload's rows: every dimension but the last (a rank-2 tensor's shape[0])
     cols: int
     blocks_per_row: int
     supers_per_row: int
@@ -138,6 +139,16 @@ BLOCK = 32          # values per block (q* and k*)
 SUPER_BLOCKS = 8    # blocks per super-block (k*: 256 values)
 
 
+def _scaled_layout(info: DTypeInfo, shape) -> QuantLayout:
+    """The block-scaled extensions' layout (:mod:`mcf._core.scaled` computes it) as a QuantLayout."""
+    sl = scaled_layout(info, shape)
+    block = SCALE_BLOCK[info.family]
+    block_bytes = 0 if info.family == "fp8block" else block // 2
+    row_bytes = sl.cols if info.family == "fp8block" else sl.cols // 2
+    return QuantLayout(info, sl.rows, sl.cols, sl.blocks_per_row, 0, block_bytes, row_bytes,
+                       tuple(Region(*r) for r in sl.regions), sl.nbytes)
+
+
 def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
     """Regions of a quantized rank-2 tensor's payload (the spec's structure-of-arrays layout).
 
@@ -146,10 +157,15 @@ def quant_layout(dtype, shape, domain: int = Domain.WEIGHTS) -> QuantLayout:
         -> ``u8 sub[TB]`` -> align64 -> codes
     int*: ``f32 scale`` -> align64 -> [``f32 zero`` -> align64, activations only] -> codes, each row
         packed separately (``cols`` bytes for int8, ``ceil(cols/2)`` for int4) so row ranges can be read.
+    mxfp4, nvfp4, f8_e4m3_b128: see :mod:`mcf._core.scaled`.
     """
     info = parse_dtype(dtype)
     if not info.quantized:
         raise InvalidArgumentError(f"{info.name} is not a quantized dtype")
+    if info.scaled:
+        if int(domain) != Domain.WEIGHTS:
+            raise InvalidArgumentError(f"{info.name} supports only the weights domain")
+        return _scaled_layout(info, shape)
     shape = tuple(int(d) for d in shape)
     if len(shape) != 2:
         raise InvalidArgumentError(f"quantized tensors are rank 2; got shape {shape}")
@@ -203,13 +219,21 @@ def quant_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int, *, domain:
     """Rows ``r0:r1`` and columns ``c0:c1`` of a quantized payload as a payload of their own:
     ``(layout, src, sizes, dst)``, the ranges of the original (``src``, relative to the tensor's data)
     that make up the smaller payload of ``layout`` (at ``dst``; ``domain`` is the tensor's), or None when ``c0``/``c1`` do not fall
-    where the payload can be cut (a block for q*, a super-block of 256 for k*, an even column for int4;
-    the last column always can).
+    where the payload can be cut (a block for q*, a super-block of 256 for k*, an even column for int4,
+    a scale block for the extensions; the last column always can), or, for f8_e4m3_b128, when ``r0`` is not a
+    multiple of 128 (its rows of scales cover 128 rows each: :func:`mcf._core.scaled.scaled_slice`).
 
     Rows are independent in every layout (each region holds its rows one after the other), so a row
     range is one range per region; a column range is one range per row and region.  The per-tensor
     scale (and zero point) of int8/int4 is copied whole."""
     rows, cols = lay.rows, lay.cols
+    if lay.dtype.scaled:
+        got = scaled_slice(lay.dtype, (rows, cols), r0, r1, c0, c1)
+        if got is None:
+            return None
+        mini = quant_layout(lay.dtype, (r1 - r0, c1 - c0))
+        return (mini, [lay.region(n).offset + o for n, o, _, _ in got[1]], [k for _, _, k, _ in got[1]],
+                [d for _, _, _, d in got[1]])
     unit = _col_unit(lay)
     if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
         raise InvalidArgumentError(f"rows {r0}:{r1}, columns {c0}:{c1} outside a {rows} x {cols} payload")
@@ -254,7 +278,11 @@ def tensor_nbytes(dtype, shape, *, domain: int = Domain.WEIGHTS) -> int:
     info = parse_dtype(dtype)
     if info.quantized:
         return quant_layout(info, shape, domain=domain).nbytes
-    return shape_elements(shape) * info.itemsize
+    n = plain_nbytes(info, shape_elements(shape))
+    if n is None:
+        raise InvalidArgumentError(f"{info.name} packs two values per byte: shape {list(shape)} holds an odd "
+                                   "number of values")
+    return n
 
 
 def is_quantized(code: int) -> bool:

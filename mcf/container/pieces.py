@@ -7,7 +7,8 @@ in each region (scales, sub-scales, codes; docs/mcf.md), so a row range, and a c
 and ends on a block boundary (a super-block of 256 for k*), is a smaller payload of its own
 (:func:`mcf.container.layout.quant_slice`): its ranges are read into staging and decoded by the compiled
 kernels straight into the result, a bounded block of rows at a time.  A column range off those
-boundaries reads its rows whole and keeps its columns after decoding.
+boundaries reads its rows whole and keeps its columns after decoding.  The block-scaled extensions
+(mxfp4, nvfp4, f8_e4m3_b128) share their plan with safetensors checkpoints: :mod:`mcf.loading.scaled`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import numpy as np
 from mcf._core import _kernels
 from mcf.container.layout import quant_slice
 from mcf.container.reader import Container
-from mcf.errors import DTypeError, InvalidArgumentError
+from mcf.errors import DTypeError, InvalidArgumentError, in_tensor
 from mcf.loading.dtypes import ELEMENTS, element_of_mcf
 from mcf.loading import plan as load_plan
 from mcf.loading.plan import Piece, Stage, plain_piece
+from mcf.loading.scaled import scaled_piece
 from mcf.loading.slices import cut_of
 
 __all__ = ["tensor_piece"]
@@ -45,6 +47,11 @@ def tensor_piece(c: Container, name: str, spec, dtype, *, threads: int = 1) -> P
             raise InvalidArgumentError(f"{what} is quantized ({t.dtype.name}): its raw payload loads whole; "
                                        "ask for a float dtype to load a slice of it")
         return plain_piece(name, c.source, t.offset, (t.nbytes,), ELEMENTS["U8"], None, what=what)
+    if t.dtype.scaled:
+        starts = {r.name: r.offset for r in c.quant_layout(name).regions}
+        return scaled_piece(name, t.dtype, shape, cut, ELEMENTS[dtype or "F32"],
+                            lambda region, off: (c.source, t.offset + starts[region] + off), threads=threads,
+                            what=what, on_error=lambda exc: in_tensor(exc, c.path, name))
     if len(shape) != 2:
         raise DTypeError(f"{what}: quantized tensor of shape {shape}; expected 2 dimensions")
     out = ELEMENTS[dtype or "F32"]

@@ -17,7 +17,9 @@ from mcf._core import _fpconv
 from mcf._core import _kernels as K
 from mcf._core.args import integer, real, reals
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
+from mcf._core.scaled import payload_rows
 from mcf.errors import DTypeError, InvalidArgumentError
+from mcf.container.decode import decode_payload
 from mcf.container.layout import Domain, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "QuantStats", "tensor_error_stats", "METHODS",
@@ -238,15 +240,15 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
 def dequantize(payload, method, shape, *, domain: int = Domain.WEIGHTS, dtype=np.float32, rows=None, out=None,
                impl: str | None = None, threads: int = 1) -> np.ndarray:
     """Decode a quantized payload to float32 / float16 / bfloat16, optionally only ``rows``
-    (``(start, stop)`` or a slice), into ``out`` if given."""
+    (``(start, stop)`` or a slice), into ``out`` if given.  The result is ``[rows, cols]``; mxfp4 and nvfp4
+    payloads may have any rank from 2, every dimension but the last counting as rows."""
     info = parse_dtype(method)
     if not info.quantized:
         raise InvalidArgumentError(f"{info.name} is not a quantized dtype")
-    if len(shape) != 2:
-        raise InvalidArgumentError(f"quantized tensors are rank 2, got shape {tuple(shape)}")
-    return K.dequantize(payload, info.code, integer(shape[0], "shape[0]"), integer(shape[1], "shape[1]"),
-                        domain=integer(domain, "domain"), dtype=dtype,
-                        row_range=rows, out=out, impl=impl, threads=threads)
+    shape = tuple(integer(d, f"shape[{i}]") for i, d in enumerate(shape))
+    payload_rows(info, shape)   # the rank rule of the dtype, before anything is read
+    return decode_payload(payload, info, shape, domain=integer(domain, "domain"), dtype=dtype, rows=rows, out=out,
+                          impl=impl, threads=threads)
 
 
 @dataclass(frozen=True)

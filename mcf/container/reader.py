@@ -8,23 +8,26 @@ with overflow-free Python integers, so that later reads can trust the index: a b
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core.args import byte_order_problem, row_range
+from mcf._core.args import byte_order_problem, out_array, row_range
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DType
-from mcf.errors import DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError, UnsupportedVersionError
+from mcf.errors import (DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError,
+                        UnsupportedVersionError, in_tensor)
 from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
                         MAJOR, MAX_SECTIONS, RESOURCE_BY_FILE, RESOURCE_FILES, SECTION_ALIGN, Domain,
                         SectionType, section_name)
+from mcf.container.decode import decode_payload
 from mcf.container.modelinfo import ModelInfo, decode_model_info
 from mcf.container.quantinfo import QuantRecord, decode_quant_info
 from mcf.container.tensor_index import TensorIndex, TensorInfo, cached_layout
 from mcf.loading.arrays import load_arrays
 from mcf.loading.casts import cast_into
-from mcf.loading.dtypes import BF16_NUMPY as _BF16, ELEMENTS, element_of_mcf
+from mcf.loading.dtypes import BF16_NUMPY as _BF16, ELEMENTS, element_of_mcf, numpy_dtype
 from mcf.loading.plan import plain_piece
 
 __all__ = ["Container", "Header", "Section", "open"]
@@ -312,13 +315,21 @@ class Container:
         """The tensor as a numpy array of its dtype: zero-copy and read-only when mapped.
 
         BF16 comes back as ``ml_dtypes.bfloat16`` when that package is installed, else as the raw
-        ``uint16`` bit patterns (see :meth:`to_float32`).  Quantized tensors are dequantized to a fresh
-        float32 array (see :meth:`dequantize` for other dtypes, row ranges and ``out=``).
+        ``uint16`` bit patterns (see :meth:`to_float32`); the FP8 and E8M0 extension dtypes likewise as
+        ``ml_dtypes``' float8 types or ``uint8`` bits.  F4 (two values per byte) has no numpy dtype: it is
+        refused with :class:`mcf.DTypeError` (:meth:`dequantize` decodes it, :meth:`raw` gives its bytes).
+        Quantized tensors are dequantized to a fresh float32 array (see :meth:`dequantize` for other dtypes,
+        row ranges and ``out=``).
         """
         t = self.index[name]
         if t.dtype.quantized:
             return self.dequantize(name)
-        dt = _BF16 if t.dtype.code == DType.BF16 and _BF16 is not None else t.dtype.numpy
+        if t.dtype.code == DType.BF16:
+            dt = _BF16 if _BF16 is not None else t.dtype.numpy
+        elif t.dtype.extension:   # FP8 as ml_dtypes' float8 types (their bits without it); F4 refused
+            dt = numpy_dtype(element_of_mcf(t.dtype.code), f"{self.path}: tensor {name!r}")
+        else:
+            dt = t.dtype.numpy
         return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
     def load(self, names=None, *, threads=None, chunk_bytes=None) -> dict:
@@ -340,13 +351,15 @@ class Container:
         return load_arrays(pieces, threads=threads, chunk_bytes=chunk_bytes)
 
     def to_float32(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
-        """A plain float tensor (F32, F16, BF16, F64) converted to a fresh float32 array, or into ``out``:
-        a writeable C-contiguous float32 array of the tensor's size (any shape), which is returned."""
+        """A plain float tensor (F32, F16, BF16, F64, and the FP8 / E8M0 / F4 extensions) converted to a fresh
+        float32 array, or into ``out``: a writeable C-contiguous float32 array of the tensor's size (any shape),
+        which is returned."""
         from mcf._core import _fpconv
-        from mcf._core.args import out_array
 
         t = self.index[name]
         code = t.dtype.code
+        if t.dtype.family in ("float8", "float4"):
+            return self.dequantize(name, np.float32, out=out)
         if code not in (DType.F32, DType.F16, DType.BF16, DType.F64):
             raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
         flat = None if out is None else out_array(out, np.float32, t.numel, "out")
@@ -365,20 +378,27 @@ class Container:
                    impl: str | None = None, threads: int = 1) -> np.ndarray:
         """Tensor ``name`` as float32, float16 or bfloat16, whatever its stored dtype.
 
-        ``rows`` (``(start, stop)`` or a slice) decodes only those rows of a rank-2 tensor (a
-        tensor-parallel shard); ``out`` receives the result in place (any C-contiguous array of the
-        right size and dtype); ``threads`` splits rows across threads; ``impl`` forces a kernel variant
-        ("scalar", "avx2", "avx512").  Quantized payloads go through the compiled kernels.
+        ``rows`` (``(start, stop)`` or a slice) decodes only those rows (indexes of the first dimension: a
+        tensor-parallel shard; an expert range of an ``[E, out, in]`` mxfp4 stack); ``out`` receives the result
+        in place (any C-contiguous array of the right size and dtype); ``threads`` splits rows across threads;
+        ``impl`` forces a kernel variant ("scalar", "avx2", "avx512").  Quantized payloads and the FP8 / E8M0 /
+        F4 extensions go through the compiled kernels; a NaN block scale (an E8M0 0xFF...) is a
+        :class:`mcf.FormatError` naming the tensor and the scale.
         """
-        from mcf._core import _kernels
-
         t = self.index[name]
         dt = np.dtype(out.dtype if out is not None else dtype)
         if t.dtype.quantized:
             rec = self.quant_record(name)
-            return _kernels.dequantize(self.raw(name), t.dtype.code, t.shape[0], t.shape[1],
-                                       domain=rec.domain if rec else 0, dtype=dt, row_range=rows, out=out,
-                                       impl=impl, threads=threads)
+            r0, r1 = row_range(rows, t.shape[0], InvalidArgumentError)
+            inner = math.prod(t.shape[1:-1])   # payload rows per index of the first dimension
+            try:
+                res = decode_payload(self.raw(name), t.dtype, t.shape, domain=rec.domain if rec else 0, dtype=dt,
+                                     rows=(r0 * inner, r1 * inner), out=out, impl=impl, threads=threads)
+            except FormatError as exc:   # a NaN block scale: which file, which tensor
+                raise in_tensor(exc, self.path, name) from None
+            return res if out is not None else res.reshape((r1 - r0,) + tuple(t.shape[1:]))
+        if t.dtype.family in ("float8", "float4"):
+            return self._decode_elements(t, dt, rows, out, impl)
         if t.dtype.family != "float":
             raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a float tensor")
         if rows is not None:
@@ -400,6 +420,28 @@ class Container:
         cast_into(src, element_of_mcf(t.dtype.code).name, out)
         return out
 
+    def _decode_elements(self, t, dt, rows, out, impl) -> np.ndarray:
+        """An FP8 / E8M0 / F4 tensor (or ``rows`` of it) decoded to float32 / float16 / bfloat16."""
+        from mcf._core import _mx
+
+        shape = tuple(t.shape)
+        r0, r1 = (0, 1) if not shape else row_range(rows, shape[0], InvalidArgumentError)
+        if rows is not None and not shape:
+            raise DTypeError(f"{self.path}: tensor {t.name!r} is a scalar; it has no rows")
+        per_row = math.prod(shape[1:])
+        e0, e1 = r0 * per_row, r1 * per_row
+        if t.dtype.family == "float4":   # two values per byte: decode from the byte holding the first
+            raw = self.raw(t.name)[e0 // 2:-(-e1 // 2)]
+            vals = _mx.decode_elements(raw, t.dtype.code, count=e1 - e0 + e0 % 2, dtype=dt, impl=impl)[e0 % 2:]
+            if out is None:
+                return vals.reshape((r1 - r0,) + shape[1:] if shape else ())
+            out_array(out, dt, vals.size)[...] = vals
+            return out
+        raw = self.raw(t.name)[e0:e1]
+        res = _mx.decode_elements(raw, t.dtype.code, dtype=dt, out=None if out is None else out.reshape(-1),
+                                  impl=impl)
+        return res.reshape((r1 - r0,) + shape[1:] if shape else ()) if out is None else out
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's payload bytes as a uint8 array (zero-copy when mapped)."""
         t = self.index[name]
@@ -415,7 +457,9 @@ class Container:
     def quant_regions(self, name: str) -> dict:
         """The raw regions of a quantized tensor as arrays, keyed by region name:
         q*: ``scales`` (f16), ``data``; k*: ``super_scales`` (f16), ``sub_scales`` (u8), ``data``;
-        int*: ``scale`` (f32), [``zero``], ``data``.  Codes stay packed."""
+        int*: ``scale`` (f32), [``zero``], ``data``; mxfp4: ``scales`` (E8M0 bytes), ``data``; nvfp4: ``scale``
+        (f32), ``scales`` (E4M3 bytes), ``data``; f8_e4m3_b128: ``scales`` (f32), ``data`` (E4M3 bytes).  Codes
+        stay packed."""
         t = self.index[name]
         lay = self.quant_layout(name)
         return {r.name: self._src.array(t.offset + r.offset, r.dtype, (r.count,)) for r in lay.regions}
@@ -447,6 +491,9 @@ class Container:
         for t in self.index.values():
             if not t.dtype.quantized:
                 continue
+            if t.dtype.scaled:
+                problems.extend(self._scaled_scale_problems(t))
+                continue
             regions = self.quant_regions(t.name)
             if t.dtype.family == "super":
                 sub = regions["sub_scales"]
@@ -462,6 +509,26 @@ class Container:
                                     f"infinite or NaN (first: {key}[{int(bad[0])}]); the tensor decodes to "
                                     "inf/NaN")
         return problems
+
+    def _scaled_scale_problems(self, t) -> list:
+        """verify() of an mxfp4 / nvfp4 / f8_e4m3_b128 tensor: a NaN scale (E8M0 0xFF, an E4M3 NaN, a float32
+        NaN) makes its block NaN, and decoding refuses it; an infinite float32 scale decodes to inf/NaN."""
+        from mcf._core import _mx
+
+        out = []
+        bad = _mx.first_nan_scale(self.raw(t.name), t.dtype.code, t.shape)
+        if bad is not None:
+            out.append(f"{self.path}: tensor {t.name!r}: {bad[0]} is NaN ({bad[1]}); decoding the tensor is refused")
+        regions = self.quant_regions(t.name)
+        for key in ("scale", "scales"):
+            r = regions.get(key)
+            if r is None or r.dtype != np.dtype("<f4"):
+                continue
+            inf = np.flatnonzero((r.view("<u4") & 0x7FFFFFFF) == 0x7F800000)
+            if inf.size:
+                out.append(f"{self.path}: tensor {t.name!r}: {inf.size} of {r.size} {key} infinite (first: "
+                           f"{key}[{int(inf[0])}]); the tensor decodes to inf/NaN")
+        return out
 
     # -- lifetime ---------------------------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from mcf._core.dtypes import DTypeInfo, dtype_info, is_known
+from mcf._core.dtypes import DType, DTypeInfo, dtype_info, is_known, plain_nbytes
 from mcf.errors import FormatError, InvalidArgumentError, TensorNotFoundError, TruncatedError, UnsupportedVersionError
 from mcf.container._index import scan_entries
 from mcf.container.layout import MAX_RANK, QuantLayout, quant_layout
@@ -62,8 +62,18 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
+def _size_code(info) -> int:
+    """What the compiled scan needs of a dtype: bytes per element, 0 for quantized payloads, -2 for four
+    bits (F4), -1 for an unknown code."""
+    if info is None:
+        return -1
+    return -2 if info.family == "float4" else info.itemsize
+
+
 _DTINFOS = [dtype_info(c) if is_known(c) else None for c in range(256)]
-_ITEMSIZES = [-1 if t is None else t.itemsize for t in _DTINFOS]
+_ITEMSIZES = [_size_code(t) for t in _DTINFOS]
+#: the dtypes with codes from 256 on (mcf's extensions): code -> (DTypeInfo, size code)
+_EXTENSIONS = {int(c): (dtype_info(c), _size_code(dtype_info(c))) for c in DType if c > 255}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,17 +166,23 @@ class TensorIndex:
 
         domains = domains or {}
 
-        def quant_size(code, shape, i):
-            info = _DTINFOS[code]
+        def quant_size(code, shape, i, name, at):
+            info = dtype_info(code)
             # only int8/int4 sizes depend on the domain; QuantInfo checks the others' domain
             domain = domains.get(i, 0) if info.family == "raw" else 0
-            return cached_layout(code, shape, domain).nbytes
+            try:
+                return cached_layout(code, shape, domain).nbytes
+            except InvalidArgumentError as exc:   # an extension dtype's shape rules (rank, block multiple)
+                raise ferr(FormatError, f"tensor {name!r}: {exc}", f"entry[{i}].dim_off", at + 16,
+                           expected=f"a shape {info.name} can have", got=list(shape)) from None
 
         def scan_error(kind, reason, field, at, expected, got):
             if kind == "size":
                 want, info, shape = expected
                 if want is None:
-                    want = math.prod(shape) * info.itemsize
+                    want = plain_nbytes(info, math.prod(shape))
+                    if want is None:
+                        want = "an even number of values"
                 hint = ""
                 if info.family == "raw":
                     hint = " (the Go tool writes int8/int4 payloads without the spec's scale region)"
@@ -179,7 +195,7 @@ class TensorIndex:
         infos, names_b, in_order = scan_entries(
             buf if isinstance(buf, memoryview) else memoryview(buf), entries_off, count, dims_off,
             dims_count, strings_off, strings_size, data_range is not None, d_lo, d_lo + d_size,
-            aligned64, MAX_RANK, _DTINFOS, _ITEMSIZES, TensorInfo, quant_size, scan_error)
+            aligned64, MAX_RANK, _DTINFOS, _ITEMSIZES, _EXTENSIONS, TensorInfo, quant_size, scan_error)
 
         order = None
         if not in_order:

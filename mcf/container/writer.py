@@ -260,10 +260,14 @@ class Writer:
         """Add a tensor from its finished payload (any buffer, or an iterable of buffers to stream).
 
         For quantized dtypes ``data`` is the payload laid out as :func:`mcf.quant_layout` describes and
-        ``quant`` may give the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``).
+        ``quant`` may give the QuantInfo fields (``min_clip``, ``max_clip``, ``domain``); the block-scaled
+        extensions (mxfp4, nvfp4, f8_e4m3_b128) have no QuantInfo record.
         """
         info = parse_dtype(dtype)
         shape = tuple(integer(d, "every dimension of shape") for d in shape)
+        if info.scaled and quant is not None:
+            raise InvalidArgumentError(f"tensor {name!r}: {info.name} tensors have no QuantInfo record (its method "
+                                       "field is one byte, and the extension codes start at 0x8000): pass quant=None")
         domain = int((quant or {}).get("domain", Domain.WEIGHTS))
         for key in ("min_clip", "max_clip"):  # stored as f32: refuse what cannot be, before writing
             v = (quant or {}).get(key, 0.0)

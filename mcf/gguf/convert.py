@@ -21,6 +21,7 @@ __all__ = ["ConvertStats", "convert_gguf", "metadata_json", "model_info"]
 
 _CHUNK = 1 << 20           # bytes per streamed chunk (1 MiB stays in the caches: measured faster than 16 MiB)
 _NATIVE = {"Q8_0": "q8", "Q4_0": "q4"}
+_MXFP4_BLOCK = 17          # ggml's block_mxfp4: one E8M0 byte, then 16 bytes of 32 E2M1 codes
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,9 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     - ``report=True``: each requantized tensor's :class:`ConvertStats` carries the error the MCF method
       added (RMSE, SNR, max |error| against the tensor's decoded GGUF values), as ``mcf convert --report``
       prints it.
+    - MXFP4 tensors (type 39, gpt-oss) become MCF mxfp4 with the same values, their bytes re-laid out, unless
+      ``method`` requantizes them (an E8M0 scale of 0xFF, which ggml reads as 2^128 and MCF as NaN, is refused;
+      the code ggml reads as +0 and E2M1 as -0 is stored as +0).
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
       subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32
@@ -236,7 +240,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     g = open(src, mmap=mmap)
     try:
         for t in g.tensors.values():  # refuse before writing anything
-            if t.type.kind == "unsupported":
+            if t.type.kind == "unsupported" and t.type.name != "MXFP4":
                 raise DTypeError(f"{g.path}: tensor {t.name!r} has ggml type {t.type.name}, which mcf cannot "
                                  f"decode (supported: {', '.join(SUPPORTED_TYPES)}, I8..I64)")
         imatrix = resolve_imatrix(imatrix, [(t.name, _requantized(t, method_for(t.name, method, ov)))
@@ -308,6 +312,8 @@ def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, c
     from mcf._core.dtypes import parse_dtype
 
     tn = t.type.name
+    if tn == "MXFP4":
+        return _convert_mxfp4(g, w, rd, t, m, compat, quantize, fast, importance, threads)
     if t.type.kind == "int":
         info = parse_dtype(tn.lower())
         w.add_tensor_bytes(t.name, info, t.shape, _stream_copy(rd, t))
@@ -399,3 +405,65 @@ def _native(g, w, rd, t: GGUFTensor):
 
     w.add_tensor_bytes(t.name, meth, t.shape, gen())
     return ConvertStats(t.name, t.type.name, meth, "native", t.shape, t.nbytes, lay.nbytes)
+
+
+def _mxfp4_codes(blocks: np.ndarray) -> np.ndarray:
+    """The codes of ggml MXFP4 blocks (``[n, 17]``: E8M0, then byte j holding element j in its low nibble and
+    element j + 16 in its high one, as ggml's dequantize_row_mxfp4 reads them) in the order of OCP MX and of
+    MCF's mxfp4: byte k holding element 2k (low nibble) and 2k + 1 (high); ``[n, 16]``.  ggml's table reads
+    code 0b1000 as +0 where E2M1 has -0: it becomes code 0, so every value, the sign of zero included, is
+    the one ggml (and gguf-py) decodes."""
+    q = blocks[:, 1:]
+    x = np.concatenate([q & 0x0F, q >> 4], axis=1)   # the 32 elements in order
+    x[x == 8] = 0
+    return x[:, 0::2] | (x[:, 1::2] << 4)
+
+
+def _mxfp4_payload_chunks(g, rd, t: GGUFTensor, lay):
+    """The MCF mxfp4 payload of GGUF MXFP4 tensor ``t``, streamed: its E8M0 bytes gathered first (1/17 of the
+    tensor), then the codes re-ordered chunk by chunk.  ggml reads an E8M0 byte e as 2^(e - 127), the OCP value
+    MCF keeps, except 0xFF: ggml's 2^128 where OCP MX has NaN, which no MCF mxfp4 block can hold."""
+    from mcf.errors import FormatError
+
+    nb = t.nbytes // _MXFP4_BLOCK
+    per = max(1, _CHUNK // _MXFP4_BLOCK)
+    scales = np.empty(nb, np.uint8)
+    for b0 in range(0, nb, per):
+        n = min(per, nb - b0)
+        scales[b0:b0 + n] = rd.read(t.offset + b0 * _MXFP4_BLOCK, n * _MXFP4_BLOCK).reshape(n, _MXFP4_BLOCK)[:, 0]
+    rd.release()
+    bad = np.flatnonzero(scales == 0xFF)
+    if bad.size:
+        raise FormatError(f"MXFP4 block {int(bad[0])} has the E8M0 scale 0xFF, which ggml reads as 2^128 and OCP MX "
+                          "(MCF's mxfp4) as NaN: the tensor cannot be kept as mxfp4", path=g.path,
+                          field=f"tensor {t.name!r} block [{int(bad[0])}]", expected="E8M0 0x00..0xFE", got="0xff")
+    yield scales
+    yield np.zeros(lay.region("data").offset - nb, np.uint8)
+    for b0 in range(0, nb, per):
+        n = min(per, nb - b0)
+        yield _mxfp4_codes(rd.read(t.offset + b0 * _MXFP4_BLOCK, n * _MXFP4_BLOCK).reshape(n, _MXFP4_BLOCK)).reshape(-1)
+
+
+def _convert_mxfp4(g, w, rd, t: GGUFTensor, m, compat, quantize, fast, importance, threads):
+    """GGUF MXFP4 (type 39) -> MCF mxfp4: the same values, the bytes re-laid out (no requantization), unless
+    method ``m`` requantizes a rank-2 tensor (its values decoded to float32 first, exactly; an expert stack of
+    rank 3 stays mxfp4, which MCF's q*/k* could not hold).  A rank-1 tensor, which mxfp4 (rows of blocks) cannot
+    hold, is decoded to float32."""
+    from mcf.container.layout import quant_layout
+    from mcf.container.decode import decode_payload
+    from mcf._core.dtypes import dtype_info, DType
+
+    info = dtype_info(DType.MXFP4)
+    shape = t.shape if len(t.shape) >= 2 else (1,) + tuple(t.shape)
+    lay = quant_layout(info, shape)
+    if len(t.shape) >= 2 and (m in (None, "native") or len(t.shape) > 2):
+        w.add_tensor_bytes(t.name, info, t.shape, _mxfp4_payload_chunks(g, rd, t, lay))
+        return ConvertStats(t.name, "MXFP4", "mxfp4", "native", t.shape, t.nbytes, lay.nbytes)
+    payload = np.concatenate(list(_mxfp4_payload_chunks(g, rd, t, lay)))
+    arr = decode_payload(payload, info, shape, threads=threads).reshape(t.shape)
+    if m in (None, "native") or len(t.shape) == 1:
+        w.add_tensor_bytes(t.name, "f32", t.shape, arr)
+        return ConvertStats(t.name, "MXFP4", "f32", "decode", t.shape, t.nbytes, arr.nbytes)
+    payload, q = quantize(arr, m, compat=compat, fast=fast, importance=importance, src_dtype="f32", threads=threads)
+    w.add_tensor_bytes(t.name, m, t.shape, payload, quant=q)
+    return ConvertStats(t.name, "MXFP4", m, "quantize", t.shape, t.nbytes, payload.nbytes)

@@ -4,7 +4,8 @@
 safetensors files name their dtypes this way, and every plain MCF dtype has one of these names (the
 table says which), so a plan of tensors to load speaks one vocabulary whatever the file.  Each entry
 says how many bits a value takes, the numpy dtype and the torch dtype that hold it, and the MCF dtype
-of the same bits, if any (what ``mcf pack`` can store).
+of the same bits, if any (what ``mcf pack`` can store: every one but BOOL, C64 and the F6 types; FP8,
+E8M0 and F4 as mcf's extension dtypes).
 
 numpy has no bfloat16 or float8 of its own: they come from ``ml_dtypes`` when it is installed (what
 ``safetensors.numpy`` uses too).  Without it, mcf returns their raw bits as unsigned integers of the
@@ -66,12 +67,12 @@ ELEMENTS = {e.name: e for e in (
     Element("F32", 32, "float32", "float32", DType.F32),
     Element("F64", 64, "float64", "float64", DType.F64),
     Element("C64", 64, "complex64", "complex64"),
-    Element("F8_E4M3", 8, "ml:float8_e4m3fn", "float8_e4m3fn", None, "uint8"),
-    Element("F8_E5M2", 8, "ml:float8_e5m2", "float8_e5m2", None, "uint8"),
-    Element("F8_E4M3FNUZ", 8, "ml:float8_e4m3fnuz", "float8_e4m3fnuz", None, "uint8"),
-    Element("F8_E5M2FNUZ", 8, "ml:float8_e5m2fnuz", "float8_e5m2fnuz", None, "uint8"),
-    Element("F8_E8M0", 8, "ml:float8_e8m0fnu", "float8_e8m0fnu", None, "uint8"),
-    Element("F4", 4, None, "float4_e2m1fn_x2"),
+    Element("F8_E4M3", 8, "ml:float8_e4m3fn", "float8_e4m3fn", DType.F8_E4M3, "uint8"),
+    Element("F8_E5M2", 8, "ml:float8_e5m2", "float8_e5m2", DType.F8_E5M2, "uint8"),
+    Element("F8_E4M3FNUZ", 8, "ml:float8_e4m3fnuz", "float8_e4m3fnuz", DType.F8_E4M3FNUZ, "uint8"),
+    Element("F8_E5M2FNUZ", 8, "ml:float8_e5m2fnuz", "float8_e5m2fnuz", DType.F8_E5M2FNUZ, "uint8"),
+    Element("F8_E8M0", 8, "ml:float8_e8m0fnu", "float8_e8m0fnu", DType.F8_E8M0, "uint8"),
+    Element("F4", 4, None, "float4_e2m1fn_x2", DType.F4),
     Element("F6_E2M3", 6, None, None),
     Element("F6_E3M2", 6, None, None),
 )}

@@ -51,13 +51,15 @@ ALIGN_FROM = 64 << 10
 class Stage:
     """Part of a decoded piece: the ranges ``offsets``/``sizes`` of the source fill a staging buffer of
     ``nbytes`` (at offsets ``dst``; None: one after the other), then ``decode(staging, out)`` writes its
-    part of the result ``out``."""
+    part of the result ``out``.  ``sources``, when given, names the source of each range (a weight whose
+    scales and blocks are separate tensors, possibly in different shards); else they are the piece's."""
 
     offsets: np.ndarray
     sizes: np.ndarray
     dst: np.ndarray | None
     nbytes: int
     decode: Callable
+    sources: list | None = None
 
 
 @dataclass(eq=False)
@@ -247,7 +249,11 @@ def _decode_batch(batch, threads, chunk_bytes) -> None:
             bufs = _split(staging[:st.nbytes], st.sizes.shape[0], int(st.sizes[0]) if st.sizes.shape[0] else 0)
         else:
             bufs = [staging[d:d + s] for d, s in zip(st.dst.tolist(), st.sizes.tolist())]
-        reads.add(src, st.offsets, bufs)
+        if st.sources is None:
+            reads.add(src, st.offsets, bufs)
+        else:
+            for source, off, buf in zip(st.sources, st.offsets.tolist(), bufs):
+                reads.add(source, (off,), [buf])
         stagings.append(staging)
     reads.run(threads, chunk_bytes)
     for (_, st, out), staging in zip(batch, stagings):

@@ -5,7 +5,7 @@ Layout: ``u64 header_len | JSON header (header_len bytes) | data``.  The header 
 ``__metadata__`` of strings.  Checks follow the safetensors library's own: header size cap, integer
 fields, offsets inside the data, ``end - begin`` equal to the bits of the dtype and shape in whole
 bytes, no overlaps.  Every dtype safetensors defines is read (:mod:`mcf.loading.dtypes`); those MCF
-cannot store (BOOL, F8, F4, F6, C64) are refused by the converters, not here.
+cannot store (BOOL, F6, C64) are refused by the converters, not here.
 
 A sharded checkpoint (``model.safetensors.index.json``) is checked against its shards before anything
 is read: every tensor the index lists must be in the shard it names, every shard tensor must be
@@ -39,7 +39,7 @@ ST_DTYPES = {e.name: e.mcf for e in ELEMENTS.values() if e.mcf is not None}
 @dataclass(frozen=True)
 class SafetensorsTensor:
     """One tensor of a safetensors file: ``element`` is its safetensors dtype, ``dtype`` the MCF dtype of
-    the same bits (None when MCF has none: BOOL, F8, F4, F6, C64)."""
+    the same bits (None when MCF has none: BOOL, F6, C64)."""
 
     name: str
     dtype: DTypeInfo | None
