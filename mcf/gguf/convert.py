@@ -206,7 +206,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
       added (RMSE, SNR, max |error| against the tensor's decoded GGUF values), as ``mcf convert --report``
       prints it.
     - MXFP4 tensors (type 39, gpt-oss) become MCF mxfp4 with the same values, their bytes re-laid out, unless
-      ``method`` requantizes them (an E8M0 scale of 0xFF, which ggml reads as 2^128 and MCF as NaN, is refused;
+      ``method`` requantizes them or ``dtype`` asks for floats (an E8M0 scale of 0xFF, which ggml reads as 2^128 and MCF as NaN, is refused;
       the code ggml reads as +0 and E2M1 as -0 is stored as +0).
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
@@ -312,8 +312,10 @@ def _convert_one(g, w, rd, t: GGUFTensor, m, compat, dtype, threads, quantize, c
     from mcf._core.dtypes import parse_dtype
 
     tn = t.type.name
-    if tn == "MXFP4":
-        return _convert_mxfp4(g, w, rd, t, m, compat, quantize, fast, importance, threads)
+    if tn == "MXFP4" and dtype == "keep" and len(t.shape) >= 2 and (m in (None, "native") or len(t.shape) > 2):
+        # kept as MCF mxfp4 (an expert stack of rank 3 too, which q*/k* could not hold); a float dtype, a
+        # requantized matrix and a vector (mxfp4 is rows of blocks) go the way of every other block type below
+        return _convert_mxfp4(g, w, rd, t)
     if t.type.kind == "int":
         info = parse_dtype(tn.lower())
         w.add_tensor_bytes(t.name, info, t.shape, _stream_copy(rd, t))
@@ -444,26 +446,12 @@ def _mxfp4_payload_chunks(g, rd, t: GGUFTensor, lay):
         yield _mxfp4_codes(rd.read(t.offset + b0 * _MXFP4_BLOCK, n * _MXFP4_BLOCK).reshape(n, _MXFP4_BLOCK)).reshape(-1)
 
 
-def _convert_mxfp4(g, w, rd, t: GGUFTensor, m, compat, quantize, fast, importance, threads):
-    """GGUF MXFP4 (type 39) -> MCF mxfp4: the same values, the bytes re-laid out (no requantization), unless
-    method ``m`` requantizes a rank-2 tensor (its values decoded to float32 first, exactly; an expert stack of
-    rank 3 stays mxfp4, which MCF's q*/k* could not hold).  A rank-1 tensor, which mxfp4 (rows of blocks) cannot
-    hold, is decoded to float32."""
+def _convert_mxfp4(g, w, rd, t: GGUFTensor):
+    """GGUF MXFP4 (type 39) -> MCF mxfp4: the same values, the bytes re-laid out (no requantization)."""
     from mcf.container.layout import quant_layout
-    from mcf.container.decode import decode_payload
     from mcf._core.dtypes import dtype_info, DType
 
     info = dtype_info(DType.MXFP4)
-    shape = t.shape if len(t.shape) >= 2 else (1,) + tuple(t.shape)
-    lay = quant_layout(info, shape)
-    if len(t.shape) >= 2 and (m in (None, "native") or len(t.shape) > 2):
-        w.add_tensor_bytes(t.name, info, t.shape, _mxfp4_payload_chunks(g, rd, t, lay))
-        return ConvertStats(t.name, "MXFP4", "mxfp4", "native", t.shape, t.nbytes, lay.nbytes)
-    payload = np.concatenate(list(_mxfp4_payload_chunks(g, rd, t, lay)))
-    arr = decode_payload(payload, info, shape, threads=threads).reshape(t.shape)
-    if m in (None, "native") or len(t.shape) == 1:
-        w.add_tensor_bytes(t.name, "f32", t.shape, arr)
-        return ConvertStats(t.name, "MXFP4", "f32", "decode", t.shape, t.nbytes, arr.nbytes)
-    payload, q = quantize(arr, m, compat=compat, fast=fast, importance=importance, src_dtype="f32", threads=threads)
-    w.add_tensor_bytes(t.name, m, t.shape, payload, quant=q)
-    return ConvertStats(t.name, "MXFP4", m, "quantize", t.shape, t.nbytes, payload.nbytes)
+    lay = quant_layout(info, t.shape)
+    w.add_tensor_bytes(t.name, info, t.shape, _mxfp4_payload_chunks(g, rd, t, lay))
+    return ConvertStats(t.name, "MXFP4", "mxfp4", "native", t.shape, t.nbytes, lay.nbytes)
