@@ -330,13 +330,15 @@ def search_block(v, w, bits):
     a0, step, n = SEARCH_GRID[bits]
     for j in range(n):
         top = F32(qf + F32(a0 + j * step))  # exact: a few binary digits
-        isc = (top / safe).astype(np.float32)
+        with np.errstate(over="ignore"):  # max|v| below ~1e-37: an infinite isc, whose NaN products clamp to qmin
+            isc = (top / safe).astype(np.float32)
         for sign in (1, -1):
             s_isc = (isc * F32(sign)).astype(np.float32)
             slx = np.zeros(amax.shape, np.float32)
             sl2 = np.zeros(amax.shape, np.float32)
             for i in range(32):
-                L = _clamp_codes(np.rint((v[..., i] * s_isc).astype(np.float32)), qmin, qmax)
+                with np.errstate(invalid="ignore"):
+                    L = _clamp_codes(np.rint((v[..., i] * s_isc).astype(np.float32)), qmin, qmax)
                 slx = (slx + (wv[..., i] * L).astype(np.float32)).astype(np.float32)
                 sl2 = (sl2 + ((w[..., i] * L).astype(np.float32) * L).astype(np.float32)).astype(np.float32)
             pos = sl2 > 0
