@@ -41,7 +41,7 @@
 #include "quant.h"
 #include "simd.h"
 
-#define MCF_SEARCH_MAX_CANDIDATES 12
+#define MCF_SEARCH_MAX_CANDIDATES 8
 #define MCF_SUPER_CANDIDATES 2
 #define F16_MIN_NORMAL 0x0400u
 #define F16_MAX_FINITE 0x7bffu
@@ -52,15 +52,15 @@ typedef struct {
     int n;
 } search_grid;
 
-/* The candidate table (tuned on all-MiniLM-L6-v2: more candidates or a wider range gain < 0.01 dB). */
+/* The candidate table (tuned on all-MiniLM-L6-v2: 10-12 candidates gain 0.002-0.02 dB over these 8). */
 static search_grid grid_for(int bits)
 {
     switch (bits) {
     case 2: return (search_grid){0.0f, 0.25f, 8};
     case 3: return (search_grid){0.0f, 0.25f, 8};
-    case 4: return (search_grid){-1.0f, 0.375f, 10};
-    case 6: return (search_grid){-1.5f, 1.0f, 12};
-    default: return (search_grid){-1.0f, 0.75f, 12};
+    case 4: return (search_grid){-0.75f, 0.5f, 8};
+    case 6: return (search_grid){-1.0f, 1.25f, 8};
+    default: return (search_grid){-1.0f, 1.0f, 8};
     }
 }
 
@@ -401,22 +401,23 @@ MCF_TARGET_AVX2 static __m256 load_t8(const float *src, size_t cols, size_t nl, 
     return amax;
 }
 
-/* the weighted error of block V at scale s (per lane, either sign) */
-MCF_TARGET_AVX2 static __m256 err1_8(const float *V, const float *w, __m256 s, float qn, float qp)
+/* The errors of the vector variants.  `unit`: every weight of the block(s) is 1 (no importance, a full block),
+ * and the products by the weight are left out: w * x == x exactly when w == 1, so the sums are the same. */
+MCF_TARGET_AVX2 static __m256 err1_8(const float *V, const float *w, int unit, __m256 s, float qn, float qp)
 {
     __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), iv = inv8(s), a = _mm256_setzero_ps();
     for (int i = 0; i < 32; i++) {
         __m256 x = _mm256_load_ps(V + 8 * i);
         __m256 q = _mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x, iv)), vn), vp);
-        __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s, q));
-        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(w[i]), _mm256_mul_ps(r, r)));
+        __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s, q)), r2 = _mm256_mul_ps(r, r);
+        a = _mm256_add_ps(a, unit ? r2 : _mm256_mul_ps(_mm256_set1_ps(w[i]), r2));
     }
     return a;
 }
 
 /* errors of block V0 at scale s0 and block V1 at scale s1, in one pass */
 MCF_TARGET_AVX2 static void err2_8(const float *V0, const float *w0, __m256 s0, const float *V1,
-                                   const float *w1, __m256 s1, float qn, float qp, __m256 *e0, __m256 *e1)
+                                   const float *w1, __m256 s1, int unit, float qn, float qp, __m256 *e0, __m256 *e1)
 {
     __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), i0 = inv8(s0), i1 = inv8(s1);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -425,8 +426,9 @@ MCF_TARGET_AVX2 static void err2_8(const float *V0, const float *w0, __m256 s0, 
         __m256 q0 = _mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x0, i0)), vn), vp);
         __m256 q1 = _mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x1, i1)), vn), vp);
         __m256 r0 = _mm256_sub_ps(x0, _mm256_mul_ps(s0, q0)), r1 = _mm256_sub_ps(x1, _mm256_mul_ps(s1, q1));
-        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(w0[i]), _mm256_mul_ps(r0, r0)));
-        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_set1_ps(w1[i]), _mm256_mul_ps(r1, r1)));
+        __m256 p0 = _mm256_mul_ps(r0, r0), p1 = _mm256_mul_ps(r1, r1);
+        a0 = _mm256_add_ps(a0, unit ? p0 : _mm256_mul_ps(_mm256_set1_ps(w0[i]), p0));
+        a1 = _mm256_add_ps(a1, unit ? p1 : _mm256_mul_ps(_mm256_set1_ps(w1[i]), p1));
     }
     *e0 = a0;
     *e1 = a1;
@@ -445,35 +447,58 @@ MCF_TARGET_AVX2 static inline void keep8(__m256 slx, __m256 sl2, __m256 live, in
     *d = _mm256_blendv_ps(*d, q, better);
 }
 
+/* One candidate of search_scalar, both signs, for 8 rows: the sums of x * L and (w * L) * L.  Inlined into
+ * search8 once with unit = 1 (no weight products) and once with unit = 0. */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void sums8(const float *V, const float *wv,
+                                                                        const float *w, const int unit, __m256 is,
+                                                                        float qn, float qp, __m256 acc[4])
+{
+    const __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), vmn = _mm256_set1_ps(-qn), vmp = _mm256_set1_ps(-qp);
+    __m256 xp = acc[0], yp = acc[1], xm = acc[2], ym = acc[3];
+    for (int i = 0; i < 32; i++) {
+        __m256 x = _mm256_load_ps(V + 8 * i), wx = unit ? x : _mm256_load_ps(wv + 8 * i);
+        __m256 r = rne8(_mm256_mul_ps(x, is));
+        __m256 lp = _mm256_min_ps(_mm256_max_ps(r, vn), vp);
+        __m256 lm = _mm256_max_ps(_mm256_min_ps(r, vmn), vmp);
+        xp = _mm256_add_ps(xp, _mm256_mul_ps(wx, lp));
+        xm = _mm256_add_ps(xm, _mm256_mul_ps(wx, lm));
+        if (unit) {
+            yp = _mm256_add_ps(yp, _mm256_mul_ps(lp, lp));
+            ym = _mm256_add_ps(ym, _mm256_mul_ps(lm, lm));
+        } else {
+            __m256 wi = _mm256_set1_ps(w[i]);
+            yp = _mm256_add_ps(yp, _mm256_mul_ps(_mm256_mul_ps(wi, lp), lp));
+            ym = _mm256_add_ps(ym, _mm256_mul_ps(_mm256_mul_ps(wi, lm), lm));
+        }
+    }
+    acc[0] = xp;
+    acc[1] = yp;
+    acc[2] = xm;
+    acc[3] = ym;
+}
+
 /* The block search of search_scalar, 8 rows at once: dp/bp the positive optimum and its score, dn/bn the
  * negative one. */
-MCF_TARGET_AVX2 static void search8(const float *V, const float *w, __m256 amax, float qn, float qp,
+MCF_TARGET_AVX2 static void search8(const float *V, const float *w, int unit, __m256 amax, float qn, float qp,
                                     const float *tops, int n, __m256 *dp, __m256 *bp, __m256 *dn, __m256 *bn)
 {
     const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
-    const __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), vmn = _mm256_set1_ps(-qn), vmp = _mm256_set1_ps(-qp);
     __m256 live = _mm256_cmp_ps(amax, zero, _CMP_GT_OQ);
     __m256 safe = _mm256_blendv_ps(one, amax, live);
-    __m256 base = _mm256_and_ps(live, _mm256_div_ps(safe, vp));
+    __m256 base = _mm256_and_ps(live, _mm256_div_ps(safe, _mm256_set1_ps(qp)));
     __m256 d0 = base, d1 = _mm256_xor_ps(base, _mm256_set1_ps(-0.0f)), b0 = zero, b1 = zero;
     float wv[32 * 8] __attribute__((aligned(32)));
-    for (int i = 0; i < 32; i++)
-        _mm256_store_ps(wv + 8 * i, _mm256_mul_ps(_mm256_set1_ps(w[i]), _mm256_load_ps(V + 8 * i)));
+    if (!unit)
+        for (int i = 0; i < 32; i++)
+            _mm256_store_ps(wv + 8 * i, _mm256_mul_ps(_mm256_set1_ps(w[i]), _mm256_load_ps(V + 8 * i)));
     for (int j = 0; j < n; j++) {
-        __m256 is = _mm256_div_ps(_mm256_set1_ps(tops[j]), safe);
-        __m256 xp = zero, yp = zero, xm = zero, ym = zero;
-        for (int i = 0; i < 32; i++) {
-            __m256 x = _mm256_load_ps(V + 8 * i), wx = _mm256_load_ps(wv + 8 * i), wi = _mm256_set1_ps(w[i]);
-            __m256 r = rne8(_mm256_mul_ps(x, is));
-            __m256 lp = _mm256_min_ps(_mm256_max_ps(r, vn), vp);
-            __m256 lm = _mm256_max_ps(_mm256_min_ps(r, vmn), vmp);
-            xp = _mm256_add_ps(xp, _mm256_mul_ps(wx, lp));
-            yp = _mm256_add_ps(yp, _mm256_mul_ps(_mm256_mul_ps(wi, lp), lp));
-            xm = _mm256_add_ps(xm, _mm256_mul_ps(wx, lm));
-            ym = _mm256_add_ps(ym, _mm256_mul_ps(_mm256_mul_ps(wi, lm), lm));
-        }
-        keep8(xp, yp, live, 0, &b0, &d0);
-        keep8(xm, ym, live, 1, &b1, &d1);
+        __m256 is = _mm256_div_ps(_mm256_set1_ps(tops[j]), safe), acc[4] = {zero, zero, zero, zero};
+        if (unit)
+            sums8(V, wv, w, 1, is, qn, qp, acc);
+        else
+            sums8(V, wv, w, 0, is, qn, qp, acc);
+        keep8(acc[0], acc[1], live, 0, &b0, &d0);
+        keep8(acc[2], acc[3], live, 1, &b1, &d1);
     }
     *dp = d0;
     *bp = b0;
@@ -525,19 +550,20 @@ MCF_TARGET_AVX2 static int group_block_avx2(int bits, const float *src, size_t c
     for (size_t b = 0; b < bpr; b++) {
         size_t c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
         weights_of(weights, c0, nc, w);
+        int unit = !weights && nc == 32;
         __m256 amax = load_t8(src, cols, nl, c0, nc, lo, hi, V);
         __m256 live = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
         __m256 base = _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(qp)));
         __m128i h = f16_8(base), hm = trunc_h8(base);
         overflow |= overflow8(h, act);
         __m256 dp, bp, dn, bn, e, em;
-        search8(V, w, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
+        search8(V, w, unit, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
         __m128i hsr = clamp_h8(f16_8(_mm256_blendv_ps(dn, dp, _mm256_cmp_ps(bp, bn, _CMP_GE_OQ))));
-        err2_8(V, w, dec_ph8(h), V, w, dec_ph8(hm), qn, qp, &e, &em);
+        err2_8(V, w, dec_ph8(h), V, w, dec_ph8(hm), unit, qn, qp, &e, &em);
         __m256 take = _mm256_cmp_ps(em, e, _CMP_LT_OQ);
         h = _mm_blendv_epi8(h, hm, mask16_of(take));
         e = _mm256_blendv_ps(e, em, take);
-        take = _mm256_cmp_ps(err1_8(V, w, dec_ph8(hsr), qn, qp), e, _CMP_LT_OQ);
+        take = _mm256_cmp_ps(err1_8(V, w, unit, dec_ph8(hsr), qn, qp), e, _CMP_LT_OQ);
         h = _mm_blendv_epi8(h, hsr, mask16_of(take));
         _mm_storeu_si128((__m128i *)hs, h);
         _mm256_storeu_ps(inv, inv8(dec_ph8(h)));
@@ -550,13 +576,13 @@ MCF_TARGET_AVX2 static int group_block_avx2(int bits, const float *src, size_t c
 }
 
 /* the total error of a super-block's nb blocks at the scales sc[k], summed in block order */
-MCF_TARGET_AVX2 static __m256 total8(const float (*V)[32 * 8], const float (*w)[32], const __m256 *sc, int nb,
-                                     float qn, float qp)
+MCF_TARGET_AVX2 static __m256 total8(const float (*V)[32 * 8], const float (*w)[32], const int *unit,
+                                     const __m256 *sc, int nb, float qn, float qp)
 {
     __m256 e[8], T = _mm256_setzero_ps();
     for (int k = 0; k < nb; k += 2) {  /* two blocks per pass */
         int k1 = k + 1 < nb ? k + 1 : k;
-        err2_8(V[k], w[k], sc[k], V[k1], w[k1], sc[k1], qn, qp, &e[k], &e[k1]);
+        err2_8(V[k], w[k], sc[k], V[k1], w[k1], sc[k1], unit[k] && unit[k1], qn, qp, &e[k], &e[k1]);
     }
     for (int k = 0; k < nb; k++) T = _mm256_add_ps(T, e[k]);
     return T;
@@ -578,14 +604,16 @@ MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t c
     for (size_t s = 0; s < spr; s++) {
         int nb = (int)(bpr - s * 8 < 8 ? bpr - s * 8 : 8);
         __m256 amax[8], base[8], mag[2][8], u[8], uc[8], sc[8], M = zero, D[2] = {zero, zero};
+        int unit[8];
         for (int k = 0; k < nb; k++) {
             size_t c0 = (s * 8 + (size_t)k) * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
             weights_of(weights, c0, nc, w[k]);
+            unit[k] = !weights && nc == 32;
             amax[k] = load_t8(src, cols, nl, c0, nc, lo, hi, V[k]);
             __m256 live = _mm256_cmp_ps(amax[k], zero, _CMP_GT_OQ);
             base[k] = _mm256_and_ps(live, _mm256_div_ps(amax[k], vp));
             __m256 bp, dn, bn;
-            search8(V[k], w[k], amax[k], qn, qp, tops, n, &mag[0][k], &bp, &dn, &bn);
+            search8(V[k], w[k], unit[k], amax[k], qn, qp, tops, n, &mag[0][k], &bp, &dn, &bn);
             mag[1][k] = _mm256_xor_ps(dn, neg0);
             M = _mm256_max_ps(M, base[k]);
             D[0] = _mm256_max_ps(D[0], mag[0][k]);
@@ -599,7 +627,7 @@ MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t c
             u[k] = u6_8(base[k], S, _mm256_and_ps(_mm256_cmp_ps(base[k], zero, _CMP_GT_OQ), spos));
             sc[k] = _mm256_and_ps(_mm256_cmp_ps(u[k], zero, _CMP_GT_OQ), _mm256_mul_ps(S, _mm256_div_ps(u[k], c32)));
         }
-        __m256 E = total8((const float(*)[32 * 8])V, (const float(*)[32])w, sc, nb, qn, qp);
+        __m256 E = total8((const float(*)[32 * 8])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
         /* 2. mantle's */
         {
             __m128i Hc = trunc_h8(M);
@@ -608,7 +636,7 @@ MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t c
                 uc[k] = u6_8(base[k], M, _mm256_cmp_ps(base[k], zero, _CMP_GT_OQ));
                 sc[k] = _mm256_and_ps(_mm256_cmp_ps(uc[k], zero, _CMP_GT_OQ), _mm256_mul_ps(Sc, _mm256_div_ps(uc[k], c32)));
             }
-            __m256 T = total8((const float(*)[32 * 8])V, (const float(*)[32])w, sc, nb, qn, qp);
+            __m256 T = total8((const float(*)[32 * 8])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
             __m256 take = _mm256_cmp_ps(T, E, _CMP_LT_OQ);
             E = _mm256_blendv_ps(E, T, take);
             H = _mm_blendv_epi8(H, Hc, mask16_of(take));
@@ -630,7 +658,7 @@ MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t c
                     __m256 ub = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(f, one), one), c63);
                     __m256 ea, eb;
                     err2_8(V[k], w[k], _mm256_xor_ps(_mm256_mul_ps(Sc, _mm256_div_ps(ua, c32)), flip), V[k], w[k],
-                           _mm256_xor_ps(_mm256_mul_ps(Sc, _mm256_div_ps(ub, c32)), flip), qn, qp, &ea, &eb);
+                           _mm256_xor_ps(_mm256_mul_ps(Sc, _mm256_div_ps(ub, c32)), flip), unit[k], qn, qp, &ea, &eb);
                     __m256 pb = _mm256_cmp_ps(eb, ea, _CMP_LT_OQ);
                     uc[k] = _mm256_and_ps(live, _mm256_blendv_ps(ua, ub, pb));
                     T = _mm256_add_ps(T, _mm256_and_ps(live, _mm256_blendv_ps(ea, eb, pb)));
@@ -772,20 +800,23 @@ MCF_TARGET_AVX512 static __m512 load_t16(const float *src, size_t cols, size_t n
     return amax;
 }
 
-MCF_TARGET_AVX512 static __m512 err1_16(const float *V, const float *w, __m512 s, float qn, float qp)
+/* The errors of the vector variants.  `unit`: every weight of the block(s) is 1 (no importance, a full block),
+ * and the products by the weight are left out: w * x == x exactly when w == 1, so the sums are the same. */
+MCF_TARGET_AVX512 static __m512 err1_16(const float *V, const float *w, int unit, __m512 s, float qn, float qp)
 {
     __m512 vn = _mm512_set1_ps(qn), vp = _mm512_set1_ps(qp), iv = inv16(s), a = _mm512_setzero_ps();
     for (int i = 0; i < 32; i++) {
         __m512 x = _mm512_load_ps(V + 16 * i);
         __m512 q = _mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x, iv)), vn), vp);
-        __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(s, q));
-        a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(w[i]), _mm512_mul_ps(r, r)));
+        __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(s, q)), r2 = _mm512_mul_ps(r, r);
+        a = _mm512_add_ps(a, unit ? r2 : _mm512_mul_ps(_mm512_set1_ps(w[i]), r2));
     }
     return a;
 }
 
 MCF_TARGET_AVX512 static void err2_16(const float *V0, const float *w0, __m512 s0, const float *V1,
-                                      const float *w1, __m512 s1, float qn, float qp, __m512 *e0, __m512 *e1)
+                                      const float *w1, __m512 s1, int unit, float qn, float qp, __m512 *e0,
+                                      __m512 *e1)
 {
     __m512 vn = _mm512_set1_ps(qn), vp = _mm512_set1_ps(qp), i0 = inv16(s0), i1 = inv16(s1);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -794,8 +825,9 @@ MCF_TARGET_AVX512 static void err2_16(const float *V0, const float *w0, __m512 s
         __m512 q0 = _mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x0, i0)), vn), vp);
         __m512 q1 = _mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x1, i1)), vn), vp);
         __m512 r0 = _mm512_sub_ps(x0, _mm512_mul_ps(s0, q0)), r1 = _mm512_sub_ps(x1, _mm512_mul_ps(s1, q1));
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(_mm512_set1_ps(w0[i]), _mm512_mul_ps(r0, r0)));
-        a1 = _mm512_add_ps(a1, _mm512_mul_ps(_mm512_set1_ps(w1[i]), _mm512_mul_ps(r1, r1)));
+        __m512 p0 = _mm512_mul_ps(r0, r0), p1 = _mm512_mul_ps(r1, r1);
+        a0 = _mm512_add_ps(a0, unit ? p0 : _mm512_mul_ps(_mm512_set1_ps(w0[i]), p0));
+        a1 = _mm512_add_ps(a1, unit ? p1 : _mm512_mul_ps(_mm512_set1_ps(w1[i]), p1));
     }
     *e0 = a0;
     *e1 = a1;
@@ -814,39 +846,64 @@ MCF_TARGET_AVX512 static inline void keep16(__m512 slx, __m512 sl2, __mmask16 li
     *d = _mm512_mask_blend_ps(better, *d, q);
 }
 
-MCF_TARGET_AVX512 static void search16(const float *V, const float *w, __m512 amax, float qn, float qp,
-                                       const float *tops, int n, __m512 *dp, __m512 *bp, __m512 *dn, __m512 *bn)
+/* Two candidates of search_scalar, both signs, for 16 rows: the sums of x * L and (w * L) * L.  Inlined into
+ * search16 once with unit = 1 (no weight products) and once with unit = 0. */
+MCF_TARGET_AVX512 static inline __attribute__((always_inline)) void sums16(const float *V, const float *wv,
+                                                                           const float *w, const int unit,
+                                                                           __m512 is0, __m512 is1, float qn,
+                                                                           float qp, __m512 acc[8])
 {
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     const __m512 vn = _mm512_set1_ps(qn), vp = _mm512_set1_ps(qp), vmn = _mm512_set1_ps(-qn), vmp = _mm512_set1_ps(-qp);
-    __mmask16 live = _mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ);
-    __m512 safe = _mm512_mask_blend_ps(live, one, amax);
-    __m512 base = _mm512_maskz_div_ps(live, safe, vp);
-    __m512 d0 = base, d1 = _mm512_xor_ps(base, _mm512_set1_ps(-0.0f)), b0 = zero, b1 = zero;
-    float wv[32 * 16] __attribute__((aligned(64)));
-    for (int i = 0; i < 32; i++)
-        _mm512_store_ps(wv + 16 * i, _mm512_mul_ps(_mm512_set1_ps(w[i]), _mm512_load_ps(V + 16 * i)));
-    for (int j = 0; j < n; j += 2) {   /* two candidates per pass (every table has an even count) */
-        __m512 is0 = _mm512_div_ps(_mm512_set1_ps(tops[j]), safe), is1 = _mm512_div_ps(_mm512_set1_ps(tops[j + 1]), safe);
-        __m512 xp0 = zero, yp0 = zero, xm0 = zero, ym0 = zero, xp1 = zero, yp1 = zero, xm1 = zero, ym1 = zero;
-        for (int i = 0; i < 32; i++) {
-            __m512 x = _mm512_load_ps(V + 16 * i), wx = _mm512_load_ps(wv + 16 * i), wi = _mm512_set1_ps(w[i]);
-            __m512 r0 = rne16(_mm512_mul_ps(x, is0)), r1 = rne16(_mm512_mul_ps(x, is1));
-            __m512 lp0 = _mm512_min_ps(_mm512_max_ps(r0, vn), vp), lm0 = _mm512_max_ps(_mm512_min_ps(r0, vmn), vmp);
-            __m512 lp1 = _mm512_min_ps(_mm512_max_ps(r1, vn), vp), lm1 = _mm512_max_ps(_mm512_min_ps(r1, vmn), vmp);
-            xp0 = _mm512_add_ps(xp0, _mm512_mul_ps(wx, lp0));
+    __m512 xp0 = acc[0], yp0 = acc[1], xm0 = acc[2], ym0 = acc[3], xp1 = acc[4], yp1 = acc[5], xm1 = acc[6], ym1 = acc[7];
+    for (int i = 0; i < 32; i++) {
+        __m512 x = _mm512_load_ps(V + 16 * i), wx = unit ? x : _mm512_load_ps(wv + 16 * i);
+        __m512 r0 = rne16(_mm512_mul_ps(x, is0)), r1 = rne16(_mm512_mul_ps(x, is1));
+        __m512 lp0 = _mm512_min_ps(_mm512_max_ps(r0, vn), vp), lm0 = _mm512_max_ps(_mm512_min_ps(r0, vmn), vmp);
+        __m512 lp1 = _mm512_min_ps(_mm512_max_ps(r1, vn), vp), lm1 = _mm512_max_ps(_mm512_min_ps(r1, vmn), vmp);
+        xp0 = _mm512_add_ps(xp0, _mm512_mul_ps(wx, lp0));
+        xm0 = _mm512_add_ps(xm0, _mm512_mul_ps(wx, lm0));
+        xp1 = _mm512_add_ps(xp1, _mm512_mul_ps(wx, lp1));
+        xm1 = _mm512_add_ps(xm1, _mm512_mul_ps(wx, lm1));
+        if (unit) {
+            yp0 = _mm512_add_ps(yp0, _mm512_mul_ps(lp0, lp0));
+            ym0 = _mm512_add_ps(ym0, _mm512_mul_ps(lm0, lm0));
+            yp1 = _mm512_add_ps(yp1, _mm512_mul_ps(lp1, lp1));
+            ym1 = _mm512_add_ps(ym1, _mm512_mul_ps(lm1, lm1));
+        } else {
+            __m512 wi = _mm512_set1_ps(w[i]);
             yp0 = _mm512_add_ps(yp0, _mm512_mul_ps(_mm512_mul_ps(wi, lp0), lp0));
-            xm0 = _mm512_add_ps(xm0, _mm512_mul_ps(wx, lm0));
             ym0 = _mm512_add_ps(ym0, _mm512_mul_ps(_mm512_mul_ps(wi, lm0), lm0));
-            xp1 = _mm512_add_ps(xp1, _mm512_mul_ps(wx, lp1));
             yp1 = _mm512_add_ps(yp1, _mm512_mul_ps(_mm512_mul_ps(wi, lp1), lp1));
-            xm1 = _mm512_add_ps(xm1, _mm512_mul_ps(wx, lm1));
             ym1 = _mm512_add_ps(ym1, _mm512_mul_ps(_mm512_mul_ps(wi, lm1), lm1));
         }
-        keep16(xp0, yp0, live, 0, &b0, &d0);
-        keep16(xm0, ym0, live, 1, &b1, &d1);
-        keep16(xp1, yp1, live, 0, &b0, &d0);
-        keep16(xm1, ym1, live, 1, &b1, &d1);
+    }
+    acc[0] = xp0; acc[1] = yp0; acc[2] = xm0; acc[3] = ym0; acc[4] = xp1; acc[5] = yp1; acc[6] = xm1; acc[7] = ym1;
+}
+
+MCF_TARGET_AVX512 static void search16(const float *V, const float *w, int unit, __m512 amax, float qn,
+                                       float qp, const float *tops, int n, __m512 *dp, __m512 *bp, __m512 *dn,
+                                       __m512 *bn)
+{
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    __mmask16 live = _mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ);
+    __m512 safe = _mm512_mask_blend_ps(live, one, amax);
+    __m512 base = _mm512_maskz_div_ps(live, safe, _mm512_set1_ps(qp));
+    __m512 d0 = base, d1 = _mm512_xor_ps(base, _mm512_set1_ps(-0.0f)), b0 = zero, b1 = zero;
+    float wv[32 * 16] __attribute__((aligned(64)));
+    if (!unit)
+        for (int i = 0; i < 32; i++)
+            _mm512_store_ps(wv + 16 * i, _mm512_mul_ps(_mm512_set1_ps(w[i]), _mm512_load_ps(V + 16 * i)));
+    for (int j = 0; j < n; j += 2) {   /* two candidates per pass (every table has an even count) */
+        __m512 is0 = _mm512_div_ps(_mm512_set1_ps(tops[j]), safe), is1 = _mm512_div_ps(_mm512_set1_ps(tops[j + 1]), safe);
+        __m512 acc[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
+        if (unit)
+            sums16(V, wv, w, 1, is0, is1, qn, qp, acc);
+        else
+            sums16(V, wv, w, 0, is0, is1, qn, qp, acc);
+        keep16(acc[0], acc[1], live, 0, &b0, &d0);
+        keep16(acc[2], acc[3], live, 1, &b1, &d1);
+        keep16(acc[4], acc[5], live, 0, &b0, &d0);
+        keep16(acc[6], acc[7], live, 1, &b1, &d1);
     }
     *dp = d0;
     *bp = b0;
@@ -893,19 +950,20 @@ MCF_TARGET_AVX512 static int group_block_avx512(int bits, const float *src, size
     for (size_t b = 0; b < bpr; b++) {
         size_t c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
         weights_of(weights, c0, nc, w);
+        int unit = !weights && nc == 32;
         __m512 amax = load_t16(src, cols, nl, c0, nc, lo, hi, V);
         __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
         __m512 base = _mm512_maskz_div_ps(live, amax, _mm512_set1_ps(qp));
         __m256i h = f16_16(base), hm = trunc_h16(base);
         overflow |= overflow16(h, act);
         __m512 dp, bp, dn, bn, e, em;
-        search16(V, w, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
+        search16(V, w, unit, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
         __m256i hsr = clamp_h16(f16_16(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(bp, bn, _CMP_GE_OQ), dn, dp)));
-        err2_16(V, w, dec_ph16(h), V, w, dec_ph16(hm), qn, qp, &e, &em);
+        err2_16(V, w, dec_ph16(h), V, w, dec_ph16(hm), unit, qn, qp, &e, &em);
         __mmask16 take = _mm512_cmp_ps_mask(em, e, _CMP_LT_OQ);
         h = _mm256_mask_blend_epi16(take, h, hm);
         e = _mm512_mask_blend_ps(take, e, em);
-        take = _mm512_cmp_ps_mask(err1_16(V, w, dec_ph16(hsr), qn, qp), e, _CMP_LT_OQ);
+        take = _mm512_cmp_ps_mask(err1_16(V, w, unit, dec_ph16(hsr), qn, qp), e, _CMP_LT_OQ);
         h = _mm256_mask_blend_epi16(take, h, hsr);
         _mm256_storeu_si256((__m256i *)hs, h);
         _mm512_storeu_ps(inv, inv16(dec_ph16(h)));
@@ -917,13 +975,13 @@ MCF_TARGET_AVX512 static int group_block_avx512(int bits, const float *src, size
     return overflow;
 }
 
-MCF_TARGET_AVX512 static __m512 total16(const float (*V)[32 * 16], const float (*w)[32], const __m512 *sc, int nb,
-                                        float qn, float qp)
+MCF_TARGET_AVX512 static __m512 total16(const float (*V)[32 * 16], const float (*w)[32], const int *unit,
+                                        const __m512 *sc, int nb, float qn, float qp)
 {
     __m512 e[8], T = _mm512_setzero_ps();
     for (int k = 0; k < nb; k += 2) {  /* two blocks per pass */
         int k1 = k + 1 < nb ? k + 1 : k;
-        err2_16(V[k], w[k], sc[k], V[k1], w[k1], sc[k1], qn, qp, &e[k], &e[k1]);
+        err2_16(V[k], w[k], sc[k], V[k1], w[k1], sc[k1], unit[k] && unit[k1], qn, qp, &e[k], &e[k1]);
     }
     for (int k = 0; k < nb; k++) T = _mm512_add_ps(T, e[k]);
     return T;
@@ -946,14 +1004,16 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
     for (size_t s = 0; s < spr; s++) {
         int nb = (int)(bpr - s * 8 < 8 ? bpr - s * 8 : 8);
         __m512 amax[8], base[8], mag[2][8], u[8], uc[8], sc[8], M = zero, D[2] = {zero, zero};
+        int unit[8];
         for (int k = 0; k < nb; k++) {
             size_t c0 = (s * 8 + (size_t)k) * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
             weights_of(weights, c0, nc, w[k]);
+            unit[k] = !weights && nc == 32;
             amax[k] = load_t16(src, cols, nl, c0, nc, lo, hi, V[k]);
             __mmask16 live = _mm512_cmp_ps_mask(amax[k], zero, _CMP_GT_OQ);
             base[k] = _mm512_maskz_div_ps(live, amax[k], vp);
             __m512 bp, dn, bn;
-            search16(V[k], w[k], amax[k], qn, qp, tops, n, &mag[0][k], &bp, &dn, &bn);
+            search16(V[k], w[k], unit[k], amax[k], qn, qp, tops, n, &mag[0][k], &bp, &dn, &bn);
             mag[1][k] = _mm512_xor_ps(dn, neg0);
             M = _mm512_max_ps(M, base[k]);
             D[0] = _mm512_max_ps(D[0], mag[0][k]);
@@ -968,7 +1028,7 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
             u[k] = u6_16(base[k], S, _mm512_cmp_ps_mask(base[k], zero, _CMP_GT_OQ) & spos);
             sc[k] = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(u[k], zero, _CMP_GT_OQ), S, _mm512_div_ps(u[k], c32));
         }
-        __m512 E = total16((const float(*)[32 * 16])V, (const float(*)[32])w, sc, nb, qn, qp);
+        __m512 E = total16((const float(*)[32 * 16])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
         /* 2. mantle's */
         {
             __m256i Hc = trunc_h16(M);
@@ -977,7 +1037,7 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
                 uc[k] = u6_16(base[k], M, _mm512_cmp_ps_mask(base[k], zero, _CMP_GT_OQ));
                 sc[k] = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(uc[k], zero, _CMP_GT_OQ), Sc, _mm512_div_ps(uc[k], c32));
             }
-            __m512 T = total16((const float(*)[32 * 16])V, (const float(*)[32])w, sc, nb, qn, qp);
+            __m512 T = total16((const float(*)[32 * 16])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
             __mmask16 take = _mm512_cmp_ps_mask(T, E, _CMP_LT_OQ);
             E = _mm512_mask_blend_ps(take, E, T);
             H = _mm256_mask_blend_epi16(take, H, Hc);
@@ -999,7 +1059,7 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
                     __m512 ub = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(f, one), one), c63);
                     __m512 ea, eb;
                     err2_16(V[k], w[k], _mm512_xor_ps(_mm512_mul_ps(Sc, _mm512_div_ps(ua, c32)), flip), V[k], w[k],
-                            _mm512_xor_ps(_mm512_mul_ps(Sc, _mm512_div_ps(ub, c32)), flip), qn, qp, &ea, &eb);
+                            _mm512_xor_ps(_mm512_mul_ps(Sc, _mm512_div_ps(ub, c32)), flip), unit[k], qn, qp, &ea, &eb);
                     __mmask16 pb = _mm512_cmp_ps_mask(eb, ea, _CMP_LT_OQ);
                     uc[k] = _mm512_maskz_mov_ps(live, _mm512_mask_blend_ps(pb, ua, ub));
                     T = _mm512_add_ps(T, _mm512_maskz_mov_ps(live, _mm512_mask_blend_ps(pb, ea, eb)));

@@ -265,7 +265,7 @@ def exact_round_bits(x, kind):
 
 F32 = np.float32
 # candidate inverse scales of the block search: (qmax + a0 + j*step) / max|x|, j = 0 .. n-1, per bit width
-SEARCH_GRID = {2: (0.0, 0.25, 8), 3: (0.0, 0.25, 8), 4: (-1.0, 0.375, 10), 6: (-1.5, 1.0, 12), 8: (-1.0, 0.75, 12)}
+SEARCH_GRID = {2: (0.0, 0.25, 8), 3: (0.0, 0.25, 8), 4: (-0.75, 0.5, 8), 6: (-1.0, 1.25, 8), 8: (-1.0, 1.0, 8)}
 SUPER_CANDIDATES = 2  # super scale magnitudes tried per super-block and sign: f16(D * 32 / (63 - c)), c = 0 .. n-1
 F16_MIN_NORMAL, F16_MAX_FINITE, F16_SIGN = 0x0400, 0x7BFF, 0x8000
 
