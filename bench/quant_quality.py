@@ -71,11 +71,12 @@ def snr_stats(ref_file: str, q_file: str):
     return 10 * math.log10(sig / noise), per
 
 
-def block_optimum(x: np.ndarray, bits: int, most_negative: bool, n: int = 60) -> np.ndarray:
+def block_optimum(x: np.ndarray, bits: int, most_negative: bool, n: int = 60, weights=None) -> np.ndarray:
     """The decoded tensor for the best real scale of every 32-value block (float64, no f16 rounding): n
     candidate scales from max|x| / (qmax - qmax/2) to max|x| / (1.5 qmax + 0.5), each refined to the
-    least-squares scale of its codes, the smallest error kept.  Codes in -qmax..qmax as the spec says, or
-    with the most negative code -2**(bits-1) as well (``most_negative``: not allowed for writers)."""
+    least-squares scale of its codes, the smallest (``weights``-weighted, per column) error kept.  Codes in
+    -qmax..qmax, what the single-pass and mantle quantizers write, or with the most negative code
+    -2**(bits-1) as well and both signs of the scale (``most_negative``: what the default writes)."""
     qmax = (1 << (bits - 1)) - 1
     qmin = -qmax - 1 if most_negative else -qmax
     rows, cols = x.shape
@@ -83,6 +84,9 @@ def block_optimum(x: np.ndarray, bits: int, most_negative: bool, n: int = 60) ->
     blocks = np.zeros((rows, bpr * 32))
     blocks[:, :cols] = x
     blocks = blocks.reshape(rows, bpr, 32)
+    w = np.zeros(bpr * 32)
+    w[:cols] = 1.0 if weights is None else weights
+    w = w.reshape(bpr, 32)
     amax = np.abs(blocks).max(axis=-1)
     safe = np.where(amax > 0, amax, 1.0)
     best = np.full(amax.shape, np.inf)
@@ -90,10 +94,10 @@ def block_optimum(x: np.ndarray, bits: int, most_negative: bool, n: int = 60) ->
     for a in np.linspace(-0.5 * qmax, 1.5 * qmax + 0.5, n):
         for sign in ((1, -1) if most_negative else (1,)):
             lv = np.clip(np.rint(blocks * (sign * (qmax + a) / safe)[..., None]), qmin, qmax)
-            sl2 = (lv * lv).sum(-1)
-            d = np.where(sl2 > 0, (blocks * lv).sum(-1) / np.where(sl2 > 0, sl2, 1), 0.0)
+            sl2 = (w * lv * lv).sum(-1)
+            d = np.where(sl2 > 0, (w * blocks * lv).sum(-1) / np.where(sl2 > 0, sl2, 1), 0.0)
             lv = np.clip(np.rint(blocks / np.where(d != 0, d, 1)[..., None]), qmin, qmax) * (d != 0)[..., None]
-            err = ((blocks - d[..., None] * lv) ** 2).sum(-1)
+            err = (w * (blocks - d[..., None] * lv) ** 2).sum(-1)
             better = err < best
             best = np.where(better, err, best)
             out = np.where(better[..., None], d[..., None] * lv, out)
@@ -101,7 +105,7 @@ def block_optimum(x: np.ndarray, bits: int, most_negative: bool, n: int = 60) ->
 
 
 def ceiling(f32: str) -> None:
-    """SNR over all quantized weights of the per-block optimum, within the spec and with the extra code."""
+    """SNR over all quantized weights of the per-block optimum, with +-qmax codes and with the whole range."""
     with mcf.open(f32) as c:
         xs = [c.to_float32(n).astype(np.float64) for n in c if len(c.info(n).shape) == 2
               and c.info(n).dtype.family == "float"]
@@ -112,8 +116,102 @@ def ceiling(f32: str) -> None:
         for neg in (False, True):
             noise = sum(float(((block_optimum(x, bits, neg) - x) ** 2).sum()) for x in xs)
             row.append(10 * math.log10(sig / noise))
-        print(f"  {bits} bits: codes +-qmax {row[0]:.2f} dB; with the most negative code too {row[1]:.2f} dB",
+        print(f"  {bits} bits: codes +-qmax {row[0]:.2f} dB; the whole range, a sign per block {row[1]:.2f} dB",
               flush=True)
+
+
+def second_moments(f32: str, cfg: dict, tok, text: str, chunk_tokens: int = 128) -> dict:
+    """name -> E[x x^T] of the inputs of every linear layer over ``text`` (the chunks collect_bert makes): the
+    full matrix whose diagonal is the importance vector."""
+    with mcf.open(f32) as c:
+        weights = {n: np.array(c.tensor(n)) for n in c}
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    ids = tok.encode(text, add_special_tokens=False).ids
+    sums, counts = {}, {}
+
+    def observe(name, x):
+        x = x.astype(np.float64)
+        sums[name] = sums.get(name, 0.0) + x.T @ x
+        counts[name] = counts.get(name, 0) + len(x)
+
+    for i in range(0, len(ids), chunk_tokens - 2):
+        bert_forward(weights, cfg, [cls] + ids[i:i + chunk_tokens - 2] + [sep], observe=observe)
+    return {n: sums[n] / counts[n] for n in sums}
+
+
+def block_scales(payload, method: str, shape) -> np.ndarray:
+    """The scale of every value of a q*/k* payload (the block's), as the decoder computes it."""
+    rows, cols = shape
+    regions = {r.name: payload[r.offset:r.offset + r.size] for r in mcf.quant_layout(method, shape).regions}
+
+    def f16(b):
+        h = b.view("<u2")
+        return np.where(h & 0x7C00, h.view(np.float16).astype(np.float32), np.float32(0))
+
+    bpr = -(-cols // 32)
+    if "scales" in regions:
+        s = f16(regions["scales"]).reshape(rows, bpr)
+    else:
+        sup = np.repeat(f16(regions["super_scales"]).reshape(rows, -1), 8, axis=1)[:, :bpr]
+        s = sup * ((regions["sub_scales"] & 0x3F).astype(np.float32).reshape(rows, bpr) / np.float32(32))
+    return np.repeat(s, 32, axis=1)[:, :cols].astype(np.float64)
+
+
+def error_feedback(x: np.ndarray, h: np.ndarray, method: str) -> np.ndarray:
+    """A prototype, not an mcf mode: the block scales of the search weighted by diag(h), then codes chosen
+    column by column with the rounding error of each column spread over the columns not yet rounded, through
+    the inverse of the full second moment h (GPTQ's error feedback; 1% damping).  Same file format, same
+    scales; only the codes differ from nearest rounding.  Returns the decoded tensor."""
+    bits = {"q8": 8, "q4": 4, "k6": 6, "k4": 4, "k3": 3, "k2": 2}[method]
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    payload, _ = mcf.quantize(x, method, importance=np.diag(h))
+    s = block_scales(payload, method, x.shape)
+    h = h + 0.01 * np.mean(np.diag(h)) * np.eye(len(h))
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    w = x.astype(np.float64)
+    out = np.zeros_like(w)
+    for j in range(w.shape[1]):
+        sj = s[:, j]
+        out[:, j] = sj * np.where(sj != 0, np.clip(np.rint(w[:, j] / np.where(sj != 0, sj, 1)), qmin, qmax), 0)
+        w[:, j + 1:] -= np.outer((w[:, j] - out[:, j]) / u[j, j], u[j, j + 1:])
+    return out.astype(np.float32)
+
+
+def imatrix_bound(f32: str, cfg: dict, tok, calib_text: str, imat: dict, ids: list, e32: np.ndarray,
+                  cos_search: dict, methods) -> None:
+    """What limits the importance matrix: (1) the best any per-block scale can do for the importance-weighted
+    error (the objective the imatrix defines), chosen with and without the weights; (2) the (1 - cosine) of
+    the error-feedback prototype, which uses the whole second moment of the inputs, not its diagonal."""
+    with mcf.open(f32) as c:
+        xs = {n: c.to_float32(n) for n in imat if n in c}
+    print("importance-weighted error of the best per-block scale (real scales, the whole code range), "
+          "chosen with the weights vs without:")
+    for bits in (4, 3):
+        tu = tw = 0.0
+        for n, x in xs.items():
+            w = imat[n] / imat[n].mean()
+            x64 = x.astype(np.float64)
+            tu += float((w * (block_optimum(x64, bits, True) - x64) ** 2).sum())
+            tw += float((w * (block_optimum(x64, bits, True, weights=w) - x64) ** 2).sum())
+        print(f"  {bits} bits: {tw / tu - 1:+.1%}", flush=True)
+    moments = second_moments(f32, cfg, tok, calib_text)
+    with mcf.open(f32) as c:
+        weights = {n: np.array(c.tensor(n)) for n in c}
+    print("error feedback with the full second moment (prototype), mean (1 - cosine):")
+    for m in methods:
+        if m not in cos_search:
+            continue
+        qw = {}
+        for n, x in weights.items():
+            if x.ndim != 2 or x.dtype != np.float32:
+                qw[n] = x
+            elif n in moments:
+                qw[n] = error_feedback(x, moments[n], m)
+            else:
+                qw[n] = mcf.dequantize(mcf.quantize(x, m)[0], m, x.shape)
+        eq = np.stack([sentence_embedding(bert_forward(qw, cfg, i)[0]) for i in ids])
+        cos = float(np.mean(1.0 - np.sum(eq * e32, axis=1)))
+        print(f"  {m}: {cos:.3e} ({cos / cos_search[m] - 1:+.0%} against the search)", flush=True)
 
 
 def embeddings(path: str, cfg: dict, token_ids: list) -> np.ndarray:
@@ -130,6 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--ceiling", action="store_true",
                     help="also the best any per-block scale can do (numpy, float64; a few minutes)")
+    ap.add_argument("--imatrix-bound", action="store_true",
+                    help="also what limits the importance matrix (needs the search mode; numpy, a few minutes)")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     modes = args.modes.split(",")
@@ -200,6 +300,11 @@ def main(argv=None) -> int:
     if args.ceiling:
         print()
         ceiling(f32)
+    if args.imatrix_bound:
+        print()
+        with open(calib, encoding="utf-8") as f:
+            imatrix_bound(f32, cfg, tok, f.read(), imat, ids, e32,
+                          {m: cos[m, "search"] for m in methods if (m, "search") in cos}, methods)
     return 0
 
 

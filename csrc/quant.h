@@ -48,12 +48,13 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
                       float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl);
 
 /* The error-minimizing quantizer (the default for the q and k methods; csrc/quant_search.c, docs/quantization.md): per block,
- * the scale whose codes minimize sum_i w_i * (x_i - scale * q_i)^2, evaluated with the scale the decoder reads
- * (f16 rounding, subnormal flush, super * u6/32), and never worse than the single-pass quantizer's scale;
- * k*: the super scale and the sub-scales chosen together.  `weights` holds one float per column (>= 0,
- * finite), or NULL for all 1.  Arguments and outputs as mcf_quantize_rows; returns 0, or -1 when the
- * single-pass quantizer's scale would overflow f16 (the same condition, so the same error).  Codes are
- * clamp(rint(x / scale), -qmax, qmax).  All variants (`impl`) write the same bytes. */
+ * the scale (either sign) whose codes minimize sum_i w_i * (x_i - scale * q_i)^2, evaluated with the scale the
+ * decoder reads (f16 rounding, subnormal flush, super * u6/32), and never worse than the scales of the two
+ * single-pass quantizers above (compat = 0 and 1); k*: the super scale and the sub-scales chosen together.
+ * `weights` holds one float per column (>= 0, finite), or NULL for all 1.  Arguments and outputs as
+ * mcf_quantize_rows; returns 0, or -1 when the single-pass quantizer's scale would overflow f16 (the same
+ * condition, so the same error).  Codes are clamp(rint(x / scale), -2^(bits-1), 2^(bits-1) - 1): the most
+ * negative code is written too.  All variants (`impl`) write the same bytes. */
 int mcf_quantize_rows_search(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                              float max_clip, const float *weights, uint16_t *scales, uint8_t *sub, uint8_t *codes,
                              int impl);

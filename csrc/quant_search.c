@@ -4,24 +4,35 @@
  * What it computes (docs/quantization.md, "How the default quantizer chooses scales", is the full
  * description; tests/reference.py implements it in numpy from there):
  *
+ *  - codes use the whole two's-complement range qmin..qmax = -2^(bits-1)..2^(bits-1)-1, and scales have either
+ *    sign: a positive scale gives the extra level -2^(bits-1) to a block's negative values, a negative scale to
+ *    its positive ones (docs/mcf.md: every reader decodes the most negative code);
  *  - block search: for n candidate inverse scales (qmax + a_j) / max|v| (a_j = a0 + j*step, a table per bit
- *    width), round every value to the nearest code (clamped to +-qmax), take the least-squares scale of those
- *    codes, sum(w*v*L) / sum(w*L*L), and keep the candidate with the largest sum(w*v*L)^2 / sum(w*L*L), i.e. the
- *    smallest weighted squared error;
- *  - q*: store that scale as f16 (round to nearest even, kept normal and finite) if its error, evaluated with the
- *    scale the decoder will read, is below the single-pass quantizer's (f16(max|v| / qmax)); else store the latter;
- *  - k*: D = the largest block optimum of the super-block; for the super scales f16(D*32/63) and f16(D*32/62)
- *    (so the sub-scales use the whole 6-bit range), give every block the sub-scale floor or ceil of
- *    optimum*32/super (clamped to 1..63) whose error at super*(u6/32) is smaller, keep the super scale with the
- *    smallest total, and keep it only if that total is below the single-pass quantizer's;
- *  - codes: q = clamp(rint(v * (1 / scale)), -qmax, qmax) for the scale the decoder computes.
+ *    width), each with both signs, round every value to the nearest code (clamped to qmin..qmax), take the
+ *    least-squares scale of those codes, sum(w*v*L) / sum(w*L*L), and keep per sign the candidate with the
+ *    largest sum(w*v*L)^2 / sum(w*L*L), i.e. the smallest weighted squared error;
+ *  - q*: of three f16 scales, the single-pass quantizer's f16(max|v| / qmax), the mantle quantizer's (the same
+ *    value truncated) and the search's (the better sign, magnitude kept normal and finite), store the first
+ *    with the smallest error, evaluated with the scale the decoder will read;
+ *  - k*: of the single-pass choice, the mantle choice and, per sign, the super scales f16(D*32/63) and
+ *    f16(D*32/62) (D = the largest block optimum of that sign, so the sub-scales use the whole 6-bit range; every
+ *    block takes the sub-scale floor or ceil of optimum*32/super whose error is smaller), store the first with
+ *    the smallest total error;
+ *  - codes: q = clamp(rint(v * (1 / scale)), qmin, qmax) for the scale the decoder computes.
  *  Errors are sum_i w_i * ((v_i - s*q_i) * (v_i - s*q_i)), float32, summed in index order from +0.
+ *  Having the two single-pass quantizers among the candidates makes the result never worse than either of
+ *  them, block by block (k*: super-block by super-block), with the same weights.
  *
  * Bit-identity by construction: the vector variants put one ROW in each lane (16 rows for AVX-512, 8 for
  * AVX2), all at the same block position, so every lane runs exactly the scalar sequence of IEEE float32
  * operations on its row's block, and a column's weight is the same in every lane (a broadcast).  Maxima and
  * minima are written `a > b ? a : b` / `a < b ? a : b` in the scalar code, which is what maxps / minps do
- * lane by lane; the build has -ffp-contract=off and nothing here uses FMA. */
+ * lane by lane (NaN included: the second operand); the build has -ffp-contract=off and nothing here uses FMA.
+ *
+ * Both signs of the block search share one product and one rounding per value: with r = rint(v * isc), the
+ * codes of +isc are clamp(r, qmin, qmax) and those of -isc are -clamp(r, -qmax, qmax + 1) (rint is odd and
+ * negation exact), so the sums of -isc are the negated sums of the clamped magnitudes, bit for bit (a sum that
+ * comes out zero may differ in its sign, and then scores 0, which is never kept). */
 #include <math.h>
 #include <string.h>
 
@@ -30,25 +41,26 @@
 #include "quant.h"
 #include "simd.h"
 
-#define MCF_SEARCH_MAX_CANDIDATES 12
+#define MCF_SEARCH_MAX_CANDIDATES 8
 #define MCF_SUPER_CANDIDATES 2
 #define F16_MIN_NORMAL 0x0400u
 #define F16_MAX_FINITE 0x7bffu
+#define F16_SIGN 0x8000u
 
 typedef struct {
     float a0, step;
     int n;
 } search_grid;
 
-/* The candidate table (tuned on all-MiniLM-L6-v2: more candidates or a wider range gain < 0.01 dB). */
+/* The candidate table (tuned on all-MiniLM-L6-v2: 10-12 candidates gain 0.002-0.02 dB over these 8). */
 static search_grid grid_for(int bits)
 {
     switch (bits) {
     case 2: return (search_grid){0.0f, 0.25f, 8};
-    case 3: return (search_grid){-0.5f, 0.25f, 8};
-    case 4: return (search_grid){-1.0f, 0.375f, 10};
-    case 6: return (search_grid){-1.5f, 1.0f, 12};
-    default: return (search_grid){-1.0f, 0.75f, 12};
+    case 3: return (search_grid){0.0f, 0.25f, 8};
+    case 4: return (search_grid){-0.75f, 0.5f, 8};
+    case 6: return (search_grid){-1.0f, 1.25f, 8};
+    default: return (search_grid){-1.0f, 1.0f, 8};
     }
 }
 
@@ -60,9 +72,12 @@ static int grid_tops(int bits, float qf, float tops[MCF_SEARCH_MAX_CANDIDATES])
     return g.n;
 }
 
+/* f16 bits with the magnitude clamped to the normal finite range; the sign is kept */
 static inline uint16_t clamp_h(uint16_t h)
 {
-    return h < F16_MIN_NORMAL ? (uint16_t)F16_MIN_NORMAL : (h > F16_MAX_FINITE ? (uint16_t)F16_MAX_FINITE : h);
+    uint16_t m = (uint16_t)(h & 0x7fffu);
+    m = m < F16_MIN_NORMAL ? (uint16_t)F16_MIN_NORMAL : (m > F16_MAX_FINITE ? (uint16_t)F16_MAX_FINITE : m);
+    return (uint16_t)((h & F16_SIGN) | m);
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
@@ -72,67 +87,87 @@ static inline float maxf_(float a, float b) { return a > b ? a : b; }
 static inline float minf_(float a, float b) { return a < b ? a : b; }
 static inline float clip_(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-/* v[32] (clipped, padding 0), a[32] = |v|, w[32] (padding 0); returns max |v|. */
+/* the code of a scaled value: clamp to qn..qp, max first (a NaN product, 0 * inf, gives qn) */
+static inline float code_(float x, float qn, float qp) { return minf_(maxf_(rintf(x), qn), qp); }
+
+/* v[32] (clipped, padding 0), w[32] (padding 0); returns max |v|. */
 static float load_block(const float *row, size_t c0, size_t cols, float lo, float hi, const float *weights,
-                        float v[32], float a[32], float w[32])
+                        float v[32], float w[32])
 {
     float amax = 0.0f;
     for (int i = 0; i < 32; i++) {
         size_t c = c0 + (size_t)i;
         v[i] = c < cols ? clip_(row[c], lo, hi) : 0.0f;
-        a[i] = fabsf(v[i]);
         w[i] = c < cols ? (weights ? weights[c] : 1.0f) : 0.0f;
-        amax = maxf_(amax, a[i]);
+        amax = maxf_(amax, fabsf(v[i]));
     }
     return amax;
 }
 
-/* The error and the search work on magnitudes: rint is symmetric and the clamp is +-qmax, so the code of -v is
- * minus the code of v, every product v*L, L*L and (v - s*q)^2 is the same for v and -v, and the sums (which
- * start at +0) are bit for bit those of the signed description. */
-static float err_scalar(const float a[32], const float w[32], float s, float qf)
+static float err_scalar(const float v[32], const float w[32], float s, float qn, float qp)
 {
     float inv = s != 0.0f ? 1.0f / s : 0.0f, e = 0.0f;
     for (int i = 0; i < 32; i++) {
-        float q = minf_(rintf(a[i] * inv), qf);
-        float r = a[i] - s * q;
+        float q = code_(v[i] * inv, qn, qp);
+        float r = v[i] - s * q;
         e = e + w[i] * (r * r);
     }
     return e;
 }
 
-static float search_scalar(const float a[32], const float w[32], float amax, float qf, const float *tops, int n)
+/* The block optimum of each sign: d[0] > 0 with score b[0], d[1] < 0 with score b[1] (+-amax/qmax and 0 when
+ * no candidate of that sign scores above 0). */
+typedef struct {
+    float d[2], b[2];
+} block_opt;
+
+static block_opt search_scalar(const float v[32], const float w[32], float amax, float qn, float qp,
+                               const float *tops, int n)
 {
-    if (!(amax > 0.0f)) return 0.0f;
-    float d = amax / qf, best = 0.0f, wa[32];
-    for (int i = 0; i < 32; i++) wa[i] = w[i] * a[i];
+    block_opt o = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    if (!(amax > 0.0f)) return o;
+    float base = amax / qp, wv[32];
+    o.d[0] = base;
+    o.d[1] = -base;
+    for (int i = 0; i < 32; i++) wv[i] = w[i] * v[i];
     for (int j = 0; j < n; j++) {
-        float isc = tops[j] / amax, slx = 0.0f, sl2 = 0.0f;
+        float isc = tops[j] / amax, sxp = 0.0f, s2p = 0.0f, sxm = 0.0f, s2m = 0.0f;
         for (int i = 0; i < 32; i++) {
-            float L = minf_(rintf(a[i] * isc), qf);
-            slx = slx + wa[i] * L;
-            sl2 = sl2 + (w[i] * L) * L;
+            float r = rintf(v[i] * isc);
+            float lp = minf_(maxf_(r, qn), qp);            /* codes of +isc */
+            float lm = maxf_(minf_(r, -qn), -qp);          /* minus the codes of -isc (NaN: -qn, as qn above) */
+            sxp = sxp + wv[i] * lp;
+            s2p = s2p + (w[i] * lp) * lp;
+            sxm = sxm + wv[i] * lm;
+            s2m = s2m + (w[i] * lm) * lm;
         }
-        if (sl2 > 0.0f) {
-            float score = (slx * slx) / sl2;
-            if (score > best) {
-                best = score;
-                d = slx / sl2;
+        if (s2p > 0.0f) {
+            float score = (sxp * sxp) / s2p;
+            if (score > o.b[0]) {
+                o.b[0] = score;
+                o.d[0] = sxp / s2p;
+            }
+        }
+        if (s2m > 0.0f) {
+            float score = (sxm * sxm) / s2m;
+            if (score > o.b[1]) {
+                o.b[1] = score;
+                o.d[1] = -(sxm / s2m);
             }
         }
     }
-    return d;
+    return o;
 }
 
-static void codes_scalar_rne(const float v[32], float s, float qf, int bits, uint8_t *dst)
+static void codes_scalar_rne(const float v[32], float s, float qn, float qp, int bits, uint8_t *dst)
 {
     float inv = s != 0.0f ? 1.0f / s : 0.0f;
     int32_t q[32];
-    for (int i = 0; i < 32; i++) q[i] = (int32_t)minf_(maxf_(rintf(v[i] * inv), -qf), qf);
+    for (int i = 0; i < 32; i++) q[i] = (int32_t)code_(v[i] * inv, qn, qp);
     mcf_pack_block(q, bits, dst);
 }
 
-/* u6 of the single-pass quantizer: round_half_away(base / super * 32) clamped to 1..63 (base, super > 0). */
+/* u6 of the single-pass quantizers: round_half_away(base / super * 32) clamped to 1..63 (base, super > 0). */
 static inline float u6_single_pass(float base, float super)
 {
     float t = (base / super) * 32.0f, tt = truncf(t);
@@ -143,23 +178,31 @@ static inline float u6_single_pass(float base, float super)
 static int row_block_scalar(int bits, const float *row, size_t cols, size_t bpr, float lo, float hi,
                             const float *weights, uint16_t *scales, uint8_t *codes)
 {
-    const float qf = (float)((1 << (bits - 1)) - 1);
+    const float qp = (float)((1 << (bits - 1)) - 1), qn = -qp - 1.0f;
     float tops[MCF_SEARCH_MAX_CANDIDATES];
-    int n = grid_tops(bits, qf, tops), overflow = 0;
+    int n = grid_tops(bits, qp, tops), overflow = 0;
     size_t bb = (size_t)bits * 4;
     for (size_t b = 0; b < bpr; b++) {
-        float v[32], a[32], w[32];
-        float amax = load_block(row, b * 32, cols, lo, hi, weights, v, a, w);
-        float base = amax > 0.0f ? amax / qf : 0.0f;
-        uint16_t h0 = mcf_f32_to_f16_one(base);
-        if ((h0 & 0x7c00u) == 0x7c00u) overflow = 1;
-        float d = search_scalar(a, w, amax, qf, tops, n);
-        uint16_t h1 = clamp_h(mcf_f32_to_f16_one(d));
-        float e0 = err_scalar(a, w, mcf_scale_from_f16(h0), qf);
-        float e1 = err_scalar(a, w, mcf_scale_from_f16(h1), qf);
-        uint16_t h = e1 < e0 ? h1 : h0;
+        float v[32], w[32];
+        float amax = load_block(row, b * 32, cols, lo, hi, weights, v, w);
+        float base = amax > 0.0f ? amax / qp : 0.0f;
+        uint16_t cand[3];
+        cand[0] = mcf_f32_to_f16_one(base);          /* the single-pass quantizer's scale */
+        if ((cand[0] & 0x7c00u) == 0x7c00u) overflow = 1;
+        cand[1] = mcf_f32_to_f16_trunc(base);        /* mantle's */
+        block_opt o = search_scalar(v, w, amax, qn, qp, tops, n);
+        cand[2] = clamp_h(mcf_f32_to_f16_one(o.b[0] >= o.b[1] ? o.d[0] : o.d[1]));
+        uint16_t h = cand[0];
+        float e = err_scalar(v, w, mcf_scale_from_f16(h), qn, qp);
+        for (int c = 1; c < 3; c++) {
+            float ec = err_scalar(v, w, mcf_scale_from_f16(cand[c]), qn, qp);
+            if (ec < e) {
+                e = ec;
+                h = cand[c];
+            }
+        }
         scales[b] = h;
-        codes_scalar_rne(v, mcf_scale_from_f16(h), qf, bits, codes + b * bb);
+        codes_scalar_rne(v, mcf_scale_from_f16(h), qn, qp, bits, codes + b * bb);
     }
     return overflow;
 }
@@ -167,67 +210,76 @@ static int row_block_scalar(int bits, const float *row, size_t cols, size_t bpr,
 static int row_super_scalar(int bits, const float *row, size_t cols, size_t bpr, size_t spr, float lo, float hi,
                             const float *weights, uint16_t *supers, uint8_t *sub, uint8_t *codes)
 {
-    const float qf = (float)((1 << (bits - 1)) - 1);
+    const float qp = (float)((1 << (bits - 1)) - 1), qn = -qp - 1.0f;
     float tops[MCF_SEARCH_MAX_CANDIDATES];
-    int n = grid_tops(bits, qf, tops), overflow = 0;
+    int n = grid_tops(bits, qp, tops), overflow = 0;
     size_t bb = (size_t)bits * 4;
     for (size_t s = 0; s < spr; s++) {
-        float v[8][32], a[8][32], w[8][32], amax[8], base[8], d[8], u0[8], u[8], bu[8];
+        float v[8][32], w[8][32], amax[8], base[8], mag[2][8], u[8], uc[8];
         int nb = (int)(bpr - s * 8 < 8 ? bpr - s * 8 : 8);
-        float smax = 0.0f, dmax = 0.0f;
+        float M = 0.0f, D[2] = {0.0f, 0.0f};
         for (int k = 0; k < nb; k++) {
-            amax[k] = load_block(row, (s * 8 + (size_t)k) * 32, cols, lo, hi, weights, v[k], a[k], w[k]);
-            base[k] = amax[k] > 0.0f ? amax[k] / qf : 0.0f;
-            d[k] = search_scalar(a[k], w[k], amax[k], qf, tops, n);
-            smax = maxf_(smax, base[k]);
-            dmax = maxf_(dmax, d[k]);
+            amax[k] = load_block(row, (s * 8 + (size_t)k) * 32, cols, lo, hi, weights, v[k], w[k]);
+            base[k] = amax[k] > 0.0f ? amax[k] / qp : 0.0f;
+            block_opt o = search_scalar(v[k], w[k], amax[k], qn, qp, tops, n);
+            mag[0][k] = o.d[0];
+            mag[1][k] = -o.d[1];
+            M = maxf_(M, base[k]);
+            D[0] = maxf_(D[0], mag[0][k]);
+            D[1] = maxf_(D[1], mag[1][k]);
         }
-        /* the single-pass quantizer's choice, and its error */
-        uint16_t H = mcf_f32_to_f16_one(smax);
+        /* 1. the single-pass choice */
+        uint16_t H = mcf_f32_to_f16_one(M);
         if ((H & 0x7c00u) == 0x7c00u) overflow = 1;
-        float S0 = mcf_scale_from_f16(H), E0 = 0.0f;
+        float S = mcf_scale_from_f16(H), E = 0.0f;
         for (int k = 0; k < nb; k++) {
-            u0[k] = (base[k] > 0.0f && S0 > 0.0f) ? u6_single_pass(base[k], S0) : 0.0f;
-            float sc = u0[k] > 0.0f ? S0 * (u0[k] / 32.0f) : 0.0f;
-            E0 = E0 + err_scalar(a[k], w[k], sc, qf);
+            u[k] = (base[k] > 0.0f && S > 0.0f) ? u6_single_pass(base[k], S) : 0.0f;
+            E = E + err_scalar(v[k], w[k], u[k] > 0.0f ? S * (u[k] / 32.0f) : 0.0f, qn, qp);
         }
-        memcpy(u, u0, sizeof u);
-        if (dmax > 0.0f) {
-            float bestT = INFINITY;
-            uint16_t bestH = 0;
-            for (int c = 0; c < MCF_SUPER_CANDIDATES; c++) {
-                uint16_t hc = clamp_h(mcf_f32_to_f16_one((dmax * 32.0f) / (float)(63 - c)));
-                float Sc = mcf_scale_from_f16(hc), T = 0.0f, uc[8];
-                for (int k = 0; k < nb; k++) {
-                    float e = 0.0f;
-                    uc[k] = 0.0f;
-                    if (amax[k] > 0.0f) {
-                        float f = floorf((d[k] * 32.0f) / Sc);
-                        float ua = minf_(maxf_(f, 1.0f), 63.0f), ub = minf_(maxf_(f + 1.0f, 1.0f), 63.0f);
-                        float ea = err_scalar(a[k], w[k], Sc * (ua / 32.0f), qf);
-                        float eb = err_scalar(a[k], w[k], Sc * (ub / 32.0f), qf);
-                        uc[k] = eb < ea ? ub : ua;
-                        e = eb < ea ? eb : ea;
-                    }
-                    T = T + e;
-                }
-                if (T < bestT) {
-                    bestT = T;
-                    bestH = hc;
-                    memcpy(bu, uc, sizeof uc);
-                }
+        /* 2. mantle's: the truncated super scale, sub-scales from the unrounded one */
+        {
+            uint16_t Hc = mcf_f32_to_f16_trunc(M);
+            float Sc = mcf_scale_from_f16(Hc), T = 0.0f;
+            for (int k = 0; k < nb; k++) {
+                uc[k] = base[k] > 0.0f ? u6_single_pass(base[k], M) : 0.0f;
+                T = T + err_scalar(v[k], w[k], uc[k] > 0.0f ? Sc * (uc[k] / 32.0f) : 0.0f, qn, qp);
             }
-            if (bestT < E0) {
-                H = bestH;
-                memcpy(u, bu, sizeof u);
+            if (T < E) {
+                E = T;
+                H = Hc;
+                memcpy(u, uc, sizeof u);
+            }
+        }
+        /* 3. the searched choices: per sign, the super scales that give the largest block optimum u6 = 63, 62 */
+        for (int sg = 0; sg < 2; sg++) {
+            if (!(D[sg] > 0.0f)) continue;
+            for (int c = 0; c < MCF_SUPER_CANDIDATES; c++) {
+                uint16_t Hc = clamp_h(mcf_f32_to_f16_one((D[sg] * 32.0f) / (float)(63 - c)));
+                float Sc = mcf_scale_from_f16(Hc), T = 0.0f;
+                for (int k = 0; k < nb; k++) {
+                    uc[k] = 0.0f;
+                    if (!(amax[k] > 0.0f)) continue;
+                    float f = floorf((mag[sg][k] * 32.0f) / Sc);
+                    float ua = minf_(maxf_(f, 1.0f), 63.0f), ub = minf_(maxf_(f + 1.0f, 1.0f), 63.0f);
+                    float sa = Sc * (ua / 32.0f), sb = Sc * (ub / 32.0f);
+                    float ea = err_scalar(v[k], w[k], sg ? -sa : sa, qn, qp);
+                    float eb = err_scalar(v[k], w[k], sg ? -sb : sb, qn, qp);
+                    uc[k] = eb < ea ? ub : ua;
+                    T = T + (eb < ea ? eb : ea);
+                }
+                if (T < E) {
+                    E = T;
+                    H = (uint16_t)(Hc | (sg ? F16_SIGN : 0u));
+                    memcpy(u, uc, sizeof u);
+                }
             }
         }
         supers[s] = H;
-        float S = mcf_scale_from_f16(H);
+        S = mcf_scale_from_f16(H);
         for (int k = 0; k < nb; k++) {
             size_t b = s * 8 + (size_t)k;
             sub[b] = (uint8_t)u[k];
-            codes_scalar_rne(v[k], u[k] > 0.0f ? S * (u[k] / 32.0f) : 0.0f, qf, bits, codes + b * bb);
+            codes_scalar_rne(v[k], u[k] > 0.0f ? S * (u[k] / 32.0f) : 0.0f, qn, qp, bits, codes + b * bb);
         }
     }
     return overflow;
@@ -238,7 +290,7 @@ static int row_super_scalar(int bits, const float *row, size_t cols, size_t bpr,
 
 /* ---------------------------------------------------------------------------------------------------------------
  * AVX2: 8 rows per call, lane l = row r0 + l.  A block's 8 x 32 values are loaded row by row and transposed in
- * registers, so that A[i*8 + l] = |value i of row l|. */
+ * registers, so that V[i*8 + l] = value i of row l. */
 
 MCF_TARGET_AVX2 static inline __m256 dec_ph8(__m128i h)
 {
@@ -251,9 +303,23 @@ MCF_TARGET_AVX2 static inline __m128i f16_8(__m256 x)
     return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* the magnitude clamped to the normal finite range, the sign kept */
 MCF_TARGET_AVX2 static inline __m128i clamp_h8(__m128i h)
 {
-    return _mm_min_epu16(_mm_max_epu16(h, _mm_set1_epi16((short)F16_MIN_NORMAL)), _mm_set1_epi16((short)F16_MAX_FINITE));
+    __m128i m = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    m = _mm_min_epu16(_mm_max_epu16(m, _mm_set1_epi16((short)F16_MIN_NORMAL)), _mm_set1_epi16((short)F16_MAX_FINITE));
+    return _mm_or_si128(m, _mm_and_si128(h, _mm_set1_epi16((short)F16_SIGN)));
+}
+
+/* mcf_f32_to_f16_trunc of finite values >= 0: the mantissa truncated, below 2^-14 zero, from 65536 infinity */
+MCF_TARGET_AVX2 static inline __m128i trunc_h8(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x), e = _mm256_srli_epi32(u, 23);
+    __m256i h = _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(112)), 10),
+                                _mm256_and_si256(_mm256_srli_epi32(u, 13), _mm256_set1_epi32(0x3ff)));
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7c00), _mm256_cmpgt_epi32(e, _mm256_set1_epi32(142)));
+    h = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(113), e), h);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
 MCF_TARGET_AVX2 static inline __m256 rne8(__m256 x)
@@ -275,6 +341,18 @@ MCF_TARGET_AVX2 static inline __m256 inv8(__m256 s)
     return _mm256_and_ps(nz, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_blendv_ps(_mm256_set1_ps(1.0f), s, nz)));
 }
 
+/* u6_single_pass per lane where ok (else 0) */
+MCF_TARGET_AVX2 static inline __m256 u6_8(__m256 base, __m256 super, __m256 ok)
+{
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 t = _mm256_mul_ps(_mm256_and_ps(ok, _mm256_div_ps(base, _mm256_blendv_ps(one, super, ok))),
+                             _mm256_set1_ps(32.0f));
+    __m256 tt = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 up = _mm256_cmp_ps(_mm256_sub_ps(t, tt), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    tt = _mm256_add_ps(tt, _mm256_and_ps(up, one));
+    return _mm256_and_ps(ok, _mm256_min_ps(_mm256_max_ps(tt, one), _mm256_set1_ps(63.0f)));
+}
+
 MCF_TARGET_AVX2 static inline void transpose8(__m256 r[8])
 {
     __m256 t[8], u[8];
@@ -294,10 +372,10 @@ MCF_TARGET_AVX2 static inline void transpose8(__m256 r[8])
     }
 }
 
-/* Block (c0, nc columns) of rows 0..nl-1 (stride cols) into A[32][8] as magnitudes of the clipped values;
- * padding and idle lanes 0.  Returns max |value| per lane. */
+/* Block (c0, nc columns) of rows 0..nl-1 (stride cols) into V[32][8], the clipped values (padding and idle
+ * lanes 0).  Returns max |value| per lane. */
 MCF_TARGET_AVX2 static __m256 load_t8(const float *src, size_t cols, size_t nl, size_t c0, size_t nc,
-                                                   float lo, float hi, float *A)
+                                      float lo, float hi, float *V)
 {
     __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), sign = _mm256_set1_ps(-0.0f);
     __m256 amax = _mm256_setzero_ps(), r[8];
@@ -310,77 +388,129 @@ MCF_TARGET_AVX2 static __m256 load_t8(const float *src, size_t cols, size_t nl, 
                 x = _mm256_maskload_ps(src + l * cols + c0 + 8 * q, m);
                 x = _mm256_blendv_ps(x, vlo, _mm256_cmp_ps(x, vlo, _CMP_LT_OQ));
                 x = _mm256_blendv_ps(x, vhi, _mm256_cmp_ps(x, vhi, _CMP_GT_OQ));
-                x = _mm256_andnot_ps(sign, _mm256_and_ps(x, _mm256_castsi256_ps(m)));
+                x = _mm256_and_ps(x, _mm256_castsi256_ps(m));
             }
             r[l] = x;
         }
         transpose8(r);
         for (int i = 0; i < 8; i++) {
-            _mm256_store_ps(A + 8 * (8 * q + i), r[i]);
-            amax = _mm256_max_ps(amax, r[i]);
+            _mm256_store_ps(V + 8 * (8 * q + i), r[i]);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, r[i]));
         }
     }
     return amax;
 }
 
-/* errors of block A0 at scale s0 and block A1 at scale s1 (both per lane), in one pass */
-MCF_TARGET_AVX2 static void err2_8(const float *A0, const float *w0, __m256 s0, const float *A1,
-                                                const float *w1, __m256 s1, float qf, __m256 *e0, __m256 *e1)
+/* The errors of the vector variants.  `unit`: every weight of the block(s) is 1 (no importance, a full block),
+ * and the products by the weight are left out: w * x == x exactly when w == 1, so the sums are the same. */
+MCF_TARGET_AVX2 static __m256 err1_8(const float *V, const float *w, int unit, __m256 s, float qn, float qp)
 {
-    __m256 qp = _mm256_set1_ps(qf), i0 = inv8(s0), i1 = inv8(s1);
+    __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), iv = inv8(s), a = _mm256_setzero_ps();
+    for (int i = 0; i < 32; i++) {
+        __m256 x = _mm256_load_ps(V + 8 * i);
+        __m256 q = _mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x, iv)), vn), vp);
+        __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(s, q)), r2 = _mm256_mul_ps(r, r);
+        a = _mm256_add_ps(a, unit ? r2 : _mm256_mul_ps(_mm256_set1_ps(w[i]), r2));
+    }
+    return a;
+}
+
+/* errors of block V0 at scale s0 and block V1 at scale s1, in one pass */
+MCF_TARGET_AVX2 static void err2_8(const float *V0, const float *w0, __m256 s0, const float *V1,
+                                   const float *w1, __m256 s1, int unit, float qn, float qp, __m256 *e0, __m256 *e1)
+{
+    __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), i0 = inv8(s0), i1 = inv8(s1);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int i = 0; i < 32; i++) {
-        __m256 x0 = _mm256_load_ps(A0 + 8 * i), x1 = _mm256_load_ps(A1 + 8 * i);
-        __m256 q0 = _mm256_min_ps(rne8(_mm256_mul_ps(x0, i0)), qp);
-        __m256 q1 = _mm256_min_ps(rne8(_mm256_mul_ps(x1, i1)), qp);
+        __m256 x0 = _mm256_load_ps(V0 + 8 * i), x1 = _mm256_load_ps(V1 + 8 * i);
+        __m256 q0 = _mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x0, i0)), vn), vp);
+        __m256 q1 = _mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x1, i1)), vn), vp);
         __m256 r0 = _mm256_sub_ps(x0, _mm256_mul_ps(s0, q0)), r1 = _mm256_sub_ps(x1, _mm256_mul_ps(s1, q1));
-        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(w0[i]), _mm256_mul_ps(r0, r0)));
-        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_set1_ps(w1[i]), _mm256_mul_ps(r1, r1)));
+        __m256 p0 = _mm256_mul_ps(r0, r0), p1 = _mm256_mul_ps(r1, r1);
+        a0 = _mm256_add_ps(a0, unit ? p0 : _mm256_mul_ps(_mm256_set1_ps(w0[i]), p0));
+        a1 = _mm256_add_ps(a1, unit ? p1 : _mm256_mul_ps(_mm256_set1_ps(w1[i]), p1));
     }
     *e0 = a0;
     *e1 = a1;
 }
 
-MCF_TARGET_AVX2 static __m256 search8(const float *A, const float *w, __m256 amax, float qf,
-                                                   const float *tops, int n)
+/* one sign's running best: keep (score, slx / sl2) where the score is larger */
+MCF_TARGET_AVX2 static inline void keep8(__m256 slx, __m256 sl2, __m256 live, int neg, __m256 *best, __m256 *d)
 {
-    __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), qp = _mm256_set1_ps(qf);
-    __m256 live = _mm256_cmp_ps(amax, zero, _CMP_GT_OQ);
-    __m256 safe = _mm256_blendv_ps(one, amax, live);
-    __m256 d = _mm256_and_ps(live, _mm256_div_ps(safe, qp)), best = zero;
-    float wa[32 * 8] __attribute__((aligned(32)));
-    for (int i = 0; i < 32; i++)
-        _mm256_store_ps(wa + 8 * i, _mm256_mul_ps(_mm256_set1_ps(w[i]), _mm256_load_ps(A + 8 * i)));
-    for (int j = 0; j < n; j += 2) {
-        __m256 is0 = _mm256_div_ps(_mm256_set1_ps(tops[j]), safe), is1 = _mm256_div_ps(_mm256_set1_ps(tops[j + 1]), safe);
-        __m256 x0 = zero, y0 = zero, x1 = zero, y1 = zero;
-        for (int i = 0; i < 32; i++) {
-            __m256 x = _mm256_load_ps(A + 8 * i), wx = _mm256_load_ps(wa + 8 * i), wi = _mm256_set1_ps(w[i]);
-            __m256 L0 = _mm256_min_ps(rne8(_mm256_mul_ps(x, is0)), qp);
-            __m256 L1 = _mm256_min_ps(rne8(_mm256_mul_ps(x, is1)), qp);
-            x0 = _mm256_add_ps(x0, _mm256_mul_ps(wx, L0));
-            y0 = _mm256_add_ps(y0, _mm256_mul_ps(_mm256_mul_ps(wi, L0), L0));
-            x1 = _mm256_add_ps(x1, _mm256_mul_ps(wx, L1));
-            y1 = _mm256_add_ps(y1, _mm256_mul_ps(_mm256_mul_ps(wi, L1), L1));
-        }
-        for (int t = 0; t < 2; t++) {
-            __m256 slx = t ? x1 : x0, sl2 = t ? y1 : y0;
-            __m256 pos = _mm256_cmp_ps(sl2, zero, _CMP_GT_OQ);
-            __m256 den = _mm256_blendv_ps(one, sl2, pos);
-            __m256 score = _mm256_div_ps(_mm256_mul_ps(slx, slx), den);
-            __m256 better = _mm256_and_ps(_mm256_and_ps(pos, live), _mm256_cmp_ps(score, best, _CMP_GT_OQ));
-            best = _mm256_blendv_ps(best, score, better);
-            d = _mm256_blendv_ps(d, _mm256_div_ps(slx, den), better);
+    __m256 pos = _mm256_cmp_ps(sl2, _mm256_setzero_ps(), _CMP_GT_OQ);
+    __m256 den = _mm256_blendv_ps(_mm256_set1_ps(1.0f), sl2, pos);
+    __m256 score = _mm256_div_ps(_mm256_mul_ps(slx, slx), den);
+    __m256 better = _mm256_and_ps(_mm256_and_ps(pos, live), _mm256_cmp_ps(score, *best, _CMP_GT_OQ));
+    __m256 q = _mm256_div_ps(slx, den);
+    if (neg) q = _mm256_xor_ps(q, _mm256_set1_ps(-0.0f));
+    *best = _mm256_blendv_ps(*best, score, better);
+    *d = _mm256_blendv_ps(*d, q, better);
+}
+
+/* One candidate of search_scalar, both signs, for 8 rows: the sums of x * L and (w * L) * L.  Inlined into
+ * search8 once with unit = 1 (no weight products) and once with unit = 0. */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void sums8(const float *V, const float *wv,
+                                                                        const float *w, const int unit, __m256 is,
+                                                                        float qn, float qp, __m256 acc[4])
+{
+    const __m256 vn = _mm256_set1_ps(qn), vp = _mm256_set1_ps(qp), vmn = _mm256_set1_ps(-qn), vmp = _mm256_set1_ps(-qp);
+    __m256 xp = acc[0], yp = acc[1], xm = acc[2], ym = acc[3];
+    for (int i = 0; i < 32; i++) {
+        __m256 x = _mm256_load_ps(V + 8 * i), wx = unit ? x : _mm256_load_ps(wv + 8 * i);
+        __m256 r = rne8(_mm256_mul_ps(x, is));
+        __m256 lp = _mm256_min_ps(_mm256_max_ps(r, vn), vp);
+        __m256 lm = _mm256_max_ps(_mm256_min_ps(r, vmn), vmp);
+        xp = _mm256_add_ps(xp, _mm256_mul_ps(wx, lp));
+        xm = _mm256_add_ps(xm, _mm256_mul_ps(wx, lm));
+        if (unit) {
+            yp = _mm256_add_ps(yp, _mm256_mul_ps(lp, lp));
+            ym = _mm256_add_ps(ym, _mm256_mul_ps(lm, lm));
+        } else {
+            __m256 wi = _mm256_set1_ps(w[i]);
+            yp = _mm256_add_ps(yp, _mm256_mul_ps(_mm256_mul_ps(wi, lp), lp));
+            ym = _mm256_add_ps(ym, _mm256_mul_ps(_mm256_mul_ps(wi, lm), lm));
         }
     }
-    return d;
+    acc[0] = xp;
+    acc[1] = yp;
+    acc[2] = xm;
+    acc[3] = ym;
+}
+
+/* The block search of search_scalar, 8 rows at once: dp/bp the positive optimum and its score, dn/bn the
+ * negative one. */
+MCF_TARGET_AVX2 static void search8(const float *V, const float *w, int unit, __m256 amax, float qn, float qp,
+                                    const float *tops, int n, __m256 *dp, __m256 *bp, __m256 *dn, __m256 *bn)
+{
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    __m256 live = _mm256_cmp_ps(amax, zero, _CMP_GT_OQ);
+    __m256 safe = _mm256_blendv_ps(one, amax, live);
+    __m256 base = _mm256_and_ps(live, _mm256_div_ps(safe, _mm256_set1_ps(qp)));
+    __m256 d0 = base, d1 = _mm256_xor_ps(base, _mm256_set1_ps(-0.0f)), b0 = zero, b1 = zero;
+    float wv[32 * 8] __attribute__((aligned(32)));
+    if (!unit)
+        for (int i = 0; i < 32; i++)
+            _mm256_store_ps(wv + 8 * i, _mm256_mul_ps(_mm256_set1_ps(w[i]), _mm256_load_ps(V + 8 * i)));
+    for (int j = 0; j < n; j++) {
+        __m256 is = _mm256_div_ps(_mm256_set1_ps(tops[j]), safe), acc[4] = {zero, zero, zero, zero};
+        if (unit)
+            sums8(V, wv, w, 1, is, qn, qp, acc);
+        else
+            sums8(V, wv, w, 0, is, qn, qp, acc);
+        keep8(acc[0], acc[1], live, 0, &b0, &d0);
+        keep8(acc[2], acc[3], live, 1, &b1, &d1);
+    }
+    *dp = d0;
+    *bp = b0;
+    *dn = d1;
+    *bn = b1;
 }
 
 MCF_TARGET_AVX2 static void codes_row8(const float *row, size_t c0, size_t nc, float lo, float hi,
-                                                    float inv, float qf, int bits, uint8_t *dst)
+                                       float inv, float qn, float qp, int bits, uint8_t *dst)
 {
     __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vi = _mm256_set1_ps(inv);
-    __m256 qp = _mm256_set1_ps(qf), qn = _mm256_set1_ps(-qf);
+    __m256 vp = _mm256_set1_ps(qp), vn = _mm256_set1_ps(qn);
     __m256i q[4];
     for (int k = 0; k < 4; k++) {
         __m256i ix = _mm256_add_epi32(_mm256_set1_epi32(8 * k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -389,7 +519,7 @@ MCF_TARGET_AVX2 static void codes_row8(const float *row, size_t c0, size_t nc, f
         x = _mm256_blendv_ps(x, vlo, _mm256_cmp_ps(x, vlo, _CMP_LT_OQ));
         x = _mm256_blendv_ps(x, vhi, _mm256_cmp_ps(x, vhi, _CMP_GT_OQ));
         x = _mm256_and_ps(x, _mm256_castsi256_ps(m));
-        q[k] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x, vi)), qn), qp));
+        q[k] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(rne8(_mm256_mul_ps(x, vi)), vn), vp));
     }
     mcf_store_codes32_avx2(q, bits, dst);
 }
@@ -407,116 +537,141 @@ static void weights_of(const float *weights, size_t c0, size_t nc, float w[32])
 }
 
 MCF_TARGET_AVX2 static int group_block_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t nl,
-                                                         float lo, float hi, const float *weights, uint16_t *scales,
-                                                         uint8_t *codes)
+                                            float lo, float hi, const float *weights, uint16_t *scales,
+                                            uint8_t *codes)
 {
-    const float qf = (float)((1 << (bits - 1)) - 1);
+    const float qp = (float)((1 << (bits - 1)) - 1), qn = -qp - 1.0f;
     float tops[MCF_SEARCH_MAX_CANDIDATES];
-    int n = grid_tops(bits, qf, tops), overflow = 0;
+    int n = grid_tops(bits, qp, tops), overflow = 0;
     __m256 act = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)nl), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    float A[32 * 8] __attribute__((aligned(32))), w[32], inv[8];
+    float V[32 * 8] __attribute__((aligned(32))), w[32], inv[8];
     uint16_t hs[8];
     size_t bb = (size_t)bits * 4;
     for (size_t b = 0; b < bpr; b++) {
         size_t c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
         weights_of(weights, c0, nc, w);
-        __m256 amax = load_t8(src, cols, nl, c0, nc, lo, hi, A);
+        int unit = !weights && nc == 32;
+        __m256 amax = load_t8(src, cols, nl, c0, nc, lo, hi, V);
         __m256 live = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
-        __m256 base = _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(qf)));
-        __m128i h0 = f16_8(base);
-        overflow |= overflow8(h0, act);
-        __m256 d = search8(A, w, amax, qf, tops, n);
-        __m128i h1 = clamp_h8(f16_8(d));
-        __m256 e0, e1;
-        err2_8(A, w, dec_ph8(h0), A, w, dec_ph8(h1), qf, &e0, &e1);
-        __m128i h = _mm_blendv_epi8(h0, h1, mask16_of(_mm256_cmp_ps(e1, e0, _CMP_LT_OQ)));
+        __m256 base = _mm256_and_ps(live, _mm256_div_ps(amax, _mm256_set1_ps(qp)));
+        __m128i h = f16_8(base), hm = trunc_h8(base);
+        overflow |= overflow8(h, act);
+        __m256 dp, bp, dn, bn, e, em;
+        search8(V, w, unit, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
+        __m128i hsr = clamp_h8(f16_8(_mm256_blendv_ps(dn, dp, _mm256_cmp_ps(bp, bn, _CMP_GE_OQ))));
+        err2_8(V, w, dec_ph8(h), V, w, dec_ph8(hm), unit, qn, qp, &e, &em);
+        __m256 take = _mm256_cmp_ps(em, e, _CMP_LT_OQ);
+        h = _mm_blendv_epi8(h, hm, mask16_of(take));
+        e = _mm256_blendv_ps(e, em, take);
+        take = _mm256_cmp_ps(err1_8(V, w, unit, dec_ph8(hsr), qn, qp), e, _CMP_LT_OQ);
+        h = _mm_blendv_epi8(h, hsr, mask16_of(take));
         _mm_storeu_si128((__m128i *)hs, h);
         _mm256_storeu_ps(inv, inv8(dec_ph8(h)));
         for (size_t l = 0; l < nl; l++) {
             scales[l * bpr + b] = hs[l];
-            codes_row8(src + l * cols, c0, nc, lo, hi, inv[l], qf, bits, codes + (l * bpr + b) * bb);
+            codes_row8(src + l * cols, c0, nc, lo, hi, inv[l], qn, qp, bits, codes + (l * bpr + b) * bb);
         }
     }
     return overflow;
 }
 
-MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t spr,
-                                                         size_t nl, float lo, float hi, const float *weights,
-                                                         uint16_t *supers, uint8_t *sub, uint8_t *codes)
+/* the total error of a super-block's nb blocks at the scales sc[k], summed in block order */
+MCF_TARGET_AVX2 static __m256 total8(const float (*V)[32 * 8], const float (*w)[32], const int *unit,
+                                     const __m256 *sc, int nb, float qn, float qp)
 {
-    const float qf = (float)((1 << (bits - 1)) - 1);
+    __m256 e[8], T = _mm256_setzero_ps();
+    for (int k = 0; k < nb; k += 2) {  /* two blocks per pass */
+        int k1 = k + 1 < nb ? k + 1 : k;
+        err2_8(V[k], w[k], sc[k], V[k1], w[k1], sc[k1], unit[k] && unit[k1], qn, qp, &e[k], &e[k1]);
+    }
+    for (int k = 0; k < nb; k++) T = _mm256_add_ps(T, e[k]);
+    return T;
+}
+
+MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t spr,
+                                            size_t nl, float lo, float hi, const float *weights,
+                                            uint16_t *supers, uint8_t *sub, uint8_t *codes)
+{
+    const float qp = (float)((1 << (bits - 1)) - 1), qn = -qp - 1.0f;
     float tops[MCF_SEARCH_MAX_CANDIDATES];
-    int n = grid_tops(bits, qf, tops), overflow = 0;
+    int n = grid_tops(bits, qp, tops), overflow = 0;
     __m256 act = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)nl), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    float A[8][32 * 8] __attribute__((aligned(32))), w[8][32], uu[8], inv[8];
+    float V[8][32 * 8] __attribute__((aligned(32))), w[8][32], uu[8], inv[8];
     uint16_t hs[8];
-    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), c32 = _mm256_set1_ps(32.0f);
-    const __m256 c63 = _mm256_set1_ps(63.0f), qv = _mm256_set1_ps(qf);
+    const __m256 zero = _mm256_setzero_ps(), c32 = _mm256_set1_ps(32.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 c63 = _mm256_set1_ps(63.0f), vp = _mm256_set1_ps(qp), neg0 = _mm256_set1_ps(-0.0f);
     size_t bb = (size_t)bits * 4;
     for (size_t s = 0; s < spr; s++) {
         int nb = (int)(bpr - s * 8 < 8 ? bpr - s * 8 : 8);
-        __m256 amax[8], base[8], d[8], u[8], bu[8], e0[8], smax = zero, dmax = zero;
+        __m256 amax[8], base[8], mag[2][8], u[8], uc[8], sc[8], M = zero, D[2] = {zero, zero};
+        int unit[8];
         for (int k = 0; k < nb; k++) {
             size_t c0 = (s * 8 + (size_t)k) * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
             weights_of(weights, c0, nc, w[k]);
-            amax[k] = load_t8(src, cols, nl, c0, nc, lo, hi, A[k]);
+            unit[k] = !weights && nc == 32;
+            amax[k] = load_t8(src, cols, nl, c0, nc, lo, hi, V[k]);
             __m256 live = _mm256_cmp_ps(amax[k], zero, _CMP_GT_OQ);
-            base[k] = _mm256_and_ps(live, _mm256_div_ps(amax[k], qv));
-            d[k] = search8(A[k], w[k], amax[k], qf, tops, n);
-            smax = _mm256_max_ps(smax, base[k]);
-            dmax = _mm256_max_ps(dmax, d[k]);
+            base[k] = _mm256_and_ps(live, _mm256_div_ps(amax[k], vp));
+            __m256 bp, dn, bn;
+            search8(V[k], w[k], unit[k], amax[k], qn, qp, tops, n, &mag[0][k], &bp, &dn, &bn);
+            mag[1][k] = _mm256_xor_ps(dn, neg0);
+            M = _mm256_max_ps(M, base[k]);
+            D[0] = _mm256_max_ps(D[0], mag[0][k]);
+            D[1] = _mm256_max_ps(D[1], mag[1][k]);
         }
-        __m128i H = f16_8(smax);
+        /* 1. the single-pass choice */
+        __m128i H = f16_8(M);
         overflow |= overflow8(H, act);
-        __m256 S0 = dec_ph8(H), E0 = zero, sc0[8];
-        __m256 s0pos = _mm256_cmp_ps(S0, zero, _CMP_GT_OQ), S0safe = _mm256_blendv_ps(one, S0, s0pos);
+        __m256 S = dec_ph8(H), spos = _mm256_cmp_ps(S, zero, _CMP_GT_OQ);
         for (int k = 0; k < nb; k++) {
-            __m256 ok = _mm256_and_ps(_mm256_cmp_ps(base[k], zero, _CMP_GT_OQ), s0pos);
-            __m256 t = _mm256_mul_ps(_mm256_and_ps(ok, _mm256_div_ps(base[k], S0safe)), c32);
-            __m256 tt = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __m256 up = _mm256_cmp_ps(_mm256_sub_ps(t, tt), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-            tt = _mm256_add_ps(tt, _mm256_and_ps(up, one));
-            u[k] = _mm256_and_ps(ok, _mm256_min_ps(_mm256_max_ps(tt, one), c63));
-            __m256 upos = _mm256_cmp_ps(u[k], zero, _CMP_GT_OQ);
-            sc0[k] = _mm256_and_ps(upos, _mm256_mul_ps(S0, _mm256_div_ps(u[k], c32)));
+            u[k] = u6_8(base[k], S, _mm256_and_ps(_mm256_cmp_ps(base[k], zero, _CMP_GT_OQ), spos));
+            sc[k] = _mm256_and_ps(_mm256_cmp_ps(u[k], zero, _CMP_GT_OQ), _mm256_mul_ps(S, _mm256_div_ps(u[k], c32)));
         }
-        for (int k = 0; k < nb; k += 2) {  /* two blocks per pass */
-            int k1 = k + 1 < nb ? k + 1 : k;
-            err2_8(A[k], w[k], sc0[k], A[k1], w[k1], sc0[k1], qf, &e0[k], &e0[k1]);
+        __m256 E = total8((const float(*)[32 * 8])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
+        /* 2. mantle's */
+        {
+            __m128i Hc = trunc_h8(M);
+            __m256 Sc = dec_ph8(Hc);
+            for (int k = 0; k < nb; k++) {
+                uc[k] = u6_8(base[k], M, _mm256_cmp_ps(base[k], zero, _CMP_GT_OQ));
+                sc[k] = _mm256_and_ps(_mm256_cmp_ps(uc[k], zero, _CMP_GT_OQ), _mm256_mul_ps(Sc, _mm256_div_ps(uc[k], c32)));
+            }
+            __m256 T = total8((const float(*)[32 * 8])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
+            __m256 take = _mm256_cmp_ps(T, E, _CMP_LT_OQ);
+            E = _mm256_blendv_ps(E, T, take);
+            H = _mm_blendv_epi8(H, Hc, mask16_of(take));
+            for (int k = 0; k < nb; k++) u[k] = _mm256_blendv_ps(u[k], uc[k], take);
         }
-        for (int k = 0; k < nb; k++) E0 = _mm256_add_ps(E0, e0[k]);
-        __m256 anyd = _mm256_and_ps(_mm256_cmp_ps(dmax, zero, _CMP_GT_OQ), act);
-        if (_mm256_movemask_ps(anyd)) {
-            __m256 bestT = _mm256_set1_ps(INFINITY);
-            __m128i bestH = _mm_setzero_si128();
-            for (int k = 0; k < nb; k++) bu[k] = zero;
+        /* 3. the searched choices */
+        for (int sg = 0; sg < 2; sg++) {
+            __m256 anyd = _mm256_and_ps(_mm256_cmp_ps(D[sg], zero, _CMP_GT_OQ), act);
+            if (!_mm256_movemask_ps(anyd)) continue;
+            __m256 flip = sg ? neg0 : zero;
             for (int c = 0; c < MCF_SUPER_CANDIDATES; c++) {
-                __m128i hc = clamp_h8(f16_8(_mm256_div_ps(_mm256_mul_ps(dmax, c32), _mm256_set1_ps((float)(63 - c)))));
-                __m256 Sc = dec_ph8(hc), T = zero, uc[8];
+                __m128i hc = clamp_h8(f16_8(_mm256_div_ps(_mm256_mul_ps(D[sg], c32), _mm256_set1_ps((float)(63 - c)))));
+                __m256 Sc = dec_ph8(hc), T = zero;
                 for (int k = 0; k < nb; k++) {
                     __m256 live = _mm256_cmp_ps(amax[k], zero, _CMP_GT_OQ);
-                    __m256 f = _mm256_round_ps(_mm256_div_ps(_mm256_mul_ps(d[k], c32), Sc),
+                    __m256 f = _mm256_round_ps(_mm256_div_ps(_mm256_mul_ps(mag[sg][k], c32), Sc),
                                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
                     __m256 ua = _mm256_min_ps(_mm256_max_ps(f, one), c63);
                     __m256 ub = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(f, one), one), c63);
                     __m256 ea, eb;
-                    err2_8(A[k], w[k], _mm256_mul_ps(Sc, _mm256_div_ps(ua, c32)), A[k], w[k],
-                           _mm256_mul_ps(Sc, _mm256_div_ps(ub, c32)), qf, &ea, &eb);
+                    err2_8(V[k], w[k], _mm256_xor_ps(_mm256_mul_ps(Sc, _mm256_div_ps(ua, c32)), flip), V[k], w[k],
+                           _mm256_xor_ps(_mm256_mul_ps(Sc, _mm256_div_ps(ub, c32)), flip), unit[k], qn, qp, &ea, &eb);
                     __m256 pb = _mm256_cmp_ps(eb, ea, _CMP_LT_OQ);
                     uc[k] = _mm256_and_ps(live, _mm256_blendv_ps(ua, ub, pb));
                     T = _mm256_add_ps(T, _mm256_and_ps(live, _mm256_blendv_ps(ea, eb, pb)));
                 }
-                __m256 better = _mm256_cmp_ps(T, bestT, _CMP_LT_OQ);
-                bestT = _mm256_blendv_ps(bestT, T, better);
-                bestH = _mm_blendv_epi8(bestH, hc, mask16_of(better));
-                for (int k = 0; k < nb; k++) bu[k] = _mm256_blendv_ps(bu[k], uc[k], better);
+                __m256 take = _mm256_and_ps(anyd, _mm256_cmp_ps(T, E, _CMP_LT_OQ));
+                E = _mm256_blendv_ps(E, T, take);
+                if (sg) hc = _mm_or_si128(hc, _mm_set1_epi16((short)F16_SIGN));
+                H = _mm_blendv_epi8(H, hc, mask16_of(take));
+                for (int k = 0; k < nb; k++) u[k] = _mm256_blendv_ps(u[k], uc[k], take);
             }
-            __m256 take = _mm256_and_ps(anyd, _mm256_cmp_ps(bestT, E0, _CMP_LT_OQ));
-            H = _mm_blendv_epi8(H, bestH, mask16_of(take));
-            for (int k = 0; k < nb; k++) u[k] = _mm256_blendv_ps(u[k], bu[k], take);
         }
         _mm_storeu_si128((__m128i *)hs, H);
-        __m256 S = dec_ph8(H);
+        S = dec_ph8(H);
         for (size_t l = 0; l < nl; l++) supers[l * spr + s] = hs[l];
         for (int k = 0; k < nb; k++) {
             size_t b = s * 8 + (size_t)k, c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
@@ -525,7 +680,7 @@ MCF_TARGET_AVX2 static int group_super_avx2(int bits, const float *src, size_t c
             _mm256_storeu_ps(inv, inv8(_mm256_and_ps(upos, _mm256_mul_ps(S, _mm256_div_ps(u[k], c32)))));
             for (size_t l = 0; l < nl; l++) {
                 sub[l * bpr + b] = (uint8_t)uu[l];
-                codes_row8(src + l * cols, c0, nc, lo, hi, inv[l], qf, bits, codes + (l * bpr + b) * bb);
+                codes_row8(src + l * cols, c0, nc, lo, hi, inv[l], qn, qp, bits, codes + (l * bpr + b) * bb);
             }
         }
     }
@@ -546,10 +701,24 @@ MCF_TARGET_AVX512 static inline __m256i f16_16(__m512 x)
     return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* the magnitude clamped to the normal finite range, the sign kept */
 MCF_TARGET_AVX512 static inline __m256i clamp_h16(__m256i h)
 {
-    return _mm256_min_epu16(_mm256_max_epu16(h, _mm256_set1_epi16((short)F16_MIN_NORMAL)),
-                            _mm256_set1_epi16((short)F16_MAX_FINITE));
+    __m256i m = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
+    m = _mm256_min_epu16(_mm256_max_epu16(m, _mm256_set1_epi16((short)F16_MIN_NORMAL)),
+                         _mm256_set1_epi16((short)F16_MAX_FINITE));
+    return _mm256_or_si256(m, _mm256_and_si256(h, _mm256_set1_epi16((short)F16_SIGN)));
+}
+
+/* mcf_f32_to_f16_trunc of finite values >= 0 (trunc_h8) */
+MCF_TARGET_AVX512 static inline __m256i trunc_h16(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x), e = _mm512_srli_epi32(u, 23);
+    __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(112)), 10),
+                                _mm512_and_si512(_mm512_srli_epi32(u, 13), _mm512_set1_epi32(0x3ff)));
+    h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(142)), _mm512_set1_epi32(0x7c00));
+    h = _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(112)), h);
+    return _mm512_cvtepi32_epi16(h);
 }
 
 MCF_TARGET_AVX512 static inline __m512 rne16(__m512 x)
@@ -560,6 +729,17 @@ MCF_TARGET_AVX512 static inline __m512 rne16(__m512 x)
 MCF_TARGET_AVX512 static inline __m512 inv16(__m512 s)
 {
     return _mm512_maskz_div_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), s);
+}
+
+/* u6_single_pass per lane where ok (else 0) */
+MCF_TARGET_AVX512 static inline __m512 u6_16(__m512 base, __m512 super, __mmask16 ok)
+{
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 t = _mm512_mul_ps(_mm512_maskz_div_ps(ok, base, super), _mm512_set1_ps(32.0f));
+    __m512 tt = _mm512_roundscale_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(t, tt), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    tt = _mm512_mask_add_ps(tt, up, tt, one);
+    return _mm512_maskz_mov_ps(ok, _mm512_min_ps(_mm512_max_ps(tt, one), _mm512_set1_ps(63.0f)));
 }
 
 MCF_TARGET_AVX512 static inline void transpose16(__m512 r[16])
@@ -592,10 +772,10 @@ MCF_TARGET_AVX512 static inline void transpose16(__m512 r[16])
     }
 }
 
-/* Block (c0, nc columns) of rows 0..nl-1 into A[32][16] as magnitudes of the clipped values (padding and idle
- * lanes 0); returns max |value| per lane. */
+/* Block (c0, nc columns) of rows 0..nl-1 into V[32][16], the clipped values (padding and idle lanes 0);
+ * returns max |value| per lane. */
 MCF_TARGET_AVX512 static __m512 load_t16(const float *src, size_t cols, size_t nl, size_t c0, size_t nc,
-                                                      float lo, float hi, float *A)
+                                         float lo, float hi, float *V)
 {
     __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi), amax = _mm512_setzero_ps(), r[16];
     for (int h = 0; h < 2; h++) {
@@ -607,207 +787,292 @@ MCF_TARGET_AVX512 static __m512 load_t16(const float *src, size_t cols, size_t n
                 x = _mm512_maskz_loadu_ps(m, src + l * cols + c0 + 16 * h);
                 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vlo, _CMP_LT_OQ), x, vlo);
                 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vhi, _CMP_GT_OQ), x, vhi);
-                x = _mm512_abs_ps(_mm512_maskz_mov_ps(m, x));
+                x = _mm512_maskz_mov_ps(m, x);
             }
             r[l] = x;
         }
         transpose16(r);
         for (int i = 0; i < 16; i++) {
-            _mm512_store_ps(A + 16 * (16 * h + i), r[i]);
-            amax = _mm512_max_ps(amax, r[i]);
+            _mm512_store_ps(V + 16 * (16 * h + i), r[i]);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(r[i]));
         }
     }
     return amax;
 }
 
-MCF_TARGET_AVX512 static void err2_16(const float *A0, const float *w0, __m512 s0, const float *A1,
-                                                   const float *w1, __m512 s1, float qf, __m512 *e0, __m512 *e1)
+/* The errors of the vector variants.  `unit`: every weight of the block(s) is 1 (no importance, a full block),
+ * and the products by the weight are left out: w * x == x exactly when w == 1, so the sums are the same. */
+MCF_TARGET_AVX512 static __m512 err1_16(const float *V, const float *w, int unit, __m512 s, float qn, float qp)
 {
-    __m512 qp = _mm512_set1_ps(qf), i0 = inv16(s0), i1 = inv16(s1);
+    __m512 vn = _mm512_set1_ps(qn), vp = _mm512_set1_ps(qp), iv = inv16(s), a = _mm512_setzero_ps();
+    for (int i = 0; i < 32; i++) {
+        __m512 x = _mm512_load_ps(V + 16 * i);
+        __m512 q = _mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x, iv)), vn), vp);
+        __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(s, q)), r2 = _mm512_mul_ps(r, r);
+        a = _mm512_add_ps(a, unit ? r2 : _mm512_mul_ps(_mm512_set1_ps(w[i]), r2));
+    }
+    return a;
+}
+
+MCF_TARGET_AVX512 static void err2_16(const float *V0, const float *w0, __m512 s0, const float *V1,
+                                      const float *w1, __m512 s1, int unit, float qn, float qp, __m512 *e0,
+                                      __m512 *e1)
+{
+    __m512 vn = _mm512_set1_ps(qn), vp = _mm512_set1_ps(qp), i0 = inv16(s0), i1 = inv16(s1);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     for (int i = 0; i < 32; i++) {
-        __m512 x0 = _mm512_load_ps(A0 + 16 * i), x1 = _mm512_load_ps(A1 + 16 * i);
-        __m512 q0 = _mm512_min_ps(rne16(_mm512_mul_ps(x0, i0)), qp);
-        __m512 q1 = _mm512_min_ps(rne16(_mm512_mul_ps(x1, i1)), qp);
+        __m512 x0 = _mm512_load_ps(V0 + 16 * i), x1 = _mm512_load_ps(V1 + 16 * i);
+        __m512 q0 = _mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x0, i0)), vn), vp);
+        __m512 q1 = _mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x1, i1)), vn), vp);
         __m512 r0 = _mm512_sub_ps(x0, _mm512_mul_ps(s0, q0)), r1 = _mm512_sub_ps(x1, _mm512_mul_ps(s1, q1));
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(_mm512_set1_ps(w0[i]), _mm512_mul_ps(r0, r0)));
-        a1 = _mm512_add_ps(a1, _mm512_mul_ps(_mm512_set1_ps(w1[i]), _mm512_mul_ps(r1, r1)));
+        __m512 p0 = _mm512_mul_ps(r0, r0), p1 = _mm512_mul_ps(r1, r1);
+        a0 = _mm512_add_ps(a0, unit ? p0 : _mm512_mul_ps(_mm512_set1_ps(w0[i]), p0));
+        a1 = _mm512_add_ps(a1, unit ? p1 : _mm512_mul_ps(_mm512_set1_ps(w1[i]), p1));
     }
     *e0 = a0;
     *e1 = a1;
 }
 
-MCF_TARGET_AVX512 static __m512 search16(const float *A, const float *w, __m512 amax, float qf,
-                                                      const float *tops, int n)
+MCF_TARGET_AVX512 static inline void keep16(__m512 slx, __m512 sl2, __mmask16 live, int neg, __m512 *best,
+                                            __m512 *d)
 {
-    __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
-    __m512 one = _mm512_set1_ps(1.0f), qp = _mm512_set1_ps(qf);
-    __m512 safe = _mm512_mask_blend_ps(live, one, amax);
-    __m512 d = _mm512_maskz_div_ps(live, safe, qp), best = _mm512_setzero_ps();
-    float wa[32 * 16] __attribute__((aligned(64)));
-    for (int i = 0; i < 32; i++)
-        _mm512_store_ps(wa + 16 * i, _mm512_mul_ps(_mm512_set1_ps(w[i]), _mm512_load_ps(A + 16 * i)));
-    for (int j = 0; j < n; j += 2) {   /* two candidates per pass (every table has an even count) */
-        __m512 is0 = _mm512_div_ps(_mm512_set1_ps(tops[j]), safe), is1 = _mm512_div_ps(_mm512_set1_ps(tops[j + 1]), safe);
-        __m512 x0 = _mm512_setzero_ps(), y0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps(), y1 = _mm512_setzero_ps();
-        for (int i = 0; i < 32; i++) {
-            __m512 x = _mm512_load_ps(A + 16 * i), wx = _mm512_load_ps(wa + 16 * i), wi = _mm512_set1_ps(w[i]);
-            __m512 L0 = _mm512_min_ps(rne16(_mm512_mul_ps(x, is0)), qp);
-            __m512 L1 = _mm512_min_ps(rne16(_mm512_mul_ps(x, is1)), qp);
-            x0 = _mm512_add_ps(x0, _mm512_mul_ps(wx, L0));
-            y0 = _mm512_add_ps(y0, _mm512_mul_ps(_mm512_mul_ps(wi, L0), L0));
-            x1 = _mm512_add_ps(x1, _mm512_mul_ps(wx, L1));
-            y1 = _mm512_add_ps(y1, _mm512_mul_ps(_mm512_mul_ps(wi, L1), L1));
-        }
-        for (int t = 0; t < 2; t++) {
-            __m512 slx = t ? x1 : x0, sl2 = t ? y1 : y0;
-            __mmask16 pos = _mm512_cmp_ps_mask(sl2, _mm512_setzero_ps(), _CMP_GT_OQ);
-            __m512 den = _mm512_mask_blend_ps(pos, one, sl2);
-            __m512 score = _mm512_div_ps(_mm512_mul_ps(slx, slx), den);
-            __mmask16 better = pos & live & _mm512_cmp_ps_mask(score, best, _CMP_GT_OQ);
-            best = _mm512_mask_blend_ps(better, best, score);
-            d = _mm512_mask_blend_ps(better, d, _mm512_div_ps(slx, den));
-        }
-    }
-    return d;
+    __mmask16 pos = _mm512_cmp_ps_mask(sl2, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512 den = _mm512_mask_blend_ps(pos, _mm512_set1_ps(1.0f), sl2);
+    __m512 score = _mm512_div_ps(_mm512_mul_ps(slx, slx), den);
+    __mmask16 better = pos & live & _mm512_cmp_ps_mask(score, *best, _CMP_GT_OQ);
+    __m512 q = _mm512_div_ps(slx, den);
+    if (neg) q = _mm512_xor_ps(q, _mm512_set1_ps(-0.0f));
+    *best = _mm512_mask_blend_ps(better, *best, score);
+    *d = _mm512_mask_blend_ps(better, *d, q);
 }
 
-/* codes of one block of one row, row-major: q = clamp(rint(v * inv)), packed LSB first */
+/* Two candidates of search_scalar, both signs, for 16 rows: the sums of x * L and (w * L) * L.  Inlined into
+ * search16 once with unit = 1 (no weight products) and once with unit = 0. */
+MCF_TARGET_AVX512 static inline __attribute__((always_inline)) void sums16(const float *V, const float *wv,
+                                                                           const float *w, const int unit,
+                                                                           __m512 is0, __m512 is1, float qn,
+                                                                           float qp, __m512 acc[8])
+{
+    const __m512 vn = _mm512_set1_ps(qn), vp = _mm512_set1_ps(qp), vmn = _mm512_set1_ps(-qn), vmp = _mm512_set1_ps(-qp);
+    __m512 xp0 = acc[0], yp0 = acc[1], xm0 = acc[2], ym0 = acc[3], xp1 = acc[4], yp1 = acc[5], xm1 = acc[6], ym1 = acc[7];
+    for (int i = 0; i < 32; i++) {
+        __m512 x = _mm512_load_ps(V + 16 * i), wx = unit ? x : _mm512_load_ps(wv + 16 * i);
+        __m512 r0 = rne16(_mm512_mul_ps(x, is0)), r1 = rne16(_mm512_mul_ps(x, is1));
+        __m512 lp0 = _mm512_min_ps(_mm512_max_ps(r0, vn), vp), lm0 = _mm512_max_ps(_mm512_min_ps(r0, vmn), vmp);
+        __m512 lp1 = _mm512_min_ps(_mm512_max_ps(r1, vn), vp), lm1 = _mm512_max_ps(_mm512_min_ps(r1, vmn), vmp);
+        xp0 = _mm512_add_ps(xp0, _mm512_mul_ps(wx, lp0));
+        xm0 = _mm512_add_ps(xm0, _mm512_mul_ps(wx, lm0));
+        xp1 = _mm512_add_ps(xp1, _mm512_mul_ps(wx, lp1));
+        xm1 = _mm512_add_ps(xm1, _mm512_mul_ps(wx, lm1));
+        if (unit) {
+            yp0 = _mm512_add_ps(yp0, _mm512_mul_ps(lp0, lp0));
+            ym0 = _mm512_add_ps(ym0, _mm512_mul_ps(lm0, lm0));
+            yp1 = _mm512_add_ps(yp1, _mm512_mul_ps(lp1, lp1));
+            ym1 = _mm512_add_ps(ym1, _mm512_mul_ps(lm1, lm1));
+        } else {
+            __m512 wi = _mm512_set1_ps(w[i]);
+            yp0 = _mm512_add_ps(yp0, _mm512_mul_ps(_mm512_mul_ps(wi, lp0), lp0));
+            ym0 = _mm512_add_ps(ym0, _mm512_mul_ps(_mm512_mul_ps(wi, lm0), lm0));
+            yp1 = _mm512_add_ps(yp1, _mm512_mul_ps(_mm512_mul_ps(wi, lp1), lp1));
+            ym1 = _mm512_add_ps(ym1, _mm512_mul_ps(_mm512_mul_ps(wi, lm1), lm1));
+        }
+    }
+    acc[0] = xp0; acc[1] = yp0; acc[2] = xm0; acc[3] = ym0; acc[4] = xp1; acc[5] = yp1; acc[6] = xm1; acc[7] = ym1;
+}
+
+MCF_TARGET_AVX512 static void search16(const float *V, const float *w, int unit, __m512 amax, float qn,
+                                       float qp, const float *tops, int n, __m512 *dp, __m512 *bp, __m512 *dn,
+                                       __m512 *bn)
+{
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    __mmask16 live = _mm512_cmp_ps_mask(amax, zero, _CMP_GT_OQ);
+    __m512 safe = _mm512_mask_blend_ps(live, one, amax);
+    __m512 base = _mm512_maskz_div_ps(live, safe, _mm512_set1_ps(qp));
+    __m512 d0 = base, d1 = _mm512_xor_ps(base, _mm512_set1_ps(-0.0f)), b0 = zero, b1 = zero;
+    float wv[32 * 16] __attribute__((aligned(64)));
+    if (!unit)
+        for (int i = 0; i < 32; i++)
+            _mm512_store_ps(wv + 16 * i, _mm512_mul_ps(_mm512_set1_ps(w[i]), _mm512_load_ps(V + 16 * i)));
+    for (int j = 0; j < n; j += 2) {   /* two candidates per pass (every table has an even count) */
+        __m512 is0 = _mm512_div_ps(_mm512_set1_ps(tops[j]), safe), is1 = _mm512_div_ps(_mm512_set1_ps(tops[j + 1]), safe);
+        __m512 acc[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
+        if (unit)
+            sums16(V, wv, w, 1, is0, is1, qn, qp, acc);
+        else
+            sums16(V, wv, w, 0, is0, is1, qn, qp, acc);
+        keep16(acc[0], acc[1], live, 0, &b0, &d0);
+        keep16(acc[2], acc[3], live, 1, &b1, &d1);
+        keep16(acc[4], acc[5], live, 0, &b0, &d0);
+        keep16(acc[6], acc[7], live, 1, &b1, &d1);
+    }
+    *dp = d0;
+    *bp = b0;
+    *dn = d1;
+    *bn = b1;
+}
+
+/* codes of one block of one row, row-major: q = clamp(rint(v * inv), qn, qp), packed LSB first */
 MCF_TARGET_AVX512 static void codes_row16(const float *row, size_t c0, size_t nc, float lo, float hi,
-                                                       float inv, float qf, int bits, uint8_t *dst)
+                                          float inv, float qn, float qp, int bits, uint8_t *dst)
 {
     __mmask16 m0 = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1u);
     __mmask16 m1 = nc >= 32 ? (__mmask16)0xffff : (nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0);
     __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi), vi = _mm512_set1_ps(inv);
-    __m512 qp = _mm512_set1_ps(qf), qn = _mm512_set1_ps(-qf);
+    __m512 vp = _mm512_set1_ps(qp), vn = _mm512_set1_ps(qn);
     __m512i q[2];
     for (int h = 0; h < 2; h++) {
         __m512 x = _mm512_maskz_loadu_ps(h ? m1 : m0, row + c0 + 16 * h);
         x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vlo, _CMP_LT_OQ), x, vlo);
         x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vhi, _CMP_GT_OQ), x, vhi);
         x = _mm512_maskz_mov_ps(h ? m1 : m0, x);
-        q[h] = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x, vi)), qn), qp));
+        q[h] = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(rne16(_mm512_mul_ps(x, vi)), vn), vp));
     }
     mcf_store_codes32_avx512(q[0], q[1], bits, dst);
 }
 
-MCF_TARGET_AVX512 static int group_block_avx512(int bits, const float *src, size_t cols, size_t bpr,
-                                                             size_t nl, float lo, float hi, const float *weights,
-                                                             uint16_t *scales, uint8_t *codes)
+MCF_TARGET_AVX512 static inline int overflow16(__m256i h, __mmask16 act)
 {
-    const float qf = (float)((1 << (bits - 1)) - 1);
+    return _mm256_mask_cmpeq_epi16_mask(act, _mm256_and_si256(h, _mm256_set1_epi16(0x7c00)),
+                                        _mm256_set1_epi16(0x7c00)) != 0;
+}
+
+MCF_TARGET_AVX512 static int group_block_avx512(int bits, const float *src, size_t cols, size_t bpr, size_t nl,
+                                                float lo, float hi, const float *weights, uint16_t *scales,
+                                                uint8_t *codes)
+{
+    const float qp = (float)((1 << (bits - 1)) - 1), qn = -qp - 1.0f;
     float tops[MCF_SEARCH_MAX_CANDIDATES];
-    int n = grid_tops(bits, qf, tops), overflow = 0;
+    int n = grid_tops(bits, qp, tops), overflow = 0;
     __mmask16 act = nl >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nl) - 1u);
-    float A[32 * 16] __attribute__((aligned(64))), w[32], inv[16];
+    float V[32 * 16] __attribute__((aligned(64))), w[32], inv[16];
     uint16_t hs[16];
     size_t bb = (size_t)bits * 4;
     for (size_t b = 0; b < bpr; b++) {
         size_t c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
         weights_of(weights, c0, nc, w);
-        __m512 amax = load_t16(src, cols, nl, c0, nc, lo, hi, A);
+        int unit = !weights && nc == 32;
+        __m512 amax = load_t16(src, cols, nl, c0, nc, lo, hi, V);
         __mmask16 live = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
-        __m512 base = _mm512_maskz_div_ps(live, amax, _mm512_set1_ps(qf));
-        __m256i h0 = f16_16(base);
-        if (_mm256_mask_cmpeq_epi16_mask(act, _mm256_and_si256(h0, _mm256_set1_epi16(0x7c00)),
-                                         _mm256_set1_epi16(0x7c00)))
-            overflow = 1;
-        __m512 d = search16(A, w, amax, qf, tops, n);
-        __m256i h1 = clamp_h16(f16_16(d));
-        __m512 e0, e1;
-        err2_16(A, w, dec_ph16(h0), A, w, dec_ph16(h1), qf, &e0, &e1);
-        __m256i h = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(e1, e0, _CMP_LT_OQ), h0, h1);
+        __m512 base = _mm512_maskz_div_ps(live, amax, _mm512_set1_ps(qp));
+        __m256i h = f16_16(base), hm = trunc_h16(base);
+        overflow |= overflow16(h, act);
+        __m512 dp, bp, dn, bn, e, em;
+        search16(V, w, unit, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
+        __m256i hsr = clamp_h16(f16_16(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(bp, bn, _CMP_GE_OQ), dn, dp)));
+        err2_16(V, w, dec_ph16(h), V, w, dec_ph16(hm), unit, qn, qp, &e, &em);
+        __mmask16 take = _mm512_cmp_ps_mask(em, e, _CMP_LT_OQ);
+        h = _mm256_mask_blend_epi16(take, h, hm);
+        e = _mm512_mask_blend_ps(take, e, em);
+        take = _mm512_cmp_ps_mask(err1_16(V, w, unit, dec_ph16(hsr), qn, qp), e, _CMP_LT_OQ);
+        h = _mm256_mask_blend_epi16(take, h, hsr);
         _mm256_storeu_si256((__m256i *)hs, h);
         _mm512_storeu_ps(inv, inv16(dec_ph16(h)));
         for (size_t l = 0; l < nl; l++) {
             scales[l * bpr + b] = hs[l];
-            codes_row16(src + l * cols, c0, nc, lo, hi, inv[l], qf, bits, codes + (l * bpr + b) * bb);
+            codes_row16(src + l * cols, c0, nc, lo, hi, inv[l], qn, qp, bits, codes + (l * bpr + b) * bb);
         }
     }
     return overflow;
 }
 
-MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size_t cols, size_t bpr,
-                                                             size_t spr, size_t nl, float lo, float hi,
-                                                             const float *weights, uint16_t *supers, uint8_t *sub,
-                                                             uint8_t *codes)
+MCF_TARGET_AVX512 static __m512 total16(const float (*V)[32 * 16], const float (*w)[32], const int *unit,
+                                        const __m512 *sc, int nb, float qn, float qp)
 {
-    const float qf = (float)((1 << (bits - 1)) - 1);
+    __m512 e[8], T = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k += 2) {  /* two blocks per pass */
+        int k1 = k + 1 < nb ? k + 1 : k;
+        err2_16(V[k], w[k], sc[k], V[k1], w[k1], sc[k1], unit[k] && unit[k1], qn, qp, &e[k], &e[k1]);
+    }
+    for (int k = 0; k < nb; k++) T = _mm512_add_ps(T, e[k]);
+    return T;
+}
+
+MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size_t cols, size_t bpr,
+                                                size_t spr, size_t nl, float lo, float hi,
+                                                const float *weights, uint16_t *supers, uint8_t *sub,
+                                                uint8_t *codes)
+{
+    const float qp = (float)((1 << (bits - 1)) - 1), qn = -qp - 1.0f;
     float tops[MCF_SEARCH_MAX_CANDIDATES];
-    int n = grid_tops(bits, qf, tops), overflow = 0;
+    int n = grid_tops(bits, qp, tops), overflow = 0;
     __mmask16 act = nl >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nl) - 1u);
-    float A[8][32 * 16] __attribute__((aligned(64))), w[8][32], uu[16], inv[16];
+    float V[8][32 * 16] __attribute__((aligned(64))), w[8][32], uu[16], inv[16];
     uint16_t hs[16];
     const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f), c32 = _mm512_set1_ps(32.0f);
-    const __m512 c63 = _mm512_set1_ps(63.0f);
+    const __m512 c63 = _mm512_set1_ps(63.0f), vp = _mm512_set1_ps(qp), neg0 = _mm512_set1_ps(-0.0f);
     size_t bb = (size_t)bits * 4;
     for (size_t s = 0; s < spr; s++) {
         int nb = (int)(bpr - s * 8 < 8 ? bpr - s * 8 : 8);
-        __m512 amax[8], base[8], d[8], u[8], bu[8], e0[8], sc0[8];
-        __m512 smax = zero, dmax = zero;
+        __m512 amax[8], base[8], mag[2][8], u[8], uc[8], sc[8], M = zero, D[2] = {zero, zero};
+        int unit[8];
         for (int k = 0; k < nb; k++) {
             size_t c0 = (s * 8 + (size_t)k) * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
             weights_of(weights, c0, nc, w[k]);
-            amax[k] = load_t16(src, cols, nl, c0, nc, lo, hi, A[k]);
+            unit[k] = !weights && nc == 32;
+            amax[k] = load_t16(src, cols, nl, c0, nc, lo, hi, V[k]);
             __mmask16 live = _mm512_cmp_ps_mask(amax[k], zero, _CMP_GT_OQ);
-            base[k] = _mm512_maskz_div_ps(live, amax[k], _mm512_set1_ps(qf));
-            d[k] = search16(A[k], w[k], amax[k], qf, tops, n);
-            smax = _mm512_max_ps(smax, base[k]);
-            dmax = _mm512_max_ps(dmax, d[k]);
+            base[k] = _mm512_maskz_div_ps(live, amax[k], vp);
+            __m512 bp, dn, bn;
+            search16(V[k], w[k], unit[k], amax[k], qn, qp, tops, n, &mag[0][k], &bp, &dn, &bn);
+            mag[1][k] = _mm512_xor_ps(dn, neg0);
+            M = _mm512_max_ps(M, base[k]);
+            D[0] = _mm512_max_ps(D[0], mag[0][k]);
+            D[1] = _mm512_max_ps(D[1], mag[1][k]);
         }
-        __m256i H = f16_16(smax);
-        if (_mm256_mask_cmpeq_epi16_mask(act, _mm256_and_si256(H, _mm256_set1_epi16(0x7c00)),
-                                         _mm256_set1_epi16(0x7c00)))
-            overflow = 1;
-        __m512 S0 = dec_ph16(H), E0 = zero;
-        __mmask16 s0pos = _mm512_cmp_ps_mask(S0, zero, _CMP_GT_OQ);
+        /* 1. the single-pass choice */
+        __m256i H = f16_16(M);
+        overflow |= overflow16(H, act);
+        __m512 S = dec_ph16(H);
+        __mmask16 spos = _mm512_cmp_ps_mask(S, zero, _CMP_GT_OQ);
         for (int k = 0; k < nb; k++) {
-            __mmask16 ok = _mm512_cmp_ps_mask(base[k], zero, _CMP_GT_OQ) & s0pos;
-            __m512 t = _mm512_mul_ps(_mm512_maskz_div_ps(ok, base[k], S0), c32);
-            __m512 tt = _mm512_roundscale_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(t, tt), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-            tt = _mm512_mask_add_ps(tt, up, tt, one);
-            u[k] = _mm512_maskz_mov_ps(ok, _mm512_min_ps(_mm512_max_ps(tt, one), c63));
-            __mmask16 upos = _mm512_cmp_ps_mask(u[k], zero, _CMP_GT_OQ);
-            sc0[k] = _mm512_maskz_mul_ps(upos, S0, _mm512_div_ps(u[k], c32));
+            u[k] = u6_16(base[k], S, _mm512_cmp_ps_mask(base[k], zero, _CMP_GT_OQ) & spos);
+            sc[k] = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(u[k], zero, _CMP_GT_OQ), S, _mm512_div_ps(u[k], c32));
         }
-        for (int k = 0; k < nb; k += 2) {  /* two blocks per pass */
-            int k1 = k + 1 < nb ? k + 1 : k;
-            err2_16(A[k], w[k], sc0[k], A[k1], w[k1], sc0[k1], qf, &e0[k], &e0[k1]);
+        __m512 E = total16((const float(*)[32 * 16])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
+        /* 2. mantle's */
+        {
+            __m256i Hc = trunc_h16(M);
+            __m512 Sc = dec_ph16(Hc);
+            for (int k = 0; k < nb; k++) {
+                uc[k] = u6_16(base[k], M, _mm512_cmp_ps_mask(base[k], zero, _CMP_GT_OQ));
+                sc[k] = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(uc[k], zero, _CMP_GT_OQ), Sc, _mm512_div_ps(uc[k], c32));
+            }
+            __m512 T = total16((const float(*)[32 * 16])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
+            __mmask16 take = _mm512_cmp_ps_mask(T, E, _CMP_LT_OQ);
+            E = _mm512_mask_blend_ps(take, E, T);
+            H = _mm256_mask_blend_epi16(take, H, Hc);
+            for (int k = 0; k < nb; k++) u[k] = _mm512_mask_blend_ps(take, u[k], uc[k]);
         }
-        for (int k = 0; k < nb; k++) E0 = _mm512_add_ps(E0, e0[k]);
-        __mmask16 anyd = _mm512_cmp_ps_mask(dmax, zero, _CMP_GT_OQ) & act;
-        if (anyd) {
-            __m512 bestT = _mm512_set1_ps(INFINITY);
-            __m256i bestH = _mm256_setzero_si256();
-            for (int k = 0; k < nb; k++) bu[k] = zero;
+        /* 3. the searched choices */
+        for (int sg = 0; sg < 2; sg++) {
+            __mmask16 anyd = _mm512_cmp_ps_mask(D[sg], zero, _CMP_GT_OQ) & act;
+            if (!anyd) continue;
+            __m512 flip = sg ? neg0 : zero;
             for (int c = 0; c < MCF_SUPER_CANDIDATES; c++) {
-                __m256i hc = clamp_h16(f16_16(_mm512_div_ps(_mm512_mul_ps(dmax, c32), _mm512_set1_ps((float)(63 - c)))));
-                __m512 Sc = dec_ph16(hc), T = zero, uc[8];
+                __m256i hc = clamp_h16(f16_16(_mm512_div_ps(_mm512_mul_ps(D[sg], c32), _mm512_set1_ps((float)(63 - c)))));
+                __m512 Sc = dec_ph16(hc), T = zero;
                 for (int k = 0; k < nb; k++) {
                     __mmask16 live = _mm512_cmp_ps_mask(amax[k], zero, _CMP_GT_OQ);
-                    __m512 f = _mm512_roundscale_ps(_mm512_div_ps(_mm512_mul_ps(d[k], c32), Sc),
+                    __m512 f = _mm512_roundscale_ps(_mm512_div_ps(_mm512_mul_ps(mag[sg][k], c32), Sc),
                                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
                     __m512 ua = _mm512_min_ps(_mm512_max_ps(f, one), c63);
-                    __m512 ubb = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(f, one), one), c63);
+                    __m512 ub = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(f, one), one), c63);
                     __m512 ea, eb;
-                    err2_16(A[k], w[k], _mm512_mul_ps(Sc, _mm512_div_ps(ua, c32)), A[k], w[k],
-                            _mm512_mul_ps(Sc, _mm512_div_ps(ubb, c32)), qf, &ea, &eb);
+                    err2_16(V[k], w[k], _mm512_xor_ps(_mm512_mul_ps(Sc, _mm512_div_ps(ua, c32)), flip), V[k], w[k],
+                            _mm512_xor_ps(_mm512_mul_ps(Sc, _mm512_div_ps(ub, c32)), flip), unit[k], qn, qp, &ea, &eb);
                     __mmask16 pb = _mm512_cmp_ps_mask(eb, ea, _CMP_LT_OQ);
-                    uc[k] = _mm512_maskz_mov_ps(live, _mm512_mask_blend_ps(pb, ua, ubb));
+                    uc[k] = _mm512_maskz_mov_ps(live, _mm512_mask_blend_ps(pb, ua, ub));
                     T = _mm512_add_ps(T, _mm512_maskz_mov_ps(live, _mm512_mask_blend_ps(pb, ea, eb)));
                 }
-                __mmask16 better = _mm512_cmp_ps_mask(T, bestT, _CMP_LT_OQ);
-                bestT = _mm512_mask_blend_ps(better, bestT, T);
-                bestH = _mm256_mask_blend_epi16(better, bestH, hc);
-                for (int k = 0; k < nb; k++) bu[k] = _mm512_mask_blend_ps(better, bu[k], uc[k]);
+                __mmask16 take = anyd & _mm512_cmp_ps_mask(T, E, _CMP_LT_OQ);
+                E = _mm512_mask_blend_ps(take, E, T);
+                if (sg) hc = _mm256_or_si256(hc, _mm256_set1_epi16((short)F16_SIGN));
+                H = _mm256_mask_blend_epi16(take, H, hc);
+                for (int k = 0; k < nb; k++) u[k] = _mm512_mask_blend_ps(take, u[k], uc[k]);
             }
-            __mmask16 take = anyd & _mm512_cmp_ps_mask(bestT, E0, _CMP_LT_OQ);
-            H = _mm256_mask_blend_epi16(take, H, bestH);
-            for (int k = 0; k < nb; k++) u[k] = _mm512_mask_blend_ps(take, u[k], bu[k]);
         }
         _mm256_storeu_si256((__m256i *)hs, H);
-        __m512 S = dec_ph16(H);
+        S = dec_ph16(H);
         for (size_t l = 0; l < nl; l++) supers[l * spr + s] = hs[l];
         for (int k = 0; k < nb; k++) {
             size_t b = s * 8 + (size_t)k, c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;
@@ -816,7 +1081,7 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
             _mm512_storeu_ps(inv, inv16(_mm512_maskz_mul_ps(upos, S, _mm512_div_ps(u[k], c32))));
             for (size_t l = 0; l < nl; l++) {
                 sub[l * bpr + b] = (uint8_t)uu[l];
-                codes_row16(src + l * cols, c0, nc, lo, hi, inv[l], qf, bits, codes + (l * bpr + b) * bb);
+                codes_row16(src + l * cols, c0, nc, lo, hi, inv[l], qn, qp, bits, codes + (l * bpr + b) * bb);
             }
         }
     }

@@ -260,12 +260,19 @@ def exact_round_bits(x, kind):
 # Every value below is a float32 and every operation one IEEE float32 operation, in the order the description
 # gives; sums run over the 32 values of a block in index order, starting from +0.  numpy evaluates each step for
 # all blocks at once (one array element per block), which is exactly the "one lane per block" of the C variants.
+# Scales have either sign: a positive scale gives the most negative code -2**(bits-1) to the negative values of a
+# block, a negative scale to the positive ones (docs/quantization.md, "The most negative code").
 
 F32 = np.float32
 # candidate inverse scales of the block search: (qmax + a0 + j*step) / max|x|, j = 0 .. n-1, per bit width
-SEARCH_GRID = {2: (0.0, 0.25, 8), 3: (-0.5, 0.25, 8), 4: (-1.0, 0.375, 10), 6: (-1.5, 1.0, 12), 8: (-1.0, 0.75, 12)}
-SUPER_CANDIDATES = 2  # super scales tried per super-block: f16(D * 32 / (63 - c)), c = 0 .. n-1
-F16_MIN_NORMAL, F16_MAX_FINITE = 0x0400, 0x7BFF
+SEARCH_GRID = {2: (0.0, 0.25, 8), 3: (0.0, 0.25, 8), 4: (-0.75, 0.5, 8), 6: (-1.0, 1.25, 8), 8: (-1.0, 1.0, 8)}
+SUPER_CANDIDATES = 2  # super scale magnitudes tried per super-block and sign: f16(D * 32 / (63 - c)), c = 0 .. n-1
+F16_MIN_NORMAL, F16_MAX_FINITE, F16_SIGN = 0x0400, 0x7BFF, 0x8000
+
+
+def code_range(bits):
+    """(qmin, qmax): the whole two's-complement range of the default quantizer's codes."""
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
 
 def _f16_rne(x):
@@ -273,17 +280,30 @@ def _f16_rne(x):
         return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
 
 
-def _codes_rne(v, s, qmax):
-    """q = clamp(rint(v * (1 / s)), -qmax, qmax); all zero where s == 0.  v [..., 32], s [...]."""
+def _clamp_magnitude(h):
+    """f16 bits with the magnitude clamped to the normal finite range, the sign bit kept."""
+    h = np.asarray(h, np.uint16)
+    return ((h & F16_SIGN) | np.clip(h & 0x7FFF, F16_MIN_NORMAL, F16_MAX_FINITE)).astype(np.uint16)
+
+
+def _clamp_codes(r, qmin, qmax):
+    """clamp(r, qmin, qmax), the lower bound first; a NaN r (0 * inf, when max|v| is so small that an inverse
+    scale overflows float32) gives qmin."""
+    return np.fmin(np.fmax(r, F32(qmin)), F32(qmax)).astype(np.float32)
+
+
+def search_codes(v, s, bits):
+    """q = clamp(rint(v * (1 / s)), qmin, qmax); all zero where s == 0.  v [..., 32], s [...] (either sign)."""
+    qmin, qmax = code_range(bits)
     with np.errstate(divide="ignore"):
         inv = np.where(s != 0, F32(1.0) / np.where(s != 0, s, F32(1.0)), F32(0.0)).astype(np.float32)
-    q = np.clip(np.rint((v * inv[..., None]).astype(np.float32)), -F32(qmax), F32(qmax)).astype(np.float32)
+    q = _clamp_codes(np.rint((v * inv[..., None]).astype(np.float32)), qmin, qmax)
     return np.where((s != 0)[..., None], q, F32(0.0)).astype(np.float32)
 
 
-def search_error(v, w, s, qmax):
+def search_error(v, w, s, bits):
     """Weighted squared error of the codes for scale s: sum_i w_i * ((v_i - s*q_i) * (v_i - s*q_i))."""
-    q = _codes_rne(v, s, qmax)
+    q = search_codes(v, s, bits)
     e = np.zeros(v.shape[:-1], np.float32)
     for i in range(32):
         r = (v[..., i] - (s * q[..., i]).astype(np.float32)).astype(np.float32)
@@ -291,41 +311,44 @@ def search_error(v, w, s, qmax):
     return e
 
 
-def search_best_scale(v, w, bits):
-    """The block search: for each candidate inverse scale, round to the nearest code, take the least-squares
-    scale of those codes (sum w*v*L / sum w*L*L) and keep the candidate with the largest (sum w*v*L)^2 / sum
-    w*L*L (the smallest weighted error).  Returns (best scale, max |v|); max|v| / qmax when no candidate
-    has a positive score (all-zero weights), 0 for an all-zero block."""
-    qmax = (1 << (bits - 1)) - 1
+def search_block(v, w, bits):
+    """The block search, for both signs of the scale.  For each candidate inverse scale isc = (qmax + a_j) / max|v|,
+    first +isc then -isc: round every value to its code, take the least-squares scale of those codes
+    (sum w*v*L / sum w*L*L, which has the sign of isc) and score it by (sum w*v*L)^2 / sum w*L*L (the larger, the
+    smaller the weighted error).  Per sign, the scale of the first candidate with the largest score above 0.
+    Returns (d_pos, score_pos, d_neg, score_neg, amax); a sign without a positive score keeps +-max|v| / qmax
+    and score 0 (all-zero weights), an all-zero block 0."""
+    qmin, qmax = code_range(bits)
     qf = F32(qmax)
     amax = np.abs(v).max(axis=-1).astype(np.float32)
     live = amax > 0
     safe = np.where(live, amax, F32(1.0)).astype(np.float32)
-    d = np.where(live, (safe / qf).astype(np.float32), F32(0.0)).astype(np.float32)
-    best = np.zeros(amax.shape, np.float32)
+    base = np.where(live, (safe / qf).astype(np.float32), F32(0.0)).astype(np.float32)
+    d = {1: base.copy(), -1: (-base).astype(np.float32)}
+    best = {1: np.zeros(amax.shape, np.float32), -1: np.zeros(amax.shape, np.float32)}
     wv = (w * v).astype(np.float32)
     a0, step, n = SEARCH_GRID[bits]
     for j in range(n):
-        a = F32(a0 + j * step)  # exact: a few binary digits
-        isc = ((qf + a) / safe).astype(np.float32)
-        slx = np.zeros(amax.shape, np.float32)
-        sl2 = np.zeros(amax.shape, np.float32)
-        for i in range(32):
-            L = np.clip(np.rint((v[..., i] * isc).astype(np.float32)), -qf, qf).astype(np.float32)
-            slx = (slx + (wv[..., i] * L).astype(np.float32)).astype(np.float32)
-            sl2 = (sl2 + ((w[..., i] * L).astype(np.float32) * L).astype(np.float32)).astype(np.float32)
-        pos = sl2 > 0
-        den = np.where(pos, sl2, F32(1.0)).astype(np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):
-            score = (((slx * slx).astype(np.float32)) / den).astype(np.float32)
-            better = pos & live & (score > best)
-        best = np.where(better, score, best).astype(np.float32)
-        d = np.where(better, (slx / den).astype(np.float32), d).astype(np.float32)
-    return d, amax
-
-
-def _clamp_f16(h):
-    return np.clip(h, F16_MIN_NORMAL, F16_MAX_FINITE).astype(np.uint16)
+        top = F32(qf + F32(a0 + j * step))  # exact: a few binary digits
+        with np.errstate(over="ignore"):  # max|v| below ~1e-37: an infinite isc, whose NaN products clamp to qmin
+            isc = (top / safe).astype(np.float32)
+        for sign in (1, -1):
+            s_isc = (isc * F32(sign)).astype(np.float32)
+            slx = np.zeros(amax.shape, np.float32)
+            sl2 = np.zeros(amax.shape, np.float32)
+            for i in range(32):
+                with np.errstate(invalid="ignore"):
+                    L = _clamp_codes(np.rint((v[..., i] * s_isc).astype(np.float32)), qmin, qmax)
+                slx = (slx + (wv[..., i] * L).astype(np.float32)).astype(np.float32)
+                sl2 = (sl2 + ((w[..., i] * L).astype(np.float32) * L).astype(np.float32)).astype(np.float32)
+            pos = sl2 > 0
+            den = np.where(pos, sl2, F32(1.0)).astype(np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                score = ((slx * slx).astype(np.float32) / den).astype(np.float32)
+                better = pos & live & (score > best[sign])
+            best[sign] = np.where(better, score, best[sign]).astype(np.float32)
+            d[sign] = np.where(better, (slx / den).astype(np.float32), d[sign]).astype(np.float32)
+    return d[1], best[1], d[-1], best[-1], amax
 
 
 def quantize_search(x, method, weights=None):
@@ -343,16 +366,18 @@ def quantize_search(x, method, weights=None):
     w[:cols] = 1.0 if weights is None else np.asarray(weights, np.float32)
     V = pad.reshape(rows, bpr, 32)
     Wb = np.broadcast_to(w.reshape(bpr, 32), V.shape)
-    d, amax = search_best_scale(V, Wb, bits)
+    d_pos, b_pos, d_neg, b_neg, amax = search_block(V, Wb, bits)
     base = np.where(amax > 0, (amax / qf).astype(np.float32), F32(0.0)).astype(np.float32)
     regs, total = layout(method, rows, cols)
     out = np.zeros(total, np.uint8)
     if fam == "block":
-        h0 = _f16_rne(base)
-        h1 = _clamp_f16(_f16_rne(d))
-        s0, s1 = f16_scale(h0), f16_scale(h1)
-        take = search_error(V, Wb, s1, qmax) < search_error(V, Wb, s0, qmax)
-        h = np.where(take, h1, h0).astype(np.uint16)
+        d = np.where(b_pos >= b_neg, d_pos, d_neg).astype(np.float32)
+        cands = [_f16_rne(base), f16_trunc(base).reshape(base.shape), _clamp_magnitude(_f16_rne(d))]
+        h, e = cands[0], search_error(V, Wb, f16_scale(cands[0]), bits)
+        for hc in cands[1:]:
+            ec = search_error(V, Wb, f16_scale(hc), bits)
+            h = np.where(ec < e, hc, h).astype(np.uint16)
+            e = np.where(ec < e, ec, e).astype(np.float32)
         scale = f16_scale(h)
         o, n = regs["scales"]
         out[o:o + n] = h.reshape(-1).view(np.uint8)
@@ -360,59 +385,75 @@ def quantize_search(x, method, weights=None):
         spr = -(-bpr // 8)
         nsb = spr * 8
 
-        def per_super(a, fill=0):
-            p = np.full((rows, nsb) + a.shape[2:], fill, a.dtype)
+        def per_super(a):
+            p = np.zeros((rows, nsb) + a.shape[2:], a.dtype)
             p[:, :bpr] = a
             return p.reshape((rows, spr, 8) + a.shape[2:])
 
         Vs = per_super(V)
         Ws = per_super(np.ascontiguousarray(Wb))
-        bs, ds, am = per_super(base), per_super(d), per_super(amax)
+        bs, am = per_super(base), per_super(amax)
         live = am > 0
-        # the baseline: the single-pass quantizer's scales (super = f16(max block scale))
-        smax = np.zeros((rows, spr), np.float32)
-        dmax = np.zeros((rows, spr), np.float32)
-        for k in range(8):  # sequential max, as the C code does it (order does not matter for max)
-            smax = np.maximum(smax, bs[:, :, k])
-            dmax = np.maximum(dmax, ds[:, :, k])
-        H0 = _f16_rne(smax)
-        S0 = f16_scale(H0)
-        S0b = np.repeat(S0[:, :, None], 8, axis=2)
-        ok = (bs > 0) & (S0b > 0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(ok, (bs / np.where(ok, S0b, F32(1.0))).astype(np.float32), F32(0.0))
-            u0 = np.clip(round_half_away((ratio * F32(32.0)).astype(np.float32)), 1, 63)
-        u0 = np.where(ok, u0, 0).astype(np.float32)
-        sc0 = np.where(u0 > 0, (S0b * (u0 / F32(32.0)).astype(np.float32)).astype(np.float32), F32(0.0))
-        e0 = search_error(Vs, Ws, sc0.astype(np.float32), qmax)
-        E0 = np.zeros((rows, spr), np.float32)
-        for k in range(8):
-            E0 = (E0 + e0[:, :, k]).astype(np.float32)
-        bestT = np.full((rows, spr), np.inf, np.float32)
-        bestH = np.zeros((rows, spr), np.uint16)
-        bestU = np.zeros((rows, spr, 8), np.float32)
-        for c in range(SUPER_CANDIDATES):
-            Hc = _clamp_f16(_f16_rne(((dmax * F32(32.0)).astype(np.float32) / F32(63 - c)).astype(np.float32)))
-            Sc = np.repeat(f16_scale(Hc)[:, :, None], 8, axis=2)
-            r = ((ds * F32(32.0)).astype(np.float32) / Sc).astype(np.float32)
-            f = np.floor(r)
-            ua = np.clip(f, F32(1.0), F32(63.0)).astype(np.float32)
-            ub = np.clip((f + F32(1.0)).astype(np.float32), F32(1.0), F32(63.0)).astype(np.float32)
-            ea = search_error(Vs, Ws, (Sc * (ua / F32(32.0)).astype(np.float32)).astype(np.float32), qmax)
-            eb = search_error(Vs, Ws, (Sc * (ub / F32(32.0)).astype(np.float32)).astype(np.float32), qmax)
-            pick_b = eb < ea
-            u = np.where(live, np.where(pick_b, ub, ua), F32(0.0)).astype(np.float32)
-            e = np.where(live, np.where(pick_b, eb, ea), F32(0.0)).astype(np.float32)
-            T = np.zeros((rows, spr), np.float32)
+        mag = {1: per_super(d_pos), -1: (-per_super(d_neg)).astype(np.float32)}  # |d| per sign
+
+        def maximum(a):  # over the 8 blocks, in order (the order does not matter for a maximum)
+            m = np.zeros(a.shape[:2], np.float32)
             for k in range(8):
-                T = (T + e[:, :, k]).astype(np.float32)
-            better = T < bestT
-            bestT = np.where(better, T, bestT)
-            bestH = np.where(better, Hc, bestH).astype(np.uint16)
-            bestU = np.where(better[:, :, None], u, bestU)
-        take = (dmax > 0) & (bestT < E0)
-        H = np.where(take, bestH, H0).astype(np.uint16)
-        U = np.where(take[:, :, None], bestU, u0).astype(np.float32)
+                m = np.maximum(m, a[:, :, k])
+            return m
+
+        def total(H, U):
+            """The super-block's error for super scale bits H and sub-scales U, summed in block order."""
+            Sd = np.repeat(f16_scale(H)[:, :, None], 8, axis=2)
+            sc = np.where(U > 0, (Sd * (U / F32(32.0)).astype(np.float32)).astype(np.float32), F32(0.0))
+            e = search_error(Vs, Ws, sc.astype(np.float32), bits)
+            t = np.zeros(H.shape, np.float32)
+            for k in range(8):
+                t = (t + e[:, :, k]).astype(np.float32)
+            return t
+
+        def u6_round(ratio):  # clamp(round_half_away(ratio * 32), 1, 63)
+            return np.clip(round_half_away((ratio * F32(32.0)).astype(np.float32)), 1, 63).astype(np.float32)
+
+        choices = []
+        # 1. the single-pass choice
+        M = maximum(bs)
+        H = _f16_rne(M)
+        S = np.repeat(f16_scale(H)[:, :, None], 8, axis=2)
+        ok = (bs > 0) & (S > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            U = np.where(ok, u6_round((bs / np.where(ok, S, F32(1.0))).astype(np.float32)), F32(0.0))
+        choices.append((np.ones(M.shape, bool), H, U.astype(np.float32)))
+        # 2. the mantle choice: truncated super scale, sub-scales from the unrounded one
+        Mb = np.repeat(M[:, :, None], 8, axis=2)
+        ok = bs > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            U = np.where(ok, u6_round((bs / np.where(ok, Mb, F32(1.0))).astype(np.float32)), F32(0.0))
+        choices.append((np.ones(M.shape, bool), f16_trunc(M).reshape(M.shape), U.astype(np.float32)))
+        # 3. the searched choices, per sign and super scale candidate
+        for sign in (1, -1):
+            D = maximum(mag[sign])
+            for c in range(SUPER_CANDIDATES):
+                H = _clamp_magnitude(_f16_rne(((D * F32(32.0)).astype(np.float32) / F32(63 - c)).astype(np.float32)))
+                Sm = np.repeat(f16_scale(H)[:, :, None], 8, axis=2)        # the magnitude
+                f = np.floor(((mag[sign] * F32(32.0)).astype(np.float32) / Sm).astype(np.float32))
+                ua = np.clip(f, F32(1.0), F32(63.0)).astype(np.float32)
+                ub = np.clip((f + F32(1.0)).astype(np.float32), F32(1.0), F32(63.0)).astype(np.float32)
+                sgn = F32(sign)
+                ea = search_error(Vs, Ws, (sgn * (Sm * (ua / F32(32.0)).astype(np.float32))).astype(np.float32), bits)
+                eb = search_error(Vs, Ws, (sgn * (Sm * (ub / F32(32.0)).astype(np.float32))).astype(np.float32), bits)
+                U = np.where(live, np.where(eb < ea, ub, ua), F32(0.0)).astype(np.float32)
+                if sign < 0:
+                    H = (H | F16_SIGN).astype(np.uint16)
+                choices.append((D > 0, H, U))
+        _, H, U = choices[0]
+        T = total(H, U)
+        for allowed, Hc, Uc in choices[1:]:
+            Tc = total(Hc, Uc)
+            take = allowed & (Tc < T)
+            H = np.where(take, Hc, H).astype(np.uint16)
+            U = np.where(take[:, :, None], Uc, U).astype(np.float32)
+            T = np.where(take, Tc, T).astype(np.float32)
         Sd = np.repeat(f16_scale(H)[:, :, None], 8, axis=2)
         scale_s = np.where(U > 0, (Sd * (U / F32(32.0)).astype(np.float32)).astype(np.float32), F32(0.0))
         scale = scale_s.reshape(rows, nsb)[:, :bpr].astype(np.float32)
@@ -420,7 +461,7 @@ def quantize_search(x, method, weights=None):
         out[o:o + n] = H.reshape(-1).view(np.uint8)
         o, n = regs["sub_scales"]
         out[o:o + n] = U.reshape(rows, nsb)[:, :bpr].astype(np.uint8).reshape(-1)
-    q = _codes_rne(V, scale.astype(np.float32), qmax).astype(np.int64)
+    q = search_codes(V, scale.astype(np.float32), bits).astype(np.int64)
     u = (q & ((1 << bits) - 1)).astype(np.uint8).reshape(rows * bpr, 32)
     bitsarr = ((u[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows * bpr, 32 * bits)
     o, n = regs["data"]

@@ -139,9 +139,10 @@ def test_q8_bytes_are_mcf_q8_and_decode_matches_numpy(tmp_path):
 
 def assert_codes_of_their_scale(raw, x, d):
     """The error rule of a q8 row, from its stored bytes: each value is its code times its block's
-    scale, the code being x / scale rounded to nearest and clamped to +-127.  So a value is within half
-    a step, or, where the search picked a scale below max|block| / 127 and clipped the block's largest
-    values (it trades their error for a smaller one on the other 31), decoded as +-127 steps."""
+    scale, the code being x / scale rounded to nearest and clamped to -128..127 (the scale has either sign:
+    docs/quantization.md).  So a value is within half a step, or, where the search picked a scale that
+    clips the block's largest values (it trades their error for a smaller one on the other 31), decoded as
+    the extreme code on its side: 127 steps, or 128 with the scale's sign opposite to the value's."""
     n, nb = len(x), -(-d // 32)
     raw = row_bytes(raw)
     s = np.repeat(raw[:, :2 * nb].copy().view(np.float16).astype(np.float32), 32, axis=1)[:, :d]
@@ -150,14 +151,15 @@ def assert_codes_of_their_scale(raw, x, d):
     # MCF's decoder reads a subnormal (or zero) f16 scale as 0; the quantizer stores one only when the
     # smallest normal scale 2^-14 would round every value of the block to 0 as well, so all are below
     # half of that step
-    flushed = s < 2.0 ** -14
+    flushed = np.abs(s) < 2.0 ** -14
     assert (dec[flushed] == 0).all() and (np.abs(x[flushed]) <= 2.0 ** -15 * (1 + 1e-3)).all()
     s, codes, x, dec = s[~flushed], codes[~flushed], x[~flushed], dec[~flushed]
     assert np.array_equal(dec, s * codes)
     err = np.abs(dec - x)
-    inside = np.abs(x) <= 127.5 * s
-    assert (err[inside] <= s[inside] * (0.5 + 1e-4)).all()  # + the f32 rounding of x / s and s * code
-    assert (np.abs(codes[~inside]) == 127).all() and (np.sign(codes[~inside]) == np.sign(x[~inside])).all()
+    steps = x / s
+    inside = (steps >= -128.5) & (steps <= 127.5)
+    assert (err[inside] <= np.abs(s[inside]) * (0.5 + 1e-4)).all()  # + the f32 rounding of x / s and s * code
+    assert (codes[~inside] == np.where(steps[~inside] > 0, 127, -128)).all()
 
 
 def test_error_bound_and_never_worse_than_single_pass(tmp_path):

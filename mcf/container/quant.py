@@ -125,12 +125,14 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     ``max_clip``, ``domain``).  ``array`` is only read, never modified (it may be a read-only mapping).
 
     q*/k* scales are searched for the smallest squared error of every block (k*: the super scale and
-    the sub-scales together), evaluated with the scale the decoder reads; the result is never worse than
-    the single-pass scale max|x| / qmax and any MCF decoder reads it (docs/quantization.md).
+    the sub-scales together), evaluated with the scale the decoder reads, with codes over the whole
+    two's-complement range and scales of either sign (the most negative code, -8 at 4 bits, goes to the
+    side of the block where it helps); the result is never worse than the ``fast=True`` or the
+    ``compat=True`` one, block by block, and any MCF decoder reads it (docs/quantization.md).
     ``importance`` (one value >= 0 per column, e.g. the mean squared input of that column from
     :mod:`mcf.imatrix`) weights each column's error in that search.  ``fast=True`` keeps the single-pass
-    quantizer (3-4x faster, ~0.6 dB worse at 4 bits); ``compat=True`` reproduces the Go quantizer
-    byte for byte (truncating f16 scales).  Clips default to -max|x| and +max|x|, as the Go tool records
+    quantizer (much faster, ~1.5 dB worse at 4 bits, codes within +-qmax); ``compat=True`` reproduces the Go
+    quantizer byte for byte (truncating f16 scales, codes within +-qmax).  Clips default to -max|x| and +max|x|, as the Go tool records
     them; explicit ones clamp the values before they are quantized, and must be real numbers that round
     to a finite float32 (QuantInfo stores them as float32).  NaN and infinity are refused, in the array
     and in the clips, and so is a block scale that would overflow f16, in every mode.
