@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["load_average", "cpu_snapshot", "other_cpu", "machine"]
+__all__ = ["load_average", "cpu_snapshot", "other_cpu", "machine", "drop_caches"]
 
 
 def load_average() -> float:
@@ -59,3 +59,10 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "mem_gib": mem, "kernel": os.uname().release,
             "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag")}
+
+
+def drop_caches() -> None:
+    """Empty the page cache (root only): what a cold measurement starts from."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")

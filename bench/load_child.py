@@ -30,7 +30,7 @@ from typing import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from host_state import cpu_snapshot, load_average, other_cpu  # noqa: E402
+from host_state import cpu_snapshot, drop_caches, load_average, other_cpu  # noqa: E402
 from loading_model import loading_model, tp_plan  # noqa: E402
 
 MiB = 1 << 20
@@ -44,7 +44,7 @@ class Case:
     ``files(m, spec)``: the local files whose page cache is dropped or touched first."""
     setup: Callable
     files: Callable
-    slices: bool = False       # the result is rank 0 of 4 (loading_model.tp_plan)
+    result: str = "tensors"    # "tensors": the checkpoint; "slices": rank 0 of 4 (tp_plan); "file": its bytes
 
 
 def _single(m, spec):
@@ -133,6 +133,17 @@ def _mcf_full_st(m, spec):
     return load, _engine_info(lambda: [f.source for f in held["ckpt"].files])
 
 
+def _mcf_full_mcf(m, spec):
+    """mcf.load_file of the .mcf with the container at hand, for its bytes_read."""
+    import mcf
+    held = {}
+
+    def load():
+        held["c"] = c = mcf.open(m.mcf)
+        return mcf.load_file(c)
+    return load, _engine_info(lambda: [held["c"].source])
+
+
 def _mcf_torch_slices(m, spec):
     import mcf.torch
     plan = tp_plan(0, 4)
@@ -173,6 +184,7 @@ def _st_torch_pread(m, spec):
 
 
 def _st_numpy(m, spec):
+    import ml_dtypes  # noqa: F401 - registers "bfloat16" with numpy, which safetensors.numpy asks for by name
     from safetensors.numpy import load_file
     return (lambda: load_file(m.single)), None
 
@@ -222,7 +234,7 @@ def _memcpy_anchor(m, spec):
     src_addr = np.frombuffer(src, np.uint8).ctypes.data
     huge = spec.get("anchor") == "hugepage"
 
-    def load():
+    def load(_keep=src):   # the source mapping lives as long as the closure
         dst = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge:
             dst.madvise(mmap.MADV_HUGEPAGE)
@@ -246,26 +258,21 @@ CASES = {
     "mcf.torch.mcf": Case(_mcf_torch("mcf"), _mcf_file),
     "mcf.torch.sharded": Case(_mcf_torch("sharded"), _shards),
     "mcf.safetensors.full+stats": Case(_mcf_full_st, _single),
-    "mcf.safetensors.slices": Case(_mcf_slices_st, _single, slices=True),
-    "mcf.load_file.mcf.slices": Case(_mcf_slices_mcf, _mcf_file, slices=True),
-    "mcf.torch.slices": Case(_mcf_torch_slices, _single, slices=True),
-    "safetensors.get_slice": Case(_st_slices, _single, slices=True),
+    "mcf.load_file.mcf.full+stats": Case(_mcf_full_mcf, _mcf_file),
+    "mcf.safetensors.slices": Case(_mcf_slices_st, _single, "slices"),
+    "mcf.load_file.mcf.slices": Case(_mcf_slices_mcf, _mcf_file, "slices"),
+    "mcf.torch.slices": Case(_mcf_torch_slices, _single, "slices"),
+    "safetensors.get_slice": Case(_st_slices, _single, "slices"),
     "safetensors.torch.mmap": Case(_st_torch_mmap, _single),
     "safetensors.torch.pread": Case(_st_torch_pread, _single),
     "safetensors.numpy": Case(_st_numpy, _single),
     "fastsafetensors": Case(_fastsafetensors, _single),
     "runai": Case(_runai, _single),
-    "memcpy": Case(_memcpy_anchor, _single),
+    "memcpy": Case(_memcpy_anchor, _single, "file"),
 }
 
 
 # -- what every run does -----------------------------------------------------------------------------
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def touch_files(paths) -> None:
     """Read every file whole through one reused 8 MiB buffer: in the page cache, nothing mapped."""
     buf = bytearray(8 * MiB)
@@ -320,13 +327,19 @@ def _read_bytes() -> int:
     return -1
 
 
-def verify(m, result, slices: bool) -> str:
+def verify(m, result, kind: str) -> str:
     """"ok", or what differs from the checkpoint."""
     import numpy as np
+    if kind == "file":
+        want = 0
+        with open(m.single, "rb") as f:
+            while chunk := f.read(64 * MiB):
+                want = zlib.crc32(chunk, want)
+        return "ok" if zlib.crc32(result["file"]) == want else "the copy differs from the file"
     names = set(m.crc)
     if set(result) != names:
         return f"names differ: {sorted(set(result) ^ names)[:4]}"
-    if not slices:
+    if kind == "tensors":
         for n, want in m.crc.items():
             if zlib.crc32(_bytes_of(result[n])) != want:
                 return f"{n}: bytes differ"
@@ -370,7 +383,7 @@ def run(spec: dict) -> dict:
     if info is not None:
         out.update(info(result))
     if spec.get("verify"):
-        out["verified"] = verify(m, result, case.slices)
+        out["verified"] = verify(m, result, case.result)
     return out
 
 
