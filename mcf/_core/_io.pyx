@@ -556,7 +556,7 @@ cdef class Source:
                 _plan_entry(self, rr, k, o[k], views[k].len, <uint8_t*>views[k].buf)
                 total += rr[k].size
             _check_overlap(rr, n, f"{self.name}: read_into: buffers")
-            _read_plan(self, rr, n, settings)
+            _read_plan(self, rr, n, settings, threads is not None, chunk_bytes is not None)
         finally:
             for k in range(held):
                 PyBuffer_Release(&views[k])
@@ -719,7 +719,7 @@ cdef class Source:
                             f"buffer ({view.len} bytes)")
                     _plan_entry(self, rr, k, o[k], z[k], <uint8_t*>view.buf + d[k])
                 _check_overlap(rr, n, f"{self.name}: read_ranges: destination ranges")
-                _read_plan(self, rr, n, settings)
+                _read_plan(self, rr, n, settings, threads is not None, chunk_bytes is not None)
             finally:
                 PyBuffer_Release(&view)
         finally:
@@ -928,9 +928,12 @@ cdef int _check_overlap(const mcf_read_range* rr, Py_ssize_t n, what) except -1:
     return 0
 
 
-cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings):
+cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings, bint threads_given,
+                       bint chunk_given):
     """A checked plan read by the engine (file sources) or copied range by range (memory and file-like
-    sources); returns the bytes fetched."""
+    sources); returns the bytes fetched.  A file-like object that reads plans itself (``readinto_ranges``:
+    :class:`mcf.remote.RemoteFile`) gets the caller's ``threads`` and ``chunk_bytes`` (``settings``) when
+    they were given, as its requests in flight and their size, and keeps its own settings otherwise."""
     cdef Py_ssize_t k
     cdef const uint8_t* base = s.base
     cdef uint64_t total = 0
@@ -957,7 +960,9 @@ cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settin
             if s._fileobj is None:
                 raise ClosedError(f"{s.name}: source is closed")
             try:
-                many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks])
+                many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks],
+                     **{key: v for key, v, given in (("threads", settings[0], threads_given),
+                                                     ("chunk_bytes", settings[1], chunk_given)) if given})
             except OSError as exc:
                 if isinstance(exc, MCFIOError):
                     raise
