@@ -44,7 +44,8 @@ class Case:
     ``files(m, spec)``: the local files whose page cache is dropped or touched first."""
     setup: Callable
     files: Callable
-    result: str = "tensors"    # "tensors": the checkpoint; "slices": rank 0 of 4 (tp_plan); "file": its bytes
+    result: str = "tensors"    # "tensors": the checkpoint; "slices": rank 0 of 4 (tp_plan); "file": a file's
+                               # bytes; "ranges": the same in parts
 
 
 def _single(m, spec):
@@ -70,7 +71,8 @@ def _src_of(m, spec, key):
 def _mcf_numpy_st(m, spec):
     import mcf.safetensors
     path = _src_of(m, spec, "single")
-    return (lambda: mcf.safetensors.load_file(path)), None
+    kwargs = spec.get("kwargs", {})   # threads=, chunk_bytes= of a settings sweep; none by default
+    return (lambda: mcf.safetensors.load_file(path, **kwargs)), None
 
 
 def _mcf_numpy_mcf(m, spec):
@@ -250,6 +252,57 @@ def _memcpy_anchor(m, spec):
     return load, None
 
 
+def _fresh(n: int):
+    """``n`` bytes of fresh anonymous memory with the system's page policy, as a uint8 array (the same in
+    every checkout a case runs against)."""
+    import mmap
+
+    import numpy as np
+    return np.frombuffer(mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)[:n]
+
+
+def _remote_readinto(m, spec):
+    """The whole object as one read, ``open_source(url).readinto(0, dst)``: the remote path with no loader
+    on top, in this checkout and in an older one (the call exists in both)."""
+    from mcf.io import open_source
+    url = spec["url"]
+
+    def load():
+        with open_source(url) as src:
+            dst = _fresh(src.size)
+            src.readinto(0, dst)
+        return {"file": dst}
+    return load, None
+
+
+def _ceiling(m, spec):
+    """The same bytes as parallel ranged GETs by a bare client, obstore's ``get_ranges`` (``part``-byte
+    ranges; it keeps 10 in flight and returns each as its own buffer), nothing else done: what the server
+    and the client library can deliver."""
+    from urllib.parse import urlsplit
+
+    import numpy as np
+    import obstore
+    url, part = spec["url"], spec.get("part", 8 * MiB)
+    u = urlsplit(url)
+    if u.scheme == "s3":
+        from obstore.store import S3Store
+        store = S3Store(u.netloc, endpoint=os.environ["AWS_ENDPOINT_URL"], region=os.environ["AWS_REGION"],
+                        client_options={"allow_http": True})
+    else:
+        from obstore.store import HTTPStore
+        store = HTTPStore.from_url(f"{u.scheme}://{u.netloc}", client_options={"allow_http": True})
+    key = u.path.lstrip("/")
+    size = obstore.head(store, key)["size"]
+    starts = list(range(0, size, part))
+    ends = [min(a + part, size) for a in starts]
+
+    def load():
+        got = obstore.get_ranges(store, key, starts=starts, ends=ends, coalesce=0)
+        return {str(k): np.frombuffer(b, np.uint8) for k, b in enumerate(got)}
+    return load, None
+
+
 CASES = {
     "mcf.safetensors": Case(_mcf_numpy_st, _single),
     "mcf.load_file.mcf": Case(_mcf_numpy_mcf, _mcf_file),
@@ -269,6 +322,8 @@ CASES = {
     "fastsafetensors": Case(_fastsafetensors, _single),
     "runai": Case(_runai, _single),
     "memcpy": Case(_memcpy_anchor, _single, "file"),
+    "remote.readinto": Case(_remote_readinto, _none, "file"),
+    "ceiling": Case(_ceiling, _none, "ranges"),
 }
 
 
@@ -327,15 +382,18 @@ def _read_bytes() -> int:
     return -1
 
 
-def verify(m, result, kind: str) -> str:
-    """"ok", or what differs from the checkpoint."""
+def verify(m, result, kind: str, file: str) -> str:
+    """"ok", or what differs from the checkpoint (``file``: the local copy of what was read whole)."""
     import numpy as np
-    if kind == "file":
+    if kind in ("file", "ranges"):
         want = 0
-        with open(m.single, "rb") as f:
+        with open(file, "rb") as f:
             while chunk := f.read(64 * MiB):
                 want = zlib.crc32(chunk, want)
-        return "ok" if zlib.crc32(result["file"]) == want else "the copy differs from the file"
+        got = 0
+        for part in result.values():   # "ranges": in file order, as get_ranges returns them
+            got = zlib.crc32(part, got)
+        return "ok" if got == want else "the bytes differ from the file"
     names = set(m.crc)
     if set(result) != names:
         return f"names differ: {sorted(set(result) ^ names)[:4]}"
@@ -383,7 +441,7 @@ def run(spec: dict) -> dict:
     if info is not None:
         out.update(info(result))
     if spec.get("verify"):
-        out["verified"] = verify(m, result, case.result)
+        out["verified"] = verify(m, result, case.result, spec.get("file", m.single))
     return out
 
 
