@@ -3,7 +3,7 @@ cold and warm, with fio's sequential read as the storage's limit (issue 24 item 
 
     python bench/load_peers.py                               # cold and warm, 5 rounds (root: drops caches)
     python bench/load_peers.py --states warm --rounds 3 --cases mcf.torch memcpy
-    python bench/load_peers.py --quiet-load 1.5 --json out.json   # wait for a quiet machine before each round
+    python bench/load_peers.py --quiet-load 1.5 --json out.json   # wait for a quiet machine first
     python bench/load_peers.py --before /path/to/an/older/checkout   # its mcf cases interleaved as "before"
 
 What is measured, and why this way:
@@ -142,7 +142,8 @@ def measure(args, m) -> dict:
         if args.before:
             cases += [(f"before:{c}", f"{label} [before]", "before") for c, label, role in cases if role == "mcf"]
         for rnd in range(args.rounds):
-            load = wait_for_quiet(args.quiet_load, args.wait)
+            # the machine's own load once the runs start is partly theirs (two cores): wait before the first
+            load = wait_for_quiet(args.quiet_load, args.wait) if rnd == 0 else load_average()
             print(f"{state} round {rnd + 1}/{args.rounds}, load {load:.2f}", flush=True)
             order = list(cases)
             random.Random(rnd).shuffle(order)
@@ -253,7 +254,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", nargs="+", help="only these cases (names as in bench/load_child.py, fio:buffered:4 ...)")
     ap.add_argument("--settle", type=float, default=5.0, help="idle seconds before every run (default 5)")
-    ap.add_argument("--quiet-load", type=float, help="before each round, wait for the 1-minute load to drop below this")
+    ap.add_argument("--quiet-load", type=float, help="before the first round of each state, wait for the 1-minute load "
+                    "to drop below this")
     ap.add_argument("--wait", type=float, default=600, help="longest wait for --quiet-load, seconds (default 600)")
     ap.add_argument("--before", help="a checkout whose mcf cases run interleaved as 'before' rows")
     ap.add_argument("--json", help="write every run here")
