@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import mcf
+from host_state import cpu_snapshot, other_cpu
 
 # -- the model ---------------------------------------------------------------------------------------
 # A Llama/Qwen-like decoder: 28 layers of q/k/v/o (grouped-query attention, 2 KV heads of 128, with
@@ -250,28 +251,6 @@ class Row:
     other_cpu: float | None = None   # share of all cores used by other processes during the test
 
 
-def _cpu_snapshot():
-    """(busy ticks of the whole machine, this process's CPU seconds, wall time)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    except (OSError, ValueError, IndexError):
-        return None
-    t = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.monotonic()
-
-
-def _other_cpu(start):
-    """Fraction of the machine's cores used by other processes since ``start`` (0..1): the other
-    work this machine is shared with, which the timings of that test competed with."""
-    end = _cpu_snapshot()
-    if start is None or end is None or end[2] - start[2] < 0.5:
-        return None
-    other = (end[0] - start[0]) - (end[1] - start[1])
-    return max(0.0, other / ((end[2] - start[2]) * (os.cpu_count() or 1)))
-
-
 @dataclass
 class Verdict:
     group: str
@@ -292,7 +271,7 @@ class Report:
 
     def row(self, group, name, role, median_s, nbytes=None, note=""):
         gbps = nbytes / median_s / 1e9 if nbytes else None
-        other = _other_cpu(self.test_start)
+        other = other_cpu(self.test_start)
         self.rows.append(Row(group, name, role, median_s, gbps, note, other))
         if self.bench is not None:
             self.bench.extra_info.update(role=role, memory_mode=memory_mode(), other_cpu=other)
@@ -365,7 +344,7 @@ def memory() -> Memory:
 def report(bench_model, benchmark) -> Report:
     _REPORT.model = bench_model
     _REPORT.bench = benchmark
-    _REPORT.test_start = _cpu_snapshot()
+    _REPORT.test_start = cpu_snapshot()
     yield _REPORT
     _REPORT.bench = None
 

@@ -21,11 +21,13 @@ import mmap
 import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 
 import numpy as np
+
+import fio
+from host_state import drop_caches
 
 from mcf.io import alloc_buffer, open_source
 
@@ -60,12 +62,6 @@ def make_plan(size: int):
         dsts.append(d)
         d += (n + 63) & ~63
     return np.array(offs), np.array(sizes), np.array(dsts), d
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def touch(path: str) -> None:
@@ -255,20 +251,12 @@ def main() -> None:
             med = statistics.median(ts)
             print(f"  {name:45s} {size / med / 1e9:6.2f}   ({', '.join(f'{size / t / 1e9:.2f}' for t in ts)})")
     src.close()
-    if subprocess.run(["which", "fio"], capture_output=True).returncode == 0:
+    if fio.available():
         print("\nfio (the storage's limit), sequential 8 MiB reads of the same file, cold:")
-        for direct in (0, 1):
+        for direct in (False, True):
             for jobs in (1, 2, 4):
                 drop_caches()
-                r = subprocess.run(["fio", "--name=seq", f"--filename={path}", "--readonly", "--rw=read", "--bs=8M",
-                                    f"--direct={direct}", f"--numjobs={jobs}", "--group_reporting",
-                                    f"--size={size // jobs}", "--offset_increment=" + str(size // jobs),
-                                    "--ioengine=psync", "--output-format=terse", "--terse-version=3"],
-                                   capture_output=True, text=True)
-                fields = r.stdout.strip().split(";")
-                kbs = float(fields[6]) if len(fields) > 6 else float("nan")
-                print(f"  fio direct={direct} jobs={jobs}: {kbs * 1024 / 1e9:.2f} GB/s")
-
+                print(f"  fio direct={int(direct)} jobs={jobs}: {fio.sequential_read(path, size, direct=direct, jobs=jobs):.2f} GB/s")
 
 if __name__ == "__main__":
     main()

@@ -34,6 +34,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from host_state import cpu_snapshot, other_cpu  # noqa: E402
 from mcf.bucket import Bucket  # noqa: E402
 from mcf.bucket.hf import TransformersBackend  # noqa: E402
 
@@ -41,19 +42,6 @@ LENGTHS = (128, 512, 2048)
 QUERY = 16
 ROUNDS = 5
 RESULTS: list = []
-
-
-def _cpu():
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    t = os.times()
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.monotonic()
-
-
-def _other_cpu(start) -> float:
-    end = _cpu()
-    wall = end[2] - start[2]
-    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / (wall * (os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +94,7 @@ def test_query_from_the_bucket_vs_prefill(benchmark, setup, n, tier):
         _scratch(model, ids + query)
         anchor.append(time.perf_counter() - t0)
 
-    start = _cpu()
+    start = cpu_snapshot()
     runs = []
 
     def query_once():
@@ -120,7 +108,7 @@ def test_query_from_the_bucket_vs_prefill(benchmark, setup, n, tier):
             "scratch_ms": scratch * 1e3, "bucket_ms": target * 1e3, "speedup": scratch / target,
             "load_ms": statistics.median(r.timings_ms["load"] for r in runs[-ROUNDS:]),
             "saved_ms_per_query": (scratch - target) * 1e3, "torch_threads": torch.get_num_threads(),
-            "loadavg_1min": os.getloadavg()[0], "other_cpu": _other_cpu(start)}
+            "loadavg_1min": os.getloadavg()[0], "other_cpu": other_cpu(start, min_seconds=0)}
     benchmark.extra_info.update(info)
     RESULTS.append(info)
 

@@ -146,6 +146,39 @@ def _setup_remote(tmp, request):
     monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")   # never the real metadata service
 
 
+def _setup_loading(tmp, request):
+    """``checkpoint/``: a small Llama-shaped bfloat16 checkpoint in two shards with its index and config, as
+    save_pretrained writes one (2 layers, hidden 64, MLP 128, vocabulary 256: 21 tensors)."""
+    torch = pytest.importorskip("torch", reason="torch is in the test extra (the test-core legs run without it)")
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (256, 64)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (64,), p + "self_attn.q_proj.weight": (64, 64),
+                       p + "self_attn.k_proj.weight": (32, 64), p + "self_attn.v_proj.weight": (32, 64),
+                       p + "self_attn.o_proj.weight": (64, 64), p + "post_attention_layernorm.weight": (64,),
+                       p + "mlp.gate_proj.weight": (128, 64), p + "mlp.up_proj.weight": (128, 64),
+                       p + "mlp.down_proj.weight": (64, 128)})
+    shapes.update({"model.norm.weight": (64,), "lm_head.weight": (256, 64)})
+    tensors = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+    d = tmp / "checkpoint"
+    d.mkdir()
+    names = list(shapes)
+    shards = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    for fname, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(d / fname), metadata={"format": "pt"})
+    weight_map = {n: fname for fname, part in shards.items() for n in part}
+    total = sum(t.numel() * 2 for t in tensors.values())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                "weight_map": weight_map}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                               "intermediate_size": 128, "vocab_size": 256}))
+
+
 def _needs_minilm(tmp, request):
     for mod in ("torch", "safetensors", "tokenizers"):
         pytest.importorskip(mod, reason=f"{mod} is in the test extra")
@@ -171,6 +204,7 @@ SETUP = {
     "kernels.md": _setup_kernels,
     "mcf.md": _setup_mcf,
     "io.md": _setup_io,
+    "loading.md": _setup_loading,
     "remote.md": _setup_remote,
     "quickstart.md": _needs_minilm,
     "quantization.md": _needs_minilm,
@@ -269,11 +303,18 @@ def _check_extending(out):
     assert lines[-2:] == ["mmap True", "fileobj True"], lines
 
 
+def _check_loading(out):
+    lines = out.splitlines()
+    assert lines[0] == "21 torch.bfloat16" and lines[1] == "True"
+    assert lines[2] in ("local", "network", "fuse", "unknown") and lines[3] == "True 8" and lines[4] == "(64, 32) True"
+
+
 CHECKS = {
     "guide.md": _check_guide, "quickstart.md": _check_quickstart, "megacontext.md": _check_megacontext,
     "megatron.md": _check_megatron, "convert.md": _check_convert, "torch.md": _check_torch,
     "remote.md": _check_remote, "quantization.md": _check_quantization, "README.md": _check_readme,
     "kernels.md": _check_kernels, "io.md": _check_io, "extending.md": _check_extending, "gguf.md": _check_gguf,
+    "loading.md": _check_loading,
 }
 
 # Pages whose shell blocks make their own virtual environment: the suite's PYTHONPATH (a checkout run

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mcf
-from mcf.io import PAGE_SIZE, aligned_empty, open_source
+from mcf.io import PAGE_SIZE, aligned_empty, alloc_buffer, open_source
 
 
 @pytest.fixture
@@ -256,8 +256,6 @@ def test_source_is_not_constructible_directly():
 
 
 def test_alloc_buffer_is_writable_and_page_aligned():
-    from mcf.io import alloc_buffer
-
     for n in (0, 1, 4096, 3 << 20):
         a = alloc_buffer(n)
         assert a.size == n and a.dtype == np.uint8
@@ -267,6 +265,37 @@ def test_alloc_buffer_is_writable_and_page_aligned():
             assert int(a[-1]) == 7
     with pytest.raises(ValueError):
         alloc_buffer(-1)
+
+
+@pytest.mark.parametrize("n,align", [(0, 4096), (10, 64), (5, 3), (100, 1 << 16), (1 << 20, 1)])
+def test_aligned_empty_any_alignment(n, align):
+    a = aligned_empty(n, align)
+    assert a.size == n and a.dtype == np.uint8 and a.flags.writeable and a.ctypes.data % align == 0
+    a[:] = 5
+    assert int(a.sum()) == 5 * n
+
+
+def _vm_flags(addr: int) -> list:
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_fresh_buffers_do_not_ask_for_huge_pages():
+    """Loader destinations are faulted in as the engine fills them; numpy's allocator advises
+    MADV_HUGEPAGE ("hg") on arrays of 4 MiB or more, which made those faults 3x dearer in system time on
+    the project's VM (bench/README.md, "Loading").  The C allocator's memory follows the system policy."""
+    a = alloc_buffer(64 << 20)
+    assert "hg" not in _vm_flags(a.ctypes.data)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -235,6 +235,29 @@ def test_load_fetches_large_tensors_concurrently_in_pieces(server, www):
     src.close()
 
 
+def test_loader_chunk_bytes_and_threads_reach_a_url(server, www):
+    """A loader's chunk_bytes= and threads= set the size of the ranged GETs and the requests in flight for
+    a URL, as they set the read engine's chunks and workers for a file (they used to be dropped on the
+    way to the remote file, which kept its own 8 MiB x 16)."""
+    from mcf.io import open_source
+
+    info = mcf.open(str(www / "model.mcf")).info("big")
+    server.clear_log()
+    got = mcf.load_file(server.url("model.mcf"), names=["big"], chunk_bytes=1 << 20)
+    np.testing.assert_array_equal(got["big"], mcf.load_file(str(www / "model.mcf"), names=["big"])["big"])
+    gets = [r for r in server.requests("model.mcf") if r[0] == "GET"]
+    starts = {int(r[4][6:].split("-")[0]) for r in gets}
+    assert {info.offset + k * (1 << 20) for k in range(8)} <= starts
+
+    f = RemoteFile(server.url("model.mcf"))
+    dst = np.empty(6 << 20, np.uint8)
+    with open_source(f) as src:
+        before = f.stats["requests"]   # the size, asked at opening
+        src.read_into([0], [dst], threads=2, chunk_bytes=1 << 20)
+    assert f.stats["requests"] - before == 6 and f.stats["max_in_flight"] <= 2
+    assert bytes(dst) == (www / "model.mcf").read_bytes()[:6 << 20]
+
+
 def test_cache_is_bounded(server):
     f = RemoteFile(server.url("model.mcf"), block_size=4096, cache_size=4 * 4096)
     for k in range(20):

@@ -122,25 +122,61 @@ _ADVICE = {
 
 
 def alloc_buffer(nbytes):
-    """A fresh, writable uint8 array of ``nbytes`` starting on a page boundary.
-
-    numpy's allocator is used on purpose: it asks the kernel for transparent huge pages on large
-    arrays and glibc reuses freed memory, which measured faster and far steadier here than fresh
-    anonymous mappings with ``MADV_HUGEPAGE`` (those stall in direct compaction under the kernel's
-    ``defrag=madvise`` setting).  Reads into page-aligned memory run about twice as fast as into
-    unaligned memory.
-    """
+    """A fresh, writable uint8 array of ``nbytes`` starting on a page boundary (see :func:`aligned_empty`).
+    Reads into page-aligned memory run about twice as fast as into unaligned memory."""
     return aligned_empty(nbytes, 4096)
 
 
+cdef extern from "stdlib.h" nogil:
+    int posix_memalign(void** memptr, size_t alignment, size_t size)
+
+
+cdef class _Block:
+    """Owns one block of the C allocator's memory, exported writable through the buffer protocol; freed
+    when the last array over it dies."""
+    cdef void* ptr
+    cdef Py_ssize_t size
+
+    def __cinit__(self, Py_ssize_t size, size_t alignment):
+        self.ptr = NULL
+        self.size = size
+        if posix_memalign(&self.ptr, alignment, <size_t>(size if size > 0 else 1)) != 0:
+            self.ptr = NULL
+            raise MemoryError(f"cannot allocate {size} bytes")
+
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        PyBuffer_FillInfo(buffer, self, self.ptr, self.size, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        pass
+
+    def __dealloc__(self):
+        free(self.ptr)
+        self.ptr = NULL
+
+
 def aligned_empty(nbytes, align=4096):
-    """A fresh uint8 array of ``nbytes`` whose data starts on an ``align``-byte boundary."""
+    """A fresh uint8 array of ``nbytes`` whose data starts on an ``align``-byte boundary.
+
+    The memory comes from the C allocator (``posix_memalign``), as torch's does, and not from numpy's,
+    which asks the kernel for transparent huge pages (``MADV_HUGEPAGE``) on every array of 4 MiB or more.
+    What a fresh array costs is its first-touch page faults, paid while the read engine fills it, and on
+    this project's machine (a Firecracker VM whose balloon takes back free memory) huge pages made them
+    3-4x dearer: a 1.67 GB load spent ~2.9 s of system time faulting huge pages against ~0.8 s for 4 KiB
+    pages, and loaded at 0.3 GB/s instead of 1 GB/s from the page cache (bench/README.md, "Loading").  The
+    kernel's own policy still applies: with transparent huge pages ``always``, these arrays get them too.
+    """
     nbytes = int(nbytes)
+    align = int(align)
     if nbytes < 0:
         raise InvalidArgumentError("nbytes must be >= 0")
     if align < 1:
         raise InvalidArgumentError("align must be >= 1")
-    buf = np.empty(nbytes + align, dtype=np.uint8)
+    cdef bint power = align & (align - 1) == 0
+    # posix_memalign takes powers of two of at least a pointer's size; any other alignment is found
+    # inside a block that much larger
+    block = _Block(nbytes if power else nbytes + align, max(align, sizeof(void*)) if power else sizeof(void*))
+    buf = np.frombuffer(block, dtype=np.uint8)
     start = (-buf.ctypes.data) % align
     return buf[start:start + nbytes]
 
@@ -520,7 +556,7 @@ cdef class Source:
                 _plan_entry(self, rr, k, o[k], views[k].len, <uint8_t*>views[k].buf)
                 total += rr[k].size
             _check_overlap(rr, n, f"{self.name}: read_into: buffers")
-            _read_plan(self, rr, n, settings)
+            _read_plan(self, rr, n, settings, threads is not None, chunk_bytes is not None)
         finally:
             for k in range(held):
                 PyBuffer_Release(&views[k])
@@ -683,7 +719,7 @@ cdef class Source:
                             f"buffer ({view.len} bytes)")
                     _plan_entry(self, rr, k, o[k], z[k], <uint8_t*>view.buf + d[k])
                 _check_overlap(rr, n, f"{self.name}: read_ranges: destination ranges")
-                _read_plan(self, rr, n, settings)
+                _read_plan(self, rr, n, settings, threads is not None, chunk_bytes is not None)
             finally:
                 PyBuffer_Release(&view)
         finally:
@@ -892,9 +928,12 @@ cdef int _check_overlap(const mcf_read_range* rr, Py_ssize_t n, what) except -1:
     return 0
 
 
-cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings):
+cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings, bint threads_given,
+                       bint chunk_given):
     """A checked plan read by the engine (file sources) or copied range by range (memory and file-like
-    sources); returns the bytes fetched."""
+    sources); returns the bytes fetched.  A file-like object that reads plans itself (``readinto_ranges``:
+    :class:`mcf.remote.RemoteFile`) gets the caller's ``threads`` and ``chunk_bytes`` (``settings``) when
+    they were given, as its requests in flight and their size, and keeps its own settings otherwise."""
     cdef Py_ssize_t k
     cdef const uint8_t* base = s.base
     cdef uint64_t total = 0
@@ -921,7 +960,9 @@ cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settin
             if s._fileobj is None:
                 raise ClosedError(f"{s.name}: source is closed")
             try:
-                many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks])
+                many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks],
+                     **{key: v for key, v, given in (("threads", settings[0], threads_given),
+                                                     ("chunk_bytes", settings[1], chunk_given)) if given})
             except OSError as exc:
                 if isinstance(exc, MCFIOError):
                     raise

@@ -30,7 +30,7 @@ local      yes     16       8 MiB    the best cold median in every measurement h
 network    no      16       2 MiB    Run:ai Model Streamer's filesystem defaults: latency-bound
 fuse       no      16       2 MiB    as network
 unknown    yes     16       8 MiB    as local
-object     no      8        8 MiB    Run:ai Model Streamer's object-store defaults
+object     no      16       8 MiB    requests in flight x ranged GET size (:mod:`mcf.remote`), below
 =========  ======  =======  =======  ===========================================================
 
 How ``local`` was chosen (``bench/read_engine_settings.py``, figures in docs/io.md): a 1.5 GB file of
@@ -54,9 +54,14 @@ other work on the disk, so only what held in all three sweeps decided:
   reached 0.61-1.05 cold and 0.83-0.98 warm: no gain over the thread pool that would pay for a second
   I/O path, so it is not used.
 
-The ``network``, ``fuse`` and ``object`` rows are Run:ai's defaults as published: there is no network
-filesystem or object store on these machines to tune them against, and their reads are bound by
-round trips, where the number of requests in flight matters more than their size.
+The ``network`` and ``fuse`` rows are Run:ai's defaults as published: there is no network filesystem on
+these machines to tune them against, and their reads are bound by round trips, where the number of
+requests in flight matters more than their size.  The ``object`` row started from Run:ai's object-store
+defaults (8 x 8 MiB); 8 MiB x 16 in flight came out best of a sweep on loopback SeaweedFS and nginx
+(docs/remote.md, "Cost"), and on a real link one connection to an object store carries ~100 MB/s, so a
+fast link needs many (obstore and InstantTensor keep more in flight too).  :class:`mcf.remote.RemoteFile`
+takes its ``concurrency`` and ``request_size`` from this row; a loader's ``threads=`` and
+``chunk_bytes=`` override them for one call.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ DEFAULTS: dict[str, ReadDefaults] = {
     "network": _NETWORK,
     "fuse": _NETWORK,
     "unknown": _LOCAL,
-    "object": ReadDefaults(mmap=False, threads=8, chunk_bytes=8 * MiB, direct=False),
+    "object": ReadDefaults(mmap=False, threads=16, chunk_bytes=8 * MiB, direct=False),
 }
 
 

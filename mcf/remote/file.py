@@ -9,6 +9,7 @@ import threading
 from collections import OrderedDict
 
 from mcf._core.args import integer, real
+from mcf._core.storage import defaults_for
 from mcf.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError
 from mcf.remote._fetch import Fetcher
 from mcf.remote._plan import Part, plan
@@ -20,12 +21,10 @@ __all__ = ["RemoteFile", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_RE
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_CACHE_SIZE = 64 << 20
-# one ranged GET: Run:ai's object-store chunk.  16 in flight, not Run:ai's 8: on loopback SeaweedFS and
-# nginx 8 MiB x 16 came out best of the sweep (docs/remote.md, "Cost"), and on a real link one
-# connection to an object store carries ~100 MB/s, so the link needs many (obstore and InstantTensor
-# keep more in flight too).  128 MiB of answers at most.
-DEFAULT_REQUEST_SIZE = 8 << 20
-DEFAULT_CONCURRENCY = 16
+# one ranged GET, and the requests in flight: the "object" row of the storage table, where every kind's
+# read settings live (mcf._core.storage, which says why 8 MiB x 16).  128 MiB of answers at most.
+DEFAULT_REQUEST_SIZE = defaults_for("object").chunk_bytes
+DEFAULT_CONCURRENCY = defaults_for("object").threads
 DEFAULT_COALESCE = 1 << 20
 DEFAULT_RETRIES = 5
 DEFAULT_RETRY_DELAY = 0.1
