@@ -198,12 +198,9 @@ def serve(workdir, bucket: str = BUCKET, timeout: float = 60.0):
     cfg = _config(workdir)
     # its unix sockets go in a short directory of their own: a socket's path may not pass 107 bytes, and
     # pytest's tmp_path under CI's TMPDIR is already longer than that with SeaweedFS's names appended
-    sockets = tempfile.mkdtemp(prefix="weed-")
-    try:
-        with _serve(exe, workdir, cfg, sockets, bucket, timeout) as server:
-            yield server
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="weed-") as sockets, \
+            _serve(exe, workdir, cfg, sockets, bucket, timeout) as server:
+        yield server
 
 
 @contextlib.contextmanager

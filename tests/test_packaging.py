@@ -97,7 +97,7 @@ def test_the_extras_table_of_the_messages_is_pyprojects():
     from mcf._core.optional import EXTRAS
 
     extras = _pyproject()["project"]["optional-dependencies"]
-    assert set(EXTRAS) == set(extras) - {"test", "test-core"}
+    assert set(EXTRAS) == set(extras) - {"test", "test-core", "bench"}   # for developers: no message names them
     for extra, table in EXTRAS.items():
         assert {_requirement_name(req) for _, req in table} == _extra_packages(extras, extra), extra
 
