@@ -1,6 +1,17 @@
 """Fixtures shared by several test modules."""
 
+import os
+
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_of_other_libraries(tmp_path_factory):
+    """torch's compiler cache, which transformers' model code makes torch create, goes under pytest's
+    basetemp instead of ``$TMPDIR/torchinductor_$USER``, where it outlived every run (.ci/run fails on
+    anything a run leaves in TMPDIR).  The subprocesses tests start inherit it."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("torchinductor")))
+    yield
 
 
 @pytest.fixture(scope="session")
