@@ -24,6 +24,10 @@ def quantize_rows(
     zero: float = ..., domain: int = ..., impl: str | None = ..., search: bool = ...,
     weights: npt.NDArray[np.float32] | None = ...,
 ) -> None: ...
+def pack_codes(
+    codes: npt.NDArray[np.int8], code: int | str, out_payload: npt.NDArray[np.uint8], row0: int, *, rows: int,
+    cols: int,
+) -> None: ...
 
 class QTensor:
     layout: Any

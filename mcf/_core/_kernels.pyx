@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
+from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, uintptr_t
 
 from mcf._core.args import byte_order_problem, integer, row_range
 from mcf._core._io import aligned_empty
@@ -370,3 +370,56 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
                                    <uint8_t*>sub_p, <uint8_t*>codes_p, im)
     if rc != 0:
         raise InvalidArgumentError("values too large: a block scale overflows float16")
+
+
+cdef extern from "quant.h" nogil:
+    void mcf_pack_block(const int32_t* q, int bits, uint8_t* dst)
+
+
+def pack_codes(codes, code, out_payload, row0, *, rows, cols):
+    """Write the given signed codes of rows row0 .. row0 + n into the code region of ``out_payload`` (a q*/k*
+    payload laid out for ``rows`` x ``cols``), packed as the quantizers pack them; the scale regions are left
+    as they are.  ``codes`` is int8 [n, blocks_per_row * 32] (each row's last block padded), every code within
+    the method's range -2^(bits-1) .. 2^(bits-1) - 1.  For quantizers that choose codes themselves for scales
+    chosen by the search (the error feedback of :mod:`mcf.container.error_feedback`): the decoder then
+    returns scale * code for every value."""
+    rows = integer(rows, "rows", minimum=0)
+    cols = integer(cols, "cols", minimum=0)
+    row0 = integer(row0, "row0", minimum=0)
+    lay = quant_layout(code, (rows, cols), Domain.WEIGHTS)
+    if lay.dtype.family == "raw":
+        raise InvalidArgumentError(f"pack_codes packs the block codes of the q*/k* methods, not {lay.dtype.name}")
+    q = codes
+    if not isinstance(q, np.ndarray) or q.dtype != np.int8 or q.ndim != 2 or not q.flags.c_contiguous:
+        raise InvalidArgumentError("codes must be a contiguous 2-D int8 array")
+    n, width = q.shape
+    if width != lay.blocks_per_row * 32:
+        raise InvalidArgumentError(f"codes has {width} columns; {lay.dtype.name} rows of {cols} values hold "
+                                   f"{lay.blocks_per_row} blocks of 32 codes ({lay.blocks_per_row * 32})")
+    if not row0 + n <= rows:
+        raise InvalidArgumentError(f"rows {row0}..{row0 + n} outside 0..{rows}")
+    qmin, qmax = -(1 << (lay.dtype.bits - 1)), (1 << (lay.dtype.bits - 1)) - 1
+    if q.size and (int(q.min()) < qmin or int(q.max()) > qmax):
+        raise InvalidArgumentError(f"codes must lie in {qmin}..{qmax} for {lay.dtype.name}, got "
+                                   f"{int(q.min())}..{int(q.max())}")
+    buf = out_payload
+    check_out(buf, "out_payload")
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise InvalidArgumentError("out_payload must be a writeable contiguous uint8 array")
+    if buf.size < lay.nbytes:
+        raise InvalidArgumentError(f"out_payload has {buf.size} bytes, {lay.dtype.name} {[rows, cols]} needs "
+                                   f"{lay.nbytes}")
+    if q.size == 0:
+        return
+    reg = {r.name: r for r in lay.regions}
+    cdef size_t bb = lay.dtype.bits * 4, nblocks = <size_t>n * lay.blocks_per_row, b
+    cdef int bits = lay.dtype.bits
+    cdef uintptr_t dst = buf.ctypes.data + reg["data"].offset + row0 * lay.blocks_per_row * bb
+    cdef const int8_t* src = <const int8_t*><uintptr_t>q.ctypes.data
+    cdef int32_t block[32]
+    cdef int i
+    with nogil:
+        for b in range(nblocks):
+            for i in range(32):
+                block[i] = src[b * 32 + i]
+            mcf_pack_block(block, bits, <uint8_t*>(dst + b * bb))

@@ -1,0 +1,170 @@
+"""Codes chosen with error feedback through the second moment of a layer's inputs (GPTQ's method).
+
+Why: a linear layer ``y = x @ W.T`` turns a weight error ``dW`` into the output error ``x @ dW.T``, whose mean
+square over the inputs is ``trace(dW H dW^T)`` with ``H = E[x x^T]``, the second moment of the inputs.  An
+importance vector (:mod:`mcf.imatrix`) keeps only the diagonal of ``H``: it can choose each block's scale, but
+the codes stay each value rounded to its nearest step.  With the whole matrix the codes themselves can
+cancel each other's error along the directions the inputs actually take: GPTQ (Frantar et al., 2022) rounds
+the columns one after the other and spreads each column's rounding error over the columns not yet rounded,
+through the upper Cholesky factor ``U`` of ``H^-1`` (``H`` damped by 1% of its mean diagonal):
+
+    for each column j:  q_j = round(w_j);  e = (w_j - q_j) / U[j, j];  w_k -= e * U[j, k]  for k > j
+
+That is exact coordinate-wise minimisation of ``trace(dW H dW^T)`` when rounding is free, and on MiniLM it
+lowers the (1 - cosine) of sentence embeddings by about a third against the importance vector alone
+(docs/quantization.md).  The file format does not change: the scales are those of the search quantizer
+weighted by ``diag(H)`` (the same code, the same bytes), only the codes differ, and the decoder returns
+``scale * code`` for them as for any other payload.
+
+Choices, and why:
+
+- float64 throughout (``H``, its factor, the running weights): ``H^-1`` of a damped second moment can have a
+  condition number of 10^4 and more, and the running weights accumulate thousands of updates; float32 would
+  make the codes depend on summation order far more often.  The cost is memory (``cols^2`` float64 for ``U``)
+  and half the BLAS speed, both small next to the time of collecting ``H``.
+- Lazy batches of 128 columns (GPTQ's): inside a batch the updates touch only the batch; the rest of the row
+  is updated once per batch with one matrix product, so large layers run at BLAS speed.  Rows are independent
+  (the same ``U`` for every row) and are processed in chunks that bound the memory.
+- Each code is rounded the way the search quantizer rounds: ``clamp(rint(float32(w) * (1 / scale)), qmin, qmax)``
+  in float32 with the scale the decoder reads, over the whole code range (docs/FORMATS.md §1: writers other
+  than the mantle-compatible one may emit the most negative code); a block whose scale is 0 gets code 0.  So
+  with ``H`` a multiple of the identity (no feedback) the payload is byte-identical to the search's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mcf._core import _kernels
+from mcf._core.args import reals
+from mcf._core.dtypes import DTypeInfo
+from mcf.errors import InvalidArgumentError
+from mcf.container.layout import quant_layout
+
+__all__ = ["DAMPING", "BATCH_COLUMNS", "check_second_moment", "feedback_factor", "block_scales",
+           "feedback_codes", "requantize_codes"]
+
+DAMPING = 0.01          # of the mean diagonal, added to the diagonal (GPTQ's default percdamp)
+BATCH_COLUMNS = 128     # columns updated together before the rest of the row (GPTQ's blocksize)
+_CHUNK_BYTES = 64 << 20  # float64 working rows per step
+_SYMMETRY_TOLERANCE = 1e-5  # of max|H|: float32 sums of x x^T computed by a GEMM are symmetric to ~1e-7
+
+
+def check_second_moment(h, shape: tuple) -> np.ndarray:
+    """``h`` as a finite symmetric float64 ``[cols, cols]`` matrix (made exactly symmetric) for a tensor of
+    ``shape`` ``(rows, cols)``, or :class:`mcf.InvalidArgumentError` saying what is wrong with it."""
+    m = reals(h, "second_moment")
+    cols = shape[1]
+    if m.ndim != 2 or m.shape != (cols, cols):
+        raise InvalidArgumentError(f"second_moment has shape {m.shape}; the tensor has shape {tuple(shape)}, so a "
+                                   f"({cols}, {cols}) matrix (the second moment of its inputs) is needed")
+    if not np.isfinite(m).all():
+        i, j = (int(v) for v in np.argwhere(~np.isfinite(m))[0])
+        raise InvalidArgumentError(f"second_moment[{i}, {j}] = {float(m[i, j])!r}; its values must be finite")
+    m = np.asarray(m, dtype=np.float64)
+    top = float(np.abs(m).max()) if m.size else 0.0
+    asym = np.abs(m - m.T)
+    if top and float(asym.max()) > _SYMMETRY_TOLERANCE * top:
+        i, j = (int(v) for v in np.unravel_index(int(np.argmax(asym)), asym.shape))
+        raise InvalidArgumentError(f"second_moment is not symmetric: [{i}, {j}] = {float(m[i, j])!r} but [{j}, {i}] = "
+                                   f"{float(m[j, i])!r} (E[x x^T] is; tolerance {_SYMMETRY_TOLERANCE:g} of max|H|)")
+    d = np.diagonal(m)
+    if cols and (d < 0).any():
+        i = int(np.flatnonzero(d < 0)[0])
+        raise InvalidArgumentError(f"second_moment[{i}, {i}] = {float(d[i])!r}; a second moment's diagonal (the mean "
+                                   "squared input of each column) is >= 0")
+    if top:
+        # only the matrix's shape matters, not its size: bring max|H| near 1 by a power of 4, which changes
+        # no code (every step below is exact under it: Cholesky halves the exponent) and keeps the mean, the
+        # damping and the factor of values near the float64 limits finite
+        m = np.ldexp(m, -2 * (int(np.frexp(top)[1]) // 2))
+    return m * 0.5 + m.T * 0.5
+
+
+def feedback_factor(h: np.ndarray) -> np.ndarray:
+    """The upper Cholesky factor ``U`` of ``(h + DAMPING * mean(diag h) * I)^-1`` (``U^T U`` = that inverse),
+    for ``h`` as :func:`check_second_moment` returns it.  Computed as GPTQ does, through the Cholesky factor
+    of the damped ``h`` (which also tells whether it is positive definite)."""
+    n = h.shape[0]
+    if n == 0:
+        return np.zeros((0, 0))
+    damp = DAMPING * float(np.mean(np.diagonal(h)))
+    hd = h + damp * np.eye(n)
+    try:
+        low = np.linalg.cholesky(hd)
+        low_inv = np.linalg.inv(low)
+        u = np.linalg.cholesky(low_inv.T @ low_inv).T
+    except np.linalg.LinAlgError:
+        raise InvalidArgumentError(f"second_moment is not positive definite, even with {DAMPING:.0%} of its mean "
+                                   f"diagonal ({damp:.6g}) added to the diagonal; a second moment E[x x^T] of "
+                                   "inputs that are not all zero is") from None
+    if not np.isfinite(u).all():
+        raise InvalidArgumentError("second_moment is too badly conditioned: the Cholesky factor of its inverse "
+                                   "is not finite")
+    return u
+
+
+def block_scales(payload, info: DTypeInfo, rows: int, cols: int) -> np.ndarray:
+    """The scale of every value of a q*/k* payload, ``[rows, cols]`` float32, exactly as the decoder computes it
+    (csrc/dequant.c): f16 with subnormals flushed to 0; k*: ``super * (float32(sub & 0x3f) / 32)``."""
+    lay = quant_layout(info, (rows, cols))
+    buf = np.asarray(payload, dtype=np.uint8).reshape(-1)
+    reg = {r.name: buf[r.offset:r.offset + r.size] for r in lay.regions}
+
+    def f16(b):
+        h = b.view("<u2")
+        return np.where(h & 0x7C00, h.view("<f2").astype(np.float32), np.float32(0))
+
+    bpr = lay.blocks_per_row
+    if "scales" in reg:
+        s = f16(reg["scales"]).reshape(rows, bpr)
+    else:
+        sup = np.repeat(f16(reg["super_scales"]).reshape(rows, lay.supers_per_row), 8, axis=1)[:, :bpr]
+        sub = (reg["sub_scales"] & 0x3F).astype(np.float32).reshape(rows, bpr) / np.float32(32)
+        s = sup * sub
+    return np.repeat(s, 32, axis=1)[:, :cols]
+
+
+def feedback_codes(w: np.ndarray, scales: np.ndarray, u: np.ndarray, bits: int) -> np.ndarray:
+    """The codes error feedback chooses for the float64 rows ``w`` ([n, cols], overwritten: it ends as the
+    running weights) with the per-value ``scales`` (float32, as :func:`block_scales`) and the factor ``u``
+    (:func:`feedback_factor`): int8 [n, cols]."""
+    n, cols = w.shape
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    s64 = scales.astype(np.float64)
+    with np.errstate(divide="ignore"):
+        inv = np.where(scales != 0, np.float32(1) / scales, np.float32(0)).astype(np.float32)
+    codes = np.empty((n, cols), dtype=np.int8)
+    diag = np.diagonal(u)
+    for c0 in range(0, cols, BATCH_COLUMNS):
+        c1 = min(cols, c0 + BATCH_COLUMNS)
+        blk = w[:, c0:c1]            # a view: updated in place
+        err = np.empty((n, c1 - c0))
+        for j in range(c1 - c0):
+            c = c0 + j
+            col = blk[:, j]
+            # rounded as the search quantizer rounds (float32 product, rint); a zero scale gives code 0
+            q = np.clip(np.rint(col.astype(np.float32) * inv[:, c]), qmin, qmax)
+            codes[:, c] = q
+            e = (col - s64[:, c] * q) / diag[c]
+            err[:, j] = e
+            if j + 1 < c1 - c0:
+                blk[:, j + 1:] -= np.outer(e, u[c, c + 1:c1])
+        if c1 < cols:
+            w[:, c1:] -= err @ u[c0:c1, c1:]
+    return codes
+
+
+def requantize_codes(payload: np.ndarray, read_rows, info: DTypeInfo, rows: int, cols: int, u: np.ndarray) -> None:
+    """Replace the codes of the q*/k* ``payload`` (``rows`` x ``cols``; its scales kept) by those error feedback
+    chooses with the factor ``u`` for the values ``read_rows(r0, r1)`` returns (float32 rows [r0, r1), finite and
+    clipped as the search saw them).  The payload is written in place, packed as the quantizers pack it."""
+    lay = quant_layout(info, (rows, cols))
+    step = max(1, _CHUNK_BYTES // max(1, 8 * cols))
+    scales = block_scales(payload, info, rows, cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w = np.array(read_rows(r0, r1), dtype=np.float64)
+        codes = np.zeros((r1 - r0, lay.blocks_per_row * 32), dtype=np.int8)
+        codes[:, :cols] = feedback_codes(w, scales[r0:r1], u, info.bits)
+        _kernels.pack_codes(codes, info.code, payload, r0, rows=rows, cols=cols)
