@@ -495,3 +495,67 @@ def test_cli_collect_and_quantize_minilm(minilm_dir, tmp_path):
         for n in a:
             same = a.raw(n).tobytes() == b.raw(n).tobytes()
             assert same == (n not in imat or not a.info(n).quantized), n
+
+
+# -- the compiled helpers: every size checked before the loops run --------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(3, 40), (2, 256), (1, 1)])
+def test_pack_codes_round_trip(method, shape):
+    """Codes packed into a payload unpack to themselves (the padding of each row's last block included), the
+    scales are left alone, and the decoder returns scale * code."""
+    from mcf._core._kernels import pack_codes
+
+    rng = np.random.default_rng(21)
+    rows, cols = shape
+    bits = BITS[method]
+    x = rng.standard_normal(shape).astype(np.float32)
+    payload, _ = mcf.quantize(x, method)
+    before = payload.copy()
+    width = -(-cols // 32) * 32
+    codes = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (rows, width)).astype(np.int8)
+    pack_codes(codes[1:], method, payload, 1, rows=rows, cols=cols)    # rows 1.. only
+    got = unpack_codes(payload, parse_dtype(method).code, rows, cols)
+    np.testing.assert_array_equal(got[1:], codes[1:])
+    np.testing.assert_array_equal(got[:1], unpack_codes(before, parse_dtype(method).code, rows, cols)[:1])
+    data = mcf.quant_layout(method, shape).region("data")
+    assert payload[:data.offset].tobytes() == before[:data.offset].tobytes()
+    s32 = ref_scales(payload, method, shape)
+    np.testing.assert_array_equal(mcf.dequantize(payload, method, shape), s32 * got[:, :cols].astype(np.float32))
+
+
+def test_pack_codes_refuses_what_does_not_fit():
+    from mcf._core._kernels import pack_codes
+
+    payload, _ = mcf.quantize(np.ones((2, 40), np.float32), "k3")
+    ok = np.zeros((2, 64), np.int8)
+    for codes, kw, match in (
+            (ok, {"rows": 3}, "needs"), (ok, {"cols": 100}, "codes has 64 columns"),
+            (np.full((2, 64), 4, np.int8), {}, r"-4\.\.3"), (np.full((2, 64), -5, np.int8), {}, r"-4\.\.3"),
+            (ok.astype(np.int16), {}, "int8"), (ok[:, ::2], {}, "contiguous"), (ok[:1], {"row0": 2}, "outside"),
+            (ok, {"code": "int8"}, "not int8"), (ok, {"payload": payload[:-1]}, "needs"),
+            (ok, {"payload": payload.astype(np.int8)}, "uint8"), (ok, {"row0": -1}, ">= 0")):
+        args = {"rows": 2, "cols": 40, "row0": 0, "code": "k3", "payload": payload.copy(), **kw}
+        with pytest.raises(mcf.InvalidArgumentError, match=match):
+            pack_codes(codes, args["code"], args["payload"], args["row0"], rows=args["rows"], cols=args["cols"])
+    ro = payload.copy()
+    ro.flags.writeable = False
+    with pytest.raises(mcf.InvalidArgumentError, match="writeable"):
+        pack_codes(ok, "k3", ro, 0, rows=2, cols=40)
+
+
+def test_feedback_batch_refuses_what_does_not_fit():
+    from mcf._core._kernels import feedback_batch
+
+    cols, n = 6, 5
+    good = {"wt": np.zeros((cols, n)), "st": np.ones((cols, n), np.float32), "inv": np.ones((cols, n), np.float32),
+            "u": np.eye(cols), "codes": np.zeros((cols, n), np.int8), "err": np.zeros((cols, n)), "c0": 0, "c1": cols,
+            "bits": 4}
+    feedback_batch(**good)
+    for change, match in (({"wt": np.zeros((cols, n), np.float32)}, "wt must be"), ({"u": np.eye(cols + 1)}, "u must be"),
+                          ({"st": np.ones((cols, n + 1), np.float32)}, "shape of wt"), ({"c1": cols + 1}, "out of range"),
+                          ({"c0": 4, "c1": 3}, "out of range"), ({"err": np.zeros((2, n))}, "out of range"),
+                          ({"bits": 9}, "2..8"), ({"codes": np.zeros((cols, n), np.int8).T.copy().T}, "contiguous"),
+                          ({"c0": -1}, ">= 0")):
+        with pytest.raises(mcf.InvalidArgumentError, match=match):
+            feedback_batch(**{**good, **change})

@@ -83,25 +83,45 @@ def check_second_moment(h, shape: tuple) -> np.ndarray:
 
 def feedback_factor(h: np.ndarray) -> np.ndarray:
     """The upper Cholesky factor ``U`` of ``(h + DAMPING * mean(diag h) * I)^-1`` (``U^T U`` = that inverse),
-    for ``h`` as :func:`check_second_moment` returns it.  Computed as GPTQ does, through the Cholesky factor
-    of the damped ``h`` (which also tells whether it is positive definite)."""
+    for ``h`` as :func:`check_second_moment` returns it.
+
+    Computed without forming the inverse: with ``J`` the order-reversing permutation, the Cholesky factor
+    ``L`` of ``J h J`` gives ``h = R R^T`` with ``R = J L J`` upper triangular, so ``U = R^-1`` (upper, with a
+    positive diagonal: the unique factor).  One Cholesky factorization (which also tells whether the damped
+    matrix is positive definite) and one triangular inverse, half the work of GPTQ's Cholesky, inverse,
+    Cholesky route, which gives the same matrix up to rounding."""
     n = h.shape[0]
     if n == 0:
         return np.zeros((0, 0))
     damp = DAMPING * float(np.mean(np.diagonal(h)))
     hd = h + damp * np.eye(n)
     try:
-        low = np.linalg.cholesky(hd)
-        low_inv = np.linalg.inv(low)
-        u = np.linalg.cholesky(low_inv.T @ low_inv).T
+        low = np.linalg.cholesky(hd[::-1, ::-1])
     except np.linalg.LinAlgError:
         raise InvalidArgumentError(f"second_moment is not positive definite, even with {DAMPING:.0%} of its mean "
                                    f"diagonal ({damp:.6g}) added to the diagonal; a second moment E[x x^T] of "
                                    "inputs that are not all zero is") from None
+    u = _upper_inverse(np.ascontiguousarray(low[::-1, ::-1]))
     if not np.isfinite(u).all():
         raise InvalidArgumentError("second_moment is too badly conditioned: the Cholesky factor of its inverse "
                                    "is not finite")
     return u
+
+
+def _upper_inverse(r: np.ndarray) -> np.ndarray:
+    """The inverse of the upper triangular ``r`` by halves, ``[[A, B], [0, C]]^-1 = [[A^-1, -A^-1 B C^-1],
+    [0, C^-1]]``: matrix products do the work (n^3 / 3 multiply-adds), where numpy's general inverse would
+    factor the matrix again (2 n^3)."""
+    n = r.shape[0]
+    if n <= 64:
+        return np.triu(np.linalg.inv(r))
+    k = n // 2
+    a_inv, c_inv = _upper_inverse(r[:k, :k]), _upper_inverse(r[k:, k:])
+    out = np.zeros_like(r)
+    out[:k, :k] = a_inv
+    out[k:, k:] = c_inv
+    out[:k, k:] = -(a_inv @ r[:k, k:]) @ c_inv
+    return out
 
 
 def block_scales(payload, info: DTypeInfo, rows: int, cols: int) -> np.ndarray:
@@ -126,33 +146,28 @@ def block_scales(payload, info: DTypeInfo, rows: int, cols: int) -> np.ndarray:
 
 
 def feedback_codes(w: np.ndarray, scales: np.ndarray, u: np.ndarray, bits: int) -> np.ndarray:
-    """The codes error feedback chooses for the float64 rows ``w`` ([n, cols], overwritten: it ends as the
-    running weights) with the per-value ``scales`` (float32, as :func:`block_scales`) and the factor ``u``
-    (:func:`feedback_factor`): int8 [n, cols]."""
+    """The codes error feedback chooses for the float64 rows ``w`` ([n, cols]) with the per-value ``scales``
+    (float32, as :func:`block_scales`) and the factor ``u`` (:func:`feedback_factor`): int8 [n, cols].
+
+    Works on the transpose, one contiguous row per column of ``w``, so that a column's rounding and the
+    rank-1 updates of the rest of its batch read and write contiguous memory; that loop is compiled
+    (:func:`mcf._core._kernels.feedback_batch`), since in numpy its per-column calls cost more than their
+    arithmetic on layers of a few hundred rows.  Each batch's update of the later columns is one matrix
+    product."""
     n, cols = w.shape
-    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    s64 = scales.astype(np.float64)
+    wt = np.ascontiguousarray(w.T, dtype=np.float64)          # [cols, n], updated in place
+    st = np.ascontiguousarray(scales.T, dtype=np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(scales != 0, np.float32(1) / scales, np.float32(0)).astype(np.float32)
-    codes = np.empty((n, cols), dtype=np.int8)
-    diag = np.diagonal(u)
+        inv = np.where(st != 0, np.float32(1) / st, np.float32(0)).astype(np.float32)
+    codes = np.empty((cols, n), dtype=np.int8)
+    err = np.empty((min(cols, BATCH_COLUMNS), n))
     for c0 in range(0, cols, BATCH_COLUMNS):
         c1 = min(cols, c0 + BATCH_COLUMNS)
-        blk = w[:, c0:c1]            # a view: updated in place
-        err = np.empty((n, c1 - c0))
-        for j in range(c1 - c0):
-            c = c0 + j
-            col = blk[:, j]
-            # rounded as the search quantizer rounds (float32 product, rint); a zero scale gives code 0
-            q = np.clip(np.rint(col.astype(np.float32) * inv[:, c]), qmin, qmax)
-            codes[:, c] = q
-            e = (col - s64[:, c] * q) / diag[c]
-            err[:, j] = e
-            if j + 1 < c1 - c0:
-                blk[:, j + 1:] -= np.outer(e, u[c, c + 1:c1])
-        if c1 < cols:
-            w[:, c1:] -= err @ u[c0:c1, c1:]
-    return codes
+        # inside the batch, column by column (compiled: the statement of each step is in its docstring)
+        _kernels.feedback_batch(wt, st, inv, u, codes, err, c0, c1, bits)
+        if c1 < cols:   # the rest of the row, once per batch
+            wt[c1:] -= u[c0:c1, c1:].T @ err[:c1 - c0]
+    return np.ascontiguousarray(codes.T)
 
 
 def requantize_codes(payload: np.ndarray, read_rows, info: DTypeInfo, rows: int, cols: int, u: np.ndarray) -> None:
