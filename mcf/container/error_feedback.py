@@ -10,8 +10,9 @@ through the upper Cholesky factor ``U`` of ``H^-1`` (``H`` damped by 1% of its m
 
     for each column j:  q_j = round(w_j);  e = (w_j - q_j) / U[j, j];  w_k -= e * U[j, k]  for k > j
 
-That is exact coordinate-wise minimisation of ``trace(dW H dW^T)`` when rounding is free, and on MiniLM it
-lowers the (1 - cosine) of sentence embeddings by about a third against the importance vector alone
+Each update is the change of the columns not yet rounded that minimises ``trace(dW H dW^T)`` given the
+columns rounded so far (the Optimal Brain Surgeon step); on MiniLM the (1 - cosine) of sentence embeddings
+falls by about a third against the search's nearest rounding, twice what the importance vector alone gives
 (docs/quantization.md).  The file format does not change: the scales are those of the search quantizer
 weighted by ``diag(H)`` (the same code, the same bytes), only the codes differ, and the decoder returns
 ``scale * code`` for them as for any other payload.
@@ -21,13 +22,13 @@ Choices, and why:
 - float64 throughout (``H``, its factor, the running weights): ``H^-1`` of a damped second moment can have a
   condition number of 10^4 and more, and the running weights accumulate thousands of updates; float32 would
   make the codes depend on summation order far more often.  The cost is memory (``cols^2`` float64 for ``U``)
-  and half the BLAS speed, both small next to the time of collecting ``H``.
+  and half of float32's BLAS speed.
 - Lazy batches of 128 columns (GPTQ's): inside a batch the updates touch only the batch; the rest of the row
   is updated once per batch with one matrix product, so large layers run at BLAS speed.  Rows are independent
   (the same ``U`` for every row) and are processed in chunks that bound the memory.
 - Each code is rounded the way the search quantizer rounds: ``clamp(rint(float32(w) * (1 / scale)), qmin, qmax)``
-  in float32 with the scale the decoder reads, over the whole code range (docs/FORMATS.md §1: writers other
-  than the mantle-compatible one may emit the most negative code); a block whose scale is 0 gets code 0.  So
+  in float32 with the scale the decoder reads, over the whole code range (docs/mcf.md: writers other than the
+  mantle-compatible one may emit the most negative code); a block whose scale is 0 gets code 0.  So
   with ``H`` a multiple of the identity (no feedback) the payload is byte-identical to the search's.
 """
 
@@ -48,6 +49,7 @@ DAMPING = 0.01          # of the mean diagonal, added to the diagonal (GPTQ's de
 BATCH_COLUMNS = 128     # columns updated together before the rest of the row (GPTQ's blocksize)
 _CHUNK_BYTES = 64 << 20  # float64 working rows per step
 _SYMMETRY_TOLERANCE = 1e-5  # of max|H|: float32 sums of x x^T computed by a GEMM are symmetric to ~1e-7
+_TILE = 256  # rows and columns of the tiles the symmetry check compares (two fit in L2)
 
 
 def check_second_moment(h, shape: tuple) -> np.ndarray:
@@ -63,22 +65,34 @@ def check_second_moment(h, shape: tuple) -> np.ndarray:
         raise InvalidArgumentError(f"second_moment[{i}, {j}] = {float(m[i, j])!r}; its values must be finite")
     m = np.asarray(m, dtype=np.float64)
     top = float(np.abs(m).max()) if m.size else 0.0
-    asym = np.abs(m - m.T)
-    if top and float(asym.max()) > _SYMMETRY_TOLERANCE * top:
-        i, j = (int(v) for v in np.unravel_index(int(np.argmax(asym)), asym.shape))
-        raise InvalidArgumentError(f"second_moment is not symmetric: [{i}, {j}] = {float(m[i, j])!r} but [{j}, {i}] = "
-                                   f"{float(m[j, i])!r} (E[x x^T] is; tolerance {_SYMMETRY_TOLERANCE:g} of max|H|)")
     d = np.diagonal(m)
     if cols and (d < 0).any():
         i = int(np.flatnonzero(d < 0)[0])
         raise InvalidArgumentError(f"second_moment[{i}, {i}] = {float(d[i])!r}; a second moment's diagonal (the mean "
                                    "squared input of each column) is >= 0")
-    if top:
-        # only the matrix's shape matters, not its size: bring max|H| near 1 by a power of 4, which changes
-        # no code (every step below is exact under it: Cholesky halves the exponent) and keeps the mean, the
-        # damping and the factor of values near the float64 limits finite
-        m = np.ldexp(m, -2 * (int(np.frexp(top)[1]) // 2))
-    return m * 0.5 + m.T * 0.5
+    # only the matrix's shape matters, not its size: bring max|H| near 1 by a power of 4, which changes no
+    # code (every step below is exact under it: Cholesky halves the exponent) and keeps the mean, the
+    # damping and the factor of values near the float64 limits finite
+    scale = np.ldexp(1.0, -2 * (int(np.frexp(top)[1]) // 2)) if top else 1.0
+    out = np.empty_like(m)
+    # checked and made symmetric tile by tile: a whole-matrix m - m.T walks one operand column-wise, which
+    # took seconds for 4096 x 4096
+    for i0 in range(0, cols, _TILE):
+        i1 = min(cols, i0 + _TILE)
+        for j0 in range(i0, cols, _TILE):
+            j1 = min(cols, j0 + _TILE)
+            a, b = m[i0:i1, j0:j1] * scale, m[j0:j1, i0:i1].T * scale
+            asym = np.abs(a - b)
+            if float(asym.max()) > _SYMMETRY_TOLERANCE * top * scale:
+                i, j = (int(v) for v in np.unravel_index(int(np.argmax(asym)), asym.shape))
+                i, j = i + i0, j + j0
+                raise InvalidArgumentError(
+                    f"second_moment is not symmetric: [{i}, {j}] = {float(m[i, j])!r} but [{j}, {i}] = "
+                    f"{float(m[j, i])!r} (E[x x^T] is; tolerance {_SYMMETRY_TOLERANCE:g} of max|H|)")
+            sym = a * 0.5 + b * 0.5
+            out[i0:i1, j0:j1] = sym
+            out[j0:j1, i0:i1] = sym.T
+    return out
 
 
 def feedback_factor(h: np.ndarray) -> np.ndarray:
