@@ -109,6 +109,18 @@ def test_codes_match_the_reference(method, shape):
     assert payload[:data.offset].tobytes() == search[:data.offset].tobytes()
 
 
+def test_row_chunks_do_not_change_the_bytes(monkeypatch):
+    """Rows are fed back in chunks that bound the memory (64 MiB of float64 rows): a tensor cut into chunks of
+    3 rows gives the bytes of one chunk."""
+    from mcf.container import error_feedback
+
+    rng = np.random.default_rng(12)
+    w, h = correlated(rng, 10, 140)
+    whole, _ = mcf.quantize(w, "k3", second_moment=h)
+    monkeypatch.setattr(error_feedback, "_CHUNK_BYTES", 3 * 8 * 140)
+    assert mcf.quantize(w, "k3", second_moment=h)[0].tobytes() == whole.tobytes()
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_most_negative_code_and_zero_blocks(method):
     """The whole code range is used (the most negative code appears), and a block whose scale is 0 (all
