@@ -119,6 +119,10 @@ def test_row_chunks_do_not_change_the_bytes(monkeypatch):
     whole, _ = mcf.quantize(w, "k3", second_moment=h)
     monkeypatch.setattr(error_feedback, "_CHUNK_BYTES", 3 * 8 * 140)
     assert mcf.quantize(w, "k3", second_moment=h)[0].tobytes() == whole.tobytes()
+    assert mcf.quantize(w, "k3", second_moment=h, threads=3)[0].tobytes() == whole.tobytes()
+    w, h = correlated(rng, 700, 64)   # three chunks of at most 256 rows, on 1 or 2 threads
+    assert mcf.quantize(w, "q4", second_moment=h, threads=2)[0].tobytes() == mcf.quantize(
+        w, "q4", second_moment=h)[0].tobytes()
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -47,7 +47,8 @@ __all__ = ["DAMPING", "BATCH_COLUMNS", "check_second_moment", "feedback_factor",
 
 DAMPING = 0.01          # of the mean diagonal, added to the diagonal (GPTQ's default percdamp)
 BATCH_COLUMNS = 128     # columns updated together before the rest of the row (GPTQ's blocksize)
-_CHUNK_BYTES = 64 << 20  # float64 working rows per step
+_CHUNK_BYTES = 64 << 20  # float64 working rows per step, at most
+_CHUNK_ROWS = 256        # rows per step, at most: steps for threads=, whatever their number
 _SYMMETRY_TOLERANCE = 1e-5  # of max|H|: float32 sums of x x^T computed by a GEMM are symmetric to ~1e-7
 _TILE = 256  # rows and columns of the tiles the symmetry check compares (two fit in L2)
 
@@ -184,16 +185,32 @@ def feedback_codes(w: np.ndarray, scales: np.ndarray, u: np.ndarray, bits: int) 
     return np.ascontiguousarray(codes.T)
 
 
-def requantize_codes(payload: np.ndarray, read_rows, info: DTypeInfo, rows: int, cols: int, u: np.ndarray) -> None:
+def requantize_codes(payload: np.ndarray, read_rows, info: DTypeInfo, rows: int, cols: int, u: np.ndarray, *,
+                     threads: int = 1) -> None:
     """Replace the codes of the q*/k* ``payload`` (``rows`` x ``cols``; its scales kept) by those error feedback
     chooses with the factor ``u`` for the values ``read_rows(r0, r1)`` returns (float32 rows [r0, r1), finite and
-    clipped as the search saw them).  The payload is written in place, packed as the quantizers pack it."""
+    clipped as the search saw them).  The payload is written in place, packed as the quantizers pack it.
+
+    Rows go in chunks of at most ``_CHUNK_ROWS`` (fewer for wide tensors, so a chunk's float64 copy stays
+    within ``_CHUNK_BYTES``), a size that does not depend on ``threads``: ``threads`` only runs chunks at the
+    same time (the compiled loop and the matrix products release the GIL), and the bytes are the same."""
     lay = quant_layout(info, (rows, cols))
-    step = max(1, _CHUNK_BYTES // max(1, 8 * cols))
+    step = max(1, min(_CHUNK_ROWS, _CHUNK_BYTES // max(1, 8 * cols)))
     scales = block_scales(payload, info, rows, cols)
-    for r0 in range(0, rows, step):
+
+    def run(r0):
         r1 = min(rows, r0 + step)
         w = np.array(read_rows(r0, r1), dtype=np.float64)
         codes = np.zeros((r1 - r0, lay.blocks_per_row * 32), dtype=np.int8)
         codes[:, :cols] = feedback_codes(w, scales[r0:r1], u, info.bits)
-        _kernels.pack_codes(codes, info.code, payload, r0, rows=rows, cols=cols)
+        _kernels.pack_codes(codes, info.code, payload, r0, rows=rows, cols=cols)   # disjoint rows per chunk
+
+    starts = range(0, rows, step)
+    if threads <= 1 or len(starts) <= 1:
+        for r0 in starts:
+            run(r0)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(starts))) as ex:
+        list(ex.map(run, starts))

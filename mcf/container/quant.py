@@ -137,8 +137,8 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     them; explicit ones clamp the values before they are quantized, and must be real numbers that round
     to a finite float32 (QuantInfo stores them as float32).  NaN and infinity are refused, in the array
     and in the clips, and so is a block scale that would overflow f16, in every mode.
-    ``threads`` splits the rows across threads (q*/k* without explicit clips); the bytes do not depend
-    on it.
+    ``threads`` splits the rows across threads (q*/k* without explicit clips, and the error feedback of
+    ``second_moment``); the bytes do not depend on it.
 
     ``second_moment`` (the ``[cols, cols]`` matrix ``E[x x^T]`` of the layer's inputs ``x``, e.g. from
     :mod:`mcf.second_moment`) goes further than ``importance``: the scales are those of the search weighted by
@@ -280,7 +280,7 @@ def _quantize_with_feedback(array, method, second_moment, *, compat, fast, impor
         x = rows_f32(a, r0, r1, src)
         return x if lo is None else np.clip(x, lo, hi)
 
-    requantize_codes(payload, read_rows, info, rows, cols, u)
+    requantize_codes(payload, read_rows, info, rows, cols, u, threads=integer(threads, "threads"))
     return payload, params
 
 
