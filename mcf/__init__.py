@@ -44,6 +44,25 @@ def get_include():
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_include")
 
 
+# The format packages load on first use, so ``import mcf`` stays light and ``mcf.torch.load_file(...)`` works
+# as the docs write it without a separate ``import mcf.torch`` (PEP 562).  mcf.torch itself imports
+# without torch installed; it says which extra to install when it is used.
+_SUBMODULES = frozenset({"torch", "safetensors", "gguf", "remote", "megatron", "megacontext", "bucket", "imatrix",
+                         "second_moment", "tokenizer", "loading"})
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"mcf.{name}")
+    raise AttributeError(f"module 'mcf' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _SUBMODULES)
+
+
 __all__ = [
     "open", "load_file", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
     "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",

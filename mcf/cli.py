@@ -35,12 +35,39 @@ def cmd_info(args) -> int:
             else:
                 gguf_info.print_info(g)
         return 0
+    if _is_safetensors(args.file):
+        from mcf.safetensors import info as st_info, open_checkpoint
+
+        with open_checkpoint(args.file, mmap=False if args.no_mmap else None) as ck:
+            if args.json:
+                print(json_text(st_info.info_dict(ck)))
+            else:
+                st_info.print_info(ck)
+        return 0
     with mcf.open(args.file, mmap=False if args.no_mmap else None) as c:
         if args.json:
             print(json_text(info_dict(c)))
         else:
             print_info(c)
     return 0
+
+
+def _is_safetensors(path) -> bool:
+    """A safetensors file (by its first bytes), a checkpoint directory or index, or a URL of one (by name):
+    what ``mcf info`` describes with the safetensors report instead of the MCF one."""
+    import os
+
+    from mcf.sniff import sniff
+
+    p = os.fspath(path)
+    if "://" in p:
+        return p.rstrip("/").endswith((".safetensors", ".safetensors.index.json")) or p.endswith("/")
+    if os.path.isdir(p) or p.endswith(".safetensors.index.json"):
+        return True
+    if os.path.isfile(p):
+        kind = sniff(p)
+        return kind is not None and kind.name == "safetensors"
+    return False
 
 
 def cmd_verify(args) -> int:
@@ -256,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                            help="one of the commands below; mcf COMMAND --help tells more")
 
-    s = sub.add_parser("info", help="show header, sections, model info and tensor table (of an MCF or a GGUF file)")
-    s.add_argument("file", help="an MCF or a GGUF file")
+    s = sub.add_parser("info", help="show header, sections, model info and tensor table (of an MCF or a GGUF file, or the "
+                                          "shards and tensors of a safetensors checkpoint)")
+    s.add_argument("file", help="an MCF or a GGUF file; a safetensors file, checkpoint directory, index or URL")
     s.add_argument("--json", action="store_true", help=JSON_HELP)
     s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
     s.set_defaults(func=cmd_info)

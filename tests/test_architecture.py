@@ -125,7 +125,14 @@ def test_no_bare_builtin_raise():
     caller would catch), so ``except mcf.MCFError`` catches every refusal of the library."""
     bad = []
     for mod, path, tree in MODULES:
+        # a module's or class's __getattr__ must raise AttributeError itself: hasattr() and getattr() with a
+        # default catch only that
+        protocol = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
+                    for n in ast.walk(f) if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call)
+                    and getattr(n.exc.func, "id", None) == "AttributeError"}
         for node in ast.walk(tree):
+            if id(node) in protocol:
+                continue
             if isinstance(node, ast.Raise) and node.exc is not None:
                 exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
                 if isinstance(exc, ast.Name) and exc.id in _BUILTIN_EXC and exc.id not in BUILTIN_RAISE_OK:

@@ -35,6 +35,54 @@ def test_info_text(capsys):
     assert main(["info", "--no-mmap", mantle_file("f16")]) == 0
 
 
+def test_info_of_safetensors_checkpoints(tmp_path, capsys):
+    """``mcf info`` describes what the loaders read: a safetensors file, a sharded directory and its index,
+    each tensor as safetensors itself sees it (dtype, shape, offset of its data in its shard)."""
+    st = pytest.importorskip("safetensors.numpy", reason="safetensors (in the test extra) is not installed")
+    from safetensors import safe_open
+
+    rng = np.random.default_rng(7)
+    shards = {"model-00001-of-00002.safetensors": {"a.weight": rng.standard_normal((4, 3)).astype(np.float32),
+                                                   "a.bias": np.arange(3, dtype=np.int64)},
+              "model-00002-of-00002.safetensors": {"b.weight": rng.standard_normal((2, 5)).astype(np.float16)}}
+    for fn, tensors in shards.items():
+        st.save_file(tensors, str(tmp_path / fn), metadata={"format": "np"})
+    weight_map = {n: fn for fn, ts in shards.items() for n in ts}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    def expected(fn):
+        raw = (tmp_path / fn).read_bytes()
+        hlen = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + hlen])
+        with safe_open(str(tmp_path / fn), "np") as f:
+            return {n: (header[n]["dtype"], list(f.get_slice(n).get_shape()), 8 + hlen + header[n]["data_offsets"][0])
+                    for n in f.keys()}
+
+    assert main(["info", "--json", str(tmp_path / "model-00002-of-00002.safetensors")]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["format"] == "safetensors" and d["shards"][0]["metadata"] == {"format": "np"}
+    assert {t["name"]: (t["dtype"], t["shape"], t["offset"]) for t in d["tensors"]} == \
+        expected("model-00002-of-00002.safetensors")
+    for where in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        assert main(["info", "--json", str(where)]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert [os.path.basename(s["file"]) for s in d["shards"]] == list(shards)
+        want = {**expected("model-00001-of-00002.safetensors"), **expected("model-00002-of-00002.safetensors")}
+        assert {t["name"]: (t["dtype"], t["shape"], t["offset"]) for t in d["tensors"]} == want
+        assert d["dtypes"] == {"F32": 1, "I64": 1, "F16": 1} and d["total_bytes"] == 48 + 24 + 20
+        assert [d["shards"][t["shard"]]["file"].endswith(weight_map[t["name"]]) for t in d["tensors"]] == [True] * 3
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("safetensors checkpoint: index ") and "2 files, 3 tensors" in out
+    assert "b.weight" in out and "F16" in out and "  [1]" in out
+    bad = tmp_path / "bad" / "x.safetensors"
+    bad.parent.mkdir()
+    bad.write_bytes(b"\x05" + b"\x00" * 7 + b"{abc}")
+    assert main(["info", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "x.safetensors" in err and "header at offset 8: header is not valid JSON" in err
+
+
 def test_verify_ok_and_bad(tmp_path, capsys):
     assert main(["verify", mantle_file("k3")]) == 0
     assert "OK" in capsys.readouterr().out

@@ -85,6 +85,22 @@ def test_equals_safetensors_torch(packed):
             assert got[name].device.type == "cpu"
 
 
+def test_the_format_modules_are_attributes_of_mcf(packed):
+    """``import mcf`` then ``mcf.torch.load_file(...)``, as the docs write it: the format modules load on first
+    use (a fresh interpreter, where nothing imported mcf.torch before)."""
+    d, out = packed
+    code = ("import sys, mcf\n"
+            "assert 'mcf.torch' not in sys.modules and 'torch' not in sys.modules\n"
+            f"sd = mcf.torch.load_file({str(d / 'model.safetensors')!r})\n"
+            f"arrays = mcf.safetensors.load_file({str(d / 'model.safetensors')!r})\n"
+            "print(len(sd), len(arrays), mcf.gguf.__name__)\n"
+            "try:\n    mcf.no_such_module\nexcept AttributeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    n = len(_weights())
+    assert r.stdout.splitlines() == [f"{n} {n} mcf.gguf", "module 'mcf' has no attribute 'no_such_module'"]
+
+
 def test_unsigned_16_bit(tmp_path):
     a = _rng("u16").integers(0, 2**16, size=(3, 4), dtype=np.uint16)
     with mcf.Writer(str(tmp_path / "u.mcf")) as w:
