@@ -6,7 +6,9 @@ and four ways to choose the scales, all writing files of the same size:
 - ``mantle``: ``--compat mantle``, the Go quantizer byte for byte (scale = max|x| / qmax, f16 truncated);
 - ``fast``: ``--fast``, the single-pass quantizer (the default before the search; f16 rounded);
 - ``search``: the default, the error-minimizing search;
-- ``imatrix``: the search weighted by an importance matrix measured on the checkpoint's README.md.
+- ``imatrix``: the search weighted by an importance matrix measured on the checkpoint's README.md;
+- ``moment``: ``--second-moment``, the second moments of the same calibration (the same chunks): the search
+  weighted by their diagonals (the ``imatrix`` scales), codes chosen by error feedback (GPTQ).
 
 Two measures: SNR over all quantized weights (and the per-tensor spread), and what users feel: mean
 (1 - cosine) between the sentence embeddings of the float32 model and of the quantized model (numpy BERT
@@ -40,7 +42,7 @@ from mcf.demo.megacontext import load_tokenizer  # noqa: E402
 from mcf.pack import pack  # noqa: E402
 from mcf.quant_policy import quantize_file  # noqa: E402
 
-MODES = ("mantle", "fast", "search", "imatrix")
+MODES = ("mantle", "fast", "search", "imatrix", "moment")
 METHODS = ("q8", "q4", "k6", "k4", "k3", "k2")
 
 
@@ -120,68 +122,10 @@ def ceiling(f32: str) -> None:
               flush=True)
 
 
-def second_moments(f32: str, cfg: dict, tok, text: str, chunk_tokens: int = 128) -> dict:
-    """name -> E[x x^T] of the inputs of every linear layer over ``text`` (the chunks collect_bert makes): the
-    full matrix whose diagonal is the importance vector."""
-    with mcf.open(f32) as c:
-        weights = {n: np.array(c.tensor(n)) for n in c}
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    ids = tok.encode(text, add_special_tokens=False).ids
-    sums, counts = {}, {}
-
-    def observe(name, x):
-        x = x.astype(np.float64)
-        sums[name] = sums.get(name, 0.0) + x.T @ x
-        counts[name] = counts.get(name, 0) + len(x)
-
-    for i in range(0, len(ids), chunk_tokens - 2):
-        bert_forward(weights, cfg, [cls] + ids[i:i + chunk_tokens - 2] + [sep], observe=observe)
-    return {n: sums[n] / counts[n] for n in sums}
-
-
-def block_scales(payload, method: str, shape) -> np.ndarray:
-    """The scale of every value of a q*/k* payload (the block's), as the decoder computes it."""
-    rows, cols = shape
-    regions = {r.name: payload[r.offset:r.offset + r.size] for r in mcf.quant_layout(method, shape).regions}
-
-    def f16(b):
-        h = b.view("<u2")
-        return np.where(h & 0x7C00, h.view(np.float16).astype(np.float32), np.float32(0))
-
-    bpr = -(-cols // 32)
-    if "scales" in regions:
-        s = f16(regions["scales"]).reshape(rows, bpr)
-    else:
-        sup = np.repeat(f16(regions["super_scales"]).reshape(rows, -1), 8, axis=1)[:, :bpr]
-        s = sup * ((regions["sub_scales"] & 0x3F).astype(np.float32).reshape(rows, bpr) / np.float32(32))
-    return np.repeat(s, 32, axis=1)[:, :cols].astype(np.float64)
-
-
-def error_feedback(x: np.ndarray, h: np.ndarray, method: str) -> np.ndarray:
-    """A prototype, not an mcf mode: the block scales of the search weighted by diag(h), then codes chosen
-    column by column with the rounding error of each column spread over the columns not yet rounded, through
-    the inverse of the full second moment h (GPTQ's error feedback; 1% damping).  Same file format, same
-    scales; only the codes differ from nearest rounding.  Returns the decoded tensor."""
-    bits = {"q8": 8, "q4": 4, "k6": 6, "k4": 4, "k3": 3, "k2": 2}[method]
-    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    payload, _ = mcf.quantize(x, method, importance=np.diag(h))
-    s = block_scales(payload, method, x.shape)
-    h = h + 0.01 * np.mean(np.diag(h)) * np.eye(len(h))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T
-    w = x.astype(np.float64)
-    out = np.zeros_like(w)
-    for j in range(w.shape[1]):
-        sj = s[:, j]
-        out[:, j] = sj * np.where(sj != 0, np.clip(np.rint(w[:, j] / np.where(sj != 0, sj, 1)), qmin, qmax), 0)
-        w[:, j + 1:] -= np.outer((w[:, j] - out[:, j]) / u[j, j], u[j, j + 1:])
-    return out.astype(np.float32)
-
-
-def imatrix_bound(f32: str, cfg: dict, tok, calib_text: str, imat: dict, ids: list, e32: np.ndarray,
-                  cos_search: dict, methods) -> None:
-    """What limits the importance matrix: (1) the best any per-block scale can do for the importance-weighted
-    error (the objective the imatrix defines), chosen with and without the weights; (2) the (1 - cosine) of
-    the error-feedback prototype, which uses the whole second moment of the inputs, not its diagonal."""
+def imatrix_bound(f32: str, imat: dict) -> None:
+    """What limits the importance matrix: the best any per-block scale can do for the importance-weighted
+    error (the objective the imatrix defines), chosen with and without the weights.  (What goes further, the
+    whole second moment and error feedback, is the ``moment`` mode.)"""
     with mcf.open(f32) as c:
         xs = {n: c.to_float32(n) for n in imat if n in c}
     print("importance-weighted error of the best per-block scale (real scales, the whole code range), "
@@ -194,24 +138,6 @@ def imatrix_bound(f32: str, cfg: dict, tok, calib_text: str, imat: dict, ids: li
             tu += float((w * (block_optimum(x64, bits, True) - x64) ** 2).sum())
             tw += float((w * (block_optimum(x64, bits, True, weights=w) - x64) ** 2).sum())
         print(f"  {bits} bits: {tw / tu - 1:+.1%}", flush=True)
-    moments = second_moments(f32, cfg, tok, calib_text)
-    with mcf.open(f32) as c:
-        weights = {n: np.array(c.tensor(n)) for n in c}
-    print("error feedback with the full second moment (prototype), mean (1 - cosine):")
-    for m in methods:
-        if m not in cos_search:
-            continue
-        qw = {}
-        for n, x in weights.items():
-            if x.ndim != 2 or x.dtype != np.float32:
-                qw[n] = x
-            elif n in moments:
-                qw[n] = error_feedback(x, moments[n], m)
-            else:
-                qw[n] = mcf.dequantize(mcf.quantize(x, m)[0], m, x.shape)
-        eq = np.stack([sentence_embedding(bert_forward(qw, cfg, i)[0]) for i in ids])
-        cos = float(np.mean(1.0 - np.sum(eq * e32, axis=1)))
-        print(f"  {m}: {cos:.3e} ({cos / cos_search[m] - 1:+.0%} against the search)", flush=True)
 
 
 def embeddings(path: str, cfg: dict, token_ids: list) -> np.ndarray:
@@ -229,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ceiling", action="store_true",
                     help="also the best any per-block scale can do (numpy, float64; a few minutes)")
     ap.add_argument("--imatrix-bound", action="store_true",
-                    help="also what limits the importance matrix (needs the search mode; numpy, a few minutes)")
+                    help="also the best per-block scale with and without the importance weights (numpy, a few minutes)")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     modes = args.modes.split(",")
@@ -246,6 +172,14 @@ def main(argv=None) -> int:
     imat_path = os.path.join(work, "minilm.imatrix.gguf")
     col.write(imat_path, datasets=["README.md"], chunk_count=chunks, chunk_size=128)
     imat = read_imatrix(imat_path)
+    moment_path = os.path.join(work, "minilm.second_moment.safetensors")
+    if "moment" in modes:   # the same chunks of the same text, their whole second moments
+        t0 = time.perf_counter()
+        with open(calib, encoding="utf-8") as f:
+            col, chunks = collect_bert(f32, [f.read()], chunk_tokens=128, second_moment=True)
+        col.second_moment.write(moment_path, datasets=["README.md"], chunk_count=chunks, chunk_size=128)
+        print(f"second moments: {len(col.second_moment.sums)} tensors, {os.path.getsize(moment_path):,d} bytes, "
+              f"collected in {time.perf_counter() - t0:.1f} s", flush=True)
     tok = load_tokenizer(model_dir)
     sents = heldout_sentences(args.sentences)
     ids = [tok.encode(s).ids for s in sents]
@@ -259,7 +193,8 @@ def main(argv=None) -> int:
             out = os.path.join(work, f"minilm.{m}.{mode}.mcf")
             t0 = time.perf_counter()
             quantize_file(f32, out, m, compat=mode == "mantle", fast=mode == "fast",
-                          imatrix=imat if mode == "imatrix" else None)
+                          imatrix=imat if mode == "imatrix" else None,
+                          second_moment=moment_path if mode == "moment" else None)
             secs[m, mode] = time.perf_counter() - t0
             size[m, mode] = os.path.getsize(out)
             snr[m, mode], per[m, mode] = snr_stats(f32, out)
@@ -283,17 +218,19 @@ def main(argv=None) -> int:
             gain = f"{snr[m, 'search'] - snr[m, 'mantle']:+.2f} | {g[0]:+.2f} / {np.median(g):+.2f} / {g[-1]:+.2f}"
         print(f"| {m} | " + " | ".join(cells) + f" | {gain} |")
     print("\nmean (1 - cosine) of sentence embeddings, float32 model vs quantized\n")
-    print("| method | " + " | ".join(modes) + " | imatrix vs search | imatrix vs fast |")
-    print("|---" * (len(modes) + 3) + "|")
+    versus = [(a, b) for a, b in (("imatrix", "search"), ("imatrix", "fast"), ("moment", "search"),
+                                  ("moment", "imatrix")) if a in modes and b in modes]
+    print("| method | " + " | ".join(modes) + "".join(f" | {a} vs {b}" for a, b in versus) + " |")
+    print("|---" * (len(modes) + len(versus) + 1) + "|")
     for m in methods:
-        cells = [f"{cos[m, mode]:.2e}" for mode in modes]
-        extra = ""
-        if "imatrix" in modes and "search" in modes:
-            extra += f"{cos[m, 'imatrix'] / cos[m, 'search'] - 1:+.0%}"
-        extra += " | "
-        if "imatrix" in modes and "fast" in modes:
-            extra += f"{cos[m, 'imatrix'] / cos[m, 'fast'] - 1:+.0%}"
-        print(f"| {m} | " + " | ".join(cells) + f" | {extra} |")
+        cells = [f"{cos[m, mode]:.2e}" for mode in modes] + [f"{cos[m, a] / cos[m, b] - 1:+.0%}" for a, b in versus]
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    print("\nseconds to quantize the whole model (mcf.quant_policy.quantize_file, one thread; load average "
+          f"{os.getloadavg()[0]:.1f} at the end)\n")
+    print("| method | " + " | ".join(modes) + " |")
+    print("|---" * (len(modes) + 1) + "|")
+    for m in methods:
+        print(f"| {m} | " + " | ".join(f"{secs[m, mode]:.2f}" for mode in modes) + " |")
     sizes = {m: {size[m, mode] for mode in modes} for m in methods}
     print("\nfile sizes identical across modes: " + ", ".join(f"{m} {'yes' if len(s) == 1 else 'NO'}"
                                                               for m, s in sizes.items()))
@@ -302,9 +239,7 @@ def main(argv=None) -> int:
         ceiling(f32)
     if args.imatrix_bound:
         print()
-        with open(calib, encoding="utf-8") as f:
-            imatrix_bound(f32, cfg, tok, f.read(), imat, ids, e32,
-                          {m: cos[m, "search"] for m in methods if (m, "search") in cos}, methods)
+        imatrix_bound(f32, imat)
     return 0
 
 

@@ -40,6 +40,7 @@ MODULES = [
                         "block-scaled weights (MXFP4, FP8, NVFP4) decoded"),
     ("mcf.loading", "what every loader shares: Rows and Shard, the pieces of tensors to load"),
     ("mcf.imatrix", "importance matrices for the quantizer: read and write llama.cpp's format, collect from activations"),
+    ("mcf.second_moment", "second moments of the layers' inputs for error-feedback quantization: collect, write, read"),
     ("mcf.torch", "load MCF files and safetensors checkpoints as torch tensors (the safetensors.torch.load_file drop-in)"),
     ("mcf.state_dict", "load MCF files and safetensors checkpoints as numpy arrays"),
     ("mcf.megatron", "Megatron-LM indexed datasets (.bin/.idx), sample indices, tokenization"),

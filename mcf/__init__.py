@@ -48,7 +48,7 @@ def get_include():
 # as the docs write it without a separate ``import mcf.torch`` (PEP 562).  mcf.torch itself imports
 # without torch installed; it says which extra to install when it is used.
 _SUBMODULES = frozenset({"torch", "safetensors", "gguf", "remote", "megatron", "megacontext", "bucket", "imatrix",
-                         "tokenizer", "loading"})
+                         "second_moment", "tokenizer", "loading"})
 
 
 def __getattr__(name):

@@ -140,10 +140,17 @@ def cmd_quantize(args) -> int:
     method = None if args.method in ("none", "keep") else args.method
     compat = args.compat == "mantle"
     _check_imatrix_flags(args, compat)
+    if args.second_moment and args.imatrix:
+        raise UsageError("give --imatrix or --second-moment, not both: the second moment's diagonal is the "
+                         "importance vector (a second moment file also works as --imatrix FILE)")
+    if args.second_moment and (compat or args.fast):
+        raise UsageError("--second-moment chooses the codes of the error-minimizing search; it does not apply "
+                         "with " + ("--compat mantle" if compat else "--fast"))
     t0 = time.perf_counter()
     with _warnings_as_lines("quantize"):
         stats = quantize_file(args.input, args.output, method, overrides=parse_overrides(args.override),
-                              compat=compat, fast=args.fast, imatrix=args.imatrix, min_clip=args.min_clip,
+                              compat=compat, fast=args.fast, imatrix=args.imatrix,
+                              second_moment=args.second_moment, min_clip=args.min_clip,
                               max_clip=args.max_clip, report=args.report,
                               progress=Progress("quantize", enabled=False if args.quiet else None))
     dt = time.perf_counter() - t0
@@ -206,6 +213,9 @@ def cmd_export(args) -> int:
 def cmd_imatrix(args) -> int:
     from mcf.imatrix import collect_bert
 
+    if not args.output and not args.second_moment:
+        raise UsageError("give -o FILE (the importance matrix), --second-moment FILE, or both")
+
     texts = []
     for p in args.text:
         try:
@@ -217,12 +227,18 @@ def cmd_imatrix(args) -> int:
             raise InvalidArgumentError(f"{p}: the calibration text is not UTF-8 ({exc.reason} at byte {exc.start})") \
                 from None
     t0 = time.perf_counter()
-    col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk,
+    col, chunks = collect_bert(args.model, texts, chunk_tokens=args.chunk, second_moment=bool(args.second_moment),
                                progress=Progress("imatrix", enabled=False if args.quiet else None))
-    col.write(args.output, datasets=[os.path.basename(p) for p in args.text], chunk_count=chunks,
-              chunk_size=args.chunk)
-    print(f"wrote {args.output}: importance of {len(col.sums)} weight tensors from {chunks} chunks "
-          f"({sum(col.counts.values()) // max(1, len(col.sums))} tokens) in {time.perf_counter() - t0:.2f}s")
+    datasets = [os.path.basename(p) for p in args.text]
+    tokens = sum(col.counts.values()) // max(1, len(col.sums))
+    if args.output:
+        col.write(args.output, datasets=datasets, chunk_count=chunks, chunk_size=args.chunk)
+        print(f"wrote {args.output}: importance of {len(col.sums)} weight tensors from {chunks} chunks "
+              f"({tokens} tokens) in {time.perf_counter() - t0:.2f}s")
+    if args.second_moment:
+        col.second_moment.write(args.second_moment, datasets=datasets, chunk_count=chunks, chunk_size=args.chunk)
+        print(f"wrote {args.second_moment}: second moments of {len(col.second_moment.sums)} weight tensors from "
+              f"{chunks} chunks ({tokens} tokens) in {time.perf_counter() - t0:.2f}s")
     return 0
 
 
@@ -307,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "column's error by the mean squared input of that column; Hugging Face and GGUF tensor "
                         "names are matched to each other; an imatrix matching none of the q*/k* tensors is an "
                         "error")
+    s.add_argument("--second-moment", metavar="FILE",
+                   help="second moments of the layers' inputs (mcf imatrix --second-moment): scales weighted by "
+                        "their diagonal, codes chosen by error feedback through the whole matrix (GPTQ), same file "
+                        "format; names matched as for --imatrix; instead of --imatrix, not with --fast or --compat")
     s.add_argument("--min-clip", type=float,
                    help="clip values below this before quantizing, recorded in QuantInfo (with --max-clip; "
                         "without both: no clipping)")
@@ -347,7 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "directory")
     s.add_argument("--text", action="append", required=True, metavar="FILE",
                    help="calibration text (UTF-8; repeatable); use other text than you evaluate on")
-    s.add_argument("-o", "--output", required=True, help="the importance matrix (GGUF, llama.cpp's format)")
+    s.add_argument("-o", "--output", help="the importance matrix (GGUF, llama.cpp's format)")
+    s.add_argument("--second-moment", metavar="FILE",
+                   help="also (or only) the full second moment E[x x^T] of every linear layer's inputs, for "
+                        "quantize --second-moment (safetensors; columns^2 values per tensor)")
     s.add_argument("--chunk", type=int, default=128, help="tokens per forward pass, [CLS] and [SEP] included")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_imatrix)

@@ -47,6 +47,7 @@ from mcf._core.args import file_path, integer, real, reals
 from mcf._core.fs import write_all, write_atomic
 from mcf.container.reader import open as open_container
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
+from mcf.second_moment import SecondMomentCollector, SecondMoments, is_second_moment_file
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert", "gguf_name",
            "match_tensors"]
@@ -60,11 +61,15 @@ _MAX_NAME = 1 << 16
 
 class ImportanceCollector:
     """Running sums of squared inputs per weight tensor: ``add(name, x)`` with the ``[tokens, columns]``
-    input of that tensor's layer; :meth:`means` gives the importance vectors, :meth:`write` the file."""
+    input of that tensor's layer; :meth:`means` gives the importance vectors, :meth:`write` the file.
+    With ``second_moment=True`` the whole ``x^T x`` is summed as well, in ``self.second_moment`` (a
+    :class:`mcf.second_moment.SecondMomentCollector`; its file is what ``mcf quantize --second-moment``
+    reads), else that attribute is None."""
 
-    def __init__(self):
+    def __init__(self, *, second_moment: bool = False):
         self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
+        self.second_moment = SecondMomentCollector() if second_moment else None
 
     def add(self, name: str, x) -> None:
         if not isinstance(name, str):
@@ -82,6 +87,8 @@ class ImportanceCollector:
         else:
             self.sums[name] = sq
             self.counts[name] = x.shape[0]
+        if self.second_moment is not None:
+            self.second_moment.add(name, x)
 
     def means(self) -> dict[str, np.ndarray]:
         """name -> mean squared input per column (float32)."""
@@ -177,10 +184,11 @@ def _f32_entry(v: np.ndarray, what: str) -> np.ndarray:
 # -- reading ---------------------------------------------------------------------------------------
 
 def read_imatrix(path) -> dict[str, np.ndarray]:
-    """Importance vectors from a GGUF importance-matrix file (ours or llama.cpp's) or a legacy
-    llama.cpp ``.dat`` file: name -> float32 mean squared input per column (``[experts, columns]`` for
-    3-D entries).  Every length, count and value is checked: a bad file raises
-    :class:`mcf.FormatError` naming the field."""
+    """Importance vectors from a GGUF importance-matrix file (ours or llama.cpp's), a legacy
+    llama.cpp ``.dat`` file, or a second-moment file (:mod:`mcf.second_moment`: the diagonals of its
+    matrices): name -> float32 mean squared input per column (``[experts, columns]`` for 3-D entries).
+    Every length, count and value is checked: a bad file raises :class:`mcf.FormatError` naming the
+    field."""
     from mcf.errors import os_error
 
     path = file_path(path, "path")
@@ -191,6 +199,15 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
         raise os_error(exc, path) from None
     if magic == _GGUF_MAGIC:
         return _read_gguf(path)
+    if is_second_moment_file(path):
+        with SecondMoments(path) as sm:
+            out = {}
+            for n in sm:
+                d = sm.diagonal(n)
+                if d.size and float(d.max()) > float(np.finfo(np.float32).max):
+                    raise FormatError("a diagonal value overflows float32", path=path, field=n)
+                out[n] = d.astype(np.float32)
+            return out
     return _read_legacy(path)
 
 
@@ -433,11 +450,13 @@ def _model_config(path) -> dict:
     return cfg
 
 
-def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tuple[ImportanceCollector, int]:
+def collect_bert(model, texts, *, chunk_tokens: int = 128, second_moment: bool = False,
+                 progress=None) -> tuple[ImportanceCollector, int]:
     """Run the numpy BERT encoder (:mod:`mcf.models.bert`) of ``model`` (an MCF file with its config.json and
     tokenizer.json, or a checkpoint directory) over ``texts`` cut into chunks of ``chunk_tokens`` tokens
     ([CLS] and [SEP] included) and record the inputs of every linear layer.  Returns the collector and
-    the number of chunks."""
+    the number of chunks.  ``second_moment=True`` records the whole second moment of the inputs as well
+    (the collector's ``second_moment``), for error-feedback quantization."""
     from mcf.models.bert import bert_forward
 
     model = file_path(model, "model")
@@ -465,7 +484,7 @@ def collect_bert(model, texts, *, chunk_tokens: int = 128, progress=None) -> tup
         chunks += [[cls] + ids[i:i + step] + [sep] for i in range(0, len(ids), step)]
     if not chunks:
         raise InvalidArgumentError("the calibration text is empty")
-    col = ImportanceCollector()
+    col = ImportanceCollector(second_moment=second_moment)
     for i, ids in enumerate(chunks):
         bert_forward(weights, cfg, ids, observe=col.add)
         if progress is not None:

@@ -10,6 +10,7 @@ same methods whichever way it comes in.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import warnings
@@ -20,12 +21,14 @@ from mcf.container.reader import open as open_container
 from mcf._core.dtypes import DTypeInfo, parse_dtype
 from mcf.errors import ArgumentTypeError, InvalidArgumentError, MCFError, in_tensor
 from mcf.imatrix import as_importance, match_tensors
+from mcf.second_moment import as_second_moment
 from mcf.container.layout import SectionType
 from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
 from mcf.container.writer import Writer
 
 __all__ = ["method_for", "parse_overrides", "resolve_policy", "plan_method", "plan_file", "describe_plan",
-           "add_quantized", "importance_for", "check_imatrix_mode", "resolve_imatrix", "quantize_file"]
+           "add_quantized", "importance_for", "check_imatrix_mode", "resolve_imatrix", "resolve_second_moment",
+           "quantize_file"]
 
 
 def method_for(name: str, default: str | None, overrides) -> str | None:
@@ -142,16 +145,17 @@ def describe_plan(c, plan) -> list:
 
 
 def add_quantized(w, name: str, array, src_dtype: DTypeInfo, method: str, *, compat: bool = False,
-                  fast: bool = False, importance=None, min_clip: float | None = None,
+                  fast: bool = False, importance=None, second_moment=None, min_clip: float | None = None,
                   max_clip: float | None = None, report: bool = False) -> QuantStats | None:
     """Quantize a rank-2 float ``array`` (stored as ``src_dtype``) into writer ``w`` with its QuantInfo
     record; with ``report``, decode it again and return its error against the original.  ``compat``,
-    ``fast`` and ``importance`` as in :func:`quantize`."""
+    ``fast``, ``importance`` and ``second_moment`` as in :func:`quantize`."""
     try:
         payload, q = quantize(array, method, compat=compat, fast=fast, importance=importance,
-                              min_clip=min_clip, max_clip=max_clip, src_dtype=src_dtype)
+                              second_moment=second_moment, min_clip=min_clip, max_clip=max_clip,
+                              src_dtype=src_dtype)
     except InvalidArgumentError as exc:
-        if importance is None:
+        if importance is None and second_moment is None:
             raise
         raise InvalidArgumentError(f"tensor {name!r}: {exc}") from None
     shape = tuple(int(d) for d in np.shape(array))
@@ -196,32 +200,61 @@ def resolve_imatrix(imatrix, planned) -> dict:
     if imatrix is None:
         return {}
     imatrix = as_importance(imatrix)
+    return {n: imatrix[e] for n, e in _matched(imatrix, planned, "the importance matrix").items()}
+
+
+def resolve_second_moment(second_moment, planned) -> dict:
+    """``(entries, matched)``: ``entries`` is :func:`mcf.second_moment.as_second_moment` of ``second_moment``
+    (None, a file or a mapping name -> matrix), ``matched`` maps each tensor a run quantizes with a q*/k* method
+    to the name of its entry, by the rules of :func:`resolve_imatrix` (names matched across Hugging Face and
+    GGUF naming; none matched is an error, some matched a warning).  A file's matrices are read one at a time,
+    when their tensor is quantized (``entries[matched[name]]``), so a large model's do not all sit in memory."""
+    if second_moment is None:
+        return {}, {}
+    entries = as_second_moment(second_moment)
+    try:
+        return entries, _matched(entries, planned, "the second moment file")
+    except BaseException:
+        if entries is not second_moment:   # opened here (a file)
+            entries.close()
+        raise
+
+
+def _matched(entries, planned, what: str) -> dict:
+    """tensor name -> entry name for the q*/k* tensors of ``planned``; 0 of N is an error, some a warning."""
     targets = [n for n, m in planned if m is not None and parse_dtype(m).family != "raw"]
     if not targets:
         return {}
-    found = match_tensors(imatrix, targets)
+    found = match_tensors(entries, targets)
     if not found:
         raise InvalidArgumentError(
-            f"the importance matrix matched 0 of the {len(targets)} tensors quantized with a q*/k* method: its "
-            f"entries ({_few(sorted(imatrix))}) name none of the tensors ({_few(targets)}), under their own "
+            f"{what} matched 0 of the {len(targets)} tensors quantized with a q*/k* method: its "
+            f"entries ({_few(sorted(entries))}) name none of the tensors ({_few(targets)}), under their own "
             "names or their Hugging Face / GGUF counterparts; was it made for another model?")
     missing = [n for n in targets if n not in found]
     if missing:
-        warnings.warn(f"the importance matrix matched {len(found)} of the {len(targets)} tensors quantized with a "
-                      f"q*/k* method; quantized unweighted (no entry): {_few(missing)}",
-                      UserWarning, stacklevel=3)
-    return {n: imatrix[e] for n, e in found.items()}
+        warnings.warn(f"{what} matched {len(found)} of the {len(targets)} tensors quantized with a "
+                      f"q*/k* method; quantized {'unweighted' if 'importance' in what else 'by the search alone'} "
+                      f"(no entry): {_few(missing)}", UserWarning, stacklevel=4)
+    return found
 
 
-def check_imatrix_mode(imatrix, compat: bool, fast: bool) -> None:
-    """An importance matrix weights the search: refuse it up front with the single-pass modes."""
+def check_imatrix_mode(imatrix, compat: bool, fast: bool, *, second_moment=None) -> None:
+    """An importance matrix weights the search, a second moment chooses its codes: refuse them up front with
+    the single-pass modes, and the two together (the second moment's diagonal is the importance vector)."""
+    if imatrix is not None and second_moment is not None:
+        raise InvalidArgumentError("give an importance matrix or a second moment file, not both: the second "
+                                   "moment's diagonal is the importance vector, and it weights the scales")
     if imatrix is not None and (compat or fast):
         raise InvalidArgumentError("an importance matrix weights the error-minimizing search; it does not apply "
                                    "with " + ("compat" if compat else "fast"))
+    if second_moment is not None and (compat or fast):
+        raise InvalidArgumentError("a second moment chooses the codes of the error-minimizing search; it does not "
+                                   "apply with " + ("compat" if compat else "fast"))
 
 
 def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = False, fast: bool = False,
-                  imatrix=None, min_clip: float | None = None, max_clip: float | None = None,
+                  imatrix=None, second_moment=None, min_clip: float | None = None, max_clip: float | None = None,
                   report: bool = False, progress=None, mmap: bool | None = None):
     """Quantize every rank-2 float tensor of MCF file ``src`` into ``dst``; copy everything else.
 
@@ -231,17 +264,22 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
     single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.imatrix.read_imatrix`
     reads, or a mapping name -> per-column importance) weights the error of the tensors it names; the
     others are quantized unweighted, with a warning, and an imatrix that names none of them is refused
-    (:func:`resolve_imatrix`).  Returns a list of :class:`QuantStats` when ``report`` is true (else an
-    empty list).
+    (:func:`resolve_imatrix`).  ``second_moment`` (a file :class:`mcf.second_moment.SecondMoments` reads, or
+    a mapping name -> ``[columns, columns]`` matrix) instead chooses the codes of the tensors it names by error
+    feedback (:func:`quantize`), by the same name rules; give one of ``imatrix`` and ``second_moment``.
+    Returns a list of :class:`QuantStats` when ``report`` is true (else an empty list).
     """
 
     method, ov = resolve_policy(method, overrides)
-    check_imatrix_mode(imatrix, compat, fast)
+    check_imatrix_mode(imatrix, compat, fast, second_moment=second_moment)
     stats = []
     with open_container(src, mmap=mmap) as c:
         plan = plan_file(c, method, ov)
         imat = resolve_imatrix(imatrix, plan.items())  # before the output exists
-        with Writer(dst, align=64) as w:
+        moments, matched = resolve_second_moment(second_moment, plan.items())
+        with contextlib.ExitStack() as opened, Writer(dst, align=64) as w:
+            if moments is not second_moment and hasattr(moments, "close"):   # a file opened here
+                opened.callback(moments.close)
             for s in c.sections:
                 if s.type in (SectionType.TENSOR_INDEX, SectionType.TENSOR_DATA, SectionType.QUANT_INFO):
                     continue
@@ -252,9 +290,10 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
                 try:
                     m = plan[name]
                     if m is not None:
+                        h = moments[matched[name]] if name in matched else None
                         st = add_quantized(w, name, c.tensor(name), t.dtype, m, compat=compat, fast=fast,
-                                           importance=importance_for(imat, name, m), min_clip=min_clip,
-                                           max_clip=max_clip, report=report)
+                                           importance=importance_for(imat, name, m), second_moment=h,
+                                           min_clip=min_clip, max_clip=max_clip, report=report)
                         if st is not None:
                             stats.append(st)
                     elif t.dtype.quantized:

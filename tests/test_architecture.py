@@ -395,6 +395,7 @@ LAYERS = {
     "mcf.convert": (CONVERTER, "converter"), "mcf.export": (CONVERTER, "converter"),
     "mcf.gguf": (CONVERTER, "converter"),  # the package re-exports convert_gguf
     "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
+    "mcf.second_moment": (CONVERTER, "converter"),
     "mcf.models": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
     "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
     "mcf.sniff": (CONVERTER, "converter"),  # knows every format's magic

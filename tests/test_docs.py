@@ -270,6 +270,10 @@ def _check_quantization(out):
     # the example: the search beats the single-pass quantizers at the same size
     snr = {line.split(" ")[0]: float(line.split("SNR ")[1].split()[0]) for line in out.splitlines() if "SNR" in line}
     assert snr["search"] > snr["{'fast':"] and snr["search"] > snr["{'compat':"]
+    # the second-moment example: error feedback lowers the layer's output error well below both others
+    rmse = {line.split("]")[0] + "]": float(line.split("output RMSE ")[1]) for line in out.splitlines()
+            if "output RMSE" in line}
+    assert rmse["['second_moment']"] < 0.7 * min(rmse["['importance']"], rmse["['search']"]), rmse
     # the page's claim: 104 tensors, 103 float32 and one int64, 40 of them quantized
     import mcf
 

@@ -157,6 +157,17 @@ def _build_gists(ctx, table):
         mc.build_gists(t, mc.MeanPool(table))
 
 
+_H64 = np.cov(np.random.default_rng(6).standard_normal((64, 256)))   # a second moment for 64 columns
+
+
+def _collect_second_moment(x):
+    from mcf.imatrix import ImportanceCollector
+
+    col = ImportanceCollector(second_moment=True)
+    col.add("w", x)
+    col.add("v", x)   # equal inputs: the product is reused
+
+
 FLOAT_CASES = {
     **{f"quantize {m}": (lambda m: lambda ctx, x: mcf.quantize(x, m))(m)
        for m in ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4")},
@@ -164,6 +175,11 @@ FLOAT_CASES = {
        for m in ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4")},
     "quantize int8 activations clipped": lambda ctx, x: mcf.quantize(x, "int8", domain=1, min_clip=0.1, max_clip=0.5),
     "quantize threads": lambda ctx, x: mcf.quantize(x, "k3", threads=2),
+    **{f"quantize {m} second moment": (lambda m: lambda ctx, x: mcf.quantize(x, m, second_moment=_H64))(m)
+       for m in ("q8", "q4", "k6", "k4", "k3", "k2")},
+    "quantize k4 second moment clipped": lambda ctx, x: mcf.quantize(x, "k4", second_moment=_H64, min_clip=-0.3,
+                                                                      max_clip=0.2),
+    "SecondMomentCollector.add": lambda ctx, x: _collect_second_moment(x),
     "Writer.add_tensor": lambda ctx, x: _writer(ctx, x),
     "Writer.add_tensor f16": lambda ctx, x: _writer(ctx, x, dtype="f16"),
     "Writer.add_tensor bf16": lambda ctx, x: _writer(ctx, x, dtype="bf16"),

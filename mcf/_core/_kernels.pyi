@@ -24,6 +24,15 @@ def quantize_rows(
     zero: float = ..., domain: int = ..., impl: str | None = ..., search: bool = ...,
     weights: npt.NDArray[np.float32] | None = ...,
 ) -> None: ...
+def feedback_batch(
+    wt: npt.NDArray[np.float64], st: npt.NDArray[np.float32], inv: npt.NDArray[np.float32],
+    u: npt.NDArray[np.float64], codes: npt.NDArray[np.int8], err: npt.NDArray[np.float64], c0: int, c1: int,
+    bits: int,
+) -> None: ...
+def pack_codes(
+    codes: npt.NDArray[np.int8], code: int | str, out_payload: npt.NDArray[np.uint8], row0: int, *, rows: int,
+    cols: int,
+) -> None: ...
 
 class QTensor:
     layout: Any

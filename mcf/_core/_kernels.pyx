@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from libc.stdint cimport uint8_t, uint16_t, int8_t, uintptr_t
+from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, uintptr_t
 
 from mcf._core.args import byte_order_problem, integer, row_range
 from mcf._core._io import aligned_empty
@@ -370,3 +370,114 @@ def quantize_rows(src, code, out_payload, row0, *, min_clip, max_clip, compat=Fa
                                    <uint8_t*>sub_p, <uint8_t*>codes_p, im)
     if rc != 0:
         raise InvalidArgumentError("values too large: a block scale overflows float16")
+
+
+cdef extern from "quant.h" nogil:
+    void mcf_pack_block(const int32_t* q, int bits, uint8_t* dst)
+
+
+def pack_codes(codes, code, out_payload, row0, *, rows, cols):
+    """Write the given signed codes of rows row0 .. row0 + n into the code region of ``out_payload`` (a q*/k*
+    payload laid out for ``rows`` x ``cols``), packed as the quantizers pack them; the scale regions are left
+    as they are.  ``codes`` is int8 [n, blocks_per_row * 32] (each row's last block padded), every code within
+    the method's range -2^(bits-1) .. 2^(bits-1) - 1.  For quantizers that choose codes themselves for scales
+    chosen by the search (the error feedback of :mod:`mcf.container.error_feedback`): the decoder then
+    returns scale * code for every value."""
+    rows = integer(rows, "rows", minimum=0)
+    cols = integer(cols, "cols", minimum=0)
+    row0 = integer(row0, "row0", minimum=0)
+    lay = quant_layout(code, (rows, cols), Domain.WEIGHTS)
+    if lay.dtype.family == "raw":
+        raise InvalidArgumentError(f"pack_codes packs the block codes of the q*/k* methods, not {lay.dtype.name}")
+    q = codes
+    if not isinstance(q, np.ndarray) or q.dtype != np.int8 or q.ndim != 2 or not q.flags.c_contiguous:
+        raise InvalidArgumentError("codes must be a contiguous 2-D int8 array")
+    n, width = q.shape
+    if width != lay.blocks_per_row * 32:
+        raise InvalidArgumentError(f"codes has {width} columns; {lay.dtype.name} rows of {cols} values hold "
+                                   f"{lay.blocks_per_row} blocks of 32 codes ({lay.blocks_per_row * 32})")
+    if not row0 + n <= rows:
+        raise InvalidArgumentError(f"rows {row0}..{row0 + n} outside 0..{rows}")
+    qmin, qmax = -(1 << (lay.dtype.bits - 1)), (1 << (lay.dtype.bits - 1)) - 1
+    if q.size and (int(q.min()) < qmin or int(q.max()) > qmax):
+        raise InvalidArgumentError(f"codes must lie in {qmin}..{qmax} for {lay.dtype.name}, got "
+                                   f"{int(q.min())}..{int(q.max())}")
+    buf = out_payload
+    check_out(buf, "out_payload")
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise InvalidArgumentError("out_payload must be a writeable contiguous uint8 array")
+    if buf.size < lay.nbytes:
+        raise InvalidArgumentError(f"out_payload has {buf.size} bytes, {lay.dtype.name} {[rows, cols]} needs "
+                                   f"{lay.nbytes}")
+    if q.size == 0:
+        return
+    reg = {r.name: r for r in lay.regions}
+    cdef size_t bb = lay.dtype.bits * 4, nblocks = <size_t>n * lay.blocks_per_row, b
+    cdef int bits = lay.dtype.bits
+    cdef uintptr_t dst = buf.ctypes.data + reg["data"].offset + row0 * lay.blocks_per_row * bb
+    cdef const int8_t* src = <const int8_t*><uintptr_t>q.ctypes.data
+    cdef int32_t block[32]
+    cdef int i
+    with nogil:
+        for b in range(nblocks):
+            for i in range(32):
+                block[i] = src[b * 32 + i]
+            mcf_pack_block(block, bits, <uint8_t*>(dst + b * bb))
+
+
+from libc.math cimport rintf
+
+
+def feedback_batch(wt, st, inv, u, codes, err, c0, c1, bits):
+    """Columns c0 .. c1 - 1 of error feedback (:func:`mcf.container.error_feedback.feedback_codes`, which owns
+    the method), on the transposed working weights ``wt`` (float64 [cols, n], updated in place): for each
+    column c, ``codes[c] = clamp(rint(float32(wt[c]) * inv[c]), qmin, qmax)`` (float32 arithmetic, as the
+    search quantizer rounds), ``err[c - c0] = (wt[c] - float64(st[c]) * codes[c]) / u[c, c]``, then
+    ``wt[k] -= u[c, k] * err[c - c0]`` for k in c + 1 .. c1 - 1, the same IEEE operations in the same order as
+    the numpy statement of the method (no fused multiply-add: the build has -ffp-contract=off).  Shapes and
+    dtypes are checked here; the loop runs without the GIL."""
+    for name, a, dt in (("wt", wt, np.float64), ("st", st, np.float32), ("inv", inv, np.float32),
+                        ("u", u, np.float64), ("codes", codes, np.int8), ("err", err, np.float64)):
+        if not isinstance(a, np.ndarray) or a.dtype != dt or a.ndim != 2 or not a.flags.c_contiguous:
+            raise InvalidArgumentError(f"{name} must be a contiguous 2-D {np.dtype(dt).name} array")
+    for name, a in (("wt", wt), ("codes", codes), ("err", err)):
+        if not a.flags.writeable:
+            raise InvalidArgumentError(f"{name} must be writeable")
+    cols, n = wt.shape
+    a0, a1 = integer(c0, "c0", minimum=0), integer(c1, "c1", minimum=0)
+    b = integer(bits, "bits", minimum=2)
+    if b > 8:
+        raise InvalidArgumentError(f"bits must be 2..8, got {b}")
+    if st.shape != (cols, n) or inv.shape != (cols, n) or codes.shape != (cols, n):
+        raise InvalidArgumentError(f"st, inv and codes must have the shape of wt {(cols, n)}, got {st.shape}, "
+                                   f"{inv.shape}, {codes.shape}")
+    if u.shape != (cols, cols):
+        raise InvalidArgumentError(f"u must be ({cols}, {cols}), got {u.shape}")
+    if not a0 <= a1 <= cols or err.shape[0] < a1 - a0 or err.shape[1] != n:
+        raise InvalidArgumentError(f"columns {a0}..{a1} of {cols}, err {err.shape}: out of range")
+    cdef double[:, ::1] w_ = wt
+    cdef const float[:, ::1] s_ = st
+    cdef const float[:, ::1] i_ = inv
+    cdef const double[:, ::1] u_ = u
+    cdef int8_t[:, ::1] q_ = codes
+    cdef double[:, ::1] e_ = err
+    cdef Py_ssize_t c, k, r, nn = n, lo = a0, hi = a1
+    cdef float qmin = -(1 << (b - 1)), qmax = (1 << (b - 1)) - 1, xf, q
+    cdef double x, d, ukc, FMAX = 3.4028234663852886e38
+    if nn == 0:
+        return
+    with nogil:
+        for c in range(lo, hi):
+            d = u_[c, c]
+            for r in range(nn):
+                x = w_[c, r]
+                # a double beyond the float32 range converts to +-inf in numpy; in C that is undefined: clamp
+                xf = <float>(FMAX if x > FMAX else (-FMAX if x < -FMAX else x))
+                q = rintf(xf * i_[c, r])
+                q = qmin if q < qmin else (qmax if q > qmax else q)
+                q_[c, r] = <int8_t>q
+                e_[c - lo, r] = (x - <double>s_[c, r] * <double>q) / d
+            for k in range(c + 1, hi):
+                ukc = u_[c, k]
+                for r in range(nn):
+                    w_[k, r] -= ukc * e_[c - lo, r]

@@ -20,6 +20,7 @@ from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf._core.scaled import payload_rows
 from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.container.decode import decode_payload
+from mcf.container.error_feedback import check_second_moment, feedback_factor, requantize_codes
 from mcf.container.layout import Domain, quant_layout
 
 __all__ = ["quantize", "dequantize", "kernel_info", "QuantStats", "tensor_error_stats", "METHODS",
@@ -116,7 +117,7 @@ def _clip(value, what: str) -> float:
     return v
 
 
-def quantize(array, method, *, compat: bool = False, fast: bool = False, importance=None,
+def quantize(array, method, *, compat: bool = False, fast: bool = False, importance=None, second_moment=None,
              min_clip: float | None = None, max_clip: float | None = None, domain: int = Domain.WEIGHTS,
              src_dtype=None, impl=None, threads: int = 1):
     """Quantize a rank-2 float array (float32, float16, bfloat16, float64, either byte order;
@@ -136,9 +137,20 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     them; explicit ones clamp the values before they are quantized, and must be real numbers that round
     to a finite float32 (QuantInfo stores them as float32).  NaN and infinity are refused, in the array
     and in the clips, and so is a block scale that would overflow f16, in every mode.
-    ``threads`` splits the rows across threads (q*/k* without explicit clips); the bytes do not depend
-    on it.
+    ``threads`` splits the rows across threads (q*/k* without explicit clips, and the error feedback of
+    ``second_moment``); the bytes do not depend on it.
+
+    ``second_moment`` (the ``[cols, cols]`` matrix ``E[x x^T]`` of the layer's inputs ``x``, e.g. from
+    :mod:`mcf.second_moment`) goes further than ``importance``: the scales are those of the search weighted by
+    its diagonal, and the codes are chosen with error feedback through the whole matrix (GPTQ's method,
+    :mod:`mcf.container.error_feedback`), which lowers the layer's output error ``trace(dW H dW^T)``; the file
+    format is unchanged.  It must be finite, symmetric and positive definite once 1% of its mean diagonal is
+    added to the diagonal; it replaces ``importance`` (give one of them) and, like it, needs the search.
     """
+    if second_moment is not None:
+        return _quantize_with_feedback(array, method, second_moment, compat=compat, fast=fast,
+                                       importance=importance, min_clip=min_clip, max_clip=max_clip, domain=domain,
+                                       src_dtype=src_dtype, impl=impl, threads=threads)
     a = np.asarray(array)
     info = parse_dtype(method)
     if not info.quantized:
@@ -237,6 +249,39 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
                         rows=rows, cols=cols, scale=scale, zero=zero, domain=domain, impl=impl, search=search,
                         weights=weights)
     return payload, {"min_clip": float(cmin), "max_clip": float(cmax), "domain": domain}
+
+
+def _quantize_with_feedback(array, method, second_moment, *, compat, fast, importance, min_clip, max_clip, domain,
+                            src_dtype, impl, threads):
+    """:func:`quantize` with ``second_moment``: everything checked before the search runs, then the search's
+    scales and error feedback's codes."""
+    info = parse_dtype(method)
+    if not info.quantized:
+        raise InvalidArgumentError(f"{info.name} is not a quantization method; expected one of {METHODS}")
+    if importance is not None:
+        raise InvalidArgumentError("give importance or second_moment, not both: the second moment's diagonal is "
+                                   "the importance vector, and it is what weights the scales")
+    if info.family == "raw" or compat or fast:
+        raise InvalidArgumentError("second_moment chooses the codes of the error-minimizing search of the q*/k* "
+                                   "methods; it does not apply with " + ("int8/int4" if info.family == "raw" else
+                                                                         "compat=True" if compat else "fast=True"))
+    a = np.asarray(array)
+    if a.ndim != 2:
+        raise InvalidArgumentError(f"only rank-2 tensors are quantized, got shape {a.shape}")
+    src = _float_dtype(a, src_dtype)
+    rows, cols = a.shape
+    h = check_second_moment(second_moment, a.shape)
+    u = feedback_factor(h)   # before the search: a matrix that is not positive definite fails fast
+    payload, params = quantize(a, info, importance=np.diagonal(h), min_clip=min_clip, max_clip=max_clip,
+                               domain=domain, src_dtype=src_dtype, impl=impl, threads=threads)
+    lo, hi = (np.float32(params["min_clip"]), np.float32(params["max_clip"])) if min_clip is not None else (None, None)
+
+    def read_rows(r0, r1):
+        x = rows_f32(a, r0, r1, src)
+        return x if lo is None else np.clip(x, lo, hi)
+
+    requantize_codes(payload, read_rows, info, rows, cols, u, threads=integer(threads, "threads"))
+    return payload, params
 
 
 def dequantize(payload, method, shape, *, domain: int = Domain.WEIGHTS, dtype=np.float32, rows=None, out=None,
