@@ -1,6 +1,13 @@
 /* What every SIMD variant shares: one target attribute per tier of csrc/cpu.c, and the small inline
  * helpers more than one kernel file needs.
  *
+ * NEON (aarch64) uses only the ASIMD instructions every aarch64 CPU has (the architecture's baseline:
+ * numpy assumes it too), so its functions need no target attribute; its code lives in the *_neon.h files,
+ * each included by the one kernel file whose scalar helpers it shares, and compiled on aarch64 only.  The
+ * optional features (dotprod, FP16 arithmetic, SVE) buy nothing here: every kernel converts to float32 and
+ * multiplies in float32, which is what the scalar reference does, and a dot product or f16 arithmetic
+ * would round differently.
+ *
  * A tier's attribute names exactly the instructions cpu.c checks before it reports that tier, so a
  * function marked MCF_TARGET_AVX2 runs wherever mcf_cpu_supports(MCF_IMPL_AVX2) is true, and one tier's
  * functions may call (and inline) the lower tier's.  "fma" is allowed but never used for arithmetic:
@@ -97,6 +104,55 @@ MCF_TARGET_AVX512 static inline void mcf_store_codes32_avx512(__m512i q0, __m512
         return;
     }
     mcf_pack_bytes32_avx2(b, bits, dst);
+}
+#endif
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#include "fpconv.h"
+#define MCF_NEON 1
+
+/* float32 bits to bfloat16, round to nearest even, NaN kept with the quiet bit set: 4 lanes, identical
+ * to mcf_f32_to_bf16_one (csrc/fpconv.c) and mcf_bf16_round_avx2. */
+static inline uint16x4_t mcf_bf16_round_neon(uint32x4_t u)
+{
+    uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
+    uint32x4_t nanv = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
+    uint32x4_t isnan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
+    return vmovn_u32(vbslq_u32(isnan, nanv, r));
+}
+
+/* float32 to binary16, round to nearest even (FCVTN rounds as FPCR says: nearest even, subnormals kept,
+ * NaN quieted with its top payload bits, exactly what mcf_f32_to_f16_one writes). */
+static inline uint16x4_t mcf_f16_round_neon(float32x4_t f)
+{
+    return vreinterpret_u16_f16(vcvt_f16_f32(f));
+}
+
+/* 8 floats (two vectors) to the output format `kind` (fpconv.h) at out[idx]: all 8 lanes. */
+static inline void mcf_store8_neon(void *out, size_t idx, float32x4_t a, float32x4_t b, int kind)
+{
+    if (kind == MCF_OUT_F32) {
+        vst1q_f32((float *)out + idx, a);
+        vst1q_f32((float *)out + idx + 4, b);
+    } else if (kind == MCF_OUT_F16) {
+        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_f16_round_neon(a), mcf_f16_round_neon(b)));
+    } else {
+        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_bf16_round_neon(vreinterpretq_u32_f32(a)),
+                                                      mcf_bf16_round_neon(vreinterpretq_u32_f32(b))));
+    }
+}
+
+/* 16 int8 codes as four float32x4 vectors, in order (exact: |code| < 2^24). */
+static inline void mcf_s8x16_to_f32_neon(int8x16_t q, float32x4_t f[4])
+{
+    int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_high_s8(q);
+    f[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+    f[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
+    f[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+    f[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
 }
 #endif
 

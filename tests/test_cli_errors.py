@@ -215,7 +215,7 @@ def test_invalid_forced_kernel_variant_is_refused(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.strip() == ("mcf kernels: error: MCF_FORCE_IMPL='avx3': unknown kernel variant "
-                           "(expected one of scalar, avx2, avx512)")
+                           "(expected one of scalar, avx2, avx512, neon)")
     monkeypatch.setenv("MCF_FORCE_IMPL", "scalar")
     assert main(["kernels"]) == 0
     assert "active: scalar" in capsys.readouterr().out
