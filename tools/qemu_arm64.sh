@@ -31,9 +31,10 @@ ROOT=$(pwd)
 CACHE=${MCF_CACHE_DIR:-$HOME/.cache/mcf}/arm64
 NUMPY_VERSION=2.2.6
 CPUS=${MCF_QEMU_CPUS:-neoverse-n1 max cortex-a53}
-# shlex-free on purpose: test file names have no spaces; MCF_ARM64_TESTS overrides (a quick local check)
-read -r -a KERNEL_TESTS <<< "${MCF_ARM64_TESTS:-tests/test_fpconv.py tests/test_kernels.py tests/test_rounding.py
-    tests/test_scaled_kernels.py tests/test_megacontext_q8.py tests/test_gguf_types.py tests/test_quant_search.py}"
+# MCF_ARM64_TESTS overrides the list (space-separated; for a quick local check)
+# shellcheck disable=SC2206
+KERNEL_TESTS=(${MCF_ARM64_TESTS:-tests/test_fpconv.py tests/test_kernels.py tests/test_rounding.py
+    tests/test_scaled_kernels.py tests/test_megacontext_q8.py tests/test_gguf_types.py tests/test_quant_search.py})
 DEBS=(python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython3.11-dev libc6 libgcc-s1 libstdc++6
       libexpat1 zlib1g libffi8 libbz2-1.0 liblzma5 libssl3 libsqlite3-0 libuuid1 libncursesw6 libtinfo6
       libreadline8 libcrypt1 libdb5.3 libnsl2 libtirpc3 libgssapi-krb5-2 libkrb5-3 libk5crypto3
