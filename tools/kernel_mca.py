@@ -23,7 +23,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MCA = os.environ.get("LLVM_MCA", "llvm-mca-19")
-CFLAGS = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-I" + os.path.join(HERE, "..", "csrc")]
+CFLAGS = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing",
+          # loops of constant trip count unrolled completely, so each region is straight-line code
+          "--param=max-completely-peel-times=1024", "--param=max-completely-peeled-insns=100000",
+          "--param=max-unrolled-insns=100000", "-I" + os.path.join(HERE, "..", "csrc")]
 ARM_CPUS = ("neoverse-v2", "apple-m1")
 X86_CPU = "znver4"
 
