@@ -4,9 +4,10 @@
  * A block's 32 codes become two int8x16 vectors: 8-bit codes are loaded, 4-bit codes split into nibbles
  * and interleaved (item 0 in the low nibble), and 2-, 3- and 6-bit codes gathered with one table lookup
  * per 8 codes: each 16-bit lane receives the two bytes that hold its field, a per-lane shift moves the
- * field to bit 0 and a mask keeps it.  Loads never reach past the block.  One xor/subtract then
- * sign-extends, and the codes are widened to float32 and multiplied by the block scale, which is computed
- * by the scalar code (the same float32 operations, so the same bits). */
+ * field to bit 0 and a mask keeps it.  Loads never reach past the block.  One xor/add then turns each field
+ * into its signed value plus 128 (a byte), which mcf_u8x16_to_f32_neon (simd.h) widens to the exact float32
+ * of the signed code; it is multiplied by the block scale, which the scalar code computes (the same float32
+ * operations, so the same bits). */
 
 /* For 3 and 6 bits (fields that straddle bytes): the byte each code's field starts in, and its bit
  * offset there, for the 8 codes of each of the four lookups. */
@@ -30,14 +31,15 @@ static inline uint8x16_t neon_fields(uint8x16x2_t raw, uint8x16_t idx, int16x8_t
     return vreinterpretq_u8_u16(vandq_u16(vshlq_u16(w, sh), mask));
 }
 
-/* The 32 signed codes of one block (bits 2, 3, 4, 6 or 8) as q[0] (codes 0..15) and q[1] (16..31). */
-static inline void decode_block_neon(const uint8_t *src, int bits, int8x16_t q[2])
+/* The 32 signed codes of one block (bits 2, 3, 4, 6 or 8), each plus 128, as q[0] (codes 0..15) and q[1]
+ * (16..31). */
+static inline void decode_block_neon(const uint8_t *src, int bits, uint8x16_t q[2])
 {
     uint8x16_t a, b;
     switch (bits) {
     case 8:
-        q[0] = vld1q_s8((const int8_t *)src);
-        q[1] = vld1q_s8((const int8_t *)src + 16);
+        q[0] = veorq_u8(vld1q_u8(src), vdupq_n_u8(0x80));
+        q[1] = veorq_u8(vld1q_u8(src + 16), vdupq_n_u8(0x80));
         return;
     case 4: {
         uint8x16_t v = vld1q_u8(src);
@@ -83,18 +85,19 @@ static inline void decode_block_neon(const uint8_t *src, int bits, int8x16_t q[2
         break;
     }
     }
-    uint8x16_t m = vdupq_n_u8((uint8_t)(1u << (bits - 1)));
-    q[0] = vreinterpretq_s8_u8(vsubq_u8(veorq_u8(a, m), m));
-    q[1] = vreinterpretq_s8_u8(vsubq_u8(veorq_u8(b, m), m));
+    /* sext(v) + 128 = (v ^ m) - m + 128, m the field's sign bit */
+    uint8x16_t m = vdupq_n_u8((uint8_t)(1u << (bits - 1))), k = vdupq_n_u8((uint8_t)(128u - (1u << (bits - 1))));
+    q[0] = vaddq_u8(veorq_u8(a, m), k);
+    q[1] = vaddq_u8(veorq_u8(b, m), k);
 }
 
 /* 16 outputs w[i] = s * (f[i] - z) (raw: z is the zero point) or s * f[i] (z unused) at out[o], the
- * first n of them (n <= 16) */
-static inline void emit16_neon(void *out, size_t o, int8x16_t q, float32x4_t s, const float32x4_t *z, size_t n,
+ * first n of them (n <= 16); f[i] is the signed code whose value plus 128 is byte i of q */
+static inline void emit16_neon(void *out, size_t o, uint8x16_t q, float32x4_t s, const float32x4_t *z, size_t n,
                                int kind)
 {
     float32x4_t f[4];
-    mcf_s8x16_to_f32_neon(q, f);
+    mcf_u8x16_to_f32_neon(q, 128.0f, f);
     for (int k = 0; k < 4; k++) f[k] = vmulq_f32(s, z ? vsubq_f32(f[k], *z) : f[k]);
     if (n == 16) {
         if (kind == MCF_OUT_F32) {
@@ -110,34 +113,36 @@ static inline void emit16_neon(void *out, size_t o, int8x16_t q, float32x4_t s, 
     for (size_t i = 0; i < n; i++) store_out(out, o + i, tmp[i], kind);
 }
 
-/* int8/int4 codes j .. j+n-1 (n <= 32) of a raw row as two int8x16 vectors (the lanes past n are 0) */
-static inline void raw_codes_neon(const uint8_t *src, int bits, size_t j, size_t n, int8x16_t q[2])
+/* int8/int4 codes j .. j+n-1 (n <= 32) of a raw row, each plus 128, as two byte vectors (the lanes past n
+ * hold code 0) */
+static inline void raw_codes_neon(const uint8_t *src, int bits, size_t j, size_t n, uint8x16_t q[2])
 {
-    int8_t c[32] = {0};
+    const uint8x16_t b128 = vdupq_n_u8(0x80);
     if (n == 32 && bits == 8) {
-        q[0] = vld1q_s8((const int8_t *)src + j);
-        q[1] = vld1q_s8((const int8_t *)src + j + 16);
+        q[0] = veorq_u8(vld1q_u8(src + j), b128);
+        q[1] = veorq_u8(vld1q_u8(src + j + 16), b128);
         return;
     }
-    if (n == 32) {   /* item 2i in the low nibble of byte i (j is even) */
-        uint8x16_t v = vld1q_u8(src + j / 2), m8 = vdupq_n_u8(8);
+    if (n == 32) {   /* item 2i in the low nibble of byte i (j is even); sext4(v) + 128 = (v ^ 8) + 120 */
+        uint8x16_t v = vld1q_u8(src + j / 2), m8 = vdupq_n_u8(8), k = vdupq_n_u8(120);
         uint8x16_t lo = vandq_u8(v, vdupq_n_u8(0x0f)), hi = vshrq_n_u8(v, 4);
-        q[0] = vreinterpretq_s8_u8(vsubq_u8(veorq_u8(vzip1q_u8(lo, hi), m8), m8));
-        q[1] = vreinterpretq_s8_u8(vsubq_u8(veorq_u8(vzip2q_u8(lo, hi), m8), m8));
+        q[0] = vaddq_u8(veorq_u8(vzip1q_u8(lo, hi), m8), k);
+        q[1] = vaddq_u8(veorq_u8(vzip2q_u8(lo, hi), m8), k);
         return;
     }
+    int8_t c[32] = {0};
     for (size_t i = 0; i < n; i++) {
         size_t k = j + i;
         c[i] = bits == 8 ? (int8_t)src[k] : sext((k & 1) ? (src[k >> 1] >> 4) : (src[k >> 1] & 0x0f), 4);
     }
-    q[0] = vld1q_s8(c);
-    q[1] = vld1q_s8(c + 16);
+    q[0] = veorq_u8(vreinterpretq_u8_s8(vld1q_s8(c)), b128);
+    q[1] = veorq_u8(vreinterpretq_u8_s8(vld1q_s8(c + 16)), b128);
 }
 
 static void dequant_neon(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind)
 {
     size_t cols = t->cols, o = 0;
-    int8x16_t q[2];
+    uint8x16_t q[2];
     if (t->family == MCF_FAM_RAW) {
         float32x4_t sc = vdupq_n_f32(t->scale), z = vdupq_n_f32(t->zero);
         for (size_t r = r0; r < r1; r++) {
@@ -160,7 +165,7 @@ static void dequant_neon(const mcf_qtensor *t, size_t r0, size_t r1, void *out, 
             size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
             if (__builtin_expect(sb == 0.0f, 0)) {   /* a zero-scale block is +0.0 everywhere */
                 sb = 0.0f;
-                q[0] = q[1] = vdupq_n_s8(0);
+                q[0] = q[1] = vdupq_n_u8(0x80);   /* code 0 */
             } else {
                 decode_block_neon(rowdata + b * bb, t->bits, q);
             }
@@ -179,12 +184,12 @@ static void unpack_neon(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
         return;
     }
     size_t bb = (size_t)t->bits * 4;
-    int8x16_t q[2];
+    uint8x16_t q[2];
     for (size_t r = r0; r < r1; r++)
         for (size_t b = 0; b < t->bpr; b++) {
             int8_t *dst = out + ((r - r0) * t->bpr + b) * 32;
             decode_block_neon(t->data + (r * t->bpr + b) * bb, t->bits, q);
-            vst1q_s8(dst, q[0]);
-            vst1q_s8(dst + 16, q[1]);
+            vst1q_u8((uint8_t *)dst, veorq_u8(q[0], vdupq_n_u8(0x80)));
+            vst1q_u8((uint8_t *)dst + 16, veorq_u8(q[1], vdupq_n_u8(0x80)));
         }
 }

@@ -4,24 +4,13 @@
  * and the x86 variants do; FCVTN narrows with round to nearest even, subnormals kept (Linux leaves FPCR's
  * flush-to-zero bits clear), NaN quieted with its top payload bits, which is mcf_f32_to_f16_one. */
 
-static float32x4_t h2f_neon(uint16x4_t h)
-{
-    float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u16(h));
-    uint32x4_t u = vmovl_u16(h);
-    uint32x4_t e = vandq_u32(u, vdupq_n_u32(0x7c00)), m = vandq_u32(u, vdupq_n_u32(0x3ff));
-    uint32x4_t isnan = vandq_u32(vceqq_u32(e, vdupq_n_u32(0x7c00)), vtstq_u32(m, m));
-    uint32x4_t nanv = vorrq_u32(vorrq_u32(vshlq_n_u32(vandq_u32(u, vdupq_n_u32(0x8000)), 16), vdupq_n_u32(0x7f800000)),
-                                vshlq_n_u32(m, 13));
-    return vbslq_f32(isnan, vreinterpretq_f32_u32(nanv), f);
-}
-
 static void f16_to_f32_neon(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         uint16x8_t h = vld1q_u16(s + i);
-        vst1q_f32(d + i, h2f_neon(vget_low_u16(h)));
-        vst1q_f32(d + i + 4, h2f_neon(vget_high_u16(h)));
+        vst1q_f32(d + i, mcf_h2f_neon(vget_low_u16(h)));
+        vst1q_f32(d + i + 4, mcf_h2f_neon(vget_high_u16(h)));
     }
     for (; i < n; i++) d[i] = mcf_f16_to_f32_one(s[i]);
 }

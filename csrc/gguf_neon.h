@@ -4,23 +4,21 @@
  * differences, one float32 operation each in the reference's order.  Streaming stores are an x86 matter:
  * `st` is ignored (AArch64's non-temporal STNP has no C intrinsic). */
 
-/* 16 signed codes -> 16 floats s * q */
-static inline void emit16s_neon(int8x16_t q, float s, float *y)
+/* 16 codes u - bias -> 16 floats s * (u - bias) (the code is exact in float32: mcf_u8x16_to_f32_neon) */
+static inline void emit16s_neon(uint8x16_t u, float bias, float s, float *y)
 {
     float32x4_t f[4], vs = vdupq_n_f32(s);
-    mcf_s8x16_to_f32_neon(q, f);
+    mcf_u8x16_to_f32_neon(u, bias, f);
     vst1q_f32_x4(y, (float32x4x4_t){{vmulq_f32(vs, f[0]), vmulq_f32(vs, f[1]), vmulq_f32(vs, f[2]), vmulq_f32(vs, f[3])}});
 }
 
 /* 16 unsigned codes -> 16 floats s * q - m */
 static inline void emit16u_neon(uint8x16_t q, float s, float m, float *y)
 {
-    float32x4_t vs = vdupq_n_f32(s), vm = vdupq_n_f32(m);
-    uint16x8_t lo = vmovl_u8(vget_low_u8(q)), hi = vmovl_high_u8(q);
-    float32x4_t f0 = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), f1 = vcvtq_f32_u32(vmovl_high_u16(lo));
-    float32x4_t f2 = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), f3 = vcvtq_f32_u32(vmovl_high_u16(hi));
-    vst1q_f32_x4(y, (float32x4x4_t){{vsubq_f32(vmulq_f32(vs, f0), vm), vsubq_f32(vmulq_f32(vs, f1), vm),
-                                     vsubq_f32(vmulq_f32(vs, f2), vm), vsubq_f32(vmulq_f32(vs, f3), vm)}});
+    float32x4_t f[4], vs = vdupq_n_f32(s), vm = vdupq_n_f32(m);
+    mcf_u8x16_to_f32_neon(q, 0.0f, f);
+    vst1q_f32_x4(y, (float32x4x4_t){{vsubq_f32(vmulq_f32(vs, f[0]), vm), vsubq_f32(vmulq_f32(vs, f[1]), vm),
+                                     vsubq_f32(vmulq_f32(vs, f[2]), vm), vsubq_f32(vmulq_f32(vs, f[3]), vm)}});
 }
 
 static void q8_0_neon(const uint8_t *x, size_t nb, float *y, int st)
@@ -30,7 +28,7 @@ static void q8_0_neon(const uint8_t *x, size_t nb, float *y, int st)
         float32x4_t d = vdupq_n_f32(f16(x));
         for (int k = 0; k < 2; k++) {   /* (float)q * d, the reference's order */
             float32x4_t f[4];
-            mcf_s8x16_to_f32_neon(vld1q_s8((const int8_t *)x + 2 + 16 * k), f);
+            mcf_u8x16_to_f32_neon(veorq_u8(vld1q_u8(x + 2 + 16 * k), vdupq_n_u8(0x80)), 128.0f, f);
             vst1q_f32_x4(y + 16 * k, (float32x4x4_t){{vmulq_f32(f[0], d), vmulq_f32(f[1], d), vmulq_f32(f[2], d),
                                                       vmulq_f32(f[3], d)}});
         }
@@ -40,12 +38,12 @@ static void q8_0_neon(const uint8_t *x, size_t nb, float *y, int st)
 static void q4_0_neon(const uint8_t *x, size_t nb, float *y, int st)
 {
     (void)st;
-    const uint8x16_t m4 = vdupq_n_u8(0x0f), eight = vdupq_n_u8(8);
+    const uint8x16_t m4 = vdupq_n_u8(0x0f);
     for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
         float d = f16(x);
         uint8x16_t v = vld1q_u8(x + 2);
-        emit16s_neon(vreinterpretq_s8_u8(vsubq_u8(vandq_u8(v, m4), eight)), d, y);
-        emit16s_neon(vreinterpretq_s8_u8(vsubq_u8(vshrq_n_u8(v, 4), eight)), d, y + 16);
+        emit16s_neon(vandq_u8(v, m4), 8.0f, d, y);   /* nibble - 8 */
+        emit16s_neon(vshrq_n_u8(v, 4), 8.0f, d, y + 16);
     }
 }
 
@@ -92,7 +90,7 @@ static void q5_k_neon(const uint8_t *x, size_t nb, float *y, int st)
 static void q6_k_neon(const uint8_t *x, size_t nb, float *y, int st)
 {
     (void)st;
-    const uint8x16_t m4 = vdupq_n_u8(0x0f), m2 = vdupq_n_u8(3), k32 = vdupq_n_u8(32);
+    const uint8x16_t m4 = vdupq_n_u8(0x0f), m2 = vdupq_n_u8(3);
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
         const int8_t *sc = (const int8_t *)(x + 192);
         float d = f16(x + 208), ds[16];
@@ -105,9 +103,8 @@ static void q6_k_neon(const uint8_t *x, size_t nb, float *y, int st)
                     uint8x16_t lsrc = (t & 1) ? l1 : l0;
                     uint8x16_t lo = (t >> 1) ? vshrq_n_u8(lsrc, 4) : vandq_u8(lsrc, m4);
                     uint8x16_t hi = vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t)(-2 * t))), m2);
-                    uint8x16_t q = vsubq_u8(vorrq_u8(lo, vshlq_n_u8(hi, 4)), k32);
-                    int sb = (h * 128 + 32 * t) >> 4;
-                    emit16s_neon(vreinterpretq_s8_u8(q), ds[sb + k], y + h * 128 + 32 * t + 16 * k);
+                    int sb = (h * 128 + 32 * t) >> 4;   /* (lo | hi << 4) - 32 */
+                    emit16s_neon(vorrq_u8(lo, vshlq_n_u8(hi, 4)), 32.0f, ds[sb + k], y + h * 128 + 32 * t + 16 * k);
                 }
             }
     }
@@ -139,7 +136,7 @@ static void q2_k_neon(const uint8_t *x, size_t nb, float *y, int st)
 static void q3_k_neon(const uint8_t *x, size_t nb, float *y, int st)
 {
     (void)st;
-    const uint8x16_t m2 = vdupq_n_u8(3), one = vdupq_n_u8(1), four = vdupq_n_u8(4);
+    const uint8x16_t m2 = vdupq_n_u8(3), one = vdupq_n_u8(1);
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
         const uint8_t *s = x + 96;
         float d = f16(x + 108), dl[16];
@@ -154,9 +151,8 @@ static void q3_k_neon(const uint8_t *x, size_t nb, float *y, int st)
                 for (int sh = 0; sh < 4; sh++) {
                     uint8x16_t ql = vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)(-2 * sh))), m2);
                     uint8x16_t hb = vandq_u8(vshlq_u8(hm, vdupq_n_s8((int8_t)(-(4 * h + sh)))), one);
-                    uint8x16_t q = vsubq_u8(vorrq_u8(ql, vshlq_n_u8(hb, 2)), four);
-                    int sb = ((h * 128 + 32 * sh) >> 4) + k;
-                    emit16s_neon(vreinterpretq_s8_u8(q), dl[sb], y + h * 128 + 32 * sh + 16 * k);
+                    int sb = ((h * 128 + 32 * sh) >> 4) + k;   /* (ql | hb << 2) - 4 */
+                    emit16s_neon(vorrq_u8(ql, vshlq_n_u8(hb, 2)), 4.0f, dl[sb], y + h * 128 + 32 * sh + 16 * k);
                 }
             }
     }

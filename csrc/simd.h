@@ -131,6 +131,20 @@ static inline uint16x4_t mcf_f16_round_neon(float32x4_t f)
     return vreinterpret_u16_f16(vcvt_f16_f32(f));
 }
 
+/* binary16 to float32, exactly as mcf_f16_to_f32_one: FCVTL widens exactly but quiets a signalling NaN, so
+ * NaN lanes are rebuilt with integer operations (sign, all-ones exponent, payload << 13), as the scalar
+ * code and the x86 variants do. */
+static inline float32x4_t mcf_h2f_neon(uint16x4_t h)
+{
+    float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u16(h));
+    uint32x4_t u = vmovl_u16(h);
+    uint32x4_t e = vandq_u32(u, vdupq_n_u32(0x7c00)), m = vandq_u32(u, vdupq_n_u32(0x3ff));
+    uint32x4_t isnan = vandq_u32(vceqq_u32(e, vdupq_n_u32(0x7c00)), vtstq_u32(m, m));
+    uint32x4_t nanv = vorrq_u32(vorrq_u32(vshlq_n_u32(vandq_u32(u, vdupq_n_u32(0x8000)), 16), vdupq_n_u32(0x7f800000)),
+                                vshlq_n_u32(m, 13));
+    return vbslq_f32(isnan, vreinterpretq_f32_u32(nanv), f);
+}
+
 /* 8 floats (two vectors) to the output format `kind` (fpconv.h) at out[idx]: all 8 lanes. */
 static inline void mcf_store8_neon(void *out, size_t idx, float32x4_t a, float32x4_t b, int kind)
 {
@@ -145,14 +159,22 @@ static inline void mcf_store8_neon(void *out, size_t idx, float32x4_t a, float32
     }
 }
 
-/* 16 int8 codes as four float32x4 vectors, in order (exact: |code| < 2^24). */
-static inline void mcf_s8x16_to_f32_neon(int8x16_t q, float32x4_t f[4])
+/* 16 bytes u as four float32x4 vectors of (float)u - bias, in order, for a bias of 0 .. 255 (signed codes are
+ * passed as q ^ 0x80 with bias 128, q - 8 as q with bias 8...).  Each byte becomes the low byte of the float
+ * 0x4B4000uu = 12582912 + u (two interleaves with zero and with 0x4B40), and one subtraction of
+ * 12582912 + bias gives u - bias, exactly (both operands are integers below 2^24), so the result is the bits
+ * SCVTF would give.  It avoids SCVTF, which costs two micro-ops on only two of the four vector pipes of
+ * Neoverse V-class cores (llvm-mca: the bound of a decode loop), with single-uop permutes on any pipe. */
+static inline void mcf_u8x16_to_f32_neon(uint8x16_t u, float bias, float32x4_t f[4])
 {
-    int16x8_t lo = vmovl_s8(vget_low_s8(q)), hi = vmovl_high_s8(q);
-    f[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
-    f[1] = vcvtq_f32_s32(vmovl_high_s16(lo));
-    f[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
-    f[3] = vcvtq_f32_s32(vmovl_high_s16(hi));
+    const uint16x8_t hi = vdupq_n_u16(0x4B40);
+    const uint8x16_t zero = vdupq_n_u8(0);
+    const float32x4_t m = vdupq_n_f32(12582912.0f + bias);
+    uint16x8_t w0 = vreinterpretq_u16_u8(vzip1q_u8(u, zero)), w1 = vreinterpretq_u16_u8(vzip2q_u8(u, zero));
+    f[0] = vsubq_f32(vreinterpretq_f32_u16(vzip1q_u16(w0, hi)), m);
+    f[1] = vsubq_f32(vreinterpretq_f32_u16(vzip2q_u16(w0, hi)), m);
+    f[2] = vsubq_f32(vreinterpretq_f32_u16(vzip1q_u16(w1, hi)), m);
+    f[3] = vsubq_f32(vreinterpretq_f32_u16(vzip2q_u16(w1, hi)), m);
 }
 #endif
 

@@ -50,7 +50,7 @@ MCF_BLOCK_LOOPS(SCALAR_MCF)
 #define VEC_MCF(name, BITS, FAM)                                                                        \
     void mca_neon_##name(const mcf_qtensor *t, float *out, size_t b)                                   \
     {                                                                                                   \
-        int8x16_t q[2];                                                                                 \
+        uint8x16_t q[2];                                                                                 \
         MCA_BEGIN("neon_" #name);                                                                   \
         float s = FAM == MCF_FAM_BLOCK ? mcf_scale_from_f16(t->scales[b])                          \
                                            : block_scale(&(mcf_qtensor){.family = FAM, .bpr = b + 1,      \
