@@ -527,8 +527,7 @@ typedef struct {
 #else
 #define NEON(fn) NULL
 #endif
-/* the IQ, ternary, 1-/2-bit and FP4 types have no NEON code yet: their neon column is NULL (scalar) */
-#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512), NULL}
+#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512), NEON(name##_neon)}
 
 static const gguf_type TYPES[MCF_GGML_TYPE_LIMIT] = {
     [MCF_GGML_F32] = {1, 4, f32_scalar, NULL, NULL},
