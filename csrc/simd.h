@@ -131,6 +131,49 @@ static inline uint16x4_t mcf_f16_round_neon(float32x4_t f)
     return vreinterpret_u16_f16(vcvt_f16_f32(f));
 }
 
+/* 8 codes (one per byte of w, low `bits` bits each) packed LSB-first into the low 8 * bits bits, as BMI2's
+ * pext does for the x86 variants: three rounds, each merging neighbouring fields into lanes twice as wide */
+static inline uint64_t mcf_pack8_bits(uint64_t w, int bits)
+{
+    int s = 8 - bits;
+    uint64_t f = (1ull << bits) - 1, f2 = (1ull << (2 * bits)) - 1, f4 = (1ull << (4 * bits)) - 1;
+    uint64_t x = w & (f * 0x0101010101010101ull);
+    x = (x | (x >> s)) & (f2 * 0x0001000100010001ull);
+    x = (x | (x >> (2 * s))) & (f4 * 0x0000000100000001ull);
+    return (x | (x >> (4 * s))) & ((1ull << (8 * bits)) - 1);
+}
+
+/* 32 codes, given as int32 lanes already clamped to the int8 range (q[0] codes 0..3, ..., q[7] codes 28..31),
+ * stored in order: 32 int8 bytes when bits == 8, else packed as csrc/quant.h lays blocks out.  The tail of
+ * the NEON quantizers (quantize_neon.h, quant_search_neon.h), as mcf_store_codes32_avx2 is of the AVX2 ones. */
+static inline void mcf_store_codes32_neon(const int32x4_t q[8], int bits, uint8_t *dst)
+{
+    int8x16_t b[2];
+    for (int h = 0; h < 2; h++) {
+        int16x8_t lo = vcombine_s16(vmovn_s32(q[4 * h]), vmovn_s32(q[4 * h + 1]));
+        int16x8_t hi = vcombine_s16(vmovn_s32(q[4 * h + 2]), vmovn_s32(q[4 * h + 3]));
+        b[h] = vcombine_s8(vmovn_s16(lo), vmovn_s16(hi));
+    }
+    if (bits == 8) {
+        vst1q_s8((int8_t *)dst, b[0]);
+        vst1q_s8((int8_t *)dst + 16, b[1]);
+        return;
+    }
+    if (bits == 4) {   /* byte pairs (lo, hi) -> lo | hi << 4: item 0 in the low nibble */
+        uint8x16_t ev = vuzp1q_u8(vreinterpretq_u8_s8(b[0]), vreinterpretq_u8_s8(b[1]));
+        uint8x16_t od = vuzp2q_u8(vreinterpretq_u8_s8(b[0]), vreinterpretq_u8_s8(b[1]));
+        vst1q_u8(dst, vorrq_u8(vandq_u8(ev, vdupq_n_u8(0x0f)), vshlq_n_u8(od, 4)));
+        return;
+    }
+    uint64_t w[4];
+    vst1q_s8((int8_t *)w, b[0]);
+    vst1q_s8((int8_t *)w + 16, b[1]);
+    for (int g = 0; g < 4; g++) {
+        uint64_t packed = mcf_pack8_bits(w[g], bits);
+        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
+    }
+}
+
 /* binary16 to float32, exactly as mcf_f16_to_f32_one: FCVTL widens exactly but quiets a signalling NaN, so
  * NaN lanes are rebuilt with integer operations (sign, all-ones exponent, payload << 13), as the scalar
  * code and the x86 variants do. */
