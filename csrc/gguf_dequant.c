@@ -1,7 +1,7 @@
 /* ggml block types -> float: the type table (block sizes and each variant's kernel), the dispatch, and
  * the kernels of the legacy and K-quant types: a scalar reference for every one, AVX2 and AVX-512
- * variants for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K.  The IQ types are
- * in gguf_iq.c, the ternary, 1-/2-bit and FP4 types in gguf_lowbit.c.
+ * variants for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K, NEON for all seven
+ * (gguf_neon.h).  The IQ types are in gguf_iq.c, the ternary, 1-/2-bit and FP4 types in gguf_lowbit.c.
  *
  * Every variant computes each value with the operation sequence of gguf-py's numpy dequantizers
  * (gguf/quants.py), which is also ggml's: f16 scales converted exactly to f32 (subnormals kept), then
@@ -509,8 +509,8 @@ static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st
 
 /* One ggml type: `block` values in `size` bytes, and its kernel in each variant.  A NULL vector kernel
  * means that tier runs the next lower one's (Q2_K's AVX2 code when AVX-512 is selected: the decode is
- * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  A variant for
- * another architecture is one more column. */
+ * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  NEON, the
+ * other architecture's variant, is the last column (NULL: scalar). */
 typedef struct {
     uint16_t block, size;
     mcf_gguf_scalar_fn scalar;
