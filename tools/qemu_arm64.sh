@@ -93,14 +93,15 @@ if [ -z "$BUILD" ]; then
     trap 'rm -rf "$BUILD"' EXIT
 fi
 mkdir -p "$BUILD/src" "$BUILD/sysconfig"
-# copy the tracked files, keeping modification times, so a kept $MCF_ARM64_BUILD rebuilds only what changed
+# the tracked files (as committed or edited in the checkout); --force below: setup.py's depends do not list
+# every header (the *_neon.h files among them), so a kept $MCF_ARM64_BUILD must not trust modification times
 git ls-files -z | (cd "$ROOT" && xargs -0 cp -p --parents -t "$BUILD/src")
 cp "$SYSROOT/usr/lib/python3.11/_sysconfigdata__aarch64-linux-gnu.py" "$BUILD/sysconfig/"
 say "cross-compiling in $BUILD/src"
 (cd "$BUILD/src" && _PYTHON_SYSCONFIGDATA_NAME=_sysconfigdata__aarch64-linux-gnu _PYTHON_HOST_PLATFORM=linux-aarch64 \
     PYTHONPATH="$BUILD/sysconfig" \
     CFLAGS="-I$SYSROOT/usr/include/python3.11 -I$SYSROOT/usr/include -I$SITE/numpy/_core/include" \
-    timeout 1800 python setup.py -q build_ext --inplace >"$BUILD/build.log" 2>&1) \
+    timeout 1800 python setup.py -q build_ext --inplace --force >"$BUILD/build.log" 2>&1) \
     || { tail -40 "$BUILD/build.log" >&2; say "the aarch64 build failed"; exit 1; }
 n=$(find "$BUILD/src/mcf" -name '*.cpython-311-aarch64-linux-gnu.so' | wc -l)
 [ "$n" -ge 9 ] || { say "the aarch64 build made $n extension modules, expected 9 or more"; exit 1; }
