@@ -135,12 +135,14 @@ static inline uint16x4_t mcf_f16_round_neon(float32x4_t f)
  * pext does for the x86 variants: three rounds, each merging neighbouring fields into lanes twice as wide */
 static inline uint64_t mcf_pack8_bits(uint64_t w, int bits)
 {
-    int s = 8 - bits;
+    int s = 8 - bits;   /* the gap from one field's end to the next one's start; it doubles each round */
     uint64_t f = (1ull << bits) - 1, f2 = (1ull << (2 * bits)) - 1, f4 = (1ull << (4 * bits)) - 1;
     uint64_t x = w & (f * 0x0101010101010101ull);
-    x = (x | (x >> s)) & (f2 * 0x0001000100010001ull);
-    x = (x | (x >> (2 * s))) & (f4 * 0x0000000100000001ull);
-    return (x | (x >> (4 * s))) & ((1ull << (8 * bits)) - 1);
+    /* each round keeps the even field in place and moves the odd one down next to it (masking both: a
+     * shifted field must not spill into its neighbour when the gap is narrower than a field, as for 6 bits) */
+    x = (x & (f * 0x0001000100010001ull)) | ((x >> s) & ((f << bits) * 0x0001000100010001ull));
+    x = (x & (f2 * 0x0000000100000001ull)) | ((x >> (2 * s)) & ((f2 << (2 * bits)) * 0x0000000100000001ull));
+    return (x & f4) | ((x >> (4 * s)) & (f4 << (4 * bits)));
 }
 
 /* 32 codes, given as int32 lanes already clamped to the int8 range (q[0] codes 0..3, ..., q[7] codes 28..31),
