@@ -1,5 +1,9 @@
-/* cpuid + xgetbv detection: a variant is usable only if the CPU has the instructions AND the OS saves
- * the wider registers (XCR0), which __builtin_cpu_supports alone does not check on every compiler. */
+/* Run-time detection of the kernel tier.
+ * x86: cpuid + xgetbv: a variant is usable only if the CPU has the instructions AND the OS saves the wider
+ * registers (XCR0), which __builtin_cpu_supports alone does not check on every compiler.
+ * aarch64: the kernel's auxiliary vector (getauxval(AT_HWCAP)), as numpy, ggml and c-blosc2 read it; the
+ * kernel sets HWCAP_ASIMD only where it also saves the vector registers.  ASIMD is part of the aarch64
+ * baseline, but a kernel (or qemu -cpu) may still report it absent, and then the scalar code runs. */
 #include "cpu.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -30,6 +34,16 @@ static int detect(void)
         return MCF_IMPL_AVX512;
     return MCF_IMPL_AVX2;
 }
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1UL << 1)
+#endif
+
+static int detect(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? MCF_IMPL_NEON : MCF_IMPL_SCALAR; }
+#elif defined(__aarch64__)
+/* no auxiliary vector outside Linux (macOS: every arm64 CPU has ASIMD) */
+static int detect(void) { return MCF_IMPL_NEON; }
 #else
 static int detect(void) { return MCF_IMPL_SCALAR; }
 #endif
@@ -42,7 +56,14 @@ int mcf_cpu_best(void)
     return best;
 }
 
-int mcf_cpu_supports(int impl) { return impl >= 0 && impl <= mcf_cpu_best(); }
+/* The x86 tiers nest (AVX-512 implies AVX2); NEON stands beside them, on the other architecture. */
+int mcf_cpu_supports(int impl)
+{
+    int b = mcf_cpu_best();
+    if (impl == MCF_IMPL_SCALAR) return 1;
+    if (impl == MCF_IMPL_NEON) return b == MCF_IMPL_NEON;
+    return b != MCF_IMPL_NEON && impl > 0 && impl <= b;
+}
 
 const char *mcf_impl_name(int impl)
 {
@@ -50,6 +71,7 @@ const char *mcf_impl_name(int impl)
     case MCF_IMPL_SCALAR: return "scalar";
     case MCF_IMPL_AVX2: return "avx2";
     case MCF_IMPL_AVX512: return "avx512";
+    case MCF_IMPL_NEON: return "neon";
     default: return "unknown";
     }
 }

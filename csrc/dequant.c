@@ -1,4 +1,4 @@
-/* Dequantization and code unpacking: a scalar reference and AVX2 / AVX-512 variants.
+/* Dequantization and code unpacking: a scalar reference and AVX2 / AVX-512 / NEON (dequant_neon.h) variants.
  *
  * All variants compute every output with the same single IEEE operation sequence (block scale as
  * f16->f32 with subnormal flush; k*: super * (u6 / 32.0f); then scale * (float)q; int*: scale *
@@ -458,6 +458,10 @@ MCF_TARGET_AVX512 static void dequant_avx512(const mcf_qtensor *t, size_t r0, si
 }
 #endif /* MCF_X86 */
 
+#ifdef MCF_NEON
+#include "dequant_neon.h"
+#endif
+
 void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
 {
     if (r1 <= r0) return;
@@ -468,6 +472,9 @@ void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int
 #ifdef MCF_X86
     if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
     if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) { dequant_neon(t, r0, r1, out, kind); return; }
 #endif
     (void)impl;
     dequant_scalar(t, r0, r1, out, kind);
@@ -494,6 +501,9 @@ void mcf_unpack_rows(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out, in
 #ifdef MCF_X86
     if (impl >= MCF_IMPL_AVX512) { unpack_avx512(t, r0, r1, out); return; }
     if (impl >= MCF_IMPL_AVX2) { unpack_avx2(t, r0, r1, out); return; }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) { unpack_neon(t, r0, r1, out); return; }
 #endif
     (void)impl;
     unpack_scalar(t, r0, r1, out);

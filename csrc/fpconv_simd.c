@@ -101,6 +101,10 @@ MCF_TARGET_AVX512 static void f32_to_bf16_avx512(const float *s, uint16_t *d, si
 }
 #endif
 
+#ifdef MCF_NEON
+#include "fpconv_neon.h"
+#endif
+
 void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int impl)
 {
 #if defined(__x86_64__)
@@ -118,6 +122,16 @@ void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int imp
         case MCF_F32_TO_BF16: f32_to_bf16_avx2(src, dst, n); return;
         case MCF_F16_TO_F32: f16_to_f32_avx2(src, dst, n); return;
         default: /* MCF_F32_TO_F16 */ f32_to_f16_avx2(src, dst, n); return;
+        }
+    }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) {
+        switch (op) {
+        case MCF_BF16_TO_F32: bf16_to_f32_neon(src, dst, n); return;
+        case MCF_F32_TO_BF16: f32_to_bf16_neon(src, dst, n); return;
+        case MCF_F16_TO_F32: f16_to_f32_neon(src, dst, n); return;
+        default: /* MCF_F32_TO_F16 */ f32_to_f16_neon(src, dst, n); return;
         }
     }
 #endif

@@ -1,7 +1,7 @@
 /* ggml block types -> float: the type table (block sizes and each variant's kernel), the dispatch, and
  * the kernels of the legacy and K-quant types: a scalar reference for every one, AVX2 and AVX-512
- * variants for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K.  The IQ types are
- * in gguf_iq.c, the ternary, 1-/2-bit and FP4 types in gguf_lowbit.c.
+ * variants for the common ones (Q8_0, Q4_0, Q4_K, Q6_K), AVX2 for Q2_K, Q3_K and Q5_K, NEON for all seven
+ * (gguf_neon.h).  The IQ types are in gguf_iq.c, the ternary, 1-/2-bit and FP4 types in gguf_lowbit.c.
  *
  * Every variant computes each value with the operation sequence of gguf-py's numpy dequantizers
  * (gguf/quants.py), which is also ggml's: f16 scales converted exactly to f32 (subnormals kept), then
@@ -501,16 +501,20 @@ static void bf16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; 
 static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
 #endif /* MCF_GGUF_X86 */
 
+#ifdef MCF_NEON
+#include "gguf_neon.h"
+#endif
+
 /* ---- the type table and the dispatch -------------------------------------------------------------- */
 
 /* One ggml type: `block` values in `size` bytes, and its kernel in each variant.  A NULL vector kernel
  * means that tier runs the next lower one's (Q2_K's AVX2 code when AVX-512 is selected: the decode is
- * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  A variant for
- * another architecture is one more column. */
+ * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  NEON, the
+ * other architecture's variant, is the last column (NULL: scalar). */
 typedef struct {
     uint16_t block, size;
     mcf_gguf_scalar_fn scalar;
-    mcf_gguf_vector_fn avx2, avx512;
+    mcf_gguf_vector_fn avx2, avx512, neon;
 } gguf_type;
 
 #ifdef MCF_GGUF_X86
@@ -518,23 +522,28 @@ typedef struct {
 #else
 #define X86(fn) NULL
 #endif
-#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512)}
+#ifdef MCF_NEON
+#define NEON(fn) fn
+#else
+#define NEON(fn) NULL
+#endif
+#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512), NEON(name##_neon)}
 
 static const gguf_type TYPES[MCF_GGML_TYPE_LIMIT] = {
     [MCF_GGML_F32] = {1, 4, f32_scalar, NULL, NULL},
-    [MCF_GGML_F16] = {1, 2, f16_scalar, X86(f16_avx2), X86(f16_avx512)},
-    [MCF_GGML_BF16] = {1, 2, bf16_scalar, X86(bf16_avx2), X86(bf16_avx512)},
+    [MCF_GGML_F16] = {1, 2, f16_scalar, X86(f16_avx2), X86(f16_avx512), NEON(f16_neon)},
+    [MCF_GGML_BF16] = {1, 2, bf16_scalar, X86(bf16_avx2), X86(bf16_avx512), NEON(bf16_neon)},
     [MCF_GGML_F64] = {1, 8, f64_scalar, NULL, NULL},
-    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, X86(q4_0_avx2), X86(q4_0_avx512)},
+    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, X86(q4_0_avx2), X86(q4_0_avx512), NEON(q4_0_neon)},
     [MCF_GGML_Q4_1] = {32, 20, q4_1_scalar, NULL, NULL},
     [MCF_GGML_Q5_0] = {32, 22, q5_0_scalar, NULL, NULL},
     [MCF_GGML_Q5_1] = {32, 24, q5_1_scalar, NULL, NULL},
-    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, X86(q8_0_avx2), X86(q8_0_avx512)},
-    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, X86(q2_k_avx2), NULL},
-    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, X86(q3_k_avx2), NULL},
-    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, X86(q4_k_avx2), X86(q4_k_avx512)},
-    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, X86(q5_k_avx2), NULL},
-    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, X86(q6_k_avx2), X86(q6_k_avx512)},
+    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, X86(q8_0_avx2), X86(q8_0_avx512), NEON(q8_0_neon)},
+    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, X86(q2_k_avx2), NULL, NEON(q2_k_neon)},
+    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, X86(q3_k_avx2), NULL, NEON(q3_k_neon)},
+    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, X86(q4_k_avx2), X86(q4_k_avx512), NEON(q4_k_neon)},
+    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, X86(q5_k_avx2), NULL, NEON(q5_k_neon)},
+    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, X86(q6_k_avx2), X86(q6_k_avx512), NEON(q6_k_neon)},
     [MCF_GGML_Q8_K] = {QK_K, 292, q8_k_scalar, NULL, NULL},
     [MCF_GGML_IQ2_XXS] = EXTERNAL(mcf_gguf_iq2_xxs, QK_K, 66),
     [MCF_GGML_IQ2_XS] = EXTERNAL(mcf_gguf_iq2_xs, QK_K, 74),
@@ -563,6 +572,7 @@ size_t mcf_gguf_type_size(int type) { const gguf_type *t = type_of(type); return
 
 static mcf_gguf_vector_fn vector_kernel(const gguf_type *t, int impl)
 {
+    if (impl == MCF_IMPL_NEON) return t->neon;
     if (impl >= MCF_IMPL_AVX512 && t->avx512) return t->avx512;
     if (impl >= MCF_IMPL_AVX2 && t->avx2) return t->avx2;
     return NULL;
@@ -573,7 +583,8 @@ int mcf_gguf_has_variant(int type, int impl)
     const gguf_type *t = type_of(type);
     if (!t) return 0;
     if (impl == MCF_IMPL_SCALAR) return 1;
-    return impl == MCF_IMPL_AVX512 ? t->avx512 != NULL : impl == MCF_IMPL_AVX2 ? t->avx2 != NULL : 0;
+    return impl == MCF_IMPL_AVX512 ? t->avx512 != NULL : impl == MCF_IMPL_AVX2 ? t->avx2 != NULL
+         : impl == MCF_IMPL_NEON ? t->neon != NULL : 0;
 }
 
 const void *mcf_gguf_table(const char *name, size_t *nbytes)

@@ -6,7 +6,7 @@
  * delta),  IQ4_XS  y = (d * (s - 32)) * kvalue.  The grids ("codebooks") are csrc/gguf_tables.h,
  * generated from gguf-py's.  Scalar reference per element; AVX2 / AVX-512 kernels unpack each block into
  * int8 codes and per-group scales with AVX2 and emit with 8 / 16 lanes (gguf_kernels.h says why that is
- * exact).  All multi-byte fields are little-endian. */
+ * exact), the NEON kernels (gguf_iq_neon.h) the same with NEON.  All multi-byte fields are little-endian. */
 #include <string.h>
 
 #include "gguf_kernels.h"
@@ -217,15 +217,15 @@ const void *mcf_gguf_iq_table(const char *name, size_t *nbytes)
     return NULL;
 }
 
-#ifdef MCF_GGUF_X86
-/* ---- vector variants: unpack to int8 codes + scales (AVX2), emit with 8 / 16 lanes --------------- */
-
 /* four sign bytes (7-bit indices into ksigns) of one uint32 -> 32 sign bits */
 static inline uint32_t ksigns4(uint32_t aux)
 {
     return (uint32_t)mcf_ksigns_iq2xs[aux & 127] | ((uint32_t)mcf_ksigns_iq2xs[(aux >> 7) & 127] << 8) |
            ((uint32_t)mcf_ksigns_iq2xs[(aux >> 14) & 127] << 16) | ((uint32_t)mcf_ksigns_iq2xs[(aux >> 21) & 127] << 24);
 }
+
+#ifdef MCF_GGUF_X86
+/* ---- vector variants: unpack to int8 codes + scales (AVX2), emit with 8 / 16 lanes --------------- */
 
 MCF_TARGET_AVX2 static inline void put_signed32(int8_t *codes, __m256i grid, uint32_t signs)
 {
@@ -377,3 +377,7 @@ MCF_GGUF_CODE_KERNELS(mcf_gguf_iq1_m, iq1_m_unpack, 56, 256, 16, 1)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq4_nl, iq4_nl_unpack, 18, 32, 32, 0)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq4_xs, iq4_xs_unpack, 136, 256, 32, 0)
 #endif /* MCF_GGUF_X86 */
+
+#ifdef MCF_NEON
+#include "gguf_iq_neon.h"
+#endif

@@ -7,7 +7,7 @@
  *   TQ1_0, TQ2_0, Q2_0: d * q with q in {-1, 0, 1(, 2)}      Q1_0: bit ? d : -d
  *   MXFP4: (E8M0 scale / 2) * (2 * E2M1 value)               NVFP4: (UE4M3 scale / 2) * (2 * E2M1 value)
  * Scalar reference per element; the AVX2 / AVX-512 kernels unpack codes with AVX2 and emit with 8 / 16
- * lanes (gguf_kernels.h).  All multi-byte fields are little-endian. */
+ * lanes (gguf_kernels.h), the NEON ones (gguf_lowbit_neon.h) with NEON and 4 x 4 lanes.  All multi-byte fields are little-endian. */
 #include <string.h>
 
 #include "fp4.h"
@@ -217,3 +217,7 @@ MCF_TARGET_AVX512 void mcf_gguf_q1_0_avx512(const uint8_t *x, size_t nb, float *
     }
 }
 #endif /* MCF_GGUF_X86 */
+
+#ifdef MCF_NEON
+#include "gguf_lowbit_neon.h"
+#endif

@@ -1,5 +1,5 @@
 /* The scaled formats of csrc/mx.h: a scalar reference (csrc/minifloat.h's decoders, one float32 multiply per
- * value) and AVX2 / AVX-512 variants computing the same products.
+ * value) and AVX2 / AVX-512 / NEON (mx_neon.h) variants computing the same products.
  *
  * How the vector variants decode elements: E2M1 is a table lookup in registers (vpermps on the 16 values for
  * AVX-512; on the magnitude's 8 values plus a sign xor for AVX2); E5M2 is binary16's top byte (vcvtph2ps);
@@ -316,12 +316,19 @@ MCF_TARGET_AVX512 static void elements_avx512(int fmt, const uint8_t *src, size_
 }
 #endif /* MCF_X86 */
 
+#ifdef MCF_NEON
+#include "mx_neon.h"
+#endif
+
 void mcf_mx_dequant_rows(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
 {
     if (r1 <= r0 || t->cols == 0) return;
 #ifdef MCF_X86
     if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
     if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) { dequant_neon(t, r0, r1, out, kind); return; }
 #endif
     (void)impl;
     dequant_scalar(t, r0, r1, out, kind);
@@ -333,6 +340,9 @@ void mcf_decode_elements(int fmt, const uint8_t *src, size_t n, void *out, int k
 #ifdef MCF_X86
     if (impl >= MCF_IMPL_AVX512) { elements_avx512(fmt, src, n, out, kind); return; }
     if (impl == MCF_IMPL_AVX2) { elements_avx2(fmt, src, n, out, kind); return; }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) { elements_neon(fmt, src, n, out, kind); return; }
 #endif
     (void)impl;
     elements_scalar(fmt, src, 0, n, out, kind);

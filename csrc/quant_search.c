@@ -1,5 +1,5 @@
-/* The error-minimizing quantizer of the q and k methods (the default): scalar reference, AVX2 and AVX-512
- * variants that write the same bytes.
+/* The error-minimizing quantizer of the q and k methods (the default): scalar reference, AVX2, AVX-512 and
+ * NEON (quant_search_neon.h) variants that write the same bytes.
  *
  * What it computes (docs/quantization.md, "How the default quantizer chooses scales", is the full
  * description; tests/reference.py implements it in numpy from there):
@@ -24,7 +24,7 @@
  *  them, block by block (k*: super-block by super-block), with the same weights.
  *
  * Bit-identity by construction: the vector variants put one ROW in each lane (16 rows for AVX-512, 8 for
- * AVX2), all at the same block position, so every lane runs exactly the scalar sequence of IEEE float32
+ * AVX2, 4 for NEON), all at the same block position, so every lane runs exactly the scalar sequence of IEEE float32
  * operations on its row's block, and a column's weight is the same in every lane (a broadcast).  Maxima and
  * minima are written `a > b ? a : b` / `a < b ? a : b` in the scalar code, which is what maxps / minps do
  * lane by lane (NaN included: the second operand); the build has -ffp-contract=off and nothing here uses FMA.
@@ -285,6 +285,12 @@ static int row_super_scalar(int bits, const float *row, size_t cols, size_t bpr,
     return overflow;
 }
 
+/* the weights of a block of the vector variants (padding 0) */
+static void weights_of(const float *weights, size_t c0, size_t nc, float w[32])
+{
+    for (size_t i = 0; i < 32; i++) w[i] = i < nc ? (weights ? weights[c0 + i] : 1.0f) : 0.0f;
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -529,11 +535,6 @@ MCF_TARGET_AVX2 static inline int overflow8(__m128i h, __m256 act)
 {
     __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00));
     return _mm_movemask_epi8(_mm_and_si128(inf, mask16_of(act))) != 0;
-}
-
-static void weights_of(const float *weights, size_t c0, size_t nc, float w[32])
-{
-    for (size_t i = 0; i < 32; i++) w[i] = i < nc ? (weights ? weights[c0 + i] : 1.0f) : 0.0f;
 }
 
 MCF_TARGET_AVX2 static int group_block_avx2(int bits, const float *src, size_t cols, size_t bpr, size_t nl,
@@ -1089,6 +1090,10 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
 }
 #endif
 
+#ifdef MCF_NEON
+#include "quant_search_neon.h"
+#endif
+
 int mcf_quantize_rows_search(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                              float max_clip, const float *weights, uint16_t *scales, uint8_t *sub, uint8_t *codes,
                              int impl)
@@ -1117,6 +1122,20 @@ int mcf_quantize_rows_search(int family, int bits, const float *src, size_t nrow
                                              codes + r * bpr * bb);
             else
                 overflow |= group_super_avx2(bits, p, cols, bpr, spr, nl, min_clip, max_clip, weights,
+                                             scales + r * spr, sub + r * bpr, codes + r * bpr * bb);
+        }
+    }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) {
+        for (; r < nrows; r += 4) {
+            size_t nl = nrows - r < 4 ? nrows - r : 4;
+            const float *p = src + r * cols;
+            if (family == MCF_FAM_BLOCK)
+                overflow |= group_block_neon(bits, p, cols, bpr, nl, min_clip, max_clip, weights, scales + r * bpr,
+                                             codes + r * bpr * bb);
+            else
+                overflow |= group_super_neon(bits, p, cols, bpr, spr, nl, min_clip, max_clip, weights,
                                              scales + r * spr, sub + r * bpr, codes + r * bpr * bb);
         }
     }

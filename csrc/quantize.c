@@ -1,4 +1,4 @@
-/* Quantization of float32 rows to every MCF method: scalar reference, AVX2 and AVX-512 variants.
+/* Quantization of float32 rows to every MCF method: scalar reference, AVX2, AVX-512 and NEON (quantize_neon.h) variants.
  *
  * compat = 1 is the Go reference quantizer operation for operation: block scale = max|x| / qmax in
  * f32; k*: super = max block scale, u6 = clamp(round_half_away(scale / super * 32), 1, 63), block scale
@@ -331,6 +331,10 @@ MCF_TARGET_AVX512 static long long absmax_avx512(const float *src, size_t n, flo
 }
 #endif
 
+#ifdef MCF_NEON
+#include "quantize_neon.h"
+#endif
+
 int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                       float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl)
 {
@@ -343,6 +347,12 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
     } else if (impl == MCF_IMPL_AVX2) {
         load = load_avx2;
         mkcodes = codes_avx2;
+    }
+#endif
+#ifdef MCF_NEON
+    if (impl == MCF_IMPL_NEON) {
+        load = load_neon;
+        mkcodes = codes_neon;
     }
 #endif
     (void)impl;
@@ -463,6 +473,7 @@ void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols
     fast = impl >= MCF_IMPL_AVX512 && scale != 0.0f && isfinite(inv);
 #endif
     (void)impl;
+    (void)fast;
     for (size_t r = 0; r < nrows; r++) {
         const float *row = src + r * cols;
         uint8_t *dst = codes + r * row_bytes;

@@ -1,6 +1,13 @@
 /* What every SIMD variant shares: one target attribute per tier of csrc/cpu.c, and the small inline
  * helpers more than one kernel file needs.
  *
+ * NEON (aarch64) uses only the ASIMD instructions every aarch64 CPU has (the architecture's baseline:
+ * numpy assumes it too), so its functions need no target attribute; its code lives in the *_neon.h files,
+ * each included by the one kernel file whose scalar helpers it shares, and compiled on aarch64 only.  The
+ * optional features (dotprod, FP16 arithmetic, SVE) buy nothing here: every kernel converts to float32 and
+ * multiplies in float32, which is what the scalar reference does, and a dot product or f16 arithmetic
+ * would round differently.
+ *
  * A tier's attribute names exactly the instructions cpu.c checks before it reports that tier, so a
  * function marked MCF_TARGET_AVX2 runs wherever mcf_cpu_supports(MCF_IMPL_AVX2) is true, and one tier's
  * functions may call (and inline) the lower tier's.  "fma" is allowed but never used for arithmetic:
@@ -97,6 +104,122 @@ MCF_TARGET_AVX512 static inline void mcf_store_codes32_avx512(__m512i q0, __m512
         return;
     }
     mcf_pack_bytes32_avx2(b, bits, dst);
+}
+#endif
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#include "fpconv.h"
+#define MCF_NEON 1
+
+/* float32 bits to bfloat16, round to nearest even, NaN kept with the quiet bit set: 4 lanes, identical
+ * to mcf_f32_to_bf16_one (csrc/fpconv.c) and mcf_bf16_round_avx2. */
+static inline uint16x4_t mcf_bf16_round_neon(uint32x4_t u)
+{
+    uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
+    uint32x4_t nanv = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
+    uint32x4_t isnan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
+    return vmovn_u32(vbslq_u32(isnan, nanv, r));
+}
+
+/* float32 to binary16, round to nearest even (FCVTN rounds as FPCR says: nearest even, subnormals kept,
+ * NaN quieted with its top payload bits, exactly what mcf_f32_to_f16_one writes). */
+static inline uint16x4_t mcf_f16_round_neon(float32x4_t f)
+{
+    return vreinterpret_u16_f16(vcvt_f16_f32(f));
+}
+
+/* 8 codes (one per byte of w, low `bits` bits each) packed LSB-first into the low 8 * bits bits, as BMI2's
+ * pext does for the x86 variants: three rounds, each merging neighbouring fields into lanes twice as wide */
+static inline uint64_t mcf_pack8_bits(uint64_t w, int bits)
+{
+    int s = 8 - bits;   /* the gap from one field's end to the next one's start; it doubles each round */
+    uint64_t f = (1ull << bits) - 1, f2 = (1ull << (2 * bits)) - 1, f4 = (1ull << (4 * bits)) - 1;
+    uint64_t x = w & (f * 0x0101010101010101ull);
+    /* each round keeps the even field in place and moves the odd one down next to it (masking both: a
+     * shifted field must not spill into its neighbour when the gap is narrower than a field, as for 6 bits) */
+    x = (x & (f * 0x0001000100010001ull)) | ((x >> s) & ((f << bits) * 0x0001000100010001ull));
+    x = (x & (f2 * 0x0000000100000001ull)) | ((x >> (2 * s)) & ((f2 << (2 * bits)) * 0x0000000100000001ull));
+    return (x & f4) | ((x >> (4 * s)) & (f4 << (4 * bits)));
+}
+
+/* 32 codes, given as int32 lanes already clamped to the int8 range (q[0] codes 0..3, ..., q[7] codes 28..31),
+ * stored in order: 32 int8 bytes when bits == 8, else packed as csrc/quant.h lays blocks out.  The tail of
+ * the NEON quantizers (quantize_neon.h, quant_search_neon.h), as mcf_store_codes32_avx2 is of the AVX2 ones. */
+static inline void mcf_store_codes32_neon(const int32x4_t q[8], int bits, uint8_t *dst)
+{
+    int8x16_t b[2];
+    for (int h = 0; h < 2; h++) {
+        int16x8_t lo = vcombine_s16(vmovn_s32(q[4 * h]), vmovn_s32(q[4 * h + 1]));
+        int16x8_t hi = vcombine_s16(vmovn_s32(q[4 * h + 2]), vmovn_s32(q[4 * h + 3]));
+        b[h] = vcombine_s8(vmovn_s16(lo), vmovn_s16(hi));
+    }
+    if (bits == 8) {
+        vst1q_s8((int8_t *)dst, b[0]);
+        vst1q_s8((int8_t *)dst + 16, b[1]);
+        return;
+    }
+    if (bits == 4) {   /* byte pairs (lo, hi) -> lo | hi << 4: item 0 in the low nibble */
+        uint8x16_t ev = vuzp1q_u8(vreinterpretq_u8_s8(b[0]), vreinterpretq_u8_s8(b[1]));
+        uint8x16_t od = vuzp2q_u8(vreinterpretq_u8_s8(b[0]), vreinterpretq_u8_s8(b[1]));
+        vst1q_u8(dst, vorrq_u8(vandq_u8(ev, vdupq_n_u8(0x0f)), vshlq_n_u8(od, 4)));
+        return;
+    }
+    uint64_t w[4];
+    vst1q_s8((int8_t *)w, b[0]);
+    vst1q_s8((int8_t *)w + 16, b[1]);
+    for (int g = 0; g < 4; g++) {
+        uint64_t packed = mcf_pack8_bits(w[g], bits);
+        memcpy(dst + (size_t)g * (size_t)bits, &packed, (size_t)bits);
+    }
+}
+
+/* binary16 to float32, exactly as mcf_f16_to_f32_one: FCVTL widens exactly but quiets a signalling NaN, so
+ * NaN lanes are rebuilt with integer operations (sign, all-ones exponent, payload << 13), as the scalar
+ * code and the x86 variants do. */
+static inline float32x4_t mcf_h2f_neon(uint16x4_t h)
+{
+    float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u16(h));
+    uint32x4_t u = vmovl_u16(h);
+    uint32x4_t e = vandq_u32(u, vdupq_n_u32(0x7c00)), m = vandq_u32(u, vdupq_n_u32(0x3ff));
+    uint32x4_t isnan = vandq_u32(vceqq_u32(e, vdupq_n_u32(0x7c00)), vtstq_u32(m, m));
+    uint32x4_t nanv = vorrq_u32(vorrq_u32(vshlq_n_u32(vandq_u32(u, vdupq_n_u32(0x8000)), 16), vdupq_n_u32(0x7f800000)),
+                                vshlq_n_u32(m, 13));
+    return vbslq_f32(isnan, vreinterpretq_f32_u32(nanv), f);
+}
+
+/* 8 floats (two vectors) to the output format `kind` (fpconv.h) at out[idx]: all 8 lanes. */
+static inline void mcf_store8_neon(void *out, size_t idx, float32x4_t a, float32x4_t b, int kind)
+{
+    if (kind == MCF_OUT_F32) {
+        vst1q_f32((float *)out + idx, a);
+        vst1q_f32((float *)out + idx + 4, b);
+    } else if (kind == MCF_OUT_F16) {
+        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_f16_round_neon(a), mcf_f16_round_neon(b)));
+    } else {
+        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_bf16_round_neon(vreinterpretq_u32_f32(a)),
+                                                      mcf_bf16_round_neon(vreinterpretq_u32_f32(b))));
+    }
+}
+
+/* 16 bytes u as four float32x4 vectors of (float)u - bias, in order, for a bias of 0 .. 255 (signed codes are
+ * passed as q ^ 0x80 with bias 128, q - 8 as q with bias 8...).  Each byte becomes the low byte of the float
+ * 0x4B4000uu = 12582912 + u (two interleaves with zero and with 0x4B40), and one subtraction of
+ * 12582912 + bias gives u - bias, exactly (both operands are integers below 2^24), so the result is the bits
+ * SCVTF would give.  It avoids SCVTF, which costs two micro-ops on only two of the four vector pipes of
+ * Neoverse V-class cores (llvm-mca: the bound of a decode loop), with single-uop permutes on any pipe. */
+static inline void mcf_u8x16_to_f32_neon(uint8x16_t u, float bias, float32x4_t f[4])
+{
+    const uint16x8_t hi = vdupq_n_u16(0x4B40);
+    const uint8x16_t zero = vdupq_n_u8(0);
+    const float32x4_t m = vdupq_n_f32(12582912.0f + bias);
+    uint16x8_t w0 = vreinterpretq_u16_u8(vzip1q_u8(u, zero)), w1 = vreinterpretq_u16_u8(vzip2q_u8(u, zero));
+    f[0] = vsubq_f32(vreinterpretq_f32_u16(vzip1q_u16(w0, hi)), m);
+    f[1] = vsubq_f32(vreinterpretq_f32_u16(vzip2q_u16(w0, hi)), m);
+    f[2] = vsubq_f32(vreinterpretq_f32_u16(vzip1q_u16(w1, hi)), m);
+    f[3] = vsubq_f32(vreinterpretq_f32_u16(vzip2q_u16(w1, hi)), m);
 }
 #endif
 

@@ -252,7 +252,7 @@ def cmd_kernels(args) -> int:
     info = kernel_info()
     print(json.dumps(info, indent=2) if args.json else
           f"active: {info['active']}  best: {info['best']}  supported: {', '.join(info['supported'])}"
-          f"  (force with ${info['env']}=scalar|avx2|avx512)")
+          f"  (force with ${info['env']}={'|'.join(info['supported'])})")
     return 0
 
 
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("kernels", help="which kernel variant (scalar/avx2/avx512) runs on this CPU")
+    s = sub.add_parser("kernels", help="which kernel variant (scalar/avx2/avx512/neon) runs on this CPU")
     s.add_argument("--json", action="store_true", help=JSON_HELP)
     s.set_defaults(func=cmd_kernels)
 

@@ -215,10 +215,27 @@ def test_invalid_forced_kernel_variant_is_refused(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.strip() == ("mcf kernels: error: MCF_FORCE_IMPL='avx3': unknown kernel variant "
-                           "(expected one of scalar, avx2, avx512)")
+                           "(expected one of scalar, avx2, avx512, neon)")
     monkeypatch.setenv("MCF_FORCE_IMPL", "scalar")
     assert main(["kernels"]) == 0
     assert "active: scalar" in capsys.readouterr().out
+
+
+def test_a_variant_of_the_other_architecture_is_refused(monkeypatch, capsys):
+    """neon on x86-64, avx2 on aarch64: a known variant this CPU cannot run exits 2 and says what it can."""
+    import platform
+
+    from mcf._core._kernels import kernel_info
+
+    other = "neon" if platform.machine() in ("x86_64", "AMD64") else "avx2"
+    supported = kernel_info()["supported"]
+    assert other not in supported
+    monkeypatch.setenv("MCF_FORCE_IMPL", other)
+    assert main(["kernels"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == (f"mcf kernels: error: MCF_FORCE_IMPL='{other}': this CPU cannot run that kernel variant "
+                           f"(it supports {', '.join(supported)})")
 
 
 def test_a_bug_is_called_one_and_points_at_debug(monkeypatch, capsys):

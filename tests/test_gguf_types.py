@@ -85,10 +85,17 @@ def test_every_type_gguf_py_can_dequantize_is_decoded():
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
-                    reason="the vector variants are x86's (AVX2, AVX-512); elsewhere every type runs its scalar code")
+                    reason="the AVX2 / AVX-512 kernels are compiled on x86-64 only")
 def test_new_types_have_vector_kernels():
     for name in NEW:
         assert _gguf.own_variants(code_of(name)) == ("scalar", "avx2", "avx512"), name
+
+
+@pytest.mark.skipif(platform.machine() not in ("aarch64", "arm64"), reason="the NEON kernels are compiled on aarch64 only")
+def test_every_vector_type_has_a_neon_kernel():
+    """Every type with an AVX2 kernel has a NEON one (csrc/gguf_neon.h, gguf_iq_neon.h, gguf_lowbit_neon.h)."""
+    for name in ("F16", "BF16", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K") + NEW:
+        assert _gguf.own_variants(code_of(name)) == ("scalar", "neon"), name
 
 
 def _gguf_py_grid(cls_name):

@@ -209,7 +209,7 @@ def test_threads_and_out_and_row_slices():
 
 def test_impl_forcing(monkeypatch):
     info = mcf.kernel_info()
-    assert info["active"] in ("scalar", "avx2", "avx512") and "scalar" in info["supported"]
+    assert info["active"] in ("scalar", "avx2", "avx512", "neon") and "scalar" in info["supported"]
     with pytest.raises(mcf.InvalidArgumentError):
         K.resolve_impl("sse9")
     monkeypatch.setenv("MCF_FORCE_IMPL", "scalar")

@@ -70,7 +70,7 @@ def supported_impls():
     from mcf._core._kernels import resolve_impl
 
     out = []
-    for v in ("scalar", "avx2", "avx512"):
+    for v in ("scalar", "avx2", "avx512", "neon"):
         try:
             resolve_impl(v)
         except mcf.InvalidArgumentError:

@@ -3,7 +3,7 @@
 # turns an ``impl=`` keyword / $MCF_FORCE_IMPL into a variant index.
 from libc.stdint cimport uint16_t
 
-# The variant to run: ``impl`` ("scalar", "avx2", "avx512") if not None, else $MCF_FORCE_IMPL, else the
+# The variant to run: ``impl`` ("scalar", "avx2", "avx512", "neon") if not None, else $MCF_FORCE_IMPL, else the
 # best this CPU has.  Raises mcf.InvalidArgumentError for an unknown variant or one the CPU cannot run.
 cdef int resolve_impl(object impl) except -1
 

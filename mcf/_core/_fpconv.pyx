@@ -25,7 +25,12 @@ cdef extern from "cpu.h" nogil:
     int mcf_cpu_supports(int impl)
 
 
-IMPLS = ("scalar", "avx2", "avx512")  # the variant indexes of csrc/cpu.h, by name
+IMPLS = ("scalar", "avx2", "avx512", "neon")  # the variant indexes of csrc/cpu.h, by name
+
+
+def supported_impls():
+    """The variants this CPU can run, by name (scalar first; x86: avx2, avx512; aarch64: neon)."""
+    return [n for i, n in enumerate(IMPLS) if mcf_cpu_supports(i)]
 
 
 def env_impl():
@@ -48,7 +53,7 @@ cdef int resolve_impl(object impl) except -1:
     i = IMPLS.index(name)
     if not mcf_cpu_supports(i):
         raise InvalidArgumentError(f"{where}={name!r}: this CPU cannot run that kernel variant (it supports "
-                                   f"{', '.join(IMPLS[:mcf_cpu_best() + 1])})")
+                                   f"{', '.join(supported_impls())})")
     return i
 
 

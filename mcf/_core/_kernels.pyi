@@ -3,7 +3,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-IMPLS: tuple[str, str, str]
+IMPLS: tuple[str, str, str, str]
 
 def resolve_impl(impl: str | None = ...) -> int: ...
 def kernel_info() -> dict[str, Any]: ...

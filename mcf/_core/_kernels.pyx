@@ -1,7 +1,7 @@
 """Compiled quantization kernels: thin, validating wrappers over csrc/dequant.c and csrc/quantize.c.
 
 Every size, offset and region is checked here, with Python integers, before the C code runs with the
-GIL released.  The C variant (scalar / avx2 / avx512) is chosen at run time from the CPU, the
+GIL released.  The C variant (scalar / avx2 / avx512 on x86-64, scalar / neon on aarch64) is chosen at run time from the CPU, the
 ``MCF_FORCE_IMPL`` environment variable, or the ``impl=`` keyword.
 """
 
@@ -14,7 +14,7 @@ from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, uintptr_t
 from mcf._core.args import byte_order_problem, integer, row_range
 from mcf._core._io import aligned_empty
 from mcf.errors import InvalidArgumentError
-from mcf._core._fpconv import IMPLS, env_impl
+from mcf._core._fpconv import IMPLS, env_impl, supported_impls
 from mcf._core._buffers cimport check_out, flat_bytes
 from mcf._core._fpconv cimport resolve_impl as _resolve_impl
 from mcf.container.layout import Domain, quant_layout
@@ -68,7 +68,7 @@ def kernel_info():
         active = IMPLS[resolve_impl()]
     except InvalidArgumentError as exc:
         active = f"error: {exc}"
-    return {"active": active, "best": IMPLS[best], "supported": [n for i, n in enumerate(IMPLS) if i <= best],
+    return {"active": active, "best": IMPLS[best], "supported": supported_impls(),
             "forced": forced, "env": "MCF_FORCE_IMPL"}
 
 

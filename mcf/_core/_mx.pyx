@@ -8,7 +8,7 @@ csrc/mx.c.  The payloads' regions come from :mod:`mcf._core.scaled`.
 Every size and region is checked here, with Python integers, and every block scale of the rows asked for is
 checked for NaN (an E8M0 0xFF, an E4M3 NaN, a float32 NaN would make its whole block NaN: the payload is
 refused with the index of the first such scale), before the C code runs with the GIL released.  The variant
-(scalar / avx2 / avx512) is chosen as for every kernel: ``impl=``, ``MCF_FORCE_IMPL``, or the CPU.
+(scalar / avx2 / avx512 / neon) is chosen as for every kernel: ``impl=``, ``MCF_FORCE_IMPL``, or the CPU.
 """
 
 import threading

@@ -381,7 +381,7 @@ class Container:
         ``rows`` (``(start, stop)`` or a slice) decodes only those rows (indexes of the first dimension: a
         tensor-parallel shard; an expert range of an ``[E, out, in]`` mxfp4 stack); ``out`` receives the result
         in place (any C-contiguous array of the right size and dtype); ``threads`` splits rows across threads;
-        ``impl`` forces a kernel variant ("scalar", "avx2", "avx512").  Quantized payloads and the FP8 / E8M0 /
+        ``impl`` forces a kernel variant ("scalar", "avx2", "avx512", "neon").  Quantized payloads and the FP8 / E8M0 /
         F4 extensions go through the compiled kernels; a NaN block scale (an E8M0 0xFF...) is a
         :class:`mcf.FormatError` naming the tensor and the scale.
         """

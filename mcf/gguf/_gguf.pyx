@@ -1,7 +1,7 @@
 """Compiled ggml block decoding for :mod:`mcf.gguf`: thin, validating wrappers over csrc/gguf_dequant.c.
 
 Every size is checked here, with Python integers, before the C code runs with the GIL released.  The
-variant (scalar / avx2 / avx512) is chosen as in :mod:`mcf._core._kernels` (CPU, ``MCF_FORCE_IMPL``, or
+variant (scalar / avx2 / avx512 / neon) is chosen as in :mod:`mcf._core._kernels` (CPU, ``MCF_FORCE_IMPL``, or
 ``impl=``).
 """
 
@@ -13,6 +13,7 @@ from libc.stdint cimport uint8_t, uint16_t, uintptr_t
 
 from mcf._core._buffers cimport check_out, flat_bytes
 from mcf._core._fpconv cimport resolve_impl
+from mcf._core._fpconv import IMPLS
 from mcf.errors import DTypeError, InvalidArgumentError
 
 cdef extern from "gguf_dequant.h" nogil:
@@ -31,9 +32,9 @@ def block_info(int gtype):
 
 def own_variants(int gtype):
     """The kernel variants with their own code for ggml type ``gtype`` (``("scalar", "avx2", "avx512")``
-    at most); a variant left out runs the next lower one's code."""
-    names = ("scalar", "avx2", "avx512")
-    return tuple(n for k, n in enumerate(names) if mcf_gguf_has_variant(gtype, k))
+    at most on x86-64, ``("scalar", "neon")`` on aarch64); a variant left out runs the next lower one's
+    code (NEON's next lower one is scalar)."""
+    return tuple(n for k, n in enumerate(IMPLS) if mcf_gguf_has_variant(gtype, k))
 
 
 # ggml types with a vector variant; the others run the scalar code whatever impl says
