@@ -50,7 +50,8 @@ CASES = [
     (["info", "{missing}"], 1, "mcf info: error: {missing}: No such file or directory"),
     (["info", "{text}"], 1, "mcf info: error: {text}: header at offset 0: file shorter than the MCF header "
                             "(expected >= 40 bytes, got 6 bytes)"),
-    (["info", "{dir}"], 1, "mcf info: error: {dir}: not a regular file"),
+    # a directory is read as a safetensors checkpoint, as the loaders read one
+    (["info", "{dir}"], 1, "mcf info: error: {dir}: no model.safetensors, shard index or *.safetensors"),
     (["verify", "{missing}"], 1, "mcf verify: error: {missing}: No such file or directory"),
     (["pack", "{missing}", "-o", "{out_mcf}"], 1, "mcf pack: error: {missing}: No such file or directory"),
     (["pack", "{dir}", "-o", "{out_mcf}"], 1, "mcf pack: error: {dir}: no model.safetensors, shard index or "
