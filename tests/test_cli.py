@@ -3,9 +3,7 @@ in-process for speed."""
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import pytest
 import mcf
 from _vectors import MANTLE_NAMES, mantle_check, mantle_file
 from mcf.cli import main
+from _entry_point import mcf_command
 
 
 def test_info_json_matches_go_report(capsys):
@@ -131,8 +130,7 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_entry_point_subprocess(tmp_path):
-    exe = shutil.which("mcf")
-    cmd = [exe] if exe else [sys.executable, "-m", "mcf.cli"]
+    cmd = mcf_command()
     r = subprocess.run(cmd + ["verify", mantle_file("q4")], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     r = subprocess.run(cmd + ["info", str(tmp_path / "nope.mcf")], capture_output=True, text=True, check=False)

@@ -8,7 +8,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from _vectors import mantle_file
 from mcf.bucket.store import Bucket
 from mcf.cli import main
+from _entry_point import mcf_command
 
 CTX = "ctx_" + "0" * 32
 
@@ -255,8 +255,7 @@ def test_a_bug_is_called_one_and_points_at_debug(monkeypatch, capsys):
 
 
 def _mcf():
-    exe = shutil.which("mcf")
-    return [exe] if exe else [sys.executable, "-m", "mcf.cli"]
+    return mcf_command()
 
 
 def test_entry_point_debug_flag_and_environment(tmp_path):

@@ -9,13 +9,13 @@ import json
 import os
 import platform
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import mcf
 from mcf.cli import build_parser, main
+from _entry_point import mcf_command
 
 
 def _parsers(parser, words=("mcf",)):
@@ -79,10 +79,7 @@ def test_quantize_help_names_k4(capsys):
 
 
 def _mcf():
-    import shutil
-
-    exe = shutil.which("mcf")
-    return [exe] if exe else [sys.executable, "-m", "mcf.cli"]
+    return mcf_command()
 
 
 def test_version_flag(capsys):

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ import pytest
 import mcf.megacontext as mc
 from _megacontext_ref import mean_pool, numpy_assembly
 from mcf.cli import main
+from _entry_point import mcf_command
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +122,6 @@ def test_ingest_errors_are_reported(tmp_path, capsys):
 def test_entry_point_subprocess(tmp_path):
     with mc.create(tmp_path / "t", embedding_dim=4) as t:
         t.append_tokens(np.arange(70))
-    exe = shutil.which("mcf")
-    cmd = [exe] if exe else [sys.executable, "-m", "mcf.cli"]
+    cmd = mcf_command()
     r = subprocess.run(cmd + ["ctx", "verify", str(tmp_path / "t")], capture_output=True, text=True, check=False)
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr
