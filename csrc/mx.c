@@ -90,9 +90,13 @@ static void elements_scalar(int fmt, const uint8_t *src, size_t i0, size_t n, vo
 #ifdef MCF_X86
 /* ---- AVX2 --------------------------------------------------------------------------------------------- */
 
-MCF_TARGET_AVX2 static inline void st8_avx2(void *out, size_t o, __m256 w, int kind)
+/* stream: float32 output only, 32-byte aligned at every o the caller passes (simd.h's rule) */
+MCF_TARGET_AVX2 static inline void st8_avx2(void *out, size_t o, __m256 w, int kind, int stream)
 {
-    if (kind == MCF_OUT_F32) _mm256_storeu_ps((float *)out + o, w);
+    if (kind == MCF_OUT_F32) {
+        if (stream) _mm256_stream_ps((float *)out + o, w);
+        else _mm256_storeu_ps((float *)out + o, w);
+    }
     else if (kind == MCF_OUT_F16)
         _mm_storeu_si128((__m128i *)((uint16_t *)out + o), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
     else _mm_storeu_si128((__m128i *)((uint16_t *)out + o), mcf_bf16_round_avx2(_mm256_castps_si256(w)));
@@ -158,6 +162,8 @@ MCF_TARGET_AVX2 static inline void nibbles32(__m128i by, __m128i *a, __m128i *b)
 MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind)
 {
     size_t cols = t->cols, o = 0;
+    /* streaming stores for outputs far larger than the caches, when every 8-value store lands aligned */
+    int stream = kind == MCF_OUT_F32 && cols % 8 == 0 && mcf_use_streaming(out, (r1 - r0) * cols * 4);
     if (t->kind == MCF_MX_F8B128) {
         size_t cpr = (cols + 127) / 128;
         for (size_t r = r0; r < r1; r++, o += cols) {
@@ -165,10 +171,11 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
             size_t c = 0;
             for (; c + 8 <= cols; c += 8) {   /* 8 | 128: the 8 values share one scale */
                 __m256 x = el8_avx2(MCF_EL_E4M3, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(d + c))));
-                st8_avx2(out, o + c, _mm256_mul_ps(x, _mm256_set1_ps(ld_f32(srow + (c / 128) * 4))), kind);
+                st8_avx2(out, o + c, _mm256_mul_ps(x, _mm256_set1_ps(ld_f32(srow + (c / 128) * 4))), kind, stream);
             }
             for (; c < cols; c++) put(out, o + c, mcf_e4m3_to_f32(d[c]) * ld_f32(srow + (c / 128) * 4), kind);
         }
+        if (stream) _mm_sfence();
         return;
     }
     size_t bs = block_values(t), bpr = cols / bs;
@@ -177,32 +184,35 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
         __m128i a, b;
         if (bs == 32) nibbles32(_mm_loadu_si128((const __m128i *)(t->data + blk * 16)), &a, &b);
         else nibbles32(_mm_loadl_epi64((const __m128i *)(t->data + blk * 8)), &a, &b);
-        st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s), kind);
-        st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s), kind);
+        st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s), kind, stream);
+        st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s), kind, stream);
         if (bs == 32) {
-            st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s), kind);
-            st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s), kind);
+            st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s), kind, stream);
+            st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s), kind, stream);
         }
         o += bs;
     }
+    if (stream) _mm_sfence();
 }
 
 MCF_TARGET_AVX2 static void elements_avx2(int fmt, const uint8_t *src, size_t n, void *out, int kind)
 {
     size_t i = 0;
+    int stream = kind == MCF_OUT_F32 && mcf_use_streaming(out, n * 4);
     if (fmt == MCF_EL_E2M1) {
         for (; i + 32 <= n; i += 32) {
             __m128i a, b;
             nibbles32(_mm_loadu_si128((const __m128i *)(src + i / 2)), &a, &b);
-            st8_avx2(out, i, e2m1_avx2(_mm256_cvtepu8_epi32(a)), kind);
-            st8_avx2(out, i + 8, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), kind);
-            st8_avx2(out, i + 16, e2m1_avx2(_mm256_cvtepu8_epi32(b)), kind);
-            st8_avx2(out, i + 24, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), kind);
+            st8_avx2(out, i, e2m1_avx2(_mm256_cvtepu8_epi32(a)), kind, stream);
+            st8_avx2(out, i + 8, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), kind, stream);
+            st8_avx2(out, i + 16, e2m1_avx2(_mm256_cvtepu8_epi32(b)), kind, stream);
+            st8_avx2(out, i + 24, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), kind, stream);
         }
     } else {
         for (; i + 8 <= n; i += 8)
-            st8_avx2(out, i, el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))), kind);
+            st8_avx2(out, i, el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))), kind, stream);
     }
+    if (stream) _mm_sfence();
     elements_scalar(fmt, src, i, n, out, kind);
 }
 
