@@ -16,6 +16,7 @@ Compiling is most of the time a first ``pip install`` takes, so the build does i
   several extensions; setuptools' own ``--parallel`` would compile them once per extension,
   concurrently, into the same object file), and the extensions are linked from those objects.
 """
+import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,11 +53,16 @@ directives = {
 }
 
 
+# every C header: an extension compiling any csrc/ file is rebuilt when one changes (setuptools looks at
+# the sources' times only, so an edit of simd.h alone used to leave stale kernels in place)
+HEADERS = sorted(glob.glob("csrc/*.h"))
+
+
 def ext(name, sources, depends=()):
     return Extension(
         name,
         sources=sources,
-        depends=list(depends),
+        depends=sorted(set(depends) | (set(HEADERS) if any(s.startswith("csrc/") for s in sources) else set())),
         include_dirs=[np.get_include(), "csrc"],
         define_macros=macros,
         extra_compile_args=compile_args,

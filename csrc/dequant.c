@@ -407,7 +407,7 @@ MCF_TARGET_AVX512 static inline void store16_avx512(void *out, size_t idx, __m51
 }
 
 /* 32 signed codes of one block as bytes.  4-bit codes take a pure-SIMD nibble split (item 0 in the low
- * nibble); the other widths go through pdep. */
+ * nibble); 2, 3 and 6 bits vpermb + vpmultishiftqb (below). */
 MCF_TARGET_AVX512 static inline __m256i decode32_avx512(const uint8_t *src, int bits)
 {
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)src);
