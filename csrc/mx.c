@@ -4,7 +4,8 @@
  * How the vector variants decode elements: E2M1 is a table lookup in registers (vpermps on the 16 values for
  * AVX-512; on the magnitude's 8 values plus a sign xor for AVX2); E5M2 is binary16's top byte (vcvtph2ps);
  * E4M3 and the FNUZ types put their exponent and mantissa bits where float32 keeps them and change the bias
- * with an integer add (AVX2 decodes runs of E4M3 16 at a time as binary16 instead: e4m3x16_avx2), their subnormals being mantissa * 2^-9 (E4M3) as a product of normal floats: a float32
+ * with an integer add (AVX2 decodes runs of E4M3 16 at a time as binary16 instead: e4m3x16_avx2),
+ * their subnormals being mantissa * 2^-9 (E4M3) as a product of normal floats: a float32
  * subnormal operand would cost a microcode assist (4-5x slower decoding of random E4M3 bytes, measured here);
  * E8M0 shifts its byte into float32's exponent field.  NaN encodings are then set to the quiet NaN the
  * reference writes.
@@ -202,9 +203,19 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
         if (stream) _mm_sfence();
         return;
     }
-    size_t bs = block_values(t), bpr = cols / bs;
-    for (size_t blk = r0 * bpr; blk < r1 * bpr; blk++) {
-        __m256 s = _mm256_set1_ps(block_scale(t, blk));
+    size_t bs = block_values(t), bpr = cols / bs, end = r1 * bpr;
+    float sc[16];
+    for (size_t blk = r0 * bpr; blk < end; blk++) {
+        /* nvfp4: 16 block scales at a time, e4m3 times the tensor's scale as block_scale() computes them */
+        size_t k = (blk - r0 * bpr) % 16;
+        if (t->kind == MCF_MX_NVFP4 && k == 0 && end - blk >= 16) {
+            __m256 lo, hi, g = _mm256_set1_ps(t->global);
+            e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(t->scales + blk)), &lo, &hi);
+            _mm256_storeu_ps(sc, _mm256_mul_ps(lo, g));
+            _mm256_storeu_ps(sc + 8, _mm256_mul_ps(hi, g));
+        }
+        __m256 s = t->kind == MCF_MX_NVFP4 && end - (blk - k) >= 16 ? _mm256_broadcast_ss(&sc[k])
+                                                                     : _mm256_set1_ps(block_scale(t, blk));
         __m128i a, b;
         if (bs == 32) nibbles32(_mm_loadu_si128((const __m128i *)(t->data + blk * 16)), &a, &b);
         else nibbles32(_mm_loadl_epi64((const __m128i *)(t->data + blk * 8)), &a, &b);
