@@ -203,19 +203,32 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
         if (stream) _mm_sfence();
         return;
     }
-    size_t bs = block_values(t), bpr = cols / bs, end = r1 * bpr;
-    float sc[16];
-    for (size_t blk = r0 * bpr; blk < end; blk++) {
-        /* nvfp4: 16 block scales at a time, e4m3 times the tensor's scale as block_scale() computes them */
-        size_t k = (blk - r0 * bpr) % 16;
-        if (t->kind == MCF_MX_NVFP4 && k == 0 && end - blk >= 16) {
-            __m256 lo, hi, g = _mm256_set1_ps(t->global);
+    size_t bs = block_values(t), bpr = cols / bs, blk = r0 * bpr, end = r1 * bpr;
+    if (t->kind == MCF_MX_NVFP4) {
+        /* 16 blocks per step: their scales at once (E4M3 through binary16, times the tensor's scale, as
+         * block_scale() computes them), then two blocks (16 bytes) per nibble split, as mxfp4 does one */
+        float sc[16];
+        const __m256 g = _mm256_set1_ps(t->global);
+        for (; blk + 16 <= end; blk += 16) {
+            __m256 lo, hi;
             e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(t->scales + blk)), &lo, &hi);
             _mm256_storeu_ps(sc, _mm256_mul_ps(lo, g));
             _mm256_storeu_ps(sc + 8, _mm256_mul_ps(hi, g));
+            for (int k = 0; k < 16; k += 2, o += 32) {
+                __m128i a, b;
+                nibbles32(_mm_loadu_si128((const __m128i *)(t->data + (blk + (size_t)k) * 8)), &a, &b);
+                __m256 s0 = _mm256_broadcast_ss(&sc[k]), s1 = _mm256_broadcast_ss(&sc[k + 1]);
+                st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s0), kind, stream);
+                st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s0), kind,
+                         stream);
+                st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s1), kind, stream);
+                st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s1), kind,
+                         stream);
+            }
         }
-        __m256 s = t->kind == MCF_MX_NVFP4 && end - (blk - k) >= 16 ? _mm256_broadcast_ss(&sc[k])
-                                                                     : _mm256_set1_ps(block_scale(t, blk));
+    }
+    for (; blk < end; blk++) {
+        __m256 s = _mm256_set1_ps(block_scale(t, blk));
         __m128i a, b;
         if (bs == 32) nibbles32(_mm_loadu_si128((const __m128i *)(t->data + blk * 16)), &a, &b);
         else nibbles32(_mm_loadl_epi64((const __m128i *)(t->data + blk * 8)), &a, &b);
