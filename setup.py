@@ -16,6 +16,7 @@ Compiling is most of the time a first ``pip install`` takes, so the build does i
   several extensions; setuptools' own ``--parallel`` would compile them once per extension,
   concurrently, into the same object file), and the extensions are linked from those objects.
 """
+import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,11 +53,16 @@ directives = {
 }
 
 
+# every C header: an extension compiling any csrc/ file is rebuilt when one changes (setuptools looks at
+# the sources' times only, so an edit of simd.h alone used to leave stale kernels in place)
+HEADERS = sorted(glob.glob("csrc/*.h"))
+
+
 def ext(name, sources, depends=()):
     return Extension(
         name,
         sources=sources,
-        depends=list(depends),
+        depends=sorted(set(depends) | (set(HEADERS) if any(s.startswith("csrc/") for s in sources) else set())),
         include_dirs=[np.get_include(), "csrc"],
         define_macros=macros,
         extra_compile_args=compile_args,
@@ -70,7 +76,8 @@ extensions = [
     ext("mcf._core._io", ["mcf/_core/_io.pyx", "csrc/readengine.c"]),
     ext("mcf._core._fpconv", ["mcf/_core/_fpconv.pyx", "csrc/fpconv.c", "csrc/fpconv_simd.c", "csrc/cpu.c"]),
     ext("mcf.container._index", ["mcf/container/_index.pyx"]),
-    ext("mcf._core._kernels", ["mcf/_core/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/quant_search.c", "csrc/cpu.c", "csrc/fpconv.c"]),
+    ext("mcf._core._kernels", ["mcf/_core/_kernels.pyx", "csrc/dequant.c", "csrc/quantize.c", "csrc/quant_search.c", "csrc/cpu.c", "csrc/fpconv.c",
+                                  "csrc/yardstick.c"]),
     ext("mcf._core._mx", ["mcf/_core/_mx.pyx", "csrc/mx.c", "csrc/cpu.c", "csrc/fpconv.c"]),
     ext("mcf.megatron._megatron", ["mcf/megatron/_megatron.pyx"]),
     ext("mcf.megacontext._megacontext", ["mcf/megacontext/_megacontext.pyx", "csrc/megacontext.c", "csrc/fpconv.c",

@@ -130,34 +130,89 @@ static void unpack_scalar(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *ou
 }
 
 #ifdef MCF_X86
-/* ---- shared x86 helpers (BMI2 pdep spreads packed fields into bytes) --------------------------- */
+/* ---- AVX2 -----------------------------------------------------------------------------------------
+ * Codes go straight from the packed bytes into int32 lanes, 8 at a time, with no BMI2 (pdep is
+ * microcoded on AMD Zen 1/2, ~300 cycles) and no per-element work: a byte shuffle copies to each lane the
+ * 4 bytes holding its field, vpsllvd moves the field to the top of the lane and vpsrad sign-extends it.
+ * A block's 8 <= bytes <= 16 sit in both 128-bit halves of one register (vpshufb is per half); for
+ * 6 bits (24 bytes) groups 0-1 shuffle bytes 0..15 and groups 2-3 bytes 8..23.  Every load stays inside
+ * the block.  The tables below are what tools/ would generate from "code c is the `bits` bits at bit
+ * bits*c": for lane i of group g, the 4 bytes from byte bits*(8g+i)/8 (0x80 = zero for bytes past the
+ * loaded ones, which the shift discards anyway), and the left shift 32 - bits - (bits*i) % 8. */
+static const uint8_t win_ctl[4][4][32] __attribute__((aligned(32))) = {
+    /* 2 bits */
+    {{0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4},
+     {2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6},
+     {4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 5, 6, 7, 0x80, 5, 6, 7, 0x80, 5, 6, 7, 0x80, 5, 6, 7, 0x80},
+     {6, 7, 0x80, 0x80, 6, 7, 0x80, 0x80, 6, 7, 0x80, 0x80, 6, 7, 0x80, 0x80, 7, 0x80, 0x80, 0x80, 7, 0x80, 0x80, 0x80,
+      7, 0x80, 0x80, 0x80, 7, 0x80, 0x80, 0x80}},
+    /* 3 bits */
+    {{0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 2, 3, 4, 5, 2, 3, 4, 5},
+     {3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 5, 6, 7, 8, 5, 6, 7, 8},
+     {6, 7, 8, 9, 6, 7, 8, 9, 6, 7, 8, 9, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 8, 9, 10, 11, 8, 9, 10, 11},
+     {9, 10, 11, 0x80, 9, 10, 11, 0x80, 9, 10, 11, 0x80, 10, 11, 0x80, 0x80, 10, 11, 0x80, 0x80, 10, 11, 0x80, 0x80,
+      11, 0x80, 0x80, 0x80, 11, 0x80, 0x80, 0x80}},
+    /* 4 bits */
+    {{0, 1, 2, 3, 0, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 4, 2, 3, 4, 5, 2, 3, 4, 5, 3, 4, 5, 6, 3, 4, 5, 6},
+     {4, 5, 6, 7, 4, 5, 6, 7, 5, 6, 7, 8, 5, 6, 7, 8, 6, 7, 8, 9, 6, 7, 8, 9, 7, 8, 9, 10, 7, 8, 9, 10},
+     {8, 9, 10, 11, 8, 9, 10, 11, 9, 10, 11, 12, 9, 10, 11, 12, 10, 11, 12, 13, 10, 11, 12, 13, 11, 12, 13, 14, 11, 12,
+      13, 14},
+     {12, 13, 14, 15, 12, 13, 14, 15, 13, 14, 15, 0x80, 13, 14, 15, 0x80, 14, 15, 0x80, 0x80, 14, 15, 0x80, 0x80, 15,
+      0x80, 0x80, 0x80, 15, 0x80, 0x80, 0x80}},
+    /* 6 bits: groups 2 and 3 index bytes 8..23 */
+    {{0, 1, 2, 3, 0, 1, 2, 3, 1, 2, 3, 4, 2, 3, 4, 5, 3, 4, 5, 6, 3, 4, 5, 6, 4, 5, 6, 7, 5, 6, 7, 8},
+     {6, 7, 8, 9, 6, 7, 8, 9, 7, 8, 9, 10, 8, 9, 10, 11, 9, 10, 11, 12, 9, 10, 11, 12, 10, 11, 12, 13, 11, 12, 13, 14},
+     {4, 5, 6, 7, 4, 5, 6, 7, 5, 6, 7, 8, 6, 7, 8, 9, 7, 8, 9, 10, 7, 8, 9, 10, 8, 9, 10, 11, 9, 10, 11, 12},
+     {10, 11, 12, 13, 10, 11, 12, 13, 11, 12, 13, 14, 12, 13, 14, 15, 13, 14, 15, 0x80, 13, 14, 15, 0x80, 14, 15, 0x80,
+      0x80, 15, 0x80, 0x80, 0x80}},
+};
+static const int32_t win_shl[4][8] __attribute__((aligned(32))) = {
+    {30, 28, 26, 24, 30, 28, 26, 24},   /* 2 bits */
+    {29, 26, 23, 28, 25, 22, 27, 24},   /* 3 bits */
+    {28, 24, 28, 24, 28, 24, 28, 24},   /* 4 bits */
+    {26, 20, 22, 24, 26, 20, 22, 24},   /* 6 bits */
+};
 
-static inline uint64_t ld16(const uint8_t *p) { return (uint64_t)p[0] | ((uint64_t)p[1] << 8); }
-static inline uint64_t ld24(const uint8_t *p) { return ld16(p) | ((uint64_t)p[2] << 16); }
-static inline uint64_t ld32(const uint8_t *p)
+static inline uint64_t ld64(const uint8_t *p)
 {
-    uint32_t v;
-    memcpy(&v, p, 4);  /* little-endian host */
+    uint64_t v;
+    memcpy(&v, p, 8);  /* little-endian host */
     return v;
 }
 
-/* 32 codes of a block as 32 raw (not sign-extended) bytes, each in the low `bits` bits. */
-MCF_TARGET_AVX2 static inline void spread_block(const uint8_t *src, int bits, uint64_t w[4])
+static inline uint32_t ld32(const uint8_t *p)
 {
-    switch (bits) {
-    case 2:
-        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld16(src + 2 * g), 0x0303030303030303ull);
-        break;
-    case 3:
-        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld24(src + 3 * g), 0x0707070707070707ull);
-        break;
-    case 4:
-        for (int g = 0; g < 4; g++) w[g] = _pdep_u64(ld32(src + 4 * g), 0x0f0f0f0f0f0f0f0full);
-        break;
-    default: /* 6: 3 bytes -> 4 codes, two groups per word */
-        for (int g = 0; g < 4; g++)
-            w[g] = _pdep_u64(ld24(src + 6 * g) | (ld24(src + 6 * g + 3) << 24), 0x3f3f3f3f3f3f3f3full);
-        break;
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The 32 signed codes of the block at src (bits*4 bytes, LSB-first) as four vectors of 8 int32.  `bits` is
+ * a constant at every call (the callers are specialized per width), so the branches fold away. */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void codes32_avx2(const uint8_t *src, const int bits,
+                                                                               __m256i q[4])
+{
+    if (bits == 8) {
+        for (int g = 0; g < 4; g++) q[g] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * g)));
+        return;
+    }
+    const int k = bits == 2 ? 0 : bits == 3 ? 1 : bits == 4 ? 2 : 3;
+    __m256i lo, hi;
+    if (bits == 2) {
+        lo = hi = _mm256_set1_epi64x((long long)ld64(src));
+    } else if (bits == 3) {
+        __m128i x = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)src), (int)ld32(src + 8), 2);
+        lo = hi = _mm256_broadcastsi128_si256(x);
+    } else if (bits == 4) {
+        lo = hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)src));
+    } else {
+        lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)src));
+        hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(src + 8)));
+    }
+    const __m256i shl = _mm256_load_si256((const __m256i *)win_shl[k]);
+    for (int g = 0; g < 4; g++) {
+        __m256i w = _mm256_shuffle_epi8(g < 2 ? lo : hi, _mm256_load_si256((const __m256i *)win_ctl[k][g]));
+        q[g] = _mm256_srai_epi32(_mm256_sllv_epi32(w, shl), 32 - bits);
     }
 }
 
@@ -170,16 +225,46 @@ MCF_TARGET_AVX2 static inline float scale16_f16c(uint16_t h)
 
 MCF_TARGET_AVX2 static inline float block_scale_f16c_super(uint16_t h) { return scale16_f16c(h); }
 
-MCF_TARGET_AVX2 static inline float block_scale_f16c(const mcf_qtensor *t, size_t r, size_t b)
+/* The scales of blocks b .. b+n-1 (n <= 8, b a multiple of 8) of row r into sc[], with block_scale()'s
+ * operations: f16 -> f32 with subnormals flushed to a zero of the same sign; k*: super * (u6 / 32), and
+ * +0 where u6 = 0.  The 8 blocks of a k* group share one super scale.  Returns the mask of zero scales. */
+MCF_TARGET_AVX2 static inline unsigned scales8_avx2(const mcf_qtensor *t, size_t r, size_t b, size_t n, float sc[8])
 {
-    if (t->family == MCF_FAM_BLOCK) return scale16_f16c(t->scales[r * t->bpr + b]);
-    unsigned u6 = t->sub[r * t->bpr + b] & 0x3f;
-    float s = scale16_f16c(t->scales[r * t->spr + b / 8]) * ((float)u6 / 32.0f);
-    return u6 ? s : 0.0f;   /* u6 = 0 is a zero scale even under an infinite super scale */
+    __m256 v;
+    if (t->family == MCF_FAM_BLOCK) {
+        __m128i h;
+        if (n == 8) {
+            h = _mm_loadu_si128((const __m128i *)(t->scales + r * t->bpr + b));
+        } else {
+            uint16_t tmp[8] = {0};
+            memcpy(tmp, t->scales + r * t->bpr + b, n * 2);
+            h = _mm_loadu_si128((const __m128i *)tmp);
+        }
+        __m256i u = _mm256_cvtepu16_epi32(h);
+        __m256i sub = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7c00)), _mm256_setzero_si256());
+        __m256i keep = _mm256_or_si256(_mm256_andnot_si256(sub, _mm256_set1_epi32(-1)),
+                                       _mm256_set1_epi32((int)0x80000000u));   /* zero/subnormal: the sign only */
+        v = _mm256_and_ps(_mm256_cvtph_ps(h), _mm256_castsi256_ps(keep));
+    } else {
+        __m128i s8;
+        if (n == 8) {
+            s8 = _mm_loadl_epi64((const __m128i *)(t->sub + r * t->bpr + b));
+        } else {
+            uint8_t tmp[16] = {0};
+            memcpy(tmp, t->sub + r * t->bpr + b, n);
+            s8 = _mm_loadu_si128((const __m128i *)tmp);
+        }
+        __m256i u = _mm256_and_si256(_mm256_cvtepu8_epi32(s8), _mm256_set1_epi32(0x3f));
+        __m256 sup = _mm256_set1_ps(block_scale_f16c_super(t->scales[r * t->spr + b / 8]));
+        v = _mm256_mul_ps(sup, _mm256_div_ps(_mm256_cvtepi32_ps(u), _mm256_set1_ps(32.0f)));
+        /* u6 = 0 is +0 even under an infinite or NaN super scale */
+        v = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(u, _mm256_setzero_si256())), v);
+    }
+    _mm256_storeu_ps(sc, v);
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ)) & ((1u << n) - 1u);
 }
 
-MCF_TARGET_AVX2 static inline void store8_avx2(void *out, size_t idx, __m256 w, int kind,
-                                                                   int n)
+MCF_TARGET_AVX2 static inline void store8_avx2(void *out, size_t idx, __m256 w, int kind, int n)
 {
     if (n == 8) {
         if (kind == MCF_OUT_F32) _mm256_storeu_ps((float *)out + idx, w);
@@ -193,74 +278,96 @@ MCF_TARGET_AVX2 static inline void store8_avx2(void *out, size_t idx, __m256 w, 
     for (int i = 0; i < n; i++) store_out(out, idx + (size_t)i, tmp[i], kind);
 }
 
-MCF_TARGET_AVX2 static void decode_block_avx2(const uint8_t *src, int bits, __m256i *q)
+/* n <= 32 outputs w[0..3] at out[o]; full float32 blocks take four plain or streaming 32-byte stores. */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void emit32_avx2(void *out, size_t o, const __m256 w[4],
+                                                                              size_t n, int kind, int stream)
 {
-    __m256i v;
-    if (bits == 8) {
-        *q = _mm256_loadu_si256((const __m256i *)src);
+    if (n == 32 && kind == MCF_OUT_F32) {
+        float *dst = (float *)out + o;
+        if (stream) {
+            for (int k = 0; k < 4; k++) _mm256_stream_ps(dst + 8 * k, w[k]);
+        } else {
+            for (int k = 0; k < 4; k++) _mm256_storeu_ps(dst + 8 * k, w[k]);
+        }
         return;
     }
-    uint64_t w[4];
-    spread_block(src, bits, w);
-    v = _mm256_set_epi64x((long long)w[3], (long long)w[2], (long long)w[1], (long long)w[0]);
-    __m256i m = _mm256_set1_epi8((char)(1 << (bits - 1)));
-    *q = _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+    for (int k = 0; k < 4 && (size_t)k * 8 < n; k++) {
+        int m = n - (size_t)k * 8 < 8 ? (int)(n - (size_t)k * 8) : 8;
+        store8_avx2(out, o + (size_t)k * 8, w[k], kind, m);
+    }
 }
 
-MCF_TARGET_AVX2 static void dequant_avx2(const mcf_qtensor *t, size_t r0, size_t r1,
-                                                                  void *out, int kind)
+/* q* / k* rows at one code width (a constant after inlining). */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void
+dequant_blocks_avx2(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int stream, const int bits)
 {
-    if (t->family == MCF_FAM_RAW) {  /* per-tensor scale: vectorize the conversion only */
-        size_t cols = t->cols, o = 0;
-        __m256 sc = _mm256_set1_ps(t->scale), z = _mm256_set1_ps(t->zero);
-        int8_t q[32];
-        for (size_t r = r0; r < r1; r++) {
-            const uint8_t *src = t->data + r * t->row_bytes;
-            for (size_t j = 0; j < cols; j += 32) {
-                size_t n = cols - j < 32 ? cols - j : 32;
-                for (size_t i = 0; i < n; i++) {
-                    size_t c = j + i;
-                    q[i] = t->bits == 8 ? (int8_t)src[c] : sext((c & 1) ? (src[c >> 1] >> 4) : (src[c >> 1] & 0x0f), 4);
-                }
-                for (size_t i = 0; i < n; i += 8) {
-                    int k = n - i < 8 ? (int)(n - i) : 8;
-                    int8_t tmp8[8] = {0};
-                    memcpy(tmp8, q + i, (size_t)k);
-                    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)tmp8)));
-                    store8_avx2(out, o, _mm256_mul_ps(sc, _mm256_sub_ps(f, z)), kind, k);
-                    o += (size_t)k;
-                }
-            }
-        }
-        return;
-    }
-    size_t cols = t->cols, o = 0, bb = (size_t)t->bits * 4;
+    size_t cols = t->cols, o = 0, bb = (size_t)bits * 4;
+    float sc[8];
     for (size_t r = r0; r < r1; r++) {
         const uint8_t *rowdata = t->data + r * t->bpr * bb;
-        for (size_t b = 0; b < t->bpr; b++) {
-            float sb = block_scale_f16c(t, r, b);
-            __m256 s = _mm256_set1_ps(sb);
-            __m256i q;
-            if (__builtin_expect(sb == 0.0f, 0)) {   /* a zero-scale block is +0.0 everywhere */
-                s = _mm256_setzero_ps();
-                q = _mm256_setzero_si256();
-            } else {
-                decode_block_avx2(rowdata + b * bb, t->bits, &q);
+        for (size_t g = 0; g < t->bpr; g += 8) {
+            size_t ng = t->bpr - g < 8 ? t->bpr - g : 8;
+            unsigned zero = scales8_avx2(t, r, g, ng, sc);
+            for (size_t b = g; b < g + ng; b++) {
+                size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+                __m256 w[4];
+                if (__builtin_expect((zero >> (b - g)) & 1, 0)) {   /* a zero-scale block is +0.0 everywhere */
+                    for (int k = 0; k < 4; k++) w[k] = _mm256_setzero_ps();
+                } else {
+                    __m256 s = _mm256_broadcast_ss(&sc[b - g]);
+                    __m256i q[4];
+                    codes32_avx2(rowdata + b * bb, bits, q);
+                    for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q[k]));
+                }
+                emit32_avx2(out, o, w, n, kind, stream);
+                o += n;
             }
-            __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-            __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-            __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-            __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-            __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-            size_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
-            __m256 w[4] = {_mm256_mul_ps(s, f0), _mm256_mul_ps(s, f1), _mm256_mul_ps(s, f2), _mm256_mul_ps(s, f3)};
-            for (int k = 0; k < 4 && (size_t)k * 8 < n; k++) {
-                int m = n - (size_t)k * 8 < 8 ? (int)(n - (size_t)k * 8) : 8;
-                store8_avx2(out, o + (size_t)k * 8, w[k], kind, m);
-            }
-            o += n;
         }
     }
+}
+
+/* int8/int4 rows (one scale and zero point per tensor): w = scale * (q - zero), 32 codes at a time from
+ * the row bytes (int4: item 2i in the low nibble of byte i, the 4-bit block layout); the row's last
+ * cols % 32 values take the scalar expression, which rounds the same. */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void
+dequant_raw_avx2(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int stream, const int bits)
+{
+    size_t cols = t->cols, o = 0;
+    const __m256 sc = _mm256_set1_ps(t->scale), z = _mm256_set1_ps(t->zero);
+    for (size_t r = r0; r < r1; r++) {
+        const uint8_t *src = t->data + r * t->row_bytes;
+        size_t j = 0;
+        for (; j + 32 <= cols; j += 32, o += 32) {
+            __m256i q[4];
+            __m256 w[4];
+            codes32_avx2(src + j * (size_t)bits / 8, bits, q);
+            for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(sc, _mm256_sub_ps(_mm256_cvtepi32_ps(q[k]), z));
+            emit32_avx2(out, o, w, 32, kind, stream);
+        }
+        for (; j < cols; j++, o++) {
+            int8_t v = bits == 8 ? (int8_t)src[j] : sext((j & 1) ? (src[j >> 1] >> 4) : (src[j >> 1] & 0x0f), 4);
+            store_out(out, o, t->scale * ((float)v - t->zero), kind);
+        }
+    }
+}
+
+MCF_TARGET_AVX2 static void dequant_avx2(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind)
+{
+    /* streaming stores for outputs far larger than the caches, when every full 8-lane store lands aligned */
+    int stream = kind == MCF_OUT_F32 && mcf_use_streaming(out, (r1 - r0) * t->cols * 4) && t->cols % 8 == 0;
+    if (t->family == MCF_FAM_RAW) {
+        if (t->bits == 8) dequant_raw_avx2(t, r0, r1, out, kind, stream, 8);
+        else dequant_raw_avx2(t, r0, r1, out, kind, stream, 4);
+    } else {
+        switch (t->bits) {
+        case 2: dequant_blocks_avx2(t, r0, r1, out, kind, stream, 2); break;
+        case 3: dequant_blocks_avx2(t, r0, r1, out, kind, stream, 3); break;
+        case 4: dequant_blocks_avx2(t, r0, r1, out, kind, stream, 4); break;
+        case 6: dequant_blocks_avx2(t, r0, r1, out, kind, stream, 6); break;
+        default: dequant_blocks_avx2(t, r0, r1, out, kind, stream, 8); break;
+        }
+    }
+    if (stream) _mm_sfence();
 }
 
 MCF_TARGET_AVX2 static void unpack_avx2(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
@@ -272,9 +379,16 @@ MCF_TARGET_AVX2 static void unpack_avx2(const mcf_qtensor *t, size_t r0, size_t 
     size_t bb = (size_t)t->bits * 4;
     for (size_t r = r0; r < r1; r++)
         for (size_t b = 0; b < t->bpr; b++) {
-            __m256i q;
-            decode_block_avx2(t->data + (r * t->bpr + b) * bb, t->bits, &q);
-            _mm256_storeu_si256((__m256i *)(out + ((r - r0) * t->bpr + b) * 32), q);
+            __m256i q[4];
+            const uint8_t *src = t->data + (r * t->bpr + b) * bb;
+            switch (t->bits) {
+            case 2: codes32_avx2(src, 2, q); break;
+            case 3: codes32_avx2(src, 3, q); break;
+            case 4: codes32_avx2(src, 4, q); break;
+            case 6: codes32_avx2(src, 6, q); break;
+            default: codes32_avx2(src, 8, q); break;
+            }
+            mcf_store_codes32_avx2(q, 8, (uint8_t *)out + ((r - r0) * t->bpr + b) * 32);
         }
 }
 
@@ -293,7 +407,7 @@ MCF_TARGET_AVX512 static inline void store16_avx512(void *out, size_t idx, __m51
 }
 
 /* 32 signed codes of one block as bytes.  4-bit codes take a pure-SIMD nibble split (item 0 in the low
- * nibble); the other widths go through pdep. */
+ * nibble); 2, 3 and 6 bits vpermb + vpmultishiftqb (below). */
 MCF_TARGET_AVX512 static inline __m256i decode32_avx512(const uint8_t *src, int bits)
 {
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)src);

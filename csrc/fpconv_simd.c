@@ -23,27 +23,62 @@ MCF_TARGET_AVX2 static __m256 h2f_avx2(__m128i h)
     return _mm256_blendv_ps(f, _mm256_castsi256_ps(nanv), _mm256_castsi256_ps(isnan));
 }
 
+/* Plain or streaming 32- / 16-byte stores: streaming for outputs far larger than the caches (simd.h),
+ * whose every vector store then lands aligned (the loops below store at multiples of 8 elements). */
+MCF_TARGET_AVX2 static inline void put8_f32(float *d, __m256 v, int stream)
+{
+    if (stream) _mm256_stream_ps(d, v);
+    else _mm256_storeu_ps(d, v);
+}
+
+MCF_TARGET_AVX2 static inline void put8_u16(uint16_t *d, __m128i v, int stream)
+{
+    if (stream) _mm_stream_si128((__m128i *)d, v);
+    else _mm_storeu_si128((__m128i *)d, v);
+}
+
+/* 16 values per step: one test finds whether any is a NaN, and only then are NaN lanes rebuilt
+ * (h2f_avx2); every other value is vcvtph2ps's, which is exact. */
 MCF_TARGET_AVX2 static void f16_to_f32_avx2(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, h2f_avx2(_mm_loadu_si128((const __m128i *)(s + i))));
+    int stream = mcf_use_streaming(d, n * 4);
+    const __m256i absm = _mm256_set1_epi16(0x7fff), inf = _mm256_set1_epi16(0x7c00);
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i nan = _mm256_cmpgt_epi16(_mm256_and_si256(h, absm), inf);
+        __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
+        if (__builtin_expect(_mm256_testz_si256(nan, nan), 1)) {
+            put8_f32(d + i, _mm256_cvtph_ps(lo), stream);
+            put8_f32(d + i + 8, _mm256_cvtph_ps(hi), stream);
+        } else {
+            put8_f32(d + i, h2f_avx2(lo), stream);
+            put8_f32(d + i + 8, h2f_avx2(hi), stream);
+        }
+    }
+    for (; i + 8 <= n; i += 8) put8_f32(d + i, h2f_avx2(_mm_loadu_si128((const __m128i *)(s + i))), stream);
+    if (stream) _mm_sfence();
     for (; i < n; i++) d[i] = mcf_f16_to_f32_one(s[i]);
 }
 
 MCF_TARGET_AVX2 static void f32_to_f16_avx2(const float *s, uint16_t *d, size_t n)
 {
     size_t i = 0;
+    int stream = mcf_use_streaming(d, n * 2);
     for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+        put8_u16(d + i, _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT), stream);
+    if (stream) _mm_sfence();
     for (; i < n; i++) d[i] = mcf_f32_to_f16_one(s[i]);
 }
 
 MCF_TARGET_AVX2 static void bf16_to_f32_avx2(const uint16_t *s, float *d, size_t n)
 {
     size_t i = 0;
+    int stream = mcf_use_streaming(d, n * 4);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_si256((__m256i *)(d + i),
-                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i))), 16));
+        put8_f32(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i))), 16)), stream);
+    if (stream) _mm_sfence();
     for (; i < n; i++) {
         uint32_t u = (uint32_t)s[i] << 16;
         memcpy(d + i, &u, 4);
@@ -53,8 +88,10 @@ MCF_TARGET_AVX2 static void bf16_to_f32_avx2(const uint16_t *s, float *d, size_t
 MCF_TARGET_AVX2 static void f32_to_bf16_avx2(const float *s, uint16_t *d, size_t n)
 {
     size_t i = 0;
+    int stream = mcf_use_streaming(d, n * 2);
     for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(d + i), mcf_bf16_round_avx2(_mm256_loadu_si256((const __m256i *)(s + i))));
+        put8_u16(d + i, mcf_bf16_round_avx2(_mm256_loadu_si256((const __m256i *)(s + i))), stream);
+    if (stream) _mm_sfence();
     for (; i < n; i++) d[i] = mcf_f32_to_bf16_one(s[i]);
 }
 

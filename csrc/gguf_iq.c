@@ -326,7 +326,7 @@ MCF_TARGET_AVX2 static inline void iq1_s_unpack(const uint8_t *x, int8_t *codes,
         scales[ib] = d * (float)(2 * ((qh >> 12) & 7) + 1);
         __m256i g = grid64x4(mcf_iq1s_grid, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700),
                              q[2] | ((qh << 2) & 0x700), q[3] | ((qh >> 1) & 0x700));
-        __m256i delta = _mm256_set1_epi8(qh & 0x8000 ? -1 : 1);
+        __m256i delta = _mm256_set1_epi8((char)(1 | -((qh >> 15) & 1)));   /* -1 or +1, branch-free */
         _mm256_store_si256((__m256i *)(codes + 32 * ib), iq1_codes(g, delta));
     }
 }
@@ -343,8 +343,13 @@ MCF_TARGET_AVX2 static inline void iq1_m_unpack(const uint8_t *x, int8_t *codes,
         scales[2 * ib + 1] = d * (float)(2 * ((sc >> (6 * (ib % 2) + 3)) & 7) + 1);
         __m256i g = grid64x4(mcf_iq1s_grid, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700),
                              q[2] | ((h1 << 8) & 0x700), q[3] | ((h1 << 4) & 0x700));
-        __m256i delta = _mm256_setr_epi64x(h0 & 0x08 ? -1 : 0x0101010101010101ll, h0 & 0x80 ? -1 : 0x0101010101010101ll,
-                                           h1 & 0x08 ? -1 : 0x0101010101010101ll, h1 & 0x80 ? -1 : 0x0101010101010101ll);
+        /* -1 where the delta bit is set, else +1 in every byte: without branches, which random bits
+         * mispredict (half the speed of the other types measured here) */
+        const uint64_t ones = 0x0101010101010101ull;
+        __m256i delta = _mm256_setr_epi64x((long long)(ones | (0 - (uint64_t)((h0 >> 3) & 1))),
+                                           (long long)(ones | (0 - (uint64_t)((h0 >> 7) & 1))),
+                                           (long long)(ones | (0 - (uint64_t)((h1 >> 3) & 1))),
+                                           (long long)(ones | (0 - (uint64_t)((h1 >> 7) & 1))));
         _mm256_store_si256((__m256i *)(codes + 32 * ib), iq1_codes(g, delta));
     }
 }

@@ -4,7 +4,8 @@
  * How the vector variants decode elements: E2M1 is a table lookup in registers (vpermps on the 16 values for
  * AVX-512; on the magnitude's 8 values plus a sign xor for AVX2); E5M2 is binary16's top byte (vcvtph2ps);
  * E4M3 and the FNUZ types put their exponent and mantissa bits where float32 keeps them and change the bias
- * with an integer add, their subnormals being mantissa * 2^-9 (E4M3) as a product of normal floats: a float32
+ * with an integer add (AVX2 decodes runs of E4M3 16 at a time as binary16 instead: e4m3x16_avx2),
+ * their subnormals being mantissa * 2^-9 (E4M3) as a product of normal floats: a float32
  * subnormal operand would cost a microcode assist (4-5x slower decoding of random E4M3 bytes, measured here);
  * E8M0 shifts its byte into float32's exponent field.  NaN encodings are then set to the quiet NaN the
  * reference writes.
@@ -90,9 +91,13 @@ static void elements_scalar(int fmt, const uint8_t *src, size_t i0, size_t n, vo
 #ifdef MCF_X86
 /* ---- AVX2 --------------------------------------------------------------------------------------------- */
 
-MCF_TARGET_AVX2 static inline void st8_avx2(void *out, size_t o, __m256 w, int kind)
+/* stream: float32 output only, 32-byte aligned at every o the caller passes (simd.h's rule) */
+MCF_TARGET_AVX2 static inline void st8_avx2(void *out, size_t o, __m256 w, int kind, int stream)
 {
-    if (kind == MCF_OUT_F32) _mm256_storeu_ps((float *)out + o, w);
+    if (kind == MCF_OUT_F32) {
+        if (stream) _mm256_stream_ps((float *)out + o, w);
+        else _mm256_storeu_ps((float *)out + o, w);
+    }
     else if (kind == MCF_OUT_F16)
         _mm_storeu_si128((__m128i *)((uint16_t *)out + o), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
     else _mm_storeu_si128((__m128i *)((uint16_t *)out + o), mcf_bf16_round_avx2(_mm256_castps_si256(w)));
@@ -138,6 +143,24 @@ MCF_TARGET_AVX2 static inline __m256 el8_avx2(int fmt, __m256i u)
     }
 }
 
+/* 16 E4M3 bytes as float32, in two vectors of 8: the byte's exponent and mantissa go where binary16 keeps
+ * them (bits 14..7 of a half read with bias 15 instead of 7), vcvtph2ps widens exactly, subnormals
+ * included, and the product by 2^8 (exact) restores the bias; a NaN byte becomes the binary16 quiet NaN,
+ * whose widening is the quiet float32 NaN el8_avx2 writes, and which the product keeps.  About half the
+ * instructions of el8_avx2 per value. */
+MCF_TARGET_AVX2 static inline void e4m3x16_avx2(__m128i by, __m256 *lo, __m256 *hi)
+{
+    __m256i x = _mm256_cvtepu8_epi16(by);
+    __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), sign);
+    __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+    h = _mm256_blendv_epi8(h, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)), nan);
+    const __m256 bias = _mm256_set1_ps(256.0f);
+    *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), bias);
+    *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), bias);
+}
+
 /* 8 E2M1 codes (one per int32 lane, 0..15) as float32. */
 MCF_TARGET_AVX2 static inline __m256 e2m1_avx2(__m256i nib)
 {
@@ -158,51 +181,93 @@ MCF_TARGET_AVX2 static inline void nibbles32(__m128i by, __m128i *a, __m128i *b)
 MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind)
 {
     size_t cols = t->cols, o = 0;
+    /* streaming stores for outputs far larger than the caches, when every 8-value store lands aligned */
+    int stream = kind == MCF_OUT_F32 && cols % 8 == 0 && mcf_use_streaming(out, (r1 - r0) * cols * 4);
     if (t->kind == MCF_MX_F8B128) {
         size_t cpr = (cols + 127) / 128;
         for (size_t r = r0; r < r1; r++, o += cols) {
             const uint8_t *srow = t->scales + (r / 128) * cpr * 4, *d = t->data + r * cols;
             size_t c = 0;
-            for (; c + 8 <= cols; c += 8) {   /* 8 | 128: the 8 values share one scale */
+            for (; c + 16 <= cols; c += 16) {   /* 16 | 128: the 16 values share one scale */
+                __m256 s = _mm256_set1_ps(ld_f32(srow + (c / 128) * 4)), x0, x1;
+                e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(d + c)), &x0, &x1);
+                st8_avx2(out, o + c, _mm256_mul_ps(x0, s), kind, stream);
+                st8_avx2(out, o + c + 8, _mm256_mul_ps(x1, s), kind, stream);
+            }
+            for (; c + 8 <= cols; c += 8) {
                 __m256 x = el8_avx2(MCF_EL_E4M3, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(d + c))));
-                st8_avx2(out, o + c, _mm256_mul_ps(x, _mm256_set1_ps(ld_f32(srow + (c / 128) * 4))), kind);
+                st8_avx2(out, o + c, _mm256_mul_ps(x, _mm256_set1_ps(ld_f32(srow + (c / 128) * 4))), kind, stream);
             }
             for (; c < cols; c++) put(out, o + c, mcf_e4m3_to_f32(d[c]) * ld_f32(srow + (c / 128) * 4), kind);
         }
+        if (stream) _mm_sfence();
         return;
     }
-    size_t bs = block_values(t), bpr = cols / bs;
-    for (size_t blk = r0 * bpr; blk < r1 * bpr; blk++) {
+    size_t bs = block_values(t), bpr = cols / bs, blk = r0 * bpr, end = r1 * bpr;
+    if (t->kind == MCF_MX_NVFP4) {
+        /* 16 blocks per step: their scales at once (E4M3 through binary16, times the tensor's scale, as
+         * block_scale() computes them), then two blocks (16 bytes) per nibble split, as mxfp4 does one */
+        float sc[16];
+        const __m256 g = _mm256_set1_ps(t->global);
+        for (; blk + 16 <= end; blk += 16) {
+            __m256 lo, hi;
+            e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(t->scales + blk)), &lo, &hi);
+            _mm256_storeu_ps(sc, _mm256_mul_ps(lo, g));
+            _mm256_storeu_ps(sc + 8, _mm256_mul_ps(hi, g));
+            for (int k = 0; k < 16; k += 2, o += 32) {
+                __m128i a, b;
+                nibbles32(_mm_loadu_si128((const __m128i *)(t->data + (blk + (size_t)k) * 8)), &a, &b);
+                __m256 s0 = _mm256_broadcast_ss(&sc[k]), s1 = _mm256_broadcast_ss(&sc[k + 1]);
+                st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s0), kind, stream);
+                st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s0), kind,
+                         stream);
+                st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s1), kind, stream);
+                st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s1), kind,
+                         stream);
+            }
+        }
+    }
+    for (; blk < end; blk++) {
         __m256 s = _mm256_set1_ps(block_scale(t, blk));
         __m128i a, b;
         if (bs == 32) nibbles32(_mm_loadu_si128((const __m128i *)(t->data + blk * 16)), &a, &b);
         else nibbles32(_mm_loadl_epi64((const __m128i *)(t->data + blk * 8)), &a, &b);
-        st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s), kind);
-        st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s), kind);
+        st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s), kind, stream);
+        st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s), kind, stream);
         if (bs == 32) {
-            st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s), kind);
-            st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s), kind);
+            st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s), kind, stream);
+            st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s), kind, stream);
         }
         o += bs;
     }
+    if (stream) _mm_sfence();
 }
 
 MCF_TARGET_AVX2 static void elements_avx2(int fmt, const uint8_t *src, size_t n, void *out, int kind)
 {
     size_t i = 0;
+    int stream = kind == MCF_OUT_F32 && mcf_use_streaming(out, n * 4);
     if (fmt == MCF_EL_E2M1) {
         for (; i + 32 <= n; i += 32) {
             __m128i a, b;
             nibbles32(_mm_loadu_si128((const __m128i *)(src + i / 2)), &a, &b);
-            st8_avx2(out, i, e2m1_avx2(_mm256_cvtepu8_epi32(a)), kind);
-            st8_avx2(out, i + 8, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), kind);
-            st8_avx2(out, i + 16, e2m1_avx2(_mm256_cvtepu8_epi32(b)), kind);
-            st8_avx2(out, i + 24, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), kind);
+            st8_avx2(out, i, e2m1_avx2(_mm256_cvtepu8_epi32(a)), kind, stream);
+            st8_avx2(out, i + 8, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), kind, stream);
+            st8_avx2(out, i + 16, e2m1_avx2(_mm256_cvtepu8_epi32(b)), kind, stream);
+            st8_avx2(out, i + 24, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), kind, stream);
         }
     } else {
+        if (fmt == MCF_EL_E4M3)
+            for (; i + 16 <= n; i += 16) {
+                __m256 x0, x1;
+                e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(src + i)), &x0, &x1);
+                st8_avx2(out, i, x0, kind, stream);
+                st8_avx2(out, i + 8, x1, kind, stream);
+            }
         for (; i + 8 <= n; i += 8)
-            st8_avx2(out, i, el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))), kind);
+            st8_avx2(out, i, el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))), kind, stream);
     }
+    if (stream) _mm_sfence();
     elements_scalar(fmt, src, i, n, out, kind);
 }
 

@@ -270,12 +270,25 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+class _PrintVersion(argparse.Action):
+    """``--version``: the version line as it is.  argparse's own action wraps it to the terminal's width,
+    which broke a long install path (a wheel in a CI runner's venv) in two at a hyphen."""
+
+    def __init__(self, option_strings, version, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(self.version)
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mcf._core.about import version_line
 
     p = Parser(prog="mcf", description="Model Container Format and friends: MCF model containers, Megatron "
                                        "indexed datasets, MegaContext trees and Model Context Buckets.")
-    p.add_argument("--version", action="version", version=version_line(),
+    p.add_argument("--version", action=_PrintVersion, version=version_line(),
                    help="print mcf's version and where it is installed, and exit (mcf version: the details a "
                         "bug report needs)")
     p.add_argument("--debug", action="store_true",

@@ -94,6 +94,17 @@ def test_version_flag(capsys):
     assert r.returncode == 0 and r.stdout.startswith(f"mcf {mcf.__version__}"), r.stderr
 
 
+def test_version_flag_prints_a_long_install_path_on_one_line(capsys, monkeypatch):
+    """argparse's version action wraps its text to the terminal: a wheel installed under a long path (a CI
+    runner's test venv) came out as ".../site-\npackages/mcf", and the path could not be copied."""
+    line = "mcf 0.1.0 (mcf-formats) at /tmp/cibw-run-x1y2z3/cp311-manylinux_x86_64/venv-test/lib/python3.11/site-packages/mcf"
+    monkeypatch.setattr("mcf._core.about.version_line", lambda: line)
+    monkeypatch.setenv("COLUMNS", "60")
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    assert ei.value.code == 0 and capsys.readouterr().out == line + "\n"
+
+
 def test_version_command_says_what_a_bug_report_needs(capsys, monkeypatch):
     monkeypatch.delenv("MCF_FORCE_IMPL", raising=False)
     assert main(["version"]) == 0

@@ -6,6 +6,7 @@ import pytest
 
 import mcf
 from mcf._core import _fpconv as F
+from mcf.io import aligned_empty
 
 IMPLS = mcf.kernel_info()["supported"]
 ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
@@ -61,6 +62,29 @@ def test_f32_to_bf16_rounds_to_nearest_even(impl):
     assert np.isnan((got[nan].astype(np.uint32) << 16).view(np.float32)).all()
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="cross-check against ml_dtypes' bfloat16")
     assert np.array_equal(got[~nan], x[~nan].astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_arrays_take_the_streaming_path_with_the_same_bits(impl):
+    """Outputs of 8 MiB and more take streaming stores in the vector variants (csrc/simd.h) when aligned,
+    plain ones when not: the same bits either way, NaN payloads included."""
+    h = np.tile(ALL16, 40)                     # 2.6 M values: 10 MiB of float32, 5 MiB of halves back
+    want = F.f16_to_f32(h, impl="scalar")
+    got = aligned_empty(h.size * 4, 64).view(np.float32)
+    F.f16_to_f32(h, out=got, impl=impl)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    F.bf16_to_f32(h, out=got, impl=impl)
+    assert np.array_equal(got.view(np.uint32), h.astype(np.uint32) << 16)
+    raw = np.empty(h.size * 4 + 64, np.uint8)
+    skew = raw[(-raw.ctypes.data) % 64 + 4:][: h.size * 4].view(np.float32)
+    F.f16_to_f32(h, out=skew, impl=impl)
+    assert np.array_equal(skew.view(np.uint32), want.view(np.uint32))
+    x = np.tile(specials32(), 24)              # 4.8 M values: 9.2 MiB of halves
+    halves = aligned_empty(x.size * 2, 64).view(np.uint16)
+    F.f32_to_f16(x, out=halves, impl=impl)
+    assert np.array_equal(halves, F.f32_to_f16(x, impl="scalar"))
+    F.f32_to_bf16(x, out=halves, impl=impl)
+    assert np.array_equal(halves, F.f32_to_bf16(x, impl="scalar"))
 
 
 def test_odd_lengths_and_shapes():

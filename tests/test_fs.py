@@ -69,3 +69,54 @@ def test_no_second_implementation():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
                 bad.append(f"{rel}:{node.lineno}: {node.name}")
     assert not bad, bad
+
+
+def test_fsync_file_is_full_fsync_where_the_system_has_it(tmp_path, monkeypatch):
+    """macOS's fsync leaves data in the drive's cache: fsync_file asks for F_FULLFSYNC there, and falls back
+    to the plain fsync where a filesystem refuses it.  Played here with a stand-in for the fcntl call."""
+    calls = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", fd)))
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        monkeypatch.setattr(fs, "_FULLFSYNC", None)                  # Linux
+        fs.fsync_file(fd)
+        assert calls == [("fsync", fd)]
+        calls.clear()
+        monkeypatch.setattr(fs, "_FULLFSYNC", 51)                    # macOS's F_FULLFSYNC number
+        monkeypatch.setattr(fs.fcntl, "fcntl", lambda f, op: calls.append(("fcntl", f, op)))
+        fs.fsync_file(fd)
+        assert calls == [("fcntl", fd, 51)]
+        calls.clear()
+
+        def refuse(f, op):
+            raise OSError(45, "Operation not supported")            # ENOTSUP on a network filesystem
+
+        monkeypatch.setattr(fs.fcntl, "fcntl", refuse)
+        fs.fsync_file(fd)
+        assert calls == [("fsync", fd)]
+    finally:
+        os.close(fd)
+
+
+def test_preallocate_with_and_without_posix_fallocate(tmp_path, monkeypatch):
+    for have in (True, False):
+        path = tmp_path / f"f{have}"
+        path.write_bytes(b"abc")
+        if not have:                                                 # macOS: no posix_fallocate
+            monkeypatch.delattr(os, "posix_fallocate", raising=False)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fs.preallocate(fd, 1 << 20)
+            fs.preallocate(fd, 10)                                   # never shrinks
+        finally:
+            os.close(fd)
+        assert path.stat().st_size == 1 << 20 and path.read_bytes()[:3] == b"abc"
+
+
+def test_no_module_calls_fsync_or_fallocate_directly():
+    """One place decides how a file is made durable (F_FULLFSYNC on macOS) and preallocated."""
+    root = pathlib.Path(mcf.__file__).parent
+    bad = [f"{p.relative_to(root)}:{n}" for p in root.rglob("*.py") if p.name != "fs.py"
+           for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+           if re.search(r"\bos\.(fsync|posix_fallocate)\(", line)]
+    assert not bad, bad

@@ -325,6 +325,25 @@ def test_writer_method_and_container_dequantize(tmp_path):
         assert np.abs(full - w).max() < 0.1
 
 
+@pytest.mark.parametrize("method", ALL)
+def test_large_outputs_stream_the_same_values(method):
+    """Outputs of 8 MiB and more, 64-byte aligned, take the streaming-store path of the vector variants
+    (csrc/simd.h); a misaligned or narrower one takes the plain stores.  Both must give the scalar bits,
+    zero-scale blocks and the partial last block of each row included."""
+    rng = np.random.default_rng(zlib.crc32(repr(("stream", method)).encode()))
+    code = mcf._core.dtypes.parse_dtype(method).code
+    for rows, cols in ((64, 32768), (2047, 1032)):       # 8 MiB; 8.06 MiB with a 8-column last block
+        p = random_payload(method, rows, cols, rng, 0, "all" if method in QK else "normal")
+        want = K.dequantize(p, code, rows, cols, impl="scalar")
+        assert want.ctypes.data % 64 == 0 and want.nbytes >= 8 << 20
+        raw = np.empty(rows * cols * 4 + 64, np.uint8)
+        skew = raw[(-raw.ctypes.data) % 64 + 4:][: rows * cols * 4].view(np.float32)   # 4 bytes off alignment
+        for impl in IMPLS:
+            assert K.dequantize(p, code, rows, cols, impl=impl).tobytes() == want.tobytes(), impl
+            K.dequantize(p, code, rows, cols, impl=impl, out=skew)
+            assert skew.tobytes() == want.tobytes(), impl
+
+
 def test_qtensor_tiles_equal_full_decode():
     rng = np.random.default_rng(12)
     p = random_payload("k3", 9, 200, rng)

@@ -238,6 +238,11 @@ def test_storage_table():
     assert storage.storage_for_magic(storage.FUSE_MAGIC).kind == "fuse"
     assert storage.storage_for_magic(0xEF53).kind == "local"
     assert storage.storage_for_magic(0x12345678) == storage.Storage("unknown", "0x12345678", 0x12345678)
+    # macOS names its filesystems (statfs f_fstypename) instead of numbering them the Linux way
+    assert storage.storage_for_name("apfs") == storage.Storage("local", "apfs", None)
+    assert storage.storage_for_name("smbfs").kind == storage.storage_for_name("nfs").kind == "network"
+    assert storage.storage_for_name("macfuse").kind == storage.storage_for_name("ntfs-3g-fuse").kind == "fuse"
+    assert storage.storage_for_name("zfs-unheard-of") == storage.Storage("unknown", "zfs-unheard-of", None)
     for kind in storage.KINDS:
         d = storage.defaults_for(kind)
         assert 1 <= d.threads <= mcf.io.MAX_THREADS

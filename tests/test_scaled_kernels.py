@@ -165,13 +165,27 @@ def test_row_ranges_threads_and_out(fmt, impl):
         same_values(out, full[20:30].astype(ml_dtypes.bfloat16))
 
 
-def test_large_float32_output_takes_the_streaming_path_with_the_same_bits():
-    """8 MiB and more of float32 output goes through streaming stores (AVX-512): the same values."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "f8_e4m3_b128"])
+def test_large_float32_output_takes_the_streaming_path_with_the_same_bits(fmt):
+    """8 MiB and more of float32 output goes through streaming stores (AVX2, AVX-512): the same values."""
     shape = (1024, 2048)
-    p = random_payload("mxfp4", shape, rng_for("stream"), edge=False)
-    want = _mx.dequantize(p, "mxfp4", shape, impl="scalar")
+    p = random_payload(fmt, shape, rng_for("stream", fmt), edge=False)
+    want = _mx.dequantize(p, fmt, shape, impl="scalar")
     for impl in IMPLS:
-        same_values(_mx.dequantize(p, "mxfp4", shape, impl=impl), want)
+        same_values(_mx.dequantize(p, fmt, shape, impl=impl), want)
+
+
+@pytest.mark.parametrize("name", ["f8_e4m3", "f8_e5m2", "f8_e4m3fnuz", "f8_e5m2fnuz", "f8_e8m0", "f4_e2m1"])
+def test_large_element_runs_take_the_streaming_path_with_the_same_bits(name):
+    """8 MiB of float32 values, aligned (streaming stores in the vector variants) and 4 bytes off (plain)."""
+    src = rng_for("stream", name).integers(0, 256, (8 << 20) // 4, dtype=np.uint8)
+    n = src.size * (2 if name == "f4_e2m1" else 1)
+    want = _mx.decode_elements(src, name, count=n, impl="scalar")
+    raw = np.empty(n * 4 + 64, np.uint8)
+    skew = raw[(-raw.ctypes.data) % 64 + 4:][: n * 4].view(np.float32)
+    for impl in IMPLS:
+        same_values(_mx.decode_elements(src, name, count=n, impl=impl), want)
+        same_values(_mx.decode_elements(src, name, count=n, impl=impl, out=skew), want)
 
 
 @pytest.mark.parametrize("fmt,region,at,value,shown", [

@@ -43,16 +43,13 @@ from posix.unistd cimport pread
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE,
                          MADV_NORMAL, MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED)
 
-cdef extern from "sys/mman.h":
+cdef extern from "platform.h" nogil:
     # a private mapping's copy-on-write pages are not reserved up front: mapping a checkpoint larger than
     # RAM + swap must not fail with ENOMEM when the caller writes to a few tensors at most
     enum: MAP_NORESERVE
+    # which filesystem holds a descriptor: Linux's statfs magic, or macOS's type name
+    int mcf_fs_of_fd(int fd, unsigned long* magic, char* name, size_t cap)
 from cpython.buffer cimport PyBuffer_FillInfo, PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
-
-cdef extern from "sys/vfs.h" nogil:
-    struct statfs:
-        long f_type
-    int fstatfs(int fd, statfs* buf)
 
 cdef extern from "readengine.h" nogil:
     ctypedef struct mcf_read_range:
@@ -89,7 +86,7 @@ cdef extern from "numpy/arrayobject.h":
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
 from mcf._core.args import integer, integers
-from mcf._core.storage import ReadStats, Storage, defaults_for, storage_for_magic
+from mcf._core.storage import ReadStats, Storage, defaults_for, storage_for_magic, storage_for_name
 from mcf.errors import (ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError,
                         TruncatedError, os_error)
 
@@ -880,13 +877,16 @@ def _reopen_path(path, use_mmap):
 
 cdef object _fd_storage(int fd):
     """The :class:`Storage` of the filesystem holding ``fd`` (``unknown`` when statfs fails)."""
-    cdef statfs buf
+    cdef unsigned long magic = 0
+    cdef char name[32]
     cdef int rc
     with nogil:
-        rc = fstatfs(fd, &buf)
+        rc = mcf_fs_of_fd(fd, &magic, name, sizeof(name))
     if rc != 0:
         return Storage("unknown", "?", None)
-    return storage_for_magic(<unsigned long>buf.f_type & 0xFFFFFFFF)
+    if name[0]:
+        return storage_for_name(name.decode("ascii", "replace"))
+    return storage_for_magic(magic & 0xFFFFFFFF)
 
 
 def storage_of(path):

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, uintptr_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, int8_t, int32_t, uintptr_t
 
 from mcf._core.args import byte_order_problem, integer, row_range
 from mcf._core._io import aligned_empty
@@ -481,3 +481,22 @@ def feedback_batch(wt, st, inv, u, codes, err, c0, c1, bits):
                 ukc = u_[c, k]
                 for r in range(nn):
                     w_[k, r] -= ukc * e_[c - lo, r]
+
+
+cdef extern from "yardstick.h" nogil:
+    void mcf_store_yardstick(const uint8_t* src, uint32_t* dst, size_t n, int streaming)
+
+
+def _store_yardstick(src, out, streaming=True):
+    """The benchmarks' store limit (csrc/yardstick.c): every byte of ``src`` widened into a 32-bit lane of
+    ``out``, with streaming stores or plain ones.  Not a public API."""
+    cdef const uint8_t[::1] s = flat_bytes(src)
+    check_out(out, "out")
+    if out.dtype.itemsize != 4 or out.size != s.shape[0]:
+        raise InvalidArgumentError(f"out must be a C-contiguous array of {s.shape[0]} 4-byte elements, "
+                                   f"got {out.size} of {out.dtype}")
+    cdef uintptr_t op = out.ctypes.data, sp = <uintptr_t>&s[0] if s.shape[0] else 0
+    cdef size_t n = s.shape[0]
+    cdef int st = bool(streaming)
+    with nogil:
+        mcf_store_yardstick(<const uint8_t*>sp, <uint32_t*>op, n, st)

@@ -4,8 +4,9 @@ A mapping is the fastest way to read a file on a local disk and the worst on a n
 filesystem: every page fault there is a round trip, readahead is small, and a server that goes away
 turns a memory access into SIGBUS (Qwen3-32B took 4 min 18 s with mmap against 32 s without on one such
 mount, sglang#7469; TRT-LLM#17368 is the SIGBUS on Lustre).  So the kind of filesystem decides the
-default: ``statfs`` gives its magic number, :data:`FILESYSTEMS` turns that into a name and a kind, and
-:data:`DEFAULTS` gives each kind its settings.  ``mmap=``, ``threads=``, ``chunk_bytes=`` and ``direct=``
+default: ``statfs`` gives its magic number, :data:`FILESYSTEMS` turns that into a name and a kind (on
+macOS, statfs gives the type's name, and :data:`FILESYSTEM_NAMES` the kind), and :data:`DEFAULTS` gives
+each kind its settings.  ``mmap=``, ``threads=``, ``chunk_bytes=`` and ``direct=``
 override them per call.
 
 The kinds:
@@ -69,8 +70,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["Storage", "ReadDefaults", "ReadStats", "FILESYSTEMS", "DEFAULTS", "KINDS", "storage_for_magic",
-           "defaults_for", "FUSE_MAGIC"]
+__all__ = ["Storage", "ReadDefaults", "ReadStats", "FILESYSTEMS", "FILESYSTEM_NAMES", "DEFAULTS", "KINDS",
+           "storage_for_magic", "storage_for_name", "defaults_for", "FUSE_MAGIC"]
 
 KINDS = ("local", "network", "fuse", "unknown", "object")
 
@@ -120,6 +121,14 @@ FILESYSTEMS: dict[int, tuple[str, str]] = {
     0x786F4256: ("vboxsf", "network"),
     # FUSE (fuse and fuseblk share the magic number)
     FUSE_MAGIC: ("fuse", "fuse"),
+}
+
+# macOS names the filesystem instead (statfs f_fstypename; its f_type numbers are its own): name -> kind
+FILESYSTEM_NAMES: dict[str, str] = {
+    "apfs": "local", "hfs": "local", "msdos": "local", "exfat": "local", "ntfs": "local", "udf": "local",
+    "cd9660": "local", "devfs": "local", "tmpfs": "local",
+    "nfs": "network", "smbfs": "network", "afpfs": "network", "webdav": "network", "cifs": "network",
+    "macfuse": "fuse", "osxfuse": "fuse", "fuse": "fuse", "fusefs": "fuse",
 }
 
 
@@ -173,6 +182,16 @@ def storage_for_magic(magic: int) -> Storage:
     """The :class:`Storage` of a filesystem from its statfs ``f_type``."""
     name, kind = FILESYSTEMS.get(magic, (f"0x{magic:x}", "unknown"))
     return Storage(kind, name, magic)
+
+
+@lru_cache(maxsize=64)
+def storage_for_name(name: str) -> Storage:
+    """The :class:`Storage` of a filesystem from its type name (macOS's statfs ``f_fstypename``; FUSE
+    filesystems there are named after the FUSE implementation, ``macfuse`` and the like)."""
+    kind = FILESYSTEM_NAMES.get(name)
+    if kind is None and "fuse" in name:
+        kind = "fuse"
+    return Storage(kind or "unknown", name, None)
 
 
 def defaults_for(kind: str) -> ReadDefaults:

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from mcf._core.fs import fsync_file
 from mcf.errors import ClosedError, FormatError, InvalidArgumentError, os_error
 
 __all__ = ["BucketFS", "refusal"]
@@ -165,7 +166,7 @@ class BucketFS:
 
     def fsync_dir(self, rel: str | None) -> None:
         with self.dir(rel) as d:
-            os.fsync(d)
+            fsync_file(d)
 
     def listdir(self, rel: str) -> list[tuple[str, os.stat_result | None]]:
         """(name, lstat result or None when it vanished) of every entry of directory ``rel``, each
@@ -253,12 +254,12 @@ class BucketFS:
                     while view:
                         view = view[os.write(fd, view):]
                     if durable:
-                        os.fsync(fd)
+                        fsync_file(fd)
                 finally:
                     os.close(fd)
                 os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
                 if durable:
-                    os.fsync(d)
+                    fsync_file(d)
             except OSError as exc:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=d)

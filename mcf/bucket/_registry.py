@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mcf._core.fs import fsync_file
 from mcf.bucket._fs import BucketFS
 from mcf.bucket._json import dumps, get_field, iso, parse_iso, parse_json
 from mcf.bucket._names import CTX_RE, JOURNAL_NAME, REGISTRY_NAME, check_model_id
@@ -383,7 +384,7 @@ class Registry:
                     os.ftruncate(fd, self.journal_pos)  # drop a torn line left by a killed writer
                 os.lseek(fd, self.journal_pos, os.SEEK_SET)
                 journal_write(fd, payload)
-                os.fsync(fd)
+                fsync_file(fd)
                 ino = os.fstat(fd).st_ino
             finally:
                 os.close(fd)

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
+from mcf._core.fs import preallocate
 from mcf._core.optional import require
 from mcf.bucket import _layout as L
 from mcf.errors import (
@@ -220,7 +221,7 @@ class _Buffer:
             if self.scratch is not None and self.size:
                 self._file = self.scratch()
                 # the blocks are allocated now: a full disk is ENOSPC here, not SIGBUS on a write to the map
-                os.posix_fallocate(self._file.fileno(), 0, self.size)
+                preallocate(self._file.fileno(), self.size)
                 self._map = mmap.mmap(self._file.fileno(), self.size)
                 self.array = np.frombuffer(self._map, np.uint8)
             else:

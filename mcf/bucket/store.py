@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from mcf._core.fs import fsync_file
 from mcf.bucket import _layout as L
 from mcf.bucket._crypto import KEY_ID_RE, key_id
 from mcf.bucket._fs import BucketFS, refusal
@@ -708,7 +709,7 @@ class Bucket:
                     header = write_kv(f, layers, dtype=kd, compression=comp, threads=threads, key=self._key,
                                       scratch=self.scratch_file)  # conversions in a file, not in RAM
                     f.flush()
-                    os.fsync(f.fileno())
+                    fsync_file(f.fileno())
                 now = self.clock()
                 meta = {
                     "context_id": cid,
@@ -743,8 +744,8 @@ class Bucket:
                 with os.fdopen(fd, "wb") as f:
                     f.write(dumps(meta, False))
                     f.flush()
-                    os.fsync(f.fileno())
-                os.fsync(td)
+                    fsync_file(f.fileno())
+                fsync_file(td)
             with self._lock():
                 if self._fs.lstat(rel) is not None:  # another process committed the same content meanwhile
                     if not self._replaceable_locked(cid):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._core import _fpconv
-from mcf._core.fs import create_temp, publish
+from mcf._core.fs import create_temp, fsync_file, publish
 from mcf._core.args import file_path, integer
 from mcf._core.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
 from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
@@ -358,7 +358,7 @@ class Writer:
                                       self._flags))
             self._f.flush()
             if self._durable:
-                os.fsync(self._f.fileno())
+                fsync_file(self._f.fileno())
             self._f.close()
             if self._atomic:
                 publish(self._tmp, self.path, durable=self._durable)

@@ -18,7 +18,7 @@ import math
 import os
 import time
 
-from mcf._core.fs import publish, write_all
+from mcf._core.fs import fsync_file, publish, write_all
 from mcf.errors import FormatError, MCFError, MissingFileError, UnsupportedVersionError, os_error
 from mcf.remote import is_url
 from mcf.megacontext._layout import CTX_DTYPES, LEVEL_FILES, file_size, gist_dtypes
@@ -285,7 +285,7 @@ def write_metadata(dirpath, meta: dict, *, durable: bool = False, name: str = ME
         try:
             write_all(fd, data)
             if durable:
-                os.fsync(fd)
+                fsync_file(fd)
         finally:
             os.close(fd)
         publish(tmp, path, durable=durable)

@@ -20,7 +20,7 @@ import time
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megacontext._layout import HEADER_SIZE, LEVEL_FILES, LEVELS
 from mcf.megacontext._lock import acquire_lock, restore_marker
-from mcf._core.fs import fsync_dir
+from mcf._core.fs import fsync_dir, fsync_file
 from mcf.megacontext.metadata import METADATA, now_iso, with_counts, write_metadata
 
 __all__ = ["snapshot", "restore_validated", "finish_restore", "CHECKPOINTS"]
@@ -99,7 +99,7 @@ def snapshot(tree, dest=None) -> str:
                 os.write(fd, hdr)
                 src = tree._src(level, n)
                 _copy_range(src.fileno(), fd, HEADER_SIZE, n * lv.header.entry_size, lv.path)
-                os.fsync(fd)
+                fsync_file(fd)
             finally:
                 os.close(fd)
         meta = with_counts(tree._meta, counts)
@@ -169,7 +169,7 @@ def restore_validated(snapshot_dir, tree_dir, *, counts: dict, entry_sizes: dict
                 raise os_error(exc, src_path) from None
             try:
                 _copy_range(sfd, dfd, 0, HEADER_SIZE + counts[level] * entry[level], src_path)
-                os.fsync(dfd)
+                fsync_file(dfd)
             finally:
                 os.close(sfd)
                 os.close(dfd)
@@ -177,7 +177,7 @@ def restore_validated(snapshot_dir, tree_dir, *, counts: dict, entry_sizes: dict
         with open(_marker(tree_dir) + ".tmp", "w") as f:
             json.dump({"snapshot": snapshot_dir, "files": [LEVEL_FILES[lv] for lv in LEVELS] + [METADATA]}, f)
             f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f.fileno())
         os.replace(_marker(tree_dir) + ".tmp", _marker(tree_dir))
         fsync_dir(tree_dir)
         finish_restore(tree_dir)

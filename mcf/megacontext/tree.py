@@ -22,6 +22,7 @@ import struct
 
 import numpy as np
 
+from mcf._core.fs import fsync_file
 from mcf._core import _fpconv
 from mcf._core.args import index_array, integer, slice_bounds
 from mcf._core._io import Source
@@ -699,7 +700,7 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
                     f.write(h.pack())
                     if durable:
                         f.flush()
-                        os.fsync(f.fileno())
+                        fsync_file(f.fileno())
             except OSError as exc:
                 raise os_error(exc, fpath) from None
         meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),

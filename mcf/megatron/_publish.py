@@ -15,6 +15,8 @@ import fcntl
 import json
 import os
 
+from mcf._core.fs import fsync_file
+
 INTENT_SUFFIX = ".publish"
 
 
@@ -35,7 +37,7 @@ class Intent:
             json.dump({"renames": [[os.path.basename(a), os.path.basename(b)] for a, b in renames]}, f)
             f.flush()
             if durable:
-                os.fsync(f.fileno())
+                fsync_file(f.fileno())
         self._fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         os.replace(tmp, self.path)          # the lock travels with the inode

@@ -26,7 +26,7 @@ import tempfile
 import numpy as np
 
 from mcf._core.args import integer, integers
-from mcf._core.fs import create_temp, fsync_dir, make_parent_dir
+from mcf._core.fs import create_temp, fsync_dir, fsync_file, make_parent_dir
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MODE_DTYPE, VERSION,
@@ -435,7 +435,7 @@ class Writer:
                 self._docs.append(self._lengths.count)
             self._bin.flush()
             if self._durable:
-                os.fsync(self._bin.fd)
+                fsync_file(self._bin.fd)
             os.close(self._bin.fd)
             self._bin.fd = -1
             self._write_index()
@@ -520,7 +520,7 @@ class Writer:
                     f.write(memoryview(a).cast("B"))
             f.flush()
             if self._durable:
-                os.fsync(f.fileno())
+                fsync_file(f.fileno())
 
     def _release(self) -> None:
         for c in (self._lengths, self._docs, self._modes):
