@@ -279,7 +279,7 @@ MCF_TARGET_AVX2 static inline void store8_avx2(void *out, size_t idx, __m256 w, 
 }
 
 /* n <= 32 outputs w[0..3] at out[o]; full float32 blocks take four plain or streaming 32-byte stores. */
-MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void emit32_avx2(void *out, size_t o, const __m256 w[4],
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) void store32_avx2(void *out, size_t o, const __m256 w[4],
                                                                               size_t n, int kind, int stream)
 {
     if (n == 32 && kind == MCF_OUT_F32) {
@@ -319,7 +319,7 @@ dequant_blocks_avx2(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int k
                     codes32_avx2(rowdata + b * bb, bits, q);
                     for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q[k]));
                 }
-                emit32_avx2(out, o, w, n, kind, stream);
+                store32_avx2(out, o, w, n, kind, stream);
                 o += n;
             }
         }
@@ -342,7 +342,7 @@ dequant_raw_avx2(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind
             __m256 w[4];
             codes32_avx2(src + j * (size_t)bits / 8, bits, q);
             for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(sc, _mm256_sub_ps(_mm256_cvtepi32_ps(q[k]), z));
-            emit32_avx2(out, o, w, 32, kind, stream);
+            store32_avx2(out, o, w, 32, kind, stream);
         }
         for (; j < cols; j++, o++) {
             int8_t v = bits == 8 ? (int8_t)src[j] : sext((j & 1) ? (src[j >> 1] >> 4) : (src[j >> 1] & 0x0f), 4);

@@ -62,25 +62,19 @@ MCF_BLOCK_LOOPS(SCALAR_MCF)
         MCA_END("neon_" #name);                                                                     \
     }
 #else
+/* dequant_blocks_avx2's per-block steps: the codes by byte shuffle and shift (codes32_avx2), widen,
+ * multiply, four 32-byte stores (store32_avx2's full-block path).  Its scales are converted 8 blocks at a time (scales8_avx2, once per 8
+ * blocks), so the region takes the block's scale from that array, as the kernel does. */
 #define VEC_MCF(name, BITS, FAM)                                                                        \
-    MCF_TARGET_AVX2 void mca_avx2_##name(const mcf_qtensor *t, float *out, size_t b)                   \
+    MCF_TARGET_AVX2 void mca_avx2_##name(const mcf_qtensor *t, float *out, size_t b, const float *sc)   \
     {                                                                                                   \
         MCA_BEGIN("avx2_" #name);                                                                   \
-        float sb = FAM == MCF_FAM_BLOCK ? scale16_f16c(t->scales[b])                               \
-                                            : block_scale_f16c(&(mcf_qtensor){.family = FAM, .bpr = b + 1, \
-                                                  .spr = b + 1, .scales = t->scales, .sub = t->sub}, 0, b); \
-        __m256 s = _mm256_set1_ps(sb);                                                              \
-        __m256i q;                                                                                  \
-        decode_block_avx2(t->data + b * (BITS) * 4, BITS, &q);                                      \
-        __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);                \
-        __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));                                   \
-        __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));                \
-        __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));                                   \
-        __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));                \
-        store8_avx2(out, b * 32, _mm256_mul_ps(s, f0), MCF_OUT_F32, 8);                             \
-        store8_avx2(out, b * 32 + 8, _mm256_mul_ps(s, f1), MCF_OUT_F32, 8);                         \
-        store8_avx2(out, b * 32 + 16, _mm256_mul_ps(s, f2), MCF_OUT_F32, 8);                        \
-        store8_avx2(out, b * 32 + 24, _mm256_mul_ps(s, f3), MCF_OUT_F32, 8);                        \
+        __m256 s = _mm256_broadcast_ss(&sc[b & 7]);                                                 \
+        __m256i q[4];                                                                               \
+        __m256 w[4];                                                                                \
+        codes32_avx2(t->data + b * (BITS) * 4, BITS, q);                                            \
+        for (int k = 0; k < 4; k++) w[k] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(q[k]));               \
+        for (int k = 0; k < 4; k++) store8_avx2(out, b * 32 + 8 * (size_t)k, w[k], MCF_OUT_F32, 8);  \
         MCA_END("avx2_" #name);                                                                     \
     }
 #endif
