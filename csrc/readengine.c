@@ -168,6 +168,9 @@ static int read_direct(worker_ctx *w, uint64_t lo, uint64_t hi, uint8_t *d) {
     }
     atomic_store_explicit(&w->st->direct_used, 1, memory_order_relaxed);
     if (done < need) {
+        /* the end of the file: what did arrive of [lo, hi) reaches d too, as a buffered read leaves it */
+        if (target != d && a0 + done > lo)
+            memcpy(d, target + (lo - a0), (size_t)(a0 + done - lo));
         fail(w->st, 0, 1, a0 + done > lo ? a0 + done : lo);
         return -1;
     }

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mcf
 from mcf._core import storage
-from mcf.io import open_source
+from mcf.io import aligned_empty, open_source
 
 FILE_SIZE = 3 * (1 << 20) + 12345
 
@@ -150,15 +150,17 @@ def test_requests_follow_chunk_boundaries_in_the_file(data_file):
         assert src.read_stats.requests == 4 and out.tobytes() == data[100:100 + out.size]
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_file_that_shrank_gives_truncated_error_naming_the_offset(tmp_path, direct):
+@pytest.mark.parametrize("direct,misaligned", [(False, False), (True, False), (True, True)])
+def test_file_that_shrank_gives_truncated_error_naming_the_offset(tmp_path, direct, misaligned):
+    """misaligned: a destination off the O_DIRECT alignment, so every request goes through the worker's
+    staging buffer, including the one that meets the end of the file (whose bytes used to stay there)."""
     data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
     p = tmp_path / "shrinks.bin"
     p.write_bytes(data)
     new_size = (1 << 20) + 123
     with open_source(p, mmap=False) as src:
         os.truncate(p, new_size)                 # after open: the source still believes 4 MiB
-        out = np.empty(len(data), np.uint8)
+        out = aligned_empty(len(data) + 1)[1:] if misaligned else aligned_empty(len(data))
         with pytest.raises(mcf.TruncatedError) as exc:
             src.read_ranges([0], [len(data)], out, [0], threads=4, chunk_bytes=65536, direct=direct)
         assert exc.value.offset == new_size and str(p) in str(exc.value)
@@ -263,7 +265,7 @@ def test_mmap_argument_is_checked(data_file):
 
 CLOSE_DURING_ENGINE = r"""
 import sys, threading, time, numpy as np, mcf
-from mcf.io import open_source
+from mcf.io import aligned_empty, open_source
 path, rounds = sys.argv[1], int(sys.argv[2])
 want = np.fromfile(path, np.uint8)
 outcomes = {"ok": 0, "closed": 0}
