@@ -397,7 +397,7 @@ def backend(request):
     """Both clients of http(s):// URLs: obstore (the default) and fsspec's aiohttp (URLs with a query
     string, backend="fsspec")."""
     if request.param == "obstore":
-        pytest.importorskip("obstore")
+        pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 and later)")
     return request.param
 
 

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("obstore")
+pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 and later)")
 
 import mcf  # noqa: E402
 from mcf import AccessError, InvalidArgumentError, MCFIOError, MissingFileError  # noqa: E402
