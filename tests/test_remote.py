@@ -392,10 +392,9 @@ def faulty():
     srv.server_close()
 
 
-@pytest.fixture(params=["obstore", "fsspec"])
+@pytest.fixture(params=["http", "obstore", "fsspec"])
 def backend(request):
-    """Both clients of http(s):// URLs: obstore (the default) and fsspec's aiohttp (URLs with a query
-    string, backend="fsspec")."""
+    """Every client of http(s):// URLs: mcf's own (the default), obstore's and fsspec's aiohttp."""
     if request.param == "obstore":
         pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 and later)")
     return request.param

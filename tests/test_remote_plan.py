@@ -139,8 +139,8 @@ def test_storage_options_blocks_nest_by_prefix():
     ("az://container/a/b", "azure", "az://container", "a/b"),
     ("abfs://c@acct.dfs.core.windows.net/p/q", "azure", "abfs://c@acct.dfs.core.windows.net", "p/q"),
     ("https://host:8443/a%20b/c.bin", "http", "https://host:8443", "a b/c.bin"),
-    ("https://host/x?download=true", "fsspec", "https", "https://host/x?download=true"),
-    ("https://user:pw@host/x", "fsspec", "https", "https://user:pw@host/x"),
+    ("https://host/x?download=true", "http", "https://host", "x"),     # mcf's HTTP client keeps the query
+    ("https://user:pw@host/x", "http", "https://user:pw@host", "x"),
     ("memory:///x", "fsspec", "memory", "memory:///x"),
     ("hf://org/model/file", "fsspec", "hf", "hf://org/model/file"),
 ])

@@ -80,7 +80,7 @@ def test_mcf_over_s3_equals_local(s3, local):
     ref = mcf.load_file(str(local / "model.mcf"), dtype="raw")   # as Container.load: quantized tensors raw
     with storage_options(s3.storage_options, prefix="s3://models/"):
         with mcf.open(s3.url("model.mcf")) as c:
-            assert c.source.mode == "fileobj" and "via obstore" in repr(RemoteFile(s3.url("model.mcf")))
+            assert c.source.mode == "fileobj" and "via http" in repr(RemoteFile(s3.url("model.mcf")))
             for name in ref:
                 if c.info(name).dtype.quantized:
                     with mcf.open(str(local / "model.mcf")) as lc:

@@ -486,6 +486,7 @@ cdef class Source:
             f = self._fileobj
             if f is None or self._closed:
                 raise ClosedError(f"{self.name}: source is closed")
+            before = _fetched(f)
             try:
                 f.seek(offset)
                 if hasattr(f, "readinto"):
@@ -504,7 +505,7 @@ cdef class Source:
             except OSError as exc:
                 raise os_error(exc, self.name) from None
             finally:
-                self._bytes_read += done
+                self._bytes_read += done if before is None else _fetched(f) - before
         if done < n:
             raise TruncatedError("file-like object returned fewer bytes than its size promised",
                                  path=self.name, offset=offset + done, expected=f"{n} bytes",
@@ -929,6 +930,13 @@ cdef int _check_overlap(const mcf_read_range* rr, Py_ssize_t n, what) except -1:
     return 0
 
 
+cdef object _fetched(f):
+    """What a file-like object that fetches from a server (:class:`mcf.remote.RemoteFile`) says arrived so
+    far, or None: for it, ``bytes_read`` counts the bytes that came over the network (a coalesced gap's and a
+    retried answer's included; a cached block's not), not the bytes asked for."""
+    return getattr(f, "bytes_fetched", None)
+
+
 cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settings, bint threads_given,
                        bint chunk_given):
     """A checked plan read by the engine (file sources) or copied range by range (memory and file-like
@@ -960,6 +968,7 @@ cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settin
         with s._lock:
             if s._fileobj is None:
                 raise ClosedError(f"{s.name}: source is closed")
+            before = _fetched(s._fileobj)
             try:
                 many([rr[k].offset for k in ks], [memoryview(<uint8_t[:rr[k].size]>rr[k].dst) for k in ks],
                      **{key: v for key, v, given in (("threads", settings[0], threads_given),
@@ -968,6 +977,9 @@ cdef object _read_plan(Source s, mcf_read_range* rr, Py_ssize_t n, object settin
                 if isinstance(exc, MCFIOError):
                     raise
                 raise os_error(exc, s.name) from None
+            finally:
+                if before is not None:
+                    total = _fetched(s._fileobj) - before
         s._bytes_read += total
         return total
     for k in ks:

@@ -55,6 +55,9 @@ class Fetcher:
         self.stats = stats
         self._count = threading.Lock()
         self._in_flight = 0
+        if getattr(transport, "counts_bytes", False):
+            # the transport counts each byte as it arrives (a refused or cut answer's too)
+            transport.count = lambda n: self._add(bytes_fetched=n)
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def _add(self, **kw):
@@ -88,7 +91,9 @@ class Fetcher:
                 return fn()
             except MCFError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - see fetch()
+            except BaseException as exc:  # noqa: BLE001 - see fetch()
+                if _fatal(exc):
+                    raise
                 verdict = self.transport.classify(exc)
             if isinstance(verdict, MCFError):
                 raise verdict
@@ -104,7 +109,6 @@ class Fetcher:
     def fetch(self, part, stop: threading.Event | None = None) -> None:
         """Fill every sink of ``part`` or raise; ``stop`` set by another thread ends the retries early."""
         start, end = part.start, part.end
-        want = end - start
         in_place = part.exact_sink()
         why = "no attempt made"
         for attempt in range(self.retries + 1):
@@ -116,14 +120,17 @@ class Fetcher:
                 data, landed = self.transport.get(start, end, in_place)
             except MCFError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - every client raises its own types; classify() sorts them
+            except BaseException as exc:  # noqa: BLE001 - every client raises its own types (obstore's panics
+                if _fatal(exc):           # derive from BaseException); classify() sorts them
+                    raise
                 verdict = self.transport.classify(exc)
             else:
+                if not getattr(self.transport, "counts_bytes", False) and not isinstance(data, (Retry, MCFError)):
+                    self._add(bytes_fetched=len(data))   # what arrived, whether it is accepted or not
                 verdict = self._check(data, start, end)
                 if verdict is None:
                     if not landed:
                         _scatter(data, part)
-                    self._add(bytes_fetched=want)
                     return
             finally:
                 self._flight(-1)
@@ -175,6 +182,11 @@ class Fetcher:
         finally:
             stop.set()
             ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _fatal(exc: BaseException) -> bool:
+    """Exceptions that are not a failed request: let through."""
+    return isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
 
 
 def _scatter(data, part) -> None:

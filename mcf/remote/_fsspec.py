@@ -1,22 +1,26 @@
 """Every other scheme through fsspec (``memory://``, ``file://``, ``hf://``, an HTTP URL with a query
 string...), and every scheme when asked for (``backend="fsspec"``) or when obstore is not installed.
 
-HTTP(S) requests are made on fsspec's own aiohttp session (its client options, proxies and redirects
-apply), with the status and ``Content-Range`` of every answer checked and the body streamed into the
-destination; a 429 or 503 with ``Retry-After`` waits as long as the server asked.  Other file systems
-answer through ``cat_file``, checked by length only: an object store answering with the right number
-of bytes from the wrong offset would go unnoticed there (S3 and GCS do not do this).
+HTTP(S) requests (``backend="fsspec"``) are made on fsspec's own aiohttp session (its client options and
+proxies apply) with the rules of mcf's own client (:mod:`mcf.remote._http`): redirects followed by hand, no
+credential to another origin; ``If-Match`` the ETag seen at opening and every answer's ETag compared; the
+status and ``Content-Range`` checked; the body streamed into the destination and cut off at the range's
+length; a deadline of ``timeout + bytes / min_rate`` per request; a 429 or 503 with ``Retry-After`` waits as
+long as the server asked.  Other file systems answer through ``cat_file``, checked by length, and the
+file's identity (ETag, modification time, size from ``info``) is compared with the opening's after every
+answer, at the cost of one more request each: an object store answering with the right number of bytes
+from the wrong offset would go unnoticed there (S3 and GCS do not do this), and ``cat_file`` holds a whole
+answer in memory before mcf sees it (parts are at most ``request_size`` bytes).
 """
 
 from __future__ import annotations
 
 import errno
-import email.utils
-import time
 
 from mcf._core.optional import require
 from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingDependencyError, MissingFileError
 from mcf.remote._fetch import Retry
+from mcf.remote._http import CREDENTIAL_HEADERS, MAX_REDIRECTS, _retry_after, parse_content_range
 from mcf.remote._urls import redact, redact_text
 
 __all__ = ["FsspecTransport", "url_to_fs"]
@@ -51,35 +55,44 @@ def _with_timeout(url, opts, timeout):
     return {**opts, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)}}
 
 
-def _retry_after(value) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (a number of seconds, or an HTTP date)."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
 class FsspecTransport:
     name = "fsspec"
+    counts_bytes = True     # HTTP counts each chunk as it arrives; cat_file's answers are counted here
     # fsspec's asynchronous file systems run every request on one event loop, a single Python thread that
     # also handles each chunk of every body: past 4 in flight it only contends (measured over nginx)
     max_concurrency = 4
 
-    def __init__(self, url: str, opts: dict, *, timeout: float | None, redacted: str):
+    def __init__(self, url: str, opts: dict, *, timeout: float | None, min_rate: float, redacted: str):
         self.url = redacted
         self._fs, self._path = url_to_fs(url, _with_timeout(url, opts, timeout))
         # HTTP(S): range requests on fsspec's aiohttp session (see _http_range); others: cat_file
         self._http = "http" in (getattr(self._fs, "protocol", ()) or ()) and hasattr(self._fs, "set_session")
         self.size_hint = None
+        self.etag = None
+        self.identity = None
+        self.timeout = timeout
+        self.min_rate = float(min_rate)
+        self.count = lambda n: None
+
+    def _deadline(self, nbytes: int) -> float:
+        return (self.timeout if self.timeout is not None else 60.0) + nbytes / self.min_rate
+
+    @staticmethod
+    def _identity(info: dict):
+        """What tells two versions of a file apart in an fsspec ``info`` answer."""
+        keys = ("ETag", "etag", "e_tag", "mtime", "LastModified", "last_modified", "updated", "size")
+        return tuple((k, str(info[k])) for k in keys if info.get(k) is not None)
 
     def size(self):
+        if self._http:
+            from fsspec.asyn import sync
+
+            res = sync(self._fs.loop, self._http_head)
+            if isinstance(res, BaseException):
+                raise res
+            return res
         info = self._fs.info(self._path)
+        self.identity = self._identity(info)
         if info.get("type") == "directory":
             raise MCFIOError(errno.EISDIR, "is a directory, not a file", self.url)
         size = info.get("size")
@@ -103,7 +116,14 @@ class FsspecTransport:
             if not isinstance(res, int):    # a Retry verdict, or a final error (404, 403)
                 return res, False
             return dst[:res], out is not None
-        return self._fs.cat_file(self._path, start=start, end=end), False
+        data = self._fs.cat_file(self._path, start=start, end=end)
+        self.count(len(data))
+        if self.identity:
+            now = self._identity(self._fs.info(self._path))
+            if now != self.identity:
+                return MCFIOError(errno.ESTALE, f"the remote file changed while it was read ({dict(self.identity)} "
+                                  f"at opening, now {dict(now)}): open it again", self.url), False
+        return data, False
 
     def classify(self, exc):
         if isinstance(exc, FileNotFoundError):
@@ -112,21 +132,80 @@ class FsspecTransport:
             return AccessError(errno.EACCES, "access to the remote file was denied", self.url)
         return Retry(f"{type(exc).__name__}: {redact_text(str(exc))}")
 
-    async def _http_range(self, start: int, end: int, mv: memoryview):
-        """One range request on fsspec's aiohttp session, the body streamed into ``mv`` (no ``bytes`` of
-        the whole body is built).  Returns the bytes received, or a Retry verdict; raises for transport
-        errors (classified by the caller) and 404/403."""
+    async def _request(self, method: str, headers: dict, nbytes: int):
+        """``method`` on fsspec's aiohttp session, redirects followed by hand: within one origin with every
+        header, to another without any credential (the caller's headers, ``auth``, the URL's password);
+        from https to http never.  Returns the response, to be used in ``async with``."""
+        import aiohttp
+        from yarl import URL
+
         fs = self._fs
         session = await fs.set_session()
         kw = dict(fs.kwargs)
-        headers = dict(kw.pop("headers", None) or {})
-        headers["Range"] = f"bytes={start}-{end - 1}"
-        headers.setdefault("Accept-Encoding", "identity")  # ranges of the stored bytes, never of a gzip body
-        async with session.get(fs.encode_url(self._path), headers=headers, **kw) as r:
+        user_headers = dict(kw.pop("headers", None) or {})
+        kw.pop("allow_redirects", None)
+        kw.pop("timeout", None)
+        t = self.timeout
+        timeout = aiohttp.ClientTimeout(total=self._deadline(nbytes), sock_connect=t, sock_read=t)
+        url = URL(fs.encode_url(self._path), encoded=True)
+        first = url.origin()
+        hdrs = {**user_headers, **headers, "Accept-Encoding": "identity"}
+        for _ in range(MAX_REDIRECTS + 1):
+            r = await session.request(method, url, headers=hdrs, allow_redirects=False, timeout=timeout, **kw)
+            if r.status not in (301, 302, 303, 307, 308) or "Location" not in r.headers:
+                return r
+            new = url.join(URL(r.headers["Location"]))
+            r.release()
+            if new.scheme not in ("http", "https") or (url.scheme == "https" and new.scheme == "http"):
+                return MCFIOError(errno.EIO, f"redirected to {redact(str(new))}: refused (not https after https, "
+                                  "or not an http(s) URL)", self.url)
+            if new.origin() != first:
+                hdrs = {k: v for k, v in hdrs.items() if k.lower() not in CREDENTIAL_HEADERS and k not in user_headers}
+                kw.pop("auth", None)
+                new = new.with_user(None)
+            url = new
+        return MCFIOError(errno.EIO, f"more than {MAX_REDIRECTS} redirects", self.url)
+
+    async def _http_head(self):
+        r = await self._request("HEAD", {}, 0)
+        if isinstance(r, BaseException):
+            return r
+        async with r:
             if r.status == 404:
                 return MissingFileError(errno.ENOENT, "no such remote file", self.url)
             if r.status in (401, 403):
                 return AccessError(errno.EACCES, "access to the remote file was denied", self.url)
+            if r.status != 200:
+                return MCFIOError(errno.EIO, f"HTTP status {r.status} {r.reason} for HEAD", self.url)
+            length = r.headers.get("Content-Length")
+            if length is None or not length.strip().isdigit():
+                return MCFIOError(errno.EIO, "the server did not report the file's size (no Content-Length); mcf "
+                                  "needs it to bounds-check every read", self.url)
+            self.size_hint = int(length)
+            self.etag = r.headers.get("ETag") or None
+            return self.size_hint
+
+    async def _http_range(self, start: int, end: int, mv: memoryview):
+        """One range request on fsspec's aiohttp session, the body streamed into ``mv`` (no ``bytes`` of
+        the whole body is built).  Returns the bytes received, or a verdict (a Retry, or a final error)."""
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if self.etag and not self.etag.startswith("W/"):
+            headers["If-Match"] = self.etag
+        r = await self._request("GET", headers, end - start)
+        if isinstance(r, BaseException):
+            return r
+        async with r:
+            if r.status == 404:
+                return MissingFileError(errno.ENOENT, "no such remote file", self.url)
+            if r.status in (401, 403):
+                return AccessError(errno.EACCES, "access to the remote file was denied", self.url)
+            if r.status == 412:
+                return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag is no longer "
+                                  f"{self.etag}): open it again", self.url)
+            etag = r.headers.get("ETag")
+            if self.etag is not None and etag is not None and etag != self.etag:
+                return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag was "
+                                  f"{self.etag}, the server now answers {etag}): open it again", self.url)
             if r.status == 200:
                 if not (start == 0 and end == self.size_hint):
                     return Retry(f"status 200 for a {end - start}-byte range at offset {start}: the server ignored "
@@ -134,29 +213,35 @@ class FsspecTransport:
             elif r.status == 206:
                 why = self._check_content_range(r.headers.get("Content-Range"), start, end)
                 if why:
-                    return Retry(why)
+                    return why if isinstance(why, BaseException) else Retry(why)
             else:
                 transient = r.status >= 500 or r.status in (408, 429)
                 return Retry(f"HTTP status {r.status} {r.reason}", transient=transient,
                              retry_after=_retry_after(r.headers.get("Retry-After")))
             n, want = 0, end - start
+            length = r.headers.get("Content-Length")
+            if length is not None and length.strip().isdigit() and int(length) > want:
+                return Retry(f"the answer announces {length} bytes (Content-Length) for a {want}-byte range: "
+                             "refused before reading it", transient=False)
             async for chunk in r.content.iter_any():
                 k = len(chunk)
+                self.count(k)
                 if n + k > want:
-                    return Retry(f"got more than the {want} bytes of the range (short Content-Range?)")
+                    return Retry(f"got more than the {want} bytes of the range", transient=False)
                 mv[n:n + k] = chunk
                 n += k
         return n
 
     def _check_content_range(self, value, start, end):
         """None when ``Content-Range: bytes a-b/total`` names exactly the requested range of this file."""
-        try:
-            unit, rest = value.split(" ", 1)
-            span, total = rest.split("/", 1)
-            a, b = (int(x) for x in span.split("-", 1))
-        except (AttributeError, ValueError):
+        cr = parse_content_range(value)
+        if cr is None:
             return f"206 answer with a missing or malformed Content-Range {value!r}"
-        if unit != "bytes" or a != start or b != end - 1 or (total != "*" and int(total) != self.size_hint):
+        a, b, total = cr
+        if total is not None and total != self.size_hint:
+            return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its size was "
+                              f"{self.size_hint}, the server now answers {total}): open it again", self.url)
+        if a != start or b != end - 1:
             return (f"206 answer for the wrong range: Content-Range {value!r}, asked for bytes {start}-{end - 1}"
                     f"/{self.size_hint}")
         return None

@@ -1,9 +1,15 @@
 """The object stores and HTTP(S) through obstore (the Python binding of Rust's object_store): ranged
 GETs on a pooled connection per store, in Rust, with the GIL released while they run.
 
-Chosen over fsspec (s3fs, aiohttp) because it is the fastest client measured here (docs/remote.md,
-"Cost"), keeps up with the object stores' APIs for mcf, and reads the AWS/Google/Azure environment
-variables itself.  Its own retries are off: :mod:`mcf.remote._fetch` retries every part (one count,
+For S3 with keys mcf knows (options, environment, profile, or none at all for ``anon``), obstore only signs:
+:func:`presigner` makes pre-signed URLs that mcf's own HTTP client (:mod:`mcf.remote._http`) fetches, so
+no session token travels in a header a redirect could forward, and every answer is read in bounded pieces
+under mcf's deadlines.  :class:`ObstoreTransport`, obstore's own client end to end, serves GCS, Azure, S3
+with credentials only the client can find (web identity, instance roles) and ``backend="obstore"``: its
+answers are streamed in bounded chunks and cut off at the range's length, every answer's ETag is compared
+with the one pinned at opening, and a request's deadline is the store's overall timeout (``timeout +
+request_size / min_rate``); redirects are reqwest's (it drops ``Authorization`` on a cross-origin one,
+not other headers).  Its own retries are off: :mod:`mcf.remote._fetch` retries every part (one count,
 one backoff, checked lengths).  Its errors are sorted here into final ones (404, 403, 401, a server
 that ignores ``Range``, other 4xx) and transient ones (connection errors, timeouts, 5xx, 408, 429, a
 body cut short); object_store does not expose ``Retry-After`` headers, so its backoff is mcf's own.
@@ -11,16 +17,72 @@ body cut short); object_store does not expose ``Retry-After`` headers, so its ba
 
 from __future__ import annotations
 
+import datetime
 import errno
 import re
+import threading
+import time
 
 from mcf._core.optional import require
-from mcf.errors import AccessError, MCFIOError, MissingFileError
+from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
 from mcf.remote._fetch import Retry
 from mcf.remote._stores import object_store
 from mcf.remote._urls import redact_text
 
-__all__ = ["ObstoreTransport"]
+__all__ = ["ObstoreTransport", "presigner", "SIGNED_URL_LIFETIME"]
+
+#: how long a pre-signed URL is valid; one is reused for half of it, then signed again
+SIGNED_URL_LIFETIME = 900.0
+_STREAM_CHUNK = 1 << 20      # obstore hands an answer over in chunks of this size: the most it holds at once
+
+
+def _fatal(exc: BaseException) -> bool:
+    """True for the exceptions a client call must let through (not a failure of the request)."""
+    return isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def presigner(target, opts: dict, *, timeout):
+    """``sign(method) -> URL`` for an ``s3://`` object whose keys mcf resolved itself (or ``anon``), signed
+    by obstore without a network call; None where only obstore's own client can authenticate (GCS, Azure,
+    credentials from web identity or an instance role), which then reads the object itself."""
+    if target.kind != "s3":
+        return None
+    from mcf.remote._stores import object_store, s3_settings
+
+    settings = s3_settings(opts)
+    anon = settings["anon"]
+    if not anon and settings["credentials_from"] is None:
+        return None
+    if anon:
+        # obstore signs nothing without keys (and would look for an instance role): sign with a placeholder
+        # key and keep the URL without its query, the address of the object as the store spells it
+        opts = {k: v for k, v in opts.items() if k not in ("anon",)}
+        opts.update(aws_access_key_id="mcf-anonymous", aws_secret_access_key="mcf-anonymous")
+    store = object_store("s3", target.root, opts, timeout=timeout)
+    obstore = require("obstore", feature="signing s3:// URLs", extra="remote")
+    lifetime = datetime.timedelta(seconds=SIGNED_URL_LIFETIME)
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def sign(method: str) -> str:
+        with lock:
+            url, until = cache.get(method, (None, 0.0))
+            if url is not None and time.monotonic() < until:
+                return url
+            try:
+                url = obstore.sign(store, method, target.key, lifetime)
+            except BaseException as exc:  # noqa: BLE001 - obstore raises TypeError, its own errors, or panics
+                if _fatal(exc):
+                    raise
+                raise InvalidArgumentError(f"{target.root}: cannot sign a request for the object "
+                                           f"{target.key!r}: {_first_line(exc)}") from None
+            if anon:
+                url = url.split("?", 1)[0]
+            cache[method] = (url, time.monotonic() + SIGNED_URL_LIFETIME / 2)
+            return url
+
+    sign("GET")   # a key the store cannot sign is refused now, not retried per request
+    return sign
 
 _STATUS = re.compile(r"status code: (\d{3})")
 
@@ -30,6 +92,10 @@ _CAUSE = re.compile(r"(?:source|error): ([A-Z]\w*)[,\s]")
 _OS_MESSAGE = re.compile(r'message: "([^"]+)"')
 _NOT_A_CAUSE = {"reqwest", "hyper", "RetryError", "RetryErrorImpl", "Generic", "HttpError", "Status", "Some", "None",
                 "Body", "Custom"}
+
+
+def _more_than(want: int) -> Retry:
+    return Retry(f"got more than the {want} bytes of the range", transient=False)
 
 
 def _first_line(exc) -> str:
@@ -51,14 +117,24 @@ class ObstoreTransport:
 
     name = "obstore"
 
-    def __init__(self, target, opts: dict, *, timeout: float | None, url: str):
+    counts_bytes = True
+
+    def __init__(self, target, opts: dict, *, timeout: float | None, min_rate: float, request_size: int, url: str):
         self._obstore = require("obstore", feature=f"reading {target.root.split(':', 1)[0]}:// URLs with obstore",
                                 extra="remote")
         self.url = url    # redacted, for messages
-        self.store = object_store(target.kind, target.root, opts, timeout=timeout)
+        if target.kind == "http" and ("?" in target.url or "#" in target.url or "@" in target.root):
+            raise InvalidArgumentError(f"{url}: backend='obstore' reads http(s) URLs without a query string, a "
+                                       "fragment or credentials; use backend='auto'")
+        # a request's deadline: the store's overall timeout, sized for the largest request
+        deadline = (timeout if timeout is not None else 60.0) + request_size / min_rate
+        self.store = object_store(target.kind, target.root, opts, timeout=timeout, deadline=deadline)
         self.path = target.key
         self.kind = target.kind
         self.etag = None
+        self.modified = None
+        self.size_hint = None
+        self.count = lambda n: None
 
     def size(self):
         try:
@@ -69,24 +145,54 @@ class ObstoreTransport:
                 self._obstore.get_range(self.store, self.path, start=0, end=1)
             raise
         self.etag = meta.get("e_tag") or None
-        return int(meta["size"])
+        self.modified = meta.get("last_modified")
+        self.size_hint = int(meta["size"])
+        return self.size_hint
 
     def get(self, start: int, end: int, out=None):
-        """One attempt: the bytes [start, end) as a buffer (obstore allocates it; the fetcher copies it
-        into the destination), and False (not landed in ``out``).  With the ETag of the opening, every
-        GET is conditional (``If-Match``): an object replaced while it is read fails, instead of giving a
-        tensor made of two versions."""
-        if self.etag is None:
-            return self._obstore.get_range(self.store, self.path, start=start, end=end), False
-        res = self._obstore.get(self.store, self.path, options={"range": (start, end), "if_match": self.etag})
-        return res.bytes(), False
+        """One attempt: (the bytes [start, end) in ``out`` or a fresh buffer, landed) or (a verdict, False).
+        With the ETag of the opening, every GET is conditional (``If-Match``), and every answer's ETag (or
+        modification time) and size are compared with the opening's too (for servers that ignore
+        ``If-Match``).  The body comes in chunks of at most ``_STREAM_CHUNK`` bytes, copied in place and cut
+        off at the range's length: a server that sends more holds no more memory than one chunk."""
+        opts = {"range": (start, end)}
+        if self.etag is not None:
+            opts["if_match"] = self.etag
+        res = self._obstore.get(self.store, self.path, options=opts)
+        meta = res.meta
+        etag = meta.get("e_tag") or None
+        if self.etag is not None and etag is not None and etag != self.etag:
+            return self._changed("ETag", self.etag, etag), False
+        if self.etag is None and self.modified is not None and meta.get("last_modified") not in (None, self.modified):
+            return self._changed("modification time", self.modified, meta.get("last_modified")), False
+        if meta.get("size") is not None and self.size_hint is not None and int(meta["size"]) != self.size_hint:
+            return self._changed("size", self.size_hint, meta["size"]), False
+        want = end - start
+        dst = out if out is not None else memoryview(bytearray(want))
+        n = 0
+        for chunk in res.stream(min_chunk_size=min(_STREAM_CHUNK, want)):
+            k = len(chunk)
+            self.count(k)
+            if n + k > want:
+                return _more_than(want), False
+            dst[n:n + k] = memoryview(chunk)
+            n += k
+        return dst[:n], out is not None
+
+    def _changed(self, what, was, now) -> MCFIOError:
+        return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its {what} was {was}, the "
+                          f"server now answers {now}): open it again", self.url)
 
     def classify(self, exc):
         """A final :class:`mcf.MCFError` or a :class:`Retry` verdict for an exception of obstore."""
-        from obstore.exceptions import (NotFoundError, NotSupportedError, PermissionDeniedError, PreconditionError,
-                                        UnauthenticatedError)
+        from obstore.exceptions import (InvalidPathError, NotFoundError, NotSupportedError, PermissionDeniedError,
+                                        PreconditionError, UnauthenticatedError)
 
         line = _first_line(exc)
+        if not isinstance(exc, Exception):   # a panic inside obstore (pyo3's PanicException): a bug, not a blip
+            return MCFIOError(errno.EIO, f"obstore failed internally (a panic), not retried: {line}", self.url)
+        if isinstance(exc, (InvalidPathError, TypeError, ValueError)):
+            return InvalidArgumentError(f"{self.url}: obstore cannot use this object path: {line}")
         if isinstance(exc, (NotFoundError, FileNotFoundError)):
             what = "no such bucket" if "NoSuchBucket" in str(exc) else "no such remote file"
             return MissingFileError(errno.ENOENT, what, self.url)

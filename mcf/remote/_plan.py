@@ -1,10 +1,14 @@
 """A read plan turned into ranged GETs: neighbouring ranges merged, long runs cut into even parts.
 
 Each part is one request; its ``sinks`` are the pieces of the caller's buffers it fills, so a part that
-spans several tensors (small ones side by side, or a gap of at most ``coalesce`` bytes between two) is
-scattered into them straight from the response, and a tensor larger than a part is filled by several
-parts in flight together.  The bytes of a gap are fetched and dropped: one request costs a round trip,
-which on an object store is worth about a megabyte of transfer (object_store's own default gap).
+spans several tensors (small ones side by side, or a small gap between two) is scattered into them straight
+from the response, and a tensor larger than a part is filled by several parts in flight together.  The
+bytes of a gap are fetched and dropped: one request costs a round trip, which on an object store is worth
+about a megabyte of transfer (object_store's own default gap), but a gap is paid for in bytes downloaded.
+So two neighbours share a request only when the gap between them is at most ``coalesce`` bytes AND the
+gaps of the run stay at most ``waste`` (a quarter) of the bytes wanted in it: the tensors of a checkpoint,
+separated by alignment padding, merge; one rank's column share of a matrix (a short piece of every row,
+three times as long a gap to the next) does not, and downloads its own bytes, not the whole matrix.
 """
 
 from __future__ import annotations
@@ -34,22 +38,32 @@ class Part:
         return None
 
 
-def plan(ranges, *, part_size: int, coalesce: int) -> list:
-    """Parts covering every (offset, memoryview) of ``ranges``, in file order.  Ranges at most ``coalesce``
-    bytes apart (or overlapping) share requests; each run of them is cut into ``ceil(run / part_size)``
-    parts of equal size (give or take a byte), none larger than ``part_size``."""
+DEFAULT_WASTE = 0.25
+
+
+def plan(ranges, *, part_size: int, coalesce: int, waste: float = DEFAULT_WASTE) -> list:
+    """Parts covering every (offset, memoryview) of ``ranges``, in file order.  Overlapping and adjacent
+    ranges share requests, and so do ranges at most ``coalesce`` bytes apart while the gap bytes of their
+    run stay at most ``waste`` times the bytes wanted (the run downloads at most ``1 + waste`` times what it
+    delivers); each run is cut into ``ceil(run / part_size)`` parts of equal size (give or take a byte),
+    none larger than ``part_size``."""
     items = sorted(((int(off), mv) for off, mv in ranges if len(mv)), key=lambda r: r[0])
-    runs = []   # [start, end, [(off, mv), ...]]
+    runs = []   # [start, end, [(off, mv), ...], bytes wanted, gap bytes]
     for off, mv in items:
         end = off + len(mv)
-        if runs and off <= runs[-1][1] + coalesce:
+        if runs:
             run = runs[-1]
-            run[1] = max(run[1], end)
-            run[2].append((off, mv))
-        else:
-            runs.append([off, end, [(off, mv)]])
+            gap = off - run[1]
+            new = max(0, end - max(off, run[1]))     # bytes this range adds beyond the run's end
+            if gap <= 0 or (gap <= coalesce and run[4] + gap <= waste * (run[3] + new)):
+                run[1] = max(run[1], end)
+                run[2].append((off, mv))
+                run[3] += new
+                run[4] += max(0, gap)
+                continue
+        runs.append([off, end, [(off, mv)], len(mv), 0])
     parts = []
-    for start, end, members in runs:
+    for start, end, members, _, _ in runs:
         n = -(-(end - start) // part_size)
         cuts = [start + (end - start) * k // n for k in range(n + 1)]
         run_parts = [Part(a, b) for a, b in zip(cuts, cuts[1:])]

@@ -194,20 +194,28 @@ def _seconds(t: float) -> str:
     return f"{max(0.001, float(t)):.3f}s"
 
 
-def object_store(kind: str, root: str, opts: dict, *, timeout: float | None):
+def object_store(kind: str, root: str, opts: dict, *, timeout: float | None, deadline: float | None = None):
     """The obstore store for ``root`` (``s3://bucket``, ``https://host``...) with ``opts``: made once per
-    bucket/host, options and relevant environment, then reused.  Raises InvalidArgumentError for options
-    the store refuses."""
+    bucket/host, options and relevant environment, then reused.  ``timeout`` bounds a silence, ``deadline``
+    a whole request (default an hour).  Raises InvalidArgumentError for options the store refuses."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith(_ENV_PREFIXES)))
-    key = (kind, root, _frozen(opts), timeout, env)
+    key = (kind, root, _frozen(opts), timeout, deadline, env)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = _make_store(kind, root, dict(opts), timeout)
+            try:
+                store = _make_store(kind, root, dict(opts), timeout, deadline)
+            except BaseException as exc:  # noqa: BLE001 - obstore panics (BaseException) on some bad settings
+                if isinstance(exc, (KeyboardInterrupt, SystemExit, InvalidArgumentError, ArgumentTypeError)):
+                    raise
+                raise InvalidArgumentError(f"{root}: cannot configure the object store: "
+                                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+                    from None
+            _stores[key] = store
         return store
 
 
-def _make_store(kind, root, opts, timeout):
+def _make_store(kind, root, opts, timeout, deadline):
     obstore_store = require("obstore.store", feature=f"reading {root.split(':', 1)[0]}:// URLs", extra="remote",
                             package="obstore")
     from obstore.exceptions import BaseError, UnknownConfigurationKeyError
@@ -226,7 +234,7 @@ def _make_store(kind, root, opts, timeout):
         # over a slow link), so the client's overall timeout (30 s by default) is lifted to an hour
         client.setdefault("connect_timeout", _seconds(timeout))
         client.setdefault("read_timeout", _seconds(timeout))
-    client.setdefault("timeout", "3600s")
+    client.setdefault("timeout", _seconds(deadline) if deadline is not None else "3600s")
     retry = {"max_retries": 0}   # mcf retries every part itself (mcf.remote._fetch): one count, one backoff
     try:
         if kind == "s3":

@@ -1,10 +1,9 @@
 """What a URL names: its scheme's client, the bucket (or host) a store is made for, the object's key; and
 the URL as it may appear in a message (credentials never do).
 
-The object stores and HTTP(S) go to obstore (one store per bucket or host, see :mod:`._stores`);
-every other scheme (``memory://``, ``file://``, ``hf://``...) goes to fsspec.  An HTTP URL with a query
-string (a pre-signed URL, ``?download=true``) also goes to fsspec: an object-store path cannot carry
-one.
+HTTP(S) URLs go to mcf's own client (:mod:`._http`), a query string and ``user:password@`` included; the
+object stores to obstore (one store per bucket, see :mod:`._stores`), which signs the URLs mcf's client
+fetches where it can; every other scheme (``memory://``, ``file://``, ``hf://``...) goes to fsspec.
 """
 
 from __future__ import annotations
@@ -89,8 +88,6 @@ def target(url: str) -> Target:
     scheme = url.split("://", 1)[0].lower()
     kind = OBJECT_STORE_SCHEMES.get(scheme)
     parts = urlsplit(url)
-    if kind == "http" and (parts.query or parts.fragment or parts.username is not None):
-        kind = None   # a query string (pre-signed URLs), a fragment or credentials in the URL: fsspec's aiohttp
     if kind is None:
         return Target(url, "fsspec", scheme, url)
     if not parts.netloc:

@@ -17,7 +17,8 @@ from mcf.remote._stores import default_options, fsspec_options
 from mcf.remote._urls import is_url, redact, target
 
 __all__ = ["RemoteFile", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_CONCURRENCY",
-           "DEFAULT_COALESCE", "DEFAULT_RETRIES", "DEFAULT_RETRY_DELAY", "DEFAULT_TIMEOUT", "BACKENDS"]
+           "DEFAULT_COALESCE", "DEFAULT_RETRIES", "DEFAULT_RETRY_DELAY", "DEFAULT_TIMEOUT", "DEFAULT_MIN_RATE",
+           "BACKENDS"]
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_CACHE_SIZE = 64 << 20
@@ -31,7 +32,12 @@ DEFAULT_RETRY_DELAY = 0.1
 # seconds a connection may stay silent (connecting, or between two reads of a body) before the attempt
 # fails and is retried: a stalled server must not hang a reader
 DEFAULT_TIMEOUT = 60.0
-BACKENDS = ("auto", "obstore", "fsspec")
+# bytes per second a request must keep up on average once its ``timeout`` of grace is over: a request of n
+# bytes fails (and is retried) after timeout + n / min_rate seconds.  16 KiB/s per request is a 2 Mbit/s link
+# shared by 16 requests in flight: slower than any link a checkpoint is loaded over, faster than a server
+# dripping bytes to hold a reader (an 8 MiB part then ends within 10 minutes, a 1 MiB block within 2)
+DEFAULT_MIN_RATE = 16 << 10
+BACKENDS = ("auto", "http", "obstore", "fsspec")
 
 def _obstore_installed() -> bool:
     try:
@@ -41,17 +47,49 @@ def _obstore_installed() -> bool:
     return True
 
 
-def _transport(url, tgt, backend, opts, timeout, redacted):
-    if backend == "obstore" or (backend == "auto" and tgt.kind != "fsspec" and _obstore_installed()):
-        if tgt.kind == "fsspec":
-            raise InvalidArgumentError(f"{redacted}: backend='obstore' reads s3://, gs://, az://, abfs:// and "
-                                       "http(s):// URLs without a query string; this one needs backend='fsspec'")
-        from mcf.remote._obstore import ObstoreTransport
+def _transport(url, tgt, backend, opts, *, timeout, min_rate, request_size, concurrency, redacted):
+    """The client of one URL (see :mod:`mcf.remote`): mcf's HTTP client for http(s) and, through URLs
+    obstore signs, for S3; obstore's own client where mcf's cannot sign (GCS, Azure, S3 without static
+    keys); fsspec for every other scheme, and wherever asked for."""
+    if backend == "fsspec" or (backend == "auto" and tgt.kind == "fsspec"):
+        from mcf.remote._fsspec import FsspecTransport
 
-        return ObstoreTransport(tgt, opts, timeout=timeout, url=redacted)
-    from mcf.remote._fsspec import FsspecTransport
+        return FsspecTransport(url, fsspec_options(tgt.kind, opts), timeout=timeout, min_rate=min_rate,
+                               redacted=redacted)
+    if tgt.kind == "fsspec":
+        raise InvalidArgumentError(f"{redacted}: backend={backend!r} reads s3://, gs://, az://, abfs:// and "
+                                   "http(s):// URLs; this one needs backend='fsspec'")
+    if backend == "obstore" or (tgt.kind != "http" and backend == "auto"):
+        if not _obstore_installed() and backend == "auto":
+            from mcf.remote._fsspec import FsspecTransport
 
-    return FsspecTransport(url, fsspec_options(tgt.kind, opts), timeout=timeout, redacted=redacted)
+            return FsspecTransport(url, fsspec_options(tgt.kind, opts), timeout=timeout, min_rate=min_rate,
+                                   redacted=redacted)
+        from mcf.remote._obstore import ObstoreTransport, presigner
+
+        if backend == "auto":
+            signer = presigner(tgt, opts, timeout=timeout)
+            if signer is not None:
+                from mcf.remote._http import HttpTransport
+
+                return HttpTransport(signer("GET"), client_options=opts.get("client_options"), timeout=timeout,
+                                     min_rate=min_rate, concurrency=concurrency, redacted=redacted, signer=signer)
+        return ObstoreTransport(tgt, opts, timeout=timeout, min_rate=min_rate, request_size=request_size,
+                                url=redacted)
+    from mcf.remote._http import HttpTransport
+
+    extra = sorted(set(opts) - {"headers", "client_options", "anon"})
+    if extra:
+        raise InvalidArgumentError(f"storage_options for {redacted} take only ['anon', 'client_options', "
+                                   f"'headers'], got {extra}")
+    headers = opts.get("headers") or {}
+    if not isinstance(headers, dict):
+        raise ArgumentTypeError(f"storage_options['headers'] must be a dict, got {type(headers).__name__}")
+    client = opts.get("client_options") or {}
+    if not isinstance(client, dict):
+        raise ArgumentTypeError(f"storage_options['client_options'] must be a dict, got {type(client).__name__}")
+    return HttpTransport(url, headers=headers, client_options=client, timeout=timeout, min_rate=min_rate,
+                         concurrency=concurrency, redacted=redacted)
 
 
 class RemoteFile:
@@ -72,7 +110,7 @@ class RemoteFile:
                  request_size: int = DEFAULT_REQUEST_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
                  coalesce: int = DEFAULT_COALESCE, retries: int = DEFAULT_RETRIES,
                  retry_delay: float = DEFAULT_RETRY_DELAY, timeout: float | None = DEFAULT_TIMEOUT,
-                 storage_options: dict | None = None, backend: str = "auto"):
+                 min_rate: float = DEFAULT_MIN_RATE, storage_options: dict | None = None, backend: str = "auto"):
         if isinstance(url, bytes):
             url = url.decode()
         if not is_url(url):
@@ -93,6 +131,10 @@ class RemoteFile:
             if not timeout > 0:
                 raise InvalidArgumentError(f"timeout must be > 0 seconds (or None), got {timeout!r}")
         self.timeout = timeout
+        min_rate = real(min_rate, "min_rate")
+        if not min_rate > 0:
+            raise InvalidArgumentError(f"min_rate must be > 0 bytes per second, got {min_rate!r}")
+        self.min_rate = min_rate
         if backend not in BACKENDS:
             raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if storage_options is None:
@@ -101,7 +143,9 @@ class RemoteFile:
             raise ArgumentTypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self._opts = dict(storage_options)
         self._backend_asked = backend
-        self._transport = _transport(url, target(url), backend, self._opts, timeout, self.name)
+        self._transport = _transport(url, target(url), backend, self._opts, timeout=timeout, min_rate=min_rate,
+                                     request_size=self.request_size, concurrency=self.concurrency,
+                                     redacted=self.name)
         self.backend = self._transport.name
         self._pos = 0
         self._closed = False
@@ -258,9 +302,18 @@ class RemoteFile:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes that arrived from the server so far (a coalesced gap's, a refused answer's and a retried
+        attempt's included): what :attr:`mcf.io.Source.bytes_read` reports for a URL."""
+        return self.stats["bytes_fetched"]
+
     def close(self) -> None:
         self._closed = True
         self._cache.clear()
+        closer = getattr(self._transport, "close", None)
+        if closer is not None:
+            closer()
 
     def __enter__(self):
         return self
@@ -274,6 +327,7 @@ class RemoteFile:
                                      "request_size": self.request_size, "concurrency": self.concurrency,
                                      "coalesce": self.coalesce, "retries": self.retries,
                                      "retry_delay": self.retry_delay, "timeout": self.timeout,
+                                     "min_rate": self.min_rate,
                                      "storage_options": self._opts, "backend": self._backend_asked}))
 
     def __repr__(self) -> str:
