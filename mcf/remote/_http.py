@@ -18,8 +18,9 @@ new origin, and buffers a whole answer before its length is checked; fsspec's ai
 - **redirects** (at most :data:`MAX_REDIRECTS`): followed within one origin with every header; to
   another origin without any credential (``Authorization``, cookies, ``X-Amz-Security-Token``, the
   URL's user and password, and every header the caller configured, such as an API key), as curl and
-  requests do; from https to http never.  A pre-signed URL carries its signature in the query string,
-  which a redirect does not forward.
+  requests do; from https to http never; and never to another origin for a request mcf signed for an
+  object store (its signature holds for the endpoint's host only, and the endpoint could copy the
+  signed query, session token included, into the ``Location``).
 
 Connections are kept alive and reused per origin (``pool``); a connection whose answer was not read to
 its end is closed, never reused.  Proxies come from the environment (``HTTPS_PROXY``, ``HTTP_PROXY``,
@@ -248,6 +249,12 @@ class HttpTransport:
                 raise MCFIOError(errno.EIO, f"redirected from https to plain http ({redact(new)}): refused, the "
                                  "answer could be altered on the way", self.url)
             new_origin = _Origin.of(np_)
+            if new_origin != origin and self._signer is not None:
+                # a pre-signed request is valid for its endpoint's host only, and the endpoint may have copied
+                # the signed query (a session token in it) into the Location: never follow it elsewhere
+                raise MCFIOError(errno.EIO, f"redirected to another origin ({redact(f'{np_.scheme}://{np_.netloc}')}) "
+                                 "on a signed object-store request: refused (for S3, set the bucket's region or "
+                                 "endpoint)", self.url)
             if new_origin != origin:
                 # another origin gets no credential: not the caller's headers, not the URL's password, not a token
                 hdrs = {k: v for k, v in hdrs.items()

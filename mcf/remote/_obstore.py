@@ -33,7 +33,6 @@ __all__ = ["ObstoreTransport", "presigner", "SIGNED_URL_LIFETIME"]
 
 #: how long a pre-signed URL is valid; one is reused for half of it, then signed again
 SIGNED_URL_LIFETIME = 900.0
-_STREAM_CHUNK = 1 << 20      # obstore hands an answer over in chunks of this size: the most it holds at once
 
 
 def _fatal(exc: BaseException) -> bool:
@@ -131,6 +130,8 @@ class ObstoreTransport:
         self.store = object_store(target.kind, target.root, opts, timeout=timeout, deadline=deadline)
         self.path = target.key
         self.kind = target.kind
+        self.timeout = timeout
+        self.min_rate = float(min_rate)
         self.etag = None
         self.modified = None
         self.size_hint = None
@@ -153,8 +154,10 @@ class ObstoreTransport:
         """One attempt: (the bytes [start, end) in ``out`` or a fresh buffer, landed) or (a verdict, False).
         With the ETag of the opening, every GET is conditional (``If-Match``), and every answer's ETag (or
         modification time) and size are compared with the opening's too (for servers that ignore
-        ``If-Match``).  The body comes in chunks of at most ``_STREAM_CHUNK`` bytes, copied in place and cut
-        off at the range's length: a server that sends more holds no more memory than one chunk."""
+        ``If-Match``).  The body comes one network read at a time, copied in place and cut
+        off at the range's length: a server that sends more holds no more memory than one network read."""
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout if self.timeout is not None else 60.0) + (end - start) / self.min_rate
         opts = {"range": (start, end)}
         if self.etag is not None:
             opts["if_match"] = self.etag
@@ -170,13 +173,17 @@ class ObstoreTransport:
         want = end - start
         dst = out if out is not None else memoryview(bytearray(want))
         n = 0
-        for chunk in res.stream(min_chunk_size=min(_STREAM_CHUNK, want)):
-            k = len(chunk)
+        for chunk in res.stream(min_chunk_size=1):      # each network read as it comes: the deadline is checked
+            k = len(chunk)                              # between two of them, however slowly they come
             self.count(k)
             if n + k > want:
                 return _more_than(want), False
             dst[n:n + k] = memoryview(chunk)
             n += k
+            if time.monotonic() > deadline and n < want:
+                return Retry(f"timed out: {n} of {want} bytes in {time.monotonic() - t0:.1f} s, slower than the "
+                             f"minimum rate of {self.min_rate:.0f} bytes/s (min_rate) after the {self.timeout} s "
+                             "allowed to start"), False
         return dst[:n], out is not None
 
     def _changed(self, what, was, now) -> MCFIOError:
@@ -206,8 +213,9 @@ class ObstoreTransport:
             return Retry("the server ignored the Range header (it must answer 206 Partial Content)",
                          transient=False)
         if "Content-Length Header missing" in line:
-            return MCFIOError(errno.EIO, "the server did not report the file's size (no Content-Length); mcf "
-                              "needs it to bounds-check every read", self.url)
+            return MCFIOError(errno.EIO, "an answer of the server had no Content-Length (obstore's client needs one "
+                              "to read it; a HEAD without it leaves the file's size unknown, which mcf refuses)",
+                              self.url)
         m = re.search(r"Requested (\d+)\.\.(\d+), got (\d+)\.\.(\d+)", line)
         if m:
             return Retry(f"206 answer for the wrong range: asked for bytes {m.group(1)}-{int(m.group(2)) - 1}, "
