@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from mcf.errors import InvalidArgumentError
 
@@ -23,8 +23,12 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure",
                         "abfs": "azure", "abfss": "azure", "adl": "azure", "http": "http", "https": "http"}
 
-# query parameters that carry a credential (pre-signed S3/GCS URLs, Azure SAS tokens, API keys)
-_SECRET_PARAM = re.compile(r"sig|signature|credential|token|key|secret|password", re.IGNORECASE)
+# the name of a query (or fragment) parameter that carries a credential, matched anywhere in the name and
+# in any case: pre-signed S3 and GCS URLs (X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token,
+# X-Goog-Signature), CloudFront (Signature, Policy, Key-Pair-Id), Azure SAS tokens (sig), API keys and
+# OAuth tokens (api_key, access_token, auth, jwt...), passwords (password, passwd, pwd)
+_SECRET_PARAM = re.compile(r"sig|credential|token|key|secret|pass|pwd|auth|session|jwt|bearer|policy|cookie",
+                           re.IGNORECASE)
 
 
 def is_url(obj) -> bool:
@@ -45,33 +49,63 @@ def refuse_url(path, *, what: str = "writing") -> None:
 
 
 def redact(url) -> str:
-    """``url`` fit for a message or a log: a password in it (``https://user:pw@host``) and the values of
-    query parameters that look like credentials (``X-Amz-Signature``, ``sig``, ``token``...) become
-    ``***``."""
+    """``url`` fit for a message, a log or an output: whatever stands before an ``@`` in its authority (a
+    user name and password, or a bare token as in ``https://TOKEN@host/``) becomes ``***``, and so does the
+    value of every query or fragment parameter whose name looks like a credential (``X-Amz-Signature``,
+    ``X-Amz-Credential``, ``sig``, ``token``, ``auth``, ``key``, ``password``...: ``_SECRET_PARAM``).
+    Everything else is kept exactly as written (other parameters such as ``?download=true``, percent
+    escapes, ``memory:///``).  Anything that is not a URL (a local path, None) is returned as ``str``
+    unchanged; redacting twice gives the same text."""
     if isinstance(url, bytes):
         url = url.decode(errors="replace")
     url = str(url)
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return re.sub(r"//[^/@]*@", "//***@", url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        netloc = (user.split(":", 1)[0] + ":***" if ":" in user else user) + "@" + host
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(_SECRET_PARAM.search(k) for k, _ in pairs):
-            query = urlencode([(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*")
-    if netloc == parts.netloc and query == parts.query:
-        return url   # nothing to hide (and urlunsplit would drop the // of memory:///x)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    m = _URL.match(url)
+    if m is None:
+        return url
+    head = m.end()
+    stop = len(url)
+    for ch in "/?#":
+        k = url.find(ch, head)
+        if k != -1:
+            stop = min(stop, k)
+    authority, rest = url[head:stop], url[stop:]
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    path, _, fragment = rest.partition("#")
+    path, q, query = path.partition("?")
+    out = url[:head] + authority + path
+    if q:
+        out += "?" + _redact_params(query)
+    if "#" in rest:
+        out += "#" + _redact_params(fragment)
+    return out
 
 
-def redact_text(text: str) -> str:
-    """Any URL inside ``text`` (an error message of a client library) redacted as by :func:`redact`."""
-    return re.sub(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+", lambda m: redact(m.group(0)), text)
+def _redact_params(text: str) -> str:
+    """``a=1&X-Amz-Signature=s`` with the value of each credential-like parameter as ``***``: pieces are
+    separated by ``&`` (and ``;``); from a credential on, the rest of its ``&`` piece is hidden."""
+    pieces = text.split("&")
+    for i, piece in enumerate(pieces):
+        subs = piece.split(";")
+        for j, sub in enumerate(subs):
+            key, eq, _ = sub.partition("=")
+            if eq and _SECRET_PARAM.search(unquote(key.replace("+", " "))):
+                pieces[i] = ";".join(subs[:j] + [key + "=***"])
+                break
+    return "&".join(pieces)
+
+
+# a URL inside free text: up to a space or a quote, without a trailing punctuation mark
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]*[^\s'\"<>`),.:;!]")
+
+
+def redact_text(text) -> str:
+    """``text`` (a message, of mcf or of a client library) with every URL in it redacted as by
+    :func:`redact`."""
+    text = str(text)
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
 
 
 @dataclass(frozen=True)
