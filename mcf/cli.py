@@ -57,11 +57,14 @@ def _is_safetensors(path) -> bool:
     what ``mcf info`` describes with the safetensors report instead of the MCF one."""
     import os
 
+    from mcf.remote import is_url
+    from mcf.safetensors.reader import name_kind, url_name
     from mcf.sniff import sniff
 
     p = os.fspath(path)
-    if "://" in p:
-        return p.rstrip("/").endswith((".safetensors", ".safetensors.index.json")) or p.endswith("/")
+    if is_url(p):   # by the URL's path, its query aside: the loaders' rule
+        kind = name_kind(p)
+        return kind in ("file", "directory") or url_name(p).endswith(".safetensors.index.json")
     if os.path.isdir(p) or p.endswith(".safetensors.index.json"):
         return True
     if os.path.isfile(p):

@@ -7,6 +7,11 @@ the end, ``OSError`` for I/O), so code written against the builtins keeps workin
 
 Format errors carry structured context (file, field, offset, expected, got) and render it into the
 message, because "corrupt file" alone is useless to someone holding a 70 GB checkpoint.
+
+A URL in a message is shown through :func:`mcf.remote.redact` (no password, token or signature), and the
+classes see to it themselves: every string argument of an :class:`MCFError` (an OS error's file name
+included) and every rendered :class:`FormatError` passes through :func:`mcf.remote.redact_text`, so no
+message can show a credential, whichever call site built it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,19 @@ __all__ = [
 
 
 class MCFError(Exception):
-    """Base class of every exception raised by mcf."""
+    """Base class of every exception raised by mcf (its string arguments with any URL redacted)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*(_shown(a) for a in args), **kwargs)
+
+
+def _shown(value):
+    """``value`` as a message may show it: a string with every URL in it redacted, anything else as is."""
+    if isinstance(value, str) and "://" in value:
+        from mcf.remote._urls import redact_text
+
+        return redact_text(value)
+    return value
 
 
 class FormatError(MCFError, ValueError):
@@ -59,12 +76,12 @@ class FormatError(MCFError, ValueError):
         got: Any = None,
     ) -> None:
         self.reason = reason
-        self.path = None if path is None else str(path)
+        self.path = None if path is None else _shown(str(path))
         self.field = field
         self.offset = offset
         self.expected = expected
         self.got = got
-        super().__init__(self._render())
+        super().__init__(self._render())   # (MCFError redacts the whole message: reason, expected, got)
 
     def _render(self) -> str:
         where = []
