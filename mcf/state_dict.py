@@ -17,6 +17,7 @@ arguments ``tp_rank``/``tp_size``/``tp_dim``.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Callable
 
@@ -25,7 +26,7 @@ from mcf._core.args import integer
 from mcf.container.layout import MAGIC
 from mcf.container.pieces import tensor_piece
 from mcf.container.reader import Container
-from mcf.errors import AccessError, InvalidArgumentError, MissingFileError
+from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
 from mcf.loading.arrays import load_arrays
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import source_options
@@ -115,10 +116,10 @@ def open_weights(obj, *, mmap=None, copy: bool = True) -> Weights:
             return Weights(open_checkpoint(url, **opts), True, where)
         try:
             src = open_source(url)
-        except (MissingFileError, FileNotFoundError, AccessError):
-            # a "directory" URL: nothing there (S3), or a refusal (nginx forbids listing a directory; S3
-            # answers 403 for a missing key to whoever may not list the bucket)
-            if url_name(url).endswith(".mcf"):
+        except (MissingFileError, FileNotFoundError, AccessError, IsADirectoryError, MCFIOError) as exc:
+            # a "directory" URL: nothing there (S3), a refusal (nginx forbids listing a directory; S3
+            # answers 403 for a missing key to whoever may not list the bucket), a directory (fsspec)
+            if url_name(url).endswith(".mcf") or (type(exc) is MCFIOError and exc.errno != errno.EISDIR):
                 raise
             return Weights(open_checkpoint(url, **opts), True, where)
         return _sniffed(src, True, where)

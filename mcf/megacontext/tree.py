@@ -36,7 +36,7 @@ from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._validate import Level, Problem, cross_check, deep_checks, scan, stable_header
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
                                       with_counts, write_metadata, now_iso)
-from mcf.remote import refuse_url
+from mcf.remote import redact, refuse_url
 
 __all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_FILE", "RESTORE_MARKER"]
 
@@ -597,7 +597,7 @@ class Tree:
                 "file_size_bytes": lv.src.size, "uncommitted_bytes": lv.tail,
             }
         m = self.metadata
-        return {"path": self.path, "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
+        return {"path": redact(self.path), "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
                 "block_size": self.block_size, "gist_dtype": self.gist_policy, "vocab_size": self.vocab_size,
                 "num_tokens": self.num_tokens, "num_blocks": self.num_blocks,
                 "num_gists": {"LOD1": self.num_gists(1), "LOD2": self.num_gists(2)},

@@ -48,14 +48,16 @@ def refuse_url(path, *, what: str = "writing") -> None:
                                    "read-only)")
 
 
-def redact(url) -> str:
+def redact(url) -> str | None:
     """``url`` fit for a message, a log or an output: whatever stands before an ``@`` in its authority (a
     user name and password, or a bare token as in ``https://TOKEN@host/``) becomes ``***``, and so does the
     value of every query or fragment parameter whose name looks like a credential (``X-Amz-Signature``,
     ``X-Amz-Credential``, ``sig``, ``token``, ``auth``, ``key``, ``password``...: ``_SECRET_PARAM``).
     Everything else is kept exactly as written (other parameters such as ``?download=true``, percent
-    escapes, ``memory:///``).  Anything that is not a URL (a local path, None) is returned as ``str``
-    unchanged; redacting twice gives the same text."""
+    escapes, ``memory:///``).  Anything that is not a URL (a local path) is returned as ``str`` unchanged,
+    None as None; redacting twice gives the same text."""
+    if url is None:
+        return None
     if isinstance(url, bytes):
         url = url.decode(errors="replace")
     url = str(url)
