@@ -22,7 +22,7 @@ pytest.importorskip("aiohttp")
 import mcf  # noqa: E402
 import mcf.safetensors as mst  # noqa: E402
 from mcf.cli import main  # noqa: E402
-from mcf.safetensors.reader import INDEX_NAME, locate_checkpoint  # noqa: E402
+from mcf.safetensors import reader  # noqa: E402
 import _http_server  # noqa: E402  (tests/ is on sys.path: pytest inserts the directory of test modules)
 
 from safetensors.numpy import save  # noqa: E402
@@ -37,7 +37,7 @@ ODD = "a?b#c%20.safetensors"
 def _sharded_files(first="model-00001-of-00002.safetensors", second="model-00002-of-00002.safetensors") -> dict:
     """name -> bytes of an index and its two shards."""
     index = {"metadata": {}, "weight_map": {"a.weight": first, "b.weight": second}}
-    return {INDEX_NAME: json.dumps(index).encode(), first: save(SHARD_A), second: save(SHARD_B)}
+    return {reader.INDEX_NAME: json.dumps(index).encode(), first: save(SHARD_A), second: save(SHARD_B)}
 
 
 def _both() -> dict:
@@ -82,24 +82,24 @@ def test_directory_with_model_safetensors_and_an_index_reads_model_safetensors(t
     """A directory holding model.safetensors and model.safetensors.index.json is its model.safetensors, as
     transformers reads it, whether it is a local path or a URL (URLs read the index's shards)."""
     d = _put_local(tmp_path / "both", _both()) if where == "local" else _put_memory(memdir, _both())
-    loc = locate_checkpoint(d)
-    assert [os.path.basename(f) for f in loc.files] == ["model.safetensors"] and loc.index is None
-    assert loc.directory == d
     _same(mst.load_file(d), SINGLE)
     _same(mcf.load_file(d), SINGLE)
     with mst.open_checkpoint(d) as ck:
         assert ck.index is None and list(ck.tensors) == ["single.weight"]
+    loc = reader.locate_checkpoint(d)
+    assert [os.path.basename(f) for f in loc.files] == ["model.safetensors"] and loc.index is None
+    assert loc.directory == d
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_directory_without_model_safetensors_reads_the_index(tmp_path, memdir, where):
     files = _sharded_files()
     d = _put_local(tmp_path / "sh", files) if where == "local" else _put_memory(memdir, files)
-    loc = locate_checkpoint(d)
-    assert loc.index.endswith(INDEX_NAME) and loc.shards == ("model-00001-of-00002.safetensors",
-                                                              "model-00002-of-00002.safetensors")
     _same(mst.load_file(d), {**SHARD_A, **SHARD_B})
     _same(mcf.load_file(d + "/"), {**SHARD_A, **SHARD_B})
+    loc = reader.locate_checkpoint(d)
+    assert loc.index.endswith(reader.INDEX_NAME)
+    assert loc.shards == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
 def test_pack_and_convert_of_a_directory_follow_the_rule(tmp_path):
@@ -121,7 +121,7 @@ def test_empty_memory_directory_names_both_probes(memdir):
         mst.load_file("memory://" + memdir)
     msg = str(ei.value)
     assert f"memory://{memdir}/model.safetensors: no such remote file" in msg
-    assert f"memory://{memdir}/{INDEX_NAME}: no such remote file" in msg
+    assert f"memory://{memdir}/{reader.INDEX_NAME}: no such remote file" in msg
 
 
 # -- a URL is a file, an index or a directory by its path, query and fragment aside ----------------------
@@ -151,12 +151,12 @@ def test_url_of_a_file_with_a_query_is_a_file(www, query, capsys):
 def test_url_of_an_index_or_a_directory_with_a_query(www):
     """The query of an index or directory URL is kept on every file under it (how the store is reached)."""
     want = {**SHARD_A, **SHARD_B}
-    _same(mst.load_file(www.url("sharded/" + INDEX_NAME) + "?download=true"), want)
+    _same(mst.load_file(www.url("sharded/" + reader.INDEX_NAME) + "?download=true"), want)
     _same(mst.load_file(www.url("sharded") + "?download=true"), want)
     _same(mcf.load_file(www.url("sharded") + "?download=true"), want)
     _same(mst.load_file(www.url("both") + "?download=true"), SINGLE)   # model.safetensors first here too
     _same(mcf.load_file(www.url("both")), SINGLE)
-    loc = locate_checkpoint(www.url("sharded") + "?download=true")
+    loc = reader.locate_checkpoint(www.url("sharded") + "?download=true")
     assert all(f.endswith(".safetensors?download=true") for f in loc.files)
 
 
@@ -170,12 +170,12 @@ def test_shard_names_with_url_characters(www, memdir, where):
         d = _put_memory(memdir, _sharded_files(first=ODD))
     want = {**SHARD_A, **SHARD_B}
     _same(mst.load_file(d), want)
-    _same(mcf.load_file(d + "/" + INDEX_NAME), want)
-    loc = locate_checkpoint(d)
-    assert loc.shards[0] == ODD
-    assert loc.files[0].endswith("/a%3Fb%23c%2520.safetensors" if where == "http" else "/" + ODD)
+    _same(mcf.load_file(d + "/" + reader.INDEX_NAME), want)
     with mst.open_checkpoint(d) as ck:   # the index's checks see the shard's own name
         assert sorted(ck.tensors) == ["a.weight", "b.weight"]
+    loc = reader.locate_checkpoint(d)
+    assert loc.shards[0] == ODD
+    assert loc.files[0].endswith("/a%3Fb%23c%2520.safetensors" if where == "http" else "/" + ODD)
 
 
 # -- a store that answers 403 for a missing key -------------------------------------------------------------
@@ -259,7 +259,7 @@ def test_directory_url_on_a_store_that_answers_403_for_missing_keys(client):
             mst.load_file(base + "/nothing" + client)
         msg = str(ei.value)
         assert f"{base}/nothing/model.safetensors{client}: " in msg, msg
-        assert f"{base}/nothing/{INDEX_NAME}{client}: " in msg, msg
+        assert f"{base}/nothing/{reader.INDEX_NAME}{client}: " in msg, msg
         if not client:   # obstore says what the store answered (fsspec reports a refusal as a missing file)
             assert isinstance(ei.value, mcf.AccessError) and msg.count("403") >= 2, msg
 
@@ -279,7 +279,7 @@ def test_nul_in_a_shard_name_is_a_format_error(tmp_path, memdir, where, capsys):
     d = _put_local(tmp_path / "nul", files) if where == "local" else _put_memory(memdir, files)
     with pytest.raises(mcf.FormatError) as ei:
         mst.open_checkpoint(d)
-    assert ei.value.field == "weight_map['a.weight']" and ei.value.path.endswith(INDEX_NAME)
+    assert ei.value.field == "weight_map['a.weight']" and ei.value.path.endswith(reader.INDEX_NAME)
     assert "NUL" in str(ei.value)
     with pytest.raises(mcf.FormatError):
         mcf.load_file(d)
