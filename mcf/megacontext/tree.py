@@ -584,13 +584,13 @@ class Tree:
         return verify(self.path, deep=deep, mmap=self._mmap)
 
     def info(self) -> dict:
-        """What ``mcf ctx info`` shows."""
+        """What ``mcf ctx info`` shows (a URL as messages show it: :func:`mcf.remote.redact`)."""
         levels = {}
         for level, lv in self._levels.items():
             h = lv.header
             lv.src.refresh()
             levels[f"LOD{level}"] = {
-                "file": lv.path, "layout": h.layout, "magic_order": h.magic_order, "version": h.version,
+                "file": redact(lv.path), "layout": h.layout, "magic_order": h.magic_order, "version": h.version,
                 "level": h.level, "block_size": h.block_size, "embedding_dim": h.embedding_dim,
                 "dtype": h.dtype.name, "dtype_code": h.dtype_code, "model_name": h.model_name,
                 "num_entries": lv.committed, "entry_bytes": h.entry_size,
