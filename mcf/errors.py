@@ -10,13 +10,15 @@ message, because "corrupt file" alone is useless to someone holding a 70 GB chec
 
 A URL in a message is shown through :func:`mcf.remote.redact` (no password, token or signature), and the
 classes see to it themselves: every string argument of an :class:`MCFError` (an OS error's file name
-included) and every rendered :class:`FormatError` passes through :func:`mcf.remote.redact_text`, so no
-message can show a credential, whichever call site built it.
+included, and so every rendered :class:`FormatError`) passes through
+:func:`mcf._core.redaction.redact_text`, so no message can show a credential, whichever call site built it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mcf._core.redaction import redact_text
 
 __all__ = [
     "MCFError",
@@ -50,11 +52,7 @@ class MCFError(Exception):
 
 def _shown(value):
     """``value`` as a message may show it: a string with every URL in it redacted, anything else as is."""
-    if isinstance(value, str) and "://" in value:
-        from mcf.remote._urls import redact_text
-
-        return redact_text(value)
-    return value
+    return redact_text(value) if isinstance(value, str) else value
 
 
 class FormatError(MCFError, ValueError):

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from mcf._core.console import printable
 from mcf.errors import InvalidArgumentError, MCFError
-from mcf.remote._urls import redact_text
+from mcf._core.redaction import redact_text
 
 __all__ = ["UsageError", "describe", "run", "DEBUG_FLAG", "DEBUG_ENV"]
 
