@@ -28,7 +28,7 @@ def redact(url) -> str | None:
     """``url`` fit for a message, a log or an output: whatever stands before an ``@`` in its authority (a
     user name and password, or a bare token as in ``https://TOKEN@host/``) becomes ``***``, and so does the
     value of every query or fragment parameter whose name looks like a credential (``X-Amz-Signature``,
-    ``X-Amz-Credential``, ``sig``, ``token``, ``auth``, ``key``, ``password``...: ``_SECRET_PARAM``).
+    ``X-Amz-Credential``, ``sig``, ``token``, ``auth``, ``key``, ``password``...: docs/remote.md has the list).
     Everything else is kept exactly as written (other parameters such as ``?download=true``, percent
     escapes, ``memory:///``).  Anything that is not a URL (a local path) is returned as ``str`` unchanged,
     None as None; redacting twice gives the same text."""
