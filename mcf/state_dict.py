@@ -26,7 +26,7 @@ from mcf._core.args import integer
 from mcf.container.layout import MAGIC
 from mcf.container.pieces import tensor_piece
 from mcf.container.reader import Container
-from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFileError
+from mcf.errors import InvalidArgumentError
 from mcf.loading.arrays import load_arrays
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import source_options
@@ -116,10 +116,11 @@ def open_weights(obj, *, mmap=None, copy: bool = True) -> Weights:
             return Weights(open_checkpoint(url, **opts), True, where)
         try:
             src = open_source(url)
-        except (MissingFileError, FileNotFoundError, AccessError, IsADirectoryError, MCFIOError) as exc:
+        except OSError as exc:
             # a "directory" URL: nothing there (S3), a refusal (nginx forbids listing a directory; S3
             # answers 403 for a missing key to whoever may not list the bucket), a directory (fsspec)
-            if url_name(url).endswith(".mcf") or (type(exc) is MCFIOError and exc.errno != errno.EISDIR):
+            gone = isinstance(exc, (FileNotFoundError, PermissionError)) or exc.errno == errno.EISDIR
+            if not gone or url_name(url).endswith(".mcf"):
                 raise
             return Weights(open_checkpoint(url, **opts), True, where)
         return _sniffed(src, True, where)
