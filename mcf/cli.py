@@ -17,6 +17,7 @@ from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP, Parser
 from mcf._core.console import Progress, human, info_dict, json_text, print_info, print_report, printable
 from mcf.errors import InvalidArgumentError, MCFError, os_error
+from mcf.remote import redact
 
 __all__ = ["main"]
 
@@ -35,21 +36,43 @@ def cmd_info(args) -> int:
             else:
                 gguf_info.print_info(g)
         return 0
+    mmap = False if args.no_mmap else None
     if _is_safetensors(args.file):
-        from mcf.safetensors import info as st_info, open_checkpoint
+        from mcf.safetensors import open_checkpoint
 
-        with open_checkpoint(args.file, mmap=False if args.no_mmap else None) as ck:
-            if args.json:
-                print(json_text(st_info.info_dict(ck)))
-            else:
-                st_info.print_info(ck)
+        with open_checkpoint(args.file, mmap=mmap) as ck:
+            _show_checkpoint(ck, args.json)
         return 0
-    with mcf.open(args.file, mmap=False if args.no_mmap else None) as c:
-        if args.json:
-            print(json_text(info_dict(c)))
-        else:
-            print_info(c)
+    from mcf.remote import is_url
+
+    if is_url(args.file):   # named neither: MCF by its first bytes, else a "directory" URL (as the loaders do)
+        from mcf.state_dict import open_weights
+
+        with open_weights(args.file, mmap=mmap) as w:
+            if w.is_mcf:
+                _show_container(w.obj, args.json)
+            else:
+                _show_checkpoint(w.obj, args.json)
+        return 0
+    with mcf.open(args.file, mmap=mmap) as c:
+        _show_container(c, args.json)
     return 0
+
+
+def _show_container(c, as_json: bool) -> None:
+    if as_json:
+        print(json_text(info_dict(c)))
+    else:
+        print_info(c)
+
+
+def _show_checkpoint(ck, as_json: bool) -> None:
+    from mcf.safetensors import info as st_info
+
+    if as_json:
+        print(json_text(st_info.info_dict(ck)))
+    else:
+        st_info.print_info(ck)
 
 
 def _is_safetensors(path) -> bool:
@@ -57,11 +80,14 @@ def _is_safetensors(path) -> bool:
     what ``mcf info`` describes with the safetensors report instead of the MCF one."""
     import os
 
+    from mcf.remote import is_url
+    from mcf.safetensors.reader import name_kind, url_name
     from mcf.sniff import sniff
 
     p = os.fspath(path)
-    if "://" in p:
-        return p.rstrip("/").endswith((".safetensors", ".safetensors.index.json")) or p.endswith("/")
+    if is_url(p):   # by the URL's path, its query aside: the loaders' rule
+        kind = name_kind(p)
+        return kind in ("file", "directory") or url_name(p).endswith(".safetensors.index.json")
     if os.path.isdir(p) or p.endswith(".safetensors.index.json"):
         return True
     if os.path.isfile(p):
@@ -85,7 +111,7 @@ def cmd_verify(args) -> int:
         for p in problems:
             print(f"FAIL {printable(p)}")
         return 1
-    print(f"OK {printable(args.file)}: {len(c)} tensors, {len(c.sections)} sections")
+    print(f"OK {printable(redact(args.file))}: {len(c)} tensors, {len(c.sections)} sections")
     return 0
 
 

@@ -7,11 +7,18 @@ the end, ``OSError`` for I/O), so code written against the builtins keeps workin
 
 Format errors carry structured context (file, field, offset, expected, got) and render it into the
 message, because "corrupt file" alone is useless to someone holding a 70 GB checkpoint.
+
+A URL in a message is shown through :func:`mcf.remote.redact` (no password, token or signature), and the
+classes see to it themselves: every string argument of an :class:`MCFError` (an OS error's file name
+included, and so every rendered :class:`FormatError`) passes through
+:func:`mcf._core.redaction.redact_text`, so no message can show a credential, whichever call site built it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mcf._core.redaction import redact_text
 
 __all__ = [
     "MCFError",
@@ -37,7 +44,15 @@ __all__ = [
 
 
 class MCFError(Exception):
-    """Base class of every exception raised by mcf."""
+    """Base class of every exception raised by mcf (its string arguments with any URL redacted)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*(_shown(a) for a in args), **kwargs)
+
+
+def _shown(value):
+    """``value`` as a message may show it: a string with every URL in it redacted, anything else as is."""
+    return redact_text(value) if isinstance(value, str) else value
 
 
 class FormatError(MCFError, ValueError):
@@ -59,12 +74,12 @@ class FormatError(MCFError, ValueError):
         got: Any = None,
     ) -> None:
         self.reason = reason
-        self.path = None if path is None else str(path)
+        self.path = None if path is None else _shown(str(path))
         self.field = field
         self.offset = offset
         self.expected = expected
         self.got = got
-        super().__init__(self._render())
+        super().__init__(self._render())   # (MCFError redacts the whole message: reason, expected, got)
 
     def _render(self) -> str:
         where = []

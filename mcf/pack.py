@@ -29,7 +29,8 @@ from mcf._core.gojson import go_marshal
 from mcf._core._io import alloc_buffer
 from mcf._core.scaled import nan_scales, payload_rows, scaled_layout
 from mcf.safetensors.conventions import scaled_weights
-from mcf.safetensors.reader import ST_DTYPES, open_checkpoint
+from mcf.remote import is_url
+from mcf.safetensors.reader import ST_DTYPES, locate_checkpoint, url_name
 from mcf._core.dtypes import DType, DTypeInfo, parse_dtype
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, in_tensor
 from mcf.container.layout import MAX_RANK, RESOURCE_FILES, SectionType, tensor_nbytes
@@ -323,17 +324,19 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).
 
     Directories contribute their resource files and a ModelInfo from config.json; a single file a
-    ModelInfo named after it.  Everything is validated (:func:`mcf.safetensors.reader.open_checkpoint`)
-    before the output is created."""
+    ModelInfo named after it.  Which files of a directory are read is the loaders' rule
+    (:func:`mcf.safetensors.reader.locate_checkpoint`: ``model.safetensors``, else the index and its
+    shards, else every ``*.safetensors``).  Everything is validated before the output is created."""
     from mcf.quant_policy import resolve_policy
 
     path = file_path(path, "path")
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written
     if dtype != "keep":
         parse_dtype(dtype)
-    with open_checkpoint(path, mmap=mmap) as ckpt:
+    located = locate_checkpoint(path)   # which files of a directory: the loaders' rule
+    is_dir = located.directory is not None and not is_url(path)   # (a directory URL's files cannot be listed)
+    with located.open(mmap=mmap) as ckpt:
         _check_shapes(ckpt)
-        is_dir = os.path.isdir(path)
         with Writer(output, align=align, dedup=dedup, durable=durable) as w:
             if resources and is_dir:
                 for typ, data in _resource_sections(path):
@@ -341,7 +344,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
             if is_dir:
                 w.add_model_info(model_info_for_dir(path, model_name=model_name))
             else:
-                stem = os.path.basename(path)
+                stem = os.path.basename(url_name(path).rstrip("/"))   # (a URL's name without its query)
                 stem = stem[:-len(".safetensors")] if stem.endswith(".safetensors") else stem
                 w.add_model_info(ModelInfo(model_name=model_name or stem))
             return write_checkpoint(ckpt, w, dtype=dtype, method=method, overrides=overrides, compat=compat,

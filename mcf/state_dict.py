@@ -17,6 +17,7 @@ arguments ``tp_rank``/``tp_size``/``tp_dim``.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Callable
 
@@ -25,16 +26,16 @@ from mcf._core.args import integer
 from mcf.container.layout import MAGIC
 from mcf.container.pieces import tensor_piece
 from mcf.container.reader import Container
-from mcf.errors import AccessError, InvalidArgumentError, MissingFileError
+from mcf.errors import InvalidArgumentError
 from mcf.loading.arrays import load_arrays
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import source_options
 from mcf.loading.select import select_names, selection
 from mcf.loading.slices import Shard, shard_range
-from mcf.remote import is_url
+from mcf.remote import is_url, redact
 from mcf.safetensors.conventions import scaled_weights
 from mcf.safetensors.load import checkpoint_pieces, dequantize_kind, dequantized_order, label
-from mcf.safetensors.reader import Checkpoint, SafetensorsFile, open_checkpoint
+from mcf.safetensors.reader import Checkpoint, SafetensorsFile, name_kind, open_checkpoint, url_name
 
 __all__ = ["load_file", "load_state_dict", "shard_range"]
 
@@ -96,8 +97,10 @@ def _sniffed(src: Source, owned: bool, where: str) -> Weights:
 def open_weights(obj, *, mmap=None, copy: bool = True) -> Weights:
     """An MCF file or a safetensors checkpoint, opened for loading: an open :class:`mcf.Container`,
     :class:`mcf.safetensors.Checkpoint` or ``SafetensorsFile`` as given; a directory, a
-    ``model.safetensors.index.json`` or a ``.safetensors`` URL as a safetensors checkpoint; any other
-    path, URL, buffer, file-like object or :class:`mcf.io.Source` by the magic of its first bytes."""
+    ``model.safetensors.index.json`` or a ``.safetensors`` URL as a safetensors checkpoint
+    (:func:`mcf.safetensors.reader.locate_checkpoint` says which files; a URL by its path, query aside);
+    any other path, URL, buffer, file-like object or :class:`mcf.io.Source` by the magic of its first
+    bytes, a URL that is not there being a directory."""
     opts = source_options(mmap, copy)
     if isinstance(obj, Container):
         return Weights(obj, False, obj.path)
@@ -108,17 +111,19 @@ def open_weights(obj, *, mmap=None, copy: bool = True) -> Weights:
         return _sniffed(obj, False, obj.name)
     if is_url(obj):
         url = os.fsdecode(obj)
-        if url.endswith((".safetensors", ".json", "/")):
-            return Weights(open_checkpoint(url, **opts), True, url)
+        where = redact(url)
+        if name_kind(url) is not None:   # a .safetensors file, an index or a directory, by the URL's path
+            return Weights(open_checkpoint(url, **opts), True, where)
         try:
             src = open_source(url)
-        except (MissingFileError, FileNotFoundError, AccessError):
-            # a "directory" URL: nothing there (S3), or a refusal (nginx forbids listing a directory; S3
-            # answers 403 for a missing key to whoever may not list the bucket)
-            if url.endswith(".mcf"):
+        except OSError as exc:
+            # a "directory" URL: nothing there (S3), a refusal (nginx forbids listing a directory; S3
+            # answers 403 for a missing key to whoever may not list the bucket), a directory (fsspec)
+            gone = isinstance(exc, (FileNotFoundError, PermissionError)) or exc.errno == errno.EISDIR
+            if not gone or url_name(url).endswith(".mcf"):
                 raise
-            return Weights(open_checkpoint(url, **opts), True, url)
-        return _sniffed(src, True, url)
+            return Weights(open_checkpoint(url, **opts), True, where)
+        return _sniffed(src, True, where)
     if isinstance(obj, (str, os.PathLike)):
         path = os.fspath(obj)
         if os.path.isdir(path) or (path.endswith(".json") and os.path.isfile(path)):

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 from mcf._core.console import printable
 from mcf.errors import InvalidArgumentError, MCFError
+from mcf._core.redaction import redact_text
 
 __all__ = ["UsageError", "describe", "run", "DEBUG_FLAG", "DEBUG_ENV"]
 
@@ -68,7 +69,11 @@ def command_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
 def describe(exc: BaseException) -> str:
     """The one-line message for an exception: the file first for OS errors (``path: No such file or
     directory``), mcf's own messages as they are (they already name the file, field, offset and what was
-    expected), anything else with its type."""
+    expected), anything else with its type; any URL in it redacted (:func:`mcf.remote.redact`)."""
+    return redact_text(_describe(exc))   # a URL's credentials, whoever raised (mcf's errors redact their own)
+
+
+def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
         return f"{' -> '.join(where)}: {exc.strerror}" if where else exc.strerror

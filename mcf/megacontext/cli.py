@@ -12,6 +12,7 @@ __all__ = ["add_ctx_parser"]
 from mcf._core.console import human as _human  # noqa: E402  (one formatter for every subcommand)
 from mcf._core.console import json_text, printable  # noqa: E402  (strings from a tree, printed safely)
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP  # noqa: E402
+from mcf.remote import is_url, redact  # noqa: E402  (a tree URL as messages show it)
 
 
 def cmd_info(args) -> int:
@@ -54,7 +55,8 @@ def cmd_verify(args) -> int:
     import mcf.megacontext as mc
     from mcf.errors import MCFIOError, MissingFileError
 
-    if not os.path.isdir(args.tree):  # an error of the command line, not a finding about a tree
+    # an error of the command line, not a finding about a tree (a URL "directory" is checked by its metadata.json)
+    if not is_url(args.tree) and not os.path.isdir(args.tree):
         if os.path.exists(args.tree):
             raise MCFIOError(errno.ENOTDIR, "not a directory (a MegaContext tree is a directory)", args.tree)
         raise MissingFileError(errno.ENOENT, "no such tree directory", args.tree)
@@ -64,7 +66,7 @@ def cmd_verify(args) -> int:
         print(f"{'FAIL' if p.severity == 'error' else p.severity.upper()} {printable(p.error)}")
     if errors:
         return 1
-    print(f"OK {printable(args.tree)}" + (f" ({len(problems)} warnings/notes)" if problems else ""))
+    print(f"OK {printable(redact(args.tree))}" + (f" ({len(problems)} warnings/notes)" if problems else ""))
     return 0
 
 

@@ -36,7 +36,7 @@ from mcf.megacontext._lock import LOCK_FILE, RESTORE_MARKER, acquire_lock
 from mcf.megacontext._validate import Level, Problem, cross_check, deep_checks, scan, stable_header
 from mcf.megacontext.metadata import (METADATA, counts_of, load_metadata, new_metadata, set_range,
                                       with_counts, write_metadata, now_iso)
-from mcf.remote import refuse_url
+from mcf.remote import redact, refuse_url
 
 __all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_FILE", "RESTORE_MARKER"]
 
@@ -584,20 +584,20 @@ class Tree:
         return verify(self.path, deep=deep, mmap=self._mmap)
 
     def info(self) -> dict:
-        """What ``mcf ctx info`` shows."""
+        """What ``mcf ctx info`` shows (a URL as messages show it: :func:`mcf.remote.redact`)."""
         levels = {}
         for level, lv in self._levels.items():
             h = lv.header
             lv.src.refresh()
             levels[f"LOD{level}"] = {
-                "file": lv.path, "layout": h.layout, "magic_order": h.magic_order, "version": h.version,
+                "file": redact(lv.path), "layout": h.layout, "magic_order": h.magic_order, "version": h.version,
                 "level": h.level, "block_size": h.block_size, "embedding_dim": h.embedding_dim,
                 "dtype": h.dtype.name, "dtype_code": h.dtype_code, "model_name": h.model_name,
                 "num_entries": lv.committed, "entry_bytes": h.entry_size,
                 "file_size_bytes": lv.src.size, "uncommitted_bytes": lv.tail,
             }
         m = self.metadata
-        return {"path": self.path, "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
+        return {"path": redact(self.path), "model_name": m["model_name"], "embedding_dim": self.embedding_dim,
                 "block_size": self.block_size, "gist_dtype": self.gist_policy, "vocab_size": self.vocab_size,
                 "num_tokens": self.num_tokens, "num_blocks": self.num_blocks,
                 "num_gists": {"LOD1": self.num_gists(1), "LOD2": self.num_gists(2)},
@@ -644,9 +644,9 @@ class Tree:
 
     def __repr__(self):
         if self._closed:
-            return f"<mcf MegaContext tree {self.path!r} closed>"
+            return f"<mcf MegaContext tree {redact(self.path)!r} closed>"
         t, n1, n2 = self.counts
-        return (f"<mcf MegaContext tree {self.path!r} {'r+' if self.writable else 'r'}: {t} tokens, {n1} LOD1 + "
+        return (f"<mcf MegaContext tree {redact(self.path)!r} {'r+' if self.writable else 'r'}: {t} tokens, {n1} LOD1 + "
                 f"{n2} LOD2 gists, d={self.embedding_dim} {self._policy_text()}, K={self.block_size}>")
 
     def _policy_text(self) -> str:

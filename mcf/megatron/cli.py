@@ -11,6 +11,7 @@ import numpy as np
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP
 from mcf._core.console import human as _human
 from mcf._core.console import json_text, printable
+from mcf.remote import redact
 
 __all__ = ["add_megatron_parser"]
 
@@ -19,9 +20,9 @@ def info_dict(ds) -> dict:
     lens = ds.sequence_lengths
     h = ds.header
     d = {
-        "prefix": ds.path_prefix,
-        "idx": ds.idx_path,
-        "bin": ds.bin_path,
+        "prefix": redact(ds.path_prefix),   # a URL as messages show it (no credentials)
+        "idx": redact(ds.idx_path),
+        "bin": redact(ds.bin_path),
         "variant": h.variant,
         "version": h.version,
         "dtype": str(ds.dtype),
@@ -86,7 +87,7 @@ def cmd_verify(args) -> int:
             print(f"FAIL {printable(p)}")
         return 1
     with open_dataset(args.prefix, mmap=False if args.no_mmap else None) as ds:
-        print(f"OK {printable(ds.path_prefix)}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
+        print(f"OK {printable(redact(ds.path_prefix))}: {len(ds):,} sequences, {ds.num_documents:,} documents, "
               f"{ds.num_tokens:,} tokens ({ds.dtype}, {ds.variant})")
     return 0
 

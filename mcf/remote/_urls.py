@@ -1,5 +1,7 @@
 """What a URL names: its scheme's client, the bucket (or host) a store is made for, the object's key; and
-the URL as it may appear in a message (credentials never do).
+the URL as it may appear in a message (credentials never do: :func:`redact`, which lives in
+:mod:`mcf._core.redaction` so that :mod:`mcf.errors` can apply it to every message without an import
+circle).
 
 HTTP(S) URLs go to mcf's own client (:mod:`._http`), a query string and ``user:password@`` included; the
 object stores to obstore (one store per bucket, see :mod:`._stores`), which signs the URLs mcf's client
@@ -10,20 +12,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
+from mcf._core.redaction import redact, redact_text
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["OBJECT_STORE_SCHEMES", "Target", "is_url", "redact", "refuse_url", "target"]
+__all__ = ["OBJECT_STORE_SCHEMES", "Target", "is_url", "redact", "redact_text", "refuse_url", "target"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 #: scheme -> the store kind obstore builds for it
 OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure",
                         "abfs": "azure", "abfss": "azure", "adl": "azure", "http": "http", "https": "http"}
-
-# query parameters that carry a credential (pre-signed S3/GCS URLs, Azure SAS tokens, API keys)
-_SECRET_PARAM = re.compile(r"sig|signature|credential|token|key|secret|password", re.IGNORECASE)
 
 
 def is_url(obj) -> bool:
@@ -41,36 +41,6 @@ def refuse_url(path, *, what: str = "writing") -> None:
     if is_url(path):
         raise InvalidArgumentError(f"{redact(path)}: {what} is not supported on remote URLs (remote files are "
                                    "read-only)")
-
-
-def redact(url) -> str:
-    """``url`` fit for a message or a log: a password in it (``https://user:pw@host``) and the values of
-    query parameters that look like credentials (``X-Amz-Signature``, ``sig``, ``token``...) become
-    ``***``."""
-    if isinstance(url, bytes):
-        url = url.decode(errors="replace")
-    url = str(url)
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return re.sub(r"//[^/@]*@", "//***@", url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        netloc = (user.split(":", 1)[0] + ":***" if ":" in user else user) + "@" + host
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(_SECRET_PARAM.search(k) for k, _ in pairs):
-            query = urlencode([(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*")
-    if netloc == parts.netloc and query == parts.query:
-        return url   # nothing to hide (and urlunsplit would drop the // of memory:///x)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def redact_text(text: str) -> str:
-    """Any URL inside ``text`` (an error message of a client library) redacted as by :func:`redact`."""
-    return re.sub(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+", lambda m: redact(m.group(0)), text)
 
 
 @dataclass(frozen=True)

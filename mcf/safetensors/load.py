@@ -35,6 +35,7 @@ from mcf.loading.plan import mmap_of_backend, plain_piece, source_options
 from mcf.loading.scaled import scaled_piece
 from mcf.loading.select import selection
 from mcf.loading.slices import Rows, cut_of
+from mcf.remote import redact
 from mcf.safetensors.conventions import scaled_weights
 from mcf.safetensors.reader import Checkpoint, SafetensorsFile, open_checkpoint
 
@@ -52,9 +53,9 @@ def open_for_load(filename, *, mmap=None, copy: bool = True):
 
 
 def label(filename, ckpt: Checkpoint) -> str:
-    """What errors call the checkpoint: the path or URL it was opened from, else its first file."""
+    """What errors call the checkpoint: the path or URL it was opened from (redacted), else its first file."""
     if isinstance(filename, (str, bytes, os.PathLike)):
-        return os.fsdecode(filename)
+        return redact(os.fsdecode(filename))
     return ckpt.index or (ckpt.files[0].source.name if ckpt.files else "<checkpoint>")
 
 

@@ -10,6 +10,14 @@ cannot store (BOOL, F6, C64) are refused by the converters, not here.
 A sharded checkpoint (``model.safetensors.index.json``) is checked against its shards before anything
 is read: every tensor the index lists must be in the shard it names, every shard tensor must be
 listed, no tensor may be in two shards, and a shard the index names must exist.
+
+Which files a path or URL means is decided once, by :func:`locate_checkpoint`, for every transport and
+every caller (the loaders, ``mcf info``, ``mcf pack`` and ``mcf convert``), with the rule transformers
+follows: a directory is its ``model.safetensors`` if it has one, else its ``model.safetensors.index.json``
+and the shards it lists, else (a local directory, which can be listed) its ``*.safetensors`` files.  A
+URL is a file, an index or a directory by the path of the URL (its query and fragment left out), and a
+directory URL is probed by name, no listing needed: a store that answers 403 for a missing key (S3
+without ListBucket, CloudFront) is taken as answering 404.
 """
 
 from __future__ import annotations
@@ -20,16 +28,21 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from urllib.parse import quote, unquote
 
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DTypeInfo, dtype_info
-from mcf.errors import FormatError, MissingFileError, TruncatedError, os_error
+from mcf.errors import AccessError, FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
+from mcf.remote import is_url, redact
+from mcf.remote._urls import OBJECT_STORE_SCHEMES
 
-__all__ = ["SafetensorsFile", "SafetensorsTensor", "Checkpoint", "open_checkpoint", "ST_DTYPES", "INDEX_NAME"]
+__all__ = ["SafetensorsFile", "SafetensorsTensor", "Checkpoint", "CheckpointFiles", "open_checkpoint",
+           "locate_checkpoint", "name_kind", "url_name", "join_name", "ST_DTYPES", "INDEX_NAME", "WEIGHTS_NAME"]
 
 MAX_HEADER = 100 * 1024 * 1024
 INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "model.safetensors"
 
 #: safetensors dtype name -> the MCF dtype of the same bits, for those MCF can store (what ``mcf pack``
 #: and ``mcf export`` map between).
@@ -166,15 +179,22 @@ def _refuse_entry(path, name, ent):
 class Checkpoint:
     """All tensors of a checkpoint: one ``model.safetensors``, or shards listed in
     ``model.safetensors.index.json`` (``index`` and its ``weight_map``, checked against the shards
-    here), or every ``*.safetensors`` of a directory.  ``files`` may be paths, URLs or sources."""
+    here), or every ``*.safetensors`` of a directory.  ``files`` may be paths, URLs or sources; ``shards``
+    are the file names the index gives them (by default their base names).  ``index`` is kept as messages
+    show it (a URL redacted, :func:`mcf.remote.redact`)."""
 
     def __init__(self, files: list, *, mmap: bool | None = None, index: str | None = None,
-                 weight_map: dict | None = None):
+                 weight_map: dict | None = None, shards: list | None = None):
         self.files = []
-        self.index = index
+        self.index = None if index is None else redact(index)
+        if shards is None:
+            shards = [None] * len(files)
         try:
-            for f in files:
-                self.files.append(_open_shard(f, mmap, index, weight_map))
+            shard_of = {}
+            for f, shard in zip(files, shards):
+                self.files.append(_open_shard(f, mmap, self.index, weight_map, shard))
+                if shard is not None:
+                    shard_of[id(self.files[-1])] = shard
             self.tensors = {}
             for f in self.files:
                 for name, t in f.tensors.items():
@@ -184,7 +204,7 @@ class Checkpoint:
                                           path=f.source.name, field=f"header[{name!r}]", offset=8)
                     self.tensors[name] = t
             if weight_map is not None:
-                _check_index(self, weight_map, index)
+                _check_index(self, weight_map, self.index, shard_of)
         except BaseException:
             self.close()
             raise
@@ -220,14 +240,15 @@ class Checkpoint:
         self.close()
 
 
-def _open_shard(f, mmap, index, weight_map) -> SafetensorsFile:
+def _open_shard(f, mmap, index, weight_map, shard) -> SafetensorsFile:
     """A shard, with a missing one named by the index that lists it and a tensor it should hold."""
     try:
         return SafetensorsFile(f, mmap=mmap)
     except MissingFileError as exc:
         if index is None or isinstance(f, Source):
             raise
-        shard = os.path.basename(os.fsdecode(f).rstrip("/"))
+        if shard is None:
+            shard = os.path.basename(os.fsdecode(f).rstrip("/"))
         held = [n for n, s in (weight_map or {}).items() if s == shard]
         what = f" (it holds {held[0]!r}" + (f" and {len(held) - 1} more)" if len(held) > 1 else ")") if held else ""
         raise MissingFileError(exc.errno or errno.ENOENT, f"shard listed in {index}{what} is missing",
@@ -236,7 +257,8 @@ def _open_shard(f, mmap, index, weight_map) -> SafetensorsFile:
 
 def parse_index(raw: bytes, idx: str) -> dict:
     """``weight_map`` of a shard index: an object of tensor name -> plain file name in the index's
-    directory (no path separators, no ``..``), not empty."""
+    directory (no path separators, no ``..``, no NUL), not empty.  ``idx`` names the index in errors."""
+    idx = redact(idx)
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -246,6 +268,9 @@ def parse_index(raw: bytes, idx: str) -> dict:
         raise FormatError("shard index needs a non-empty weight_map object", path=idx, field="weight_map",
                           expected="{tensor name: shard file name}", got=type(wm).__name__)
     for name, shard in wm.items():
+        if isinstance(shard, str) and "\0" in shard:
+            raise FormatError("a shard name holds a NUL character, which no file name can", path=idx,
+                              field=f"weight_map[{name!r}]", expected="a plain file name", got=repr(shard))
         if (not isinstance(shard, str) or shard in ("", ".", "..") or os.path.basename(shard) != shard
                 or "/" in shard or "\\" in shard):
             raise FormatError("shard names must be plain file names in the index's directory", path=idx,
@@ -253,24 +278,198 @@ def parse_index(raw: bytes, idx: str) -> dict:
     return wm
 
 
-def _check_index(ckpt: Checkpoint, wm: dict, idx: str) -> None:
+def _check_index(ckpt: Checkpoint, wm: dict, idx: str, shard_of: dict) -> None:
+    def shard_name(f):
+        return shard_of.get(id(f)) or os.path.basename(f.source.name)
+
     for name, shard in wm.items():
         t = ckpt.tensors.get(name)
-        if t is None or os.path.basename(t.file.source.name) != shard:
+        if t is None or shard_name(t.file) != shard:
             raise FormatError(f"the index puts tensor {name!r} in {shard}, which does not hold it",
                               path=idx, field=f"weight_map[{name!r}]")
     for name, t in ckpt.tensors.items():
         if name not in wm:
-            raise FormatError(f"tensor {name!r} of {os.path.basename(t.file.source.name)} is not in the "
-                              "index", path=idx, field="weight_map")
+            raise FormatError(f"tensor {name!r} of {shard_name(t.file)} is not in the index", path=idx,
+                              field="weight_map")
 
 
-def _shards(wm: dict) -> list:
-    return sorted(set(wm.values()))
+# -- which files a path or URL means -------------------------------------------------------------------------
+def _hierarchical(url: str) -> bool:
+    """True for the URLs whose path is percent-encoded and may be followed by a query and a fragment
+    (http(s) and the object stores); fsspec's other schemes (``memory://``, ``file://``, ``hf://``) take
+    everything after ``scheme://`` as a literal path, ``?`` and ``#`` included."""
+    return url.split("://", 1)[0].lower() in OBJECT_STORE_SCHEMES
 
 
-def _open_index(idx: str, mmap) -> Checkpoint:
-    """The checkpoint a local ``model.safetensors.index.json`` describes."""
+def _split_url(url: str) -> tuple:
+    """``(head, query)``: the URL up to the end of its path, and its query with the ``?`` ("" when none); a
+    fragment is left out.  A URL of a literal-path scheme is all head."""
+    if not _hierarchical(url):
+        return url, ""
+    cut = min((k for k in (url.find("?"), url.find("#")) if k != -1), default=len(url))
+    head, rest = url[:cut], url[cut:]
+    return head, rest.split("#", 1)[0] if rest.startswith("?") else ""
+
+
+def url_name(path) -> str:
+    """The name a decision by name looks at: a path as it is; for an http(s) or object-store URL, the URL
+    without its query and fragment, its path percent-decoded (``https://h/m.safetensors?download=true`` is
+    ``https://h/m.safetensors``); for fsspec's other schemes the URL as it is (their paths are literal)."""
+    p = os.fsdecode(os.fspath(path))
+    if not is_url(p):
+        return p
+    head, _ = _split_url(p)
+    if not _hierarchical(p):
+        return head
+    scheme, rest = head.split("://", 1)
+    host, slash, key = rest.partition("/")
+    return f"{scheme}://{host}{slash}{unquote(key)}"
+
+
+def name_kind(path) -> str | None:
+    """What the name of ``path`` (:func:`url_name`) says it is: ``"file"`` (``*.safetensors``), ``"index"``
+    (``*.json``), ``"directory"`` (a trailing ``/``, or a URL naming no path), or None (nothing)."""
+    p = url_name(path)
+    if is_url(p) and "/" not in p.split("://", 1)[1]:   # scheme://host: its root
+        return "directory"
+    if p.endswith("/"):
+        return "directory"
+    if p.endswith(".safetensors"):
+        return "file"
+    if p.endswith(".json"):
+        return "index"
+    return None
+
+
+def join_name(base, name: str) -> str:
+    """The path or URL of the file ``name`` in the directory ``base``.  A URL keeps its query (how the
+    store is reached: ``?download=true``, a token) after the new path; for http(s) and the object stores
+    ``name`` is percent-encoded, so a shard named ``a?b#c%20.safetensors`` is the file of that name, not a
+    query or a fragment (fsspec's other schemes take names as they are)."""
+    base = os.fsdecode(os.fspath(base))
+    if not is_url(base):
+        return os.path.join(base, name)
+    head, query = _split_url(base)
+    if _hierarchical(base):
+        name = quote(name, safe="")
+    return head.rstrip("/") + "/" + name + query
+
+
+def _parent(url: str) -> str:
+    """The directory URL of the file ``url`` (its query kept)."""
+    head, query = _split_url(url)
+    return head.rsplit("/", 1)[0] + "/" + query
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """What a checkpoint path or URL names (:func:`locate_checkpoint`): the ``files`` to open, in order;
+    the shard ``index`` they come from (its path or URL as given), its ``weight_map`` and the file name it
+    gives each file (``shards``), all None without an index; ``directory``: the directory (a path or a URL)
+    when one was given, else None."""
+
+    files: tuple
+    index: str | None = None
+    weight_map: dict | None = None
+    shards: tuple | None = None
+    directory: str | None = None
+
+    def open(self, *, mmap: bool | None = None) -> Checkpoint:
+        """The :class:`Checkpoint` of these files, checked against the index when there is one."""
+        return Checkpoint(list(self.files), mmap=mmap, index=self.index, weight_map=self.weight_map,
+                          shards=None if self.shards is None else list(self.shards))
+
+
+def locate_checkpoint(path) -> CheckpointFiles:
+    """The files a safetensors checkpoint path or URL means, the one rule of every loader and command:
+
+    - a ``*.safetensors`` file (for a URL: its path, query and fragment aside, ends so) is itself;
+    - a ``*.json`` file is a shard index: the shards its ``weight_map`` names, in its directory;
+    - a directory (for a URL: any other) is its ``model.safetensors`` if it has one, else its
+      ``model.safetensors.index.json`` and the shards that lists (transformers' order), else, for a local
+      directory, every ``*.safetensors`` in it.  A URL is probed by name (no listing): a 403 counts as a
+      404 (a store that may not list answers 403 for a missing key), and when neither file can be had the
+      :class:`mcf.MissingFileError` (:class:`mcf.AccessError` if a probe was refused) names both URLs and
+      what each answered.
+
+    Nothing is opened but what the decision needs (a probe's size, the index)."""
+    p = os.fsdecode(os.fspath(path))
+    if is_url(p):
+        kind = name_kind(p)
+        if kind == "file":
+            return CheckpointFiles((p,))
+        if kind == "index":
+            return _index_files(p, _read_remote(p), None)
+        return _remote_directory(p)
+    if os.path.isdir(p):
+        return _local_directory(p)
+    if p.endswith(".json") and os.path.isfile(p):
+        return _index_files(p, _read_local(p), None)
+    return CheckpointFiles((p,))
+
+
+def _index_files(idx: str, raw: bytes, directory: str | None) -> CheckpointFiles:
+    wm = parse_index(raw, idx)
+    base = _parent(idx) if is_url(idx) else os.path.dirname(idx)
+    shards = _shards(wm)
+    return CheckpointFiles(tuple(join_name(base, s) for s in shards), index=idx, weight_map=wm,
+                           shards=tuple(shards), directory=directory)
+
+
+def _local_directory(d: str) -> CheckpointFiles:
+    single = os.path.join(d, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return CheckpointFiles((single,), directory=d)
+    idx = os.path.join(d, INDEX_NAME)
+    if os.path.isfile(idx):
+        return _index_files(idx, _read_local(idx), d)
+    try:
+        cands = sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))
+    except OSError as exc:
+        raise os_error(exc, d) from None
+    if not cands:
+        raise MissingFileError(errno.ENOENT, f"no {WEIGHTS_NAME}, shard index or *.safetensors", d)
+    return CheckpointFiles(tuple(os.path.join(d, c) for c in cands), directory=d)
+
+
+def _remote_directory(url: str) -> CheckpointFiles:
+    from mcf.remote import RemoteFile
+
+    refused = []
+    for name in (WEIGHTS_NAME, INDEX_NAME):
+        probe = join_name(url, name)
+        try:
+            f = RemoteFile(probe)   # its size: is it there
+        except (FileNotFoundError, PermissionError) as exc:   # 404, or 403/401 (a store that may not list)
+            refused.append((probe, exc))
+            continue
+        if name == WEIGHTS_NAME:
+            f.close()
+            return CheckpointFiles((probe,), directory=url)
+        with f:
+            raw = _read_index(f, probe)
+        return _index_files(probe, raw, url)
+    answers = "; ".join(f"{redact(u)}: {getattr(e, 'strerror', None) or e}" for u, e in refused)
+    cls = MissingFileError if all(isinstance(e, FileNotFoundError) for _, e in refused) else AccessError
+    raise cls(errno.ENOENT if cls is MissingFileError else errno.EACCES,
+              f"no safetensors checkpoint under this URL, which names no .safetensors or .json file (probed "
+              f"{WEIGHTS_NAME}, then {INDEX_NAME}: {answers})", url)
+
+
+def _read_index(f, idx: str) -> bytes:
+    if f.size > MAX_HEADER:
+        raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes", got=f.size)
+    return f.read()
+
+
+def _read_remote(idx: str) -> bytes:
+    from mcf.remote import RemoteFile
+
+    with RemoteFile(idx) as f:
+        return _read_index(f, idx)
+
+
+def _read_local(idx: str) -> bytes:
     try:
         with open(idx, "rb") as f:
             raw = f.read(MAX_HEADER + 1)
@@ -278,61 +477,19 @@ def _open_index(idx: str, mmap) -> Checkpoint:
         raise os_error(exc, idx) from None
     if len(raw) > MAX_HEADER:
         raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes")
-    wm = parse_index(raw, idx)
-    base = os.path.dirname(idx)
-    return Checkpoint([os.path.join(base, s) for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
+    return raw
 
 
-def _open_remote_checkpoint(url: str, mmap: bool | None) -> Checkpoint:
-    """A URL naming a ``.safetensors`` file or an index, or a "directory" URL under which
-    ``model.safetensors.index.json`` (and its shards) or ``model.safetensors`` can be fetched (no
-    listing needed)."""
-    from mcf.remote import RemoteFile
-
-    if url.endswith(".safetensors"):
-        return Checkpoint([url], mmap=mmap)
-    if url.endswith(".json"):
-        idx, base = url, url.rsplit("/", 1)[0]
-    else:
-        base = url.rstrip("/")
-        idx = base + "/" + INDEX_NAME
-    try:
-        with RemoteFile(idx) as f:
-            if f.size > MAX_HEADER:
-                raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes", got=f.size)
-            raw = f.read()
-    except FileNotFoundError:
-        if url.endswith(".json"):
-            raise
-        return Checkpoint([base + "/model.safetensors"], mmap=mmap)
-    wm = parse_index(raw, idx)
-    return Checkpoint([base + "/" + s for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
+def _shards(wm: dict) -> list:
+    return sorted(set(wm.values()))
 
 
 def open_checkpoint(path, *, mmap: bool | None = None) -> Checkpoint:
     """Open a safetensors file, a ``model.safetensors.index.json`` and its shards, or a directory
     holding ``model.safetensors``, an index, or else ``*.safetensors`` files (a URL of any of these too:
-    see :mod:`mcf.remote`).  Sharded checkpoints are checked against their index.  ``mmap=None`` maps files
-    on a local disk and reads them with positional reads on a network or FUSE filesystem;
-    ``mmap=True``/``False`` decides instead."""
-    from mcf.remote import is_url
-
-    if is_url(path):
-        return _open_remote_checkpoint(os.fsdecode(path), mmap)
+    see :mod:`mcf.remote`); which files, :func:`locate_checkpoint` decides.  Sharded checkpoints are
+    checked against their index.  ``mmap=None`` maps files on a local disk and reads them with positional
+    reads on a network or FUSE filesystem; ``mmap=True``/``False`` decides instead."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         return Checkpoint([path], mmap=mmap)   # a buffer, file-like object or Source
-    path = os.fsdecode(os.fspath(path))
-    if os.path.isdir(path):
-        idx = os.path.join(path, INDEX_NAME)
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(single):
-            return Checkpoint([single], mmap=mmap)
-        if os.path.exists(idx):
-            return _open_index(idx, mmap)
-        cands = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-        if not cands:
-            raise MissingFileError(errno.ENOENT, "no model.safetensors, shard index or *.safetensors", path)
-        return Checkpoint([os.path.join(path, c) for c in cands], mmap=mmap)
-    if path.endswith(".json") and os.path.isfile(path):
-        return _open_index(path, mmap)
-    return Checkpoint([path], mmap=mmap)
+    return locate_checkpoint(path).open(mmap=mmap)
