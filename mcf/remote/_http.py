@@ -51,6 +51,14 @@ MAX_REDIRECTS = 5
 #: headers that carry a credential: never sent to another origin after a redirect
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "cookie2", "x-amz-security-token",
                                 "x-goog-user-project", "x-ms-authorization"})
+#: obstore's client options mcf's client honours (the same names, so one dict serves both)
+CLIENT_OPTIONS = frozenset({"allow_invalid_certificates", "root_certificate", "default_headers", "user_agent",
+                            "proxy_url"})
+# obstore's tuning of its own connection pool and protocol: meaningless here, accepted and ignored
+_OBSTORE_TUNING = frozenset({"allow_http", "connect_timeout", "timeout", "read_timeout", "pool_idle_timeout",
+                             "pool_max_idle_per_host", "http1_only", "http2_only", "http2_keep_alive_interval",
+                             "http2_keep_alive_timeout", "http2_keep_alive_while_idle", "http2_max_frame_size",
+                             "randomize_addresses", "default_content_type"})
 _READ_PIECE = 1 << 20          # the most one socket read may bring (a piece is copied nowhere: it lands in place)
 _MAX_DISCARD = 64 << 10        # a redirect's or an error's body read (and dropped) to keep the connection
 
@@ -96,9 +104,10 @@ def _retry_after(value) -> float | None:
 class _Pool:
     """Idle keep-alive connections per origin (and proxy), at most ``limit`` each."""
 
-    def __init__(self, limit: int, context):
+    def __init__(self, limit: int, context, proxy: str | None = None):
         self.limit = limit
         self.context = context
+        self.proxy = proxy
         self._idle: dict = {}
         self._lock = threading.Lock()
 
@@ -112,7 +121,7 @@ class _Pool:
         return self._new(origin, timeout)
 
     def _new(self, origin: _Origin, timeout):
-        proxy = _proxy_for(origin)
+        proxy = self.proxy or _proxy_for(origin)
         if proxy is None:
             if origin.scheme == "https":
                 return http.client.HTTPSConnection(origin.host, origin.port, timeout=timeout, context=self.context)
@@ -200,8 +209,14 @@ class HttpTransport:
         self._signer = signer
         self._headers = {str(k): str(v) for k, v in (headers or {}).items()}
         client_options = dict(client_options or {})
+        unknown = sorted(set(client_options) - CLIENT_OPTIONS - _OBSTORE_TUNING)
+        if unknown:
+            raise InvalidArgumentError(f"{redacted}: client_options {unknown} are not understood by mcf's HTTP client "
+                                       f"(it takes {sorted(CLIENT_OPTIONS)}; backend='obstore' takes obstore's)")
         for k, v in (client_options.pop("default_headers", None) or {}).items():
             self._headers.setdefault(str(k), v.decode() if isinstance(v, bytes) else str(v))
+        if client_options.get("user_agent"):
+            self._headers.setdefault("User-Agent", str(client_options["user_agent"]))
         if parts.username is not None or parts.password is not None:
             from urllib.parse import unquote
 
@@ -216,7 +231,7 @@ class HttpTransport:
         self.timeout = timeout
         self.min_rate = float(min_rate)
         # a redirect may lead to https whatever the first scheme: every transport has a TLS context
-        self._pool = _Pool(max(1, int(concurrency)), _ssl_context(client_options))
+        self._pool = _Pool(max(1, int(concurrency)), _ssl_context(client_options), client_options.get("proxy_url"))
         self.size_hint = None
         self.etag = None
         self.last_modified = None
