@@ -367,3 +367,57 @@ def test_bytes_read_counts_a_retried_answer(srv):
     f.readinto(buf)
     assert bytes(buf) == DATA[:1 << 20]
     assert f.bytes_fetched == (1 << 20) + (1 << 19)
+
+
+# -- settings and paths no request can carry ------------------------------------------------------------------
+@pytest.mark.parametrize("client", ["auto", "obstore"])
+def test_a_region_with_a_newline_is_refused_before_any_request(srv, client):
+    """obstore's signer panics on it (pyo3's PanicException derives from BaseException and escaped every
+    ``except Exception``); it is refused as an argument now, before a request is made."""
+    if client == "obstore":
+        pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python "
+                                              "3.11 and later)")
+    opts = {"endpoint_url": srv.url("").rstrip("/"), "region": "us\neast-1", "aws_access_key_id": "A",
+            "aws_secret_access_key": "S"}
+    with pytest.raises(mcf.InvalidArgumentError, match="region"):
+        RemoteFile("s3://bucket/blob.bin", storage_options=opts, backend=client, retries=3, retry_delay=0.0)
+    assert srv.seen == []
+
+
+@pytest.mark.parametrize("client", ["auto", "obstore"])
+def test_an_object_path_obstore_cannot_parse_is_not_retried(srv, client):
+    """``..`` in a key: an argument error at once, not six attempts as if the network had failed."""
+    pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python "
+                                          "3.11 and later)")
+    opts = {"endpoint_url": srv.url("").rstrip("/"), "region": "us-east-1", "aws_access_key_id": "A",
+            "aws_secret_access_key": "S"}
+    with pytest.raises(mcf.InvalidArgumentError, match="a/../b"):
+        RemoteFile("s3://bucket/a/../b", storage_options=opts, backend=client, retries=5, retry_delay=0.0)
+    assert srv.seen == []
+
+
+def test_a_panic_inside_the_client_is_an_mcf_error_not_retried():
+    """Whatever else makes obstore panic ends as an MCFIOError after one attempt, never a PanicException."""
+    from mcf.remote._fetch import Fetcher, Retry
+
+    class Panic(BaseException):       # what pyo3_runtime.PanicException is: not an Exception
+        pass
+
+    calls = []
+
+    class Transport:
+        def get(self, start, end, out=None):
+            calls.append(start)
+            raise Panic("called `Result::unwrap()` on an `Err` value")
+
+        def classify(self, exc):
+            from mcf.remote._obstore import ObstoreTransport
+
+            return ObstoreTransport.classify(type("T", (), {"url": "s3://b/k", "etag": None})(), exc)
+
+    from mcf.remote._plan import Part
+
+    f = Fetcher(Transport(), url="s3://b/k", size=10, retries=5, retry_delay=0.0, concurrency=1, stats={})
+    with pytest.raises(MCFIOError, match="panic"):
+        f.fetch(Part(0, 10, [(0, memoryview(bytearray(10)))]))
+    assert calls == [0]

@@ -213,3 +213,27 @@ def test_answers_in_memory_are_bounded_by_concurrency_times_part_size():
             stats=stats).fetch_all(parts)
     assert bytes(dst) == _BLOB and len(parts) == 103
     assert stats["max_in_flight"] == 4 and live["peak"] <= 4 * 1000 and live["now"] == 0, live
+
+
+def test_presigned_url_matches_the_aws_documentation_example():
+    """AWS's own example of query-string authentication ("Authenticating Requests: Using Query Parameters"):
+    the same key, date and object give the signature the documentation prints."""
+    import datetime
+
+    from mcf.remote._sigv4 import presign
+
+    url = presign("GET", "https://examplebucket.s3.amazonaws.com/test.txt", access_key="AKIAIOSFODNN7EXAMPLE",
+                  secret_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", token=None, region="us-east-1",
+                  expires=86400, now=datetime.datetime(2013, 5, 24, tzinfo=datetime.timezone.utc))
+    assert url == ("https://examplebucket.s3.amazonaws.com/test.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+                   "&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20130524%2Fus-east-1%2Fs3%2Faws4_request"
+                   "&X-Amz-Date=20130524T000000Z&X-Amz-Expires=86400&X-Amz-SignedHeaders=host"
+                   "&X-Amz-Signature=aeeed9bbccd4d02ee5c0109b86d86835f995330da4c265957d157751f604d404")
+
+
+def test_s3_object_urls_are_path_style_and_quoted():
+    from mcf.remote._sigv4 import object_url
+
+    assert object_url(None, "eu-west-1", "b", "a b/c?#%.bin") == \
+        "https://s3.eu-west-1.amazonaws.com/b/a%20b/c%3F%23%25.bin"
+    assert object_url("http://127.0.0.1:8333/", "us-east-1", "b", "k") == "http://127.0.0.1:8333/b/k"

@@ -1,11 +1,10 @@
 """The object stores and HTTP(S) through obstore (the Python binding of Rust's object_store): ranged
 GETs on a pooled connection per store, in Rust, with the GIL released while they run.
 
-For S3 with keys mcf knows (options, environment, profile, or none at all for ``anon``), obstore only signs:
-:func:`presigner` makes pre-signed URLs that mcf's own HTTP client (:mod:`mcf.remote._http`) fetches, so
-no session token travels in a header a redirect could forward, and every answer is read in bounded pieces
-under mcf's deadlines.  :class:`ObstoreTransport`, obstore's own client end to end, serves GCS, Azure, S3
-with credentials only the client can find (web identity, instance roles) and ``backend="obstore"``: its
+S3 with keys mcf knows (options, environment, profile, or none at all for ``anon``) does not come here: mcf
+signs its URLs itself (:mod:`mcf.remote._sigv4`) and fetches them with its own HTTP client.
+:class:`ObstoreTransport`, obstore's own client end to end, serves GCS, Azure, S3 with credentials only the
+client can find (web identity, instance roles) or options only it knows, and ``backend="obstore"``: its
 answers are streamed in bounded chunks and cut off at the range's length, every answer's ETag is compared
 with the one pinned at opening, and a request's deadline is the store's overall timeout (``timeout +
 request_size / min_rate``); redirects are reqwest's (it drops ``Authorization`` on a cross-origin one,
@@ -17,10 +16,8 @@ body cut short); object_store does not expose ``Retry-After`` headers, so its ba
 
 from __future__ import annotations
 
-import datetime
 import errno
 import re
-import threading
 import time
 
 from mcf._core.optional import require
@@ -29,59 +26,12 @@ from mcf.remote._fetch import Retry
 from mcf.remote._stores import object_store
 from mcf.remote._urls import redact_text
 
-__all__ = ["ObstoreTransport", "presigner", "SIGNED_URL_LIFETIME"]
-
-#: how long a pre-signed URL is valid; one is reused for half of it, then signed again
-SIGNED_URL_LIFETIME = 900.0
-
+__all__ = ["ObstoreTransport"]
 
 def _fatal(exc: BaseException) -> bool:
     """True for the exceptions a client call must let through (not a failure of the request)."""
     return isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit))
 
-
-def presigner(target, opts: dict, *, timeout):
-    """``sign(method) -> URL`` for an ``s3://`` object whose keys mcf resolved itself (or ``anon``), signed
-    by obstore without a network call; None where only obstore's own client can authenticate (GCS, Azure,
-    credentials from web identity or an instance role), which then reads the object itself."""
-    if target.kind != "s3":
-        return None
-    from mcf.remote._stores import object_store, s3_settings
-
-    settings = s3_settings(opts)
-    anon = settings["anon"]
-    if not anon and settings["credentials_from"] is None:
-        return None
-    if anon:
-        # obstore signs nothing without keys (and would look for an instance role): sign with a placeholder
-        # key and keep the URL without its query, the address of the object as the store spells it
-        opts = {k: v for k, v in opts.items() if k not in ("anon",)}
-        opts.update(aws_access_key_id="mcf-anonymous", aws_secret_access_key="mcf-anonymous")
-    store = object_store("s3", target.root, opts, timeout=timeout)
-    obstore = require("obstore", feature="signing s3:// URLs", extra="remote")
-    lifetime = datetime.timedelta(seconds=SIGNED_URL_LIFETIME)
-    cache: dict = {}
-    lock = threading.Lock()
-
-    def sign(method: str) -> str:
-        with lock:
-            url, until = cache.get(method, (None, 0.0))
-            if url is not None and time.monotonic() < until:
-                return url
-            try:
-                url = obstore.sign(store, method, target.key, lifetime)
-            except BaseException as exc:  # noqa: BLE001 - obstore raises TypeError, its own errors, or panics
-                if _fatal(exc):
-                    raise
-                raise InvalidArgumentError(f"{target.root}: cannot sign a request for the object "
-                                           f"{target.key!r}: {_first_line(exc)}") from None
-            if anon:
-                url = url.split("?", 1)[0]
-            cache[method] = (url, time.monotonic() + SIGNED_URL_LIFETIME / 2)
-            return url
-
-    sign("GET")   # a key the store cannot sign is refused now, not retried per request
-    return sign
 
 _STATUS = re.compile(r"status code: (\d{3})")
 

@@ -121,12 +121,22 @@ def _profile(name: str, environ, *, required: bool) -> dict:
     return out
 
 
+def _printable_settings(opts: dict) -> None:
+    """Refuse a string setting with a control character (a newline in a region): it cannot go in a request
+    header, and obstore's signer panics on it instead of failing."""
+    for k, v in opts.items():
+        if isinstance(v, str) and any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+            raise InvalidArgumentError(f"storage_options[{k!r}] holds a control character (a newline?); S3 "
+                                       "settings go into request headers and must be printable")
+
+
 def s3_settings(opts: dict, environ=None) -> dict:
     """The S3 settings for ``opts`` (canonical names), resolved in the order of the module docstring.
     ``"credentials_from"`` says where the keys came from: "options", "profile", "environment" or None
     (the client's own chain)."""
     environ = os.environ if environ is None else environ
     opts = _canonical_s3(opts)
+    _printable_settings(opts)
     explicit_profile = opts.pop("profile", None)
     env = {"aws_access_key_id": environ.get("AWS_ACCESS_KEY_ID"),
            "aws_secret_access_key": environ.get("AWS_SECRET_ACCESS_KEY"),

@@ -48,9 +48,9 @@ def _obstore_installed() -> bool:
 
 
 def _transport(url, tgt, backend, opts, *, timeout, min_rate, request_size, concurrency, redacted):
-    """The client of one URL (see :mod:`mcf.remote`): mcf's HTTP client for http(s) and, through URLs
-    obstore signs, for S3; obstore's own client where mcf's cannot sign (GCS, Azure, S3 without static
-    keys); fsspec for every other scheme, and wherever asked for."""
+    """The client of one URL (see :mod:`mcf.remote`): mcf's HTTP client for http(s) and, through URLs mcf
+    signs, for S3; obstore's own client where mcf cannot sign (GCS, Azure, S3 with role credentials);
+    fsspec for every other scheme, without obstore, and wherever asked for."""
     if backend == "fsspec" or (backend == "auto" and tgt.kind == "fsspec"):
         from mcf.remote._fsspec import FsspecTransport
 
@@ -59,23 +59,31 @@ def _transport(url, tgt, backend, opts, *, timeout, min_rate, request_size, conc
     if tgt.kind == "fsspec":
         raise InvalidArgumentError(f"{redacted}: backend={backend!r} reads s3://, gs://, az://, abfs:// and "
                                    "http(s):// URLs; this one needs backend='fsspec'")
-    if backend == "obstore" or (tgt.kind != "http" and backend == "auto"):
-        if not _obstore_installed() and backend == "auto":
+    if tgt.kind == "s3" and backend in ("auto", "http"):
+        from mcf.remote._sigv4 import s3_signer
+
+        signer = s3_signer(tgt, opts)
+        if signer is not None:
+            from mcf.remote._http import HttpTransport
+
+            return HttpTransport(signer("GET"), client_options=opts.get("client_options"), timeout=timeout,
+                                 min_rate=min_rate, concurrency=concurrency, redacted=redacted, signer=signer)
+        if backend == "http":
+            raise InvalidArgumentError(f"{redacted}: backend='http' signs S3 requests with keys from the options, "
+                                       "the environment or a profile (or anon=True); these credentials or options "
+                                       "need backend='obstore'")
+    if backend == "obstore" or (backend == "auto" and tgt.kind != "http"):
+        if backend == "auto" and not _obstore_installed():
             from mcf.remote._fsspec import FsspecTransport
 
             return FsspecTransport(url, fsspec_options(tgt.kind, opts), timeout=timeout, min_rate=min_rate,
                                    redacted=redacted)
-        from mcf.remote._obstore import ObstoreTransport, presigner
+        from mcf.remote._obstore import ObstoreTransport
 
-        if backend == "auto":
-            signer = presigner(tgt, opts, timeout=timeout)
-            if signer is not None:
-                from mcf.remote._http import HttpTransport
-
-                return HttpTransport(signer("GET"), client_options=opts.get("client_options"), timeout=timeout,
-                                     min_rate=min_rate, concurrency=concurrency, redacted=redacted, signer=signer)
         return ObstoreTransport(tgt, opts, timeout=timeout, min_rate=min_rate, request_size=request_size,
                                 url=redacted)
+    if tgt.kind != "http":
+        raise InvalidArgumentError(f"{redacted}: backend='http' reads http(s):// and s3:// URLs")
     from mcf.remote._http import HttpTransport
 
     extra = sorted(set(opts) - {"headers", "client_options", "anon"})
