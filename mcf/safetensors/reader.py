@@ -22,8 +22,9 @@ import struct
 from dataclasses import dataclass
 
 from mcf._core._io import Source, open_source
+from mcf._core.fs import read_regular
 from mcf._core.dtypes import DTypeInfo, dtype_info
-from mcf.errors import FormatError, MissingFileError, TruncatedError, os_error
+from mcf.errors import FormatError, MissingFileError, TruncatedError
 from mcf.loading.dtypes import ELEMENTS, Element, element
 
 __all__ = ["SafetensorsFile", "SafetensorsTensor", "Checkpoint", "open_checkpoint", "ST_DTYPES", "INDEX_NAME"]
@@ -271,13 +272,7 @@ def _shards(wm: dict) -> list:
 
 def _open_index(idx: str, mmap) -> Checkpoint:
     """The checkpoint a local ``model.safetensors.index.json`` describes."""
-    try:
-        with open(idx, "rb") as f:
-            raw = f.read(MAX_HEADER + 1)
-    except OSError as exc:
-        raise os_error(exc, idx) from None
-    if len(raw) > MAX_HEADER:
-        raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes")
+    raw = read_regular(idx, limit=MAX_HEADER, what="shard index")  # a FIFO or a device is refused, never read
     wm = parse_index(raw, idx)
     base = os.path.dirname(idx)
     return Checkpoint([os.path.join(base, s) for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
