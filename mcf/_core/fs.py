@@ -14,7 +14,8 @@ reader, or a crash, sees the old file or the new one, never a torn one.
 - :func:`fsync_dir` fsyncs a directory and raises :class:`mcf.MCFIOError` when the operating system
   refuses: a caller that asked for durability is told when it did not get it.  No writer swallows
   that error (an earlier version of the MCF writer did).
-- :func:`write_atomic` does the three for a small file written in one go (JSON lists, indexes).
+- :func:`write_atomic` does the three for a small file written in one go (JSON lists, indexes);
+  :func:`write_temp` does the first two for a writer that renames several files in an order of its own.
 - :func:`fsync_file` is the one fsync of the package: ``fsync(2)`` on Linux; on macOS ``F_FULLFSYNC``,
   because there ``fsync`` only hands the data to the drive, whose write cache can still lose it on a power
   loss (Apple's fsync(2) man page says so).  :func:`preallocate` reserves a file's blocks up front where
@@ -51,7 +52,7 @@ from mcf.errors import FormatError, MCFError, MCFIOError, os_error
 
 __all__ = ["MAX_JSON_BYTES", "MAX_TOKENIZER_BYTES", "TEMP_SUFFIX", "create_temp", "file_kind", "fsync_dir",
            "fsync_file", "make_parent_dir", "not_regular", "open_regular", "preallocate", "publish",
-           "read_regular", "temp_name", "write_all", "write_atomic"]
+           "read_regular", "temp_name", "write_all", "write_atomic", "write_temp"]
 
 TEMP_SUFFIX = ".tmp"
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -254,10 +255,12 @@ def write_all(fd: int, data) -> None:
         mv = mv[os.write(fd, mv):]
 
 
-def write_atomic(path, write, *, durable: bool = False) -> None:
-    """Create ``path`` through a temporary file: ``write(fd)`` fills it, it is fsynced and renamed
-    into place (:func:`publish`); the temporary is removed on any failure.  OS errors are raised as
-    :class:`mcf.MCFIOError` naming ``path``."""
+def write_temp(path, write) -> str:
+    """The name of a complete, fsynced temporary file for ``path`` (:func:`create_temp`) that
+    ``write(fd)`` filled; the caller renames it into place (:func:`publish`) or removes it.  The
+    temporary is removed on any failure; OS errors are raised as :class:`mcf.MCFIOError` naming
+    ``path``.  For a writer that publishes several files in an order of its own (``mcf export``'s
+    shards); :func:`write_atomic` is the one-file case."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     try:
@@ -270,6 +273,22 @@ def write_atomic(path, write, *, durable: bool = False) -> None:
             fsync_file(fd)
         finally:
             os.close(fd)
+    except BaseException as exc:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
+            raise os_error(exc, path) from None
+        raise
+    return tmp
+
+
+def write_atomic(path, write, *, durable: bool = False) -> None:
+    """Create ``path`` through a temporary file: ``write(fd)`` fills it, it is fsynced and renamed
+    into place (:func:`publish`); the temporary is removed on any failure.  OS errors are raised as
+    :class:`mcf.MCFIOError` naming ``path``."""
+    path = os.fspath(path)
+    tmp = write_temp(path, write)
+    try:
         publish(tmp, path, durable=durable)
     except BaseException as exc:
         if os.path.lexists(tmp):

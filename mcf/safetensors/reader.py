@@ -18,6 +18,7 @@ import errno
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -304,6 +305,30 @@ def _open_remote_checkpoint(url: str, mmap: bool | None) -> Checkpoint:
     return Checkpoint([base + "/" + s for s in _shards(wm)], mmap=mmap, index=idx, weight_map=wm)
 
 
+_SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _check_shard_set(directory: str, names: list) -> None:
+    """Shards named ``model-0000k-of-0000n.safetensors`` in a directory without an index must be all
+    ``n`` of one set: some missing (an interrupted export or download) or two sets side by side would
+    load as a model with tensors missing, or a mix of two."""
+    sets: dict = {}
+    for n in names:
+        m = _SHARD_NAME.fullmatch(n)
+        if m:
+            sets.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    for total, have in sorted(sets.items()):
+        missing = [k for k in range(1, total + 1) if k not in have]
+        if missing:
+            raise MissingFileError(errno.ENOENT, f"shards without {INDEX_NAME}, and model-{missing[0]:05d}-of-"
+                                   f"{total:05d}.safetensors is missing (an interrupted export or download?)",
+                                   directory)
+    if len(sets) > 1:
+        raise FormatError(f"shards of {len(sets)} checkpoints side by side ("
+                          + ", ".join(f"model-*-of-{t:05d}" for t in sorted(sets)) + f") and no {INDEX_NAME}",
+                          path=directory)
+
+
 def open_checkpoint(path, *, mmap: bool | None = None) -> Checkpoint:
     """Open a safetensors file, a ``model.safetensors.index.json`` and its shards, or a directory
     holding ``model.safetensors``, an index, or else ``*.safetensors`` files (a URL of any of these too:
@@ -327,6 +352,7 @@ def open_checkpoint(path, *, mmap: bool | None = None) -> Checkpoint:
         cands = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not cands:
             raise MissingFileError(errno.ENOENT, "no model.safetensors, shard index or *.safetensors", path)
+        _check_shard_set(path, cands)
         return Checkpoint([os.path.join(path, c) for c in cands], mmap=mmap)
     if path.endswith(".json") and os.path.isfile(path):
         return _open_index(path, mmap)
