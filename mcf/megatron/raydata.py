@@ -490,15 +490,18 @@ class MegatronDatasource(Datasource):
 
     The sequences are split into contiguous ranges across read tasks, moved to document boundaries so
     that no document is split between tasks.  The driver reads only the headers (or the shard list);
-    each task opens the shards it reads and checks the index entries it uses."""
+    each task opens the shards it reads and checks the index entries it uses.  ``allow_outside``: a
+    shard list read from a URL may name shards outside its own location (refused by default, see
+    :mod:`mcf.megatron.sharded`)."""
 
-    def __init__(self, paths, *, block_sequences: int = 65536, mmap: bool | None = None):
+    def __init__(self, paths, *, block_sequences: int = 65536, mmap: bool | None = None,
+                 allow_outside: bool = False):
         super().__init__()
         from mcf.megatron.sharded import is_shard_list, open_shards
 
         if isinstance(paths, (str, bytes, os.PathLike)) and not is_shard_list(paths):
             paths = [paths]
-        view = open_shards(paths)
+        view = open_shards(paths, allow_outside=allow_outside)
         self.shards = view.shards
         self.meta = {"dtype": str(view.dtype), "multimodal": view.multimodal}
         self.itemsize = view.dtype.itemsize
@@ -539,10 +542,11 @@ class MegatronDatasource(Datasource):
         return "Megatron"
 
 
-def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool | None = None, **read_args):
+def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool | None = None, allow_outside: bool = False,
+                  **read_args):
     """``ray.data.read_datasource(MegatronDatasource(paths, ...), **read_args)``."""
-    return ray.data.read_datasource(MegatronDatasource(paths, block_sequences=block_sequences, mmap=mmap),
-                                    **read_args)
+    return ray.data.read_datasource(MegatronDatasource(paths, block_sequences=block_sequences, mmap=mmap,
+                                                       allow_outside=allow_outside), **read_args)
 
 
 # -- the tokenize command on a cluster ----------------------------------------------------------------
