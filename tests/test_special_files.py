@@ -296,3 +296,19 @@ def test_kind_names():
     assert fs.file_kind(stat.S_IFREG) == "a regular file"
     err = fs.not_regular("p", stat.S_IFBLK)
     assert isinstance(err, mcf.MCFIOError) and str(err).endswith("is a block device, not a regular file: 'p'")
+
+
+def test_megatron_writer_publishes_over_a_fifo(tmp_path):
+    """The writer holds the old .bin/.idx open across its renames: a FIFO there must not block it."""
+    import mcf.megatron as mm
+
+    prefix = str(tmp_path / "ds")
+    os.mkfifo(prefix + ".bin")
+
+    def write():
+        with mm.Writer(prefix, dtype=np.uint16, durable=False) as w:
+            w.add_document(np.arange(5), [2, 3])
+
+    assert outcome(write, prefix + ".bin") is None
+    with mm.open(prefix) as ds:
+        assert [x.tolist() for x in ds] == [[0, 1], [2, 3, 4]]
