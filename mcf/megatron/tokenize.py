@@ -120,7 +120,8 @@ def check_max_line_bytes(max_line_bytes) -> int:
 def _lines(stream, path: str, max_line_bytes: int):
     """``(number, bytes)`` of each line of ``stream`` (without its newline; a last line without one
     too), read in pieces of READ_BYTES: a line longer than ``max_line_bytes`` is a FormatError as soon
-    as more than that of it has arrived, so at most ``max_line_bytes + READ_BYTES`` bytes are held."""
+    as more than that of it has arrived, so no more than ``max_line_bytes + READ_BYTES`` bytes of a line are
+    ever read, and only lines within the cap are joined into one object."""
     pending: list = []      # the pieces of a line that continues past the last piece read
     held = 0                # their total length
     lineno = 0
