@@ -237,18 +237,16 @@ def cmd_export(args) -> int:
 
 
 def cmd_imatrix(args) -> int:
-    from mcf.imatrix import collect_bert
+    from mcf._core.fs import read_regular
+    from mcf.imatrix import MAX_TEXT_BYTES, collect_bert
 
     if not args.output and not args.second_moment:
         raise UsageError("give -o FILE (the importance matrix), --second-moment FILE, or both")
 
     texts = []
     for p in args.text:
-        try:
-            with open(p, encoding="utf-8") as f:
-                texts.append(f.read())
-        except OSError as exc:
-            raise os_error(exc, p) from None
+        try:  # a regular file within the cap (a FIFO or /dev/zero is refused, not read forever)
+            texts.append(read_regular(p, limit=MAX_TEXT_BYTES, what="calibration text").decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise InvalidArgumentError(f"{p}: the calibration text is not UTF-8 ({exc.reason} at byte {exc.start})") \
                 from None

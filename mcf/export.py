@@ -19,6 +19,19 @@ for byte, so ``mcf pack`` followed by ``mcf export`` gives back the checkpoint's
 ``W_blocks`` [..., cols/32, 16] and U8 ``W_scales`` [..., cols/32] (gpt-oss); f8_e4m3_b128 ``W`` as F8_E4M3
 ``W`` and F32 ``W_scale_inv`` (DeepSeek); nvfp4 ``W`` as U8 ``W`` [..., cols/2], F8_E4M3 ``W_scale``
 [..., cols/16] and F32 ``W_scale_2`` [] (ModelOpt).  FP8, E8M0 and F4 tensors are copied as F8_*, F4.
+
+A checkpoint directory is published so that no state in between loads as a model: a sharded export
+that dies (Ctrl-C, a full disk, a tensor that fails to decode) must not leave its new shards beside an
+old index (they would load as one mixed model) nor shards without their index (a model with tensors
+missing).  Every weight file is first written complete under a hidden temporary name
+(:func:`mcf._core.fs.write_temp`) while the old export stays as it was; a failure there removes the
+temporaries and leaves the old export.  Then, in a few renames: one ``model.safetensors`` is renamed over
+the old one (a loader prefers it to anything else) before the old index and shards are removed; shards
+replace an old export by removing its files, index first (its complete shards still load as the old
+model), then renaming the new shards in and writing the index last.  The loader refuses shards named
+``model-0000k-of-0000n.safetensors`` with some missing and no index (:func:`mcf.safetensors.open_checkpoint`),
+so a crash inside those renames leaves the old model, the new one whole, or a clear error.  A process
+killed outright leaves its hidden ``.model-*.safetensors.*.tmp`` temporaries, which no loader reads.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import re
 
 import numpy as np
 
-from mcf._core.fs import fsync_dir, write_all, write_atomic
+from mcf._core.fs import fsync_dir, write_all, write_atomic, write_temp
 from mcf._core._io import alloc_buffer
 from mcf.safetensors.reader import ST_DTYPES
 from mcf._core.dtypes import DType, DTypeInfo, dtype_info, parse_dtype
@@ -212,7 +225,10 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, name: str) -> boo
     return True
 
 
-def _write_safetensors(path, c, entries, buf, progress, done_before, total):
+def _write_safetensors(path, c, entries, buf, progress, done_before, total, *, stage: bool = False):
+    """Write ``entries`` of ``c`` as the safetensors file ``path`` through a temporary file: renamed
+    into place, or with ``stage`` left complete under its temporary name, which is returned (the
+    caller publishes it)."""
     src = c.source
     in_fd = src.fileno() if src.mode in ("mmap", "pread") else None
     use_cfr = [in_fd is not None and hasattr(os, "copy_file_range")]
@@ -234,7 +250,10 @@ def _write_safetensors(path, c, entries, buf, progress, done_before, total):
             if progress is not None:
                 progress(done_before + i + 1, total, e.name)
 
+    if stage:
+        return write_temp(path, write)
     write_atomic(path, write)  # the directory is fsynced once, after the last file
+    return path
 
 
 def _shards(entries, max_shard_size):
@@ -269,7 +288,11 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
     "f32", "f16", "bf16" make every float tensor that dtype (quantized ones decoded to it, plain ones cast with
     round-to-nearest-even; FP8 and F4 tensors are copied); "raw" keeps quantized payloads as U8 tensors
     described in ``__metadata__`` (see the module docs).  Integer tensors are always copied.  Each file is written
-    to a temporary name and renamed, so a failure leaves no partial file.
+    to a temporary name and renamed, so a failure leaves no partial file; in a directory the weight files are
+    all written before any is renamed, and published in an order that never lets a loader see a mix of an
+    old export and the new one, or a part of either (see the module docs): an export that fails or is
+    interrupted leaves the old checkpoint, the new one whole, or a directory that fails to load naming what
+    is missing.
     """
     if dtype is not None:
         dtype = str(dtype).strip().lower()
@@ -297,43 +320,88 @@ def export(src, dst, *, dtype: str | None = None, resources: bool = True, max_sh
         except OSError as exc:
             raise os_error(exc, dst) from None
         groups = _shards(entries, limit)
-        written = []
         if len(groups) == 1:
             names = [_SINGLE]
         else:
             names = [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
-        done = 0
-        for fname, group in zip(names, groups):
-            path = os.path.join(dst, fname)
-            _write_safetensors(path, c, group, buf, progress, done, len(entries))
-            done += len(group)
-            written.append(path)
-        if len(groups) > 1:
-            wm = {e.name: fname for fname, group in zip(names, groups) for e in group}
-            doc = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                   "weight_map": dict(sorted(wm.items()))}
-            path = os.path.join(dst, _INDEX)
-            data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-            write_atomic(path, lambda fd: write_all(fd, data))
-            written.append(path)
+        staged = []  # (temporary, final path) of each weight file, complete and fsynced
+        try:
+            done = 0
+            for fname, group in zip(names, groups):
+                path = os.path.join(dst, fname)
+                staged.append((_write_safetensors(path, c, group, buf, progress, done, len(entries), stage=True),
+                               path))
+                done += len(group)
+            index = None
+            if len(groups) > 1:
+                wm = {e.name: fname for fname, group in zip(names, groups) for e in group}
+                doc = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                       "weight_map": dict(sorted(wm.items()))}
+                index = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+            written = _publish_weights(dst, staged, index)
+        finally:
+            for tmp, _ in staged:  # left only when the export failed before renaming them
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
         if resources:
             for fname, data in c.resources.items():
                 path = os.path.join(dst, fname)
                 write_atomic(path, lambda fd, data=data: write_all(fd, data))
                 written.append(path)
-        _remove_stale(dst, written)
         fsync_dir(dst)
     return written
 
 
-def _remove_stale(directory: str, written) -> None:
-    """Weight files this export did not write but a loader would read alongside (or instead of) it."""
-    keep = {os.path.basename(p) for p in written}
-    for name in os.listdir(directory):
-        if name in keep:
-            continue
-        if name in (_SINGLE, _INDEX) or _SHARD_RE.fullmatch(name):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
+def _weight_files(directory: str) -> list:
+    """The names of the weight files in ``directory`` a loader reads (model.safetensors, the shard
+    index, shards), the index first and the shards last: the order :func:`_publish_weights` removes
+    them in."""
+    rank = {_INDEX: 0, _SINGLE: 1}
+    return sorted((n for n in os.listdir(directory) if n in rank or _SHARD_RE.fullmatch(n)),
+                  key=lambda n: (rank.get(n, 2), n))
+
+
+def _publish_weights(dst: str, staged: list, index: bytes | None) -> list:
+    """Put the complete temporary weight files ``staged`` ((temporary, final path) pairs) in place of
+    the weight files ``dst`` holds, so that a loader never sees a mix of the two exports nor a part of
+    one, whenever the process dies (see the module docstring); returns the paths written.
+
+    One file (``model.safetensors``): renamed over the old one, which a loader prefers to anything else,
+    so the old export is read until the rename and the new one after; then the old index and shards go.
+    Shards: the old weight files go first (the index first, so the old shards, complete, still load as
+    the old model; then the shards), then the new shards are renamed in and the index written last.  A
+    set of ``model-0000k-of-0000n`` shards with some missing and no index is refused by the loader
+    (:func:`mcf.safetensors.open_checkpoint`), so the states in between load the old model, the new one
+    complete, or fail naming what is missing."""
+    if index is None:
+        (tmp, path), = staged
+        _rename(tmp, path)
+        for name in _weight_files(dst):
+            if name != _SINGLE:
+                _unlink(os.path.join(dst, name))
+        return [path]
+    for name in _weight_files(dst):
+        _unlink(os.path.join(dst, name))
+    fsync_dir(dst)  # the old files are gone (durably) before any new one appears
+    for tmp, path in staged:
+        _rename(tmp, path)
+    fsync_dir(dst)  # every shard is in place (durably) before the index names them
+    path = os.path.join(dst, _INDEX)
+    write_atomic(path, lambda fd: write_all(fd, index))
+    return [p for _, p in staged] + [path]
+
+
+def _rename(tmp: str, path: str) -> None:
+    try:
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error(exc, path) from None

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from mcf._core.args import file_path, integer, real, reals
-from mcf._core.fs import write_all, write_atomic
+from mcf._core.fs import MAX_JSON_BYTES, open_regular, read_regular, write_all, write_atomic
 from mcf.container.reader import open as open_container
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
 from mcf.second_moment import SecondMomentCollector, SecondMoments, is_second_moment_file
@@ -57,6 +57,14 @@ _ALIGN = 32                     # GGUF's default alignment (no general.alignment
 _SUM2, _COUNTS, _SUM = ".in_sum2", ".counts", ".in_sum"
 _MAX_LEGACY_ENTRIES = 1 << 20   # far more weight tensors than any model has
 _MAX_NAME = 1 << 16
+#: the most bytes a legacy ``.dat`` importance file may hold (it is read whole): one float per input
+#: column of every weight, per expert for MoE weights, which for a 671B MoE (DeepSeek-V3: 58 MoE
+#: layers x 256 experts x 16k columns) is about 1 GB; 4 GiB leaves four times that.
+MAX_LEGACY_BYTES = 4 << 30
+#: the most bytes one calibration text file of ``mcf imatrix --text`` may hold (it is read whole and
+#: tokenized in memory).  llama.cpp's calibration sets are kilobytes to ~10 MB, and the numpy encoder
+#: needs hours for 100 MB; 1 GiB is far beyond any run that ends, and keeps a device file out.
+MAX_TEXT_BYTES = 1 << 30
 
 
 class ImportanceCollector:
@@ -192,11 +200,13 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
     from mcf.errors import os_error
 
     path = file_path(path, "path")
+    fd = open_regular(path)  # a FIFO or a device is refused here, before any read can block
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        magic = os.pread(fd, 4, 0)
     except OSError as exc:
         raise os_error(exc, path) from None
+    finally:
+        os.close(fd)
     if magic == _GGUF_MAGIC:
         return _read_gguf(path)
     if is_second_moment_file(path):
@@ -275,8 +285,7 @@ def _read_gguf(path) -> dict[str, np.ndarray]:
 
 
 def _read_legacy(path) -> dict[str, np.ndarray]:
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_regular(path, limit=MAX_LEGACY_BYTES, what="legacy importance matrix")
     pos = 0
 
     def i32(field):
@@ -412,16 +421,13 @@ def match_tensors(imatrix: Mapping, names: Iterable[str]) -> dict[str, str]:
 
 def _model_parts(model):
     """(weights mapping, config dict, tokenizers.Tokenizer) of an MCF file or a checkpoint directory."""
-    import json
-
     from mcf.tokenizer import load_tokenizer
 
     path = os.fspath(model)
     if os.path.isdir(path):
         from mcf.safetensors.reader import open_checkpoint
 
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = _dir_config(path)
         tok = load_tokenizer(path)
         ckpt = open_checkpoint(path)
         weights = {n: ckpt.tensors[n].array() for n in ckpt.sorted_names()}
@@ -436,12 +442,25 @@ def _model_parts(model):
     return weights, cfg, tok
 
 
-def _model_config(path) -> dict:
+def _dir_config(path) -> dict:
+    """config.json of checkpoint directory ``path``: a regular file of at most MAX_JSON_BYTES holding a
+    JSON object (FormatError naming it otherwise)."""
     import json
 
+    cfg_path = os.path.join(path, "config.json")
+    raw = read_regular(cfg_path, limit=MAX_JSON_BYTES, what="config.json")
+    try:
+        cfg = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"not valid JSON: {exc}", path=cfg_path) from None
+    if not isinstance(cfg, dict):
+        raise FormatError("not a JSON object", path=cfg_path)
+    return cfg
+
+
+def _model_config(path) -> dict:
     if os.path.isdir(path):
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            return json.load(f)
+        return _dir_config(path)
     with open_container(path) as c:
         cfg = c.resource_json("config.json")
     if cfg is None:

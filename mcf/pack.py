@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from mcf._core.args import file_path
+from mcf._core.fs import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, read_regular
 from mcf._core.gojson import go_marshal
 from mcf._core._io import alloc_buffer
 from mcf._core.scaled import nan_scales, payload_rows, scaled_layout
@@ -38,7 +39,7 @@ from mcf.container.modelinfo import ModelInfo
 from mcf.container.writer import Writer, cast_chunk
 
 __all__ = ["pack", "pack_checkpoint", "write_checkpoint", "tokenizer_config_with_template", "model_info_for_dir",
-           "files_left_out", "STORED_FILES"]
+           "files_left_out", "STORED_FILES", "RESOURCE_MAX_BYTES"]
 
 #: the files of a checkpoint directory an MCF file keeps besides the weights: the resource sections
 #: (written back under these names by mcf export), and what goes into them (the chat template, the
@@ -50,12 +51,18 @@ _STREAM_BYTES = 1 << 20  # bytes of a plain tensor read, converted and written p
 _MAX_ARRAY_BYTES = (1 << 63) - 1
 
 
+#: the most bytes each resource file may hold: the tokenizer files (which reach 30+ MB)
+#: :data:`mcf._core.fs.MAX_TOKENIZER_BYTES` (256 MiB), the JSON configs and the chat template
+#: :data:`mcf._core.fs.MAX_JSON_BYTES` (64 MiB); the module mcf._core.fs says why.  A larger file, or
+#: one that is not a regular file (a FIFO, /dev/zero...), is refused naming it.
+RESOURCE_MAX_BYTES = {name: MAX_TOKENIZER_BYTES if name in ("tokenizer.json", "vocab.json", "merges.txt")
+                      else MAX_JSON_BYTES for name in STORED_FILES if name != "model.safetensors.index.json"}
+
+
 def _read(path):
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+    """The resource file ``path`` (None when there is none), within its cap."""
+    name = os.path.basename(path)
+    return read_regular(path, limit=RESOURCE_MAX_BYTES[name], what=name, missing_ok=True)
 
 
 def tokenizer_config_with_template(model_dir: str) -> bytes | None:

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mcf._core.args import file_path, integer, reals
-from mcf._core.fs import write_all, write_atomic
+from mcf._core.fs import open_regular, write_all, write_atomic
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, UnsupportedVersionError
 from mcf.safetensors.reader import SafetensorsFile
 
@@ -145,16 +145,21 @@ def is_second_moment_file(path) -> bool:
     """Whether ``path`` starts like a safetensors file whose metadata says ``format = "mcf.second_moment"``
     (the header is parsed and checked only by :class:`SecondMoments`)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return False
-            (n,) = struct.unpack("<Q", head)
-            if not 2 <= n <= 100 << 20:
-                return False
-            start = f.read(min(n, 4096))
+        fd = open_regular(path)  # a FIFO or a device is not one (and must not block here)
+    except (OSError, TypeError, ValueError):
+        return False
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            return False
+        (n,) = struct.unpack("<Q", head)
+        if not 2 <= n <= 100 << 20:
+            return False
+        start = os.pread(fd, min(n, 4096), 8)
     except OSError:
         return False
+    finally:
+        os.close(fd)
     return start[:1] == b"{" and b'"format":"' + FORMAT_TAG.encode() + b'"' in start.replace(b" ", b"")
 
 

@@ -15,6 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 
+from mcf._core.fs import open_regular
 from mcf.bucket._layout import MAGIC as BUCKET_MAGIC
 from mcf.container.layout import MAGIC as MCF_MAGIC
 from mcf.errors import os_error
@@ -75,13 +76,15 @@ def _kind_of(head: bytes, size: int) -> FileKind | None:
 
 def sniff(path) -> FileKind | None:
     """The kind of the file at ``path`` (a regular file), or None when its first bytes say nothing mcf
-    recognizes (an empty file, unknown binary data).  An unreadable file raises the usual
-    :class:`mcf.MCFIOError` subclass naming it."""
+    recognizes (an empty file, unknown binary data).  An unreadable file, or one that is not a regular
+    file (a FIFO, a device...), raises the usual :class:`mcf.MCFIOError` subclass naming it."""
     p = os.fspath(path)
+    fd = open_regular(p)  # a FIFO or a device is refused, never opened for a blocking read
     try:
-        with open(p, "rb") as f:
-            head = f.read(HEAD_BYTES)
-            size = os.fstat(f.fileno()).st_size
+        head = os.pread(fd, HEAD_BYTES, 0)
+        size = os.fstat(fd).st_size
     except OSError as exc:
         raise os_error(exc, p) from None
+    finally:
+        os.close(fd)
     return _kind_of(head, size)

@@ -12,7 +12,9 @@ resolves it with :func:`load_tokenizer`, so each accepts the same sources:
   model.mcf`` used to fail with "stream did not contain valid UTF-8").
 
 A file is recognized by its first bytes (:mod:`mcf.sniff`), not its name; one of another kind (GGUF,
-safetensors, a dataset...) is refused with what it is.  A tokenizer read from a file has its truncation
+safetensors, a dataset...) is refused with what it is.  A ``tokenizer.json`` is read as a regular file of at
+most :data:`mcf._core.fs.MAX_TOKENIZER_BYTES` (256 MiB; real ones reach 30+ MB): a FIFO, a device or a
+larger file is refused naming it.  A tokenizer read from a file has its truncation
 and padding turned off: checkpoints ship inference settings (sentence-transformers: truncate and pad to 128
 tokens), while the data a tokenizer prepares here keeps every token and no padding.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+from mcf._core.fs import MAX_TOKENIZER_BYTES, read_regular
 from mcf._core.optional import require
 from mcf.container.reader import Container, open as open_container
 from mcf.errors import InvalidArgumentError
@@ -55,18 +58,25 @@ def load_tokenizer(source):
         p = os.fspath(source)
         if os.path.isdir(p):
             p = os.path.join(p, "tokenizer.json")
-        if not os.path.isfile(p):
+        if not os.path.exists(p):
             raise InvalidArgumentError(f"no tokenizer file at {p} (expected {SOURCES})")
-        kind = sniff(p)
+        kind = sniff(p)  # refuses a FIFO or a device (an MCFIOError saying what it is)
         if kind is not None and kind.name == "mcf":
             with open_container(p) as c:
                 text = _from_container(c, p)
             tok = _parse(Tokenizer, text, p, "its tokenizer.json resource")
         elif kind is not None and kind.name not in ("json", "text"):
             raise InvalidArgumentError(f"{p}: {kind.what}, not a tokenizer (expected {SOURCES})")
-        else:
+        else:  # read here, not by Tokenizer.from_file: a regular file within the cap (mcf._core.fs)
+            raw = read_regular(p, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
             try:
-                tok = Tokenizer.from_file(p)
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidArgumentError(f"{p}: not a tokenizers file: not UTF-8 ({exc.reason} at byte "
+                                           f"{exc.start})") from None
+            del raw
+            try:
+                tok = Tokenizer.from_str(text)
             except Exception as exc:  # the library raises plain Exception subclasses
                 raise InvalidArgumentError(f"{p}: not a tokenizers file: {exc}") from None
     tok.no_truncation()

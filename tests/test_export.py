@@ -2,6 +2,7 @@
 against numpy references, quantized tensors against Container.dequantize, raw payloads, shards,
 resources, atomicity and the CLI."""
 
+import importlib
 import json
 import os
 import struct
@@ -346,3 +347,123 @@ def test_unwritable_destination_is_an_mcf_io_error(tmp_path):
     (tmp_path / "out" / "config.json").mkdir()   # a directory where a resource file goes
     with pytest.raises(mcf.MCFIOError, match="config.json"):
         export(tmp_path / "m.mcf", tmp_path / "out")
+
+
+# -- a sharded export that dies half way: the directory never loads as a mix or a part --------------------
+
+def _two_models(tmp_path):
+    """Two MCF files with the same tensor names, dtypes and shapes (so the same shard split) and other bits."""
+    out = []
+    for tag in ("old", "new"):
+        rng = rng_for(tag)
+        tensors = {f"t{k}": rng.standard_normal(256).astype(np.float32) for k in range(4)}
+        stnp.save_file(tensors, str(tmp_path / f"{tag}.safetensors"))
+        mcf.convert(tmp_path / f"{tag}.safetensors", tmp_path / f"{tag}.mcf")
+        out.append((tmp_path / f"{tag}.mcf", tensors))
+    return out
+
+
+def _loaded(directory):
+    """The tensors a loader reads from ``directory``, or the MCFError it raises."""
+    try:
+        return mcf.safetensors.load_file(str(directory))
+    except mcf.MCFError as exc:
+        return exc
+
+
+def _old_new_or_error(got, old, new, where):
+    if isinstance(got, mcf.MCFError):
+        assert str(got), where
+        return "error"
+    for label, ref in (("old", old), ("new", new)):
+        if sorted(got) == sorted(ref) and all(same_bits(got[k], ref[k]) for k in ref):
+            return label
+    raise AssertionError(f"{where}: the directory loads as neither the old nor the new model: "
+                         f"{ {k: (v[:2].tolist() if hasattr(v, 'tolist') else v) for k, v in got.items()} }")
+
+
+@pytest.mark.parametrize("over_old", [True, False])
+def test_export_failing_after_the_first_shard_leaves_the_old_model_or_an_error(tmp_path, monkeypatch, over_old):
+    export_module = importlib.import_module("mcf.export")  # mcf.export is also the function
+
+    (old_mcf, old), (new_mcf, new) = _two_models(tmp_path)
+    out = tmp_path / "out"
+    if over_old:
+        export(old_mcf, out, max_shard_size=1024)
+        assert len([n for n in os.listdir(out) if n.startswith("model-")]) == 4
+        assert _old_new_or_error(_loaded(out), old, new, "before") == "old"
+    real = export_module._write_safetensors
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_write_safetensors", failing)
+    with pytest.raises(OSError, match="No space left"):
+        export(new_mcf, out, max_shard_size=1024)
+    got = _loaded(out)
+    assert _old_new_or_error(got, old, new, "after") == ("old" if over_old else "error")
+    if not over_old:
+        assert "no model.safetensors" in str(got)
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]  # the temporaries are removed
+
+
+@pytest.mark.parametrize("old_kind", ["sharded", "single"])
+def test_export_killed_at_any_step_of_publishing_never_loads_a_mix(tmp_path, monkeypatch, old_kind):
+    """Every rename, removal and write of the publish step, made to fail in turn (the process dies there):
+    the directory loads as the old model, the new one, or fails with a clear error."""
+    export_module = importlib.import_module("mcf.export")  # mcf.export is also the function
+
+    (old_mcf, old), (new_mcf, new) = _two_models(tmp_path)
+    seen = set()
+    k = 0
+    while True:
+        out = tmp_path / f"out{k}"
+        export(old_mcf, out, max_shard_size=1024 if old_kind == "sharded" else None)
+        ops = []
+
+        def dies_at(fn, name):
+            def run(*args, **kwargs):
+                ops.append(name)
+                if len(ops) > k:
+                    raise KeyboardInterrupt(f"killed at {name}")
+                return fn(*args, **kwargs)
+            return run
+
+        for name in ("_rename", "_unlink", "write_atomic", "fsync_dir"):
+            monkeypatch.setattr(export_module, name, dies_at(getattr(export_module, name), name))
+        try:
+            export(new_mcf, out, max_shard_size=1024, resources=False)
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        monkeypatch.undo()
+        seen.add(_old_new_or_error(_loaded(out), old, new, f"killed after {k} steps"))
+        if finished:
+            assert _old_new_or_error(_loaded(out), old, new, "finished") == "new"
+            break
+        k += 1
+    assert k > 6 and "old" in seen and "new" in seen
+
+
+def test_index_less_shards_load_only_as_a_complete_set(tmp_path):
+    (old_mcf, old), (new_mcf, new) = _two_models(tmp_path)
+    out = tmp_path / "out"
+    export(old_mcf, out, max_shard_size=1024)
+    (out / "model.safetensors.index.json").unlink()
+    got = mcf.safetensors.load_file(str(out))  # every shard of the set: the whole model
+    assert all(same_bits(got[k], old[k]) for k in old) and sorted(got) == sorted(old)
+    (out / "model-00003-of-00004.safetensors").unlink()
+    with pytest.raises(mcf.MissingFileError, match="model-00003-of-00004.safetensors is missing"):
+        mcf.safetensors.load_file(str(out))
+    export(old_mcf, out, max_shard_size=1024)  # whole again
+    (out / "model.safetensors.index.json").unlink()
+    export(new_mcf, tmp_path / "two", max_shard_size=2048)
+    for n in os.listdir(tmp_path / "two"):
+        if n.startswith("model-"):
+            os.replace(tmp_path / "two" / n, out / n)  # two complete sets, of 4 and of 2 shards
+    with pytest.raises(mcf.FormatError, match="shards of 2 checkpoints side by side"):
+        mcf.safetensors.load_file(str(out))

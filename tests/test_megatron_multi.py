@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -365,3 +366,73 @@ def test_a_dataset_prefix_ending_in_json_is_not_a_shard_list(tmp_path):
         w.add_item([1, 2])
     with mm.open(str(tmp_path / "odd.json")) as ds:
         assert isinstance(ds, mm.IndexedDataset) and ds[0].tolist() == [1, 2]
+
+
+# -- a shard list fetched from a URL names shards under its own location only -----------------------------
+
+@pytest.fixture
+def remote_corpus(tmp_path):
+    """(memory:// URL of a shard list whose shards lie beside it, the local shards, the merged dataset);
+    the in-memory filesystem is cleared afterwards."""
+    fsspec = pytest.importorskip("fsspec", reason="URL reads need fsspec (the remote extra)")
+    prefixes, merged = build_shards(tmp_path, SPEC[:3])
+    with mm.open(prefixes) as s:
+        shards = s.shards
+    write_shard_list(tmp_path / "corpus.shards.json", shards, dtype=np.uint16)
+    mem = fsspec.filesystem("memory")
+    for p in prefixes:
+        for ext in (".idx", ".bin"):
+            mem.pipe(f"/h2corpus/{os.path.basename(p)}{ext}", Path(p + ext).read_bytes())
+    doc = json.loads((tmp_path / "corpus.shards.json").read_text())
+    yield mem, doc, prefixes, merged
+    mem.rm("/h2corpus", recursive=True)
+
+
+def _publish_list(mem, doc, prefix):
+    doc = json.loads(json.dumps(doc))
+    doc["shards"][1]["prefix"] = prefix
+    mem.pipe("/h2corpus/list.json", json.dumps(doc).encode())
+    return "memory:///h2corpus/list.json"
+
+
+def test_a_remote_shard_list_reads_its_relative_shards(remote_corpus):
+    mem, doc, prefixes, merged = remote_corpus
+    url = _publish_list(mem, doc, doc["shards"][1]["prefix"])
+    with mm.open(url) as s, mm.open(merged) as m:
+        assert s.shards[1].prefix == "memory:///h2corpus/s001"
+        assert_same(s, m, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("kind", ["absolute", "url", "dotdot", "nested-dotdot", "encoded", "query"])
+def test_a_remote_shard_list_naming_shards_elsewhere_is_refused(remote_corpus, kind):
+    """An absolute local prefix, another URL or bucket, or a path climbing out of the list's location, in a
+    list fetched over the network: refused naming the entry, unless the caller passes allow_outside=True."""
+    mem, doc, prefixes, merged = remote_corpus
+    for ext in (".idx", ".bin"):
+        mem.pipe(f"/h2other/s001{ext}", Path(prefixes[1] + ext).read_bytes())
+    try:
+        prefix = {"absolute": prefixes[1], "url": "memory:///h2other/s001", "dotdot": "../h2other/s001",
+                  "nested-dotdot": "x/../../h2other/s001", "encoded": "%2e%2e/h2other/s001",
+                  "query": "s001?x=1"}[kind]
+        url = _publish_list(mem, doc, prefix)
+        with pytest.raises(mcf.FormatError) as ei:
+            mm.open(url)
+        assert ei.value.field == "shards[1].prefix" and "allow_outside=True" in str(ei.value)
+        assert ei.value.path == url
+        if kind in ("absolute", "url"):
+            with mm.open(url, allow_outside=True) as s, mm.open(merged) as m:  # the caller trusts this list
+                assert_same(s, m, np.random.default_rng(4))
+    finally:
+        mem.rm("/h2other", recursive=True)
+
+
+def test_a_local_shard_list_may_name_any_prefix(tmp_path):
+    (tmp_path / "a").mkdir()
+    prefixes, merged = build_shards(tmp_path / "a", SPEC[:2])
+    with mm.open(prefixes) as s:
+        shards = s.shards
+    (tmp_path / "lists").mkdir()
+    write_shard_list(tmp_path / "lists" / "l.json", shards, dtype=np.uint16)  # outside its directory: absolute
+    assert json.loads((tmp_path / "lists" / "l.json").read_text())["shards"][0]["prefix"] == prefixes[0]
+    with mm.open(str(tmp_path / "lists" / "l.json")) as s, mm.open(merged) as m:
+        assert_same(s, m, np.random.default_rng(5))

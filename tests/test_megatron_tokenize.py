@@ -277,3 +277,87 @@ def test_demo_megatron_step(tmp_path, model_dir, plain_tok, capsys):
         for i, p in enumerate(paras):
             assert ds[i].tolist() == plain_tok.encode(p, add_special_tokens=False).ids + [eod]
         assert res["samples"] == (ds.num_tokens - 1) // 32
+
+
+# -- the line-length cap: a line is held whole, so it is bounded ------------------------------------------
+
+class _CountingStream(__import__("io").RawIOBase):
+    """``data`` served lazily, counting the bytes handed out (an 8 MiB line is never built as one object
+    by the stream itself)."""
+
+    def __init__(self, head: bytes, fill: int, size: int):
+        self.head, self.fill, self.size, self.served = head, fill, size, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        n = min(len(b), self.size - self.served)
+        if n <= 0:
+            return 0
+        mv = memoryview(b).cast("B")
+        k = max(0, min(n, len(self.head) - self.served))
+        mv[:k] = self.head[self.served:self.served + k]
+        mv[k:n] = bytes([self.fill]) * (n - k)
+        self.served += n
+        return n
+
+
+def test_a_line_past_the_cap_is_refused_before_it_is_read_whole():
+    """A 3 MB .jsonl.gz can hold one 3 GiB line: it is refused once more than max_line_bytes of it arrived,
+    naming the file and the line, and the reader never takes more than max_line_bytes + READ_BYTES."""
+    from mcf.megatron import tokenize as tokenize_module
+
+    cap = 64 << 10
+    head = b'{"text": "one"}\n{"text": "two"}\n{"text": "'
+    stream = _CountingStream(head, ord("a"), 16 << 20)   # a third line of 16 MiB
+    docs = []
+    with pytest.raises(mcf.FormatError) as ei:
+        for d in tokenize_module.iter_documents("big.jsonl", stream=stream, max_line_bytes=cap):
+            docs.append(d)
+    assert docs == ["one", "two"]
+    assert ei.value.path == "big.jsonl" and ei.value.field == "line 3"
+    assert f"longer than the {cap} bytes allowed" in str(ei.value) and "--max-line-bytes" in str(ei.value)
+    assert stream.served <= len(head) + cap + tokenize_module.READ_BYTES
+
+
+def test_line_cap_boundaries_and_lines_across_reads(tmp_path, monkeypatch):
+    from mcf.megatron import tokenize as tokenize_module
+
+    lines = [b'{"text": "a"}', b"", b'{"text": "' + b"b" * 40 + b'"}', b'{"text": "c"}']
+    longest = max(map(len, lines))
+    for tail in (b"\n", b""):  # the last line with and without its newline
+        p = tmp_path / "in.jsonl"
+        p.write_bytes(b"\n".join(lines) + tail)
+        for read_bytes in (1, 7, 1 << 20):  # a line split over many reads, or read in one
+            monkeypatch.setattr(tokenize_module, "READ_BYTES", read_bytes)
+            got = list(tokenize_module.iter_documents(str(p), max_line_bytes=longest))
+            assert got == ["a", "b" * 40, "c"]
+            with pytest.raises(mcf.FormatError) as ei:
+                list(tokenize_module.iter_documents(str(p), max_line_bytes=longest - 1))
+            assert ei.value.field == "line 3"
+    with pytest.raises(mcf.InvalidArgumentError):
+        list(tokenize_module.iter_documents(str(p), max_line_bytes=0))
+
+
+def test_line_cap_in_tokenize_the_cli_and_a_ray_chunk(tmp_path, tok_path, capsys):
+    from mcf.megatron._chunks import Chunk, iter_chunk_documents
+
+    p = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(p, "wb") as f:
+        f.write(b'{"text": "fine"}\n{"text": "' + b"x" * (4 << 20) + b'"}\n')
+    assert p.stat().st_size < 64 << 10           # small on disk, one 4 MiB line inside
+    with pytest.raises(mcf.FormatError, match="line 2") as ei:
+        tokenize(p, str(tmp_path / "o"), tok_path, max_line_bytes=1 << 20)
+    assert str(p) in str(ei.value)
+    assert not (tmp_path / "o.bin").exists()
+    assert main(["megatron", "tokenize", str(p), "--tokenizer", tok_path, "--output-prefix", str(tmp_path / "c"),
+                 "--max-line-bytes", "1MiB", "-q"]) != 0
+    err = capsys.readouterr().err
+    assert f"{p}: line 2: line longer than the {1 << 20} bytes allowed" in err
+    assert main(["megatron", "tokenize", str(p), "--tokenizer", tok_path, "--output-prefix", str(tmp_path / "c"),
+                 "--max-line-bytes", "8MiB", "-q"]) == 0
+    capsys.readouterr()
+    with pytest.raises(mcf.FormatError, match="line 2"):
+        list(iter_chunk_documents(Chunk(0, 0, str(p), 0, None), max_line_bytes=1 << 20))
+    assert len(list(iter_chunk_documents(Chunk(0, 0, str(p), 0, None)))) == 2  # the default cap: 64 MiB

@@ -86,6 +86,7 @@ cdef extern from "numpy/arrayobject.h":
                                 cnp.npy_intp* strides, void* data, int flags, object obj)
 
 from mcf._core.args import integer, integers
+from mcf._core.fs import not_regular, open_regular
 from mcf._core.storage import ReadStats, Storage, defaults_for, storage_for_magic, storage_for_name
 from mcf.errors import (ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError,
                         TruncatedError, os_error)
@@ -273,12 +274,10 @@ cdef class Source:
     # -- construction -------------------------------------------------------------------------
     @staticmethod
     def _from_path(path, use_mmap):
+        # a FIFO, a socket or a device is refused before it is opened (a FIFO's open waits for a writer,
+        # forever), and the opened descriptor is checked again (mcf._core.fs.open_regular)
         fspath = os.fspath(path)
-        try:
-            fd = os.open(fspath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise os_error(exc, os.fsdecode(fspath)) from None
-        return Source._from_fd(fd, fspath, use_mmap)
+        return Source._from_fd(open_regular(fspath), fspath, use_mmap)
 
     @staticmethod
     def _from_fd(int fd, path, use_mmap):
@@ -299,7 +298,7 @@ cdef class Source:
         if not _stat.S_ISREG(st.st_mode):
             os.close(s._fd)
             s._fd = -1
-            raise MCFIOError(0, "not a regular file", s.name)
+            raise not_regular(s.name, st.st_mode)
         s._size = st.st_size
         s._closed = False
         s._lock = threading.Lock()
@@ -896,8 +895,8 @@ def storage_of(path):
     (``local``, ``network``, ``fuse`` or ``unknown``), filesystem name and statfs magic number, which
     :func:`open_source` follows for ``mmap=None`` and the read engine for its defaults."""
     fspath = os.fspath(path)
-    try:
-        fd = os.open(fspath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:  # O_NONBLOCK: a FIFO's open would wait for a writer
+        fd = os.open(fspath, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise os_error(exc, os.fsdecode(fspath)) from None
     try:

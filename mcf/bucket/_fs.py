@@ -33,27 +33,18 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from mcf._core.fs import fsync_file
+from mcf._core.fs import file_kind, fsync_file
 from mcf.errors import ClosedError, FormatError, InvalidArgumentError, os_error
 
 __all__ = ["BucketFS", "refusal"]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "a regular file" if stat.S_ISREG(mode) else
-                "not a regular file")
-
-
 def refusal(mode: int) -> str:
     """Why an entry of this ``st_mode`` is refused where a regular file belongs."""
     if stat.S_ISLNK(mode):
         return "is a symbolic link; links are not followed inside a bucket"
-    return f"is {_kind(mode)}, not a regular file"
+    return f"is {file_kind(mode)}, not a regular file"
 
 
 def _parts(rel: str) -> list[str]:
@@ -126,7 +117,7 @@ class BucketFS:
                     with contextlib.suppress(OSError):
                         st = os.stat(part, dir_fd=parent, follow_symlinks=False)
                         what = ("is a symbolic link; links are not followed inside a bucket"
-                                if stat.S_ISLNK(st.st_mode) else f"is {_kind(st.st_mode)}, not a directory")
+                                if stat.S_ISLNK(st.st_mode) else f"is {file_kind(st.st_mode)}, not a directory")
                         err = FormatError(what, path=self.where("/".join(parts[:i + 1])))
                 if parent != self._fd:
                     os.close(parent)

@@ -9,10 +9,13 @@ run).  A vocabulary of 150,000 tokens is one line (``[string] x 150000``), not 1
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 
 import numpy as np
+
+from mcf._core.fs import open_regular
 
 from mcf._core.console import human, printable
 from mcf.gguf.reader import GGUFFile
@@ -27,10 +30,15 @@ def is_gguf_file(path) -> bool:
     if str(path).lower().endswith(".gguf"):
         return True
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
+        fd = open_regular(path)  # a FIFO would block a plain open; the reader that follows says what it is
     except (OSError, TypeError, ValueError):
         return False
+    try:
+        return os.pread(fd, 4, 0) == b"GGUF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _summary(value, vtype):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -120,7 +121,14 @@ def cmd_ingest(args) -> int:
             pool = mc.MeanPool(table, checkpoint=f"mean-pooling:{tname}")
     elif not args.ids:
         raise InvalidArgumentError("text input needs --model-dir (its tokenizer.json); or pass --ids")
+    infile = None
     try:
+        # '-' reads stdin (where a pipe goes); a path is a regular file, refused before the tree is touched
+        # when it is not (a FIFO's open would wait for a writer)
+        if args.input != "-":
+            from mcf._core.fs import open_regular
+
+            infile = os.fdopen(open_regular(args.input), "rb")
         if os.path.exists(os.path.join(args.tree, "metadata.json")):
             tree = mc.open(args.tree, "r+")
         else:
@@ -135,11 +143,11 @@ def cmd_ingest(args) -> int:
                 print(f"  {printable(n)}")
             t0 = time.perf_counter()
             start = tree.num_tokens
-            total = os.path.getsize(args.input) if args.input != "-" else 0
+            total = os.fstat(infile.fileno()).st_size if infile is not None else 0
             prog = Progress("ingest", enabled=None if not args.quiet else False)
             done = 0
             if args.ids:
-                src = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
+                src = sys.stdin.buffer if infile is None else infile
                 with src:
                     while True:
                         raw = src.read(args.chunk_bytes // 4 * 4 or 4)
@@ -154,7 +162,7 @@ def cmd_ingest(args) -> int:
                         done += len(raw)
                         prog(done, max(total, done))
             else:
-                src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+                src = sys.stdin if infile is None else io.TextIOWrapper(infile, encoding="utf-8")
                 with src:
                     for text, nbytes in _text_chunks(src, args.chunk_bytes):
                         ids = tok.encode(text, add_special_tokens=False).ids
@@ -171,6 +179,8 @@ def cmd_ingest(args) -> int:
             print(f"ingested {t - start} tokens into {tree.path} in {dt:.2f}s: now {t} tokens, {n1} LOD1 + {n2} "
                   f"LOD2 gists")
     finally:
+        if infile is not None:
+            infile.close()
         if ckpt is not None:
             ckpt.close()
     return 0
@@ -216,7 +226,8 @@ def add_ctx_parser(sub) -> None:
 
     s = cs.add_parser("ingest", help="stream a text (or uint32 ids) into a tree, building mean-pooled gists")
     s.add_argument("tree", help="tree directory (created when it holds no tree)")
-    s.add_argument("input", help="UTF-8 text file, or raw little-endian uint32 ids with --ids; '-' for stdin")
+    s.add_argument("input", help="UTF-8 text file, or raw little-endian uint32 ids with --ids; '-' for stdin (a "
+                   "pipe: a path must be a regular file)")
     s.add_argument("--model-dir", help="checkpoint directory: tokenizer.json and the embedding matrix")
     s.add_argument("--embedding-tensor", help="name of the [vocab, d] input-embedding tensor")
     s.add_argument("--ids", action="store_true", help="input holds token ids, not text")

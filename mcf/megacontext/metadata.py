@@ -18,7 +18,7 @@ import math
 import os
 import time
 
-from mcf._core.fs import fsync_file, publish, write_all
+from mcf._core.fs import fsync_file, publish, read_regular, write_all
 from mcf.errors import FormatError, MCFError, MissingFileError, UnsupportedVersionError, os_error
 from mcf.remote import is_url
 from mcf.megacontext._layout import CTX_DTYPES, LEVEL_FILES, file_size, gist_dtypes
@@ -239,16 +239,17 @@ def load_metadata(dirpath):
 
             with RemoteFile(path) as f:
                 raw = f.read(MAX_BYTES + 1)
-        else:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_BYTES + 1)
+        else:  # a regular file (a FIFO or a device is refused, never read)
+            raw = read_regular(path, limit=MAX_BYTES, what="metadata.json")
     except FileNotFoundError:
         import errno
 
         return None, [MissingFileError(errno.ENOENT, "metadata.json is missing (not a MegaContext tree, or "
                                                      "its creation was interrupted)", path)]
+    except FormatError as exc:  # larger than MAX_BYTES
+        return None, [exc]
     except OSError as exc:
-        return None, [os_error(exc, path)]
+        return None, [exc if isinstance(exc, MCFError) else os_error(exc, path)]
     if len(raw) > MAX_BYTES:
         return None, [FormatError("metadata.json is too large", path=path, field="metadata",
                                   expected=f"<= {MAX_BYTES} bytes")]

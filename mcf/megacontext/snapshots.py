@@ -20,7 +20,7 @@ import time
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megacontext._layout import HEADER_SIZE, LEVEL_FILES, LEVELS
 from mcf.megacontext._lock import acquire_lock, restore_marker
-from mcf._core.fs import fsync_dir, fsync_file
+from mcf._core.fs import fsync_dir, fsync_file, open_regular
 from mcf.megacontext.metadata import METADATA, now_iso, with_counts, write_metadata
 
 __all__ = ["snapshot", "restore_validated", "finish_restore", "CHECKPOINTS"]
@@ -163,7 +163,7 @@ def restore_validated(snapshot_dir, tree_dir, *, counts: dict, entry_sizes: dict
             src_path = os.path.join(snapshot_dir, name)
             tmp = os.path.join(tree_dir, _TMP_PREFIX + name)
             try:
-                sfd = os.open(src_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                sfd = open_regular(src_path)
                 dfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
             except OSError as exc:
                 raise os_error(exc, src_path) from None

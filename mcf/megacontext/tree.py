@@ -22,7 +22,7 @@ import struct
 
 import numpy as np
 
-from mcf._core.fs import fsync_file
+from mcf._core.fs import fsync_file, open_regular
 from mcf._core import _fpconv
 from mcf._core.args import index_array, integer, slice_bounds
 from mcf._core._io import Source
@@ -94,7 +94,7 @@ class Tree:
         """Make the directory agree with the committed headers (the writer's open after a crash)."""
         for lv in self._levels.values():
             try:
-                lv.fd = os.open(lv.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+                lv.fd = open_regular(lv.path, os.O_RDWR)
             except OSError as exc:
                 raise os_error(exc, lv.path) from None
         repaired = []

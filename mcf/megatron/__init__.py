@@ -27,7 +27,7 @@ __all__ = ["open", "verify", "IndexedDataset", "IndexHeader", "Writer", "MEGATRO
 
 
 def open(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,  # noqa: A001
-         idx=None, bin=None):
+         idx=None, bin=None, allow_outside: bool = False):
     """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
 
     The files are mapped on a local disk and read with positional reads on a network or FUSE
@@ -39,8 +39,11 @@ def open(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = Non
 
     A list of prefixes, or a shard list (``*.json``, as the Ray commit step writes), opens one
     read-only :class:`~mcf.megatron.sharded.ShardedDataset` over all of them, numbered as their
-    concatenation, without merging or scanning them (see docs/scale.md).
+    concatenation, without merging or scanning them (see docs/scale.md).  A shard list read from a URL
+    may only name shards relative to its own location; ``allow_outside=True`` also opens the absolute
+    paths, other URLs and other buckets a list the caller trusts names (:mod:`mcf.megatron.sharded`).
     """
     if idx is None and bin is None and (isinstance(prefix, (list, tuple)) or _sharded.is_shard_list(prefix)):
-        return _sharded.open_shards(prefix, mmap=mmap, multimodal=multimodal, validate=validate)
+        return _sharded.open_shards(prefix, mmap=mmap, multimodal=multimodal, validate=validate,
+                                    allow_outside=allow_outside)
     return _reader.open(prefix, mmap=mmap, multimodal=multimodal, validate=validate, idx=idx, bin=bin)

@@ -19,6 +19,7 @@ import io
 import os
 from dataclasses import dataclass
 
+from mcf._core.fs import open_regular
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 
 __all__ = ["Chunk", "InputFile", "describe_inputs", "plan_chunks", "iter_chunk_documents", "DEFAULT_CHUNK_SIZE"]
@@ -68,10 +69,7 @@ def _open_raw(path: str):
             from mcf.errors import MissingFileError
 
             raise MissingFileError(2, "no such input", path) from None
-    try:
-        return open(path, "rb")  # noqa: SIM115
-    except OSError as exc:
-        raise os_error(exc, path) from None
+    return os.fdopen(open_regular(path), "rb")  # a FIFO or a device is refused, never opened for a blocking read
 
 
 def describe_inputs(inputs) -> list:
@@ -209,15 +207,17 @@ def chunk_stream(chunk: Chunk):
         raise os_error(exc, chunk.path) from None
 
 
-def iter_chunk_documents(chunk: Chunk, json_key: str = "text"):
-    """The documents of ``chunk`` in order, as :func:`mcf.megatron.tokenize.iter_documents` yields them.
-    An error names the input and the line, counted from the chunk's first line."""
-    from mcf.megatron.tokenize import iter_documents
+def iter_chunk_documents(chunk: Chunk, json_key: str = "text", *, max_line_bytes: int | None = None):
+    """The documents of ``chunk`` in order, as :func:`mcf.megatron.tokenize.iter_documents` yields them
+    (``max_line_bytes`` None: its default).  An error names the input and the line, counted from the
+    chunk's first line."""
+    from mcf.megatron.tokenize import MAX_LINE_BYTES, iter_documents
 
     stream = chunk_stream(chunk)
     begin = stream._begin if isinstance(stream, _LineRange) else 0
     try:
-        yield from iter_documents(chunk.path, json_key=json_key, stream=stream)
+        yield from iter_documents(chunk.path, json_key=json_key, stream=stream,
+                                  max_line_bytes=MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes)
     except FormatError as exc:
         if not begin or exc.field is None:
             raise

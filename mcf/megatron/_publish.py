@@ -15,7 +15,7 @@ import fcntl
 import json
 import os
 
-from mcf._core.fs import fsync_file
+from mcf._core.fs import fsync_file, open_regular
 
 INTENT_SUFFIX = ".publish"
 
@@ -60,7 +60,7 @@ def finish_interrupted(prefix: str) -> bool:
     Returns False (and touches nothing) when there is no intent file or a live writer holds it."""
     path = intent_path(prefix)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path)  # a FIFO planted there is not an intent (and must not block)
     except OSError:
         return False
     try:

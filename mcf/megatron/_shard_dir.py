@@ -26,6 +26,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 
+from mcf._core.fs import MAX_JSON_BYTES, read_regular
 from mcf.errors import FormatError, InvalidArgumentError, os_error
 
 __all__ = ["ShardRun", "run_name", "parse_run_name", "check_runs", "scan_runs", "complete_groups",
@@ -246,9 +247,8 @@ class DirectoryLock:
 def read_plan(directory: str):
     """The plan file of a shard directory as a dict, or None when there is none (or it is unreadable)."""
     try:
-        with open(os.path.join(directory, PLAN_FILE), encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        doc = json.loads(read_regular(os.path.join(directory, PLAN_FILE), limit=MAX_JSON_BYTES, what=PLAN_FILE))
+    except (OSError, ValueError, RecursionError):  # missing, not a regular file, too large, not JSON
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -107,6 +107,13 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _max_line_bytes(args) -> int:
+    from mcf.export import parse_size
+    from mcf.megatron.tokenize import MAX_LINE_BYTES
+
+    return MAX_LINE_BYTES if args.max_line_bytes is None else parse_size(args.max_line_bytes)
+
+
 def cmd_tokenize(args) -> int:
     from mcf._core.console import Progress
     from mcf.megatron.tokenize import tokenize
@@ -123,7 +130,7 @@ def cmd_tokenize(args) -> int:
                      append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
                      add_special_tokens=args.add_special_tokens, empty_text=args.empty_text,
-                     progress=Progress("tokenize", enabled=None if not args.quiet else False))
+                     max_line_bytes=_max_line_bytes(args), progress=Progress("tokenize", enabled=None if not args.quiet else False))
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
           f"sequences, {stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
@@ -142,7 +149,7 @@ def _tokenize_on_ray(args) -> int:
     stats = raydata.tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
                              append_eod=args.append_eod, eod_token=args.eod_token, batch_size=args.batch_size,
                              dtype_rule=args.dtype_rule, add_special_tokens=args.add_special_tokens,
-                             empty_text=args.empty_text, address=args.ray, chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
+                             empty_text=args.empty_text, max_line_bytes=_max_line_bytes(args), address=args.ray, chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
                              shard_dir=args.shard_dir, merge=not args.no_merge, resume=not args.no_resume,
                              progress=not args.quiet)
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
@@ -198,6 +205,10 @@ def add_megatron_parser(sub) -> None:
     s.add_argument("--empty-text", choices=("megatron", "datatrove"), default="megatron",
                    help="a text without tokens: a document with no sequence (megatron), or one sequence "
                         "holding just the EOD, with empty strings dropped (datatrove)")
+    s.add_argument("--max-line-bytes", metavar="SIZE",
+                   help="the longest input line (one document) accepted, e.g. 256MiB (default 64MiB: a line is "
+                        "held whole while it is tokenized, at about 15 times its size); a longer one is an error "
+                        "naming the file and the line")
     g = s.add_argument_group("on a Ray cluster (the ray extra: pip install '.[ray]' in a checkout, or "
                              "pip install 'mcf-formats[ray]'; see docs/scale.md)")
     g.add_argument("--ray", metavar="ADDRESS", help="run on the Ray cluster at ADDRESS (host:port of the head, "

@@ -71,14 +71,16 @@ def _text_block(group: int, first: int, docs: list, end: int | None) -> pa.Table
                     schema=TEXT_SCHEMA)
 
 
-def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, *, drop_empty: bool = False):
+def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, *, drop_empty: bool = False,
+                      max_line_bytes: int | None = None):
     """The blocks of one chunk: its documents in order, ``batch_size`` a block, the last block ending
     with the chunk's end marker (alone in a block when the chunk holds no document).  ``drop_empty``
     leaves out documents whose text is empty, as datatrove's readers do (``empty_text="datatrove"``),
-    so that positions and the end marker count only the documents that become documents."""
+    so that positions and the end marker count only the documents that become documents.
+    ``max_line_bytes`` as :func:`mcf.megatron.tokenize.iter_documents` takes it (None: its default)."""
     batch: list = []
     first = 0
-    for doc in iter_chunk_documents(chunk, json_key):
+    for doc in iter_chunk_documents(chunk, json_key, max_line_bytes=max_line_bytes):
         if drop_empty and not doc:
             continue
         batch.append(doc)
@@ -97,10 +99,12 @@ class TextDatasource(Datasource):
     document given as a list of strings.  ``drop_empty`` leaves out documents with an empty text (what
     datatrove's readers do; see :func:`read_chunk_blocks`)."""
 
-    def __init__(self, chunks, *, json_key: str = "text", batch_size: int = 1000, drop_empty: bool = False):
+    def __init__(self, chunks, *, json_key: str = "text", batch_size: int = 1000, drop_empty: bool = False,
+                 max_line_bytes: int | None = None):
         super().__init__()
         self.chunks = list(chunks)
         self.json_key = json_key
+        self.max_line_bytes = max_line_bytes
         self.drop_empty = bool(drop_empty)
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
@@ -116,8 +120,9 @@ class TextDatasource(Datasource):
         for c in self.chunks:
             size = (c.stop - c.start) if c.stop is not None else None
             meta = BlockMetadata(num_rows=None, size_bytes=size, input_files=[c.path], exec_stats=None)
-            tasks.append(ReadTask(lambda c=c, k=self.json_key, b=self.batch_size, e=self.drop_empty:
-                                  read_chunk_blocks(c, k, b, drop_empty=e), meta,
+            tasks.append(ReadTask(lambda c=c, k=self.json_key, b=self.batch_size, e=self.drop_empty,
+                                  m=self.max_line_bytes: read_chunk_blocks(c, k, b, drop_empty=e, max_line_bytes=m),
+                                  meta,
                                   schema=TEXT_SCHEMA, per_task_row_limit=per_task_row_limit))
         return tasks
 
@@ -485,15 +490,18 @@ class MegatronDatasource(Datasource):
 
     The sequences are split into contiguous ranges across read tasks, moved to document boundaries so
     that no document is split between tasks.  The driver reads only the headers (or the shard list);
-    each task opens the shards it reads and checks the index entries it uses."""
+    each task opens the shards it reads and checks the index entries it uses.  ``allow_outside``: a
+    shard list read from a URL may name shards outside its own location (refused by default, see
+    :mod:`mcf.megatron.sharded`)."""
 
-    def __init__(self, paths, *, block_sequences: int = 65536, mmap: bool | None = None):
+    def __init__(self, paths, *, block_sequences: int = 65536, mmap: bool | None = None,
+                 allow_outside: bool = False):
         super().__init__()
         from mcf.megatron.sharded import is_shard_list, open_shards
 
         if isinstance(paths, (str, bytes, os.PathLike)) and not is_shard_list(paths):
             paths = [paths]
-        view = open_shards(paths)
+        view = open_shards(paths, allow_outside=allow_outside)
         self.shards = view.shards
         self.meta = {"dtype": str(view.dtype), "multimodal": view.multimodal}
         self.itemsize = view.dtype.itemsize
@@ -534,10 +542,11 @@ class MegatronDatasource(Datasource):
         return "Megatron"
 
 
-def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool | None = None, **read_args):
+def read_megatron(paths, *, block_sequences: int = 65536, mmap: bool | None = None, allow_outside: bool = False,
+                  **read_args):
     """``ray.data.read_datasource(MegatronDatasource(paths, ...), **read_args)``."""
-    return ray.data.read_datasource(MegatronDatasource(paths, block_sequences=block_sequences, mmap=mmap),
-                                    **read_args)
+    return ray.data.read_datasource(MegatronDatasource(paths, block_sequences=block_sequences, mmap=mmap,
+                                                       allow_outside=allow_outside), **read_args)
 
 
 # -- the tokenize command on a cluster ----------------------------------------------------------------
@@ -604,8 +613,8 @@ def prepare_shard_dir(shard_dir: str, files, options: dict, chunk_size: int | No
 
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, batch_size: int = 1000, dtype_rule: str = "megatron",
-             add_special_tokens: bool = False, empty_text: str = "megatron", address: str | None = None,
-             chunk_size: int | None = None,
+             add_special_tokens: bool = False, empty_text: str = "megatron", max_line_bytes: int | None = None,
+             address: str | None = None, chunk_size: int | None = None,
              shard_dir=None, merge: bool = True, resume: bool = True, ray_remote_args: dict | None = None,
              progress: bool = True):
     """:func:`mcf.megatron.tokenize.tokenize` on a Ray cluster, with byte-identical output.
@@ -615,6 +624,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     each).  Shards go to ``shard_dir`` (default ``output_prefix + ".shards"``, which must be on a
     filesystem every node writes to).  ``merge=True`` merges them into ``output_prefix`` and removes
     them; ``merge=False`` keeps them and writes ``output_prefix + ".shards.json"``.
+    ``max_line_bytes`` is the longest input line accepted (None:
+    :data:`mcf.megatron.tokenize.MAX_LINE_BYTES`), as in the single-process run.
 
     A job that fails leaves no ``output_prefix.bin``/``.idx`` and keeps its finished shards with its
     plan: the same command run again (``resume=True``) reads only the chunks that are not finished.
@@ -625,7 +636,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     finished), ``tokenize`` (the Ray Data job: starting the workers, reading, tokenizing, writing the
     shards) and ``commit`` (checking and merging the shards)."""
     from mcf.megatron._layout import dtype_for_vocab
-    from mcf.megatron.tokenize import TokenizeStats, eod_token_id
+    from mcf.megatron.tokenize import MAX_LINE_BYTES, TokenizeStats, check_max_line_bytes, eod_token_id
     from mcf.tokenizer import load_tokenizer
     from mcf.remote import refuse_url
 
@@ -640,6 +651,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
     if chunk_size is not None and int(chunk_size) < 1:
         raise InvalidArgumentError(f"chunk_size must be >= 1 byte, got {chunk_size}")
+    max_line_bytes = check_max_line_bytes(MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes)
     output_prefix = os.fspath(output_prefix)
     tok = load_tokenizer(tokenizer)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
@@ -667,7 +679,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
             sink = MegatronDatasink(shard_dir, dtype=dtype, order=("group", "position"), end="end")
             args = dict(ray_remote_args or {})      # the same for the three stages, so that they fuse
             source = TextDatasource(todo, json_key=json_key, batch_size=batch_size,
-                                    drop_empty=empty_text == "datatrove")
+                                    drop_empty=empty_text == "datatrove", max_line_bytes=max_line_bytes)
             ds = ray.data.read_datasource(source, override_num_blocks=len(todo),
                                           ray_remote_args=args)
             ds = ds.map_batches(step, batch_format="pyarrow", batch_size=None, zero_copy_batch=True, **args)

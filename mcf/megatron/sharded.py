@@ -24,6 +24,14 @@ A shard list is JSON::
 
 Relative prefixes are relative to the list's directory.  ``megatron_data_path`` is the same shards
 as Megatron-LM's ``--data-path`` blend, each weighted by its token count.
+
+A list fetched from a URL is data from wherever it was fetched: its prefixes must be relative paths of
+plain names under the list's own location (no absolute path, no URL, no ``..``, no ``?``, ``#``, ``%``
+or ``\\``), or a list on a web server could make the reader open local files of the machine
+(``/etc/...``, a training set's private prefixes), other servers or other buckets with the caller's
+credentials.  ``allow_outside=True`` (of :func:`mcf.megatron.open`, :func:`open_shards` and
+:func:`read_shard_list`) accepts such prefixes from a list the caller trusts.  A local list is the
+caller's own file and may name any prefix.
 """
 
 from __future__ import annotations
@@ -77,16 +85,38 @@ def _count(v, name: str, path: str, field: str) -> int:
     return v
 
 
-def read_shard_list(path) -> tuple[list, dict]:
-    """``(shards, meta)`` of a shard list; ``meta`` holds ``dtype`` (a numpy dtype) and ``multimodal``.
-    Every field is checked: a hand-edited or truncated list gives a :class:`mcf.FormatError`."""
+_UNSAFE_IN_URL_PREFIX = ("?", "#", "%", "\\")
+
+
+def _outside(pre: str) -> str | None:
+    """Why prefix ``pre`` of a shard list read from a URL reaches outside the list's location (None when
+    it is a relative path of plain names)."""
     from mcf.remote import is_url
 
+    if is_url(pre) or "://" in pre:
+        return "names a URL"
+    if pre.startswith("/") or os.path.isabs(pre):
+        return "is an absolute path"
+    if any(part in ("", ".", "..") for part in pre.split("/")):
+        return "has an empty, '.' or '..' component"
+    if any(c in pre for c in _UNSAFE_IN_URL_PREFIX) or any(ord(c) < 0x20 or ord(c) == 0x7F for c in pre):
+        return "holds '?', '#', '%', '\\' or a control character"
+    return None
+
+
+def read_shard_list(path, *, allow_outside: bool = False) -> tuple[list, dict]:
+    """``(shards, meta)`` of a shard list; ``meta`` holds ``dtype`` (a numpy dtype) and ``multimodal``.
+    Every field is checked: a hand-edited or truncated list gives a :class:`mcf.FormatError`.  A list
+    read from a URL may only name prefixes relative to its own location (a :class:`mcf.FormatError`
+    naming the entry otherwise) unless ``allow_outside`` (see the module docstring)."""
+    from mcf.remote import is_url, redact
+
     p = os.fspath(path)
+    where = redact(p) if is_url(p) else p  # what messages name: never a URL's credentials
     src = open_source(p, mmap=False)
     try:
         if src.size > SHARD_LIST_MAX_BYTES:
-            raise FormatError("shard list too large", path=p, field="size", expected=f"<= {SHARD_LIST_MAX_BYTES}",
+            raise FormatError("shard list too large", path=where, field="size", expected=f"<= {SHARD_LIST_MAX_BYTES}",
                               got=src.size)
         raw = bytes(src.read(0, src.size))
     finally:
@@ -94,48 +124,53 @@ def read_shard_list(path) -> tuple[list, dict]:
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"not a JSON shard list: {exc}", path=p) from None
+        raise FormatError(f"not a JSON shard list: {exc}", path=where) from None
     if not isinstance(doc, dict) or doc.get("format") != SHARD_LIST_FORMAT:
-        raise FormatError("not a shard list", path=p, field="format", expected=SHARD_LIST_FORMAT,
+        raise FormatError("not a shard list", path=where, field="format", expected=SHARD_LIST_FORMAT,
                           got=repr(doc.get("format") if isinstance(doc, dict) else type(doc).__name__)[:80])
     if doc.get("version") != SHARD_LIST_VERSION:
         from mcf.errors import UnsupportedVersionError
 
-        raise UnsupportedVersionError("unsupported shard list version", path=p, field="version",
+        raise UnsupportedVersionError("unsupported shard list version", path=where, field="version",
                                       expected=SHARD_LIST_VERSION, got=repr(doc.get("version"))[:40])
     try:
         dtype = np.dtype(doc.get("dtype"))
         dtype_code(dtype)
     except (TypeError, ValueError, InvalidArgumentError):
-        raise FormatError("unknown token dtype", path=p, field="dtype",
+        raise FormatError("unknown token dtype", path=where, field="dtype",
                           expected="one of " + ", ".join(str(d) for d in MEGATRON_DTYPES.values()),
                           got=repr(doc.get("dtype"))[:40]) from None
     multimodal = doc.get("multimodal", False)
     if not isinstance(multimodal, bool):
-        raise FormatError("multimodal must be true or false", path=p, field="multimodal", got=repr(multimodal)[:40])
+        raise FormatError("multimodal must be true or false", path=where, field="multimodal", got=repr(multimodal)[:40])
     entries = doc.get("shards")
     if not isinstance(entries, list) or not entries:
-        raise FormatError("no shards", path=p, field="shards", expected="a non-empty list")
+        raise FormatError("no shards", path=where, field="shards", expected="a non-empty list")
     base = p.rsplit("/", 1)[0] if is_url(p) else os.path.dirname(os.path.abspath(p))
     shards = []
     for i, e in enumerate(entries):
         f = f"shards[{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("prefix"), str) or not e["prefix"]:
-            raise FormatError("a shard needs a prefix", path=p, field=f + ".prefix")
+            raise FormatError("a shard needs a prefix", path=where, field=f + ".prefix")
         pre = e["prefix"]
         if "\x00" in pre:
-            raise FormatError("NUL in a prefix", path=p, field=f + ".prefix")
+            raise FormatError("NUL in a prefix", path=where, field=f + ".prefix")
+        why = _outside(pre) if is_url(p) and not allow_outside else None
+        if why is not None:
+            raise FormatError(f"a shard list read from a URL names prefixes relative to its own location; "
+                              f"this one {why} (pass allow_outside=True to open it anyway)", path=where,
+                              field=f + ".prefix", got=repr(redact(pre))[:200])
         if not (is_url(pre) or os.path.isabs(pre)):
             pre = f"{base}/{pre}" if is_url(p) else os.path.join(base, pre)
         tokens = e.get("tokens")
-        shards.append(Shard(pre, _count(e.get("sequences"), "sequences", p, f + ".sequences"),
-                            _count(e.get("documents"), "documents", p, f + ".documents"),
-                            None if tokens is None else _count(tokens, "tokens", p, f + ".tokens")))
+        shards.append(Shard(pre, _count(e.get("sequences"), "sequences", where, f + ".sequences"),
+                            _count(e.get("documents"), "documents", where, f + ".documents"),
+                            None if tokens is None else _count(tokens, "tokens", where, f + ".tokens")))
     for key, field in (("sequences", "sequences"), ("documents", "documents"), ("tokens", "tokens")):
         if key in doc and doc[key] is not None:
             vals = [getattr(s, field) for s in shards]
-            if None not in vals and _count(doc[key], key, p, key) != sum(vals):
-                raise FormatError(f"the shards' {key} do not add up to the total", path=p, field=key,
+            if None not in vals and _count(doc[key], key, where, key) != sum(vals):
+                raise FormatError(f"the shards' {key} do not add up to the total", path=where, field=key,
                                   expected=sum(vals), got=doc[key])
     return shards, {"dtype": dtype, "multimodal": multimodal}
 
@@ -197,10 +232,13 @@ def _shards_from_headers(prefixes, multimodal):
     return shards, dtype, bool(mm)
 
 
-def open_shards(obj, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True) -> "ShardedDataset":
-    """One read-only dataset over a shard list file (``*.json``) or a list of dataset prefixes."""
+def open_shards(obj, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,
+                allow_outside: bool = False) -> "ShardedDataset":
+    """One read-only dataset over a shard list file (``*.json``) or a list of dataset prefixes.
+    ``allow_outside``: a shard list read from a URL may name prefixes outside its own location (see the
+    module docstring; refused by default)."""
     if is_shard_list(obj):
-        shards, meta = read_shard_list(obj)
+        shards, meta = read_shard_list(obj, allow_outside=allow_outside)
         if multimodal is not None and bool(multimodal) != meta["multimodal"]:
             raise InvalidArgumentError(f"{os.fspath(obj)}: multimodal={multimodal}, but the shard list says "
                                        f"{meta['multimodal']}")

@@ -12,6 +12,13 @@ sequences (``empty_text="datatrove"``: one sequence of just the EOD, and no docu
 string, as datatrove's reader and tokenizer step write).  The token dtype follows Megatron's rule (uint16 below 65500 tokens of vocabulary, else
 int32) or datatrove's (``dtype_rule="datatrove"``: uint16 up to 65536).
 
+Lines are read in pieces of :data:`READ_BYTES` and none may be longer than ``max_line_bytes``
+(:data:`MAX_LINE_BYTES`, 64 MiB, by default; ``--max-line-bytes`` on the command line): a longer one is a
+:class:`mcf.FormatError` naming the input and the line, raised before more than ``max_line_bytes +
+READ_BYTES`` bytes of it are held, so a small compressed file that expands to one endless line (a
+decompression bomb) costs time, never more memory than that.  An input is a regular file (a FIFO or a
+device is refused naming it): its size is the progress total, and a Ray run seeks in it.
+
 The tokenizer is anything :func:`mcf.tokenizer.load_tokenizer` takes: a ``tokenizers.Tokenizer``, a
 ``tokenizer.json``, a checkpoint directory, or an MCF file packed with its resources.
 
@@ -24,9 +31,9 @@ the caller set that variable, so that ``workers`` is the parallelism.
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
+import stat
 import time
 import zlib
 from collections import deque
@@ -35,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mcf._core.args import integer
-from mcf._core.fs import make_parent_dir
+from mcf._core.fs import make_parent_dir, not_regular, open_regular
 from mcf._core.optional import require
-from mcf.errors import FormatError, InvalidArgumentError, os_error
+from mcf.errors import FormatError, InvalidArgumentError, MCFError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
 from mcf.tokenizer import load_tokenizer  # the tokenizer argument: any source mcf.tokenizer takes
@@ -47,7 +54,17 @@ try:  # faster JSON when available
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
 
-__all__ = ["tokenize", "iter_documents", "eod_token_id", "TokenizeStats", "EMPTY_TEXT_RULES"]
+__all__ = ["tokenize", "iter_documents", "eod_token_id", "TokenizeStats", "EMPTY_TEXT_RULES", "MAX_LINE_BYTES",
+           "READ_BYTES"]
+
+#: the longest line (one document, without its newline) an input may have unless the caller allows more.
+#: A line is held whole while it is parsed and tokenized, and costs about 15 times its size at the peak
+#: (the text as bytes and as str, the parsed JSON, and a Python int per token: ~36 bytes for every ~4
+#: bytes of text), so 64 MiB is about 1 GB of memory per line.  Real documents are far smaller: a book of
+#: PG-19 is a few MB, a source file of The Stack at most 1 MB, a whole arXiv paper tens of MB at the most.
+MAX_LINE_BYTES = 64 << 20
+#: bytes of decompressed input read per step
+READ_BYTES = 1 << 20
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
 _COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -56,11 +73,8 @@ _COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 def _open_text(path: str, raw=None):
     """A binary stream of the decompressed bytes and the raw file (for progress by compressed bytes).
     ``raw``, if given, is read instead of opening ``path`` (a byte range of it, or a remote file)."""
-    if raw is None:
-        try:
-            raw = open(path, "rb")  # noqa: SIM115
-        except OSError as exc:
-            raise os_error(exc, path) from None
+    if raw is None:  # a regular file: a FIFO or a device is refused, never opened for a blocking read
+        raw = os.fdopen(open_regular(path), "rb")
     head = raw.peek(4)[:4] if hasattr(raw, "peek") else b""
     kind = None
     if head[:2] == b"\x1f\x8b":
@@ -95,24 +109,77 @@ def _is_json(path: str) -> bool:
     return os.path.splitext(base)[1].lower() in (".jsonl", ".json", ".ndjson")
 
 
-def iter_documents(path: str, *, json_key: str = "text", position=None, stream=None):
+def check_max_line_bytes(max_line_bytes) -> int:
+    """``max_line_bytes`` as an int >= 1 (InvalidArgumentError otherwise)."""
+    n = integer(max_line_bytes, "max_line_bytes")
+    if n < 1:
+        raise InvalidArgumentError(f"max_line_bytes must be >= 1, got {n}")
+    return n
+
+
+def _lines(stream, path: str, max_line_bytes: int):
+    """``(number, bytes)`` of each line of ``stream`` (without its newline; a last line without one
+    too), read in pieces of READ_BYTES: a line longer than ``max_line_bytes`` is a FormatError as soon
+    as more than that of it has arrived, so no more than ``max_line_bytes + READ_BYTES`` bytes of a line are
+    ever read, and only lines within the cap are joined into one object."""
+    pending: list = []      # the pieces of a line that continues past the last piece read
+    held = 0                # their total length
+    lineno = 0
+
+    def too_long(n):
+        return FormatError(f"line longer than the {max_line_bytes} bytes allowed (max_line_bytes; "
+                           "--max-line-bytes on the command line)", path=path, field=f"line {n}",
+                           expected=f"at most {max_line_bytes} bytes")
+
+    while True:
+        piece = stream.read(READ_BYTES)
+        if not piece:
+            break
+        parts = piece.split(b"\n")
+        last = parts.pop()
+        for k, line in enumerate(parts):
+            lineno += 1
+            if k == 0 and pending:
+                pending.append(line)
+                line = b"".join(pending)
+                pending.clear()
+                held = 0
+            if len(line) > max_line_bytes:
+                raise too_long(lineno)
+            yield lineno, line
+        if last:
+            held += len(last)
+            if held > max_line_bytes:
+                raise too_long(lineno + 1)
+            pending.append(last)
+    if pending:
+        yield lineno + 1, b"".join(pending)
+
+
+def iter_documents(path: str, *, json_key: str = "text", position=None, stream=None,
+                   max_line_bytes: int = MAX_LINE_BYTES):
     """Yield each document of ``path`` as a ``str`` or a list of ``str`` (sentences).
 
     ``position``, if given, is a one-element list updated with the compressed bytes consumed.
     ``stream``, if given, is a binary stream read instead of opening ``path`` (which then only names the
-    input in messages and tells JSON from text); it is closed at the end."""
+    input in messages and tells JSON from text); it is closed at the end.  A line longer than
+    ``max_line_bytes`` (:data:`MAX_LINE_BYTES` by default) is a :class:`mcf.FormatError` naming the
+    input and the line; no more than ``max_line_bytes + READ_BYTES`` bytes of it are ever read."""
+    max_line_bytes = check_max_line_bytes(max_line_bytes)
     stream, raw = _open_text(path, stream)
     as_json = _is_json(path)
     loads = _orjson.loads if _orjson is not None else json.loads
     try:
-        text = io.TextIOWrapper(io.BufferedReader(stream, 1 << 20) if stream is not raw else stream,
-                                encoding="utf-8", errors="strict", newline="\n")
         lineno = 0
         try:
-            for line in text:
-                lineno += 1
+            for lineno, data in _lines(stream, path, max_line_bytes):
                 if position is not None and lineno % 1024 == 0:
                     position[0] = raw.tell()
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise FormatError(f"not UTF-8 text: {exc.reason} at byte {exc.start} of the line",
+                                      path=path, field=f"line {lineno}") from None
                 if as_json:
                     if not line.strip():
                         continue
@@ -131,14 +198,14 @@ def iter_documents(path: str, *, json_key: str = "text", position=None, stream=N
                         raise FormatError(f"{json_key!r} is not a string or a list of strings", path=path,
                                           field=f"line {lineno}", got=type(v).__name__)
                 else:
-                    s = line.rstrip("\n").rstrip("\r")
+                    s = line.rstrip("\r")
                     if s.strip():
                         yield s
-        except UnicodeDecodeError as exc:
-            raise FormatError(f"not UTF-8 text: {exc.reason}", path=path, field=f"line {lineno + 1}") from None
         except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
             raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
         except OSError as exc:
+            if isinstance(exc, MCFError):
+                raise
             if exc.errno is None:  # zlib/zstd errors carry no errno
                 raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
             raise os_error(exc, path) from None
@@ -209,13 +276,15 @@ def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtyp
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
              dtype_rule: str = "megatron", add_special_tokens: bool = False, empty_text: str = "megatron",
-             progress=None) -> TokenizeStats:
+             max_line_bytes: int = MAX_LINE_BYTES, progress=None) -> TokenizeStats:
     """Tokenize ``inputs`` (one path or several, concatenated in order) into ``output_prefix``.
 
     ``empty_text`` says what a text without tokens becomes: ``"megatron"`` (``preprocess_data.py``) a
     document with no sequence, and no EOD; ``"datatrove"`` (its reader + ``MegatronDocumentTokenizer``)
     one sequence holding just the EOD with ``append_eod`` (an empty sequence without), while an empty
     string (``""``, or ``[]``) is dropped, as datatrove's readers drop it.
+    ``max_line_bytes`` is the longest line an input may have (:data:`MAX_LINE_BYTES` by default): a longer
+    one stops the run with a :class:`mcf.FormatError` naming the input and the line.
     ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes)."""
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
@@ -228,6 +297,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
     if empty_text not in EMPTY_TEXT_RULES:
         raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
+    max_line_bytes = check_max_line_bytes(max_line_bytes)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(tokenizer)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
@@ -235,9 +305,12 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     total_bytes = 0
     for p in inputs:
         try:
-            total_bytes += os.path.getsize(p)
+            st = os.stat(p)
         except OSError as exc:
             raise os_error(exc, p) from None
+        if not stat.S_ISREG(st.st_mode):  # refused before the output is created (a FIFO would block)
+            raise not_regular(p, st.st_mode)
+        total_bytes += st.st_size
     t0 = time.perf_counter()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
     make_parent_dir(output_prefix, what="writing a dataset")
@@ -276,7 +349,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                 for path in inputs:
                     pos = [0]
                     batch: list = []
-                    for doc in iter_documents(path, json_key=json_key, position=pos):
+                    for doc in iter_documents(path, json_key=json_key, position=pos, max_line_bytes=max_line_bytes):
                         batch.append(doc)
                         if len(batch) >= batch_size:
                             if pool is None:

@@ -462,7 +462,8 @@ class Writer:
         held = []
         for p in (self.bin_path, self.idx_path):
             try:
-                held.append(os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+                # O_NONBLOCK: only held, never read; a FIFO planted there must not block the publish
+                held.append(os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)))
             except OSError:
                 pass
         from mcf.megatron._publish import Intent

@@ -26,11 +26,13 @@ import errno
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
 from mcf._core._io import Source, open_source
+from mcf._core.fs import read_regular
 from mcf._core.dtypes import DTypeInfo, dtype_info
 from mcf.errors import AccessError, FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
@@ -417,11 +419,13 @@ def _index_files(idx: str, raw: bytes, directory: str | None) -> CheckpointFiles
 
 
 def _local_directory(d: str) -> CheckpointFiles:
+    # exists, not isfile: a FIFO or a directory under the name is that file, refused when it is opened, never
+    # passed over for another one
     single = os.path.join(d, WEIGHTS_NAME)
-    if os.path.isfile(single):
+    if os.path.exists(single):
         return CheckpointFiles((single,), directory=d)
     idx = os.path.join(d, INDEX_NAME)
-    if os.path.isfile(idx):
+    if os.path.exists(idx):
         return _index_files(idx, _read_local(idx), d)
     try:
         cands = sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))
@@ -429,6 +433,7 @@ def _local_directory(d: str) -> CheckpointFiles:
         raise os_error(exc, d) from None
     if not cands:
         raise MissingFileError(errno.ENOENT, f"no {WEIGHTS_NAME}, shard index or *.safetensors", d)
+    _check_shard_set(d, cands)
     return CheckpointFiles(tuple(os.path.join(d, c) for c in cands), directory=d)
 
 
@@ -470,18 +475,35 @@ def _read_remote(idx: str) -> bytes:
 
 
 def _read_local(idx: str) -> bytes:
-    try:
-        with open(idx, "rb") as f:
-            raw = f.read(MAX_HEADER + 1)
-    except OSError as exc:
-        raise os_error(exc, idx) from None
-    if len(raw) > MAX_HEADER:
-        raise FormatError("shard index too large", path=idx, expected=f"<= {MAX_HEADER} bytes")
-    return raw
+    return read_regular(idx, limit=MAX_HEADER, what="shard index")  # a FIFO or a device is refused, never read
 
 
 def _shards(wm: dict) -> list:
     return sorted(set(wm.values()))
+
+
+_SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _check_shard_set(directory: str, names: list) -> None:
+    """Shards named ``model-0000k-of-0000n.safetensors`` in a directory without an index must be all
+    ``n`` of one set: some missing (an interrupted export or download) or two sets side by side would
+    load as a model with tensors missing, or a mix of two."""
+    sets: dict = {}
+    for n in names:
+        m = _SHARD_NAME.fullmatch(n)
+        if m:
+            sets.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    for total, have in sorted(sets.items()):
+        missing = [k for k in range(1, total + 1) if k not in have]
+        if missing:
+            raise MissingFileError(errno.ENOENT, f"shards without {INDEX_NAME}, and model-{missing[0]:05d}-of-"
+                                   f"{total:05d}.safetensors is missing (an interrupted export or download?)",
+                                   directory)
+    if len(sets) > 1:
+        raise FormatError(f"shards of {len(sets)} checkpoints side by side ("
+                          + ", ".join(f"model-*-of-{t:05d}" for t in sorted(sets)) + f") and no {INDEX_NAME}",
+                          path=directory)
 
 
 def open_checkpoint(path, *, mmap: bool | None = None) -> Checkpoint:
