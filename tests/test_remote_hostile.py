@@ -421,3 +421,36 @@ def test_a_panic_inside_the_client_is_an_mcf_error_not_retried():
     with pytest.raises(MCFIOError, match="panic"):
         f.fetch(Part(0, 10, [(0, memoryview(bytearray(10)))]))
     assert calls == [0]
+
+
+# -- s3fs (backend="fsspec" for s3://, or no obstore and credentials from a role) -----------------------------
+@pytest.mark.parametrize("kind", ["huge-length", "replaced"])
+def test_s3fs_answers_are_read_in_bounded_pieces_and_pinned(srv, kind):
+    """s3fs's cat_file holds a whole answer: mcf reads its get_object bodies itself, in 1 MiB pieces, never past
+    the range, with IfMatch the ETag of the opening and the answer's ETag compared."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed (mcf reads S3 without it; it is only used with "
+                                       "backend='fsspec')")
+    if kind == "huge-length":
+        def get(h, rng):
+            a, b = rng
+            h.send_response(206)
+            h.send_header("Content-Range", f"bytes {a}-{b - 1}/{len(srv.data)}")
+            h.send_header("Content-Length", str(2 ** 40))
+            h.send_header("ETag", srv.etag)
+            h.end_headers()
+            h.send_all(bytes(64 << 20))
+            h.close_connection = True
+        srv.get = get
+    else:
+        srv.honour_if_match = False
+
+        def replace():
+            srv.data, srv.etag = bytes(reversed(DATA)), '"v2"'
+        srv.after_first_get = replace
+    opts = {"endpoint_url": srv.url("").rstrip("/"), "key": "A", "secret": "S",
+            "client_kwargs": {"region_name": "us-east-1"}}
+    f = RemoteFile("s3://bucket/blob.bin", backend="fsspec", storage_options=opts, retries=0, retry_delay=0.0,
+                   request_size=1 << 20, concurrency=1, block_size=1 << 16)
+    with pytest.raises(MCFIOError, match="announces|changed while it was read"):
+        f.readinto(bytearray(4 << 20))
+    assert srv.sent <= (4 << 20) + (24 << 20), srv.sent

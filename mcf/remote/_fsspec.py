@@ -67,6 +67,8 @@ class FsspecTransport:
         self._fs, self._path = url_to_fs(url, _with_timeout(url, opts, timeout))
         # HTTP(S): range requests on fsspec's aiohttp session (see _http_range); others: cat_file
         self._http = "http" in (getattr(self._fs, "protocol", ()) or ()) and hasattr(self._fs, "set_session")
+        # s3fs: get_object read in bounded pieces (its cat_file holds a whole answer, whatever its length)
+        self._s3 = not self._http and hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path")
         self.size_hint = None
         self.etag = None
         self.identity = None
@@ -93,6 +95,8 @@ class FsspecTransport:
             return res
         info = self._fs.info(self._path)
         self.identity = self._identity(info)
+        if self._s3:
+            self.etag = info.get("ETag") or None
         if info.get("type") == "directory":
             raise MCFIOError(errno.EISDIR, "is a directory, not a file", self.url)
         size = info.get("size")
@@ -116,6 +120,14 @@ class FsspecTransport:
             if not isinstance(res, int):    # a Retry verdict, or a final error (404, 403)
                 return res, False
             return dst[:res], out is not None
+        if self._s3:
+            from fsspec.asyn import sync
+
+            dst = out if out is not None else memoryview(bytearray(end - start))
+            res = sync(self._fs.loop, self._s3_range, start, end, dst)
+            if not isinstance(res, int):
+                return res, False
+            return dst[:res], out is not None
         data = self._fs.cat_file(self._path, start=start, end=end)
         self.count(len(data))
         if self.identity:
@@ -130,6 +142,10 @@ class FsspecTransport:
             return MissingFileError(errno.ENOENT, "no such remote file", self.url)
         if isinstance(exc, PermissionError):
             return AccessError(errno.EACCES, "access to the remote file was denied", self.url)
+        import asyncio
+
+        if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            return Retry(f"timed out after the request's deadline (timeout + bytes / min_rate): {exc}")
         return Retry(f"{type(exc).__name__}: {redact_text(str(exc))}")
 
     async def _request(self, method: str, headers: dict, nbytes: int):
@@ -231,6 +247,61 @@ class FsspecTransport:
                 mv[n:n + k] = chunk
                 n += k
         return n
+
+    async def _s3_range(self, start: int, end: int, mv: memoryview):
+        """One ``get_object`` of s3fs with ``Range`` and ``IfMatch``, its body read in pieces of at most 1 MiB
+        straight into ``mv`` under the request's deadline and never past the range.  Returns the bytes
+        received or a verdict; raises what s3fs raises (classified by the caller)."""
+        import asyncio
+        import time
+
+        want = end - start
+        deadline = time.monotonic() + self._deadline(want)
+        bucket, key, version = self._fs.split_path(self._path)
+        kw = {"Range": f"bytes={start}-{end - 1}"}
+        if version:
+            kw["VersionId"] = version
+        if self.etag:
+            kw["IfMatch"] = self.etag
+        try:
+            resp = await asyncio.wait_for(self._fs._call_s3("get_object", Bucket=bucket, Key=key, **kw),
+                                          max(0.001, deadline - time.monotonic()))
+        except OSError as exc:
+            if "PreconditionFailed" in str(exc) or "412" in str(exc):
+                return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag is no "
+                                  f"longer {self.etag}): open it again", self.url)
+            raise
+        body = resp["Body"]
+        try:
+            etag = resp.get("ETag")
+            if self.etag is not None and etag is not None and etag != self.etag:
+                return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag was "
+                                  f"{self.etag}, the server now answers {etag}): open it again", self.url)
+            why = self._check_content_range(resp.get("ContentRange"), start, end)
+            if why:
+                return why if isinstance(why, BaseException) else Retry(why)
+            length = resp.get("ContentLength")
+            if length is not None and int(length) > want:
+                return Retry(f"the answer announces {length} bytes (Content-Length) for a {want}-byte range: "
+                             "refused before reading it", transient=False)
+            n = 0
+            while n < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Retry(f"timed out: {n} of {want} bytes, slower than the minimum rate of "
+                                 f"{self.min_rate:.0f} bytes/s (min_rate)")
+                chunk = await asyncio.wait_for(body.read(min(1 << 20, want - n + 1)), left)
+                if not chunk:
+                    break
+                k = len(chunk)
+                self.count(k)
+                if n + k > want:
+                    return Retry(f"got more than the {want} bytes of the range", transient=False)
+                mv[n:n + k] = chunk
+                n += k
+            return n
+        finally:
+            body.close()
 
     def _check_content_range(self, value, start, end):
         """None when ``Content-Range: bytes a-b/total`` names exactly the requested range of this file."""
