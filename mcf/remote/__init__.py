@@ -11,15 +11,17 @@ The source's ``read_ranges``/``read_into`` hand a whole load plan to :meth:`Remo
   even parts of at most ``request_size`` bytes, and each part lands in the pieces of the destination
   buffers it covers, so a checkpoint loads with ``concurrency`` requests in flight across its tensors
   and never holds more than ``concurrency * request_size`` bytes of answers (no second copy of the file);
-- **the checks** (``_fetch``): every answer must be exactly the bytes asked for (HTTP: status 206 and
-  the right ``Content-Range`` too), of the version seen at opening (``If-Match`` its ETag, where the
-  server sends one: obstore's clients); a transient failure (reset, timeout, 5xx, 408, 429, a short body)
+- **the checks** (``_fetch``, ``_http``): every answer must be exactly the bytes asked for (HTTP: status 206
+  and the right ``Content-Range`` too), read in place and never past its range, of the version seen at
+  opening (``If-Match`` its ETag, and every answer's ETag, Last-Modified and size compared), within
+  ``timeout + bytes / min_rate`` seconds; a transient failure (reset, timeout, 5xx, 408, 429, a short body)
   is retried with exponential backoff and jitter, at most ``retries`` times; a final one (404, 403, a
   server ignoring ``Range``, no attempt left) is an :class:`mcf.MCFError` naming the URL, the range and
   the file size, never a credential;
-- **the clients**: obstore (Rust's object_store) for the object stores and HTTP(S), one store per
-  bucket or host, reused (``_obstore``, ``_stores``); fsspec for every other scheme and for HTTP URLs
-  with a query string (``_fsspec``).  ``backend="fsspec"`` forces fsspec everywhere;
+- **the clients**: mcf's own (``_http``, on ``http.client``) for every http(s) URL and for S3 through URLs
+  it signs itself (``_sigv4``), following redirects without credentials to another origin; obstore
+  (Rust's object_store) for GCS, Azure and S3 with role credentials (``_obstore``, ``_stores``); fsspec
+  for every other scheme (``_fsspec``).  ``backend=`` picks one ("http", "obstore", "fsspec");
 - **the configuration** (``_stores``): what the AWS tools read (``AWS_ACCESS_KEY_ID``,
   ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
   ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE`` and the shared files), or explicit
@@ -35,15 +37,15 @@ readers depends on it.  Remote files are read-only: every writer refuses a URL (
 from __future__ import annotations
 
 from mcf.remote.file import (BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_SIZE, DEFAULT_COALESCE, DEFAULT_CONCURRENCY,
-                              DEFAULT_REQUEST_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT,
-                              RemoteFile)
+                              DEFAULT_MIN_RATE, DEFAULT_REQUEST_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY,
+                              DEFAULT_TIMEOUT, RemoteFile)
 from mcf.remote._fsspec import url_to_fs
 from mcf.remote._stores import storage_options
 from mcf.remote._urls import is_url, redact, refuse_url
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url", "redact", "storage_options", "url_to_fs",
            "BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_CONCURRENCY",
-           "DEFAULT_COALESCE", "DEFAULT_RETRIES", "DEFAULT_RETRY_DELAY", "DEFAULT_TIMEOUT"]
+           "DEFAULT_COALESCE", "DEFAULT_RETRIES", "DEFAULT_RETRY_DELAY", "DEFAULT_TIMEOUT", "DEFAULT_MIN_RATE"]
 
 
 def open_remote(url, **options):
