@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DTypeInfo, dtype_info
+from mcf._core.memory import allocating
 from mcf.errors import FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
 
@@ -56,7 +57,9 @@ class SafetensorsTensor:
         from mcf.loading.dtypes import numpy_dtype
 
         dt = numpy_dtype(self.element, f"{self.file.source.name}: tensor {self.name!r}")
-        return self.file.source.array(self.offset, dt, self.shape)
+        src = self.file.source
+        with allocating(self.nbytes, src.name, self.name, source=src):
+            return src.array(self.offset, dt, self.shape)
 
 
 class SafetensorsFile:
