@@ -207,3 +207,19 @@ def test_torch_allocator_refusal_is_named(monkeypatch):
     with pytest.raises(AllocationError, match=r"claims.safetensors: tensor 'big': 2305843009213693952 bytes "
                                               r"\(2.0 EiB\) could not be allocated: .*allocate"):
         mtorch.load_file(_claimed_safetensors("U8", [1 << 61], 1))
+
+
+def test_an_mcf_section_larger_than_the_memory_is_refused():
+    """An MCF file (a source that claims 2 EiB) whose TensorIndex section says it is 1 EiB: refused when the
+    index is read, naming the file and the section, instead of the read buffer's bare MemoryError."""
+    from mcf.container.layout import DIR_ENTRY, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR, SectionType
+
+    size = 1 << 60
+    start = HEADER_SIZE + 2 * DIR_ENTRY.size
+    total = start + size + 8
+    head = (HEADER.pack(MAGIC, MAJOR, MINOR, HEADER_SIZE, 2, HEADER_SIZE, total, 0)
+            + DIR_ENTRY.pack(SectionType.TENSOR_INDEX, 1, start, size)
+            + DIR_ENTRY.pack(SectionType.TENSOR_DATA, 1, start + size, 8))
+    with pytest.raises(AllocationError, match=r"claims.mcf: section TensorIndex needs 1152921504606846976 bytes "
+                                              r"\(1.0 EiB\), more than this machine's memory"):
+        mcf.open(_Claims(head, total, name="claims.mcf"))

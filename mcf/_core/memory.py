@@ -64,39 +64,43 @@ def human_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-def _where(path, tensor) -> str:
+def _where(path, tensor, what) -> str:
+    if what is not None:
+        return f"{path}: {what}"
     return f"{path}: tensor {tensor!r}" if tensor is not None else str(path)
 
 
-def check_fits(nbytes: int, path, tensor, *, total: int | None = None) -> None:
-    """Refuse ``nbytes`` for ``tensor`` of ``path`` (with ``total``: the bytes of a whole load, this tensor
-    included) when they are more than :func:`memory_limit`."""
+def check_fits(nbytes: int, path, tensor, *, total: int | None = None, what: str | None = None) -> None:
+    """Refuse ``nbytes`` for ``tensor`` of ``path`` (``what`` names something else: "section TensorIndex";
+    with ``total``: the bytes of a whole load, this tensor included) when they are more than
+    :func:`memory_limit`."""
     limit = memory_limit()
     asked = nbytes if total is None else total
     if asked <= limit:
         return
-    what = (f"needs {nbytes} bytes ({human_bytes(nbytes)})" if total is None or total == nbytes else
+    need = (f"needs {nbytes} bytes ({human_bytes(nbytes)})" if total is None or total == nbytes else
             f"({nbytes} bytes) brings this load to {total} bytes ({human_bytes(total)})")
-    raise AllocationError(f"{_where(path, tensor)} {what}, more than this machine's memory (RAM + swap: "
+    raise AllocationError(f"{_where(path, tensor, what)} {need}, more than this machine's memory (RAM + swap: "
                           f"{human_bytes(limit)}); refused before allocating")
 
 
 @contextlib.contextmanager
-def allocating(nbytes: int, path, tensor, *, source=None, total: int | None = None):
-    """Around code that allocates ``nbytes`` for ``tensor`` of ``path``: :func:`check_fits` first (skipped when
-    ``source`` is given and mapped: its views allocate nothing), then a ``MemoryError`` raised inside becomes
-    :class:`mcf.errors.AllocationError` with the same names."""
+def allocating(nbytes: int, path, tensor, *, source=None, total: int | None = None, what: str | None = None):
+    """Around code that allocates ``nbytes`` for ``tensor`` (or ``what``) of ``path``: :func:`check_fits` first
+    (skipped when ``source`` is given and mapped: its views allocate nothing), then a ``MemoryError`` raised
+    inside becomes :class:`mcf.errors.AllocationError` with the same names."""
     if source is None or not source.is_mapped:
-        check_fits(nbytes, path, tensor, total=total)
+        check_fits(nbytes, path, tensor, total=total, what=what)
     try:
         yield
     except MemoryError as exc:
         if isinstance(exc, MCFError):
             raise
-        raise refused(nbytes, path, tensor, str(exc)) from None
+        raise refused(nbytes, path, tensor, str(exc), what=what) from None
 
 
-def refused(nbytes: int, path, tensor, why: str) -> AllocationError:
-    """The error for ``nbytes`` for ``tensor`` of ``path`` that the allocator refused, saying ``why``."""
-    return AllocationError(f"{_where(path, tensor)}: {nbytes} bytes ({human_bytes(nbytes)}) could not be "
+def refused(nbytes: int, path, tensor, why: str, *, what: str | None = None) -> AllocationError:
+    """The error for ``nbytes`` for ``tensor`` (or ``what``) of ``path`` that the allocator refused, saying
+    ``why``."""
+    return AllocationError(f"{_where(path, tensor, what)}: {nbytes} bytes ({human_bytes(nbytes)}) could not be "
                            f"allocated: {why or 'out of memory'}")

@@ -176,7 +176,13 @@ class Container:
 
     def section_bytes(self, type_: int) -> bytes | None:
         s = self.section(type_)
-        return None if s is None else self._src.read(s.offset, s.size)
+        return None if s is None else self._section_data(s, copy=True)
+
+    def _section_data(self, s, *, copy: bool = False):
+        """The bytes of section ``s`` (a copy, or a view when mapped): their size comes from the file, so
+        they are allocated under mcf's memory rule (:mod:`mcf._core.memory`)."""
+        with allocating(s.size, self.path, None, source=None if copy else self._src, what=f"section {s.name}"):
+            return self._src.read(s.offset, s.size) if copy else self._src.view(s.offset, s.size)
 
     def _read_index(self, domains) -> TensorIndex:
         s = self.section(SectionType.TENSOR_INDEX)
@@ -186,7 +192,7 @@ class Container:
         if td is None:
             raise FormatError("file has a TensorIndex but no TensorData section", path=self.path,
                               field="section(TensorData)", offset=self.header.section_dir_offset)
-        data = self._src.view(s.offset, s.size)
+        data = self._section_data(s)
         return TensorIndex.parse(data, path=self.path, base_offset=s.offset,
                                  data_range=(td.offset, td.size), domains=domains,
                                  aligned64=self.header.aligned64)
@@ -195,7 +201,7 @@ class Container:
         s = self.section(SectionType.QUANT_INFO)
         if s is None:
             return None
-        return decode_quant_info(self._src.read(s.offset, s.size), path=self.path, base_offset=s.offset)
+        return decode_quant_info(self._section_data(s, copy=True), path=self.path, base_offset=s.offset)
 
     def _check_quant_records(self, records):
         out = []
@@ -240,7 +246,7 @@ class Container:
         s = self.section(SectionType.MODEL_INFO)
         if s is None:
             return None
-        return decode_model_info(self._src.read(s.offset, s.size), path=self.path, base_offset=s.offset)
+        return decode_model_info(self._section_data(s, copy=True), path=self.path, base_offset=s.offset)
 
     @property
     def quant_info(self) -> list:
