@@ -13,8 +13,9 @@
 from mcf import io
 from mcf.container.reader import Container, Header, Section, open
 from mcf._core.dtypes import DType
-from mcf.errors import (AccessError, ArgumentTypeError, ChecksumError, ClosedError, ContextNotFoundError, DTypeError,
-                        EncryptionKeyError, FormatError, InvalidArgumentError, MCFError, MCFIOError,
+from mcf.errors import (AccessError, AllocationError, ArgumentTypeError, ChecksumError, ClosedError,
+                        ContextNotFoundError, DTypeError, EncryptionKeyError, FormatError, InvalidArgumentError,
+                        MCFError, MCFIOError,
                         MissingDependencyError, MissingFileError, OutOfBoundsError, StaleContextError,
                         TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
 from mcf.container.layout import SectionType, quant_layout
@@ -68,8 +69,8 @@ __all__ = [
     "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
-    "MissingFileError", "AccessError", "InvalidArgumentError", "MissingDependencyError", "ContextNotFoundError",
-    "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError", "load_state_dict",
+    "MissingFileError", "AccessError", "AllocationError", "InvalidArgumentError", "MissingDependencyError",
+    "ContextNotFoundError", "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError", "load_state_dict",
     "Rows", "Shard",
     "get_include",
 ]

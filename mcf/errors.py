@@ -33,6 +33,7 @@ __all__ = [
     "DTypeError",
     "ClosedError",
     "MCFIOError",
+    "AllocationError",
     "InvalidArgumentError",
     "MissingFileError",
     "AccessError",
@@ -144,6 +145,12 @@ class ClosedError(MCFError, ValueError):
 
 class MCFIOError(MCFError, OSError):
     """An operating-system level I/O failure, with the file named."""
+
+
+class AllocationError(MCFError, MemoryError):
+    """Memory for what a file holds (a tensor, the results of a load) cannot be had: more bytes than this
+    machine's RAM and swap, refused before allocating, or refused by the allocator.  The message names the
+    file, the tensor and the bytes (docs/reliability.md, "Memory a file can ask for")."""
 
 
 class InvalidArgumentError(MCFError, ValueError):

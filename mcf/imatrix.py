@@ -85,12 +85,14 @@ class ImportanceCollector:
         x = reals(x, f"the inputs of {name!r}")
         if x.ndim != 2:
             raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {x.shape}")
-        sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):   # NaN or overflow: write() refuses the sums
+            sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
         if name in self.sums:
             if self.sums[name].shape != sq.shape:
                 raise InvalidArgumentError(f"{name}: {sq.shape[0]} columns, earlier inputs had "
                                            f"{self.sums[name].shape[0]}")
-            self.sums[name] += sq
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.sums[name] += sq
             self.counts[name] += x.shape[0]
         else:
             self.sums[name] = sq
@@ -100,7 +102,8 @@ class ImportanceCollector:
 
     def means(self) -> dict[str, np.ndarray]:
         """name -> mean squared input per column (float32)."""
-        return {n: (s / max(1, self.counts[n])).astype(np.float32) for n, s in sorted(self.sums.items())}
+        with np.errstate(over="ignore"):   # beyond float32's range is infinity (refused where it is used)
+            return {n: (s / max(1, self.counts[n])).astype(np.float32) for n, s in sorted(self.sums.items())}
 
     def write(self, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0) -> None:
         write_imatrix(path, self.sums, self.counts, datasets=datasets, chunk_count=chunk_count,

@@ -70,14 +70,16 @@ class SecondMomentCollector:
         if self._last is not None and self._last[0].shape == v.shape and np.array_equal(self._last[0], v):
             xx = self._last[1]
         else:
-            xx = v.T @ v
+            with np.errstate(over="ignore", invalid="ignore"):   # NaN or overflow: write() refuses the sums
+                xx = v.T @ v
             self._last = (v, xx)
         tokens = v.shape[0]
         if name in self.sums:
             if self.sums[name].shape != xx.shape:
                 raise InvalidArgumentError(f"{name}: {xx.shape[0]} columns, earlier inputs had "
                                            f"{self.sums[name].shape[0]}")
-            self.sums[name] += xx
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.sums[name] += xx
             self.counts[name] += tokens
         else:
             self.sums[name] = xx.copy()

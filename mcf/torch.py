@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from mcf import state_dict as _sd
+from mcf._core.memory import refused
 from mcf._core.optional import require
 from mcf.errors import DTypeError
 from mcf.loading.casts import load_dtype
@@ -80,12 +81,15 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> 
     def alloc(p):
         tdt, tshape = kinds[p.name]
         nbytes = math.prod(tshape) * tdt.itemsize
+        try:
+            raw = _torch.empty(nbytes + 4096 if nbytes >= ALIGN_FROM else nbytes, dtype=_torch.uint8)
+        except RuntimeError as exc:   # torch's CPU allocator refuses with a RuntimeError
+            if "allocate" not in str(exc):
+                raise
+            raise refused(nbytes, p.source.name, p.name, str(exc).splitlines()[0]) from None
         if nbytes >= ALIGN_FROM:
-            raw = _torch.empty(nbytes + 4096, dtype=_torch.uint8)
             start = -raw.data_ptr() % 4096
             raw = raw[start:start + nbytes]
-        else:
-            raw = _torch.empty(nbytes, dtype=_torch.uint8)
         t = raw.view(tdt).view(tshape)
         out = raw.numpy()
         kernel = _KERNEL_NUMPY.get(p.element.name)

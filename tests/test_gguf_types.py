@@ -328,6 +328,53 @@ def test_dequantize_equals_gguf_py(name):
         assert empty.shape == out and empty.dtype == np.float32
 
 
+def _layouts(data):
+    """Non-contiguous arrays of ``data``'s bytes or values: rows picked with a step, blocks picked with a step
+    (a view of a 3-D array of blocks), a Fortran-ordered copy, and for typed data the transpose of the
+    transpose (a strided last axis)."""
+    yield "rows[::2]", data[::2]
+    yield "fortran", np.asfortranarray(data)
+    if data.dtype == np.uint8:
+        yield "reversed rows", data[::-1]
+    else:
+        yield "transposed twice", np.ascontiguousarray(data.T).T
+        yield "last axis [::2]", np.repeat(data, 2, axis=-1)[..., ::2]
+
+
+@pytest.mark.parametrize("name", DROP_IN)
+def test_dequantize_non_contiguous_equals_gguf_py(name):
+    """A transposed or strided array decodes as gguf-py decodes it: the same values, shape and dtype.  Before,
+    a float16 array whose last axis is not contiguous (what ``.T`` gives) raised numpy's bare ValueError from
+    mcf's uint8 view, where gguf-py returns the values."""
+    t = fx.qtype(name)
+    bs, ts = gguf.GGML_QUANT_SIZES[t]
+    rng = fx.rng_for(f"strided {name}")
+    if name in fx.F16_SCALES or name == "IQ1_M":
+        blocks = fx.random_blocks(name, 4 * 6, rng).reshape(4, 6, ts)
+    else:
+        blocks = rng.integers(0, 256, (4, 6, ts), dtype=np.uint8)
+    cases = list(_layouts(blocks.reshape(4, 6 * ts)))
+    cases.append(("blocks[:, ::2]", blocks[:, ::2]))            # a strided view of blocks, rows of 3
+    cases.append(("blocks transposed", blocks.transpose(1, 0, 2)))
+    if name in ("F32", "F16", "BF16"):
+        typed = rng.standard_normal((6, 16)).astype(np.float32)
+        typed = {"F32": typed, "F16": typed.astype(np.float16),
+                 "BF16": (typed.view(np.uint32) >> 16).astype(np.uint16)}[name]
+        cases += [(f"typed {k}", v) for k, v in _layouts(typed)]
+        cases.append(("typed .T", typed.T))
+    for what, data in cases:
+        assert not data.flags.c_contiguous, what
+        try:
+            with np.errstate(invalid="ignore", over="ignore"):
+                want = gq.dequantize(data, t)
+        except ValueError:   # gguf-py cannot view it (uint8 picked with a step as F16) or takes only bytes
+            with np.errstate(invalid="ignore", over="ignore"):   # (BF16 as uint16): mcf decodes the values
+                want = gq.dequantize(np.ascontiguousarray(data).view(np.uint8), t)
+        got = G.dequantize(data, t)
+        assert got.dtype == want.dtype == np.float32 and got.shape == want.shape, (name, what)
+        assert_same(got, want, f"{name} {what}")
+
+
 def test_dequantize_every_tensor_of_a_reader(tmp_path):
     """What transformers does: gguf.GGUFReader's tensor.data and tensor.tensor_type, every type."""
     path = str(tmp_path / "all.gguf")
@@ -381,6 +428,8 @@ def test_dequantize_errors():
         G.dequantize(b"\0" * 34, 8)
     with pytest.raises(mcf.InvalidArgumentError, match="0-d"):
         G.dequantize(np.array(3, np.uint8), 30)
+    with pytest.raises(mcf.ArgumentTypeError, match="dtype object"):
+        G.dequantize(np.array([None] * 34, object), 8)
 
 
 # -- conversion and mcf info -------------------------------------------------------------------------

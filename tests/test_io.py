@@ -309,6 +309,43 @@ def test_fresh_buffers_do_not_ask_for_huge_pages():
     assert r.stdout.split()[0] == "False", r.stdout   # (numpy's own, the second, depends on the THP mode)
 
 
+_UNCLOSED = """
+import io, sys
+import mcf, mcf.gguf, mcf.io, mcf.safetensors
+import mcf._core._io as core
+fix = sys.argv[1]
+held = [mcf.open(fix + "/golden_plain.mcf"), mcf.open(fix + "/golden_plain.mcf", mmap=False),
+        mcf.safetensors.SafetensorsFile(sys.argv[2]), mcf.safetensors.SafetensorsFile(sys.argv[2], mmap=False),
+        mcf.gguf.open(fix + "/gguf/golden_v3.gguf"), mcf.gguf.open(fix + "/gguf/golden_v3.gguf", mmap=False),
+        mcf.io.open_source(io.BytesIO(open(sys.argv[2], "rb").read())),
+        mcf.io.open_source(open(sys.argv[2], "rb")), mcf.io.open_source(sys.argv[2], mmap=False)]
+where = sys.argv[3]
+if where == "main":
+    pass
+elif where == "sys":        # torn down after the modules' globals
+    sys.held = held
+elif where == "module":     # freed while mcf's own I/O module is being cleared
+    core.held = held
+elif where == "cycle":
+    held.append(held)
+"""
+
+
+@pytest.mark.parametrize("where", ["main", "sys", "module", "cycle"])
+def test_unclosed_sources_exit_quietly(tmp_path, where):
+    """Containers, safetensors and GGUF files and sources nobody closed, still referenced when the interpreter
+    exits: nothing on stderr.  Source.__dealloc__ called os.close, and when it ran after the module globals
+    were torn down that printed "Exception ignored in: 'mcf._core._io.Source.__dealloc__'" (or, once
+    sys.stderr was gone too, "Error in sys.excepthook")."""
+    st = tmp_path / "x.safetensors"
+    header = b'{"a":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}'
+    st.write_bytes(len(header).to_bytes(8, "little") + header + np.arange(8, dtype="<f4").tobytes())
+    fix = os.path.join(os.path.dirname(__file__), "fixtures")
+    r = subprocess.run([sys.executable, "-c", _UNCLOSED, fix, str(st), where], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_read_ranges_in_every_mode(all_sources, threads):
     srcs, data = all_sources

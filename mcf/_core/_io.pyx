@@ -39,7 +39,7 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
 from libc.errno cimport errno, EINTR, ENOMEM
 from posix.types cimport off_t
-from posix.unistd cimport pread
+from posix.unistd cimport pread, close as _close_fd
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE,
                          MADV_NORMAL, MADV_RANDOM, MADV_SEQUENTIAL, MADV_WILLNEED, MADV_DONTNEED)
 
@@ -856,11 +856,15 @@ cdef class Source:
         self.close()
 
     def __dealloc__(self):
+        # A source nobody closed: this can run at interpreter exit after the module's globals (``os``)
+        # and sys.stderr are gone, so it touches no Python object and cannot raise (an error here was
+        # printed as "Exception ignored in Source.__dealloc__"): the C close(2) of the descriptors only.
+        # A mapping is released by its own _Mapping, an owned file object by its own finalizer.
         if self._dfd >= 0:
-            os.close(self._dfd)
+            _close_fd(self._dfd)
             self._dfd = -1
         if self._fd >= 0:
-            os.close(self._fd)
+            _close_fd(self._fd)
             self._fd = -1
 
     def __reduce__(self):

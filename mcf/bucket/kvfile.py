@@ -96,7 +96,8 @@ class Int8KV(NamedTuple):
     scales: np.ndarray
 
     def dequantize(self) -> np.ndarray:
-        return self.data.astype(np.float32) * self.scales[..., None]
+        with np.errstate(over="ignore", invalid="ignore"):   # a damaged scale (inf: 0 * inf is NaN) decodes quietly
+            return self.data.astype(np.float32) * self.scales[..., None]
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,11 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def quantize_int8(x: np.ndarray) -> Int8KV:
     """Symmetric per-row int8: scale = max|row| / 127 (0 for an all-zero row), q = rint(x / scale)."""
-    f = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore"):   # float64 beyond float32's range becomes infinity, refused below
+        f = np.asarray(x, dtype=np.float32)
     if not np.isfinite(f).all():
-        raise InvalidArgumentError("int8 KV storage needs finite values (got NaN or infinity)")
+        raise InvalidArgumentError("int8 KV storage needs finite values within float32's range (got NaN, infinity "
+                                   "or a float64 beyond +-3.4e38)")
     amax = np.abs(f).max(axis=-1) if f.shape[-1] else np.zeros(f.shape[:-1], np.float32)
     scales = (amax / np.float32(127)).astype(np.float32)
     safe = np.where(scales == 0, np.float32(1), scales)
@@ -202,7 +205,8 @@ def _encoded_pieces(t: Any, dtype: L.KVDType) -> Iterator[np.ndarray]:
         elif dtype == L.KVDType.BF16:
             yield _as_bytes(_to_bf16_bits(piece).astype("<u2", copy=False))
         else:
-            yield _as_bytes(np.ascontiguousarray(piece, dtype=NP_DTYPES[dtype]))
+            with np.errstate(over="ignore"):   # beyond float16's (float32's) range is infinity, as a cast should
+                yield _as_bytes(np.ascontiguousarray(piece, dtype=NP_DTYPES[dtype]))
     if dtype == L.KVDType.INT8:
         yield _as_bytes(np.concatenate(scales).astype("<f4", copy=False) if scales else np.empty(0, "<f4"))
 

@@ -16,6 +16,7 @@ import numpy as np
 from mcf._core.args import byte_order_problem, out_array, row_range
 from mcf._core._io import Source, open_source
 from mcf._core.dtypes import DType
+from mcf._core.memory import allocating
 from mcf.errors import (DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError,
                         UnsupportedVersionError, in_tensor)
 from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
@@ -175,7 +176,13 @@ class Container:
 
     def section_bytes(self, type_: int) -> bytes | None:
         s = self.section(type_)
-        return None if s is None else self._src.read(s.offset, s.size)
+        return None if s is None else self._section_data(s, copy=True)
+
+    def _section_data(self, s, *, copy: bool = False):
+        """The bytes of section ``s`` (a copy, or a view when mapped): their size comes from the file, so
+        they are allocated under mcf's memory rule (:mod:`mcf._core.memory`)."""
+        with allocating(s.size, self.path, None, source=None if copy else self._src, what=f"section {s.name}"):
+            return self._src.read(s.offset, s.size) if copy else self._src.view(s.offset, s.size)
 
     def _read_index(self, domains) -> TensorIndex:
         s = self.section(SectionType.TENSOR_INDEX)
@@ -185,7 +192,7 @@ class Container:
         if td is None:
             raise FormatError("file has a TensorIndex but no TensorData section", path=self.path,
                               field="section(TensorData)", offset=self.header.section_dir_offset)
-        data = self._src.view(s.offset, s.size)
+        data = self._section_data(s)
         return TensorIndex.parse(data, path=self.path, base_offset=s.offset,
                                  data_range=(td.offset, td.size), domains=domains,
                                  aligned64=self.header.aligned64)
@@ -194,7 +201,7 @@ class Container:
         s = self.section(SectionType.QUANT_INFO)
         if s is None:
             return None
-        return decode_quant_info(self._src.read(s.offset, s.size), path=self.path, base_offset=s.offset)
+        return decode_quant_info(self._section_data(s, copy=True), path=self.path, base_offset=s.offset)
 
     def _check_quant_records(self, records):
         out = []
@@ -239,7 +246,7 @@ class Container:
         s = self.section(SectionType.MODEL_INFO)
         if s is None:
             return None
-        return decode_model_info(self._src.read(s.offset, s.size), path=self.path, base_offset=s.offset)
+        return decode_model_info(self._section_data(s, copy=True), path=self.path, base_offset=s.offset)
 
     @property
     def quant_info(self) -> list:
@@ -330,7 +337,8 @@ class Container:
             dt = numpy_dtype(element_of_mcf(t.dtype.code), f"{self.path}: tensor {name!r}")
         else:
             dt = t.dtype.numpy
-        return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
+        with allocating(t.nbytes, self.path, name, source=self._src):
+            return self._src._typed_view(t.offset, t.nbytes, dt, t.shape)
 
     def load(self, names=None, *, threads=None, chunk_bytes=None) -> dict:
         """Read tensors (all of them by default) into fresh, writable arrays: name -> array, each its own
@@ -363,16 +371,18 @@ class Container:
         if code not in (DType.F32, DType.F16, DType.BF16, DType.F64):
             raise DTypeError(f"{self.path}: tensor {name!r} ({t.dtype.name}) is not a plain float tensor")
         flat = None if out is None else out_array(out, np.float32, t.numel, "out")
-        if code in (DType.BF16, DType.F16):
-            conv = _fpconv.bf16_to_f32 if code == DType.BF16 else _fpconv.f16_to_f32
-            res = conv(self._src.array(t.offset, np.uint16, t.shape), flat)
-            return res if out is None else out
-        a = self._src.array(t.offset, t.dtype.numpy, t.shape)
-        with np.errstate(over="ignore"):  # F64 beyond the F32 range becomes inf, as a cast should
-            if out is None:
-                return a.astype(np.float32)
-            np.copyto(flat, a.reshape(-1), casting="same_kind")
-        return out
+        need = (0 if out is not None else t.numel * 4) + (0 if self._src.is_mapped else t.nbytes)
+        with allocating(need, self.path, name):
+            if code in (DType.BF16, DType.F16):
+                conv = _fpconv.bf16_to_f32 if code == DType.BF16 else _fpconv.f16_to_f32
+                res = conv(self._src.array(t.offset, np.uint16, t.shape), flat)
+                return res if out is None else out
+            a = self._src.array(t.offset, t.dtype.numpy, t.shape)
+            with np.errstate(over="ignore"):  # F64 beyond the F32 range becomes inf, as a cast should
+                if out is None:
+                    return a.astype(np.float32)
+                np.copyto(flat, a.reshape(-1), casting="same_kind")
+            return out
 
     def dequantize(self, name: str, dtype=np.float32, *, rows=None, out: np.ndarray | None = None,
                    impl: str | None = None, threads: int = 1) -> np.ndarray:
@@ -387,6 +397,23 @@ class Container:
         """
         t = self.index[name]
         dt = np.dtype(out.dtype if out is not None else dtype)
+        with allocating(self._decoded_bytes(t, dt, rows, out), self.path, name):
+            return self._dequantize(t, dt, rows, out, impl, threads)
+
+    def _decoded_bytes(self, t, dt, rows, out) -> int:
+        """What :meth:`dequantize` allocates: the result (unless ``out`` is given) and, from a source that is
+        not mapped, the stored bytes it reads."""
+        need = 0 if self._src.is_mapped else t.nbytes
+        if out is None:
+            if rows is None or not t.shape:
+                need += t.numel * dt.itemsize
+            else:
+                r0, r1 = row_range(rows, t.shape[0], InvalidArgumentError)
+                need += (r1 - r0) * math.prod(t.shape[1:]) * dt.itemsize
+        return need
+
+    def _dequantize(self, t, dt, rows, out, impl, threads) -> np.ndarray:
+        name = t.name
         if t.dtype.quantized:
             rec = self.quant_record(name)
             r0, r1 = row_range(rows, t.shape[0], InvalidArgumentError)
@@ -445,7 +472,8 @@ class Container:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's payload bytes as a uint8 array (zero-copy when mapped)."""
         t = self.index[name]
-        return self._src.view(t.offset, t.nbytes)
+        with allocating(t.nbytes, self.path, name, source=self._src):
+            return self._src.view(t.offset, t.nbytes)
 
     def quant_layout(self, name: str):
         t = self.index[name]
@@ -462,7 +490,8 @@ class Container:
         stay packed."""
         t = self.index[name]
         lay = self.quant_layout(name)
-        return {r.name: self._src.array(t.offset + r.offset, r.dtype, (r.count,)) for r in lay.regions}
+        with allocating(t.nbytes, self.path, name, source=self._src):
+            return {r.name: self._src.array(t.offset + r.offset, r.dtype, (r.count,)) for r in lay.regions}
 
     # -- whole-file checks ---------------------------------------------------------------------
     def verify(self) -> list:

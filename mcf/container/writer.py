@@ -23,7 +23,7 @@ from mcf._core import _fpconv
 from mcf._core.fs import create_temp, fsync_file, publish
 from mcf._core.args import file_path, integer
 from mcf._core.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
-from mcf.errors import InvalidArgumentError, MCFError, in_tensor, os_error
+from mcf.errors import DTypeError, InvalidArgumentError, MCFError, in_tensor, os_error
 from mcf.container.layout import (DIR_ENTRY, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC, MAJOR, MINOR,
                         RESOURCE_BY_FILE, SECTION_ALIGN, TENSOR_ALIGN, Domain, SectionType, align,
                         tensor_nbytes)
@@ -205,9 +205,14 @@ class Writer:
                    importance=None, min_clip: float | None = None, max_clip: float | None = None) -> None:
         """Add a tensor from an array.
 
-        ``dtype`` casts float tensors on the way ("f16", "bf16", "f32"; rounded once to nearest even,
-        from float64 too); non-float tensors are stored as they are.  Big-endian arrays are stored as
-        their values (little-endian, as MCF requires).  An ``ml_dtypes.bfloat16`` array is stored as BF16.
+        ``dtype`` is the dtype to store (None: the array's own).  A float array (float16, bfloat16,
+        float32, float64) is cast to another of these four on the way, rounded once to nearest even
+        (from float64 too), with the function :func:`mcf.convert`'s ``dtype=`` uses: beyond the
+        target's range is infinity, NaN stays NaN.  Any other pair (a float array as "f8_e4m3", "f4" or
+        "i8", an integer or FP8 array as "f16", ...) is refused with :class:`mcf.DTypeError`: mcf never
+        stores a dtype other than the one asked for.  Big-endian arrays are stored as their values
+        (little-endian, as MCF requires).  An ``ml_dtypes`` array (bfloat16, float8_*) is stored as its
+        MCF dtype (BF16, F8_*).
         ``method`` ("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4") quantizes a rank-2 float tensor
         (other tensors are stored plain), with ``compat``, ``fast``, ``importance``, ``min_clip`` and
         ``max_clip`` as in :func:`mcf.container.quant.quantize`; its QuantInfo record is written with the file.
@@ -235,8 +240,9 @@ class Writer:
         if target.quantized:
             raise InvalidArgumentError(
                 f"tensor {name!r}: quantized dtypes need add_tensor_bytes() with a ready payload")
-        if src.family != "float" or target.family != "float":
-            target = src
+        if target.code != src.code and not (src.family == "float" and target.family == "float"):
+            raise DTypeError(f"{self.path}: tensor {name!r}: cannot store {src.name} values as {target.name}; "
+                             + _cast_hint(src, target))
         shape = tuple(int(d) for d in a.shape)
         if not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)
@@ -409,8 +415,31 @@ def _f32_storable(v) -> bool:
     return not math.isfinite(v) or abs(v) <= float(np.finfo(np.float32).max)
 
 
+_CASTS = "f16, bf16, f32 and f64"
+
+
+def _cast_hint(src: DTypeInfo, target: DTypeInfo) -> str:
+    """What to do instead of a cast :meth:`Writer.add_tensor` does not make."""
+    if src.family != "float":
+        return (f"add_tensor casts between {_CASTS} only (as mcf.convert's dtype= does); pass dtype=None "
+                f"to store the array as {src.name}, or convert it yourself first")
+    if target.family in ("float8", "float4"):
+        return (f"add_tensor casts between {_CASTS} only (as mcf.convert's dtype= does); encode the values "
+                "yourself (e.g. with ml_dtypes) and pass that array, or the packed bytes to add_tensor_bytes()")
+    return (f"add_tensor casts between {_CASTS} only (as mcf.convert's dtype= does); for 8-bit integer "
+            "codes with scales use method='int8', or convert the array yourself first")
+
+
 def cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
-    """Convert a 1-D chunk between float dtypes with round-to-nearest-even."""
+    """Convert a 1-D chunk between the float dtypes (F16, BF16, F32, F64) with round-to-nearest-even,
+    quietly: beyond the target's range is infinity and NaN stays NaN, as a cast should (no RuntimeWarning
+    escapes; the compiled converters raise none).  :func:`mcf.convert` and :meth:`Writer.add_tensor` both
+    cast through here."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _cast_chunk(x, src, dst)
+
+
+def _cast_chunk(x: np.ndarray, src: DTypeInfo, dst: DTypeInfo) -> np.ndarray:
     if src.code == DType.BF16:
         x32 = _fpconv.bf16_to_f32(x.view(np.uint16))
     elif src.code == DType.F16:

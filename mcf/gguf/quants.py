@@ -12,6 +12,10 @@ What "the same" covers, following gguf-py's rules:
   same leading axes and ``bytes per row / type size * block size`` values per row.
 - F32 data comes back as a float32 *view* of ``data``, as gguf-py returns it; every other type as a
   new array.
+- Any memory layout: a transposed or strided array (rows or blocks picked with a step, a Fortran-ordered
+  array) gives what gguf-py gives for it.  Where gguf-py's ``data.view(...)`` fails (the last axis is not
+  contiguous and the item sizes differ: a transposed uint16 BF16 array, uint8 bytes picked with a step
+  as F16 or F32), mcf decodes the values of a C-ordered copy instead of raising numpy's ``ValueError``.
 - A row whose byte count is not a multiple of the type's block size in bytes raises a ``ValueError``
   (here :class:`mcf.InvalidArgumentError`, which is one) naming the count and the type.
 - F64, Q8_K, Q1_0 and Q2_0, which gguf-py cannot decode (it raises ``NotImplementedError``), are
@@ -45,10 +49,12 @@ def dequantize(data: np.ndarray, qtype) -> np.ndarray:
         raise DTypeError(f"ggml type {t.name} holds no values to dequantize (decodable: {', '.join(SUPPORTED_TYPES)})")
     if data.ndim == 0:
         raise InvalidArgumentError(f"data must have at least one axis (rows of {t.name} bytes), got a 0-d array")
+    if data.dtype.hasobject:
+        raise ArgumentTypeError(f"data must be an array of the tensor's bytes, got an array of dtype {data.dtype}")
     if t.name == "F32":  # gguf-py returns a view here: tools may rely on it costing nothing
         _check_row_bytes(data, t)
-        return data.view(np.float32)
-    rows = data.view(np.uint8)
+        return _view(data, np.float32)
+    rows = _view(data, np.uint8)
     _check_row_bytes(rows, t)
     shape = (*rows.shape[:-1], rows.shape[-1] // t.size * t.block)
     out = np.empty(shape, dtype=np.float32)
@@ -56,6 +62,16 @@ def dequantize(data: np.ndarray, qtype) -> np.ndarray:
     if nblocks:
         _gguf.dequantize_blocks(np.ascontiguousarray(rows).reshape(-1), t.code, nblocks, out.reshape(-1))
     return out
+
+
+def _view(data: np.ndarray, dtype) -> np.ndarray:
+    """``data.view(dtype)``, as gguf-py takes it; an array numpy cannot view so (a transposed or strided
+    array whose last axis is not contiguous, when the item sizes differ) is read as its values instead,
+    from a C-ordered copy, where gguf-py raises numpy's ValueError."""
+    try:
+        return data.view(dtype)
+    except ValueError:
+        return np.ascontiguousarray(data).view(dtype)
 
 
 def _check_row_bytes(data: np.ndarray, t) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._core.args import byte_order_problem, row_range
+from mcf._core.memory import allocating
 from mcf.errors import (
     DTypeError,
     FormatError,
@@ -462,7 +463,8 @@ class GGUFFile:
         """The tensor's bytes as a read-only uint8 array: zero-copy when the file is mapped or in
         memory, a fresh buffer otherwise."""
         t = self.info(name)
-        return self._src.view(t.offset, t.nbytes)
+        with allocating(t.nbytes, self.path, name, source=self._src):
+            return self._src.view(t.offset, t.nbytes)
 
     def array(self, name: str) -> np.ndarray:
         """A plain (F32, F16, BF16 as uint16 bits, F64, I8..I64) tensor as a row-major array, zero-copy
@@ -491,25 +493,29 @@ class GGUFFile:
         e0, e1 = r0 * per_row, r1 * per_row
         oshape = (r1 - r0, *t.shape[1:]) if t.shape else ()
         dt = _out_dtype(dtype if out is None else out.dtype)
-        if out is None:
-            out = np.empty(oshape, dtype=dt)
-        else:
+        if out is not None:
             if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
                 raise InvalidArgumentError("out must be a writeable C-contiguous numpy array")
             if out.size != e1 - e0:
                 raise InvalidArgumentError(f"out has {out.size} elements, rows {r0}..{r1} of {name!r} need "
                                            f"{e1 - e0}")
-        if e1 == e0:
-            return out
         b = t.type.block
-        if e0 % b or e1 % b:  # only 1-D tensors can cut a block: decode the covering blocks
-            b0, b1 = e0 // b, -(-e1 // b)
-            tmp = np.empty((b1 - b0) * b, dtype=dt)
-            self._decode_blocks(t, b0, b1, tmp, threads, impl)
-            out.reshape(-1)[:] = tmp[e0 - b0 * b:e1 - b0 * b]
+        b0, b1 = e0 // b, -(-e1 // b)
+        cut = bool(e0 % b or e1 % b)   # only 1-D tensors can cut a block: decode the covering blocks
+        need = ((0 if out is not None else (e1 - e0) * dt.itemsize) + ((b1 - b0) * b * dt.itemsize if cut else 0)
+                + (0 if self._src.is_mapped else (b1 - b0) * t.type.size))   # the blocks, read
+        with allocating(need, self.path, name):
+            if out is None:
+                out = np.empty(oshape, dtype=dt)
+            if e1 == e0:
+                return out
+            if cut:
+                tmp = np.empty((b1 - b0) * b, dtype=dt)
+                self._decode_blocks(t, b0, b1, tmp, threads, impl)
+                out.reshape(-1)[:] = tmp[e0 - b0 * b:e1 - b0 * b]
+                return out
+            self._decode_blocks(t, b0, b1, out.reshape(-1), threads, impl)
             return out
-        self._decode_blocks(t, e0 // b, e1 // b, out.reshape(-1), threads, impl)
-        return out
 
     def _decode_blocks(self, t: GGUFTensor, b0: int, b1: int, flat_out, threads, impl):
         from mcf.gguf import _gguf

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from mcf._core._io import Source, aligned_empty
+from mcf._core.memory import allocating
 from mcf._core.args import integer
 from mcf.errors import FormatError, InvalidArgumentError
 from mcf.loading.casts import cast_into
@@ -204,7 +205,9 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
     """Carry out ``pieces``: ``name -> result`` in the order of ``pieces``.
 
     ``alloc(piece) -> (result, out)`` makes a fresh result for ``piece`` and the numpy array ``out`` over
-    its memory (C-contiguous, ``piece.shape``; bfloat16 may be its uint16 bits).  ``view(piece) -> result | None``,
+    its memory (C-contiguous, ``piece.shape``; bfloat16 may be its uint16 bits).  The results together may
+    not be more than the machine's memory (:mod:`mcf._core.memory`): the piece that would pass it is an
+    :class:`mcf.AllocationError`, before any byte is read.  ``view(piece) -> result | None``,
     when given (``copy=False``), may return a zero-copy result for a piece with a ``view`` range; None
     reads it like the others.
     """
@@ -215,13 +218,17 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
     results = {}
     direct = _Reads()
     stages = []
+    total = 0   # bytes of the results allocated so far: all of them are returned together
     for p in pieces:
         if view is not None and p.view is not None and p.stages is None:
             r = view(p)
             if r is not None:
                 results[p.name] = r
                 continue
-        result, out = alloc(p)
+        nbytes = -(-math.prod(p.shape) * p.element.bits // 8)
+        total += nbytes
+        with allocating(nbytes, p.source.name, p.name, total=total):   # refused before any of it is read
+            result, out = alloc(p)
         results[p.name] = result
         if p.stages is None:
             direct.add(p.source, p.offsets, _split(out.reshape(-1).view(np.uint8), len(p.offsets), p.size))

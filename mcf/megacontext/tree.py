@@ -418,7 +418,8 @@ class Tree:
             if dt.code in (1, 2):  # one rounding from the exact value (float32 on the way would round twice)
                 bits = (_fpconv.f64_to_f16 if dt.code == 1 else _fpconv.f64_to_bf16)(a)
                 return np.ascontiguousarray(bits).view(_mc.numpy_dtype(dt.code))
-            a = a.astype(np.float32)
+            with np.errstate(over="ignore"):   # beyond float32's range is infinity, as the other levels' casts
+                a = a.astype(np.float32)
         if _mc.float_code(a.dtype) < 0:
             raise InvalidArgumentError(f"gists must be float16, bfloat16 or float32 (or float64), got {a.dtype}")
         return _mc.convert(a, np.empty(a.shape, dtype=_mc.numpy_dtype(dt.code)))

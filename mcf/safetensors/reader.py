@@ -23,6 +23,7 @@ without ListBucket, CloudFront) is taken as answering 404.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from urllib.parse import quote, unquote
 from mcf._core._io import Source, open_source
 from mcf._core.fs import read_regular
 from mcf._core.dtypes import DTypeInfo, dtype_info
+from mcf._core.memory import allocating
 from mcf.errors import AccessError, FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
 from mcf.remote import is_url, redact
@@ -51,7 +53,7 @@ WEIGHTS_NAME = "model.safetensors"
 ST_DTYPES = {e.name: e.mcf for e in ELEMENTS.values() if e.mcf is not None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SafetensorsTensor:
     """One tensor of a safetensors file: ``element`` is its safetensors dtype, ``dtype`` the MCF dtype of
     the same bits (None when MCF has none: BOOL, F6, C64)."""
@@ -70,7 +72,9 @@ class SafetensorsTensor:
         from mcf.loading.dtypes import numpy_dtype
 
         dt = numpy_dtype(self.element, f"{self.file.source.name}: tensor {self.name!r}")
-        return self.file.source.array(self.offset, dt, self.shape)
+        src = self.file.source
+        with allocating(self.nbytes, src.name, self.name, source=src):
+            return src.array(self.offset, dt, self.shape)
 
 
 class SafetensorsFile:
@@ -95,36 +99,41 @@ class SafetensorsFile:
         if hlen > MAX_HEADER or hlen > src.size - 8:
             raise FormatError("header length too large", path=path, field="header_len", offset=0,
                               expected=f"<= {min(MAX_HEADER, src.size - 8)}", got=hlen)
+        collect = gc.isenabled()
+        gc.disable()   # millions of new objects, none in a cycle: the collections they set off were most of the time
         try:
-            header = json.loads(src.read(8, hlen))
-        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too many digits, too deep
-            raise FormatError(f"header is not valid JSON: {exc}", path=path, field="header", offset=8) from None
+            header = _load_header(src, hlen)
+            return self._check_header(header, 8 + hlen)
+        finally:
+            if collect:
+                gc.enable()
+
+    def _check_header(self, header, data_start: int):
+        """(tensors, metadata) of a parsed header (see :func:`_load_header`), every entry checked.  The
+        tensors replace the entries in ``header`` itself, which becomes the ``tensors`` mapping: no second
+        dict of every name."""
+        path = self.source.name
+        if type(header) is tuple:
+            raise FormatError("header is a single tensor entry, not an object of tensors", path=path,
+                              field="header", offset=8)
         if not isinstance(header, dict):
             raise FormatError("header is not a JSON object", path=path, field="header", offset=8)
-        data_start = 8 + hlen
-        data_size = src.size - data_start
+        data_size = self.source.size - data_start
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise FormatError("__metadata__ must be an object of strings (as safetensors requires)", path=path,
-                              field="header['__metadata__']", offset=8, got=type(meta).__name__)
-        tensors = {}
+                              field="header['__metadata__']", offset=8,
+                              got="dict" if type(meta) is tuple else type(meta).__name__)
         spans = []
+        infos = {}   # element -> its MCF dtype, looked up once
         for name, ent in header.items():
-            dt = ent.get("dtype") if type(ent) is dict else None
-            el = ELEMENTS.get(dt) if type(dt) is str else None
-            shape = ent.get("shape") if type(ent) is dict else None
-            offs = ent.get("data_offsets") if type(ent) is dict else None
-            # the common case checked with exact types (JSON gives int, never bool, for a number without a
-            # fraction); anything else takes the slow path below, which says what is wrong
-            if (el is None or type(shape) is not list or type(offs) is not list or len(offs) != 2
-                    or not all(type(d) is int and d >= 0 for d in shape) or type(offs[0]) is not int
-                    or type(offs[1]) is not int):
+            if type(ent) is not tuple:   # not an entry of the usual form: says what is wrong
                 _refuse_entry(path, name, ent)
-            b, e = offs
+            el, shape, b, e = ent
             if not 0 <= b <= e <= data_size:
                 raise TruncatedError("tensor data outside the file", path=path,
                                      field=f"header[{name!r}].data_offsets", offset=8,
-                                     expected=f"0 <= begin <= end <= {data_size}", got=offs)
+                                     expected=f"0 <= begin <= end <= {data_size}", got=[b, e])
             bits = math.prod(shape) * el.bits
             if bits % 8:
                 raise FormatError(f"{el.name} values of this shape do not fill whole bytes", path=path,
@@ -134,8 +143,10 @@ class SafetensorsFile:
             if e - b != want:
                 raise FormatError("data size does not match dtype and shape", path=path,
                                   field=f"header[{name!r}].data_offsets", offset=8, expected=want, got=e - b)
-            info = dtype_info(el.mcf) if el.mcf is not None else None
-            tensors[name] = SafetensorsTensor(name, info, tuple(shape), data_start + b, e - b, self, el)
+            info = infos.get(el, False)
+            if info is False:
+                info = infos[el] = dtype_info(el.mcf) if el.mcf is not None else None
+            header[name] = SafetensorsTensor(name, info, shape, data_start + b, e - b, self, el)
             if e > b:
                 spans.append((b, e, name))
         spans.sort()
@@ -143,7 +154,7 @@ class SafetensorsFile:
             if b2 < e1:
                 raise FormatError(f"tensors {n1!r} and {n2!r} overlap", path=path,
                                   field=f"header[{n2!r}].data_offsets", offset=8)
-        return tensors, meta
+        return header, meta
 
     def storage_order(self) -> list:
         """Tensor names in the order of their data in the file (what safetensors' ``load_file`` returns;
@@ -158,6 +169,47 @@ class SafetensorsFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _load_header(src: Source, hlen: int):
+    """The JSON header at offset 8 of ``src``, ``hlen`` bytes, parsed with its tensor entries as compact tuples
+    (:func:`_compact_entry`), in bounded memory: see docs/reliability.md, "Memory a file can ask for".
+
+    The bytes are decoded to text straight from the source (a mapped file's pages, or one read buffer freed
+    at once), as ``json.loads`` decodes bytes (UTF-8, or the UTF-16/32 it detects); only the text and the
+    parsed header are alive together."""
+    path = src.name
+    raw = src.view(8, hlen)
+    try:
+        text = str(raw, json.detect_encoding(bytes(raw[:4])), "surrogatepass")
+        del raw
+        shapes = {}   # one tuple per distinct shape: a model's layers share a handful
+
+        def compact(obj):
+            return _compact_entry(obj, shapes)
+
+        return json.loads(text, object_hook=compact)
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too many digits, too deep
+        raise FormatError(f"header is not valid JSON: {exc}", path=path, field="header", offset=8) from None
+
+
+def _compact_entry(d: dict, shapes: dict):
+    """``json.loads``' object hook: a tensor entry of the usual form (``dtype`` a known name, ``shape`` a list
+    of non-negative ints, ``data_offsets`` two ints; JSON gives int, never bool, for a number without a
+    fraction) becomes ``(element, shape tuple, begin, end)``: a third of the memory of the dict and two
+    lists, for headers of millions of tensors; equal shapes share one tuple (``shapes``).  Any other object
+    stays the dict ``json.loads`` made, and :func:`_refuse_entry` says what is wrong with it when it is an
+    entry."""
+    if len(d) < 3:
+        return d
+    dt, shape, offs = d.get("dtype"), d.get("shape"), d.get("data_offsets")
+    el = ELEMENTS.get(dt) if type(dt) is str else None
+    if (el is None or type(shape) is not list or type(offs) is not list or len(offs) != 2
+            or type(offs[0]) is not int or type(offs[1]) is not int
+            or not all(type(n) is int and n >= 0 for n in shape)):
+        return d
+    shape = tuple(shape)
+    return el, shapes.setdefault(shape, shape), offs[0], offs[1]
 
 
 def _refuse_entry(path, name, ent):
