@@ -182,15 +182,22 @@ class FsspecTransport:
             url = new
         return MCFIOError(errno.EIO, f"more than {MAX_REDIRECTS} redirects", self.url)
 
+    def _refused(self, status: int):
+        """The final error a 404, 401 or 403 means, or None."""
+        if status == 404:
+            return MissingFileError(errno.ENOENT, "no such remote file", self.url)
+        if status in (401, 403):
+            return AccessError(errno.EACCES, f"access to the remote file was denied (HTTP {status})", self.url)
+        return None
+
     async def _http_head(self):
         r = await self._request("HEAD", {}, 0)
         if isinstance(r, BaseException):
             return r
         async with r:
-            if r.status == 404:
-                return MissingFileError(errno.ENOENT, "no such remote file", self.url)
-            if r.status in (401, 403):
-                return AccessError(errno.EACCES, "access to the remote file was denied", self.url)
+            refused = self._refused(r.status)
+            if refused is not None:
+                return refused
             if r.status != 200:
                 return MCFIOError(errno.EIO, f"HTTP status {r.status} {r.reason} for HEAD", self.url)
             length = r.headers.get("Content-Length")
@@ -211,10 +218,9 @@ class FsspecTransport:
         if isinstance(r, BaseException):
             return r
         async with r:
-            if r.status == 404:
-                return MissingFileError(errno.ENOENT, "no such remote file", self.url)
-            if r.status in (401, 403):
-                return AccessError(errno.EACCES, "access to the remote file was denied", self.url)
+            refused = self._refused(r.status)
+            if refused is not None:
+                return refused
             if r.status == 412:
                 return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag is no longer "
                                   f"{self.etag}): open it again", self.url)
