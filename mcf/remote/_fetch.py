@@ -82,19 +82,23 @@ class Fetcher:
                           f"failed after {attempts} attempt{'s' if attempts != 1 else ''}: {why}", self.url)
 
     def call(self, fn, what: str):
-        """``fn()`` (a request that is not a range: the size), retried like a part; ``what`` names it in
-        the final error."""
+        """``fn()`` (a request that is not a range: the size), retried like a part (it raises, or returns a
+        :class:`Retry` verdict); ``what`` names it in the final error."""
         why = "no attempt made"
         for attempt in range(self.retries + 1):
             self._add(requests=1, retries=1 if attempt else 0)
             try:
-                return fn()
+                res = fn()
             except MCFError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - see fetch()
                 if _fatal(exc):
                     raise
                 verdict = self.transport.classify(exc)
+            else:
+                if not isinstance(res, Retry):   # a transport may return its verdict on an answer
+                    return res
+                verdict = res
             if isinstance(verdict, MCFError):
                 raise verdict
             why = verdict.why

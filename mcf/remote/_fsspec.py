@@ -20,7 +20,7 @@ import errno
 from mcf._core.optional import require
 from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingDependencyError, MissingFileError
 from mcf.remote._fetch import Retry
-from mcf.remote._http import CREDENTIAL_HEADERS, MAX_REDIRECTS, _retry_after, parse_content_range
+from mcf.remote._http import CREDENTIAL_HEADERS, MAX_REDIRECTS, parse_content_range, retry_after
 from mcf.remote._urls import redact, redact_text
 
 __all__ = ["FsspecTransport", "url_to_fs"]
@@ -239,7 +239,7 @@ class FsspecTransport:
             else:
                 transient = r.status >= 500 or r.status in (408, 429)
                 return Retry(f"HTTP status {r.status} {r.reason}", transient=transient,
-                             retry_after=_retry_after(r.headers.get("Retry-After")))
+                             retry_after=retry_after(r.headers.get("Retry-After")))
             n, want = 0, end - start
             length = r.headers.get("Content-Length")
             if length is not None and length.strip().isdigit() and int(length) > want:

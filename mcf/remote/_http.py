@@ -45,7 +45,7 @@ from mcf.errors import AccessError, InvalidArgumentError, MCFIOError, MissingFil
 from mcf.remote._fetch import Retry
 from mcf.remote._urls import redact, redact_text
 
-__all__ = ["HttpTransport", "MAX_REDIRECTS", "CREDENTIAL_HEADERS", "parse_content_range"]
+__all__ = ["HttpTransport", "MAX_REDIRECTS", "CREDENTIAL_HEADERS", "parse_content_range", "retry_after"]
 
 MAX_REDIRECTS = 5
 #: headers that carry a credential: never sent to another origin after a redirect
@@ -87,7 +87,7 @@ def parse_content_range(value):
         return None
 
 
-def _retry_after(value) -> float | None:
+def retry_after(value) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (a number of seconds, or an HTTP date)."""
     if not value:
         return None
@@ -343,7 +343,9 @@ class HttpTransport:
             return self._size_by_get(ans.status)
         verdict = self._status_error(ans, "HEAD")
         if verdict is not None:
-            raise verdict if isinstance(verdict, Exception) else _AsError(verdict)
+            if isinstance(verdict, Exception):
+                raise verdict
+            return verdict   # a Retry: Fetcher.call retries it
         length = ans.headers.get("Content-Length")
         if length is None or not length.strip().isdigit():
             raise MCFIOError(errno.EIO, "the server did not report the file's size (no Content-Length); mcf "
@@ -371,7 +373,9 @@ class HttpTransport:
                 verdict = MCFIOError(errno.EIO, f"the server refused HEAD (HTTP {head_status}) and a GET of the "
                                      "first byte reported no size (no Content-Range total); mcf needs it to "
                                      "bounds-check every read", self.url)
-            raise verdict if isinstance(verdict, Exception) else _AsError(verdict)
+            if isinstance(verdict, Exception):
+                raise verdict
+            return verdict   # a Retry: Fetcher.call retries it
         finally:
             self._release(ans, complete=False)
 
@@ -413,7 +417,7 @@ class HttpTransport:
                               f"{self.etag}): open it again", self.url)
         transient = s >= 500 or s in (408, 429)
         return Retry(f"HTTP status {s} {ans.resp.reason}", transient=transient,
-                     retry_after=_retry_after(ans.headers.get("Retry-After")))
+                     retry_after=retry_after(ans.headers.get("Retry-After")))
 
     def _changed(self, what: str, was, now) -> MCFIOError:
         return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its {what} was {was}, the "
@@ -503,8 +507,6 @@ class HttpTransport:
         return Retry(f"timed out: the server sent nothing for {self.timeout} s ({n} of {want} bytes)")
 
     def classify(self, exc):
-        if isinstance(exc, _AsError):
-            return exc.verdict
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return Retry(f"timed out: {exc}")
         if isinstance(exc, ssl.SSLCertVerificationError):
@@ -517,11 +519,3 @@ class HttpTransport:
 
 def _ignore(n: int) -> None:
     pass
-
-
-class _AsError(Exception):
-    """A :class:`Retry` verdict of a HEAD, raised through :meth:`Fetcher.call` to be classified."""
-
-    def __init__(self, verdict):
-        super().__init__(verdict.why)
-        self.verdict = verdict
