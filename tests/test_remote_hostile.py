@@ -454,3 +454,55 @@ def test_s3fs_answers_are_read_in_bounded_pieces_and_pinned(srv, kind):
     with pytest.raises(MCFIOError, match="announces|changed while it was read"):
         f.readinto(bytearray(4 << 20))
     assert srv.sent <= (4 << 20) + (24 << 20), srv.sent
+
+
+# -- TLS ------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def tls(tmp_path):
+    """An https server on loopback with a certificate made here for 127.0.0.1 (cryptography), and its PEM."""
+    import datetime
+    import ipaddress
+    import ssl
+
+    x509 = pytest.importorskip("cryptography.x509", reason="cryptography is not installed (the test extras have it)")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    (tmp_path / "cert.pem").write_bytes(pem)
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    s = _Server()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    s.socket = ctx.wrap_socket(s.socket, server_side=True)
+    s.https = lambda path="/blob.bin": s.url(path).replace("http://", "https://")
+    yield s, pem.decode()
+    s.stop()
+
+
+def test_https_with_the_servers_certificate(tls):
+    s, pem = tls
+    f = _open(s.https(), "http", storage_options={"client_options": {"root_certificate": pem}})
+    assert f.read(100) == DATA[:100]
+    with pytest.raises(MCFIOError, match="certificate"):
+        _open(s.https(), "http")                    # not signed by a CA the machine trusts
+
+
+def test_a_redirect_from_https_to_http_is_refused(tls, other):
+    s, pem = tls
+    s.head = _redirect_to(other)                    # other serves plain http
+    with pytest.raises(MCFIOError, match="https to plain http"):
+        _open(s.https(), "http", storage_options={"client_options": {"root_certificate": pem}})
+    assert other.seen == []
