@@ -149,16 +149,25 @@ def test_a_requirement_with_brackets_is_quoted_for_the_shell(monkeypatch):
 
 
 def test_fsspec_and_aiohttp_for_urls(monkeypatch):
-    url = "http://127.0.0.1:9/model.mcf"  # never contacted: the import fails first
-    # without obstore, http(s):// goes through fsspec's aiohttp (and names what is missing)
-    block(monkeypatch, "obstore", "fsspec")
+    from mcf.remote import RemoteFile
+
+    url = "http://127.0.0.1:9/model.mcf"  # nothing listens on port 9
+    # http(s):// needs no optional package: mcf's own client reads it (here: a refused connection, not a
+    # missing dependency)
+    block(monkeypatch, "obstore", "fsspec", "aiohttp")
+    with pytest.raises(mcf.MCFIOError, match="refused") as ei:
+        RemoteFile(url, retries=0)
+    assert not isinstance(ei.value, mcf.MissingDependencyError)
+    monkeypatch.undo()
+    # fsspec's HTTP client, asked for by name, needs fsspec and aiohttp (and names what is missing)
+    block(monkeypatch, "fsspec")
     with pytest.raises(mcf.MissingDependencyError) as ei:
-        mcf.open(url)
+        RemoteFile(url, backend="fsspec")
     check(ei, "fsspec", "remote")
     monkeypatch.undo()
-    block(monkeypatch, "obstore", "aiohttp")
+    block(monkeypatch, "aiohttp")
     with pytest.raises(mcf.MissingDependencyError) as ei:
-        mcf.open(url)
+        RemoteFile(url, backend="fsspec")
     check(ei, "aiohttp", "remote")
     monkeypatch.undo()
     block(monkeypatch, "fsspec")   # every other scheme needs fsspec

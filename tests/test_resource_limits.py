@@ -127,7 +127,8 @@ def test_a_2_eib_tensor_is_refused_before_allocating(how):
         elif how == "SafetensorsTensor.array":
             mcf.safetensors.SafetensorsFile(f).tensors["big"].array()
         else:
-            torch_loader = pytest.importorskip("mcf.torch", reason="torch is an optional extra")
+            pytest.importorskip("torch", reason="torch is not installed (an optional extra)")
+            import mcf.torch as torch_loader
             torch_loader.load_file(f)
     assert isinstance(e.value, MemoryError) and "refused before allocating" in str(e.value)
 
@@ -202,7 +203,8 @@ def _write_safetensors(path, tensors: dict) -> None:
 
 def test_torch_allocator_refusal_is_named(monkeypatch):
     """torch's CPU allocator refuses with a RuntimeError ("can't allocate memory"): an AllocationError too."""
-    mtorch = pytest.importorskip("mcf.torch", reason="torch is an optional extra")
+    pytest.importorskip("torch", reason="torch is not installed (an optional extra)")
+    import mcf.torch as mtorch
     _limit(monkeypatch, (1 << 63) - 1)
     with pytest.raises(AllocationError, match=r"claims.safetensors: tensor 'big': 2305843009213693952 bytes "
                                               r"\(2.0 EiB\) could not be allocated: .*allocate"):

@@ -205,8 +205,11 @@ def _encoded_pieces(t: Any, dtype: L.KVDType) -> Iterator[np.ndarray]:
         elif dtype == L.KVDType.BF16:
             yield _as_bytes(_to_bf16_bits(piece).astype("<u2", copy=False))
         else:
-            with np.errstate(over="ignore"):   # beyond float16's (float32's) range is infinity, as a cast should
-                yield _as_bytes(np.ascontiguousarray(piece, dtype=NP_DTYPES[dtype]))
+            # beyond float16's (float32's) range is infinity, as a cast should be; the errstate is left before the
+            # yield (a generator closed in another context could not restore it)
+            with np.errstate(over="ignore"):
+                out = np.ascontiguousarray(piece, dtype=NP_DTYPES[dtype])
+            yield _as_bytes(out)
     if dtype == L.KVDType.INT8:
         yield _as_bytes(np.concatenate(scales).astype("<f4", copy=False) if scales else np.empty(0, "<f4"))
 
