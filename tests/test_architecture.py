@@ -42,7 +42,7 @@ POSITIONAL_OK = {
     ("mcf.container.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
-    ("mcf.bucket.store", "content_hash", "content"): "content_hash('text')",
+    ("mcf.bucket.ids", "content_hash", "content"): "content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.__init__", "tokenizer"): "Hugging Face's own (model, tokenizer) pair",
     ("mcf.bucket.hf", "TransformersBackend.ingest", "content"): "backend.ingest(bucket, 'text'), as content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.generate", "query"): "backend.generate(bucket, cid, 'question?')",

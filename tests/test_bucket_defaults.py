@@ -19,7 +19,7 @@ def kv():
 def test_default_ttl(tmp_path):
     now = [1_000_000.0]
     with Bucket(tmp_path / "never", clock=lambda: now[0]) as b:
-        assert b.default_ttl is None and b._warm.budget_bytes == 1 << 30
+        assert b.default_ttl is None and b._tiers.warm.budget_bytes == 1 << 30
         meta = b.ingest("m", kv(), content="x")
         assert meta["timestamps"]["expires_at"] is None and meta["kv_cache"]["compression"] == "lz4"
     with Bucket(tmp_path / "week", clock=lambda: now[0], default_ttl=7 * 86400) as b:

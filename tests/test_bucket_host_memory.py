@@ -50,7 +50,7 @@ def test_hot_copies_on_the_cpu_count_against_the_warm_budget(tmp_path):
         assert b.promote(c, "hot", device="cpu") == "hot"
         assert held(b, cids) == b.warm_used_bytes <= 5 * PER, [b.tier(x) for x in cids]
         if i == 0:
-            first = weakref.ref(b._hot[c][1][0][0])  # one tensor of the first hot copy
+            first = weakref.ref(b._tiers.hot[c][1][0][0])  # one tensor of the first hot copy
         np.testing.assert_array_equal(b.load(c, as_torch=True)[1][1].numpy(), layers_of(i)[1][1])
     assert b.tier(cids[0]) == "cold"  # evicted for the later ones: its hot copy went with its warm arrays
     gc.collect()

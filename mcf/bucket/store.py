@@ -42,11 +42,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import stat
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -57,9 +55,30 @@ import numpy as np
 
 from mcf._core.fs import fsync_file
 from mcf.bucket import _layout as L
-from mcf.bucket._crypto import KEY_ID_RE, key_id
-from mcf.bucket._fs import BucketFS, refusal
-from mcf.bucket._json import MAX_DOC_BYTES, dumps, get_field, iso, parse_iso, parse_json
+from mcf.bucket._crypto import key_id
+from mcf.bucket._fs import BucketFS
+from mcf.bucket._json import dumps, iso
+from mcf.bucket._metadata import (
+    metadata_stamp,
+    new_metadata,
+    read_metadata,
+    read_verified,
+    unlinked,
+    validate_metadata,
+    write_metadata,
+    write_verified,
+)
+from mcf.bucket._models import COMPATIBILITY_KEYS  # importable from here, as before the split
+from mcf.bucket._models import (
+    check_model,
+    check_staleness_meta,
+    current_hash,
+    model_block,
+    new_model_document,
+    read_model,
+    stale_error,
+    stale_under,
+)
 from mcf.bucket._names import (
     CTX_RE,
     JOURNAL_NAME,  # noqa: F401  (importable from here, as before the split)
@@ -67,7 +86,6 @@ from mcf.bucket._names import (
     LOCK_NAME,
     META_NAME,
     REGISTRY_NAME,  # noqa: F401  (importable from here, as before the split)
-    VERIFIED_NAME,
     check_context_id,
     check_model_id,
     ctx_rel,
@@ -75,8 +93,16 @@ from mcf.bucket._names import (
 )
 from mcf.bucket._registry import REGISTRY_VERSION  # noqa: F401  (importable from here, as before the split)
 from mcf.bucket._registry import Registry, document, made_by, summary
+from mcf.bucket._tier_ops import ProcessTiers
+from mcf.bucket.ids import (  # importable from here, as before the split
+    PREFIX_CHUNK_TOKENS,
+    content_hash,
+    context_id_for,
+    prefix_hashes,
+    token_array,  # noqa: F401
+)
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
-from mcf.bucket.tiers import TIERS, expired, preference, preference_steps
+from mcf.bucket.tiers import TIERS, check_device, expired, preference, preference_steps
 from mcf.errors import (
     ArgumentTypeError,
     ChecksumError,
@@ -95,92 +121,8 @@ from mcf.remote import refuse_url
 
 __all__ = ["Bucket", "content_hash", "context_id_for", "COMPATIBILITY_KEYS"]
 
-#: what a model may require of a context (Bucket.check_compatible, load(model=...)); register_model records
-#: all but model_hash as the model's ``model_compatibility``, and model_hash as its identity
-COMPATIBILITY_KEYS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype", "vocab_size", "model_hash")
-
-
-#: the registry's ``mcrp_version`` (seed 003 §7.2: semantic versioning).  A registry.json of another major
-#: version is refused on read (UnsupportedVersionError), never rebuilt over; a newer minor version is read.
 #: temp directories older than this are considered abandoned by a crashed writer and removed by gc()
 STALE_TMP_SECONDS = 3600.0
-
-
-
-# ------------------------------------------------------------------------------------------------
-# ids and hashes
-# ------------------------------------------------------------------------------------------------
-
-
-#: token ids are hashed as signed 64-bit little-endian integers: the range every ids dtype in use fits
-_TOKEN_MIN, _TOKEN_MAX = -(2**63), 2**63 - 1
-
-
-def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``token_ids`` in their canonical encoding (int64, little-endian), every id range-checked first.
-
-    Why checked: a plain ``astype("<i8")`` wraps around, so uint64 ``2**64 - 1`` and ``-1`` would
-    hash alike and an ingest would deduplicate to the wrong context.  Ids outside the int64 range,
-    booleans, floats, strings and anything not one-dimensional are refused instead."""
-    try:
-        arr = np.asarray(token_ids)
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise InvalidArgumentError(f"token_ids must be a 1-D sequence of integers: {exc}") from None
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        kind = "integers beyond 64 bits" if arr.dtype == object else f"dtype {arr.dtype}, shape {arr.shape}"
-        raise InvalidArgumentError(f"token_ids must be a 1-D sequence of integers (got {kind})")
-    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _TOKEN_MAX:
-        raise InvalidArgumentError(f"token id {int(arr.max())} does not fit a signed 64-bit integer "
-                                   f"(ids must be in {_TOKEN_MIN}..{_TOKEN_MAX})")
-    return arr.astype("<i8", copy=False)
-
-
-def content_hash(content: str | bytes | None = None, *, token_ids: Sequence[int] | np.ndarray | None = None) -> str:
-    """``sha256:<hex>`` of the text (UTF-8) or of the token ids (as little-endian int64, range-checked:
-    :func:`token_array`); the two kinds are domain-separated so a text never collides with a token
-    list."""
-    if (content is None) == (token_ids is None):
-        raise InvalidArgumentError("give exactly one of content or token_ids")
-    h = hashlib.sha256()
-    if token_ids is not None:
-        h.update(b"tokens\0")
-        h.update(token_array(token_ids).tobytes())
-    else:
-        if isinstance(content, str):
-            content = content.encode("utf-8")
-        if not isinstance(content, (bytes, bytearray, memoryview)):
-            raise InvalidArgumentError("content must be str or bytes")
-        h.update(b"text\0")
-        h.update(bytes(content))
-    return "sha256:" + h.hexdigest()
-
-
-
-def context_id_for(model_id: str, chash: str, dtype: Any, shape: L.KVShape) -> str:
-    """The id of a context: a hash of everything that makes two KV caches interchangeable."""
-    key = "\0".join([model_id, chash, L.DTYPE_NAMES[L.parse_dtype(dtype)], str(shape.num_layers),
-                     str(shape.num_kv_heads), str(shape.head_dim), str(shape.sequence_length)])
-    return "ctx_" + hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-#: tokens per prefix chunk: contexts ingested with token ids are indexed by the chained hash of each full
-#: chunk, so a new prompt finds the longest cached prefix (the scheme of vLLM's and LMCache's prefix caches)
-PREFIX_CHUNK_TOKENS = 256
-
-
-def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, *, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
-    """Chained hashes of the full ``chunk_tokens``-token chunks of ``token_ids``: ``h[i] =
-    sha256(h[i-1] || tokens of chunk i as int64 LE)[:32 hex]``, starting from a hash of the model id
-    and the chunk size.  Equal ``h[i]`` means equal first ``(i+1) * chunk_tokens`` tokens."""
-    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
-        raise InvalidArgumentError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
-    arr = token_array(token_ids)
-    prev = hashlib.sha256(f"mcb-prefix\0{model_id}\0{chunk_tokens}".encode()).digest()
-    out = []
-    for i in range(arr.size // chunk_tokens):
-        prev = hashlib.sha256(prev + arr[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes()).digest()
-        out.append(prev[:16].hex())
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,22 +159,6 @@ def check_ttl(ttl: Any, name: str) -> float | None:
     return ttl
 
 
-def _data_tag(meta: dict) -> tuple[str, str]:
-    """What tells two contexts of one id apart (the id depends on the content, not on the values): the
-    checksum of the stored data and when it was committed."""
-    return meta["storage"]["checksum"], meta["timestamps"]["created_at"]
-
-
-def _in_host_memory(device: Any) -> bool:
-    """True for a torch device whose tensors live in the process's own RAM."""
-    return device.type == "cpu"
-
-
-def _stale(context_hash: Any, current_hash: Any) -> bool:
-    return context_hash is not None and current_hash is not None and context_hash != current_hash
-
-
-
 # ------------------------------------------------------------------------------------------------
 # the bucket
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +184,6 @@ class Bucket:
                  verify: bool | str = "always", key: Any = None, reconcile: bool = True,
                  default_ttl: float | None = None) -> None:
         from mcf.bucket._crypto import key_from_env, parse_key
-        from mcf.bucket.tiers import WarmCache
 
         self._key = parse_key(key) if key is not None else key_from_env()
         self.default_ttl = check_ttl(default_ttl, "default_ttl")
@@ -266,18 +191,14 @@ class Bucket:
         self.verify = _verify_policy(verify)
         self._verified: dict[str, tuple] = {}
 
-        self._warm = WarmCache(warm_budget_bytes)
-        #: context id -> (torch device, per-layer tensors, tag of the data they hold: see _tier_copies)
-        self._hot: dict[str, tuple[Any, list[tuple[Any, Any]], Any]] = {}
+        # threads of one process (the server's pool) share this object: the registry's ``_mem`` guards the
+        # in-memory registry (always taken after the file lock, never before it), ``_tiers.mutex`` the tiers
+        self._tiers = ProcessTiers(warm_budget_bytes)
         self.root = Path(root)
         self.clock = clock
         prefix_hashes("m", [], chunk_tokens=prefix_chunk_tokens)  # validates the chunk size
         self.prefix_chunk_tokens = prefix_chunk_tokens
         self._subscribers: list[Callable[[dict], None]] = []
-        self._tier_set_at: dict[str, float] = {}
-        # threads of one process (the server's pool) share this object: the registry's ``_mem`` guards the
-        # in-memory registry (always taken after the file lock, never before it), ``_tier_mutex`` the tiers
-        self._tier_mutex = threading.RLock()
         refuse_url(root, what="a bucket")   # a URL is not a directory: never create "https:/host/..." locally
         try:
             self._fs = BucketFS(self.root, create=create)
@@ -372,45 +293,21 @@ class Bucket:
         checkpoint, a fine-tune) marks every context ingested under the old one stale (listed with
         ``"stale": True``, refused by :meth:`load` unless forced, replaced by the next ingest of the same
         content)."""
-        compat = {"architecture": architecture, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
-                  "head_dim": head_dim, "dtype": None if dtype is None else L.DTYPE_NAMES[L.parse_dtype(dtype)],
-                  "vocab_size": vocab_size}
-        for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
-            v = compat[k]
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise InvalidArgumentError(f"{k} must be a non-negative integer, got {v!r}")
-        for k, v in (("architecture", architecture), ("model_hash", model_hash)):
-            if v is not None and (not isinstance(v, str) or not v or len(v) > 256):
-                raise InvalidArgumentError(f"{k} must be a non-empty string of at most 256 characters, got {v!r}")
-        doc = {"model_id": check_model_id(model_id), "model_hash": model_hash, "created_at": iso(self.clock()),
-               "model_compatibility": compat}
+        doc = new_model_document(model_id, architecture=architecture, num_layers=num_layers,
+                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, vocab_size=vocab_size,
+                                 model_hash=model_hash, clock=self.clock)
         with self._lock():
             self._fs.write_atomic(model_rel(model_id), dumps(doc, False))
         return doc
 
     def model(self, model_id: str) -> dict | None:
         """The model document, or None when the model was never registered."""
-        rel = model_rel(model_id)
-        p = self._fs.where(rel)
-        try:
-            doc = parse_json(self._fs.read(rel, limit=MAX_DOC_BYTES), p)
-        except FileNotFoundError:
-            return None
-        get_field(doc, p, "model_compatibility", types=dict)
-        # every reader below relies on both (fuzz: a document without model_id made a KeyError escape)
-        if get_field(doc, p, "model_id", types=str) != model_id:
-            raise FormatError("model document names another model", path=p, field="model_id", expected=model_id,
-                              got=doc["model_id"])
-        return doc
+        return read_model(self._fs, model_id)
 
     def _model_hash(self, model_id: str) -> str | None:
         """The registered model's hash for the registry; None when unregistered or unreadable (the
         registry is a cache: a damaged model document must not stop contexts from being listed)."""
-        try:
-            doc = self.model(model_id)
-        except (FormatError, MCFIOError):
-            return None
-        return (doc or {}).get("model_hash")
+        return current_hash(self.model, model_id)
 
     def check_compatible(self, context_id: str, model: dict | str) -> dict:
         """Raise unless the context can be used with ``model`` (a model id registered in this bucket, or a
@@ -431,44 +328,11 @@ class Bucket:
 
     def _check_model(self, meta: dict, model: dict | str) -> None:
         """check_compatible's comparison of the context ``meta`` with ``model``, staleness aside."""
-        context_id = meta["context_id"]
-        if isinstance(model, str):
-            doc = self.model(model)
-            if doc is None:
-                raise ContextNotFoundError(f"unknown model {model!r}")
-            if doc["model_id"] != meta["model_id"]:
-                raise InvalidArgumentError(f"{context_id} belongs to model {meta['model_id']!r}, not {model!r}")
-            # the registered hash is the current one: comparing it with the context's is the stale check
-            compat = doc["model_compatibility"]
-            model = {k: compat.get(k) for k in COMPATIBILITY_KEYS if k != "model_hash"}
-        if not isinstance(model, dict):
-            raise InvalidArgumentError(f"model must be a model id or a compatibility dict, got {type(model).__name__}")
-        unknown = [k for k in model if k not in COMPATIBILITY_KEYS]
-        if unknown:
-            raise InvalidArgumentError(f"unknown key(s) {', '.join(map(repr, unknown))} in the model given for "
-                                       f"{context_id}; the known ones are {', '.join(COMPATIBILITY_KEYS)}")
-        want = dict(model)
-        if want.get("dtype") is not None:
-            want["dtype"] = L.DTYPE_NAMES[L.parse_dtype(want["dtype"])]
-        shape, dtype = meta["kv_cache"]["shape"], meta["kv_cache"]["dtype"]
-        maker = made_by(meta)
-        have = {"num_layers": shape["num_layers"], "num_kv_heads": shape["num_kv_heads"], "head_dim": shape["head_dim"],
-                "dtype": dtype, "architecture": maker.get("architecture"), "vocab_size": maker.get("vocab_size"),
-                "model_hash": maker.get("model_hash")}
-        for k, w in want.items():
-            # architecture, vocab_size and model_hash are known for contexts ingested under a registered model only
-            if w is not None and have[k] is not None and have[k] != w:
-                raise InvalidArgumentError(f"{context_id} is incompatible: {k} is {have[k]!r}, the model needs {w!r}")
+        check_model(meta, model, self.model)
 
     def _stale_error(self, meta: dict) -> StaleContextError | None:
         """The StaleContextError of a stale context (what load and check_compatible raise), else None."""
-        current = self._model_hash(meta["model_id"])
-        if not _stale(made_by(meta).get("model_hash"), current):
-            return None
-        return StaleContextError(
-            f"{meta['context_id']} is stale: it was computed by model {meta['model_id']!r} with weights "
-            f"{made_by(meta)['model_hash']}, and the model is now registered with {current}"
-            " (ingest the content again, or load(..., force=True) to use it anyway)")
+        return stale_error(meta, self._model_hash(meta["model_id"]))
 
     def _refusal(self, meta: dict, *, force: bool = False) -> MCFError | None:
         """What :meth:`load` would raise for the context ``meta`` before reading it, or None: expired,
@@ -504,22 +368,11 @@ class Bucket:
         if isinstance(context_id_or_meta, str):
             meta = self.lookup(context_id_or_meta, include_expired=True)
         elif isinstance(context_id_or_meta, dict):
-            meta = context_id_or_meta
-            if not isinstance(meta.get("model_id"), str):
-                raise InvalidArgumentError(f"is_stale: the metadata has no model_id string (got "
-                                           f"{meta.get('model_id', 'none')!r}); give a context id or its metadata "
-                                           "as lookup() returns it")
-            maker = meta.get("model")
-            if maker is not None and not isinstance(maker, dict):
-                raise InvalidArgumentError(f"is_stale: the metadata's model must be an object or null, got "
-                                           f"{type(maker).__name__}")
-            if maker is not None and not isinstance(maker.get("model_hash"), (str, type(None))):
-                raise InvalidArgumentError(f"is_stale: the metadata's model.model_hash must be a string or null, got "
-                                           f"{type(maker['model_hash']).__name__}")
+            meta = check_staleness_meta(context_id_or_meta)
         else:
             raise ArgumentTypeError(f"is_stale takes a context id or its metadata (a dict), not "
                                     f"{type(context_id_or_meta).__name__}")
-        return _stale(made_by(meta).get("model_hash"), self._model_hash(meta["model_id"]))
+        return stale_under(made_by(meta).get("model_hash"), self._model_hash(meta["model_id"]))
 
     # -- registry (mcf.bucket._registry: snapshot + journal) -----------------------------------------------
     @property
@@ -528,11 +381,7 @@ class Bucket:
 
     def _meta_stamp(self, context_id: str) -> list[int] | None:
         """[inode, mtime_ns, size] of the context's metadata.json (what :meth:`scan` compares)."""
-        try:
-            st = self._fs.lstat(f"{ctx_rel(context_id)}/{META_NAME}")
-        except (FormatError, MCFIOError):
-            return None
-        return None if st is None else [st.st_ino, st.st_mtime_ns, st.st_size]
+        return metadata_stamp(self._fs, context_id)
 
     def _load_locked(self) -> dict:
         """The registry state, refreshed from disk (caller holds the lock)."""
@@ -575,79 +424,15 @@ class Bucket:
         """The validated metadata.json of a committed context.  The context directory, metadata.json and
         kv_data.mcb must be what they claim (no link, FIFO or device: FormatError); a missing one is
         ContextNotFoundError."""
-        rel = ctx_rel(context_id)
-        p = self._fs.where(f"{rel}/{META_NAME}")
-        try:
-            with self._fs.dir(rel) as d:
-                try:
-                    kv = os.stat(KV_NAME, dir_fd=d, follow_symlinks=False)
-                except FileNotFoundError:
-                    if self._unlinked(rel, d):  # a delete moved the directory away while it was read
-                        raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
-                    raise FormatError("kv_data.mcb is missing", path=self._fs.where(rel)) from None
-                if not stat.S_ISREG(kv.st_mode):
-                    raise FormatError(refusal(kv.st_mode), path=self._fs.where(f"{rel}/{KV_NAME}"))
-                raw = self._fs.read_at(d, META_NAME, limit=MAX_DOC_BYTES, rel=f"{rel}/{META_NAME}")
-        except FileNotFoundError:
-            raise ContextNotFoundError(f"no context {context_id!r} in {self.root}") from None
-        except OSError as exc:
-            raise os_error(exc, p) from None
-        meta = parse_json(raw, p)
-        self._validate_meta(meta, p, context_id)
-        return meta
+        return read_metadata(self._fs, context_id)
 
     def _unlinked(self, rel: str, dir_fd: int) -> bool:
         """True when the directory open as ``dir_fd`` is no longer the one at ``rel``."""
-        st, here = self._fs.lstat(rel), os.fstat(dir_fd)
-        return st is None or (st.st_dev, st.st_ino) != (here.st_dev, here.st_ino)
+        return unlinked(self._fs, rel, dir_fd)
 
     @staticmethod
     def _validate_meta(meta: Any, p: Path, context_id: str) -> None:
-        if get_field(meta, p, "context_id", types=str) != context_id:
-            raise FormatError("context_id disagrees with its directory", path=p, field="context_id",
-                              expected=context_id, got=meta["context_id"])
-        check_model_id(get_field(meta, p, "model_id", types=str))
-        get_field(meta, p, "content", "name", types=(str, type(None)))
-        get_field(meta, p, "content", "hash", types=str)
-        get_field(meta, p, "content", "token_count", types=int)
-        for k in ("num_layers", "num_kv_heads", "head_dim", "sequence_length"):
-            get_field(meta, p, "kv_cache", "shape", k, types=int)
-        dt = get_field(meta, p, "kv_cache", "dtype", types=str)
-        try:
-            L.parse_dtype(dt)
-        except InvalidArgumentError:
-            raise FormatError("unknown dtype", path=p, field="kv_cache.dtype", got=dt) from None
-        get_field(meta, p, "kv_cache", "size_bytes", types=int)
-        get_field(meta, p, "storage", "checksum", types=str)
-        kid = meta["kv_cache"].get("key_id")
-        if kid is not None and (not isinstance(kid, str) or not KEY_ID_RE.fullmatch(kid)):
-            raise FormatError("not a key id", path=p, field="kv_cache.key_id", expected="32 lowercase hex digits",
-                              got=str(kid)[:40])
-        get_field(meta, p, "timestamps", "created_at", types=str)
-        get_field(meta, p, "timestamps", "last_accessed", types=str)
-        get_field(meta, p, "timestamps", "expires_at", types=(str, type(None)))
-        parse_iso(meta["timestamps"]["expires_at"], p, "timestamps.expires_at")
-        get_field(meta, p, "access", "count", types=int)
-        pre = meta.get("prefix")
-        if pre is not None:
-            get_field(meta, p, "prefix", "chunk_tokens", types=int)
-            if not all(isinstance(h, str) for h in get_field(meta, p, "prefix", "hashes", types=list)):
-                raise FormatError("prefix hashes must be strings", path=p, field="prefix.hashes")
-        # what computed the KV data (written since the model block exists; absent or null in older
-        # buckets): its fields decide compatibility and staleness, so a mistyped one is refused, not compared
-        maker = meta.get("model")
-        if maker is not None:
-            if not isinstance(maker, dict):
-                raise FormatError("wrong type", path=p, field="model", expected="an object or null",
-                                  got=type(maker).__name__)
-            for k, kinds in (("architecture", str), ("vocab_size", int), ("model_hash", str)):
-                v = maker.get(k)
-                if v is not None and (not isinstance(v, kinds) or isinstance(v, bool)):
-                    raise FormatError("wrong type", path=p, field=f"model.{k}", expected=f"{kinds.__name__} or null",
-                                      got=type(v).__name__)
-            if maker.get("vocab_size") is not None and maker["vocab_size"] < 1:
-                raise FormatError("vocab_size must be positive", path=p, field="model.vocab_size",
-                                  got=maker["vocab_size"])
+        validate_metadata(meta, p, context_id)
 
     def _expired(self, summary_or_meta: dict, now: float) -> bool:
         return expired(summary_or_meta, now, path=self._reg.registry_path)
@@ -675,25 +460,13 @@ class Bucket:
         shape = shape_of(layers)
         if token_ids is not None and len(token_ids) != shape.sequence_length:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for KV data of {shape.sequence_length} tokens")
-        doc = self.model(model_id)
-        model_block = None
-        if doc is not None:
-            compat = doc["model_compatibility"]
-            for k, have in (("num_layers", shape.num_layers), ("num_kv_heads", shape.num_kv_heads),
-                            ("head_dim", shape.head_dim), ("dtype", L.DTYPE_NAMES[kd])):
-                if compat.get(k) is not None and compat[k] != have:
-                    raise InvalidArgumentError(f"model {model_id!r} needs {k}={compat[k]!r}, the KV data has {have!r}")
-            # what computed this KV data (seed 003 §7.1): checked again at load, and the hash marks it stale
-            # once the model is registered with other weights
-            model_block = {"architecture": compat.get("architecture"), "vocab_size": compat.get("vocab_size"),
-                           "model_hash": doc.get("model_hash")}
+        maker = model_block(model_id, self.model(model_id), shape, L.DTYPE_NAMES[kd])
         cid = context_id_for(model_id, chash, kd, shape)
         rel = ctx_rel(cid)
         found = self.reusable(cid)
         if found is not None:
             return found
 
-        ntok = shape.sequence_length
         prefix = None
         if token_ids is not None:
             prefix = {"chunk_tokens": self.prefix_chunk_tokens,
@@ -710,35 +483,10 @@ class Bucket:
                                       scratch=self.scratch_file)  # conversions in a file, not in RAM
                     f.flush()
                     fsync_file(f.fileno())
-                now = self.clock()
-                meta = {
-                    "context_id": cid,
-                    "model_id": model_id,
-                    "version": 1,
-                    "content": {"name": name, "source": source, "hash": chash, "token_count": ntok},
-                    "kv_cache": {
-                        "format": "mcb-v1",
-                        "shape": {"num_layers": shape.num_layers, "num_heads": shape.num_kv_heads,
-                                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-                                  "sequence_length": shape.sequence_length},
-                        "dtype": L.DTYPE_NAMES[kd],
-                        "size_bytes": L.HEADER_SIZE + header.compressed_size,
-                        "original_size": header.original_size,
-                        "compressed": comp != L.Compression.NONE,
-                        "compression": L.COMPRESSION_NAMES[comp],
-                        "chunked": header.chunked,
-                        "encrypted": header.encrypted,
-                        "key_id": key_id(self._key) if header.encrypted else None,
-                    },
-                    "storage": {"tier": "cold", "path": f"contexts/{cid}/{KV_NAME}",
-                                "checksum": f"crc32:{header.checksum:08x}"},
-                    "timestamps": {"created_at": iso(now), "last_accessed": iso(now),
-                                   "expires_at": None if ttl is None else iso(now + ttl)},
-                    "access": {"count": 0, "last_query": None},
-                    "pinned": bool(pinned),
-                    "prefix": prefix,
-                    "model": model_block,
-                }
+                meta = new_metadata(cid, model_id, name=name, source=source, chash=chash, shape=shape, dtype=kd,
+                                    compression=comp, header=header,
+                                    key_id=key_id(self._key) if header.encrypted else None, now=self.clock(),
+                                    ttl=ttl, pinned=pinned, prefix=prefix, model=maker)
                 fd = self._fs.open_file_at(td, META_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                            rel=f"{tmp_rel}/{META_NAME}")
                 with os.fdopen(fd, "wb") as f:
@@ -759,7 +507,7 @@ class Bucket:
                 self._fs.fsync_dir("contexts")
                 self._journal_locked([self._put_record(meta, self._meta_stamp(cid))])
             if replaced:
-                with self._tier_mutex:  # copies of the replaced context are of other data
+                with self._tiers.mutex:  # copies of the replaced context are of other data
                     self._drop_tiers(cid)
         except OSError as exc:
             self._fs.remove_tree(tmp_rel)
@@ -866,7 +614,7 @@ class Bucket:
         for c in summaries:
             if include_expired or not expired(c, now, path=where):
                 tier = self.tier(c["context_id"])
-                entry = dict(c, tier=tier, is_loaded=tier != "cold", stale=_stale(c.get("model_hash"), current))
+                entry = dict(c, tier=tier, is_loaded=tier != "cold", stale=stale_under(c.get("model_hash"), current))
                 if include_metadata:
                     try:
                         entry["metadata"] = self._read_meta(c["context_id"])
@@ -1038,49 +786,31 @@ class Bucket:
     # -- tiers ---------------------------------------------------------------------------------------
     def tier(self, context_id: str) -> str:
         """"hot" (torch tensors on a device), "warm" (decompressed in RAM) or "cold" (on disk only)."""
-        return "hot" if context_id in self._hot else "warm" if context_id in self._warm else "cold"
+        return self._tiers.tier(context_id)
 
     @property
     def warm_used_bytes(self) -> int:
         """Bytes the warm tier holds: its arrays, and the hot copies on the CPU counted with them."""
-        return self._warm.used_bytes
+        return self._tiers.warm.used_bytes
 
     def _tier_copies(self, context_id: str, meta: dict) -> tuple[Any, Any]:
         """(hot entry, warm arrays) of ``context_id`` that hold the committed data ``meta`` describes, each
         None when absent.  Ids come from the content, not the values: a copy read before the context was
         deleted and stored again (by this process or another) is of other data, told apart by its tag,
         and dropped here instead of being served."""
-        tag = _data_tag(meta)
-        with self._tier_mutex:
-            if self._warm.tag(context_id) not in (None, tag):
-                self._drop_tiers(context_id)
-            hot = self._hot.get(context_id)
-            if hot is not None and hot[2] != tag:
-                self._drop_hot(context_id)
-                hot = None
-            return hot, self._warm.get(context_id)
+        return self._tiers.copies(context_id, meta)
 
     def _drop_hot(self, context_id: str) -> None:
         """Drop the hot copy (and its charge on the warm budget when it is in host memory)."""
-        entry = self._hot.pop(context_id, None)
-        if entry is not None and _in_host_memory(entry[0]):
-            self._warm.uncharge(context_id)
+        self._tiers.drop_hot(context_id)
 
     def _drop_tiers(self, context_id: str) -> None:
-        self._hot.pop(context_id, None)
-        self._warm.pop(context_id)
+        self._tiers.drop(context_id)
 
     def _evicted(self, ids: list[str]) -> None:
         """Contexts the warm tier evicted for room: a hot copy in host memory, charged to the warm entry,
         leaves with it (a device's copy stays: its memory is the device's)."""
-        for old in ids:
-            entry = self._hot.get(old)
-            from_tier = "warm"
-            if entry is not None and _in_host_memory(entry[0]):
-                del self._hot[old]
-                from_tier = "hot"
-            self._emit("context.demoted", context_id=old, from_tier=from_tier, to_tier=self.tier(old),
-                       reason="warm budget")
+        self._tiers.evicted(ids, self._emit)
 
     def promote(self, context_id: str, target_tier: str = "warm", *, device: Any = "cuda", threads: int = 2) -> str:
         """Move a context to a faster tier: ``warm`` loads and decompresses it into RAM (evicting the
@@ -1090,9 +820,7 @@ class Bucket:
         :class:`~mcf.bucket.tiers.HotTierFullError`, the context left warm, when the device runs out of
         memory).  A hot copy on ``device="cpu"`` is host memory: it counts against the warm budget
         with the warm arrays (twice the context's warm size in all), and leaves when they are evicted."""
-        with self._tier_mutex:
-            from mcf.bucket.tiers import check_device, hot_copy, nbytes_of, warm_nbytes
-
+        with self._tiers.mutex:
             if target_tier not in ("warm", "hot"):
                 raise InvalidArgumentError(f"promote to 'warm' or 'hot', not {target_tier!r}")
             meta = self.lookup(context_id)
@@ -1100,46 +828,23 @@ class Bucket:
             if refusal is not None:
                 raise refusal
             dev = check_device(device) if target_tier == "hot" else None
-            on_host = dev is not None and _in_host_memory(dev)
-            size = warm_nbytes(meta)
-            # both budgets are checked against the metadata's size before anything is read
-            self._warm.check_fits(context_id, 2 * size if on_host else size,
-                                  what=" (its warm arrays and their hot copy on the CPU)" if on_host else "")
-            hot, layers = self._tier_copies(context_id, meta)
-            if layers is None:
-                # room is made before the arrays are allocated; each byte is then decompressed (or copied)
-                # once, straight into the arrays the tier keeps
-                self._evicted(self._warm.make_room(context_id, size))
-                with self.open(context_id) as f:
-                    # the tag of the file actually read: if the context was replaced since the lookup,
-                    # this copy matches the new metadata only when it holds the new data
-                    tag = (f"crc32:{f.header.checksum:08x}", meta["timestamps"]["created_at"])
-                    layers = f.load_copy(threads=threads)
-                self._warm.put(context_id, layers, tag=tag)
-            if dev is not None:
-                self._drop_hot(context_id)
-                if on_host:
-                    self._evicted(self._warm.charge(context_id, nbytes_of(layers)))
-                try:
-                    self._hot[context_id] = (dev, hot_copy(context_id, layers, dev), self._warm.tag(context_id))
-                except BaseException:
-                    self._warm.uncharge(context_id)
-                    raise
-            self._tier_set_at[context_id] = self.clock()
+            self._tiers.fill(context_id, meta, dev, open_kv=lambda: self.open(context_id), threads=threads,
+                             emit=self._emit)
+            self._tiers.set_at[context_id] = self.clock()
             self._emit("context.promoted", model_id=meta["model_id"], context_id=context_id, to_tier=target_tier)
             return self.tier(context_id)
 
     def demote(self, context_id: str, target_tier: str = "cold") -> str:
         """Move a context to a slower tier (``warm`` drops its device copy, ``cold`` drops both)."""
-        with self._tier_mutex:
+        with self._tiers.mutex:
             check_context_id(context_id)
             if target_tier not in ("warm", "cold"):
                 raise InvalidArgumentError(f"demote to 'warm' or 'cold', not {target_tier!r}")
             before = self.tier(context_id)
             self._drop_hot(context_id)
             if target_tier == "cold":
-                self._warm.pop(context_id)
-            self._tier_set_at[context_id] = self.clock()
+                self._tiers.warm.pop(context_id)
+            self._tiers.set_at[context_id] = self.clock()
             if before != self.tier(context_id):
                 self._emit("context.demoted", context_id=context_id, from_tier=before, to_tier=self.tier(context_id))
             return self.tier(context_id)
@@ -1149,21 +854,12 @@ class Bucket:
         """The (identity, checksum) recorded in the context's .verified.json by the last process that
         checked its kv_data.mcb completely; None when absent, unreadable, too large or not a regular
         file."""
-        try:
-            doc = json.loads(self._fs.read(f"{ctx_rel(context_id)}/{VERIFIED_NAME}", limit=4096))
-            ident = tuple(doc["identity"])
-            if len(ident) != 5 or not all(isinstance(x, int) for x in ident) or not isinstance(doc["checksum"], int):
-                return None
-            return (ident, doc["checksum"])
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            return None
+        return read_verified(self._fs, context_id)
 
     def _write_verified(self, context_id: str, rec: tuple) -> None:
         """Record a complete, successful check so other processes with verify="once" can skip it.  A
         cache: written atomically without fsync, and a bucket that cannot be written just goes without."""
-        doc = {"identity": list(rec[0]), "checksum": rec[1], "verified_at": iso(self.clock())}
-        with contextlib.suppress(MCFError, OSError):
-            self._fs.write_atomic(f"{ctx_rel(context_id)}/{VERIFIED_NAME}", dumps(doc, False), durable=False)
+        write_verified(self._fs, context_id, rec, now=self.clock())
 
     # -- persistent tier preferences -----------------------------------------------------------------
     def set_tier_preference(self, context_id: str, tier: str, *, device: str | None = None) -> dict:
@@ -1192,11 +888,11 @@ class Bucket:
         last instruction for it.  A preference this process cannot meet (hot without torch or the
         device, larger than the warm budget) falls back to warm, then to cold, with an event saying so;
         a load never fails because of a preference."""
-        with self._tier_mutex:
-            set_at, action, tiers = preference_steps(meta, self.tier(context_id), self._tier_set_at.get(context_id))
+        with self._tiers.mutex:
+            set_at, action, tiers = preference_steps(meta, self.tier(context_id), self._tiers.set_at.get(context_id))
             if set_at is None:
                 return
-            self._tier_set_at[context_id] = set_at
+            self._tiers.set_at[context_id] = set_at
             if action == "demote":
                 self.demote(context_id, tiers[0])
             for t in tiers if action == "promote" else ():
@@ -1205,7 +901,7 @@ class Bucket:
                     break
                 except InvalidArgumentError as exc:
                     self._emit("context.preference_unmet", context_id=context_id, tier=t, reason=str(exc))
-            self._tier_set_at[context_id] = set_at
+            self._tiers.set_at[context_id] = set_at
 
     def apply_tier_preferences(self) -> dict[str, str]:
         """Honour every unexpired context's tier preference now (the server does this at start-up, so
@@ -1227,7 +923,7 @@ class Bucket:
     def _write_meta(self, meta: dict, *, durable: bool = True) -> None:
         """Replace a committed context's metadata.json (caller holds the lock).  Access statistics are
         written without fsync (``durable=False``): a crash may lose the last counts, never the file."""
-        self._fs.write_atomic(f"{ctx_rel(meta['context_id'])}/{META_NAME}", dumps(meta, False), durable=durable)
+        write_metadata(self._fs, meta, durable=durable)
 
     def _touch(self, context_id: str) -> None:
         with self._lock():
@@ -1268,12 +964,12 @@ class Bucket:
                 self._journal_locked([{"op": "del", "context_id": context_id}])
                 self._fs.remove_tree(grave)
         except ContextNotFoundError:
-            with self._tier_mutex:  # deleted by another process: copies of it are of nothing
+            with self._tiers.mutex:  # deleted by another process: copies of it are of nothing
                 self._drop_tiers(context_id)
             raise
         # after the rename, under the tier mutex: a promotion that read the old file holds the mutex until
         # its copy is in a tier, so this drops that copy too, and one that starts later finds no context
-        with self._tier_mutex:
+        with self._tiers.mutex:
             self._drop_tiers(context_id)
         self._emit(event, model_id=model_id, context_id=context_id)
 
