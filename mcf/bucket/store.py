@@ -35,6 +35,21 @@ Why the design:
 * **The registry heals itself.**  Opening a bucket reconciles the registry with ``contexts/`` (the
   incremental :meth:`Bucket.scan`), and an ingest that finds its context already committed but not
   listed (a writer killed between the commit rename and the journal append) lists it.
+
+Where the parts live: :class:`Bucket` here is the public face and carries out every operation (the
+lock, the commit, events, what may be served); it delegates to modules named for what they hold:
+
+* :mod:`mcf.bucket.ids`: the identities computed from content (``content_hash``, ``context_id_for``,
+  ``prefix_hashes``, ``token_array``), also importable from here;
+* :mod:`mcf.bucket._models`: model documents (``models/<model_id>.json``), compatibility
+  (``COMPATIBILITY_KEYS``, also importable from here) and staleness;
+* :mod:`mcf.bucket._metadata`: a context's metadata.json (read without following anything planted,
+  validated field by field, written) and its ``.verified.json`` record;
+* :mod:`mcf.bucket._tier_ops`: the warm and hot copies this object holds, tagged with the data they were
+  read from, and the moves that fill and empty them (the tiers' mechanics and policy are
+  :mod:`mcf.bucket.tiers`);
+* :mod:`mcf.bucket._registry` (snapshot and journal), :mod:`mcf.bucket._names` (file names, id checks),
+  :mod:`mcf.bucket._fs` (descriptor-relative file operations), :mod:`mcf.bucket._json` (documents).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ read from, so a copy of a context deleted and stored again under the same id is 
 The policy lives here too: which tier a context asks for (its persistent preference in metadata.json),
 whether this process should act on that preference (the newer of the preference and this process's
 last instruction wins) and in which order to fall back, and when a context has expired (TTL).  The
-bucket (:mod:`mcf.bucket.store`) carries the decisions out: it reads the files and emits the events.
+bucket (:mod:`mcf.bucket.store`) carries the decisions out: it reads the files and emits the events;
+the copies one bucket object holds, and the moves between them, are :mod:`mcf.bucket._tier_ops`.
 """
 
 from __future__ import annotations
