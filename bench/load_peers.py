@@ -1,5 +1,5 @@
 """mcf's loaders against the loaders people use today, on a 1.67 GB checkpoint read from the local disk,
-cold and warm, with fio's sequential read as the storage's limit (issue 24 item 6).
+cold and warm, with fio's sequential read as the storage's limit.
 
     python bench/load_peers.py                               # cold and warm, 5 rounds (root: drops caches)
     python bench/load_peers.py --states warm --rounds 3 --cases mcf.torch memcpy
@@ -29,7 +29,7 @@ What is measured, and why this way:
   pages are faulted in by the copy, as a loader's destination is), and the same into memory advised
   ``MADV_HUGEPAGE``, for reference.
 
-Targets (issue 24 item 6), checked and printed at the end:
+Targets, checked and printed at the end:
 
 - cold: each mcf loader >= 0.9x fio's best, and >= 1.5x the best peer, or >= 0.95x fio's best where
   1.5x the best peer would be above fio's best;

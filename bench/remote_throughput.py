@@ -1,6 +1,6 @@
 """Loading the benchmark checkpoint from an object store or an HTTP server on loopback: SeaweedFS (S3) or
 nginx, against the bare client's ceiling, Run:ai Model Streamer's S3 reader and the remote path mcf had
-before (issue 24 item 6).
+before its concurrent ranged reads.
 
     unshare --net sh -c 'ip link set lo up; python bench/remote_throughput.py --server s3 --rounds 5 --today OLD'
     unshare --net sh -c 'ip link set lo up; python bench/remote_throughput.py --server http --rounds 5 --today OLD'
@@ -26,7 +26,7 @@ server's files are read through right before every run, so the server serves fro
 - Run:ai Model Streamer's ``SafetensorsStreamer`` on the ``s3://`` URL (its S3 reader, defaults; S3 only);
 - today (``--today OLD``): ``mcf.load_file(url)`` of model.mcf and the raw ``readinto`` in that checkout.
 
-Targets (issue 24 item 6): on S3, mcf >= 0.9x the ceiling and >= 2x Run:ai's streamer; over HTTP,
+Targets: on S3, mcf >= 0.9x the ceiling and >= 2x Run:ai's streamer; over HTTP,
 >= 0.9x the ceiling and >= 5x the path before.  Peak RSS: the result plus at most 2x the staging
 (requests in flight x request size: 16 x 8 MiB).
 """

@@ -1,4 +1,4 @@
-"""Every decode to float32 against the store limit, one thread (issue 29, item 0).
+"""Every decode to float32 against the store limit, one thread.
 
 The yardstick is ``mcf._core._kernels._store_yardstick`` (csrc/yardstick.c): a loop that reads 1 byte and
 writes 4 with non-temporal stores, compiled like the kernels with the AVX2 instructions.  A decoder at its

@@ -1,4 +1,4 @@
-"""The package's shape, enforced: one API style and one error hierarchy (issue 15).
+"""The package's shape, enforced: one API style and one error hierarchy.
 
 These tests read the source with ``ast`` (and import the package only where a rule is about the
 runtime objects), so a new module is covered the moment it exists.  Each rule's allow-list is short
@@ -199,7 +199,7 @@ def test_every_exception_is_exported():
 
 def test_options_are_keyword_only():
     """After the obvious positional arguments, options are keyword-only, so ``g.dequantize("w",
-    np.float16)`` cannot silently bind a dtype to ``out`` (issue 15).  A parameter with a default is
+    np.float16)`` cannot silently bind a dtype to ``out``.  A parameter with a default is
     an option unless POSITIONAL_OK says why positional is the obvious call."""
     bad, used = [], set()
     for mod, path, tree in MODULES:

@@ -225,7 +225,7 @@ def test_rest_stale_contexts_and_discovery_with_metadata(tmp_path):
         assert st == 200 and raw[:4] == (root / "contexts" / cid / "kv_data.mcb").read_bytes()[:4]
 
 
-# -- issue 23 items 9 and 11: check_compatible compares model_hash, refuses unknown keys and stale contexts -
+# -- check_compatible compares model_hash, refuses unknown keys and stale contexts --------------------------
 def test_check_compatible_compares_the_model_hash(tmp_path):
     """``load(cid, model={..., "model_hash": "sha256:new"})`` returned the cache computed under the old
     hash: the hash was never compared."""

@@ -183,7 +183,7 @@ def test_text_in_text_out_and_deduplication(models, tmp_path):
 def test_the_backend_reuses_only_what_the_bucket_would(models, tmp_path, monkeypatch):
     """The backend looks for stored content before it runs the model, and finds what the bucket's own
     ingest would deduplicate: content stored in clear is computed again and stored encrypted by a keyed
-    bucket; content under another key is refused before the model runs (issue 25 item 6)."""
+    bucket; content under another key is refused before the model runs."""
     monkeypatch.delenv("MCF_BUCKET_KEY", raising=False)
     be = TransformersBackend(models["llama-gqa"], tiny_tokenizer(), model_id="llama-gqa")
     text = "the cat sat on the mat"

@@ -86,7 +86,7 @@ def test_minilm_converts_exports_and_loads_back(tmp_path, minilm_dir):
 
 @pytest.mark.parametrize("command", ["convert", "pack"])
 def test_cli_names_the_files_it_leaves_out(tmp_path, minilm_dir, capsys, command):
-    """mcf convert and mcf pack (which said nothing: issue 26) name every file of the checkpoint the MCF
+    """mcf convert and mcf pack (which used to say nothing) name every file of the checkpoint the MCF
     file does not hold, directories with a slash, and say how to keep them."""
     out = str(tmp_path / "m.mcf")
     assert cli_main([command, minilm_dir, "-o", out, "-q"]) == 0

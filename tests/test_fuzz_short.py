@@ -1,4 +1,4 @@
-"""The short fuzz run of every parser (issue 8), in-process and without libFuzzer so it runs everywhere.
+"""The short fuzz run of every parser, in-process and without libFuzzer so it runs everywhere.
 
 For each target of ``fuzz/targets.py``: replay the seed corpus (the golden fixtures), every input that
 ever made the target fail (``tests/fuzz_regressions/<target>/``), then a fixed number of inputs derived

@@ -1,5 +1,5 @@
 """Every ggml type gguf-py can dequantize, decoded by mcf bit for bit: the IQ, ternary, 1-/2-bit and FP4
-types (issue 27), their codebooks, edge bit patterns of their scales, real quantized data, and
+types, their codebooks, edge bit patterns of their scales, real quantized data, and
 ``mcf.gguf.dequantize``, the drop-in for ``gguf.quants.dequantize``.
 
 Every kernel variant the CPU has runs here (``impl=``), and the whole file runs again under

@@ -389,7 +389,7 @@ def test_cli_hybrid(tmp_path, capsys):
         main(["ctx", "ingest", str(tmp_path / "u"), str(ids), "--ids", "--embedding-dim", "64", "--dtype", "int8"])
 
 
-# -- raw rows carry their dtype (issue 23 item 7) -----------------------------------------------------------
+# -- raw rows carry their dtype ----------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [17, 34])            # an fp16/bf16 row of d = 17 or 34 is as wide as a q8 row
 @pytest.mark.parametrize("policy", ["fp16", "bf16"])
 def test_raw_rows_of_another_dtype_are_refused(tmp_path, d, policy):

@@ -244,7 +244,7 @@ def test_sharded_and_single_refuse_the_same_indices(tmp_path):
             s[::0]
         with pytest.raises(mcf.InvalidArgumentError, match="zero"):
             m[::0]
-        # numpy integers take the compiled path (issue 23 item 12): every width, negative, and past int64
+        # numpy integers take the compiled path: every width, negative, and past int64
         for ds in (s, m):
             n = len(ds)
             for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.intp,

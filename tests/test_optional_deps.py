@@ -58,7 +58,7 @@ def test_lz4_to_write_lz4_kv_files(monkeypatch, tmp_path, kv):
 
 
 def test_lz4_to_ingest_into_a_bucket(monkeypatch, tmp_path, kv, capsys):
-    """The first-run failure of issue 12: the demo's bucket step without lz4."""
+    """A first-run failure: the demo's bucket step without lz4."""
     from mcf.bucket import Bucket
 
     block(monkeypatch, "lz4")
@@ -114,7 +114,7 @@ def test_starlette_and_uvicorn_for_the_server(monkeypatch, tmp_path, capsys):
 
 
 def test_every_missing_package_of_the_extra_is_named_at_once(monkeypatch, tmp_path, capsys):
-    """Issue 26: without uvicorn and starlette, `mcf bucket serve` asked for uvicorn, and after
+    """Without uvicorn and starlette, `mcf bucket serve` asked for uvicorn, and after
     `pip install uvicorn` for starlette.  The first failure names both, and one command installs both."""
     from mcf.bucket.server import serve
 

@@ -229,7 +229,7 @@ def test_activation_clips_outside_the_data_range(method, lo, hi):
     assert np.abs(y - want).max() <= step * 0.51 + 1e-7
 
 
-# -- issue 23: silent wrong answers ---------------------------------------------------------------------
+# -- silent wrong answers -------------------------------------------------------------------------------
 QMAX = {"q8": 127, "q4": 7, "k6": 31, "k4": 7, "k3": 3, "k2": 1}
 
 
