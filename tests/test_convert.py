@@ -22,6 +22,8 @@ from mcf.convert import convert
 from mcf.export import export
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays for the safetensors package")
 

@@ -8,6 +8,8 @@ import mcf
 from mcf._core import _fpconv as F
 from mcf.io import aligned_empty
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 IMPLS = mcf.kernel_info()["supported"]
 ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 

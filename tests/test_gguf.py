@@ -14,6 +14,8 @@ import mcf.gguf as G
 from mcf._core import _kernels as K
 from mcf.io import open_source
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gguf"))

@@ -13,6 +13,8 @@ import pytest
 import mcf
 import mcf.gguf as G
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 HERE = os.path.join(os.path.dirname(__file__), "fixtures", "gguf")
 GOLDEN = os.path.join(HERE, "golden_v3.gguf")
 

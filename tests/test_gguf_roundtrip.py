@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import mcf
 import mcf.gguf as G
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gguf"))

@@ -20,6 +20,8 @@ import mcf.gguf as G
 from mcf._core import _kernels as K
 from mcf.gguf import _gguf
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 gguf = pytest.importorskip("gguf")
 from gguf import quants as gq  # noqa: E402
 

@@ -15,6 +15,8 @@ from _vectors import MANTLE, mantle_file
 from mcf._core import _kernels as K
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 IMPLS = K.kernel_info()["supported"]
 QK = ["q8", "q4", "k6", "k4", "k3", "k2"]
 ALL = QK + ["int8", "int4"]

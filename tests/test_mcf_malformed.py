@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 import mcf
 from mcf.container.layout import SectionType
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 VECTORS = Path(__file__).parent / "vectors" / "mantle" / "files"
 K3 = VECTORS / "k3.mcf"
 

@@ -20,6 +20,8 @@ import mcf
 from mcf.container.layout import RESOURCE_FILES
 from mcf.container.modelinfo import decode_model_info, encode_model_info
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                        HealthCheck.too_slow, HealthCheck.data_too_large])
 

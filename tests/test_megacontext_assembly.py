@@ -14,6 +14,8 @@ import mcf.megacontext as mc
 from _megacontext_ref import GIST_NP, mean_pool, numpy_assembly, token_stream
 from mcf.megacontext import _megacontext as _mc
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 VOCAB = 500
 

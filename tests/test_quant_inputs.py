@@ -16,6 +16,8 @@ from _vectors import mantle_file
 from mcf.cli import main as cli_main
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
 stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
 

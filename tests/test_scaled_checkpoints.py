@@ -18,6 +18,8 @@ import mcf
 import mcf.safetensors as mst
 import _scaled_checkpoints as S
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 EXPERTS = "model.layers.0.mlp.experts."
 KV_A = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"
