@@ -34,7 +34,7 @@ from mcf._core import _kernels as K
 from mcf.io import aligned_empty
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
-from gguf import GGMLQuantizationType as GT
+from gguf import GGMLQuantizationType as GT  # noqa: E402 - after the skip above
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 sys.path.insert(0, os.path.join(TESTS, "fixtures", "gguf"))

@@ -251,8 +251,8 @@ class MemmapReader:
         self.i1, self.r1 = ix[lv == 1], start[lv == 1]
         self.i2, self.r2 = ix[lv == 2], start[lv == 2]
         self.levels = np.repeat(lv, rows)
-        self.positions = np.concatenate([np.arange(i * K, i * K + K) if l == 0 else [i * K ** l]
-                                         for l, i in zip(lv.tolist(), ix.tolist())]).astype(np.int64)
+        self.positions = np.concatenate([np.arange(i * K, i * K + K) if lev == 0 else [i * K ** lev]
+                                         for lev, i in zip(lv.tolist(), ix.tolist())]).astype(np.int64)
 
     def assemble(self, table):
         ids = self.mm0[self.tok_idx]

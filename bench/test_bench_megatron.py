@@ -113,7 +113,7 @@ class MegatronLikeDataset:
         self.bin_mmap = np.memmap(prefix + ".bin", mode="r", order="C")
         self.bin_buffer = memoryview(self.bin_mmap.data)
 
-    @lru_cache(maxsize=8)
+    @lru_cache(maxsize=8)  # noqa: B019 - as Megatron's reader does (see the class docstring)
     def index(self, idx):
         return self.sequence_pointers[idx], self.sequence_lengths[idx], None
 

@@ -195,7 +195,8 @@ def test_demo_removes_its_temporary_directory_unless_kept(tmp_path, monkeypatch,
     used = demo_without_heavy_steps[0]
     assert os.path.dirname(used) == str(scratch) and len(set(demo_without_heavy_steps)) == 1
     assert list(scratch.iterdir()) == [], "the demo left its temporary directory behind"
-    assert out.splitlines()[-1] == f"== outputs removed with their temporary directory {used} (keep them with --keep DIR)"
+    assert out.splitlines()[-1] == (f"== outputs removed with their temporary directory {used} "
+                                    "(keep them with --keep DIR)")
 
     import mcf.demo
 

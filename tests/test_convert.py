@@ -302,7 +302,8 @@ def _bad_files(d):
             mcf.FormatError, "two shards"),
         "bad raw description": (st_file({"__metadata__": {"mcf.quant.w": '{"method": "k4", "shape": [1, 256]}'},
                                          "w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, b"\0" * 8),
-                                mcf.FormatError, f"needs a U8 tensor of {mcf.quant_layout('k4', (1, 256)).nbytes} bytes"),
+                                mcf.FormatError,
+                                f"needs a U8 tensor of {mcf.quant_layout('k4', (1, 256)).nbytes} bytes"),
         "raw description not json": (st_file({"__metadata__": {"mcf.quant.w": "{"},
                                               "w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}},
                                              b"\0" * 8), mcf.FormatError, "description"),
@@ -412,7 +413,7 @@ def _write_big_checkpoint(path, total_bytes):
     h += b" " * (-len(h) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h)
-        for k, (name, s) in enumerate(shapes):
+        for k, (_name, s) in enumerate(shapes):
             left = int(np.prod(s))
             while left:
                 m = min(left, block.size)

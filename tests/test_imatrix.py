@@ -2,7 +2,6 @@
 independent reader and writer), the legacy .dat format, malformed files, the BERT collector against
 transformers' own modules, and the command line."""
 
-import os
 import struct
 import subprocess
 import sys

@@ -265,7 +265,7 @@ def check(c, tensors, aliases, resources, mi, opts) -> None:
     assert [r.name for r in c.quant_info] == qnames
     assert c.header.aligned64 == (quantized or (bool(by_name) and opts["align"] % 64 == 0))
     # dedup: byte-identical copies share one range; aliases always do
-    for kind, name, value in tensors:
+    for _kind, name, _value in tensors:
         for new, old in aliases:
             if old == name:
                 assert c.info(new)[2:5] == c.info(name)[2:5]

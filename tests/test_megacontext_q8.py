@@ -143,7 +143,7 @@ def assert_codes_of_their_scale(raw, x, d):
     docs/quantization.md).  So a value is within half a step, or, where the search picked a scale that
     clips the block's largest values (it trades their error for a smaller one on the other 31), decoded as
     the extreme code on its side: 127 steps, or 128 with the scale's sign opposite to the value's."""
-    n, nb = len(x), -(-d // 32)
+    nb = -(-d // 32)
     raw = row_bytes(raw)
     s = np.repeat(raw[:, :2 * nb].copy().view(np.float16).astype(np.float32), 32, axis=1)[:, :d]
     codes = raw[:, 2 * nb:].copy().view(np.int8)[:, :d].astype(np.float32)

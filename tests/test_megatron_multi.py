@@ -282,7 +282,7 @@ def test_shard_list_that_disagrees_with_its_shards(tmp_path):
         listing.write_text(json.dumps(doc))
         with mm.open(str(listing)) as s:
             s[0]
-            with pytest.raises(mcf.FormatError, match=f"does not match") as ei:
+            with pytest.raises(mcf.FormatError, match="does not match") as ei:
                 s.open_all()
             assert "l.json" in str(ei.value) and field in str(ei.value)
     doc = dict(doc0, dtype="int32")

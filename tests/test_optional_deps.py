@@ -263,7 +263,7 @@ def test_the_demo_checks_its_extra_before_any_work(monkeypatch, tmp_path, capsys
     assert main(["demo", "--model-dir", str(tmp_path), "--workdir", str(tmp_path / "w")]) == 1
     out, err = capsys.readouterr()
     assert out == "" and not (tmp_path / "w").exists()  # refused before any step ran
-    assert err.startswith(f"mcf demo: error: mcf demo (")
+    assert err.startswith("mcf demo: error: mcf demo (")
     assert f"needs the {module!r} package, which is not installed: pip install '{DISTRIBUTION}[demo]'" in err
 
 

@@ -78,7 +78,8 @@ def test_every_package_of_the_source_tree_goes_into_the_wheel():
     docs/extending.md's check building a wheel in a fresh venv)."""
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
     found = {os.path.relpath(dp, ROOT).replace(os.sep, ".") for dp, _, fs in os.walk(PKG) if "__init__.py" in fs}
-    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; not packages: {sorted(listed - found)}"
+    assert found == listed, (f"missing from pyproject.toml: {sorted(found - listed)}; "
+                             f"not packages: {sorted(listed - found)}")
 
 
 def test_every_optional_import_names_an_extra_that_installs_it():
