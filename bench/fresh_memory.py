@@ -123,13 +123,16 @@ def main(argv=None):
         random.Random(r).shuffle(order)
         for c in order:
             time.sleep(a.settle)
-            p = subprocess.run([sys.executable, __file__, "--child", c, "--size", str(a.size), "--settle", str(a.settle)],
+            p = subprocess.run([sys.executable, __file__, "--child", c, "--size", str(a.size),
+                                "--settle", str(a.settle)],
                                capture_output=True, text=True, timeout=600, check=True)
             res[c].append(json.loads(p.stdout))
-    print(f"medians of {a.rounds} interleaved rounds, each case in a fresh process; load {load_average():.2f} at the end")
+    print(f"medians of {a.rounds} interleaved rounds, each case in a fresh process; "
+          f"load {load_average():.2f} at the end")
     for c, v in res.items():
         print(f"  {c:18s} {statistics.median(x['gbps'] for x in v):6.2f} GB/s  system "
-              f"{statistics.median(x['system_s'] for x in v):5.2f} s  (" + ", ".join(f"{x['gbps']:.2f}" for x in v) + ")")
+              f"{statistics.median(x['system_s'] for x in v):5.2f} s  ("
+              + ", ".join(f"{x['gbps']:.2f}" for x in v) + ")")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """mcf's loaders against the loaders people use today, on a 1.67 GB checkpoint read from the local disk,
-cold and warm, with fio's sequential read as the storage's limit (issue 24 item 6).
+cold and warm, with fio's sequential read as the storage's limit.
 
     python bench/load_peers.py                               # cold and warm, 5 rounds (root: drops caches)
     python bench/load_peers.py --states warm --rounds 3 --cases mcf.torch memcpy
@@ -29,7 +29,7 @@ What is measured, and why this way:
   pages are faulted in by the copy, as a loader's destination is), and the same into memory advised
   ``MADV_HUGEPAGE``, for reference.
 
-Targets (issue 24 item 6), checked and printed at the end:
+Targets, checked and printed at the end:
 
 - cold: each mcf loader >= 0.9x fio's best, and >= 1.5x the best peer, or >= 0.95x fio's best where
   1.5x the best peer would be above fio's best;
@@ -91,7 +91,8 @@ WARM_ANCHORS = [
     ("memcpy", "memcpy, 2 threads, warm mapping -> fresh memory", "anchor"),
     ("memcpy:hugepage", "the same into MADV_HUGEPAGE memory (reference)", "reference"),
 ]
-TP_PAIRS = {"mcf.safetensors.slices": "mcf.safetensors.full+stats", "mcf.load_file.mcf.slices": "mcf.load_file.mcf.full+stats",
+TP_PAIRS = {"mcf.safetensors.slices": "mcf.safetensors.full+stats",
+            "mcf.load_file.mcf.slices": "mcf.load_file.mcf.full+stats",
             "mcf.torch.slices": "mcf.torch", "safetensors.get_slice": "safetensors.torch.mmap"}
 FIO = [(f"fio:{'direct' if d else 'buffered'}:{j}", f"fio, sequential 8 MiB reads, {'O_DIRECT' if d else 'buffered'}, "
         f"{j} job{'s' if j > 1 else ''}", "limit") for d in (False, True) for j in (1, 2, 4)]
@@ -147,7 +148,7 @@ def measure(args, m) -> dict:
             print(f"{state} round {rnd + 1}/{args.rounds}, load {load:.2f}", flush=True)
             order = list(cases)
             random.Random(rnd).shuffle(order)
-            for case, label, role in order:
+            for case, label, _role in order:
                 time.sleep(args.settle)
                 if case.startswith("fio:"):
                     r = run_fio(case, m)
@@ -175,11 +176,11 @@ def summarize(runs: dict, m, cases_meta: dict) -> list:
     """Rows of (state, case, label, role, GB/s median, seconds median, peak RSS excess, read_bytes, bytes_read,
     load range, other CPU median) and the verdicts."""
     lines, verdicts = [], []
-    payload = m.nbytes
     for state, by_case in runs.items():
         gbps = {c: statistics.median(r["nbytes"] / r["seconds"] / 1e9 for r in rs) for c, rs in by_case.items()}
         lines.append(f"\n{state}: medians of {max(len(v) for v in by_case.values())} interleaved rounds")
-        lines.append(f"  {'loader':62s} {'GB/s':>6} {'s':>6} {'RSS+':>6} {'disk':>6} {'read':>6} {'load':>9} {'other':>5}")
+        lines.append(f"  {'loader':62s} {'GB/s':>6} {'s':>6} {'RSS+':>6} {'disk':>6} {'read':>6} {'load':>9} "
+                     f"{'other':>5}")
         for case, rs in by_case.items():
             label, role = cases_meta.get(case, (case, ""))
             rss = [r["peak_rss"] - r["rss_before"] - r["nbytes"] for r in rs if "peak_rss" in r]
@@ -191,7 +192,8 @@ def summarize(runs: dict, m, cases_meta: dict) -> list:
                          + (f"{statistics.median(rss) / 1e9:+6.2f}" if rss else f"{'':>6}") + " "
                          + (f"{disk / 1e9:6.2f}" if disk is not None else f"{'':>6}") + " "
                          + (f"{br / 1e9:6.2f}" if br is not None else f"{'':>6}") + " "
-                         + f"{min(loads):4.1f}-{max(loads):<4.1f} " + (f"{other * 100:4.0f}%" if other is not None else ""))
+                         + f"{min(loads):4.1f}-{max(loads):<4.1f} "
+                         + (f"{other * 100:4.0f}%" if other is not None else ""))
         mcf_cases = [c for c, (_, role) in cases_meta.items() if role == "mcf" and c in gbps]
         peers = [c for c, (_, role) in cases_meta.items() if role == "peer" and c in gbps]
         if state == "cold" and any(c.startswith("fio:") for c in gbps):
@@ -269,7 +271,8 @@ def main(argv=None):
     meta = {c: (label, role) for c, label, role in MCF + PEERS + TP + FIO + WARM_ANCHORS}
     meta.update({f"before:{c}": (f"{label} [before]", "before") for c, label, role in MCF})
     head = [f"started {started}, ended {time.strftime('%H:%M UTC', time.gmtime())}; {versions()}",
-            f"machine: {machine()}", "GB/s of tensor payload (fio: of the file); s: median seconds; RSS+: peak RSS above "
+            f"machine: {machine()}",
+            "GB/s of tensor payload (fio: of the file); s: median seconds; RSS+: peak RSS above "
             "(RSS before + result), GB; disk: bytes read from storage (/proc/self/io, readahead included), GB; read: "
             "bytes_read the engine reports, GB; load: 1-min load average at the runs' start; other: other processes' "
             "share of the cores during the timed part"]

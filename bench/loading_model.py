@@ -89,7 +89,7 @@ def tp_plan(rank: int = 0, world: int = 4) -> dict:
 def tp_bytes(world: int = 4) -> int:
     """Bytes of one rank's share (every matrix 1/world, norms whole)."""
     total = 0
-    for name, shape, _ in model_spec():
+    for _name, shape, _ in model_spec():
         n = 2
         for d in shape:
             n *= d

@@ -256,7 +256,8 @@ def main() -> None:
         for direct in (False, True):
             for jobs in (1, 2, 4):
                 drop_caches()
-                print(f"  fio direct={int(direct)} jobs={jobs}: {fio.sequential_read(path, size, direct=direct, jobs=jobs):.2f} GB/s")
+                gbps = fio.sequential_read(path, size, direct=direct, jobs=jobs)
+                print(f"  fio direct={int(direct)} jobs={jobs}: {gbps:.2f} GB/s")
 
 if __name__ == "__main__":
     main()

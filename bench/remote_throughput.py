@@ -1,6 +1,6 @@
 """Loading the benchmark checkpoint from an object store or an HTTP server on loopback: SeaweedFS (S3) or
 nginx, against the bare client's ceiling, Run:ai Model Streamer's S3 reader and the remote path mcf had
-before (issue 24 item 6).
+before its concurrent ranged reads.
 
     unshare --net sh -c 'ip link set lo up; python bench/remote_throughput.py --server s3 --rounds 5 --today OLD'
     unshare --net sh -c 'ip link set lo up; python bench/remote_throughput.py --server http --rounds 5 --today OLD'
@@ -26,7 +26,7 @@ server's files are read through right before every run, so the server serves fro
 - Run:ai Model Streamer's ``SafetensorsStreamer`` on the ``s3://`` URL (its S3 reader, defaults; S3 only);
 - today (``--today OLD``): ``mcf.load_file(url)`` of model.mcf and the raw ``readinto`` in that checkout.
 
-Targets (issue 24 item 6): on S3, mcf >= 0.9x the ceiling and >= 2x Run:ai's streamer; over HTTP,
+Targets: on S3, mcf >= 0.9x the ceiling and >= 2x Run:ai's streamer; over HTTP,
 >= 0.9x the ceiling and >= 5x the path before.  Peak RSS: the result plus at most 2x the staging
 (requests in flight x request size: 16 x 8 MiB).
 """
@@ -63,7 +63,8 @@ def _cases(a, urls, files):
                      {"case": "ceiling", "url": st, "part": 8 * MiB, "file": files["model.safetensors"]}, ROOT),
         "ceiling16": ("ceiling: obstore get_ranges, 16 MiB ranges", "ceiling",
                       {"case": "ceiling", "url": st, "part": 16 * MiB, "file": files["model.safetensors"]}, ROOT),
-        "mcf.safetensors": ("mcf.safetensors.load_file(url), numpy", "mcf", {"case": "mcf.safetensors", "url": st}, ROOT),
+        "mcf.safetensors": ("mcf.safetensors.load_file(url), numpy", "mcf", {"case": "mcf.safetensors", "url": st},
+                            ROOT),
         "mcf.torch": ("mcf.torch.load_file(url)", "mcf", {"case": "mcf.torch", "url": st}, ROOT),
         "mcf.load_file.mcf": ("mcf.load_file(url of .mcf)", "mcf", {"case": "mcf.load_file.mcf", "url": mc}, ROOT),
         "raw": ("open_source(url).readinto, the whole object", "raw",
@@ -87,7 +88,8 @@ def _cases(a, urls, files):
 def _run(spec, env, pythonpath):
     spec = {"state": "none", **spec}
     p = subprocess.run([sys.executable, os.path.join(HERE, "load_child.py"), json.dumps(spec)],
-                       env={**os.environ, **env, "PYTHONPATH": pythonpath}, capture_output=True, text=True, timeout=1800)
+                       env={**os.environ, **env, "PYTHONPATH": pythonpath}, capture_output=True, text=True,
+                       timeout=1800)
     if p.returncode:
         raise RuntimeError(f"{spec['case']} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -140,7 +142,7 @@ def main(argv=None):
         for r in range(a.rounds):
             order = list(cases.items())
             random.Random(r).shuffle(order)
-            for key, (label, role, spec, pp) in order:
+            for key, (label, _role, spec, pp) in order:
                 touch_files(_server_files(srv, a, work))
                 res = _run({**spec, "verify": r == 0}, env, pp)
                 runs.setdefault(key, []).append(res)
@@ -155,11 +157,12 @@ def main(argv=None):
     lines = [f"{a.server} ({'SeaweedFS' if a.server == 's3' else srv.kind}), {m.nbytes / 1e9:.2f} GB, {a.rounds} "
              f"interleaved rounds, load average {load0:.1f} -> {load1:.1f}; {machine()}",
              f"  {'client':64s} {'GB/s':>6} {'x ceil':>6} {'RSS+ GB':>7} {'other':>5}  (each round)"]
-    for key, (label, role, spec, pp) in cases.items():
+    for key, (label, _role, _spec, _pp) in cases.items():
         v = runs[key]
         rss = statistics.median(x["peak_rss"] - x["rss_before"] - x["nbytes"] for x in v)
         other = statistics.median(x["other_cpu"] for x in v if x.get("other_cpu") is not None)
-        lines.append(f"  {label[:64]:64s} {gbps[key]:6.3f} {gbps[key] / ceiling:6.2f} {rss / 1e9:+7.2f} {other * 100:4.0f}%  "
+        lines.append(f"  {label[:64]:64s} {gbps[key]:6.3f} {gbps[key] / ceiling:6.2f} {rss / 1e9:+7.2f} "
+                     f"{other * 100:4.0f}%  "
                      "(" + ", ".join(f"{x['nbytes'] / x['seconds'] / 1e9:.3f}" for x in v) + ")")
     lines.append("")
     for key in ("mcf.safetensors", "mcf.torch", "mcf.load_file.mcf"):

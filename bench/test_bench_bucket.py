@@ -1,4 +1,4 @@
-"""Model Context Bucket benchmarks against seed 003 §9.2's targets (issue 6), ratios in extra_info.
+"""Model Context Bucket benchmarks against seed 003 §9.2's targets, ratios in extra_info.
 
     python -m pytest bench/test_bench_bucket.py --benchmark-only -s
 
@@ -12,15 +12,15 @@
 - full materialization: copying the loaded arrays into owned memory, against ``np.copyto`` of the same
   bytes (>= 60% of copy bandwidth), and lz4-chunked decompression on 1 and 2 threads (>= 1.5 GB/s), into
   fresh arrays and into preallocated ones (``out=``).
-- the server under load (issue 14): ``mcf bucket serve`` as a process, 4 keep-alive clients on loopback
+- the server under load: ``mcf bucket serve`` as a process, 4 keep-alive clients on loopback
   doing lookups, ingests, and the review's mix (4,100 requests, 9 lookups per ingest); requests per
   second and p50/p99 latencies in extra_info, next to the review's p50 6.7 ms / p99 23 ms, and the load
   average (the machine is shared: report it with the figures).
-- slow clients beside well-behaved ones (issue 25): 4 keep-alive clients doing lookups, first alone, then
+- slow clients beside well-behaved ones: 4 keep-alive clients doing lookups, first alone, then
   while slow readers pipeline requests and never read, uploads drip a byte at a time (with and without
   the token) and a client floods unauthenticated requests, then alone again; the well-behaved clients'
-  p99 under attack over their p99 alone (the anchor, measured in the same run) is ``p99_ratio``, which
-  issue 25 wants below 2.
+  p99 under attack over their p99 alone (the anchor, measured in the same run) is ``p99_ratio``, whose
+  target is below 2.
 Data is cached under ``$MCF_BENCH_DIR/bucket`` (default ``<tempdir>/mcf-bench/bucket``).
 """
 
@@ -278,7 +278,7 @@ def test_materialize_lz4(benchmark, big_files, threads, dest):
 # ------------------------------------------------------------------------------------------------
 # the server under load: 4 clients on loopback
 # ------------------------------------------------------------------------------------------------
-#: the outside review's figures (issue 14): 4,100 requests from 4 clients, no errors
+#: the outside review's figures: 4,100 requests from 4 clients, no errors
 REVIEW = {"requests": 4100, "p50_ms": 6.7, "p99_ms": 23.0}
 CLIENTS = 4
 TOKEN = "bench-token-0123456789abcdefghijklmnop"
@@ -453,7 +453,7 @@ def test_server_mixed_4_clients(benchmark, load_server):
 
 
 # ------------------------------------------------------------------------------------------------
-# slow clients beside well-behaved ones (issue 25)
+# slow clients beside well-behaved ones
 # ------------------------------------------------------------------------------------------------
 SLOW_CAP = 32  # the connection cap of this run: the attackers alone would fill it
 
@@ -541,7 +541,7 @@ def _slow_attack(port: int, stop, counts: dict) -> list:
 def test_server_lookups_beside_slow_clients(benchmark, tmp_path_factory):
     """4 keep-alive clients, 600 lookups each: alone, beside the attackers of ``_slow_attack`` (once they
     have run for 3 s and hold the cap), and alone again.  ``p99_ratio`` is the p99 beside the attackers
-    over the mean p99 of the two runs alone (issue 25: within 2x); errors are any answer but 200 to a
+    over the mean p99 of the two runs alone (target: within 2x); errors are any answer but 200 to a
     well-behaved client, which must be none.  The attackers also take CPU (the flood is answered as
     fast as it asks), so on a busy 2-core machine the ratio measures that too: report the load."""
     import http.client

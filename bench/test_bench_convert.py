@@ -1,4 +1,4 @@
-"""Conversion benchmarks (issue 7): safetensors -> MCF (float and k4) and MCF -> safetensors, against a
+"""Conversion benchmarks: safetensors -> MCF (float and k4) and MCF -> safetensors, against a
 plain copy of the same file measured in the same run (see bench/README.md, "Conversion").
 
 The input is the ~1 GiB F16 ``model.safetensors`` of bench/conftest.py.  Both sides write to the same

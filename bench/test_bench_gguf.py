@@ -1,5 +1,5 @@
-"""GGUF decode and conversion throughput (issue 7, GGUF part; issue 27: the IQ / ternary / FP4 types and
-transformers' GGUF loading).
+"""GGUF decode and conversion throughput (with the IQ / ternary / FP4 types and transformers' GGUF
+loading).
 
 1. Full decode of one 4096x4096 tensor of Q4_K, Q6_K, Q8_0 and Q4_0 to float32 (``GGUFFile.dequantize``
    into a preallocated 64-byte aligned buffer, every kernel variant this CPU supports) against
@@ -10,7 +10,7 @@ transformers' GGUF loading).
    (``shutil.copyfile`` + fsync, and a 16 MiB-chunk read/write loop + fsync; page cache warm), and the
    decode-to-float32 conversion of a Q4_K file against the same copies.
 
-3. Every type added by issue 27 (IQ1_S ... IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0, Q2_0): the same full
+3. Every newer type (IQ1_S ... IQ4_XS, TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0, Q2_0): the same full
    decode, every variant, against gguf-py's dequantizer on the same bytes (Q1_0 / Q2_0, which gguf-py
    cannot decode: against the numpy reference of ggml's layout in tests/fixtures/gguf).  Target: >= 10x.
 4. transformers' ``from_pretrained(dir, gguf_file=...)`` of a Q4_K_M-style llama (random Q4_K / Q6_K
@@ -34,7 +34,7 @@ from mcf._core import _kernels as K
 from mcf.io import aligned_empty
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
-from gguf import GGMLQuantizationType as GT
+from gguf import GGMLQuantizationType as GT  # noqa: E402 - after the skip above
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 sys.path.insert(0, os.path.join(TESTS, "fixtures", "gguf"))

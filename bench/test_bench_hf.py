@@ -1,4 +1,4 @@
-"""The time a stored KV cache saves per query (issue 18 item 3): prefill avoided against load + inject.
+"""The time a stored KV cache saves per query: prefill avoided against load + inject.
 
     python -m pytest bench/test_bench_hf.py --benchmark-only -s
 

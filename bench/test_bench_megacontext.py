@@ -1,4 +1,4 @@
-"""MegaContext tree benchmarks against the anchors issue 5 names, as ratios measured in the same run
+"""MegaContext tree benchmarks against their anchors, as ratios measured in the same run
 (the anchor is timed once before each target round, in pedantic's untimed setup).
 
     python -m pytest bench/test_bench_megacontext.py --benchmark-only -s
@@ -251,8 +251,8 @@ class MemmapReader:
         self.i1, self.r1 = ix[lv == 1], start[lv == 1]
         self.i2, self.r2 = ix[lv == 2], start[lv == 2]
         self.levels = np.repeat(lv, rows)
-        self.positions = np.concatenate([np.arange(i * K, i * K + K) if l == 0 else [i * K ** l]
-                                         for l, i in zip(lv.tolist(), ix.tolist())]).astype(np.int64)
+        self.positions = np.concatenate([np.arange(i * K, i * K + K) if lev == 0 else [i * K ** lev]
+                                         for lev, i in zip(lv.tolist(), ix.tolist())]).astype(np.int64)
 
     def assemble(self, table):
         ids = self.mm0[self.tok_idx]
@@ -522,7 +522,7 @@ def test_ingest_gists(benchmark, scratch, chunk):
                raw_gbps=nbytes / anchor.median / 1e9)
 
 
-# -- q8 gists (issue 18): assembly from q8 and hybrid trees against the same tree in fp16 -------------------
+# -- q8 gists: assembly from q8 and hybrid trees against the same tree in fp16 ---------------------------
 Q_T = 1_048_576 + 7 * K          # 1M tokens (and a partial LOD2 span): 32,775 LOD1 gists, 1,024 LOD2
 Q_SPEC = {"tokens": Q_T, "d": D, "k": K, "version": 1}
 TARGET_Q8_VS_FP16 = 1.5          # q8 assembly time <= 1.5x fp16's, same plan

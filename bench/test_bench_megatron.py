@@ -1,4 +1,4 @@
-"""Megatron indexed dataset benchmarks, each against the anchor issue 4 names, as ratios measured in the
+"""Megatron indexed dataset benchmarks, each against its anchor, as ratios measured in the
 same run (anchor timed once before each target round, in pedantic's untimed setup).
 
     python -m pytest bench/test_bench_megatron.py --benchmark-only -s
@@ -113,7 +113,7 @@ class MegatronLikeDataset:
         self.bin_mmap = np.memmap(prefix + ".bin", mode="r", order="C")
         self.bin_buffer = memoryview(self.bin_mmap.data)
 
-    @lru_cache(maxsize=8)
+    @lru_cache(maxsize=8)  # noqa: B019 - as Megatron's reader does (see the class docstring)
     def index(self, idx):
         return self.sequence_pointers[idx], self.sequence_lengths[idx], None
 
@@ -184,7 +184,7 @@ def _time(fn):
 
 
 def index_kinds(ds, idx, batches):
-    """The calls of issue 23 item 12, each as ``(numpy-int call, Python-int call)``: Python ints are the
+    """The indexing calls a data loader makes, each as ``(numpy-int call, Python-int call)``: Python ints are the
     anchor, numpy integers what a data loader holds (Megatron's sample and shuffle indices are numpy
     arrays, and iterating one gives np.int64 scalars)."""
     np_idx = list(np.asarray(idx, dtype=np.int64))
@@ -224,7 +224,7 @@ INDEX_KINDS = ["ds[i]", "ds.get(i, 1, 8)", "gather(1024), np.int64 array", "gath
 @pytest.mark.parametrize("what", INDEX_KINDS)
 def test_numpy_integer_indices(benchmark, data, what):
     """A numpy-integer index against a Python int (the anchor), per call, medians of interleaved rounds.
-    Before issue 23 item 12 numpy integers went through a Python-level check: 0.79 vs 0.15 us for
+    Before numpy integers took the compiled path they went through a Python-level check: 0.79 vs 0.15 us for
     ``ds[i]``.  Target: numpy integers within 1.5x of Python ints."""
     small, _ = data
     touch(small + ".idx", small + ".bin")

@@ -1,9 +1,9 @@
-"""Many shards read as one (``mcf.megatron.open([...])``, issue 16 point 5), against the same data merged
+"""Many shards read as one (``mcf.megatron.open([...])``), against the same data merged
 into one file, as ratios measured in the same run:
 
 - per-item cost of ``ds[i]`` and of ``gather`` (random sequences), target <= 1.2x a single file's;
 - opening 1,000 shards (from their headers, and from a shard list), target: milliseconds;
-- numpy integers against Python ints as indices of the sharded view (issue 23 item 12), target <= 1.5x.
+- numpy integers against Python ints as indices of the sharded view, target <= 1.5x.
 
     python -m pytest bench/test_bench_megatron_multi.py --benchmark-only -s
 
@@ -152,7 +152,7 @@ def test_getitem_and_gather_vs_single_file(benchmark, data, k, tokens):
 @pytest.mark.parametrize("what", INDEX_KINDS)
 def test_numpy_integer_indices_sharded(benchmark, data, k, what):
     """The sharded view indexed with numpy integers against Python ints (the anchor), as
-    test_bench_megatron.py's test_numpy_integer_indices does for one file (issue 23 item 12): medians
+    test_bench_megatron.py's test_numpy_integer_indices does for one file: medians
     of interleaved rounds, 64-token sequences.  Target: numpy integers within 1.5x of Python ints."""
     prefixes = data[0][64, k]
     touch(prefixes)

@@ -1,4 +1,4 @@
-"""Megatron tokenization beyond one machine (issue 16), in one run on one corpus: tokens/s of the Ray path
+"""Megatron tokenization beyond one machine, in one run on one corpus: tokens/s of the Ray path
 (``mcf.megatron.raydata.tokenize``) with 1 and 2 workers, of the single-process ``mcf megatron tokenize``,
 and of datatrove's tokenizer step (``MegatronDocumentTokenizer``) on its ``RayPipelineExecutor`` writing
 its Megatron files, with the same number of workers.

@@ -1,4 +1,4 @@
-"""Every decode to float32 against the store limit, one thread (issue 29, item 0).
+"""Every decode to float32 against the store limit, one thread.
 
 The yardstick is ``mcf._core._kernels._store_yardstick`` (csrc/yardstick.c): a loop that reads 1 byte and
 writes 4 with non-temporal stores, compiled like the kernels with the AVX2 instructions.  A decoder at its
@@ -70,8 +70,8 @@ def _decoders(out_bytes):
         p = _payload(scaled_layout(info, (rows, COLS)).nbytes)
         yield m, (lambda out, p=p, c=info.code: _mx.dequantize(p, c, (rows, COLS), out=out, impl=IMPL))
     for m in ("f8_e4m3", "f8_e5m2"):
-        p = _payload(n)
-        yield m, (lambda out, p=p, c=parse_dtype(m).code: _mx.decode_elements(p, c, out=out, impl=IMPL))
+        p, c = _payload(n), parse_dtype(m).code
+        yield m, (lambda out, p=p, c=c: _mx.decode_elements(p, c, out=out, impl=IMPL))
     h = _payload(n * 2).view(np.uint16)
     yield "f16->f32", lambda out: _fpconv.f16_to_f32(h, out=out, impl=IMPL)
     yield "bf16->f32", lambda out: _fpconv.bf16_to_f32(h, out=out, impl=IMPL)

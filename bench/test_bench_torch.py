@@ -10,7 +10,7 @@ treatment on both sides:
   first forward pass would pay);
 - fresh memory: ``load_state_dict()`` (the default) vs ``load_file(backend="pread")``.
 
-Target (issue 7): at least 1.0x the throughput of ``load_file`` in both pairs, each ratio taken from
+Target: at least 1.0x the throughput of ``load_file`` in both pairs, each ratio taken from
 interleaved measurements of the same run (the anchor is timed once before every round of the target, in
 pedantic's untimed setup).  The untouched loads are reported as references (their fixed cost).
 """

@@ -646,8 +646,8 @@ def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
     return counts
 
 
-DEFAULT_DELAY = {"mcf": 0.4, "mcf-unsafe": 0.4, "pack": 0.5, "quantize": 0.5, "megatron": 0.5, "merge": 0.5, "megacontext": 0.3,
-                 "bucket": 0.4}
+DEFAULT_DELAY = {"mcf": 0.4, "mcf-unsafe": 0.4, "pack": 0.5, "quantize": 0.5, "megatron": 0.5, "merge": 0.5,
+                 "megacontext": 0.3, "bucket": 0.4}
 WRITERS = tuple(w for w in DEFAULT_DELAY if w != "mcf-unsafe")
 
 

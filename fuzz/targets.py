@@ -73,8 +73,7 @@ def _read_mcf(c) -> None:
             if t.dtype.family == "float":
                 c.to_float32(name)
                 c.dequantize(name)
-    c.quant_info
-    c.model_info
+    _ = c.quant_info, c.model_info
     for fname in c.resources:
         c.resource_text(fname)
         if fname.endswith(".json"):
@@ -119,8 +118,8 @@ def _read_one_tensor(c, name) -> None:
 # ------------------------------------------------------------------------------------------------
 def _read_megatron(ds) -> None:
     n = len(ds)
-    ds.variant, ds.dtype, ds.multimodal
-    ds.sequence_lengths, ds.sequence_pointers, ds.document_indices, ds.sequence_modes
+    _ = ds.variant, ds.dtype, ds.multimodal
+    _ = ds.sequence_lengths, ds.sequence_pointers, ds.document_indices, ds.sequence_modes
     for i in range(min(n, 64)):
         ds[i].tobytes()
     if n:
@@ -130,7 +129,7 @@ def _read_megatron(ds) -> None:
         ds[0:min(n, 8)]
     for k in range(min(ds.num_documents, 16)):
         ds.document(k).tobytes()
-    ds.num_tokens
+    _ = ds.num_tokens
     ds.verify()
 
 
@@ -168,7 +167,7 @@ def _tree_dir() -> str:
 
 
 def _read_tree(t) -> None:
-    t.metadata, t.model_name, t.vocab_size, t.counts, t.committed_counts, t.ingestion_complete
+    _ = t.metadata, t.model_name, t.vocab_size, t.counts, t.committed_counts, t.ingestion_complete
     for level in range(3):
         t.header(level)
         n = t.num_gists(level) if level else t.num_blocks
@@ -228,10 +227,10 @@ def bucket(data: bytes) -> None:
     except mcf.MCFError:
         return
     try:
-        f.shape, f.dtype
+        _ = f.shape, f.dtype
         for kw in ({}, {"verify": False}, {"layers": 0, "tokens": 1}, {"dequantize": False}):
             try:
-                for k, v in f.load(**kw):
+                for k, _v in f.load(**kw):
                     np.asarray(k if not isinstance(k, tuple) else k[0]).tobytes()
             except mcf.MCFError:
                 pass
@@ -414,7 +413,7 @@ def gguf(data: bytes) -> None:
     except mcf.MCFError:
         return
     try:
-        g.metadata, g.version, g.alignment
+        _ = g.metadata, g.version, g.alignment
         for name in list(g):
             t = g.info(name)
             _each_mcf_error(lambda n=name: g.raw(n).tobytes())

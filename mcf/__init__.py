@@ -31,7 +31,7 @@ from mcf.container.quant import dequantize, quantize
 from mcf.state_dict import load_file, load_state_dict
 from mcf.loading import Rows, Shard
 
-from mcf._core.about import VERSION as __version__  # noqa: E402 - written once, read by pyproject.toml too
+from mcf._core.about import VERSION as __version__  # noqa: F401 - written once, read by pyproject.toml too
 
 
 def get_include():
@@ -66,11 +66,13 @@ def __dir__():
 
 __all__ = [
     "open", "load_file", "Container", "Header", "Section", "TensorInfo", "ModelInfo", "Arch", "RopeType", "QuantRecord",
-    "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType", "quant_layout", "io",
+    "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType",
+    "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
     "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "AllocationError", "InvalidArgumentError", "MissingDependencyError",
-    "ContextNotFoundError", "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError", "load_state_dict",
+    "ContextNotFoundError", "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError",
+    "load_state_dict",
     "Rows", "Shard",
     "get_include",
 ]

@@ -16,7 +16,7 @@ import warnings
 from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
 from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP, Parser
 from mcf._core.console import Progress, human, info_dict, json_text, print_info, print_report, printable
-from mcf.errors import InvalidArgumentError, MCFError, os_error
+from mcf.errors import InvalidArgumentError, MCFError
 from mcf.remote import redact
 
 __all__ = ["main"]
@@ -217,7 +217,8 @@ def cmd_convert(args) -> int:
         for s in stats:
             err = "" if s.rmse is None else (f"  RMSE {s.rmse:.3g}  SNR {s.snr_db:.2f} dB  max|err| "
                                              f"{s.max_abs_err:.3g}")
-            print(f"  {printable(s.name):<{nw}} {s.ggml_type:>7} -> {s.stored_as:<5} {printable(s.how):<8}{err}".rstrip())
+            print(f"  {printable(s.name):<{nw}} {s.ggml_type:>7} -> {s.stored_as:<5} "
+                  f"{printable(s.how):<8}{err}".rstrip())
     elif args.report:
         print_report(stats)
     return 0
@@ -320,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                            help="one of the commands below; mcf COMMAND --help tells more")
 
-    s = sub.add_parser("info", help="show header, sections, model info and tensor table (of an MCF or a GGUF file, or the "
-                                          "shards and tensors of a safetensors checkpoint)")
+    s = sub.add_parser("info", help="show header, sections, model info and tensor table (of an MCF or a GGUF file, "
+                                          "or the shards and tensors of a safetensors checkpoint)")
     s.add_argument("file", help="an MCF or a GGUF file; a safetensors file, checkpoint directory, index or URL")
     s.add_argument("--json", action="store_true", help=JSON_HELP)
     s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)

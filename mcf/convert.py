@@ -101,4 +101,5 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
         return list(stats) if report else []
     method, overrides = resolve_policy(method, overrides)
     return pack_checkpoint(path, dst, dtype=dtype, method=method, overrides=overrides, compat=compat,
-                           fast=fast, imatrix=imatrix, report=report, resources=resources, mmap=mmap, progress=progress, durable=durable)
+                           fast=fast, imatrix=imatrix, report=report, resources=resources, mmap=mmap, progress=progress,
+                           durable=durable)

@@ -324,7 +324,8 @@ def _check_shapes(ckpt) -> None:
 
 
 def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = None, overrides=(),
-                    compat: bool = False, fast: bool = False, imatrix=None, report: bool = False, align: int = 64, dedup: bool = False,
+                    compat: bool = False, fast: bool = False, imatrix=None, report: bool = False, align: int = 64,
+                    dedup: bool = False,
                     resources: bool = True, mmap: bool | None = None, model_name: str | None = None,
                     progress=None, durable: bool = True) -> list:
     """A checkpoint directory or a single safetensors file into an MCF file (see :func:`pack`).

@@ -134,10 +134,12 @@ def describe_plan(c, plan) -> list:
     if now:
         lines.append(f"  quantized: {_tensors(len(now))} ({_counted(now.values())})")
     if kept:
-        lines.append(f"  kept as they are: {_tensors(len(kept))}, quantized already ({dtypes(kept)}: {_few(kept)}); quantizing "
-                     "them again would add a second rounding error to the first: quantize the float original instead")
+        lines.append(f"  kept as they are: {_tensors(len(kept))}, quantized already ({dtypes(kept)}: {_few(kept)}); "
+                     "quantizing them again would add a second rounding error to the first: quantize the float "
+                     "original instead")
     if left:
-        lines.append(f"  left as they are by 'none' (the method or an override): {_tensors(len(left))} ({dtypes(left)})")
+        lines.append(f"  left as they are by 'none' (the method or an override): {_tensors(len(left))} "
+                     f"({dtypes(left)})")
     if copied:
         lines.append(f"  copied as they are: {_tensors(len(copied))} ({dtypes(copied)}): only rank-2 float tensors "
                      "are quantized")

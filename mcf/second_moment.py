@@ -186,8 +186,8 @@ class SecondMoments(Mapping):
             raise FormatError("not a second-moment file", path=path, field="__metadata__['format']",
                               expected=FORMAT_TAG, got=meta.get("format"))
         if meta.get("version") != _VERSION:
-            raise UnsupportedVersionError("unsupported version", path=path, field="__metadata__['version']", expected=_VERSION,
-                              got=meta.get("version"))
+            raise UnsupportedVersionError("unsupported version", path=path, field="__metadata__['version']",
+                                          expected=_VERSION, got=meta.get("version"))
 
         def js(key, kind):
             try:

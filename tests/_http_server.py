@@ -1,8 +1,8 @@
 """A real HTTP server on loopback that honours Range requests, for the remote-file tests and benchmarks.
 
-nginx (Debian's package) when it is on PATH (``MCF_TEST_HTTP_SERVER=uvicorn`` skips it); otherwise uvicorn serving starlette's ``StaticFiles`` (both
-in the test extras) in a child process.  Either way every request lands in ``access.log`` as
-``METHOD URI STATUS BYTES "RANGE"``, so tests can count the requests a read made.
+nginx (Debian's package) when it is on PATH (``MCF_TEST_HTTP_SERVER=uvicorn`` skips it); otherwise uvicorn
+serving starlette's ``StaticFiles`` (both in the test extras) in a child process.  Either way every request lands in
+``access.log`` as ``METHOD URI STATUS BYTES "RANGE"``, so tests can count the requests a read made.
 
 Run as a script (``python tests/_http_server.py ROOT PORT LOG``) it is the uvicorn fallback itself.
 """

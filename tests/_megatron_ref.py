@@ -146,8 +146,9 @@ class MegatronOracle:
 
 def load_megatron_oracle(scratch) -> MegatronOracle:
     """Download the megatron-core wheel for this interpreter once (``pip download --no-deps``, into the
-    directory ``scratch``: the caller's pytest temporary directory) into the mcf cache and load its helpers.  Raises RuntimeError when the wheel cannot be had, OracleLoadError
-    (also a RuntimeError) when its compiled helper does not load here.
+    directory ``scratch``: the caller's pytest temporary directory) into the mcf cache and load its helpers.
+    Raises RuntimeError when the wheel cannot be had, OracleLoadError (also a RuntimeError) when its compiled
+    helper does not load here.
 
     The cache is per interpreter (``megatron-core-0.16.1-cp312``): helpers_cpp is compiled for one
     CPython version, and a copy cached by another interpreter would not import."""

@@ -40,7 +40,8 @@ def make_files(root) -> None:
     save_file({"a.weight": r.standard_normal((512, 1024)).astype(np.float32),
                "a.bias": r.standard_normal((512,)).astype(np.float32)},
               os.path.join(d, "model-00001-of-00002.safetensors"))
-    save_file({"b.weight": r.standard_normal((3,)).astype(np.float16)}, os.path.join(d, "model-00002-of-00002.safetensors"))
+    save_file({"b.weight": r.standard_normal((3,)).astype(np.float16)},
+              os.path.join(d, "model-00002-of-00002.safetensors"))
     with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
                                   "a.bias": "model-00001-of-00002.safetensors",
@@ -91,5 +92,5 @@ def files(root) -> list:
 def assert_same(a, b):
     """Equal dtype, shape and bits (NaN equal to NaN; void dtypes compared as bytes)."""
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert np.array_equal(a.view(np.uint8) if a.dtype.kind == "V" else a, b.view(np.uint8) if b.dtype.kind == "V" else b,
-                          equal_nan=a.dtype.kind == "f")
+    assert np.array_equal(a.view(np.uint8) if a.dtype.kind == "V" else a,
+                          b.view(np.uint8) if b.dtype.kind == "V" else b, equal_nan=a.dtype.kind == "f")

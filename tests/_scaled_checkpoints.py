@@ -83,7 +83,7 @@ def gpt_oss(d, *, seed=0):
     """A one-layer gpt-oss checkpoint (E = 4 experts, H = I = 64).  Returns the directory."""
     c = GPT_OSS
     rng = np.random.default_rng(seed)
-    H, I, E = c["hidden"], c["inter"], c["experts"]
+    H, INTER, E = c["hidden"], c["inter"], c["experts"]
     t = {}
     t["model.embed_tokens.weight"] = _bf16(rng, (c["vocab"], H))
     p = "model.layers.0."
@@ -97,7 +97,7 @@ def gpt_oss(d, *, seed=0):
     t[p + "post_attention_layernorm.weight"] = _bf16(rng, (H,))
     t[p + "mlp.router.weight"] = _bf16(rng, (E, H))
     t[p + "mlp.router.bias"] = _bf16(rng, (E,))
-    for proj, rows, inner in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+    for proj, rows, inner in (("gate_up_proj", 2 * INTER, H), ("down_proj", H, INTER)):
         blocks = rng.integers(0, 256, (E, rows, inner // 32, 16), dtype=np.uint8)
         scales = rng.integers(118, 130, (E, rows, inner // 32), dtype=np.uint8)   # 2^-9 .. 2^2, as trained
         t[p + f"mlp.experts.{proj}_blocks"] = ("U8", blocks.shape, blocks.tobytes())
@@ -106,10 +106,11 @@ def gpt_oss(d, *, seed=0):
     t["model.norm.weight"] = _bf16(rng, (H,))
     t["lm_head.weight"] = _bf16(rng, (c["vocab"], H))
     config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": H,
-              "intermediate_size": I, "num_local_experts": E, "num_experts_per_tok": 2, "num_hidden_layers": 1,
+              "intermediate_size": INTER, "num_local_experts": E, "num_experts_per_tok": 2, "num_hidden_layers": 1,
               "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"], "head_dim": c["head_dim"],
               "vocab_size": c["vocab"], "torch_dtype": "bfloat16",
-              "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+              "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                 "model.layers.*.mlp.router",
                                                                  "model.embed_tokens", "lm_head"],
                                       "quant_method": "mxfp4"}}
     return _write_dir(d, t, config)
@@ -170,16 +171,17 @@ def fp8_block_reference(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
 def modelopt_nvfp4(d, *, seed=2):
     """A one-layer Llama-style NVFP4 export of NVIDIA ModelOpt (hidden 64, intermediate 96)."""
     rng = np.random.default_rng(seed)
-    H, I = 64, 96
+    H, INTER = 64, 96
     t = {}
     t["model.embed_tokens.weight"] = _bf16(rng, (32, H))
     p = "model.layers.0."
     t[p + "input_layernorm.weight"] = _bf16(rng, (H,))
     for name, (out, inp) in (("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (16, H)),
                              ("self_attn.v_proj", (16, H)), ("self_attn.o_proj", (H, H)),
-                             ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)), ("mlp.down_proj", (H, I))):
+                             ("mlp.gate_proj", (INTER, H)), ("mlp.up_proj", (INTER, H)), ("mlp.down_proj", (H, INTER))):
         t[p + name + ".input_scale"] = ("F32", (), np.float32(rng.uniform(0.01, 0.1)).tobytes())
-        t[p + name + ".weight"] = ("U8", (out, inp // 2), rng.integers(0, 256, (out, inp // 2), dtype=np.uint8).tobytes())
+        t[p + name + ".weight"] = ("U8", (out, inp // 2),
+                                   rng.integers(0, 256, (out, inp // 2), dtype=np.uint8).tobytes())
         sc = rng.integers(0x28, 0x60, (out, inp // 16), dtype=np.uint8)     # E4M3 0.5 .. 8-ish, like real scales
         t[p + name + ".weight_scale"] = ("F8_E4M3", (out, inp // 16), sc.tobytes())
         t[p + name + ".weight_scale_2"] = ("F32", (), np.float32(rng.uniform(1e-4, 1e-3)).tobytes())
@@ -193,7 +195,8 @@ def modelopt_nvfp4(d, *, seed=2):
                                           "targets": ["Linear"]}},
             "ignore": ["lm_head"], "quant_algo": "NVFP4", "producer": {"name": "modelopt", "version": "0.37.0"},
             "quant_method": "modelopt"}
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": INTER,
               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 32,
               "torch_dtype": "bfloat16", "quantization_config": qcfg}
     hf_quant = {"producer": {"name": "modelopt", "version": "0.37.0"},
@@ -208,8 +211,9 @@ def nvfp4_reference(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2
     scale, and an FP32 scale per tensor.  The layout and the order of operations, from NVFP4QTensor
     (NVIDIA/Model-Optimizer, modelopt/torch/quantization/qtensor/nvfp4_tensor.py): values packed
     ``(q[..., 1::2] << 4) | q[..., 0::2]`` (even column in the low nibble), E2M1 codes; ``dequantize``:
-    ``per_block_scale = weight_scale.to(float32) * weight_scale_2``, then each block of 16 values times it.  (ModelOpt's own table maps code 0b1000 to +0.0; E2M1 defines
-    it as -0.0, which is what this reference and mcf write: the two differ in the sign of zero only.)"""
+    ``per_block_scale = weight_scale.to(float32) * weight_scale_2``, then each block of 16 values times it.
+    (ModelOpt's own table maps code 0b1000 to +0.0; E2M1 defines it as -0.0, which is what this reference and
+    mcf write: the two differ in the sign of zero only.)"""
     vals = np.stack([E2M1[weight & 0x0F], E2M1[weight >> 4]], axis=-1).reshape(weight.shape[0], -1)
     per_block = weight_scale.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(weight_scale_2)
     return (vals.reshape(weight.shape[0], -1, 16) * per_block[..., None]).reshape(vals.shape)

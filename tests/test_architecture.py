@@ -1,4 +1,4 @@
-"""The package's shape, enforced: one API style and one error hierarchy (issue 15).
+"""The package's shape, enforced: one API style and one error hierarchy.
 
 These tests read the source with ``ast`` (and import the package only where a rule is about the
 runtime objects), so a new module is covered the moment it exists.  Each rule's allow-list is short
@@ -36,15 +36,18 @@ POSITIONAL_OK = {
     # "what to load" / "which dtype" is the one thing a reader call is about
     ("mcf.container.reader", "Container.load", "names"): "c.load(['a', 'b'])",
     ("mcf.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
-    ("mcf.torch", "load_file", "device"): "safetensors.torch.load_file(filename, device): a drop-in takes it positionally",
+    ("mcf.torch", "load_file", "device"):
+        "safetensors.torch.load_file(filename, device): a drop-in takes it positionally",
     ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
-    ("mcf.container.layout", "quant_layout", "domain"): "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
+    ("mcf.container.layout", "quant_layout", "domain"):
+        "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
     ("mcf.bucket.ids", "content_hash", "content"): "content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.__init__", "tokenizer"): "Hugging Face's own (model, tokenizer) pair",
-    ("mcf.bucket.hf", "TransformersBackend.ingest", "content"): "backend.ingest(bucket, 'text'), as content_hash('text')",
+    ("mcf.bucket.hf", "TransformersBackend.ingest", "content"):
+        "backend.ingest(bucket, 'text'), as content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.generate", "query"): "backend.generate(bucket, cid, 'question?')",
     ("mcf.bucket.server", "IngestBackend.ingest", "content"): "the protocol TransformersBackend.ingest implements",
     ("mcf.bucket.store", "Bucket.promote", "target_tier"): "b.promote(cid, 'hot')",
@@ -124,7 +127,7 @@ def test_no_bare_builtin_raise():
     """Everything raised on purpose derives from MCFError (whose subclasses also inherit the builtin a
     caller would catch), so ``except mcf.MCFError`` catches every refusal of the library."""
     bad = []
-    for mod, path, tree in MODULES:
+    for _mod, path, tree in MODULES:
         # a module's or class's __getattr__ must raise AttributeError itself: hasattr() and getattr() with a
         # default catch only that
         protocol = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
@@ -199,7 +202,7 @@ def test_every_exception_is_exported():
 
 def test_options_are_keyword_only():
     """After the obvious positional arguments, options are keyword-only, so ``g.dequantize("w",
-    np.float16)`` cannot silently bind a dtype to ``out`` (issue 15).  A parameter with a default is
+    np.float16)`` cannot silently bind a dtype to ``out``.  A parameter with a default is
     an option unless POSITIONAL_OK says why positional is the obvious call."""
     bad, used = [], set()
     for mod, path, tree in MODULES:

@@ -225,7 +225,7 @@ def test_rest_stale_contexts_and_discovery_with_metadata(tmp_path):
         assert st == 200 and raw[:4] == (root / "contexts" / cid / "kv_data.mcb").read_bytes()[:4]
 
 
-# -- issue 23 items 9 and 11: check_compatible compares model_hash, refuses unknown keys and stale contexts -
+# -- check_compatible compares model_hash, refuses unknown keys and stale contexts --------------------------
 def test_check_compatible_compares_the_model_hash(tmp_path):
     """``load(cid, model={..., "model_hash": "sha256:new"})`` returned the cache computed under the old
     hash: the hash was never compared."""
@@ -237,7 +237,8 @@ def test_check_compatible_compares_the_model_hash(tmp_path):
         for call in (lambda: b.check_compatible(cid, dict(SHAPE, model_hash="sha256:new")),
                      lambda: b.load(cid, model=dict(SHAPE, model_hash="sha256:new")),
                      lambda: b.load(cid, model={"model_hash": "sha256:new"}, force=True)):
-            with pytest.raises(mcf.InvalidArgumentError, match="model_hash is 'sha256:old', the model needs 'sha256:new'"):
+            with pytest.raises(mcf.InvalidArgumentError,
+                               match="model_hash is 'sha256:old', the model needs 'sha256:new'"):
                 call()
         # a context whose weights nobody recorded cannot be compared: only its shape is checked
         old = b.ingest("u", kv(1), content="unregistered")["context_id"]
@@ -333,7 +334,8 @@ def test_rest_query_refuses_a_stale_context(tmp_path):
         cid = b.ingest("m", kv(), content="text")["context_id"]
         app = create_app(tmp_path / "b", backend=Backend(), bucket=b)
         body = json.dumps({"query": "why?"}).encode()
-        assert asgi(app, "POST", f"/mcrp/v1/contexts/{cid}/query", body) == (200, {"status": "success", "response": "ok"})
+        assert asgi(app, "POST", f"/mcrp/v1/contexts/{cid}/query", body) == (200, {"status": "success",
+                                                                                   "response": "ok"})
         b.register_model("m", model_hash="sha256:v2", **SHAPE)
         st, out = asgi(app, "POST", f"/mcrp/v1/contexts/{cid}/query", body)
         assert st == 409 and f"{cid} is stale" in out["error"], out

@@ -1,4 +1,4 @@
-"""Registry healing under SIGKILL at every step (issue 14, point 6).
+"""Registry healing under SIGKILL at every step.
 
 A writer killed between the commit rename and the journal append used to leave a committed context
 invisible for good (re-ingesting it answered ``deduplicated=true`` and still did not list it), and a

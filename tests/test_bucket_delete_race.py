@@ -1,5 +1,5 @@
 """A delete is final: no read, load or promotion in flight when it happens can bring the deleted
-context's data back (issue 25 item 3).
+context's data back.
 
 Ids come from the content, not from the values, so a context deleted and ingested again with new values
 has the same id: a promotion that read the old file and put its arrays into a tier after the delete made

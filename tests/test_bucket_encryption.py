@@ -121,7 +121,7 @@ def test_bucket_with_a_key_encrypts_what_it_ingests(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# deduplication and keys (issue 25 item 6)
+# deduplication and keys
 # ------------------------------------------------------------------------------------------------
 KEY2 = bytes(range(100, 132))
 

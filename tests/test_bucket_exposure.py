@@ -1,4 +1,4 @@
-"""The bucket server attacked the way the outside review did (issue 14, points 1, 2, 4, 7 and 8), over
+"""The bucket server attacked the way the outside review did, over
 loopback against ``mcf bucket serve`` started as a real process and stopped by PID.
 
 Memory bounds are measured on the server process: its peak resident set (VmHWM in /proc/<pid>/status)
@@ -86,7 +86,7 @@ def warm_up(base):
 
 
 # ------------------------------------------------------------------------------------------------
-# point 1: decompression bombs
+# decompression bombs
 # ------------------------------------------------------------------------------------------------
 def test_npz_bomb_is_refused_with_413_in_bounded_memory(server):
     """Reported: a 2 MiB .npz declaring two 1 GiB arrays was accepted (201) and cost 3 GiB.  Here: two
@@ -140,7 +140,7 @@ def test_body_over_the_limit_without_length_is_cut_off(server):
 
 
 # ------------------------------------------------------------------------------------------------
-# point 2: JSON bodies
+# JSON bodies
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["promote", "demote", "query"])
 def test_json_bodies_are_capped(server, route):
@@ -179,7 +179,7 @@ def test_json_bodies_are_capped(server, route):
 
 
 # ------------------------------------------------------------------------------------------------
-# point 7: no client input gives a 500
+# no client input gives a 500
 # ------------------------------------------------------------------------------------------------
 def hostile_uploads():
     rng = np.random.default_rng(2)
@@ -291,7 +291,7 @@ def test_errors_never_show_the_bucket_path(server):
 
 
 # ------------------------------------------------------------------------------------------------
-# point 4: browsers, DNS rebinding, tokens and binding
+# browsers, DNS rebinding, tokens and binding
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,ctype,body", [
     ("/mcrp/v1/contexts?model_id=m&content=form", "text/plain", "npz"),
@@ -422,7 +422,7 @@ def test_token_warnings_are_printed(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# point 8: slow clients
+# slow clients
 # ------------------------------------------------------------------------------------------------
 def wait_closed(socks, deadline):
     """Sockets the server closed before ``deadline`` (EOF or reset on read)."""

@@ -16,6 +16,8 @@ import pytest
 from _vectors import load_fixture
 from mcf.bucket import open_kv, write_kv
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 FIX = Path(__file__).parent / "fixtures"
 golden = load_fixture("bucket_golden.py")
 

@@ -53,7 +53,8 @@ def rounded_prefix_run(model, content, query, steps, dtype, *, temperature=0.0, 
     with torch.inference_mode():
         cache = transformers.DynamicCache(config=model.config)
         model(input_ids=torch.tensor([content]), use_cache=True, **cache_kw(model, cache))
-        pairs = [(layer.keys.to(dtype).to(model.dtype), layer.values.to(dtype).to(model.dtype)) for layer in cache.layers]
+        pairs = [(layer.keys.to(dtype).to(model.dtype), layer.values.to(dtype).to(model.dtype))
+                 for layer in cache.layers]
         cache = transformers.DynamicCache(pairs, config=model.config)
         gen = None
         if temperature:
@@ -183,7 +184,7 @@ def test_text_in_text_out_and_deduplication(models, tmp_path):
 def test_the_backend_reuses_only_what_the_bucket_would(models, tmp_path, monkeypatch):
     """The backend looks for stored content before it runs the model, and finds what the bucket's own
     ingest would deduplicate: content stored in clear is computed again and stored encrypted by a keyed
-    bucket; content under another key is refused before the model runs (issue 25 item 6)."""
+    bucket; content under another key is refused before the model runs."""
     monkeypatch.delenv("MCF_BUCKET_KEY", raising=False)
     be = TransformersBackend(models["llama-gqa"], tiny_tokenizer(), model_id="llama-gqa")
     text = "the cat sat on the mat"
@@ -400,7 +401,8 @@ def test_rest_text_ingest_and_query_with_a_backend(tmp_path):
         st, again = call(base, "POST", "/contexts?model_id=tiny-llama", json.dumps({"content": text}).encode())
         assert st == 201 and again["deduplicated"] and again["context_id"] == cid
         st, ans = call(base, "POST", f"/contexts/{cid}/query",
-                       json.dumps({"query": "where is the cat", "options": {"max_tokens": 6, "stop_at_eos": False}}).encode())
+                       json.dumps({"query": "where is the cat",
+                                   "options": {"max_tokens": 6, "stop_at_eos": False}}).encode())
         assert st == 200, ans
         # token ids instead of text (indexed for prefix reuse)
         st, by_ids = call(base, "POST", "/contexts?model_id=tiny-llama", json.dumps({"token_ids": CONTENT}).encode())

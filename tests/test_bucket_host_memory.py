@@ -1,4 +1,4 @@
-"""Hot copies on ``device="cpu"`` are host memory, and count against the warm budget (issue 25 item 4).
+"""Hot copies on ``device="cpu"`` are host memory, and count against the warm budget.
 
 A hot copy on the CPU holds a second copy of a context's warm arrays in the process's RAM.  It was
 counted against nothing and outlived the warm copy's eviction, so a client promoting contexts to

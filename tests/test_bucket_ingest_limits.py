@@ -1,4 +1,4 @@
-"""What one upload may cost ``mcf bucket serve`` (issue 25, items 5 and 12), against a real server on
+"""What one upload may cost ``mcf bucket serve``, against a real server on
 127.0.0.1: the bytes an upload's arrays may hold once decoded (``--max-ingest-bytes``), the memory an
 accepted upload costs while it is written, how many ingests run at once (``--max-concurrent-ingests``,
 503 with Retry-After past it), and a disk that fills up while an upload is spooled or written (507,
@@ -87,7 +87,7 @@ def amplifier():
 
 
 # ------------------------------------------------------------------------------------------------
-# item 5: amplification
+# amplification
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_an_accepted_amplifying_upload_costs_bounded_memory(tmp_path, amplifier, dtype):
@@ -143,7 +143,7 @@ def test_concurrent_ingests_are_limited_with_503_and_retry_after(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# item 12: disk full
+# disk full
 # ------------------------------------------------------------------------------------------------
 #: where the disk fills up: (tmpfs size, array shape, stored dtype, compression)
 FULL = {

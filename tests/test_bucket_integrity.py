@@ -1,4 +1,4 @@
-"""Integrity in memory and of content ids (issue 14, points 5 and 9): arrays handed out by the warm and
+"""Integrity in memory and of content ids: arrays handed out by the warm and
 hot tiers cannot be used to change what later loads return; token ids are hashed in a canonical,
 range-checked encoding (uint64 2**64-1 and -1 no longer collide); a promotion to the warm tier checks its
 budget against the metadata before reading anything and copies each byte once."""

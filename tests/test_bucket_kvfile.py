@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 import mcf
 from mcf.bucket import Int8KV, open_kv, read_kv, write_kv
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 DTYPES = ["float32", "float16", "bfloat16", "int8"]
 MODES = [("none", False), ("lz4", True), ("lz4", False), ("zstd", True), ("zstd", False)]
 # the header as FORMATS.md §4 writes it, spelled out independently of mcf.bucket._layout

@@ -1,4 +1,4 @@
-"""write_kv converts and compresses a tensor at a time in bounded pieces (issue 25 item 5): the bytes it
+"""write_kv converts and compresses a tensor at a time in bounded pieces: the bytes it
 writes must not depend on how the pieces fall, nor on where a tensor is put together (memory or a
 scratch file), nor on the number of threads."""
 

@@ -1,4 +1,4 @@
-"""Things planted in a bucket directory by someone else (issue 14, point 3): symbolic links in place of the
+"""Things planted in a bucket directory by someone else: symbolic links in place of the
 registry journal, the lock, the models directory, the contexts directory and a context's files; FIFOs and
 device files where JSON or KV data should be.  None may make the bucket write, create, truncate or read a
 file outside its root, and none may make it block: each is refused with an MCFError naming the entry.

@@ -1,5 +1,5 @@
 """The registry files are a cache, and a damaged or planted one heals or is refused with a clear message,
-as metadata.json is (issue 25 item 10): an oversized registry.json or journal is not read into memory,
+as metadata.json is: an oversized registry.json or journal is not read into memory,
 a directory planted under either name is moved aside, a snapshot that lost a context's summary but kept
 its stamp does not hide it from a scan, and one malformed expiry does not make every list fail."""
 

@@ -1,5 +1,5 @@
-"""However the bucket's directory is spelt on the command line, no message the server sends names it
-(issue 25 item 11): ``--root a/../b`` put the path into every 404, because only the absolute and the
+"""However the bucket's directory is spelt on the command line, no message the server sends names it:
+``--root a/../b`` put the path into every 404, because only the absolute and the
 resolved spellings were scrubbed, while the bucket's messages use the spelling it was given."""
 
 from __future__ import annotations

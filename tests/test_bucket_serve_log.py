@@ -1,4 +1,4 @@
-"""What ``mcf bucket serve`` tells its operator (issue 26, item 9): a line saying where it listens and
+"""What ``mcf bucket serve`` tells its operator: a line saying where it listens and
 how it is protected, then one access-log line per request in the shape uvicorn users know (client,
 request line, status) with the bytes sent and the time taken; ``--no-access-log`` turns the latter off.
 Tokens never reach the log, nor do query strings (a client may put secrets there)."""

@@ -115,7 +115,8 @@ def test_errors(server):
     cid = out["context_id"]
     assert call(base, "POST", f"/contexts/{cid}/promote", b"{not json")[0] == 400
     assert call(base, "POST", f"/contexts/{cid}/promote", json.dumps({"target_tier": "cold"}).encode())[0] == 400
-    st, out, _ = call(base, "POST", f"/contexts/{cid}/promote", json.dumps({"target_tier": "hot", "device": "cuda"}).encode())
+    st, out, _ = call(base, "POST", f"/contexts/{cid}/promote",
+                      json.dumps({"target_tier": "hot", "device": "cuda"}).encode())
     assert st in (200, 409)  # 409 with a clear message unless this machine has CUDA and torch
     assert call(base, "GET", "/nowhere")[0] == 404
     # corrupt stored data: 422 with the reason, the server keeps running

@@ -1,4 +1,4 @@
-"""Clients that hold connections by being slow (issue 25, items 1 and 8), against a real
+"""Clients that hold connections by being slow, against a real
 ``mcf bucket serve`` on 127.0.0.1: readers that pipeline requests and never read the answers, floods of
 unauthenticated requests, and uploads that drip a byte at a time.  What is checked is what the
 attack aimed at: an authorised client still gets an answer, and the slow connections are closed
@@ -46,7 +46,7 @@ def wait_for(predicate, seconds: float, step: float = 0.1) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# item 1: slow readers
+# slow readers
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flood", ["openapi", "unauthorised"])
 def test_slow_readers_cannot_lock_out_an_authorised_client(tmp_path, flood):
@@ -163,7 +163,7 @@ def test_authorised_connections_are_not_shed_for_unauthenticated_ones(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# item 8: slow-drip uploads
+# slow-drip uploads
 # ------------------------------------------------------------------------------------------------
 def test_a_drip_fed_upload_is_cut_off_by_the_minimum_rate(tmp_path):
     """Reported: one byte every 3 s with --body-timeout 4 held a slot forever (each byte renewed the

@@ -378,7 +378,7 @@ def test_prefix_lookup_longest_and_partial_load(tmp_path):
 
 def test_prefix_lookup_skips_what_load_refuses(tmp_path):
     """A stale 1,024-token context was returned (its load raises StaleContextError) instead of the current
-    one sharing 512 tokens (issue 23 item 10); an encrypted one cannot be loaded without the key."""
+    one sharing 512 tokens; an encrypted one cannot be loaded without the key."""
     pytest.importorskip("cryptography", reason="encrypted contexts need the 'bucket' extra")
     b = Bucket(tmp_path, prefix_chunk_tokens=256)
     rng = np.random.default_rng(40)
@@ -404,8 +404,8 @@ def test_prefix_lookup_skips_what_load_refuses(tmp_path):
 
 
 def test_layer_and_token_selections_follow_the_integer_rules(tmp_path):
-    """``load(tokens=True)`` returned one token and ``load(layers=True)`` layer 1 from the warm tier (a
-    sibling of issue 23 item 8): bools, floats and strings are refused on every path, numpy integers
+    """``load(tokens=True)`` returned one token and ``load(layers=True)`` layer 1 from the warm tier.  As for
+    every integer argument of mcf, bools, floats and strings are refused on every path and numpy integers
     taken, in Bucket.load (cold and warm) and KVFile.load alike."""
     b = Bucket(tmp_path)
     layers = kv(50, n_layers=3)
@@ -853,11 +853,11 @@ def test_model_document_without_or_with_another_model_id_is_a_format_error(tmp_p
 
 
 # ------------------------------------------------------------------------------------------------
-# what KV data may be (issues 13 and 14)
+# what KV data may be
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_ingest_from_nested_lists_in_every_dtype(tmp_path, dtype):
-    """Issue 13: ``ingest(..., dtype="bfloat16")`` with lists raised AttributeError ('list' object has no
+    """``ingest(..., dtype="bfloat16")`` with lists raised AttributeError ('list' object has no
     attribute 'dtype'); lists are now taken in every dtype, as arrays are."""
     layers = kv(120)
     as_lists = [(k.tolist(), v.tolist()) for k, v in layers]
@@ -871,7 +871,7 @@ def test_ingest_from_nested_lists_in_every_dtype(tmp_path, dtype):
 
 @pytest.mark.parametrize("bad", [np.complex64, np.bool_, "M8[s]", "U3", object, [("a", "<f4")]])
 def test_kv_data_of_other_kinds_is_refused_not_cast(tmp_path, bad):
-    """Issue 14, point 7: only floating-point and integer KV data; complex (its imaginary part would be
+    """Only floating-point and integer KV data; complex (its imaginary part would be
     dropped), bool, datetime, strings, objects and structured arrays are refused."""
     a = np.zeros((2, 8, 4), dtype=bad)
     with pytest.raises(mcf.InvalidArgumentError, match="floating point or integer"):

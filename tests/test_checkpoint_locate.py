@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import io
 import json
 import os
 import threading

@@ -95,7 +95,7 @@ def test_verify_ok_and_bad(tmp_path, capsys):
 
 
 def test_quantize_says_what_happened_to_each_tensor(tmp_path, capsys):
-    """Issue 26: re-quantizing a quantized file printed "(100.0% of the input)" and nothing else.  Every run
+    """Re-quantizing a quantized file printed "(100.0% of the input)" and nothing else.  Every run
     says how many tensors were quantized, kept (quantized already: never quantized twice), left by 'none', or
     copied (not rank-2 floats)."""
     src, k4, q8 = mantle_file("f32"), str(tmp_path / "k4.mcf"), str(tmp_path / "q8.mcf")
@@ -181,7 +181,7 @@ def demo_without_heavy_steps(monkeypatch):
 
 
 def test_demo_removes_its_temporary_directory_unless_kept(tmp_path, monkeypatch, capsys, demo_without_heavy_steps):
-    """Issue 26: every `mcf demo` left 339 MB in a temporary directory.  It is removed at the end, on success
+    """Every `mcf demo` left 339 MB in a temporary directory.  It is removed at the end, on success
     and on failure; --keep DIR keeps the outputs, and the last line says where they are (or were)."""
     import tempfile
 
@@ -195,7 +195,8 @@ def test_demo_removes_its_temporary_directory_unless_kept(tmp_path, monkeypatch,
     used = demo_without_heavy_steps[0]
     assert os.path.dirname(used) == str(scratch) and len(set(demo_without_heavy_steps)) == 1
     assert list(scratch.iterdir()) == [], "the demo left its temporary directory behind"
-    assert out.splitlines()[-1] == f"== outputs removed with their temporary directory {used} (keep them with --keep DIR)"
+    assert out.splitlines()[-1] == (f"== outputs removed with their temporary directory {used} "
+                                    "(keep them with --keep DIR)")
 
     import mcf.demo
 

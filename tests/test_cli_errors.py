@@ -164,7 +164,7 @@ def _wrong_inputs(d):
 
 
 def test_convert_says_what_a_wrong_input_is_and_which_command_reads_it(tmp_path, capsys):
-    """Issue 26: ``mcf convert model.mcf`` said "header_len at offset 0: header length too large (expected
+    """``mcf convert model.mcf`` said "header_len at offset 0: header length too large (expected
     <= ..., got 281479276282701)".  Any file of a kind mcf knows is named, with the command that reads it."""
     import mcf
 

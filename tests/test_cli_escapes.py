@@ -1,4 +1,4 @@
-"""No ``mcf`` command prints a string it read from a file raw (issue 25 item 7): a context's name, a tensor
+"""No ``mcf`` command prints a string it read from a file raw: a context's name, a tensor
 name, model metadata, a tree's timestamps, a file name, an error quoting any of them.  Printed raw, an
 escape sequence in one retitles the terminal, writes its clipboard (OSC 52) or clears the screen, a
 newline forges a second row of a listing, and a bidirectional override reorders what the user reads.

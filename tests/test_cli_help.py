@@ -44,7 +44,8 @@ PARSERS = list(_parsers(build_parser()))
 
 def test_the_walk_reaches_every_group():
     found = {" ".join(w) for w, _ in PARSERS}
-    assert {"mcf", "mcf quantize", "mcf version", "mcf megatron tokenize", "mcf ctx ingest", "mcf bucket serve"} <= found
+    assert {"mcf", "mcf quantize", "mcf version", "mcf megatron tokenize", "mcf ctx ingest",
+            "mcf bucket serve"} <= found
     assert len(found) >= 33
 
 
@@ -97,7 +98,8 @@ def test_version_flag(capsys):
 def test_version_flag_prints_a_long_install_path_on_one_line(capsys, monkeypatch):
     """argparse's version action wraps its text to the terminal: a wheel installed under a long path (a CI
     runner's test venv) came out as ".../site-\npackages/mcf", and the path could not be copied."""
-    line = "mcf 0.1.0 (mcf-formats) at /tmp/cibw-run-x1y2z3/cp311-manylinux_x86_64/venv-test/lib/python3.11/site-packages/mcf"
+    line = ("mcf 0.1.0 (mcf-formats) at "
+            "/tmp/cibw-run-x1y2z3/cp311-manylinux_x86_64/venv-test/lib/python3.11/site-packages/mcf")
     monkeypatch.setattr("mcf._core.about.version_line", lambda: line)
     monkeypatch.setenv("COLUMNS", "60")
     with pytest.raises(SystemExit) as ei:

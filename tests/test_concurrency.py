@@ -1,4 +1,4 @@
-"""Concurrency (issue 8): the compiled loops release the GIL, so many threads decode, gather, read and
+"""Concurrency: the compiled loops release the GIL, so many threads decode, gather, read and
 assemble on the SAME open objects at once, and every result must equal the single-threaded one bit for
 bit.  Then close() racing with readers, and readers in other processes while a writer publishes
 (Megatron builder, MegaContext ingest, bucket ingest): they see a consistent published state or an

@@ -22,6 +22,8 @@ from mcf.convert import convert
 from mcf.export import export
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays for the safetensors package")
 
@@ -86,7 +88,7 @@ def test_minilm_converts_exports_and_loads_back(tmp_path, minilm_dir):
 
 @pytest.mark.parametrize("command", ["convert", "pack"])
 def test_cli_names_the_files_it_leaves_out(tmp_path, minilm_dir, capsys, command):
-    """mcf convert and mcf pack (which said nothing: issue 26) name every file of the checkpoint the MCF
+    """mcf convert and mcf pack (which used to say nothing) name every file of the checkpoint the MCF
     file does not hold, directories with a slash, and say how to keep them."""
     out = str(tmp_path / "m.mcf")
     assert cli_main([command, minilm_dir, "-o", out, "-q"]) == 0
@@ -300,7 +302,8 @@ def _bad_files(d):
             mcf.FormatError, "two shards"),
         "bad raw description": (st_file({"__metadata__": {"mcf.quant.w": '{"method": "k4", "shape": [1, 256]}'},
                                          "w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, b"\0" * 8),
-                                mcf.FormatError, f"needs a U8 tensor of {mcf.quant_layout('k4', (1, 256)).nbytes} bytes"),
+                                mcf.FormatError,
+                                f"needs a U8 tensor of {mcf.quant_layout('k4', (1, 256)).nbytes} bytes"),
         "raw description not json": (st_file({"__metadata__": {"mcf.quant.w": "{"},
                                               "w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}},
                                              b"\0" * 8), mcf.FormatError, "description"),
@@ -410,7 +413,7 @@ def _write_big_checkpoint(path, total_bytes):
     h += b" " * (-len(h) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h)
-        for k, (name, s) in enumerate(shapes):
+        for k, (_name, s) in enumerate(shapes):
             left = int(np.prod(s))
             while left:
                 m = min(left, block.size)

@@ -1,4 +1,4 @@
-"""Crash consistency of every writer (issue 8): a child process writing generations in a loop is killed
+"""Crash consistency of every writer: a child process writing generations in a loop is killed
 with SIGKILL after a random (seeded) delay, then the destination is checked by fuzz/kill_at_random.py's
 invariants: the previous or the new result byte for byte, never a mix or a truncated file, nothing else
 visible but the killed process's hidden temporary files.  A few kills per writer here (the whole file

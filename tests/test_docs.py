@@ -120,7 +120,8 @@ def _setup_extending(tmp, request):
 def _setup_remote(tmp, request):
     """A SeaweedFS S3 server for the page's s3:// examples, configured through the AWS variables as a
     reader's machine would be; its bucket holds the page's example.mcf and a checkpoint under ckpt/."""
-    pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 and later)")
+    pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 "
+                                          "and later)")
     import _s3_server
     import numpy as np
 

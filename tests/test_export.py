@@ -95,7 +95,7 @@ def test_header_layout_matches_safetensors_conventions(tmp_path):
         assert a[1] == b[0]                       # back to back, no gaps
     assert spans[-1][0][1] == os.path.getsize(out) - 8 - n
     assert [k for _, k in spans] == ["c64", "d32", "b16", "a8"]   # larger items first: all aligned
-    for (b, e), k in spans:
+    for (b, _e), k in spans:
         assert b % np.dtype(tensors[k].dtype).itemsize == 0
 
 

@@ -44,7 +44,7 @@ def probe(tmp_path_factory):
 
 
 def test_get_include_holds_the_pxd_files_and_nothing_else():
-    """Issue 26: get_include() returned the directory above the package, all of site-packages in a normal
+    """get_include() returned the directory above the package, all of site-packages in a normal
     install.  It is a directory of mcf's own that holds only the shipped .pxd files."""
     inc = mcf.get_include()
     assert os.path.commonpath([inc, os.path.dirname(mcf.__file__)]) == os.path.dirname(mcf.__file__)

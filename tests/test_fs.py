@@ -1,4 +1,4 @@
-"""mcf._core.fs: the one place of the filesystem rules every writer follows (issue 15 item 3)."""
+"""mcf._core.fs: the one place of the filesystem rules every writer follows."""
 
 from __future__ import annotations
 

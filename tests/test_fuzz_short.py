@@ -1,4 +1,4 @@
-"""The short fuzz run of every parser (issue 8), in-process and without libFuzzer so it runs everywhere.
+"""The short fuzz run of every parser, in-process and without libFuzzer so it runs everywhere.
 
 For each target of ``fuzz/targets.py``: replay the seed corpus (the golden fixtures), every input that
 ever made the target fail (``tests/fuzz_regressions/<target>/``), then a fixed number of inputs derived
@@ -25,8 +25,8 @@ from fuzz.targets import SPLIT, TARGETS, join_parts, regressions, seeds, split_p
 
 # mutated inputs per target: together about 10 s on one core (the MegaContext target writes four files
 # per input, Megatron opens each input four ways)
-MUTATIONS = {"bucket": 800, "bucket_dir": 300, "bucket_npz": 800, "gguf": 800, "imatrix": 1500, "jsonl": 1500, "mcf": 1500,
-             "megatron": 600, "megacontext": 500, "safetensors": 3000}
+MUTATIONS = {"bucket": 800, "bucket_dir": 300, "bucket_npz": 800, "gguf": 800, "imatrix": 1500, "jsonl": 1500,
+             "mcf": 1500, "megatron": 600, "megacontext": 500, "safetensors": 3000}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

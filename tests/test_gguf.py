@@ -14,10 +14,12 @@ import mcf.gguf as G
 from mcf._core import _kernels as K
 from mcf.io import open_source
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gguf"))
-import gguf_fixtures as fx
+import gguf_fixtures as fx  # noqa: E402 - from the path above
 
 IMPLS = K.kernel_info()["supported"]
 GOLDEN = os.path.join(fx.HERE, "golden_v3.gguf")

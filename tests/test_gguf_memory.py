@@ -12,7 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gguf"))
-import gguf_fixtures as fx
+import gguf_fixtures as fx  # noqa: E402 - from the path above
 
 ROWS = COLS = 4096
 LAYOUT = [("F16", 6), ("Q4_K", 4), ("Q8_0", 4), ("F32", 2)]
@@ -58,7 +58,7 @@ def _write_big_gguf(path):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, tname, nbytes in plan:
+    for name, tname, _nbytes in plan:
         rng = fx.rng_for("memory " + name)
         if tname == "F16":
             a = (rng.standard_normal((ROWS, COLS), dtype=np.float32) * 0.02).astype(np.float16)

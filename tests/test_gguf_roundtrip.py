@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 import mcf
 import mcf.gguf as G
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 gguf = pytest.importorskip("gguf")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fixtures", "gguf"))
-import gguf_fixtures as fx
+import gguf_fixtures as fx  # noqa: E402 - from the path above
 
 DECODABLE = fx.FLOATS + fx.QUANTIZABLE + fx.RANDOM_BLOCKS
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

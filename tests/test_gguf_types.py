@@ -1,5 +1,5 @@
 """Every ggml type gguf-py can dequantize, decoded by mcf bit for bit: the IQ, ternary, 1-/2-bit and FP4
-types (issue 27), their codebooks, edge bit patterns of their scales, real quantized data, and
+types, their codebooks, edge bit patterns of their scales, real quantized data, and
 ``mcf.gguf.dequantize``, the drop-in for ``gguf.quants.dequantize``.
 
 Every kernel variant the CPU has runs here (``impl=``), and the whole file runs again under
@@ -19,6 +19,8 @@ import mcf
 import mcf.gguf as G
 from mcf._core import _kernels as K
 from mcf.gguf import _gguf
+
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants as gq  # noqa: E402
@@ -91,7 +93,8 @@ def test_new_types_have_vector_kernels():
         assert _gguf.own_variants(code_of(name)) == ("scalar", "avx2", "avx512"), name
 
 
-@pytest.mark.skipif(platform.machine() not in ("aarch64", "arm64"), reason="the NEON kernels are compiled on aarch64 only")
+@pytest.mark.skipif(platform.machine() not in ("aarch64", "arm64"),
+                    reason="the NEON kernels are compiled on aarch64 only")
 def test_every_vector_type_has_a_neon_kernel():
     """Every type with an AVX2 kernel has a NEON one (csrc/gguf_neon.h, gguf_iq_neon.h, gguf_lowbit_neon.h)."""
     for name in ("F16", "BF16", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K") + NEW:
@@ -455,7 +458,7 @@ def test_convert_decodes_and_requantizes_the_new_types_with_the_error_reported(n
     stats = G.convert_gguf(new_types_file, dst, method="k4", overrides=["*IQ1_S*=q8"], report=True)
     by = {s.name: s for s in stats}
     with mcf.open(dst) as c, G.open(new_types_file) as g:
-        for name, t in g.tensors.items():
+        for name, _t in g.tensors.items():
             s = by[name]
             if name == "output_norm.weight":
                 assert s.how == "copy" and s.rmse is None

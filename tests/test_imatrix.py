@@ -2,7 +2,6 @@
 independent reader and writer), the legacy .dat format, malformed files, the BERT collector against
 transformers' own modules, and the command line."""
 
-import os
 import struct
 import subprocess
 import sys
@@ -324,7 +323,7 @@ def test_convert_and_quantize_file_weight_alike(tmp_path):
                 assert b.raw(n).tobytes() == mcf.quantize(c.tensor(n), method, **kw)[0].tobytes(), n
 
 
-# -- issue 23: arguments of the wrong type are named -------------------------------------------------
+# -- arguments of the wrong type are named ----------------------------------------------------------
 @pytest.mark.parametrize("path", [5, None, ["a.gguf"], 2.5])
 def test_read_and_write_refuse_a_path_of_the_wrong_type(tmp_path, path):
     with pytest.raises(mcf.ArgumentTypeError, match="path"):
@@ -426,7 +425,7 @@ def test_gguf_entries_follow_llama_cpp_rules(tmp_path, tensors, field, match):
     assert read_imatrix(p)["a"].tolist() == [1.0] * 8  # a matching in_sum and tensors of other names: fine
 
 
-# -- issue 23 item 6: an imatrix in the other naming convention ----------------------------------------
+# -- an imatrix in the other naming convention ----------------------------------------------------------
 HF_AND_GGUF = {  # Hugging Face name -> what llama.cpp's convert_hf_to_gguf.py names it (checked with gguf-py below)
     "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
     "model.layers.11.self_attn.k_proj.weight": "blk.11.attn_k.weight",

@@ -83,7 +83,7 @@ def test_pread_views_are_page_aligned(all_sources):
 
 @pytest.mark.parametrize("off,n", [(-1, 1), (0, -1), (0, 10**9), (2**70, 1), (1, 2**64 - 1), (10**6, 0)])
 def test_out_of_bounds_reads_raise(all_sources, off, n):
-    for mode, s in all_sources[0].items():
+    for _mode, s in all_sources[0].items():
         with pytest.raises(mcf.OutOfBoundsError) as ei:
             s.read(off, n)
         assert isinstance(ei.value, IndexError) and isinstance(ei.value, mcf.MCFError)

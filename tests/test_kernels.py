@@ -15,6 +15,8 @@ from _vectors import MANTLE, mantle_file
 from mcf._core import _kernels as K
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 IMPLS = K.kernel_info()["supported"]
 QK = ["q8", "q4", "k6", "k4", "k3", "k2"]
 ALL = QK + ["int8", "int4"]
@@ -30,7 +32,8 @@ def random_payload(method, rows, cols, rng, domain=0, scale_kind="normal"):
             if scale_kind == "normal":
                 h = rng.uniform(1e-4, 2.0, n // 2).astype(np.float16).view(np.uint16)
             else:  # every finite bit pattern and infinity: zeros, subnormals (flushed), huge values
-                h = rng.integers(0, 0x7C01, n // 2, dtype=np.uint16) | (rng.integers(0, 2, n // 2, dtype=np.uint16) << 15)
+                h = (rng.integers(0, 0x7C01, n // 2, dtype=np.uint16)
+                     | (rng.integers(0, 2, n // 2, dtype=np.uint16) << 15))
                 h[rng.random(n // 2) < 0.1] = rng.choice(np.array([0, 0x8000, 1, 0x83FF], np.uint16))
             p[o:o + n] = h.view(np.uint8)
         elif name in ("scale", "zero"):

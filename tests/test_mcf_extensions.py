@@ -68,7 +68,8 @@ def test_write_and_read_back(tmp_path):
         assert c.to_float32("f4").tolist() == [[0.5, 1.0, 1.5, 2.0], [-0.5, -1.0, -1.5, -2.0]]
         assert c.dequantize("odd_rows", rows=(1, 2)).tolist() == [[6.0, -0.0, 0.5]]   # starts in a byte's high nibble
         out = np.empty((1, 3), ml_dtypes.bfloat16)
-        assert c.dequantize("odd_rows", rows=(1, 2), out=out) is out and out.astype(np.float32).tolist() == [[6.0, -0.0, 0.5]]
+        assert c.dequantize("odd_rows", rows=(1, 2), out=out) is out
+        assert out.astype(np.float32).tolist() == [[6.0, -0.0, 0.5]]
         assert c.raw("experts").tobytes() == payload.tobytes()
         regions = c.quant_regions("experts")
         assert set(regions) == {"scales", "data"} and regions["scales"].tobytes() == payload[:16].tobytes()
@@ -117,8 +118,8 @@ def _patch(path, at, fmt, value):
 def ext_file(tmp_path):
     p = tmp_path / "e.mcf"
     with mcf.Writer(p) as w:
-        w.add_tensor_bytes("layers.0.experts", "mxfp4", (2, 64), np.full(mcf.quant_layout("mxfp4", (2, 64)).nbytes, 0x7E,
-                                                                         np.uint8))
+        w.add_tensor_bytes("layers.0.experts", "mxfp4", (2, 64),
+                           np.full(mcf.quant_layout("mxfp4", (2, 64)).nbytes, 0x7E, np.uint8))
         w.add_tensor("norm", np.ones(4, np.float32))
     return p
 

@@ -8,6 +8,8 @@ import pytest
 import mcf
 from _vectors import FIXTURES, load_fixture
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 golden = load_fixture("mcf_golden.py")
 
 

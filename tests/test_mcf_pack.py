@@ -160,7 +160,8 @@ def test_bad_safetensors_header_is_a_format_error(tmp_path):
 @pytest.mark.parametrize("value,want", [
     ({"b": 1, "a": [1.5, 4096, 1e21, 1e-7, -0.0, True, None]}, b'{"a":[1.5,4096,1e+21,1e-7,-0,true,null],"b":1}'),
     ({"t": "<s>&\u2028\n\t\x01é"}, '{"t":"\\u003cs\\u003e\\u0026\\u2028\\n\\t\\u0001é"}'.encode()),
-    ({"x": 1e20, "y": 0.000001, "z": 123456789012345678901}, b'{"x":100000000000000000000,"y":0.000001,"z":123456789012345680000}'),
+    ({"x": 1e20, "y": 0.000001, "z": 123456789012345678901},
+     b'{"x":100000000000000000000,"y":0.000001,"z":123456789012345680000}'),
 ])
 def test_go_json_encoding(value, want):
     assert go_marshal(value) == want

@@ -20,6 +20,8 @@ import mcf
 from mcf.container.layout import RESOURCE_FILES
 from mcf.container.modelinfo import decode_model_info, encode_model_info
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                        HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -263,7 +265,7 @@ def check(c, tensors, aliases, resources, mi, opts) -> None:
     assert [r.name for r in c.quant_info] == qnames
     assert c.header.aligned64 == (quantized or (bool(by_name) and opts["align"] % 64 == 0))
     # dedup: byte-identical copies share one range; aliases always do
-    for kind, name, value in tensors:
+    for _kind, name, _value in tensors:
         for new, old in aliases:
             if old == name:
                 assert c.info(new)[2:5] == c.info(name)[2:5]

@@ -11,6 +11,8 @@ import pytest
 import mcf
 from _vectors import MANTLE, MANTLE_NAMES, mantle_check, mantle_file, mantle_manifest
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 MODES = ["mmap", "pread", "fileobj", "memory"]
 
 

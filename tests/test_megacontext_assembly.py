@@ -14,6 +14,8 @@ import mcf.megacontext as mc
 from _megacontext_ref import GIST_NP, mean_pool, numpy_assembly, token_stream
 from mcf.megacontext import _megacontext as _mc
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 VOCAB = 500
 
@@ -222,7 +224,8 @@ def test_pooling_errors(tmp_path):
     t = np.zeros((10, 4), np.float32)
     with pytest.raises(mcf.OutOfBoundsError):
         _mc.pool_tokens(np.array([1, 10], np.uint32), 2, t, np.float32)
-    for bad in (lambda: _mc.pool_tokens([1, 2, 3], 2, t, np.float32), lambda: _mc.pool_tokens([-1, 2], 2, t, np.float32),
+    for bad in (lambda: _mc.pool_tokens([1, 2, 3], 2, t, np.float32),
+                lambda: _mc.pool_tokens([-1, 2], 2, t, np.float32),
                 lambda: _mc.pool_rows(np.zeros((3, 4), np.float32), 2, np.float32),
                 lambda: _mc.pool_rows(np.zeros((4, 4), np.int32), 2, np.float32),
                 lambda: _mc.pool_tokens([1, 2], 2, np.zeros((10, 4), np.int64), np.float32),

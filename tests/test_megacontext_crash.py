@@ -49,7 +49,8 @@ def check_consistent(t, live=False) -> tuple:
             version = 2 if ckpt == "v2" else 1   # None: appended by a writer killed before recording it
             got = g[start:stop]
             if live:
-                assert ((got == gist_rows(level, start, stop, D, 1)) | (got == gist_rows(level, start, stop, D, 2))).all()
+                assert ((got == gist_rows(level, start, stop, D, 1))
+                        | (got == gist_rows(level, start, stop, D, 2))).all()
             else:
                 assert np.array_equal(got, gist_rows(level, start, stop, D, version)), (level, start, stop, ckpt)
         covered = sum(min(b, n) - a for a, b, _, _ in t.checkpoint_ranges(level) if a < n)
@@ -101,7 +102,8 @@ def test_readers_see_a_consistent_prefix_while_one_writer_appends(tmp_path):
                 check_consistent(long_lived, live=True)
                 plan = long_lived.plan_tail(300, 64)
                 wc = long_lived.assemble(plan)
-                assert np.array_equal(wc.token_ids, long_lived.tokens(long_lived.num_tokens - int((wc.levels == 0).sum())))
+                assert np.array_equal(wc.token_ids,
+                                      long_lived.tokens(long_lived.num_tokens - int((wc.levels == 0).sum())))
                 with mc.open(path) as fresh:                  # a reader opening mid-append
                     states.add(check_consistent(fresh, live=True))
     finally:

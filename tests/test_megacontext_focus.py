@@ -212,7 +212,7 @@ def test_focus_plan_is_stable_when_no_score_crosses_a_threshold(seed, k, blocks,
     assert list(got) == plan
     # the same with per-row scores
     rows = mc.Plan.of(plan).rows(t, k) if plan else 0
-    per_row = np.repeat(scores, [min(k, t - i * k) if l == 0 else 1 for l, i in plan]) if plan else []
+    per_row = np.repeat(scores, [min(k, t - i * k) if lev == 0 else 1 for lev, i in plan]) if plan else []
     assert len(per_row) == rows
     got = mc.focus_plan((t, n1, n2), plan, per_row, budget=budget, tau_expand=0.2, tau_collapse=0.3, block_size=k)
     assert list(got) == plan
@@ -408,7 +408,7 @@ def test_refocusing_loop_through_assemble(tmp_path):
         mc.build_gists(tree, pool)
         plan = mc.plan_tail(tree, budget=budget, recent_tokens=96)
         seen_levels = set()
-        for step in range(12):
+        for _ in range(12):
             wc = tree.assemble(plan, table)
             t = tree.counts[0]
             ref = numpy_assembly(stream[:t], tree.gists(1), tree.gists(2), list(plan), 32, table)

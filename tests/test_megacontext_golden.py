@@ -16,6 +16,8 @@ import mcf.megacontext as mc
 from _megacontext_ref import canonical_header, legacy_header, mean_pool
 from _vectors import load_fixture
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 golden = load_fixture("megacontext_golden.py")
 
 FILES = ("LOD0.ctx", "LOD1.ctx", "LOD2.ctx")

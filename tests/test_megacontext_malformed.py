@@ -18,6 +18,8 @@ import mcf
 import mcf.megacontext as mc
 from _megacontext_ref import canonical_header, token_stream, write_tree_files
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 D = 8
 
 

@@ -143,7 +143,7 @@ def assert_codes_of_their_scale(raw, x, d):
     docs/quantization.md).  So a value is within half a step, or, where the search picked a scale that
     clips the block's largest values (it trades their error for a smaller one on the other 31), decoded as
     the extreme code on its side: 127 steps, or 128 with the scale's sign opposite to the value's."""
-    n, nb = len(x), -(-d // 32)
+    nb = -(-d // 32)
     raw = row_bytes(raw)
     s = np.repeat(raw[:, :2 * nb].copy().view(np.float16).astype(np.float32), 32, axis=1)[:, :d]
     codes = raw[:, 2 * nb:].copy().view(np.int8)[:, :d].astype(np.float32)
@@ -389,7 +389,7 @@ def test_cli_hybrid(tmp_path, capsys):
         main(["ctx", "ingest", str(tmp_path / "u"), str(ids), "--ids", "--embedding-dim", "64", "--dtype", "int8"])
 
 
-# -- raw rows carry their dtype (issue 23 item 7) -----------------------------------------------------------
+# -- raw rows carry their dtype ----------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [17, 34])            # an fp16/bf16 row of d = 17 or 34 is as wide as a q8 row
 @pytest.mark.parametrize("policy", ["fp16", "bf16"])
 def test_raw_rows_of_another_dtype_are_refused(tmp_path, d, policy):

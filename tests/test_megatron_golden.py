@@ -9,6 +9,8 @@ import pytest
 import mcf.megatron as mm
 from _vectors import FIXTURES, load_fixture
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 GOLDEN_DIR = os.path.join(FIXTURES, "megatron")
 mg = load_fixture("megatron/megatron_golden.py")
 

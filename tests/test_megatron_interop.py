@@ -181,7 +181,8 @@ def test_sample_idx_rejects_what_megatron_reads_out_of_bounds(oracle):
         mm.build_sample_idx(sizes, np.array([0, 3], np.int32), 4, 1, 14, True, True)
     with pytest.raises(mcf.InvalidArgumentError, match="exceeds what 2 documents"):
         mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 4, 1, 100, True, True)
-    with pytest.raises(mcf.InvalidArgumentError, match=r"run out in sample 2 of samples 0\.\.2"):  # 12 tokens, 16 claimed
+    # 12 tokens, 16 claimed
+    with pytest.raises(mcf.InvalidArgumentError, match=r"run out in sample 2 of samples 0\.\.2"):
         mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 4, 1, 16, True, True)
     with pytest.raises(mcf.InvalidArgumentError, match="run out"):
         mm.build_sample_idx(sizes, np.array([0, 1], np.int32), 4, 1, 16, False, True)

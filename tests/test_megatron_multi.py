@@ -244,7 +244,7 @@ def test_sharded_and_single_refuse_the_same_indices(tmp_path):
             s[::0]
         with pytest.raises(mcf.InvalidArgumentError, match="zero"):
             m[::0]
-        # numpy integers take the compiled path (issue 23 item 12): every width, negative, and past int64
+        # numpy integers take the compiled path: every width, negative, and past int64
         for ds in (s, m):
             n = len(ds)
             for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.intp,
@@ -282,7 +282,7 @@ def test_shard_list_that_disagrees_with_its_shards(tmp_path):
         listing.write_text(json.dumps(doc))
         with mm.open(str(listing)) as s:
             s[0]
-            with pytest.raises(mcf.FormatError, match=f"does not match") as ei:
+            with pytest.raises(mcf.FormatError, match="does not match") as ei:
                 s.open_all()
             assert "l.json" in str(ei.value) and field in str(ei.value)
     doc = dict(doc0, dtype="int32")

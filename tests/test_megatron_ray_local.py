@@ -370,7 +370,8 @@ def test_sink_takes_rays_tensor_columns(tmp_path):
         ray_data_context()
     var = BlockAccessor.batch_to_block({"position": np.array([2, 0, 1]), "tokens": [
         np.array([5, 6, 7], np.int32), np.array([1, 2], np.int32), np.array([], np.int32)]})
-    fixed = BlockAccessor.batch_to_block({"position": np.array([3, 4]), "tokens": [np.array([8, 9]), np.array([10, 11])]})
+    fixed = BlockAccessor.batch_to_block({"position": np.array([3, 4]),
+                                          "tokens": [np.array([8, 9]), np.array([10, 11])]})
     assert all(isinstance(b.schema.field("tokens").type, pa.ExtensionType) for b in (var, fixed))
     sink = raydata.MegatronDatasink(tmp_path / "s", vocab_size=32000, order="position", durable=False,
                                     output_prefix=str(tmp_path / "o"))
@@ -381,7 +382,8 @@ def test_sink_takes_rays_tensor_columns(tmp_path):
         assert [ds.document(k).tolist() for k in range(5)] == [[1, 2], [], [5, 6, 7], [8, 9], [10, 11]]
     # interleaved keys of two tasks cannot be put in order: refused, not silently misordered
     sink2 = raydata.MegatronDatasink(tmp_path / "s2", vocab_size=32000, order="position", durable=False)
-    t = lambda pos: pa.table({"position": pa.array(pos, pa.int64()), "tokens": pa.array([[1]] * len(pos), pa.list_(pa.int64()))})  # noqa: E731
+    t = lambda pos: pa.table({"position": pa.array(pos, pa.int64()),  # noqa: E731
+                              "tokens": pa.array([[1]] * len(pos), pa.list_(pa.int64()))})
     runs = [ShardRun.from_dict(x) for x in sink2.write([t([0, 2])], Ctx(0)) + sink2.write([t([1, 3])], Ctx(1))]
     with pytest.raises(mcf.FormatError, match="interleave"):
         commit_runs(str(tmp_path / "s2"), runs, output_prefix=str(tmp_path / "o2"), dtype=sink2.dtype)
@@ -404,7 +406,8 @@ def test_prepare_reuses_finished_chunks_and_starts_over_on_change(tmp_path):
     sink.write([token_table(2, [0], [[3]])], Ctx())                     # chunk 2 begun, not finished
     again, kept = raydata.prepare_shard_dir(d, files, opts, None)      # the same job: the stored plan
     assert again == chunks and [r.name for r in kept] == [run_name(0, 0, 1, True)]
-    assert sorted(os.listdir(d)) == sorted([PLAN_FILE, run_name(0, 0, 1, True) + ".bin", run_name(0, 0, 1, True) + ".idx"])
+    assert sorted(os.listdir(d)) == sorted([PLAN_FILE, run_name(0, 0, 1, True) + ".bin",
+                                            run_name(0, 0, 1, True) + ".idx"])
     # another chunk size, changed options, a changed input, or resume=False: start over
     for change in (dict(chunk_size=7), dict(options=dict(opts, json_key="content")), dict(resume=False)):
         sink.write([token_table(0, [0], [[1]], ends=[1])], Ctx())

@@ -199,7 +199,7 @@ def test_cli_tokenize_info_verify_merge(tmp_path, tok_path, texts, capsys):
 
 
 def test_output_prefix_in_a_new_directory(tmp_path, tok_path, texts, capsys):
-    """Issue 26: docs/megatron.md's own example (--output-prefix data/corpus) failed on a fresh directory with
+    """docs/megatron.md's own example (--output-prefix data/corpus) failed on a fresh directory with
     "data/corpus.bin: No such file or directory", which reads like a missing input.  The missing directories
     are created, as mcf export -o DIR creates DIR; merge's output prefix too."""
     write_jsonl(tmp_path / "in.jsonl", texts)
@@ -221,7 +221,7 @@ def test_output_prefix_in_a_new_directory(tmp_path, tok_path, texts, capsys):
 
 
 def test_tokenizer_from_an_mcf_file_or_a_checkpoint_directory(tmp_path, model_dir, tok_path, texts, capsys):
-    """Issue 26: --tokenizer model.mcf was refused ("stream did not contain valid UTF-8") although the MCF file
+    """--tokenizer model.mcf was refused ("stream did not contain valid UTF-8") although the MCF file
     carries the checkpoint's tokenizer.json.  An MCF file, an open container and a checkpoint directory are
     tokenizer sources wherever a tokenizer is taken, and give the bytes tokenizer.json gives."""
     write_jsonl(tmp_path / "in.jsonl", texts)

@@ -58,7 +58,7 @@ def test_lz4_to_write_lz4_kv_files(monkeypatch, tmp_path, kv):
 
 
 def test_lz4_to_ingest_into_a_bucket(monkeypatch, tmp_path, kv, capsys):
-    """The first-run failure of issue 12: the demo's bucket step without lz4."""
+    """A first-run failure: the demo's bucket step without lz4."""
     from mcf.bucket import Bucket
 
     block(monkeypatch, "lz4")
@@ -114,7 +114,7 @@ def test_starlette_and_uvicorn_for_the_server(monkeypatch, tmp_path, capsys):
 
 
 def test_every_missing_package_of_the_extra_is_named_at_once(monkeypatch, tmp_path, capsys):
-    """Issue 26: without uvicorn and starlette, `mcf bucket serve` asked for uvicorn, and after
+    """Without uvicorn and starlette, `mcf bucket serve` asked for uvicorn, and after
     `pip install uvicorn` for starlette.  The first failure names both, and one command installs both."""
     from mcf.bucket.server import serve
 
@@ -263,7 +263,7 @@ def test_the_demo_checks_its_extra_before_any_work(monkeypatch, tmp_path, capsys
     assert main(["demo", "--model-dir", str(tmp_path), "--workdir", str(tmp_path / "w")]) == 1
     out, err = capsys.readouterr()
     assert out == "" and not (tmp_path / "w").exists()  # refused before any step ran
-    assert err.startswith(f"mcf demo: error: mcf demo (")
+    assert err.startswith("mcf demo: error: mcf demo (")
     assert f"needs the {module!r} package, which is not installed: pip install '{DISTRIBUTION}[demo]'" in err
 
 

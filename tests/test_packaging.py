@@ -78,7 +78,8 @@ def test_every_package_of_the_source_tree_goes_into_the_wheel():
     docs/extending.md's check building a wheel in a fresh venv)."""
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
     found = {os.path.relpath(dp, ROOT).replace(os.sep, ".") for dp, _, fs in os.walk(PKG) if "__init__.py" in fs}
-    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; not packages: {sorted(listed - found)}"
+    assert found == listed, (f"missing from pyproject.toml: {sorted(found - listed)}; "
+                             f"not packages: {sorted(listed - found)}")
 
 
 def test_every_optional_import_names_an_extra_that_installs_it():
@@ -161,7 +162,7 @@ def _paragraphs(path):
 
 
 def test_every_by_name_install_line_says_what_works_today():
-    """mcf-formats is not on PyPI yet (issue 26): wherever a page, a docstring or a help text says
+    """mcf-formats is not on PyPI yet: wherever a page, a docstring or a help text says
     ``pip install 'mcf-formats[x]'``, the same paragraph gives what works today, ``'.[x]'`` in a checkout;
     the README's Installing section also gives the wheel route."""
     bad, seen = [], 0
@@ -186,7 +187,7 @@ CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
 def test_the_cpu_only_torch_install_is_shown_where_torch_comes_in():
-    """The torch extra pulls about 20 CUDA packages on Linux (issue 26): the README's extras and
+    """The torch extra pulls about 20 CUDA packages on Linux: the README's extras and
     docs/torch.md show the CPU-only wheels first."""
     for page in ("README.md", os.path.join("docs", "torch.md")):
         with open(os.path.join(ROOT, page), encoding="utf-8") as f:
@@ -223,7 +224,7 @@ def _ci_functions(*names) -> str:
 
 def test_ci_fails_a_run_that_leaves_files_in_the_temporary_directory(tmp_path):
     """.ci/run's step 2 runs the suite with TMPDIR a fresh directory and fails when anything but pytest's
-    basetemp is left in it (issue 26: every run left a mkdtemp of tests/_megatron_ref.py and of
+    basetemp is left in it (every run used to leave a mkdtemp of tests/_megatron_ref.py and of
     tests/test_megacontext_assembly.py behind).  The check, run by bash as .ci/run defines it."""
     import subprocess
 
@@ -281,7 +282,7 @@ def test_tests_make_temporary_files_with_pytest(tmp_path):
 
 
 def test_the_readme_gives_each_time_of_its_first_command_with_its_load():
-    """The first command's time depends on the shared machine's load (issue 26: the README said 1 min 16 s,
+    """The first command's time depends on the shared machine's load (the README said 1 min 16 s,
     a newcomer measured 1 min 56 s): every wall time the comment gives comes with the load it was measured
     at, and the CPU time is a range."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:

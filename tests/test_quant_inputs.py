@@ -16,6 +16,8 @@ from _vectors import mantle_file
 from mcf.cli import main as cli_main
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
 stnp = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
 
@@ -229,7 +231,7 @@ def test_activation_clips_outside_the_data_range(method, lo, hi):
     assert np.abs(y - want).max() <= step * 0.51 + 1e-7
 
 
-# -- issue 23: silent wrong answers ---------------------------------------------------------------------
+# -- silent wrong answers -------------------------------------------------------------------------------
 QMAX = {"q8": 127, "q4": 7, "k6": 31, "k4": 7, "k3": 3, "k2": 1}
 
 

@@ -18,6 +18,8 @@ from mcf._core import _kernels as K
 from mcf.container.quant import importance_weights
 from mcf.quant_policy import quantize_file
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 IMPLS = K.kernel_info()["supported"]
 QK = ["q8", "q4", "k6", "k4", "k3", "k2"]
 F16_MAX = 65504.0
@@ -133,8 +135,8 @@ def assert_never_worse(x, method, imp, what=""):
     for kw in ({"fast": True}, {"compat": True}):
         e_other = block_errors(x, mcf.quantize(x, method, **kw)[0], method, w)
         worse = e_search > e_other * SLACK + 1e-30
-        assert not worse.any(), (f"{method} {what}: worse than {kw} on {int(worse.sum())} of {worse.size} blocks, by up "
-                                 f"to {float(np.max(e_search[worse] / e_other[worse])) - 1:+.2%}")
+        assert not worse.any(), (f"{method} {what}: worse than {kw} on {int(worse.sum())} of {worse.size} blocks, "
+                                 f"by up to {float(np.max(e_search[worse] / e_other[worse])) - 1:+.2%}")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -175,7 +175,8 @@ def test_megacontext_errors_and_outputs(server, url, capsys):
     if url.kind != "query":
         with megacontext.open_tree(url("tree")) as t:
             _clean(t.info())
-        for args in (["ctx", "info", url("tree")], ["ctx", "info", "--json", url("tree")], ["ctx", "verify", url("tree")]):
+        for args in (["ctx", "info", url("tree")], ["ctx", "info", "--json", url("tree")],
+                     ["ctx", "verify", url("tree")]):
             assert main(args) == 0
             out = capsys.readouterr().out
             _clean(out)

@@ -396,7 +396,8 @@ def faulty():
 def backend(request):
     """Every client of http(s):// URLs: mcf's own (the default), obstore's and fsspec's aiohttp."""
     if request.param == "obstore":
-        pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 and later)")
+        pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 "
+                                              "and later)")
     return request.param
 
 

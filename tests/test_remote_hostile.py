@@ -181,8 +181,6 @@ def test_an_answer_larger_than_its_range_is_cut_off(srv, backend, kind):
 def test_a_dripping_server_fails_within_the_minimum_rate(srv, backend):
     """One byte every 50 ms keeps every silence short; the request still fails once it is slower than
     ``min_rate`` after ``timeout`` seconds (before: a 1 KiB read took as long as the server liked)."""
-    import time
-
     stop = threading.Event()
 
     def get(h, rng):
@@ -400,7 +398,7 @@ def test_a_panic_inside_the_client_is_an_mcf_error_not_retried():
     """Whatever else makes obstore panic ends as an MCFIOError after one attempt, never a PanicException."""
     pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 "
                                           "and later)")
-    from mcf.remote._fetch import Fetcher, Retry
+    from mcf.remote._fetch import Fetcher
 
     class Panic(BaseException):       # what pyo3_runtime.PanicException is: not an Exception
         pass

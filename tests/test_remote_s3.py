@@ -11,7 +11,6 @@ half-way leaves no output file.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,8 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 and later)")
+pytest.importorskip("obstore", reason="obstore is not installed (the remote extra installs it on Python 3.11 "
+                                      "and later)")
 
 import mcf  # noqa: E402
 from mcf import AccessError, InvalidArgumentError, MCFIOError, MissingFileError  # noqa: E402

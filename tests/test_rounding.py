@@ -13,6 +13,8 @@ import mcf
 import reference as ref
 from mcf._core import _fpconv
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays are a test extra")
 
 # the value, and values built to sit just past a tie of the first (float32) rounding

@@ -175,7 +175,8 @@ def test_f8_e8m0_and_f4(tmp_path):
     for n in ref:
         _same_tensor(got[n], ref[n], n)
     arr = mst.load_file(p, names=["e8m0"])["e8m0"]
-    assert arr.dtype == np.dtype(ml_dtypes.float8_e8m0fnu) and arr.tobytes() == d["e8m0"].view(torch.uint8).numpy().tobytes()
+    assert arr.dtype == np.dtype(ml_dtypes.float8_e8m0fnu)
+    assert arr.tobytes() == d["e8m0"].view(torch.uint8).numpy().tobytes()
     with pytest.raises(mcf.DTypeError, match=r"new\.safetensors: tensor 'f4': F4"):
         mst.load_file(p)
     with pytest.raises(mcf.InvalidArgumentError, match="'f4'.*loads whole"):
@@ -321,16 +322,21 @@ def _sharded(d, wm, files):
 
 
 BAD = {
-    "truncated file": (lambda d: _write_st(d / "t.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+    "truncated file": (lambda d: _write_st(d / "t.safetensors",
+                                           {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
                                            b"\0" * 9), mcf.TruncatedError, r"t\.safetensors.*header\['w'\]"),
-    "header lies about offsets": (lambda d: _write_st(d / "t.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
+    "header lies about offsets": (lambda d: _write_st(d / "t.safetensors",
+                                                      {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
                                                       b"\0" * 8), mcf.TruncatedError, r"header\['w'\]\.data_offsets"),
     "overlapping tensors": (lambda d: _write_st(d / "t.safetensors", {
         "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-        "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12), mcf.FormatError, "'w' and 'v' overlap"),
-    "size does not match shape": (lambda d: _write_st(d / "t.safetensors", {"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 8]}},
+        "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12), mcf.FormatError,
+        "'w' and 'v' overlap"),
+    "size does not match shape": (lambda d: _write_st(d / "t.safetensors",
+                                                      {"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 8]}},
                                                       b"\0" * 8), mcf.FormatError, r"header\['w'\].*does not match"),
-    "unknown dtype": (lambda d: _write_st(d / "t.safetensors", {"w": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}},
+    "unknown dtype": (lambda d: _write_st(d / "t.safetensors",
+                                          {"w": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}},
                                           b"\0"), mcf.FormatError, r"header\['w'\]\.dtype.*unsupported"),
     "truncated header": (lambda d: (d / "t.safetensors").write_bytes(struct.pack("<Q", 100) + b"{}"), mcf.FormatError,
                          "header_len"),
@@ -350,7 +356,8 @@ BAD = {
     "index names a tensor no shard has": (lambda d: _sharded(d, {"a": "s1.safetensors", "ghost": "s1.safetensors"},
                                                              {"s1.safetensors": ["a"]}),
                                           mcf.FormatError, "'ghost'"),
-    "a shard tensor the index omits": (lambda d: _sharded(d, {"a": "s1.safetensors"}, {"s1.safetensors": ["a", "hidden"]}),
+    "a shard tensor the index omits": (lambda d: _sharded(d, {"a": "s1.safetensors"},
+                                                          {"s1.safetensors": ["a", "hidden"]}),
                                        mcf.FormatError, "'hidden' of s1.safetensors is not in the index"),
     "a tensor in two shards": (lambda d: _sharded(d, {"a": "s1.safetensors", "b": "s2.safetensors"},
                                                   {"s1.safetensors": ["a"], "s2.safetensors": ["b", "a"]}),
@@ -386,7 +393,8 @@ def test_bad_selections_name_what_is_wrong(every):
         mst.load_file(every, slices={"x*": Rows(0, 1)})
     with pytest.raises(mcf.OutOfBoundsError, match=r"tensor 'f32'.*Rows\(start=2, stop=9\).*5 rows"):
         mst.load_file(every, slices={"f32": Rows(2, 9)})
-    with pytest.raises(mcf.InvalidArgumentError, match=r"tensor 'f16' dimension 1 of size 9 does not split evenly into 2"):
+    with pytest.raises(mcf.InvalidArgumentError,
+                       match=r"tensor 'f16' dimension 1 of size 9 does not split evenly into 2"):
         mtorch.load_file(every, slices={"f16": Shard(0, 2, 1)})
     with pytest.raises(mcf.InvalidArgumentError, match=r"tensor 'scalar' is a scalar"):
         mst.load_file(every, slices={"scalar": Rows(0, 0)})

@@ -18,6 +18,8 @@ import mcf
 import mcf.safetensors as mst
 import _scaled_checkpoints as S
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 EXPERTS = "model.layers.0.mlp.experts."
 KV_A = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"
@@ -339,7 +341,8 @@ def test_mismatched_parts_are_refused_naming_the_tensor(ckpts, tmp_path, case):
 
 
 NAN_SCALES = {
-    "gpt-oss E8M0 0xFF": ("gpt-oss", EXPERTS + "gate_up_proj_scales", 7, 0xFF, EXPERTS + "gate_up_proj", r"block \[7\]"),
+    "gpt-oss E8M0 0xFF": ("gpt-oss", EXPERTS + "gate_up_proj_scales", 7, 0xFF, EXPERTS + "gate_up_proj",
+                          r"block \[7\]"),
     "nvfp4 E4M3 NaN": ("modelopt", DOWN + "_scale", 3, 0x7F, DOWN, r"block \[3\]"),
     "deepseek F32 NaN": ("deepseek", KV_A + "_scale_inv", 7, 0x7F, KV_A, r"block \[1\]"),   # float32 1, top byte
 }
@@ -374,7 +377,8 @@ def test_parts_in_different_shards(ckpts, tmp_path):
     second = {n: v for n, v in src.items() if n.endswith("_scales")}
     S.write_safetensors(d / "model-00001-of-00002.safetensors", first)
     S.write_safetensors(d / "model-00002-of-00002.safetensors", second)
-    wm = {**{n: "model-00001-of-00002.safetensors" for n in first}, **{n: "model-00002-of-00002.safetensors" for n in second}}
+    wm = {**{n: "model-00001-of-00002.safetensors" for n in first},
+          **{n: "model-00002-of-00002.safetensors" for n in second}}
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
     refs = references(ckpts["gpt-oss"])
     for n, want in refs.items():

@@ -21,6 +21,8 @@ import mcf
 import _scaled_checkpoints as S
 from mcf._core import _kernels, _mx
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 IMPLS = _kernels.kernel_info()["supported"]
 BYTES = np.arange(256, dtype=np.uint8)
 ML = {"f8_e4m3": ml_dtypes.float8_e4m3fn, "f8_e5m2": ml_dtypes.float8_e5m2, "f8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,

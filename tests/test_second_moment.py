@@ -447,7 +447,8 @@ def test_quantize_file_with_a_second_moment_file(tmp_path, capsys):
         quantize_file(src, tmp_path / "o.mcf", "k4", second_moment=path)
     with mcf.open(tmp_path / "o.mcf") as c:
         assert c.raw("model.layers.0.self_attn.q_proj.weight").tobytes() == mcf.quantize(
-            arrays["model.layers.0.self_attn.q_proj.weight"], "k4", second_moment=hs["blk.0.attn_q.weight"])[0].tobytes()
+            arrays["model.layers.0.self_attn.q_proj.weight"], "k4",
+            second_moment=hs["blk.0.attn_q.weight"])[0].tobytes()
         assert c.raw("model.layers.0.mlp.up_proj.weight").tobytes() == mcf.quantize(
             arrays["model.layers.0.mlp.up_proj.weight"], "k4")[0].tobytes()
     assert main(["quantize", str(src), str(tmp_path / "c.mcf"), "--method", "k4", "--second-moment", str(path),
@@ -596,8 +597,10 @@ def test_feedback_batch_refuses_what_does_not_fit():
             "u": np.eye(cols), "codes": np.zeros((cols, n), np.int8), "err": np.zeros((cols, n)), "c0": 0, "c1": cols,
             "bits": 4}
     feedback_batch(**good)
-    for change, match in (({"wt": np.zeros((cols, n), np.float32)}, "wt must be"), ({"u": np.eye(cols + 1)}, "u must be"),
-                          ({"st": np.ones((cols, n + 1), np.float32)}, "shape of wt"), ({"c1": cols + 1}, "out of range"),
+    for change, match in (({"wt": np.zeros((cols, n), np.float32)}, "wt must be"),
+                          ({"u": np.eye(cols + 1)}, "u must be"),
+                          ({"st": np.ones((cols, n + 1), np.float32)}, "shape of wt"),
+                          ({"c1": cols + 1}, "out of range"),
                           ({"c0": 4, "c1": 3}, "out of range"), ({"err": np.zeros((2, n))}, "out of range"),
                           ({"bits": 9}, "2..8"), ({"codes": np.zeros((cols, n), np.int8).T.copy().T}, "contiguous"),
                           ({"c0": -1}, ">= 0")):

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import mcf
 from mcf import DTypeError, InvalidArgumentError, TensorNotFoundError
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

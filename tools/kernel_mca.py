@@ -93,7 +93,9 @@ def main(argv=None):
         c = est[cpu].get(region)
         return None if c is None else LOOPS[region.split("_", 1)[1]][1] / c
 
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    def fmt(v):
+        return "-" if v is None else f"{v:.1f}"
+
     print("| loop | NEON V2 | scalar V2 | NEON M1 | scalar M1 | AVX2 Zen 4 | scalar Zen 4 | NEON/scalar V2 |")
     print("|---|---|---|---|---|---|---|---|")
     failures = []

@@ -4,7 +4,12 @@ from typing import Any, BinaryIO, Literal, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from typing_extensions import disjoint_base
+
 from mcf._core.storage import ReadStats, Storage
+
+__all__ = ["Source", "open_source", "open_fd", "storage_of", "aligned_empty", "alloc_buffer", "PAGE_SIZE",
+           "MAX_THREADS", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "DIRECT_ALIGN"]
 
 PAGE_SIZE: int
 MAX_THREADS: int
@@ -14,6 +19,7 @@ DIRECT_ALIGN: int
 
 _Advice = Literal["normal", "random", "sequential", "willneed", "dontneed"]
 
+@disjoint_base
 class Source:
     name: str
     path: str | bytes | None

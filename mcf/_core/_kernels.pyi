@@ -2,6 +2,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 IMPLS: tuple[str, str, str, str]
 
@@ -34,6 +35,7 @@ def pack_codes(
     cols: int,
 ) -> None: ...
 
+@disjoint_base
 class QTensor:
     layout: Any
     def __init__(self, payload: npt.ArrayLike, code: int, rows: int, cols: int, domain: int = ...,

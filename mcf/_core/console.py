@@ -143,7 +143,8 @@ def print_report(stats, *, out=None) -> None:
         out.write("no tensor was quantized\n")
         return
     nw = min(max(len(printable(s.name)) for s in stats), 60)
-    out.write(f"\n  {'tensor':<{nw}} {'method':<6} {'shape':<14} {'RMSE':>10} {'SNR dB':>8} {'max|err|':>10} {'ratio':>6}\n")
+    out.write(f"\n  {'tensor':<{nw}} {'method':<6} {'shape':<14} {'RMSE':>10} {'SNR dB':>8} {'max|err|':>10} "
+              f"{'ratio':>6}\n")
     for s in stats:
         shape = "x".join(map(str, s.shape))
         out.write(f"  {printable(s.name):<{nw}} {s.method:<6} {shape:<14} {s.rmse:>10.3g} {s.snr_db:>8.2f} "

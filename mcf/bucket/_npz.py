@@ -177,7 +177,7 @@ def read_kv_npz(f: BinaryIO, *, limit: int | None, scratch: Callable[[], BinaryI
                 raise _bad(f"{info.filename}: compression method {info.compress_type} is not supported (use "
                            "numpy.savez or numpy.savez_compressed)", name, field=info.filename)
             heads[info.filename] = (info, *_header(zf, info, name))
-        (ki, kshape, _, kdt, _), (vi, vshape, _, vdt, _) = heads["k.npy"], heads["v.npy"]
+        (_, kshape, _, _, _), (_, vshape, _, _, _) = heads["k.npy"], heads["v.npy"]
         if kshape != vshape:
             raise _bad(f"k and v must have the same shape, got {kshape} and {vshape}", name)
         nbytes = {n: math.prod(h[1]) * h[3].itemsize for n, h in heads.items()}

@@ -225,8 +225,8 @@ class TransformersBackend:
         have = doc["model_compatibility"]
         for k, v in want.items():
             if have.get(k) is not None and have[k] != v:
-                raise InvalidArgumentError(f"model {self.model_id!r} is registered in this bucket with {k}={have[k]!r}; "
-                                           f"this model has {k}={v!r}: use another model_id")
+                raise InvalidArgumentError(f"model {self.model_id!r} is registered in this bucket with "
+                                           f"{k}={have[k]!r}; this model has {k}={v!r}: use another model_id")
         if doc.get("model_hash") != self.model_hash and (new_weights or doc.get("model_hash") is None):
             return bucket.register_model(self.model_id, model_hash=self.model_hash, **want)
         if doc.get("model_hash") is not None and doc["model_hash"] != self.model_hash:
@@ -263,7 +263,8 @@ class TransformersBackend:
         arr = token_array(ids)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
-            raise InvalidArgumentError(f"{what}: token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+            raise InvalidArgumentError(f"{what}: token id {bad} is outside the model's vocabulary "
+                                       f"(0..{self.vocab_size - 1})")
         return arr.tolist()
 
     # -- the model ------------------------------------------------------------------------------------------
@@ -405,11 +406,12 @@ class TransformersBackend:
         """The REST query route's answer (seed 003 §4.3): ``options`` may hold ``max_tokens`` (default 64),
         ``temperature`` (default 0: greedy), ``top_k``, ``top_p``, ``seed`` and ``stop_at_eos``."""
         if not isinstance(options, dict):
-            raise ArgumentTypeError(f"options must be a dict of {', '.join(QUERY_OPTIONS)}, got {type(options).__name__}")
+            raise ArgumentTypeError(f"options must be a dict of {', '.join(QUERY_OPTIONS)}, "
+                                    f"got {type(options).__name__}")
         unknown = [k for k in options if k not in QUERY_OPTIONS]
         if unknown:
-            raise InvalidArgumentError(f"unknown option(s) {', '.join(map(repr, unknown))}; allowed: {list(QUERY_OPTIONS)} "
-                                       "(streaming is not supported)")
+            raise InvalidArgumentError(f"unknown option(s) {', '.join(map(repr, unknown))}; "
+                                       f"allowed: {list(QUERY_OPTIONS)} (streaming is not supported)")
         g = self.generate(bucket, context_id, query, max_new_tokens=options.get("max_tokens", 64),
                           temperature=options.get("temperature", 0.0), top_k=options.get("top_k"),
                           top_p=options.get("top_p"), seed=options.get("seed"),

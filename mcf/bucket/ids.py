@@ -76,7 +76,8 @@ def context_id_for(model_id: str, chash: str, dtype: Any, shape: L.KVShape) -> s
 PREFIX_CHUNK_TOKENS = 256
 
 
-def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, *, chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
+def prefix_hashes(model_id: str, token_ids: Sequence[int] | np.ndarray, *,
+                  chunk_tokens: int = PREFIX_CHUNK_TOKENS) -> list[str]:
     """Chained hashes of the full ``chunk_tokens``-token chunks of ``token_ids``: ``h[i] =
     sha256(h[i-1] || tokens of chunk i as int64 LE)[:32 hex]``, starting from a hash of the model id
     and the chunk size.  Equal ``h[i]`` means equal first ``(i+1) * chunk_tokens`` tokens."""

@@ -284,7 +284,8 @@ def shape_of(layers: Sequence[Sequence[Any]]) -> L.KVShape:
             if isinstance(t, Int8KV) and tuple(np.shape(t.scales)) != shp[:2]:
                 raise InvalidArgumentError(f"layer {i} {name}: scales shape {np.shape(t.scales)} != {shp[:2]}")
             if len(shp) != 3:
-                raise InvalidArgumentError(f"layer {i} {name}: expected [num_kv_heads, sequence_length, head_dim], got shape {shp}")
+                raise InvalidArgumentError(f"layer {i} {name}: expected [num_kv_heads, sequence_length, head_dim], "
+                                           f"got shape {shp}")
             if first is None:
                 first = shp
             elif shp != first:
@@ -482,66 +483,69 @@ def parse_header(raw: bytes, *, path: Any = None, file_size: int | None = None,
     if len(raw) < L.HEADER_SIZE:
         raise TruncatedError("file shorter than the 64-byte header", path=path, field="header", offset=0,
                              expected=L.HEADER_SIZE, got=len(raw))
-    (magic, version, flags, nl, nh, hd, seq, dt, comp, orig, csize, crc, reserved) = L.HEADER.unpack(raw[:L.HEADER_SIZE])
-    O = L.OFFSETS
+    (magic, version, flags, nl, nh, hd, seq, dt, comp, orig, csize, crc,
+     reserved) = L.HEADER.unpack(raw[:L.HEADER_SIZE])
+    OFF = L.OFFSETS
     if magic != L.MAGIC:
         raise FormatError("not an MCB KV file", path=path, field="magic", offset=0, expected=L.MAGIC, got=magic)
     if version != L.VERSION:
         raise UnsupportedVersionError("unsupported KV file version", path=path, field="version",
-                                      offset=O["version"], expected=L.VERSION, got=version)
+                                      offset=OFF["version"], expected=L.VERSION, got=version)
     if flags & ~L.KNOWN_FLAGS:
-        raise FormatError("unknown flag bits", path=path, field="flags", offset=O["flags"],
+        raise FormatError("unknown flag bits", path=path, field="flags", offset=OFF["flags"],
                           expected=f"subset of {L.KNOWN_FLAGS:#x}", got=f"{flags:#x}")
     if reserved != bytes(18):
-        raise FormatError("reserved bytes are not zero", path=path, field="reserved", offset=O["reserved"])
+        raise FormatError("reserved bytes are not zero", path=path, field="reserved", offset=OFF["reserved"])
     try:
         kd = L.KVDType(dt)
     except ValueError:
-        raise FormatError("unknown dtype code", path=path, field="dtype", offset=O["dtype"], expected="0..3", got=dt) from None
+        raise FormatError("unknown dtype code", path=path, field="dtype", offset=OFF["dtype"], expected="0..3",
+                          got=dt) from None
     try:
         cp = L.Compression(comp)
     except ValueError:
-        raise FormatError("unknown compression code", path=path, field="compression", offset=O["compression"],
+        raise FormatError("unknown compression code", path=path, field="compression", offset=OFF["compression"],
                           expected="0..2", got=comp) from None
     if nl == 0:
-        raise FormatError("a KV file holds at least one layer", path=path, field="num_layers", offset=O["num_layers"], got=0)
+        raise FormatError("a KV file holds at least one layer", path=path, field="num_layers",
+                          offset=OFF["num_layers"], got=0)
     if nl > MAX_LAYERS:
-        raise FormatError("more layers than any model has", path=path, field="num_layers", offset=O["num_layers"],
+        raise FormatError("more layers than any model has", path=path, field="num_layers", offset=OFF["num_layers"],
                           expected=f"<= {MAX_LAYERS}", got=nl)
     shape = L.KVShape(nl, nh, hd, seq)
     if math.prod(d for d in (nh, seq, hd) if d) * 4 >= 2**63:  # numpy refuses even an empty array that big
         raise FormatError("shape too large for an array", path=path, field="num_kv_heads",
-                          offset=O["num_kv_heads"], expected="non-zero dims * 4 < 2**63", got=(nh, seq, hd))
+                          offset=OFF["num_kv_heads"], expected="non-zero dims * 4 < 2**63", got=(nh, seq, hd))
     want = L.payload_size(shape, kd)
     if orig != want:
         raise FormatError("original_size disagrees with the shape and dtype", path=path, field="original_size",
-                          offset=O["original_size"], expected=want, got=orig)
+                          offset=OFF["original_size"], expected=want, got=orig)
     chunked = bool(flags & L.Flags.CHUNKED)
     encrypted = bool(flags & L.Flags.ENCRYPTED)
     if encrypted and not chunked:
         raise FormatError("ENCRYPTED flag without CHUNKED (encryption is per chunk)", path=path, field="flags",
-                          offset=O["flags"], got=f"{flags:#x}")
+                          offset=OFF["flags"], got=f"{flags:#x}")
     if encrypted:
         if orig > max_decompressed_bytes:
             raise FormatError("declared payload exceeds the decompression limit", path=path, field="original_size",
-                              offset=O["original_size"], expected=f"<= {max_decompressed_bytes}", got=orig)
+                              offset=OFF["original_size"], expected=f"<= {max_decompressed_bytes}", got=orig)
         if csize < L.chunk_table_size(shape):
             raise FormatError("compressed_size smaller than the chunk table", path=path, field="compressed_size",
-                              offset=O["compressed_size"], expected=f">= {L.chunk_table_size(shape)}", got=csize)
+                              offset=OFF["compressed_size"], expected=f">= {L.chunk_table_size(shape)}", got=csize)
     elif cp == L.Compression.NONE:
         if chunked:
-            raise FormatError("CHUNKED flag on an uncompressed file", path=path, field="flags", offset=O["flags"])
+            raise FormatError("CHUNKED flag on an uncompressed file", path=path, field="flags", offset=OFF["flags"])
         if csize != orig:
             raise FormatError("compressed_size of an uncompressed file must equal original_size", path=path,
-                              field="compressed_size", offset=O["compressed_size"], expected=orig, got=csize)
+                              field="compressed_size", offset=OFF["compressed_size"], expected=orig, got=csize)
     else:
         if orig > max_decompressed_bytes:
             raise FormatError("declared payload exceeds the decompression limit (possible decompression bomb)",
-                              path=path, field="original_size", offset=O["original_size"],
+                              path=path, field="original_size", offset=OFF["original_size"],
                               expected=f"<= {max_decompressed_bytes}", got=orig)
         if chunked and csize < L.chunk_table_size(shape):
             raise FormatError("compressed_size smaller than the chunk table", path=path, field="compressed_size",
-                              offset=O["compressed_size"], expected=f">= {L.chunk_table_size(shape)}", got=csize)
+                              offset=OFF["compressed_size"], expected=f">= {L.chunk_table_size(shape)}", got=csize)
     if file_size is not None:
         total = L.HEADER_SIZE + csize
         if file_size < total:
@@ -881,7 +885,8 @@ def open_kv(source: Any, *, mmap: bool | None = None, max_decompressed_bytes: in
 
 def read_kv(source: Any, **kw: Any) -> list[tuple[Any, Any]]:
     """Convenience: open, load everything as copies owned by the caller, close."""
-    load_kw = {k: kw.pop(k) for k in ("layers", "tokens", "threads", "verify", "dequantize") if k in kw}  # rest: open_kv
+    # the rest goes to open_kv
+    load_kw = {k: kw.pop(k) for k in ("layers", "tokens", "threads", "verify", "dequantize") if k in kw}
     with open_kv(source, **kw) as f:
         if load_kw.pop("dequantize", True) or f.dtype != L.KVDType.INT8:
             return f.load_copy(**load_kw)

@@ -212,8 +212,9 @@ OPENAPI: dict = {
             "get": {"summary": "List all (unexpired) contexts, of one model when model_id is given",
                     "parameters": [_p("model_id", "query", False, _MODEL_ID)],
                     "responses": {"200": _json("ContextList", "contexts"), **_errors(400)}},
-            "post": {"summary": "Ingest a context: body is an .npz with arrays k and v [layers, heads, tokens, head_dim], "
-                                "or (with a model backend) the content as JSON, whose KV cache the server computes",
+            "post": {"summary": "Ingest a context: body is an .npz with arrays k and v [layers, heads, tokens, "
+                                "head_dim], or (with a model backend) the content as JSON, whose KV cache the server "
+                                "computes",
                      "parameters": [_p("model_id", "query", True, _MODEL_ID), _p("content", "query", False),
                                     _p("token_ids", "query", False,
                                        {"type": "string", "pattern": "^[0-9]{1,18}(,[0-9]{1,18})*$"},
@@ -221,7 +222,8 @@ OPENAPI: dict = {
                                     _p("name", "query", False), _p("source", "query", False),
                                     _p("dtype", "query", False,
                                        {"type": "string", "enum": ["float32", "float16", "bfloat16", "int8"]}),
-                                    _p("compression", "query", False, {"type": "string", "enum": ["none", "lz4", "zstd"]}),
+                                    _p("compression", "query", False,
+                                       {"type": "string", "enum": ["none", "lz4", "zstd"]}),
                                     _p("ttl", "query", False, {"type": "number", "exclusiveMinimum": True,
                                                                "minimum": 0, "maximum": 3.1e9})],
                      "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY,
@@ -268,7 +270,8 @@ OPENAPI: dict = {
         f"{PREFIX}/events": {
             "get": {"summary": "Server-Sent Events stream of bucket events (seed 003 §6.2)",
                     "parameters": [_p("last_event_id", "query", False, {"type": "string", "pattern": "^[0-9]{1,18}$"}),
-                                   _p("Last-Event-ID", "header", False, {"type": "string", "pattern": "^[0-9]{1,18}$"})],
+                                   _p("Last-Event-ID", "header", False,
+                                      {"type": "string", "pattern": "^[0-9]{1,18}$"})],
                     "responses": {"200": {"description": "text/event-stream: `id`, `event` and a JSON `data` line "
                                                          "per event, until the client leaves or the server stops",
                                           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
@@ -580,7 +583,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                             "them as an .npz upload, application/octet-stream), or start it with --backend "
                             "transformers --model ... to compute them from text")
         if q["model_id"] != backend.model_id:
-            raise InvalidArgumentError(f"this server's model backend serves {backend.model_id!r}, not {q['model_id']!r}")
+            raise InvalidArgumentError(f"this server's model backend serves {backend.model_id!r}, "
+                                       f"not {q['model_id']!r}")
         body = await body_json(request, "TextIngest", limit=min(max_body_bytes, DEFAULT_MAX_TEXT_BODY))
         if ("content" in body) == ("token_ids" in body):
             raise InvalidArgumentError("give exactly one of content or token_ids in the body")

@@ -96,7 +96,8 @@ def warm_nbytes(meta: dict) -> int:
     return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["sequence_length"] * shape["head_dim"] * itemsize
 
 
-def select(layers: list[tuple[Any, Any]], which: Sequence[int] | int | None, tokens: int | None) -> list[tuple[Any, Any]]:
+def select(layers: list[tuple[Any, Any]], which: Sequence[int] | int | None,
+           tokens: int | None) -> list[tuple[Any, Any]]:
     """The chosen layers and token prefix of a full per-layer (K, V) list (arrays or tensors)."""
     seq = layers[0][0].shape[1]
     sel, ntok = L.selection(which, tokens, len(layers), seq)

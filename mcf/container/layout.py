@@ -218,10 +218,10 @@ def _col_unit(lay: QuantLayout) -> int:
 def quant_slice(lay: QuantLayout, r0: int, r1: int, c0: int, c1: int, *, domain: int = Domain.WEIGHTS):
     """Rows ``r0:r1`` and columns ``c0:c1`` of a quantized payload as a payload of their own:
     ``(layout, src, sizes, dst)``, the ranges of the original (``src``, relative to the tensor's data)
-    that make up the smaller payload of ``layout`` (at ``dst``; ``domain`` is the tensor's), or None when ``c0``/``c1`` do not fall
-    where the payload can be cut (a block for q*, a super-block of 256 for k*, an even column for int4,
-    a scale block for the extensions; the last column always can), or, for f8_e4m3_b128, when ``r0`` is not a
-    multiple of 128 (its rows of scales cover 128 rows each: :func:`mcf._core.scaled.scaled_slice`).
+    that make up the smaller payload of ``layout`` (at ``dst``; ``domain`` is the tensor's), or None when
+    ``c0``/``c1`` do not fall where the payload can be cut (a block for q*, a super-block of 256 for k*, an even
+    column for int4, a scale block for the extensions; the last column always can), or, for f8_e4m3_b128, when
+    ``r0`` is not a multiple of 128 (its rows of scales cover 128 rows each: :func:`mcf._core.scaled.scaled_slice`).
 
     Rows are independent in every layout (each region holds its rows one after the other), so a row
     range is one range per region; a column range is one range per row and region.  The per-tensor

@@ -133,10 +133,10 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     ``importance`` (one value >= 0 per column, e.g. the mean squared input of that column from
     :mod:`mcf.imatrix`) weights each column's error in that search.  ``fast=True`` keeps the single-pass
     quantizer (much faster, ~1.5 dB worse at 4 bits, codes within +-qmax); ``compat=True`` reproduces the Go
-    quantizer byte for byte (truncating f16 scales, codes within +-qmax).  Clips default to -max|x| and +max|x|, as the Go tool records
-    them; explicit ones clamp the values before they are quantized, and must be real numbers that round
-    to a finite float32 (QuantInfo stores them as float32).  NaN and infinity are refused, in the array
-    and in the clips, and so is a block scale that would overflow f16, in every mode.
+    quantizer byte for byte (truncating f16 scales, codes within +-qmax).  Clips default to
+    -max|x| and +max|x|, as the Go tool records them; explicit ones clamp the values before they are quantized, and
+    must be real numbers that round to a finite float32 (QuantInfo stores them as float32).  NaN and infinity are
+    refused, in the array and in the clips, and so is a block scale that would overflow f16, in every mode.
     ``threads`` splits the rows across threads (q*/k* without explicit clips, and the error feedback of
     ``second_moment``); the bytes do not depend on it.
 
@@ -209,8 +209,8 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     # pass 1: finiteness and range (needed up front by the clips and by int* scales)
     amax, lo, hi = 0.0, math.inf, -math.inf
     for r in range(0, rows, step):
-        m, l, h = K.absmax_finite(rows_f32(a, r, min(rows, r + step), src))
-        amax, lo, hi = max(amax, m), min(lo, l), max(hi, h)
+        m, low, high = K.absmax_finite(rows_f32(a, r, min(rows, r + step), src))
+        amax, lo, hi = max(amax, m), min(lo, low), max(hi, high)
     if rows * cols == 0:
         lo = hi = 0.0
     if min_clip is None:

@@ -509,7 +509,7 @@ class Container:
                 except FormatError as exc:
                     problems.append(str(exc))
         try:
-            self.model_info
+            _ = self.model_info
         except FormatError as exc:
             problems.append(str(exc))
         ranges = sorted({(t.offset, t.nbytes) for t in self.index.values() if t.nbytes})

@@ -155,7 +155,8 @@ def demo_quantize(path: str, workdir: str, *, model_dir: str | None = None) -> l
     anchor = f"safetensors.numpy.load_file of the source: {st:.1f} ms" if st is not None else \
         "safetensors not installed: no anchor"
     print(f"   f32 file {size_in / 2**20:.1f} MiB: mcf.load_file {t_f32:.1f} ms; {anchor}")
-    print(f"   {'method':<6} {'size':>10} {'ratio':>6} {'RMSE':>9} {'SNR dB':>7} {'decode GB/s':>11} {'load f32 ms':>11}"
+    print(f"   {'method':<6} {'size':>10} {'ratio':>6} {'RMSE':>9} {'SNR dB':>7} {'decode GB/s':>11} "
+          f"{'load f32 ms':>11}"
           "  (decode: float32 out, warm; load: open + dequantize every tensor)")
     rows = []
     prog = Progress("quantize")

@@ -113,7 +113,8 @@ def demo_megacontext(model_dir, workdir, *, out=None, budget: int = 128, recent_
                 fp16 = sum(tree.info()["files"][f"LOD{lv}"]["file_size_bytes"] for lv in (1, 2))
                 w(f"   {policy:<6}: gist files {size:>9,} bytes ({size / fp16:.2f}x fp16's {fp16:,}); working "
                   f"context: token rows {'identical' if same_tokens else 'DIFFER'}, gist rows within "
-                  f"{err:.2e} of fp16's (|gist| <= {float(np.abs(base[gist_rows]).max()) if gist_rows.any() else 0:.3f})\n")
+                  f"{err:.2e} of fp16's "
+                  f"(|gist| <= {float(np.abs(base[gist_rows]).max()) if gist_rows.any() else 0:.3f})\n")
         problems = mc.verify(tree_dir, deep=True) + mc.verify(snap, deep=True)
         ok &= not problems
         w(f"\n== snapshot {snap}\n   mcf ctx verify (tree and snapshot): "

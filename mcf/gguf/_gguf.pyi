@@ -2,6 +2,8 @@ from typing import Any
 
 import numpy as np
 
+from mcf._core._fpconv import IMPLS as IMPLS
+
 VECTOR_TYPES: tuple[int, ...]
 
 def block_info(gtype: int) -> tuple[int, int]: ...

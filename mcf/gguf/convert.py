@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf.errors import DTypeError, InvalidArgumentError, MCFError, in_tensor
-from mcf.gguf.reader import GGUF_METADATA_SECTION, SUPPORTED_TYPES, GGUFFile, GGUFTensor, ggml_type, open
+from mcf.gguf.reader import GGUF_METADATA_SECTION, SUPPORTED_TYPES, GGUFFile, GGUFTensor, open
 
 __all__ = ["ConvertStats", "convert_gguf", "metadata_json", "model_info"]
 
@@ -206,8 +206,8 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
       added (RMSE, SNR, max |error| against the tensor's decoded GGUF values), as ``mcf convert --report``
       prints it.
     - MXFP4 tensors (type 39, gpt-oss) become MCF mxfp4 with the same values, their bytes re-laid out, unless
-      ``method`` requantizes them or ``dtype`` asks for floats (an E8M0 scale of 0xFF, which ggml reads as 2^128 and MCF as NaN, is refused;
-      the code ggml reads as +0 and E2M1 as -0 is stored as +0).
+      ``method`` requantizes them or ``dtype`` asks for floats (an E8M0 scale of 0xFF, which ggml reads as
+      2^128 and MCF as NaN, is refused; the code ggml reads as +0 and E2M1 as -0 is stored as +0).
     - ``method="native"``: Q8_0 and Q4_0 tensors of rank 2 become MCF q8 / q4 without any loss (the
       two formats compute ``w = d * q`` identically; only the byte layout changes); a tensor with a
       subnormal, infinite or NaN block scale (which MCF's decoder would flush) is decoded to float32

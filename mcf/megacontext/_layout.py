@@ -177,7 +177,8 @@ def ctx_dtype(value) -> CtxDType:
 # -- offsets (seed 000's formulas) -------------------------------------------------------------------------
 def token_offset(block_index: int, token_index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Byte offset of token ``token_index`` of block ``block_index`` in LOD0.ctx."""
-    b, t, k = integer(block_index, "block_index"), integer(token_index, "token_index"), integer(block_size, "block_size")
+    b, t = integer(block_index, "block_index"), integer(token_index, "token_index")
+    k = integer(block_size, "block_size")
     return HEADER_SIZE + (b * k + t) * 4
 
 

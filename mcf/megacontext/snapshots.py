@@ -143,7 +143,8 @@ def finish_restore(tree_dir) -> list:
 def restore_validated(snapshot_dir, tree_dir, *, counts: dict, entry_sizes: dict, meta: dict, locked: bool) -> None:
     """The file work of :func:`mcf.megacontext.restore`, once the snapshot in ``snapshot_dir`` opened
     without errors (``counts``: its committed entries per level, ``entry_sizes``: bytes per entry of
-    each level, ``meta``: its metadata with those counts).  ``locked``: the caller already holds ``tree_dir``'s writer lock."""
+    each level, ``meta``: its metadata with those counts).  ``locked``: the caller already holds
+    ``tree_dir``'s writer lock."""
     snapshot_dir = os.path.abspath(os.fspath(snapshot_dir))
     tree_dir = os.path.abspath(os.fspath(tree_dir))
     entry = entry_sizes

@@ -647,7 +647,8 @@ class Tree:
         if self._closed:
             return f"<mcf MegaContext tree {redact(self.path)!r} closed>"
         t, n1, n2 = self.counts
-        return (f"<mcf MegaContext tree {redact(self.path)!r} {'r+' if self.writable else 'r'}: {t} tokens, {n1} LOD1 + "
+        return (f"<mcf MegaContext tree {redact(self.path)!r} {'r+' if self.writable else 'r'}: {t} tokens, "
+                f"{n1} LOD1 + "
                 f"{n2} LOD2 gists, d={self.embedding_dim} {self._policy_text()}, K={self.block_size}>")
 
     def _policy_text(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -130,7 +129,8 @@ def cmd_tokenize(args) -> int:
                      append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
                      add_special_tokens=args.add_special_tokens, empty_text=args.empty_text,
-                     max_line_bytes=_max_line_bytes(args), progress=Progress("tokenize", enabled=None if not args.quiet else False))
+                     max_line_bytes=_max_line_bytes(args),
+                     progress=Progress("tokenize", enabled=None if not args.quiet else False))
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
           f"sequences, {stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
@@ -149,7 +149,8 @@ def _tokenize_on_ray(args) -> int:
     stats = raydata.tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
                              append_eod=args.append_eod, eod_token=args.eod_token, batch_size=args.batch_size,
                              dtype_rule=args.dtype_rule, add_special_tokens=args.add_special_tokens,
-                             empty_text=args.empty_text, max_line_bytes=_max_line_bytes(args), address=args.ray, chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
+                             empty_text=args.empty_text, max_line_bytes=_max_line_bytes(args), address=args.ray,
+                             chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
                              shard_dir=args.shard_dir, merge=not args.no_merge, resume=not args.no_resume,
                              progress=not args.quiet)
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0

@@ -36,9 +36,9 @@ require("ray.data", feature="mcf.megatron.raydata (Megatron datasets on Ray Data
 from ray.data.block import BlockAccessor, BlockMetadata  # noqa: E402 - after the check above
 from ray.data.datasource import Datasink, Datasource, ReadTask  # noqa: E402
 
-from mcf.errors import FormatError, InvalidArgumentError
-from mcf.megatron._chunks import Chunk, describe_inputs, iter_chunk_documents, plan_chunks
-from mcf.megatron._shard_dir import (DirectoryLock, ShardRun, commit_runs, complete_groups, read_plan,
+from mcf.errors import FormatError, InvalidArgumentError  # noqa: E402
+from mcf.megatron._chunks import Chunk, describe_inputs, iter_chunk_documents, plan_chunks  # noqa: E402
+from mcf.megatron._shard_dir import (DirectoryLock, ShardRun, commit_runs, complete_groups, read_plan,  # noqa: E402
                                      remove_our_files, run_name, scan_runs, task_name, write_plan)
 
 __all__ = ["tokenize", "MegatronDatasink", "MegatronDatasource", "TextDatasource", "TokenizeStep", "read_megatron",
@@ -228,7 +228,8 @@ class TokenizeStep:
         flat = np.concatenate(flats).astype(self.dtype, copy=False)
         return pa.table({"group": table.column("group"), "position": table.column("position"),
                          "end": table.column("end"), "tokens": _list_array(tok_off, flat, is_end),
-                         "lengths": _list_array(len_off, np.concatenate(seq_lens).astype(np.int32, copy=False), is_end)})
+                         "lengths": _list_array(len_off, np.concatenate(seq_lens).astype(np.int32, copy=False),
+                                                is_end)})
 
 
 # -- writing shards -----------------------------------------------------------------------------------
@@ -408,7 +409,8 @@ class MegatronDatasink(Datasink):
         else:
             tok_bounds = np.concatenate(([0], np.cumsum(per_row)))
             for k in range(b - a):
-                w.add_document(flat[tok_bounds[k]:tok_bounds[k + 1]], seqlens[int(lo[k] - lo[0]):int(lo[k + 1] - lo[0])])
+                w.add_document(flat[tok_bounds[k]:tok_bounds[k + 1]],
+                               seqlens[int(lo[k] - lo[0]):int(lo[k + 1] - lo[0])])
 
     def get_name(self) -> str:
         """The write tasks' name (``WriteMegatron``)."""
@@ -666,7 +668,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     t_plan = time.perf_counter()
     ray.data.DataContext.get_current().enable_progress_bars = bool(progress)
     shard_dir = os.path.abspath(os.fspath(shard_dir) if shard_dir is not None else output_prefix + ".shards")
-    options = {"version": PLAN_VERSION, "json_key": json_key, "eod": eod, "add_special_tokens": bool(add_special_tokens),
+    options = {"version": PLAN_VERSION, "json_key": json_key, "eod": eod,
+               "add_special_tokens": bool(add_special_tokens),
                "empty_text": empty_text, "dtype": str(dtype), "tokenizer_sha256": step.digest,
                "inputs": [[f.path, f.fingerprint] for f in files]}
     with DirectoryLock(shard_dir):

@@ -19,8 +19,8 @@ import numpy as np
 from mcf._core.args import integer, slice_bounds
 from mcf._core._io import Source, open_source
 from mcf._core.redaction import redact
-from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError, TruncatedError,
-                        UnsupportedVersionError)
+from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError,
+                        TruncatedError, UnsupportedVersionError)
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, FAIRSEQ_DTYPES, FAIRSEQ_HEADER, FAIRSEQ_HEADER_SIZE, HEADER,
                                   HEADER_SIZE, LENGTH_DTYPE, MAGIC, MEGATRON_DTYPES, MODE_DTYPE, POINTER_DTYPE,
@@ -392,7 +392,8 @@ class IndexedDataset(_megatron.SequenceTable):
     def __repr__(self):
         h = self.header
         return (f"<mcf.megatron.IndexedDataset {redact(self.path_prefix or self.idx_path)!r} {h.variant} "
-                f"{h.dtype} {h.sequence_count} sequences, {max(h.document_count - 1, 0) if h.variant == 'megatron' else h.sequence_count} documents"
+                f"{h.dtype} {h.sequence_count} sequences, "
+                f"{max(h.document_count - 1, 0) if h.variant == 'megatron' else h.sequence_count} documents"
                 f"{', multimodal' if h.multimodal else ''}>")
 
 

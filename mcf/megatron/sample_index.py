@@ -107,7 +107,8 @@ def build_sample_idx(sizes, document_idx, seq_length: int, num_epochs: int, toke
     if stuck >= 0 and (stuck <= exact if drop_last_partial_sequence else stuck < exact):
         raise InvalidArgumentError(
             f"num_epochs * tokens_per_epoch = {epochs * tpe} exceeds the tokens of the documents in document_idx: "
-            f"they run out in sample {stuck - 1} of samples 0..{exact - 1} (Megatron would cut or repeat the last sample)")
+            f"they run out in sample {stuck - 1} of samples 0..{exact - 1} "
+            "(Megatron would cut or repeat the last sample)")
     return out
 
 

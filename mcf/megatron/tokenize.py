@@ -9,8 +9,9 @@ The output is what Megatron's builder writes for the same token ids: one sequenc
 sentence for list values), one document per line, ``--append-eod`` adding the end-of-document token
 to the last sequence of a non-empty document, and a text without tokens giving a document without
 sequences (``empty_text="datatrove"``: one sequence of just the EOD, and no document for an empty
-string, as datatrove's reader and tokenizer step write).  The token dtype follows Megatron's rule (uint16 below 65500 tokens of vocabulary, else
-int32) or datatrove's (``dtype_rule="datatrove"``: uint16 up to 65536).
+string, as datatrove's reader and tokenizer step write).  The token dtype follows Megatron's rule
+(uint16 below 65500 tokens of vocabulary, else int32) or datatrove's (``dtype_rule="datatrove"``:
+uint16 up to 65536).
 
 Lines are read in pieces of :data:`READ_BYTES` and none may be longer than ``max_line_bytes``
 (:data:`MAX_LINE_BYTES`, 64 MiB, by default; ``--max-line-bytes`` on the command line): a longer one is a

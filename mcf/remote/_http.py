@@ -248,7 +248,7 @@ class HttpTransport:
         origin = _Origin.of(urlsplit(url))
         same_origin = origin == self._origin
         hdrs = {**self._headers, **headers} if same_origin else dict(headers)
-        for hop in range(MAX_REDIRECTS + 1):
+        for _hop in range(MAX_REDIRECTS + 1):
             ans = self._send(method, url, origin, hdrs, deadline)
             if ans.status not in (301, 302, 303, 307, 308):
                 return ans

@@ -150,7 +150,7 @@ class SafetensorsFile:
             if e > b:
                 spans.append((b, e, name))
         spans.sort()
-        for (b1, e1, n1), (b2, e2, n2) in zip(spans, spans[1:]):
+        for (_b1, e1, n1), (b2, _e2, n2) in zip(spans, spans[1:]):
             if b2 < e1:
                 raise FormatError(f"tensors {n1!r} and {n2!r} overlap", path=path,
                                   field=f"header[{n2!r}].data_offsets", offset=8)
