@@ -285,3 +285,12 @@ def test_nul_in_a_shard_name_is_a_format_error(tmp_path, memdir, where, capsys):
     assert main(["info", d]) == 1
     err = capsys.readouterr().err
     assert "internal error" not in err and "NUL" in err and "weight_map['a.weight']" in err
+
+
+def test_mcf_info_knows_a_gguf_url_by_its_path_not_its_query():
+    """``x.gguf?download=true`` is a GGUF file for ``mcf info`` (it decided by the whole string's suffix)."""
+    from mcf.gguf.info import is_gguf_file
+
+    assert is_gguf_file("https://h/m/x.gguf?download=true")
+    assert is_gguf_file("https://h/m/x.GGUF#frag")
+    assert not is_gguf_file("https://h/m/x.bin?name=.gguf")

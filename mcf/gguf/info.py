@@ -19,6 +19,7 @@ from mcf._core.fs import open_regular
 
 from mcf._core.console import human, printable
 from mcf.gguf.reader import GGUFFile
+from mcf.remote._urls import url_name
 
 __all__ = ["info_dict", "print_info", "is_gguf_file"]
 
@@ -26,8 +27,9 @@ _MAX_SHOWN = 8  # array items shown in the text report; strings longer than 120 
 
 
 def is_gguf_file(path) -> bool:
-    """True for a path ending in ``.gguf`` or a file that starts with the GGUF magic."""
-    if str(path).lower().endswith(".gguf"):
+    """True for a path or URL named ``*.gguf`` (a URL's query aside: ``x.gguf?download=true``) or a file that
+    starts with the GGUF magic."""
+    if url_name(path).lower().endswith(".gguf"):
         return True
     try:
         fd = open_regular(path)  # a FIFO would block a plain open; the reader that follows says what it is

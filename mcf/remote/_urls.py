@@ -10,6 +10,7 @@ fetches where it can; every other scheme (``memory://``, ``file://``, ``hf://``.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -17,7 +18,8 @@ from urllib.parse import unquote, urlsplit
 from mcf._core.redaction import redact, redact_text
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["OBJECT_STORE_SCHEMES", "Target", "is_url", "redact", "redact_text", "refuse_url", "target"]
+__all__ = ["OBJECT_STORE_SCHEMES", "Target", "is_url", "redact", "redact_text", "refuse_url", "target",
+           "has_query_syntax", "split_url", "url_name"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -68,3 +70,36 @@ def target(url: str) -> Target:
         raise InvalidArgumentError(f"{redact(url)}: the URL names no object (expected {scheme}://"
                                    f"{parts.netloc}/PATH/TO/FILE)")
     return Target(url, kind, f"{scheme}://{parts.netloc}", key)
+
+
+# -- a URL's name, its query aside -------------------------------------------------------------------
+def has_query_syntax(url: str) -> bool:
+    """True for the URLs whose path is percent-encoded and may be followed by a query and a fragment
+    (http(s) and the object stores); fsspec's other schemes (``memory://``, ``file://``, ``hf://``) take
+    everything after ``scheme://`` as a literal path, ``?`` and ``#`` included."""
+    return url.split("://", 1)[0].lower() in OBJECT_STORE_SCHEMES
+
+
+def split_url(url: str) -> tuple:
+    """``(head, query)``: the URL up to the end of its path, and its query with the ``?`` ("" when none); a
+    fragment is left out.  A URL of a literal-path scheme is all head."""
+    if not has_query_syntax(url):
+        return url, ""
+    cut = min((k for k in (url.find("?"), url.find("#")) if k != -1), default=len(url))
+    head, rest = url[:cut], url[cut:]
+    return head, rest.split("#", 1)[0] if rest.startswith("?") else ""
+
+
+def url_name(path) -> str:
+    """The name a decision by name looks at: a path as it is; for an http(s) or object-store URL, the URL
+    without its query and fragment, its path percent-decoded (``https://h/m.safetensors?download=true`` is
+    ``https://h/m.safetensors``); for fsspec's other schemes the URL as it is (their paths are literal)."""
+    p = os.fsdecode(os.fspath(path))
+    if not is_url(p):
+        return p
+    head, _ = split_url(p)
+    if not has_query_syntax(p):
+        return head
+    scheme, rest = head.split("://", 1)
+    host, slash, key = rest.partition("/")
+    return f"{scheme}://{host}{slash}{unquote(key)}"

@@ -30,7 +30,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 from mcf._core._io import Source, open_source
 from mcf._core.fs import read_regular
@@ -39,7 +39,7 @@ from mcf._core.memory import allocating
 from mcf.errors import AccessError, FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
 from mcf.remote import is_url, redact
-from mcf.remote._urls import OBJECT_STORE_SCHEMES
+from mcf.remote._urls import has_query_syntax, split_url, url_name
 
 __all__ = ["SafetensorsFile", "SafetensorsTensor", "Checkpoint", "CheckpointFiles", "open_checkpoint",
            "locate_checkpoint", "name_kind", "url_name", "join_name", "ST_DTYPES", "INDEX_NAME", "WEIGHTS_NAME"]
@@ -348,38 +348,6 @@ def _check_index(ckpt: Checkpoint, wm: dict, idx: str, shard_of: dict) -> None:
 
 
 # -- which files a path or URL means -------------------------------------------------------------------------
-def _hierarchical(url: str) -> bool:
-    """True for the URLs whose path is percent-encoded and may be followed by a query and a fragment
-    (http(s) and the object stores); fsspec's other schemes (``memory://``, ``file://``, ``hf://``) take
-    everything after ``scheme://`` as a literal path, ``?`` and ``#`` included."""
-    return url.split("://", 1)[0].lower() in OBJECT_STORE_SCHEMES
-
-
-def _split_url(url: str) -> tuple:
-    """``(head, query)``: the URL up to the end of its path, and its query with the ``?`` ("" when none); a
-    fragment is left out.  A URL of a literal-path scheme is all head."""
-    if not _hierarchical(url):
-        return url, ""
-    cut = min((k for k in (url.find("?"), url.find("#")) if k != -1), default=len(url))
-    head, rest = url[:cut], url[cut:]
-    return head, rest.split("#", 1)[0] if rest.startswith("?") else ""
-
-
-def url_name(path) -> str:
-    """The name a decision by name looks at: a path as it is; for an http(s) or object-store URL, the URL
-    without its query and fragment, its path percent-decoded (``https://h/m.safetensors?download=true`` is
-    ``https://h/m.safetensors``); for fsspec's other schemes the URL as it is (their paths are literal)."""
-    p = os.fsdecode(os.fspath(path))
-    if not is_url(p):
-        return p
-    head, _ = _split_url(p)
-    if not _hierarchical(p):
-        return head
-    scheme, rest = head.split("://", 1)
-    host, slash, key = rest.partition("/")
-    return f"{scheme}://{host}{slash}{unquote(key)}"
-
-
 def name_kind(path) -> str | None:
     """What the name of ``path`` (:func:`url_name`) says it is: ``"file"`` (``*.safetensors``), ``"index"``
     (``*.json``), ``"directory"`` (a trailing ``/``, or a URL naming no path), or None (nothing)."""
@@ -403,15 +371,15 @@ def join_name(base, name: str) -> str:
     base = os.fsdecode(os.fspath(base))
     if not is_url(base):
         return os.path.join(base, name)
-    head, query = _split_url(base)
-    if _hierarchical(base):
+    head, query = split_url(base)
+    if has_query_syntax(base):
         name = quote(name, safe="")
     return head.rstrip("/") + "/" + name + query
 
 
 def _parent(url: str) -> str:
     """The directory URL of the file ``url`` (its query kept)."""
-    head, query = _split_url(url)
+    head, query = split_url(url)
     return head.rsplit("/", 1)[0] + "/" + query
 
 
