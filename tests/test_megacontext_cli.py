@@ -125,3 +125,28 @@ def test_entry_point_subprocess(tmp_path):
     cmd = mcf_command()
     r = subprocess.run(cmd + ["ctx", "verify", str(tmp_path / "t")], capture_output=True, text=True, check=False)
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stderr
+
+
+def test_ingest_reads_an_endless_line_in_bounded_pieces():
+    """``mcf ctx ingest`` of text read whole lines (``for line in f``): a file without newlines was held whole.
+    Now no read asks for more than a chunk, a long line is cut after its last whitespace inside a chunk, and the
+    text comes back exactly."""
+    import io
+
+    from mcf.megacontext.cli import _text_chunks
+
+    class Recorder(io.StringIO):
+        asked = []
+
+        def readline(self, size=-1):
+            self.asked.append(size)
+            return super().readline(size)
+
+    text = ("lorem ipsum " * 5000) + "\nshort line\n" + "x" * 3000
+    f = Recorder(text)
+    out = list(_text_chunks(f, 1024))
+    assert "".join(t for t, _ in out) == text
+    assert all(0 < n <= 1024 for n in Recorder.asked)          # never an unbounded readline
+    assert all(len(t) <= 2 * 1024 for t, _ in out)
+    words = [t for t, _ in out if "lorem" in t and "xx" not in t]
+    assert all(t.endswith((" ", "\n")) for t in words)          # words kept whole where the text allows

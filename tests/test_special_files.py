@@ -309,3 +309,27 @@ def test_megatron_writer_publishes_over_a_fifo(tmp_path):
     assert outcome(write, prefix + ".bin") is None
     with mm.open(prefix) as ds:
         assert [x.tolist() for x in ds] == [[0, 1], [2, 3, 4]]
+
+
+def test_creating_a_megacontext_tree_over_a_planted_fifo_is_refused(tmp_path):
+    """``create`` opened each level file with a plain ``open(path, "wb")``: a FIFO planted under the name
+    waited for a reader forever.  It is refused, naming the file."""
+    import mcf.megacontext as mc
+    from mcf.megacontext._files import level_path
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    p = level_path(str(tree), 1)
+    os.mkfifo(p)
+
+    def unblock_writer():
+        try:
+            os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    err = outcome(lambda: mc.create(str(tree), embedding_dim=8))
+    if err is None:
+        unblock_writer()
+    assert isinstance(err, mcf.MCFIOError) and "is a FIFO, not a regular file" in str(err), repr(err)
+    assert str(p) in str(err)

@@ -87,15 +87,30 @@ def _embedding_table(ckpt, name):
 
 
 def _text_chunks(f, chunk_bytes):
-    """Pieces of a text stream, cut at line ends, about ``chunk_bytes`` long."""
+    """Pieces of a text stream, cut at line ends, about ``chunk_bytes`` long.  A line is read at most
+    ``chunk_bytes`` characters at a time, so one endless line (a file without newlines) holds no more than
+    that: a line longer than a chunk is cut after its last whitespace inside the chunk (or at the chunk's
+    end where it has none), so words stay whole wherever the text allows."""
     buf = []
     size = 0
-    for line in f:
+    carry = ""
+    while True:
+        line = carry + f.readline(max(1, chunk_bytes - len(carry)))
+        carry = ""
+        if not line:
+            break
+        if not line.endswith("\n") and len(line) >= chunk_bytes:
+            cut = max(line.rfind(" "), line.rfind("\t")) + 1
+            if 0 < cut < len(line):
+                line, carry = line[:cut], line[cut:]
         buf.append(line)
         size += len(line)
         if size >= chunk_bytes:
             yield "".join(buf), size
             buf, size = [], 0
+    if carry:
+        buf.append(carry)
+        size += len(carry)
     if buf:
         yield "".join(buf), size
 

@@ -26,7 +26,7 @@ from mcf._core.fs import fsync_file, open_regular
 from mcf._core import _fpconv
 from mcf._core.args import index_array, integer, slice_bounds
 from mcf._core._io import Source
-from mcf.errors import InvalidArgumentError, OutOfBoundsError, TruncatedError, os_error
+from mcf.errors import InvalidArgumentError, MCFError, OutOfBoundsError, TruncatedError, os_error
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
 from mcf.megacontext._layout import (COUNT_OFFSET, DEFAULT_BLOCK_SIZE, HEADER_SIZE, LEVELS, CtxDType, CtxHeader,
@@ -698,11 +698,14 @@ def create(path, *, embedding_dim: int, model_name: str = "", block_size: int = 
                           dtype_code=0 if level == 0 else gdts[level].code, num_entries=0, model_name=model_name)
             fpath = level_path(path, level)
             try:
-                with open(fpath, "wb") as f:
+                # a FIFO or a device planted under the name is refused, never opened (a plain open would wait)
+                with os.fdopen(open_regular(fpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
                     f.write(h.pack())
                     if durable:
                         f.flush()
                         fsync_file(f.fileno())
+            except MCFError:
+                raise
             except OSError as exc:
                 raise os_error(exc, fpath) from None
         meta = new_metadata(model_name=model_name, embedding_dim=int(embedding_dim), block_size=int(block_size),
