@@ -225,3 +225,48 @@ def test_an_mcf_section_larger_than_the_memory_is_refused():
     with pytest.raises(AllocationError, match=r"claims.mcf: section TensorIndex needs 1152921504606846976 bytes "
                                               r"\(1.0 EiB\), more than this machine's memory"):
         mcf.open(_Claims(head, total, name="claims.mcf"))
+
+
+@pytest.mark.parametrize("version", ["v2", "v1", "v1-memsw", "none"])
+def test_a_control_groups_limit_bounds_what_a_file_may_ask_for(tmp_path, monkeypatch, version):
+    """In a container the machine's RAM is not what the process may use: the control group's memory limit (and
+    its swap limit) bounds the allocation rule too, at any level of the group's path."""
+    from mcf._core import memory
+
+    root = tmp_path / "cgroup"
+    proc = tmp_path / "cgroup.txt"
+    gib = 1 << 30
+    if version == "v2":
+        d = root / "a" / "b"
+        d.mkdir(parents=True)
+        (root / "a" / "memory.max").write_text(str(3 * gib))
+        (d / "memory.max").write_text("max")
+        (root / "a" / "memory.swap.max").write_text(str(gib))
+        proc.write_text("0::/a/b\n")
+        want = 3 * gib + 7         # the group allows 1 GiB of swap, the machine has 7 bytes
+    elif version.startswith("v1"):
+        d = root / "memory" / "docker" / "x"
+        d.mkdir(parents=True)
+        (d / "memory.limit_in_bytes").write_text(str(2 * gib))
+        if version == "v1-memsw":
+            (d / "memory.memsw.limit_in_bytes").write_text(str(2 * gib + 5))
+        (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")   # the root: no limit
+        proc.write_text("4:memory:/docker/x\n0::/\n")
+        want = 2 * gib + (5 if version == "v1-memsw" else 7)
+    else:
+        root.mkdir()
+        proc.write_text("0::/\n")
+        want = None
+    monkeypatch.setattr(memory, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(proc))
+    got = memory._cgroup_limit(7)
+    if want is None:
+        assert got >= 1 << 62
+    else:
+        assert got == want
+        memory.memory_limit.cache_clear()
+        try:
+            assert memory.memory_limit() <= want
+        finally:
+            monkeypatch.undo()
+            memory.memory_limit.cache_clear()

@@ -33,15 +33,73 @@ _ADDRESS_SPACE = (1 << 63) - 1
 @functools.lru_cache(maxsize=1)
 def memory_limit() -> int:
     """Bytes of physical memory plus swap (``sysconf``; swap from ``/proc/meminfo`` on Linux, none counted
-    elsewhere), the most one call may allocate for a file's contents; the address space when the system
-    does not say."""
+    elsewhere), or less where the process's control group says so (a container's ``memory.max`` plus its
+    ``memory.swap.max``, cgroup v2; ``memory.memsw.limit_in_bytes`` or ``memory.limit_in_bytes`` plus swap,
+    v1): the most one call may allocate for a file's contents; the address space when the system does not
+    say."""
     try:
         phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return _ADDRESS_SPACE
     if phys <= 0:
         return _ADDRESS_SPACE
-    return min(phys + _swap_bytes(), _ADDRESS_SPACE)
+    swap = _swap_bytes()
+    return min(phys + swap, _cgroup_limit(swap), _ADDRESS_SPACE)
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_CGROUP = "/proc/self/cgroup"
+_UNLIMITED = 1 << 62       # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    if not text.isdigit():          # "max": no limit
+        return None
+    n = int(text)
+    return None if n >= _UNLIMITED else n
+
+
+def _cgroup_limit(swap: int) -> int:
+    """The memory (and swap) the process's control group allows, or the address space where none is set.
+    Each group on the path from the process's own to the root is read (the tightest wins), at the path
+    ``/proc/self/cgroup`` names and at the mount's root (what a container sees of its own group)."""
+    try:
+        with open(PROC_CGROUP, "rb") as f:
+            lines = f.read(1 << 16).decode(errors="replace").splitlines()
+    except OSError:
+        return _ADDRESS_SPACE
+    best = _ADDRESS_SPACE
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            base, files = CGROUP_ROOT, (("memory.max", "memory.swap.max"),)
+        elif "memory" in controllers.split(","):
+            base, files = os.path.join(CGROUP_ROOT, "memory"), (("memory.limit_in_bytes", None),
+                                                                ("memory.memsw.limit_in_bytes", "memsw"))
+        else:
+            continue
+        dirs, parts = [base], [p for p in path.split("/") if p and p != ".."]
+        for k in range(1, len(parts) + 1):
+            dirs.append(os.path.join(base, *parts[:k]))
+        for d in dirs:
+            for mem_name, extra in files:
+                mem = _read_limit(os.path.join(d, mem_name))
+                if mem is None:
+                    continue
+                if extra == "memsw":               # v1: memory and swap together
+                    best = min(best, mem)
+                elif extra is None:                # v1: memory alone, swap as the machine has it
+                    best = min(best, mem + swap)
+                else:                              # v2: memory, plus the group's swap (or the machine's)
+                    sw = _read_limit(os.path.join(d, extra))
+                    best = min(best, mem + (swap if sw is None else min(sw, swap)))
+    return best
 
 
 def _swap_bytes() -> int:
