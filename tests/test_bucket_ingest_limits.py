@@ -197,9 +197,9 @@ def test_disk_full_is_507_with_one_log_line(small_disk, request):
 
 def test_enospc_is_mapped_everywhere_it_can_come_from():
     """The same status for ENOSPC and EDQUOT (a quota), whichever layer raised them."""
-    from mcf.bucket.server import _out_of_space
+    from mcf.bucket._routes import out_of_space
     from mcf.errors import MCFIOError
 
-    assert _out_of_space(OSError(errno.ENOSPC, "No space left on device"))
-    assert _out_of_space(MCFIOError(errno.EDQUOT, "Disk quota exceeded", "x"))
-    assert not _out_of_space(OSError(errno.EIO, "I/O error"))
+    assert out_of_space(OSError(errno.ENOSPC, "No space left on device"))
+    assert out_of_space(MCFIOError(errno.EDQUOT, "Disk quota exceeded", "x"))
+    assert not out_of_space(OSError(errno.EIO, "I/O error"))
