@@ -9,7 +9,7 @@ run never collects this directory)::
 The model is cached in ``$MCF_BENCH_DIR`` (default ``<tempdir>/mcf-bench``) and rebuilt only when its
 manifest or the file sizes do not match what this file would write.  ``MCF_BENCH_MEMORY`` (``warm``,
 the default, or ``fresh``) pins the allocator state of the benchmarks that allocate (see "allocator
-state" below and bench/README.md).
+state" below and bench/results/reader.md).
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tw = terminalreporter
     tw.section("MCF reader benchmarks: medians, warm page cache")
     tw.write_line(f"memory mode: {memory_mode()} (MCF_BENCH_MEMORY: 'warm' reuses faulted-in pages, "
-                  "'fresh' faults every page in anew each round; see bench/README.md)")
+                  "'fresh' faults every page in anew each round; see bench/results/reader.md)")
     tw.write_line(f"mcf {mcf.__version__} from {os.path.dirname(mcf.__file__)}, numpy {np.__version__}")
     m = r.model
     if m is not None:

@@ -1,6 +1,6 @@
 """What fresh destination memory costs on this machine, and what makes it cheaper: the investigation behind
-``mcf.io.aligned_empty`` taking its memory from the C allocator instead of numpy's (bench/README.md,
-"Loading checkpoints").
+``mcf.io.aligned_empty`` taking its memory from the C allocator instead of numpy's (bench/results/loading.md,
+"Fresh destination memory").
 
     python bench/fresh_memory.py                 # 1 GiB, 5 rounds
     python bench/fresh_memory.py --size 0.5 --rounds 3

@@ -1,6 +1,6 @@
 """The state of this shared machine next to a figure: the load average, and the share of the cores other
-processes used while a measurement ran (BENCHMARKING.md: figures drift +-25% with the other work here, so
-every figure carries the host state it was taken in).
+processes used while a measurement ran (bench/README.md, "How to read the results": figures drift +-25%
+with the other work here, so every figure carries the host state it was taken in).
 
 Used by bench/conftest.py (in-process benchmarks) and the loading benchmarks' fresh child processes
 (bench/load_child.py), so both compute "other" the same way.

@@ -5,8 +5,9 @@ before its concurrent ranged reads.
     unshare --net sh -c 'ip link set lo up; python bench/remote_throughput.py --server s3 --rounds 5 --today OLD'
     unshare --net sh -c 'ip link set lo up; python bench/remote_throughput.py --server http --rounds 5 --today OLD'
 
-``OLD`` is a built checkout of the code to compare with (the figures in bench/README.md used 4723e8b, main
-before the read engine and the obstore client: ``git archive 4723e8b | tar -x -C OLD``, then
+``OLD`` is a built checkout of the code to compare with (the figures in bench/results/loading.md and
+bench/results/remote.md used 4723e8b, main before the read engine and the obstore client:
+``git archive 4723e8b | tar -x -C OLD``, then
 ``python setup.py build_ext --inplace`` there).  The network namespace keeps every server and client on
 a private loopback.
 

@@ -1,5 +1,5 @@
 """Conversion benchmarks: safetensors -> MCF (float and k4) and MCF -> safetensors, against a
-plain copy of the same file measured in the same run (see bench/README.md, "Conversion").
+plain copy of the same file measured in the same run (see bench/results/conversion.md).
 
 The input is the ~1 GiB F16 ``model.safetensors`` of bench/conftest.py.  Both sides write to the same
 file system (next to the cached model) and delete their output outside the timed region.  The

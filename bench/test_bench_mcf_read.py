@@ -1,4 +1,4 @@
-"""Benchmarks of the MCF reader against safetensors and plain file reads (see bench/README.md).
+"""Benchmarks of the MCF reader against safetensors and plain file reads (see bench/results/reader.md).
 
 Every target is compared with its anchor measured in the same run: the anchor has its own benchmark
 row, and the target's test also times the anchor once before each of its own rounds (in pedantic's

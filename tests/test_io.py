@@ -293,7 +293,7 @@ def _vm_flags(addr: int) -> list:
 def test_fresh_buffers_do_not_ask_for_huge_pages():
     """Loader destinations are faulted in as the engine fills them; numpy's allocator advises
     MADV_HUGEPAGE ("hg") on arrays of 4 MiB or more, which made those faults 3x dearer in system time on
-    the project's VM (bench/README.md, "Loading").  mcf's buffers never ask for it.  Checked in a fresh
+    the project's VM (bench/results/loading.md).  mcf's buffers never ask for it.  Checked in a fresh
     process: in this one, the C allocator may hand back heap memory that numpy advised for an earlier array
     (glibc reuses freed heap blocks before it maps new memory), and such memory keeps numpy's advice."""
     code = ("import numpy as np\n"

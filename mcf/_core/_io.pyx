@@ -161,7 +161,7 @@ def aligned_empty(nbytes, align=4096):
     What a fresh array costs is its first-touch page faults, paid while the read engine fills it, and on
     this project's machine (a Firecracker VM whose balloon takes back free memory) huge pages made them
     3-4x dearer: a 1.67 GB load spent ~2.9 s of system time faulting huge pages against ~0.8 s for 4 KiB
-    pages, and loaded at 0.3 GB/s instead of 1 GB/s from the page cache (bench/README.md, "Loading").  The
+    pages, and loaded at 0.3 GB/s instead of 1 GB/s from the page cache (bench/results/loading.md).  The
     kernel's own policy still applies: with transparent huge pages ``always``, these arrays get them too;
     and a block the C allocator recycles from heap memory numpy advised earlier keeps that advice.
     """

@@ -44,7 +44,7 @@ __all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "execute", "aligned_by
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
 STAGING_BYTES = 64 << 20
 #: Results of at least this many bytes start on a page boundary: positional reads (and O_DIRECT) into
-#: page-aligned memory run about twice as fast (docs/BENCHMARKING); smaller ones skip the padding.
+#: page-aligned memory run about twice as fast (docs/io.md); smaller ones skip the padding.
 ALIGN_FROM = 64 << 10
 
 
