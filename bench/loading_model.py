@@ -12,8 +12,8 @@ heads of 64, MLP 5632, vocabulary 32000, untied ``lm_head``) make 1.67 GB, above
 for and well above every loader's fixed costs; 147 tensors from 8 KiB norms to 131 MB embeddings, so a
 plan is neither one big range nor many tiny ones.  Values are normal(0, 0.02) (norms 1 + normal(0, 0.05))
 in bfloat16, never zeros: zeros write, and on some paths read, unrealistically fast here
-(bench/results/reader.md, "The model").  Every matrix divides by 4 along the dimension tensor parallelism splits (rows of
-q/k/v/gate/up/embeddings/lm_head, columns of o/down), so rank 0 of 4 is a valid plan
+(bench/results/reader.md, "The model").  Every matrix divides by 4 along the dimension tensor parallelism
+splits (rows of q/k/v/gate/up/embeddings/lm_head, columns of o/down), so rank 0 of 4 is a valid plan
 (:func:`tp_plan`).
 
 The files are built once (about a minute) and cached in ``$MCF_BENCH_DIR/loading`` (default
