@@ -380,14 +380,14 @@ def test_finalize_10m(benchmark, tmp_path, durable):
 
 
 # -- 4. build_sample_idx -------------------------------------------------------------------------------
-def test_build_sample_idx_vs_megatron(benchmark):
+def test_build_sample_idx_vs_megatron(benchmark, tmp_path):
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from _megatron_ref import load_megatron_oracle
 
     try:
-        oracle = load_megatron_oracle()
+        oracle = load_megatron_oracle(tmp_path)   # the wheel is downloaded through this scratch directory
     except RuntimeError as exc:
         pytest.skip(f"megatron-core wheel unavailable: {exc}")
     rng = np.random.default_rng(6)
