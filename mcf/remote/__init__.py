@@ -39,13 +39,20 @@ from __future__ import annotations
 from mcf.remote.file import (BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_SIZE, DEFAULT_COALESCE, DEFAULT_CONCURRENCY,
                               DEFAULT_MIN_RATE, DEFAULT_REQUEST_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY,
                               DEFAULT_TIMEOUT, RemoteFile)
-from mcf.remote._fsspec import url_to_fs
 from mcf.remote._stores import storage_options
 from mcf.remote._urls import is_url, redact, refuse_url
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url", "redact", "storage_options", "url_to_fs",
            "BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_CONCURRENCY",
            "DEFAULT_COALESCE", "DEFAULT_RETRIES", "DEFAULT_RETRY_DELAY", "DEFAULT_TIMEOUT", "DEFAULT_MIN_RATE"]
+
+
+def url_to_fs(url, storage_options):
+    """fsspec's file system and path for ``url`` (``storage_options`` go to the file system).  A function
+    here, so that ``import mcf`` does not import the HTTP clients."""
+    from mcf.remote._fsspec import url_to_fs as to_fs
+
+    return to_fs(url, storage_options)
 
 
 def open_remote(url, **options):
