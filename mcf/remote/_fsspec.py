@@ -71,6 +71,7 @@ class FsspecTransport:
         self._s3 = not self._http and hasattr(self._fs, "_call_s3") and hasattr(self._fs, "split_path")
         self.size_hint = None
         self.etag = None
+        self.modified = None
         self.identity = None
         self.timeout = timeout
         self.min_rate = float(min_rate)
@@ -206,6 +207,7 @@ class FsspecTransport:
                                   "needs it to bounds-check every read", self.url)
             self.size_hint = int(length)
             self.etag = r.headers.get("ETag") or None
+            self.modified = r.headers.get("Last-Modified") or None
             return self.size_hint
 
     async def _http_range(self, start: int, end: int, mv: memoryview):
@@ -224,10 +226,13 @@ class FsspecTransport:
             if r.status == 412:
                 return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag is no longer "
                                   f"{self.etag}): open it again", self.url)
-            etag = r.headers.get("ETag")
+            etag, modified = r.headers.get("ETag"), r.headers.get("Last-Modified")
             if self.etag is not None and etag is not None and etag != self.etag:
                 return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag was "
                                   f"{self.etag}, the server now answers {etag}): open it again", self.url)
+            if self.etag is None and self.modified is not None and modified is not None and modified != self.modified:
+                return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its Last-Modified was "
+                                  f"{self.modified}, the server now answers {modified}): open it again", self.url)
             if r.status == 200:
                 if not (start == 0 and end == self.size_hint):
                     return Retry(f"status 200 for a {end - start}-byte range at offset {start}: the server ignored "
