@@ -149,6 +149,12 @@ def test_megacontext_remote(server, www):
         _eq(remote.gists(1, [3, 1, 39]), local.gists(1, [3, 1, 39]))
     assert [str(p) for p in megacontext.verify(server.url("tree"), deep=True)] == \
         [str(p) for p in megacontext.verify(str(www / "tree"), deep=True)]
+    # a tree URL with a query (a token, ?download=true): each file's name goes before it, the query after
+    # (the files were joined onto the whole string: "tree/?download=true/metadata.json")
+    for url in (server.url("tree/") + "?download=true", server.url("tree") + "?download=true"):
+        with megacontext.open_tree(url) as q:
+            assert q.counts == local.counts
+            _eq(q.gists(2), local.gists(2))
     local.close()
     with pytest.raises(InvalidArgumentError, match="remote"):
         megacontext.open_tree(server.url("tree"), "r+")

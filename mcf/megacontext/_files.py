@@ -14,20 +14,23 @@ import numpy as np
 from mcf.errors import MCFIOError, MissingFileError, os_error
 from mcf.megacontext._layout import LEVEL_FILES
 from mcf.remote import is_url
+from mcf.remote._urls import join_path, split_url
 
 __all__ = ["dir_path", "level_path", "not_a_dir", "pwrite_all"]
 
 
 def dir_path(path) -> str:
-    """An absolute directory path, or a URL as given (read-only trees over fsspec, see mcf.remote)."""
+    """An absolute directory path, or a URL as given without a trailing ``/`` before its query (read-only trees
+    over a URL, see mcf.remote)."""
     if is_url(path):
-        return os.fsdecode(path).rstrip("/")
+        head, query = split_url(os.fsdecode(path))
+        return head.rstrip("/") + query
     return os.path.abspath(os.fspath(path))
 
 
 def level_path(dirpath, level):
-    """The path of level ``level``'s .ctx file in the tree directory ``dirpath``."""
-    return os.path.join(dirpath, LEVEL_FILES[level])
+    """The path of level ``level``'s .ctx file in the tree directory ``dirpath`` (a URL's query kept after it)."""
+    return join_path(dirpath, LEVEL_FILES[level])
 
 
 def not_a_dir(path):

@@ -20,6 +20,7 @@ from mcf.megacontext._files import level_path, not_a_dir
 from mcf.megacontext._layout import (COUNT_OFFSET, HEADER_SIZE, LEVEL_FILES, CtxHeader, encode_model_name, gist_dtypes,
                                      parse_header)
 from mcf.megacontext._lock import RESTORE_MARKER
+from mcf.remote._urls import join_path
 from mcf.megacontext.metadata import METADATA, counts_of, load_metadata
 from mcf.remote import is_url
 
@@ -103,7 +104,7 @@ def read_level(dirpath, level, mmap, expect_count, problems) -> Level:
 def cross_check(dirpath, meta, levels, problems) -> None:
     """Geometry, counts and metadata against each other; appends to ``problems``."""
     heads = {k: v.header for k, v in levels.items() if v.header is not None}
-    mpath = os.path.join(dirpath, METADATA)
+    mpath = join_path(dirpath, METADATA)
     ref = heads.get(0) or next(iter(heads.values()), None)
     for lv, h in sorted(heads.items()):
         path = levels[lv].path

@@ -21,6 +21,7 @@ import time
 from mcf._core.fs import fsync_file, publish, read_regular, write_all
 from mcf.errors import FormatError, MCFError, MissingFileError, UnsupportedVersionError, os_error
 from mcf.remote import is_url
+from mcf.remote._urls import join_path
 from mcf.megacontext._layout import CTX_DTYPES, LEVEL_FILES, file_size, gist_dtypes
 
 __all__ = ["METADATA", "VERSION", "new_metadata", "read_metadata", "validate_metadata", "write_metadata",
@@ -232,7 +233,7 @@ def read_metadata(dirpath) -> dict:
 
 def load_metadata(dirpath):
     """(metadata or None, problems) without raising: what ``verify`` needs to list everything."""
-    path = os.path.join(os.fspath(dirpath), METADATA)
+    path = join_path(dirpath, METADATA)
     try:
         if is_url(path):  # a read-only tree over fsspec
             from mcf.remote import RemoteFile
@@ -297,4 +298,4 @@ def write_metadata(dirpath, meta: dict, *, durable: bool = False, name: str = ME
 
 
 def level_file(dirpath, level: int) -> str:
-    return os.path.join(os.fspath(dirpath), LEVEL_FILES[level])
+    return join_path(dirpath, LEVEL_FILES[level])

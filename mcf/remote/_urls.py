@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from mcf._core.redaction import redact, redact_text
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["OBJECT_STORE_SCHEMES", "Target", "is_url", "redact", "redact_text", "refuse_url", "target",
-           "has_query_syntax", "split_url", "url_name"]
+           "has_query_syntax", "split_url", "url_name", "join_path"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -103,3 +103,17 @@ def url_name(path) -> str:
     scheme, rest = head.split("://", 1)
     host, slash, key = rest.partition("/")
     return f"{scheme}://{host}{slash}{unquote(key)}"
+
+
+def join_path(base, name: str) -> str:
+    """The path or URL of the file ``name`` in the directory ``base``.  A URL keeps its query (how the store is
+    reached: ``?download=true``, a token) after the new path; for http(s) and the object stores ``name`` is
+    percent-encoded, so a file named ``a?b#c%20.safetensors`` is the file of that name, not a query or a
+    fragment (fsspec's other schemes take names as they are)."""
+    base = os.fsdecode(os.fspath(base))
+    if not is_url(base):
+        return os.path.join(base, name)
+    head, query = split_url(base)
+    if has_query_syntax(base):
+        name = quote(name, safe="")
+    return head.rstrip("/") + "/" + name + query

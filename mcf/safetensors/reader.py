@@ -30,7 +30,6 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from urllib.parse import quote
 
 from mcf._core._io import Source, open_source
 from mcf._core.fs import read_regular
@@ -39,7 +38,7 @@ from mcf._core.memory import allocating
 from mcf.errors import AccessError, FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
 from mcf.remote import is_url, redact
-from mcf.remote._urls import has_query_syntax, split_url, url_name
+from mcf.remote._urls import join_path, split_url, url_name
 
 __all__ = ["SafetensorsFile", "SafetensorsTensor", "Checkpoint", "CheckpointFiles", "open_checkpoint",
            "locate_checkpoint", "name_kind", "url_name", "join_name", "ST_DTYPES", "INDEX_NAME", "WEIGHTS_NAME"]
@@ -364,17 +363,9 @@ def name_kind(path) -> str | None:
 
 
 def join_name(base, name: str) -> str:
-    """The path or URL of the file ``name`` in the directory ``base``.  A URL keeps its query (how the
-    store is reached: ``?download=true``, a token) after the new path; for http(s) and the object stores
-    ``name`` is percent-encoded, so a shard named ``a?b#c%20.safetensors`` is the file of that name, not a
-    query or a fragment (fsspec's other schemes take names as they are)."""
-    base = os.fsdecode(os.fspath(base))
-    if not is_url(base):
-        return os.path.join(base, name)
-    head, query = split_url(base)
-    if has_query_syntax(base):
-        name = quote(name, safe="")
-    return head.rstrip("/") + "/" + name + query
+    """The path or URL of the file ``name`` in the directory ``base`` (:func:`mcf.remote._urls.join_path`: a
+    URL keeps its query, a name is percent-encoded where the scheme has query syntax)."""
+    return join_path(base, name)
 
 
 def _parent(url: str) -> str:
