@@ -251,13 +251,19 @@ class FsspecTransport:
                 return Retry(f"the answer announces {length} bytes (Content-Length) for a {want}-byte range: "
                              "refused before reading it", transient=False)
             async for chunk in r.content.iter_any():
-                k = len(chunk)
-                self.count(k)
-                if n + k > want:
-                    return Retry(f"got more than the {want} bytes of the range", transient=False)
-                mv[n:n + k] = chunk
-                n += k
+                n = self._land(mv, n, chunk, want)
+                if isinstance(n, Retry):
+                    return n
         return n
+
+    def _land(self, mv: memoryview, n: int, chunk, want: int):
+        """Copy one piece of an answer to ``mv[n:]``: the new count, or a Retry when it passes the range."""
+        k = len(chunk)
+        self.count(k)
+        if n + k > want:
+            return Retry(f"got more than the {want} bytes of the range", transient=False)
+        mv[n:n + k] = chunk
+        return n + k
 
     async def _s3_range(self, start: int, end: int, mv: memoryview):
         """One ``get_object`` of s3fs with ``Range`` and ``IfMatch``, its body read in pieces of at most 1 MiB
@@ -304,12 +310,9 @@ class FsspecTransport:
                 chunk = await asyncio.wait_for(body.read(min(1 << 20, want - n + 1)), left)
                 if not chunk:
                     break
-                k = len(chunk)
-                self.count(k)
-                if n + k > want:
-                    return Retry(f"got more than the {want} bytes of the range", transient=False)
-                mv[n:n + k] = chunk
-                n += k
+                n = self._land(mv, n, chunk, want)
+                if isinstance(n, Retry):
+                    return n
             return n
         finally:
             body.close()
