@@ -35,12 +35,12 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mcf  # noqa: E402
-from mcf.models.bert import bert_forward, sentence_embedding  # noqa: E402
-from mcf.demo import default_model_dir  # noqa: E402
-from mcf.imatrix import collect_bert, read_imatrix  # noqa: E402
-from mcf.demo.megacontext import load_tokenizer  # noqa: E402
-from mcf.pack import pack  # noqa: E402
-from mcf.quant_policy import quantize_file  # noqa: E402
+from mcf.conversion.bert import bert_forward, sentence_embedding  # noqa: E402
+from mcf.apps.demo import default_model_dir  # noqa: E402
+from mcf.conversion.imatrix import collect_bert, read_imatrix  # noqa: E402
+from mcf.apps.demo.megacontext import load_tokenizer  # noqa: E402
+from mcf.conversion.pack import pack  # noqa: E402
+from mcf.conversion.quant_policy import quantize_file  # noqa: E402
 
 MODES = ("mantle", "fast", "search", "imatrix", "moment")
 METHODS = ("q8", "q4", "k6", "k4", "k3", "k2")
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     for m in methods:
         cells = [f"{cos[m, mode]:.2e}" for mode in modes] + [f"{cos[m, a] / cos[m, b] - 1:+.0%}" for a, b in versus]
         print(f"| {m} | " + " | ".join(cells) + " |")
-    print("\nseconds to quantize the whole model (mcf.quant_policy.quantize_file, one thread; load average "
+    print("\nseconds to quantize the whole model (mcf.conversion.quant_policy.quantize_file, one thread; load average "
           f"{os.getloadavg()[0]:.1f} at the end)\n")
     print("| method | " + " | ".join(modes) + " |")
     print("|---" * (len(modes) + 1) + "|")

@@ -19,8 +19,8 @@ import time
 import pytest
 
 import mcf
-from mcf.convert import convert
-from mcf.export import export
+from mcf.conversion.checkpoint import convert
+from mcf.conversion.export import export
 
 ROUNDS = 5
 FLOAT_TARGET = 0.5   # convert at least half the throughput of a plain copy

@@ -409,7 +409,7 @@ def test_build_sample_idx_vs_megatron(benchmark, tmp_path):
 # -- 5. tokenize ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from mcf.demo import default_model_dir
+    from mcf.apps.demo import default_model_dir
 
     try:
         tok_json = os.path.join(default_model_dir(fetch=True), "tokenizer.json")
@@ -446,7 +446,7 @@ def test_tokenize_vs_datatrove(benchmark, corpus):
     from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
     from datatrove.utils.logging import logger
 
-    from mcf.megatron.tokenize import tokenize
+    from mcf.conversion.tokenize import tokenize
 
     src, tok, d = corpus
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one core each: datatrove runs one task, one worker

@@ -1,5 +1,5 @@
 """Megatron tokenization beyond one machine, in one run on one corpus: tokens/s of the Ray path
-(``mcf.megatron.raydata.tokenize``) with 1 and 2 workers, of the single-process ``mcf megatron tokenize``,
+(``mcf.conversion.raydata.tokenize``) with 1 and 2 workers, of the single-process ``mcf megatron tokenize``,
 and of datatrove's tokenizer step (``MegatronDocumentTokenizer``) on its ``RayPipelineExecutor`` writing
 its Megatron files, with the same number of workers.
 
@@ -101,7 +101,7 @@ def stdlib_paragraphs() -> list:
 
 @pytest.fixture(scope="module")
 def corpus():
-    from mcf.demo import default_model_dir
+    from mcf.apps.demo import default_model_dir
 
     try:
         model = default_model_dir(fetch=True)
@@ -239,7 +239,7 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
     import statistics
 
     import mcf.megatron as mm
-    from mcf.megatron.tokenize import tokenize
+    from mcf.conversion.tokenize import tokenize
 
     files, tok, d = corpus
     out = str(tmp_path)

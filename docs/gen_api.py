@@ -33,20 +33,20 @@ MODULES = [
     ("mcf", "MCF model containers: open, write, pack, quantize; the error classes"),
     ("mcf.io", "the I/O core every format reads through (mmap, pread, file-like, memory, remote)"),
     ("mcf.remote", "remote files: object stores, HTTP(S) and fsspec URLs read with concurrent, checked ranged GETs"),
-    ("mcf.convert", "import from safetensors / Hugging Face checkpoints and GGUF"),
-    ("mcf.export", "export MCF back to safetensors checkpoints"),
+    ("mcf.conversion.checkpoint", "import from safetensors / Hugging Face checkpoints and GGUF"),
+    ("mcf.conversion.export", "export MCF back to safetensors checkpoints"),
     ("mcf.gguf", "the validating GGUF reader and its decoders"),
     ("mcf.safetensors", "safetensors files and checkpoint directories: the safetensors.numpy.load_file drop-in, "
                         "the reader, block-scaled weights (MXFP4, FP8, NVFP4) decoded"),
     ("mcf.loading", "what every loader shares: Rows and Shard, the pieces of tensors to load"),
-    ("mcf.imatrix", "importance matrices for the quantizer: read and write llama.cpp's format, collect from "
+    ("mcf.conversion.imatrix", "importance matrices for the quantizer: read and write llama.cpp's format, collect from "
                     "activations"),
-    ("mcf.second_moment", "second moments of the layers' inputs for error-feedback quantization: collect, write, read"),
+    ("mcf.conversion.second_moment", "second moments of the layers' inputs for error-feedback quantization: collect, write, read"),
     ("mcf.torch", "load MCF files and safetensors checkpoints as torch tensors (the safetensors.torch.load_file "
                   "drop-in)"),
-    ("mcf.state_dict", "load MCF files and safetensors checkpoints as numpy arrays"),
+    ("mcf.loaders.state_dict", "load MCF files and safetensors checkpoints as numpy arrays"),
     ("mcf.megatron", "Megatron-LM indexed datasets (.bin/.idx), sample indices, tokenization"),
-    ("mcf.megatron.raydata", "Megatron datasets on a Ray cluster: tokenize, Datasink, Datasource (mcf-formats[ray])"),
+    ("mcf.conversion.raydata", "Megatron datasets on a Ray cluster: tokenize, Datasink, Datasource (mcf-formats[ray])"),
     ("mcf.megacontext", "MegaContext trees (LOD0/1/2.ctx + metadata.json)"),
     ("mcf.bucket", "Model Context Bucket: a persistent KV-cache store"),
     ("mcf.bucket.hf", "a model in the bucket's loop: a Hugging Face causal LM computes and reuses KV caches"),

@@ -31,7 +31,7 @@ from mcf.safetensors.reader import SafetensorsFile
 from mcf.bucket import _npz as _bucket_npz  # noqa: F401  (instrumented, as above)
 from mcf.bucket import store as _bucket_store  # noqa: F401  (instrumented, as above)
 from mcf.bucket.kvfile import KVFile
-from mcf.megatron import tokenize as _tokenize  # noqa: F401  (instrumented, as above)
+from mcf.conversion import tokenize as _tokenize  # noqa: F401  (instrumented, as above)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -366,7 +366,7 @@ def _bucket_dir_seeds() -> list:
 # the Megatron tokenizer's input: JSON lines (or text, or either compressed), read by iter_documents
 # ------------------------------------------------------------------------------------------------
 def jsonl(data: bytes) -> None:
-    from mcf.megatron import tokenize
+    from mcf.conversion import tokenize
 
     d = _scratch_dir("jsonl")
     fast = tokenize._orjson
@@ -484,10 +484,10 @@ def _gguf_seeds() -> list:
 
 
 # ------------------------------------------------------------------------------------------------
-# importance matrices (mcf.imatrix): llama.cpp's GGUF imatrix and legacy .dat
+# importance matrices (mcf.conversion.imatrix): llama.cpp's GGUF imatrix and legacy .dat
 # ------------------------------------------------------------------------------------------------
 def imatrix(data: bytes) -> None:
-    from mcf.imatrix import read_imatrix
+    from mcf.conversion.imatrix import read_imatrix
 
     p = os.path.join(_scratch_dir("imatrix"), "in.imatrix")
     with open(p, "wb") as f:
@@ -508,7 +508,7 @@ def _imatrix_seeds() -> list:
 
     import gguf as gg
 
-    from mcf.imatrix import ImportanceCollector
+    from mcf.conversion.imatrix import ImportanceCollector
 
     r = np.random.default_rng(zlib.crc32(b"imatrix-seeds"))
     out = []

@@ -20,18 +20,21 @@ from mcf.errors import (AccessError, AllocationError, ArgumentTypeError, Checksu
                         TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
 from mcf.container.layout import SectionType, quant_layout
 from mcf.container.modelinfo import Arch, ModelInfo, RopeType
-from mcf.pack import pack
-from mcf.convert import convert
-from mcf.export import export
+from mcf.conversion.pack import pack
+from mcf.conversion.checkpoint import convert
+from mcf.conversion.export import export
 from mcf.container.quantinfo import QuantRecord
 from mcf.container.tensor_index import TensorInfo
 from mcf.container.writer import Writer
 from mcf._core._kernels import kernel_info
 from mcf.container.quant import dequantize, quantize
-from mcf.state_dict import load_file, load_state_dict
+from mcf.loaders.state_dict import load_file, load_state_dict
 from mcf.loading import Rows, Shard
 
+from mcf._core import aliases as _aliases
 from mcf._core.about import VERSION as __version__  # noqa: F401 - written once, read by pyproject.toml too
+
+_aliases.install()   # old import paths of the modules that moved (mcf.imatrix, mcf.megatron.tokenize, ...)
 
 
 def get_include():
@@ -48,8 +51,10 @@ def get_include():
 # The format packages load on first use, so ``import mcf`` stays light and ``mcf.torch.load_file(...)`` works
 # as the docs write it without a separate ``import mcf.torch`` (PEP 562).  mcf.torch itself imports
 # without torch installed; it says which extra to install when it is used.
-_SUBMODULES = frozenset({"torch", "safetensors", "gguf", "remote", "megatron", "megacontext", "bucket", "imatrix",
-                         "second_moment", "tokenizer", "loading"})
+_SUBMODULES = frozenset({"torch", "safetensors", "gguf", "remote", "megatron", "megacontext", "bucket", "loading",
+                         "conversion", "loaders", "apps"})
+# calibration and the tokenizer builder, reachable under their short names as before they moved
+_CONVERSION = frozenset({"imatrix", "second_moment", "tokenizer"})
 
 
 def __getattr__(name):
@@ -57,11 +62,15 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"mcf.{name}")
+    if name in _CONVERSION:
+        import importlib
+
+        return importlib.import_module(f"mcf.conversion.{name}")
     raise AttributeError(f"module 'mcf' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | _SUBMODULES)
+    return sorted(set(globals()) | _SUBMODULES | _CONVERSION)
 
 
 __all__ = [

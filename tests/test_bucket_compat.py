@@ -320,7 +320,7 @@ def test_rest_query_refuses_a_stale_context(tmp_path):
     """The query route handed a stale context to its backend, which may read the KV data without
     Bucket.load's check: it answers 409 as /kv does, before the backend runs."""
     pytest.importorskip("starlette", reason="the server needs the 'server' extra")
-    from mcf.bucket.server import create_app
+    from mcf.apps.bucket_server import create_app
 
     asked = []
 

@@ -197,7 +197,7 @@ def test_disk_full_is_507_with_one_log_line(small_disk, request):
 
 def test_enospc_is_mapped_everywhere_it_can_come_from():
     """The same status for ENOSPC and EDQUOT (a quota), whichever layer raised them."""
-    from mcf.bucket._routes import out_of_space
+    from mcf.apps.bucket_server._routes import out_of_space
     from mcf.errors import MCFIOError
 
     assert out_of_space(OSError(errno.ENOSPC, "No space left on device"))

@@ -33,7 +33,7 @@ from schemathesis.core.failures import FailureGroup  # noqa: E402
 from schemathesis.core.parameters import ParameterLocation  # noqa: E402
 
 from mcf.bucket import Bucket  # noqa: E402
-from mcf.bucket.server import OPENAPI  # noqa: E402
+from mcf.apps.bucket_server import OPENAPI  # noqa: E402
 
 TOKEN = "schema-token-of-at-least-32-bytes-0123456789"
 

@@ -238,7 +238,7 @@ def test_a_body_the_server_is_slow_to_read_is_not_cut_off(tmp_path):
 def test_unauthenticated_requests_share_one_budget(monkeypatch):
     """The token bucket that paces requests from connections without the token: a burst of ``rate``,
     then one every 1/rate seconds, each waiting its turn in arrival order (a fake clock)."""
-    from mcf.bucket import _http_limits
+    from mcf.apps.bucket_server import _http_limits
 
     now = [100.0]
     monkeypatch.setattr(_http_limits.time, "monotonic", lambda: now[0])

@@ -915,7 +915,7 @@ def test_hot_tier_out_of_memory_is_409_over_rest(tmp_path, monkeypatch):
     import asyncio
 
     from mcf.bucket import tiers
-    from mcf.bucket.server import create_app
+    from mcf.apps.bucket_server import create_app
 
     cid = Bucket(tmp_path).ingest("m", kv(52), content="oom", compression="none")["context_id"]
 

@@ -157,9 +157,9 @@ def demo_without_heavy_steps(monkeypatch):
     """``mcf demo`` with its pack and round-trip steps for real (on the small mantle checkpoint) and the
     others replaced by stubs that write a file into the working directory: what the directory handling
     needs, in a second instead of a minute.  Yields the working directories the steps saw."""
-    import mcf.demo
-    import mcf.demo.megacontext
-    import mcf.demo.megatron
+    import mcf.apps.demo
+    import mcf.apps.demo.megacontext
+    import mcf.apps.demo.megatron
 
     seen = []
 
@@ -172,11 +172,11 @@ def demo_without_heavy_steps(monkeypatch):
             return result
         return run
 
-    monkeypatch.setattr(mcf.demo, "demo_quantize", step([]))
-    monkeypatch.setattr(mcf.demo, "demo_export", step(0))
-    monkeypatch.setattr(mcf.demo.megatron, "demo_megatron", step({"problems": []}))
-    monkeypatch.setattr(mcf.demo.megacontext, "demo_megacontext", step(0))
-    monkeypatch.setattr(mcf.demo, "demo_bucket", step(0))
+    monkeypatch.setattr(mcf.apps.demo, "demo_quantize", step([]))
+    monkeypatch.setattr(mcf.apps.demo, "demo_export", step(0))
+    monkeypatch.setattr(mcf.apps.demo.megatron, "demo_megatron", step({"problems": []}))
+    monkeypatch.setattr(mcf.apps.demo.megacontext, "demo_megacontext", step(0))
+    monkeypatch.setattr(mcf.apps.demo, "demo_bucket", step(0))
     return seen
 
 
@@ -198,15 +198,15 @@ def test_demo_removes_its_temporary_directory_unless_kept(tmp_path, monkeypatch,
     assert out.splitlines()[-1] == (f"== outputs removed with their temporary directory {used} "
                                     "(keep them with --keep DIR)")
 
-    import mcf.demo
+    import mcf.apps.demo
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
-    stub = mcf.demo.demo_bucket
-    monkeypatch.setattr(mcf.demo, "demo_bucket", boom)
+    stub = mcf.apps.demo.demo_bucket
+    monkeypatch.setattr(mcf.apps.demo, "demo_bucket", boom)
     assert main(["demo", "--model-dir", MANTLE_MODEL]) == 130  # interrupted: removed all the same
     assert list(scratch.iterdir()) == []
-    monkeypatch.setattr(mcf.demo, "demo_bucket", stub)
+    monkeypatch.setattr(mcf.apps.demo, "demo_bucket", stub)
 
     keep = tmp_path / "kept"
     assert main(["demo", "--model-dir", MANTLE_MODEL, "--keep", str(keep)]) == 0
@@ -222,9 +222,9 @@ def test_demo_bert_forward_matches_transformers(minilm_dir):
     torch = pytest.importorskip("torch")
     import json
 
-    from mcf.models.bert import bert_forward
-    from mcf.demo import weights_of
-    from mcf.demo.megacontext import load_tokenizer
+    from mcf.conversion.bert import bert_forward
+    from mcf.apps.demo import weights_of
+    from mcf.apps.demo.megacontext import load_tokenizer
 
     with open(os.path.join(minilm_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)

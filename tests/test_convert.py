@@ -18,9 +18,9 @@ import pytest
 import mcf
 from _vectors import MANTLE_MODEL, mantle_file
 from mcf.cli import main as cli_main
-from mcf.convert import convert
-from mcf.export import export
-from mcf.quant_policy import quantize_file
+from mcf.conversion.checkpoint import convert
+from mcf.conversion.export import export
+from mcf.conversion.quant_policy import quantize_file
 
 pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
 
@@ -207,7 +207,7 @@ def test_hugging_face_cache_layout_with_symlinks(tmp_path):
 # -- GGUF -----------------------------------------------------------------------------------------
 def test_gguf_files_go_to_convert_gguf(tmp_path):
     pytest.importorskip("gguf", reason="mcf.gguf's tests need gguf-py; the dispatch itself does not")
-    from mcf.gguf import convert_gguf
+    from mcf.conversion.gguf import convert_gguf
 
     convert_gguf(GGUF_GOLDEN, tmp_path / "direct.mcf", method="k4")
     convert(GGUF_GOLDEN, tmp_path / "a.mcf", method="k4")
@@ -221,7 +221,7 @@ def test_gguf_files_go_to_convert_gguf(tmp_path):
 
 def test_cli_convert_gguf_reports_how_each_tensor_was_stored(tmp_path, capsys):
     pytest.importorskip("gguf", reason="mcf.gguf's tests need gguf-py; the dispatch itself does not")
-    from mcf.gguf import convert_gguf
+    from mcf.conversion.gguf import convert_gguf
 
     assert cli_main(["convert", GGUF_GOLDEN, "-o", str(tmp_path / "n.mcf"), "--method", "native", "--report",
                      "-q"]) == 0
@@ -380,8 +380,8 @@ RSS_SCRIPT = textwrap.dedent("""
 
     import numpy as np
     import mcf
-    from mcf.convert import convert
-    from mcf.export import export
+    from mcf.conversion.checkpoint import convert
+    from mcf.conversion.export import export
 
     src, dst, what = sys.argv[1:4]
     base = hwm()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import mcf
 from _vectors import MANTLE_MODEL
 from mcf.cli import main as cli_main
-from mcf.export import RAW_KEY_PREFIX, export, parse_size
+from mcf.conversion.export import RAW_KEY_PREFIX, export, parse_size
 
 safetensors = pytest.importorskip("safetensors", reason="the safetensors package is a test extra")
 import safetensors.numpy as stnp  # noqa: E402
@@ -327,7 +327,7 @@ def test_rows_wider_than_the_stream_buffer(tmp_path, monkeypatch):
     """Decoding row blocks into the reused buffer, when even one row is larger than it."""
     import sys
 
-    E = sys.modules["mcf.export"]   # (mcf.export, the attribute, is the function)
+    E = sys.modules["mcf.conversion.export"]   # (mcf.export, the attribute, is the function)
     x = rng_for("wide").standard_normal((3, 1024)).astype(np.float32)
     with mcf.Writer(tmp_path / "m.mcf") as w:
         w.add_tensor("w", x, method="k4")
@@ -384,7 +384,7 @@ def _old_new_or_error(got, old, new, where):
 
 @pytest.mark.parametrize("over_old", [True, False])
 def test_export_failing_after_the_first_shard_leaves_the_old_model_or_an_error(tmp_path, monkeypatch, over_old):
-    export_module = importlib.import_module("mcf.export")  # mcf.export is also the function
+    export_module = importlib.import_module("mcf.conversion.export")  # mcf.export is also the function
 
     (old_mcf, old), (new_mcf, new) = _two_models(tmp_path)
     out = tmp_path / "out"
@@ -415,7 +415,7 @@ def test_export_failing_after_the_first_shard_leaves_the_old_model_or_an_error(t
 def test_export_killed_at_any_step_of_publishing_never_loads_a_mix(tmp_path, monkeypatch, old_kind):
     """Every rename, removal and write of the publish step, made to fail in turn (the process dies there):
     the directory loads as the old model, the new one, or fails with a clear error."""
-    export_module = importlib.import_module("mcf.export")  # mcf.export is also the function
+    export_module = importlib.import_module("mcf.conversion.export")  # mcf.export is also the function
 
     (old_mcf, old), (new_mcf, new) = _two_models(tmp_path)
     seen = set()

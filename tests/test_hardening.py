@@ -64,7 +64,7 @@ def test_tokenizer_input_nested_too_deep_is_a_format_error(tmp_path, monkeypatch
     import pytest
 
     import mcf
-    from mcf.megatron import tokenize
+    from mcf.conversion import tokenize
 
     monkeypatch.setattr(tokenize, "_orjson", None)
     (p,) = (Path(__file__).parent / "fuzz_regressions" / "jsonl").glob("deep-nesting*")

@@ -1,4 +1,4 @@
-"""Importance matrices (mcf.imatrix): llama.cpp's GGUF format written and read (checked with gguf-py, an
+"""Importance matrices (mcf.conversion.imatrix): llama.cpp's GGUF format written and read (checked with gguf-py, an
 independent reader and writer), the legacy .dat format, malformed files, the BERT collector against
 transformers' own modules, and the command line."""
 
@@ -11,7 +11,7 @@ import pytest
 
 import mcf
 from mcf.cli import main as cli_main
-from mcf.imatrix import ImportanceCollector, read_imatrix, write_imatrix
+from mcf.conversion.imatrix import ImportanceCollector, read_imatrix, write_imatrix
 
 gguf = pytest.importorskip("gguf", reason="gguf-py reads and writes the GGUF imatrix files independently")
 
@@ -171,8 +171,8 @@ def test_collect_bert_matches_transformers_hooks(minilm_dir, tmp_path):
     over the same chunks, equals what the numpy forward pass records."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from mcf.imatrix import collect_bert
-    from mcf.demo.megacontext import load_tokenizer
+    from mcf.conversion.imatrix import collect_bert
+    from mcf.apps.demo.megacontext import load_tokenizer
 
     col, chunks = collect_bert(minilm_dir, [TEXT], chunk_tokens=48)
     assert chunks >= 2
@@ -210,7 +210,7 @@ def run_cli(*args):
 def test_cli_imatrix_and_quantize(minilm_dir, tmp_path):
     """mcf imatrix on the packed demo checkpoint, then mcf quantize --imatrix: the weighted tensors differ
     from the unweighted search, the others (no entry: embeddings) are the same bytes, the file verifies."""
-    from mcf.pack import pack
+    from mcf.conversion.pack import pack
 
     packed = tmp_path / "minilm.mcf"
     pack(minilm_dir, packed)
@@ -261,7 +261,7 @@ def test_cli_imatrix_refuses_other_models(tmp_path):
 def test_convert_gguf_with_llama_cpp_imatrix(tmp_path):
     """A GGUF model and an importance matrix in llama.cpp's format name tensors alike: mcf convert --imatrix
     weights exactly the tensors the file names; --fast keeps the single-pass quantizer."""
-    from mcf.convert import convert
+    from mcf.conversion.checkpoint import convert
 
     rng = np.random.default_rng(8)
     q = rng.standard_normal((16, 64)).astype(np.float32)
@@ -286,7 +286,7 @@ def test_convert_gguf_with_llama_cpp_imatrix(tmp_path):
         assert c.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", importance=imp)[0].tobytes()
         assert c.raw("blk.0.ffn_up.weight").tobytes() == mcf.quantize(up, "k4")[0].tobytes()
         assert f.raw("blk.0.attn_q.weight").tobytes() == mcf.quantize(q, "k4", fast=True)[0].tobytes()
-    from mcf.gguf import convert_gguf
+    from mcf.conversion.gguf import convert_gguf
 
     with pytest.warns(UserWarning, match="matched 1 of the 2"):  # a path, as convert() takes (was AttributeError)
         convert_gguf(model, tmp_path / "p.mcf", method="k4", imatrix=im)
@@ -300,8 +300,8 @@ def test_convert_and_quantize_file_weight_alike(tmp_path):
     """The safetensors path of mcf convert and mcf quantize apply an importance mapping the same way
     (names with an entry weighted; int8 ignores it; other names unweighted)."""
     from _vectors import MANTLE_MODEL
-    from mcf.convert import convert
-    from mcf.quant_policy import quantize_file
+    from mcf.conversion.checkpoint import convert
+    from mcf.conversion.quant_policy import quantize_file
 
     mcf.pack(MANTLE_MODEL, tmp_path / "p.mcf")
     with mcf.open(tmp_path / "p.mcf") as c:
@@ -367,7 +367,7 @@ def test_collector_refuses_inputs_that_are_not_numbers():
 
 
 def test_as_importance_refuses_other_types_and_keys():
-    from mcf.imatrix import as_importance
+    from mcf.conversion.imatrix import as_importance
 
     with pytest.raises(mcf.ArgumentTypeError, match="imatrix"):
         as_importance(5)
@@ -378,7 +378,7 @@ def test_as_importance_refuses_other_types_and_keys():
 def test_collect_bert_refuses_arguments_of_the_wrong_type(minilm_dir):
     """A single string as ``texts`` was read as one text per character; a path or chunk size of the wrong
     type leaked a bare TypeError."""
-    from mcf.imatrix import collect_bert
+    from mcf.conversion.imatrix import collect_bert
 
     for kw, match in [({"texts": "one text"}, "texts"), ({"texts": [b"bytes"]}, r"texts\[0\]"),
                       ({"texts": ["ok"], "chunk_tokens": "64"}, "chunk_tokens"),
@@ -462,7 +462,7 @@ HF_AND_GGUF = {  # Hugging Face name -> what llama.cpp's convert_hf_to_gguf.py n
 def test_gguf_names_agree_with_gguf_py():
     """mcf's small table gives the names gguf-py's TensorNameMap (what convert_hf_to_gguf.py uses) gives;
     names outside the table (norms, GGUF names, other models) have none."""
-    from mcf.imatrix import gguf_name
+    from mcf.conversion.imatrix import gguf_name
 
     llama = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, 12)
     bert = gguf.TensorNameMap(gguf.MODEL_ARCH.BERT, 12)
@@ -493,7 +493,7 @@ def llama_style_mcf(path, rng, *, layers=2, hidden=64, inter=96, vocab=40):
     with mcf.Writer(path) as w:
         for n, a in arrays.items():
             w.add_tensor(n, a)
-    from mcf.imatrix import gguf_name
+    from mcf.conversion.imatrix import gguf_name
 
     imp = {gguf_name(n): rng.random(s[1]) * 10 ** rng.uniform(-2, 2, s[1])
            for n, s in shapes.items() if len(s) == 2 and "embed" not in n and "lm_head" not in n}
@@ -504,8 +504,8 @@ def test_quantize_hf_file_with_gguf_imatrix(tmp_path, capsys):
     """Exactly the case docs/quantization.md describes: llama-imatrix's GGUF names against a Hugging Face-named
     file.  It was a silent no-op (exit 0, bytes identical to no imatrix); now every linear layer gets its
     entry, and the embeddings and output head (no entry) are named in a warning."""
-    from mcf.imatrix import gguf_name
-    from mcf.quant_policy import quantize_file
+    from mcf.conversion.imatrix import gguf_name
+    from mcf.conversion.quant_policy import quantize_file
 
     src, im = tmp_path / "hf.mcf", tmp_path / "llama.imatrix.gguf"
     arrays, imp = llama_style_mcf(src, np.random.default_rng(11))
@@ -530,7 +530,7 @@ def test_quantize_hf_file_with_gguf_imatrix(tmp_path, capsys):
 
 def test_imatrix_matching_nothing_is_an_error(tmp_path, capsys):
     """An imatrix of another model (or another naming) used to be ignored without a word."""
-    from mcf.quant_policy import quantize_file
+    from mcf.conversion.quant_policy import quantize_file
 
     src, im = tmp_path / "hf.mcf", tmp_path / "other.gguf"
     llama_style_mcf(src, np.random.default_rng(12))
@@ -560,7 +560,7 @@ def _as_safetensors(src, tmp_path):
 def test_gguf_file_with_hf_named_imatrix(tmp_path):
     """The other direction: a GGUF model converted with an imatrix measured on the Hugging Face model
     (mcf imatrix names its entries as the file it ran on)."""
-    from mcf.imatrix import gguf_name
+    from mcf.conversion.imatrix import gguf_name
 
     rng = np.random.default_rng(13)
     arrays, imp = llama_style_mcf(tmp_path / "hf.mcf", rng, layers=1)
@@ -581,7 +581,7 @@ def test_gguf_file_with_hf_named_imatrix(tmp_path):
 
 
 def test_ambiguous_names_are_not_guessed():
-    from mcf.imatrix import match_tensors
+    from mcf.conversion.imatrix import match_tensors
 
     two = {"model.layers.0.self_attn.q_proj.weight": 1, "layers.0.attention.wq.weight": 2}
     assert match_tensors(two, ["blk.0.attn_q.weight"]) == {}  # two entries claim it
@@ -593,9 +593,9 @@ def test_ambiguous_names_are_not_guessed():
 def test_bert_checkpoint_with_gguf_named_imatrix(minilm_dir, tmp_path):
     """The demo checkpoint (BERT names) and an imatrix in llama.cpp's names for its GGUF conversion give the
     bytes of the same imatrix under the checkpoint's own names."""
-    from mcf.imatrix import collect_bert, gguf_name
-    from mcf.pack import pack
-    from mcf.quant_policy import quantize_file
+    from mcf.conversion.imatrix import collect_bert, gguf_name
+    from mcf.conversion.pack import pack
+    from mcf.conversion.quant_policy import quantize_file
 
     packed = tmp_path / "minilm.mcf"
     pack(minilm_dir, packed)

@@ -12,7 +12,7 @@ import mcf
 from _vectors import MANTLE_MODEL, mantle_file
 from mcf._core.gojson import go_marshal
 from mcf.cli import main as cli_main
-from mcf.pack import pack
+from mcf.conversion.pack import pack
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package is a test extra")
 

@@ -31,7 +31,7 @@ def minilm(minilm_dir):
 
 
 def test_demo_on_the_real_checkpoint(minilm_dir, minilm, tmp_path, capsys):
-    from mcf.demo.megacontext import demo_megacontext
+    from mcf.apps.demo.megacontext import demo_megacontext
 
     assert demo_megacontext(minilm_dir, str(tmp_path)) == 0
     out = capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_ingest_reads_an_endless_line_in_bounded_pieces():
     text comes back exactly."""
     import io
 
-    from mcf.megacontext.cli import _text_chunks
+    from mcf.apps.megacontext_cli import _text_chunks
 
     class Recorder(io.StringIO):
         asked = []

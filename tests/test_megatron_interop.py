@@ -17,7 +17,7 @@ import mcf
 import mcf.megatron as mm
 from _megatron_ref import load_megatron_oracle, ref_read
 from mcf.megatron import sample_index as si
-from mcf.megatron.tokenize import tokenize
+from mcf.conversion.tokenize import tokenize
 
 
 @pytest.fixture(scope="session")
@@ -263,7 +263,7 @@ def minilm_tokenizer(minilm_dir):
 
 
 def _readme_docs(tokenizer_path):
-    from mcf.demo.megatron import readme_paragraphs
+    from mcf.apps.demo.megatron import readme_paragraphs
 
     return readme_paragraphs(os.path.dirname(tokenizer_path))
 

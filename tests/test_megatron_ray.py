@@ -139,7 +139,7 @@ ROUND_TRIP = r"""
 import json, sys
 import numpy as np
 import ray
-from mcf.megatron import raydata
+from mcf.conversion import raydata
 
 ray.init(address=sys.argv[1], logging_level="ERROR")
 ray.data.DataContext.get_current().enable_progress_bars = False
@@ -216,7 +216,7 @@ def test_worker_killed_mid_job_is_retried_byte_identical(cluster, tmp_path, tok,
 
 FAILING = r"""
 import json, sys
-from mcf.megatron import raydata
+from mcf.conversion import raydata
 try:
     raydata.tokenize(sys.argv[1], sys.argv[2], sys.argv[3], append_eod=True, address=sys.argv[4],
                      chunk_size=384 << 10, ray_remote_args={"max_retries": 0}, progress=False)

@@ -41,7 +41,7 @@ def test_without_ray_installed(tmp_path, inputs, capsys, monkeypatch):
     import mcf.megatron
 
     monkeypatch.setitem(sys.modules, "ray", None)            # `import ray` raises ImportError
-    monkeypatch.delitem(sys.modules, "mcf.megatron.raydata", raising=False)
+    monkeypatch.delitem(sys.modules, "mcf.conversion.raydata", raising=False)
     monkeypatch.delattr(mcf.megatron, "raydata", raising=False)   # imported by an earlier test
     code, _, err = run(capsys, inputs, "--tokenizer", tmp_path / "t.json", "--output-prefix", tmp_path / "o",
                        "--ray", "auto")

@@ -17,16 +17,16 @@ from hypothesis import strategies as st
 
 import mcf
 import mcf.megatron as mm
-from mcf.megatron._chunks import describe_inputs, iter_chunk_documents, plan_chunks
+from mcf.conversion._chunks import describe_inputs, iter_chunk_documents, plan_chunks
 from mcf.megatron._shard_dir import (ShardRun, check_runs, commit_runs, complete_groups, remove_our_files,
                                      run_name, scan_runs)
-from mcf.megatron.tokenize import eod_token_id, iter_documents, load_tokenizer
-from mcf.megatron.tokenize import tokenize as tokenize_local
+from mcf.conversion.tokenize import eod_token_id, iter_documents, load_tokenizer
+from mcf.conversion.tokenize import tokenize as tokenize_local
 
 pa = pytest.importorskip("pyarrow", reason="Ray Data's blocks are Arrow tables (mcf-formats[ray])")
 pytest.importorskip("ray.data", reason="Ray is an optional extra: pip install 'mcf-formats[ray]'")
 pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
-from mcf.megatron import raydata  # noqa: E402
+from mcf.conversion import raydata  # noqa: E402
 
 
 def ray_data_context():
@@ -47,7 +47,7 @@ def tok_path(minilm_dir):
 
 @pytest.fixture(scope="module")
 def texts(minilm_dir):
-    from mcf.demo.megatron import readme_paragraphs
+    from mcf.apps.demo.megatron import readme_paragraphs
 
     paras = readme_paragraphs(minilm_dir)
     return paras + ["", "   ", "Grüße aus Köln — ünïcödé ✓", " ".join(paras)]

@@ -16,7 +16,7 @@ import mcf
 import mcf.megatron as mm
 from _megatron_ref import ref_read, ref_write
 from mcf.cli import main
-from mcf.megatron.tokenize import tokenize
+from mcf.conversion.tokenize import tokenize
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
 
@@ -41,7 +41,7 @@ def plain_tok(tok_path):
 
 @pytest.fixture(scope="module")
 def texts(model_dir):
-    from mcf.demo.megatron import readme_paragraphs
+    from mcf.apps.demo.megatron import readme_paragraphs
 
     paras = readme_paragraphs(model_dir)
     # real text plus the edge cases: an empty text, whitespace only, non-ASCII, one long document
@@ -236,7 +236,7 @@ def test_tokenizer_from_an_mcf_file_or_a_checkpoint_directory(tmp_path, model_di
     want = [Path(outs["json"] + ext).read_bytes() for ext in (".idx", ".bin")]
     for name in ("mcf", "dir"):
         assert [Path(outs[name] + ext).read_bytes() for ext in (".idx", ".bin")] == want, name
-    from mcf.tokenizer import load_tokenizer
+    from mcf.conversion.tokenizer import load_tokenizer
 
     with mcf.open(packed) as c:
         tok = load_tokenizer(c)
@@ -263,12 +263,12 @@ def test_progress_reports_tokens_per_second(tmp_path, tok_path, texts):
 
 
 def test_demo_megatron_step(tmp_path, model_dir, plain_tok, capsys):
-    from mcf.demo.megatron import demo_megatron
+    from mcf.apps.demo.megatron import demo_megatron
 
     res = demo_megatron(model_dir, str(tmp_path))
     out = capsys.readouterr().out
     assert "megatron verify: OK" in out and res["problems"] == []
-    from mcf.demo.megatron import readme_paragraphs
+    from mcf.apps.demo.megatron import readme_paragraphs
 
     paras = readme_paragraphs(model_dir)
     with mm.open(res["prefix"]) as ds:
@@ -306,7 +306,7 @@ class _CountingStream(__import__("io").RawIOBase):
 def test_a_line_past_the_cap_is_refused_before_it_is_read_whole():
     """A 3 MB .jsonl.gz can hold one 3 GiB line: it is refused once more than max_line_bytes of it arrived,
     naming the file and the line, and the reader never takes more than max_line_bytes + READ_BYTES."""
-    from mcf.megatron import tokenize as tokenize_module
+    from mcf.conversion import tokenize as tokenize_module
 
     cap = 64 << 10
     head = b'{"text": "one"}\n{"text": "two"}\n{"text": "'
@@ -322,7 +322,7 @@ def test_a_line_past_the_cap_is_refused_before_it_is_read_whole():
 
 
 def test_line_cap_boundaries_and_lines_across_reads(tmp_path, monkeypatch):
-    from mcf.megatron import tokenize as tokenize_module
+    from mcf.conversion import tokenize as tokenize_module
 
     lines = [b'{"text": "a"}', b"", b'{"text": "' + b"b" * 40 + b'"}', b'{"text": "c"}']
     longest = max(map(len, lines))
@@ -341,7 +341,7 @@ def test_line_cap_boundaries_and_lines_across_reads(tmp_path, monkeypatch):
 
 
 def test_line_cap_in_tokenize_the_cli_and_a_ray_chunk(tmp_path, tok_path, capsys):
-    from mcf.megatron._chunks import Chunk, iter_chunk_documents
+    from mcf.conversion._chunks import Chunk, iter_chunk_documents
 
     p = tmp_path / "bomb.jsonl.gz"
     with gzip.open(p, "wb") as f:

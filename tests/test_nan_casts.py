@@ -119,7 +119,7 @@ def test_int8_kv_with_an_infinite_scale_decodes_quietly():
 
 @pytest.mark.parametrize("values", [np.full((4, 8), 1e200), np.where(np.eye(4, 8) > 0, np.nan, 1.0)])
 def test_second_moments_refuse_non_finite_sums_without_a_warning(tmp_path, values):
-    from mcf.second_moment import SecondMomentCollector
+    from mcf.conversion.second_moment import SecondMomentCollector
 
     c = SecondMomentCollector()
     c.add("w", values)
@@ -129,7 +129,7 @@ def test_second_moments_refuse_non_finite_sums_without_a_warning(tmp_path, value
 
 
 def test_importance_means_beyond_float32_are_infinity():
-    from mcf.imatrix import ImportanceCollector
+    from mcf.conversion.imatrix import ImportanceCollector
 
     c = ImportanceCollector()
     c.add("w", np.full((2, 4), 1e100))   # squares of 1e200: finite in float64, beyond float32

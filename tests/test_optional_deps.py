@@ -98,7 +98,7 @@ def test_cryptography_for_encrypted_kv_files(monkeypatch, tmp_path, kv):
 
 
 def test_starlette_and_uvicorn_for_the_server(monkeypatch, tmp_path, capsys):
-    from mcf.bucket.server import create_app, serve
+    from mcf.apps.bucket_server import create_app, serve
 
     block(monkeypatch, "starlette")
     with pytest.raises(mcf.MissingDependencyError) as ei:
@@ -116,7 +116,7 @@ def test_starlette_and_uvicorn_for_the_server(monkeypatch, tmp_path, capsys):
 def test_every_missing_package_of_the_extra_is_named_at_once(monkeypatch, tmp_path, capsys):
     """Without uvicorn and starlette, `mcf bucket serve` asked for uvicorn, and after
     `pip install uvicorn` for starlette.  The first failure names both, and one command installs both."""
-    from mcf.bucket.server import serve
+    from mcf.apps.bucket_server import serve
 
     block(monkeypatch, "starlette", "uvicorn")
     with pytest.raises(mcf.MissingDependencyError) as ei:
@@ -231,7 +231,7 @@ def test_torch_and_transformers_for_the_bucket_model_backend(monkeypatch, tmp_pa
 
 
 def test_tokenizers_for_tokenizing(monkeypatch, tmp_path, capsys):
-    from mcf.megatron.tokenize import load_tokenizer
+    from mcf.conversion.tokenize import load_tokenizer
 
     block(monkeypatch, "tokenizers")
     with pytest.raises(mcf.MissingDependencyError) as ei:
@@ -246,7 +246,7 @@ def test_tokenizers_for_tokenizing(monkeypatch, tmp_path, capsys):
 
 
 def test_zstandard_for_zstd_compressed_tokenizer_input(monkeypatch, tmp_path):
-    from mcf.megatron.tokenize import iter_documents
+    from mcf.conversion.tokenize import iter_documents
 
     p = tmp_path / "docs.jsonl.zst"
     p.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 16)  # the zstd magic is all the sniffing reads

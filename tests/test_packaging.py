@@ -104,7 +104,7 @@ def test_the_extras_table_of_the_messages_is_pyprojects():
 
 
 def test_the_demo_extra_is_exactly_what_the_demo_imports():
-    from mcf.demo import DEMO_REQUIRES
+    from mcf.apps.demo import DEMO_REQUIRES
 
     extras = _pyproject()["project"]["optional-dependencies"]
     assert _extra_packages(extras, "demo") == {m for m, _ in DEMO_REQUIRES}

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import mcf
 import mcf.megacontext as mc
-import mcf.quant_policy
+import mcf.conversion.quant_policy
 import mcf.megatron as mm
 from mcf._core import _kernels as K
 from mcf.megatron import sample_index as si
@@ -161,7 +161,7 @@ _H64 = np.cov(np.random.default_rng(6).standard_normal((64, 256)))   # a second 
 
 
 def _collect_second_moment(x):
-    from mcf.imatrix import ImportanceCollector
+    from mcf.conversion.imatrix import ImportanceCollector
 
     col = ImportanceCollector(second_moment=True)
     col.add("w", x)
@@ -736,7 +736,7 @@ def test_every_writer_refuses_a_url(ctx, tmp_path, monkeypatch):
     calls = [lambda u: mcf.Writer(u + "/x.mcf"), lambda u: mm.Writer(u + "/x"),
              lambda u: mcf.export(src, u + "/x.safetensors"), lambda u: mcf.export(src, u + "/dir"),
              lambda u: mcf.convert(MANTLE_MODEL, u + "/x.mcf"), lambda u: mcf.pack(MANTLE_MODEL, u + "/x.mcf"),
-             lambda u: mcf.quant_policy.quantize_file(src, u + "/x.mcf", "q8"),
+             lambda u: mcf.conversion.quant_policy.quantize_file(src, u + "/x.mcf", "q8"),
              lambda u: mc.create(u + "/tree", embedding_dim=4),
              lambda u: write_kv(u + "/kv.mcb", [(np.zeros((1, 2, 4), np.float16),) * 2])]
     for url in ("https://example.invalid/m", "s3://bucket/m", "memory://m"):

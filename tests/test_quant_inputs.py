@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import mcf
 from _vectors import mantle_file
 from mcf.cli import main as cli_main
-from mcf.quant_policy import quantize_file
+from mcf.conversion.quant_policy import quantize_file
 
 pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
 
@@ -361,7 +361,7 @@ def test_clips_at_the_float32_limit_are_kept():
 def test_quantize_entry_points_name_arguments_of_the_wrong_type(tmp_path):
     """Siblings of the bare-TypeError leaks: output paths, checkpoint paths and override lists (a single
     string was iterated one character at a time)."""
-    from mcf.convert import convert
+    from mcf.conversion.checkpoint import convert
 
     src = tmp_path / "s.mcf"
     with mcf.Writer(src) as w:

@@ -16,7 +16,7 @@ import reference as ref
 from _vectors import mantle_file
 from mcf._core import _kernels as K
 from mcf.container.quant import importance_weights
-from mcf.quant_policy import quantize_file
+from mcf.conversion.quant_policy import quantize_file
 
 pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
 

@@ -1,5 +1,5 @@
 """Error-feedback quantization with the second moment of a layer's inputs (mcf.quantize(second_moment=),
-mcf quantize --second-moment) and the second-moment file (mcf.second_moment, mcf imatrix --second-moment).
+mcf quantize --second-moment) and the second-moment file (mcf.conversion.second_moment, mcf imatrix --second-moment).
 
 The reference below is written from the description of the method (GPTQ: codes column by column, each
 column's rounding error spread over the later columns through the upper Cholesky factor of the inverse of
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import mcf
 from mcf._core._kernels import unpack_codes
 from mcf._core.dtypes import parse_dtype
-from mcf.imatrix import read_imatrix
+from mcf.conversion.imatrix import read_imatrix
 
 METHODS = ("q8", "q4", "k6", "k4", "k3", "k2")
 BITS = {"q8": 8, "q4": 4, "k6": 6, "k4": 4, "k3": 3, "k2": 2}
@@ -260,7 +260,7 @@ def test_any_matrix_quantizes_or_is_refused(cols, seed, kind, method):
 # -- the file ------------------------------------------------------------------------------------------
 
 def collected(rng, names_cols, tokens=50):
-    from mcf.second_moment import SecondMomentCollector
+    from mcf.conversion.second_moment import SecondMomentCollector
 
     col = SecondMomentCollector()
     inputs = {}
@@ -275,7 +275,7 @@ def collected(rng, names_cols, tokens=50):
 def test_file_round_trip_and_imatrix_view(tmp_path):
     """The file holds E[x x^T] (float64 accumulation, stored as float32 or float64), the token counts and the
     datasets; its diagonals read as an importance matrix."""
-    from mcf.second_moment import SecondMoments, read_second_moment
+    from mcf.conversion.second_moment import SecondMoments, read_second_moment
 
     col, inputs = collected(np.random.default_rng(2), {"a.weight": 12, "b.weight": 40})
     for dtype, rtol in ((np.float32, 1e-6), (np.float64, 1e-12)):
@@ -300,7 +300,7 @@ def test_file_round_trip_and_imatrix_view(tmp_path):
 
 def test_collector_reuses_equal_inputs():
     """q, k and v see the same inputs: the product is computed once, and the sums are those of each call."""
-    from mcf.second_moment import SecondMomentCollector
+    from mcf.conversion.second_moment import SecondMomentCollector
 
     rng = np.random.default_rng(4)
     col = SecondMomentCollector()
@@ -329,7 +329,7 @@ def _st_file(path, tensors, meta):
     return path
 
 
-GOOD_META = {"format": "mcf.second_moment", "version": "1", "counts": '{"w": 5}', "datasets": "[]",
+GOOD_META = {"format": "mcf.conversion.second_moment", "version": "1", "counts": '{"w": 5}', "datasets": "[]",
              "chunk_count": "1", "chunk_size": "5"}
 
 
@@ -351,7 +351,7 @@ GOOD_META = {"format": "mcf.second_moment", "version": "1", "counts": '{"w": 5}'
     ({}, {**GOOD_META, "counts": "{}"}, "FormatError", "no second moments"),
 ])
 def test_malformed_files_are_refused(tmp_path, tensors, meta, cls, match):
-    from mcf.second_moment import read_second_moment
+    from mcf.conversion.second_moment import read_second_moment
 
     path = _st_file(tmp_path / "h.safetensors", tensors, meta)
     with pytest.raises(getattr(mcf, cls), match=match) as info:
@@ -362,7 +362,7 @@ def test_malformed_files_are_refused(tmp_path, tensors, meta, cls, match):
 @pytest.mark.parametrize("values, match", [([1.0, np.nan, 0.0, 1.0], r"w\[0, 1\].*finite"),
                                            ([1.0, 0.0, 0.0, -2.0], r"w\[1, 1\]")])
 def test_bad_values_in_a_file(tmp_path, values, match):
-    from mcf.second_moment import SecondMoments, read_second_moment
+    from mcf.conversion.second_moment import SecondMoments, read_second_moment
 
     path = _st_file(tmp_path / "h.safetensors", {"w": ("F32", [2, 2], np.array(values, "<f4").tobytes())},
                     GOOD_META)
@@ -377,7 +377,7 @@ def test_bad_values_in_a_file(tmp_path, values, match):
 def test_damaged_files_are_refused_or_read(tmp_path, data):
     """Bytes of a good file overwritten or cut anywhere: the file reads (to finite square matrices with their
     counts) or is refused with an mcf error, never another exception."""
-    from mcf.second_moment import SecondMoments, write_second_moment
+    from mcf.conversion.second_moment import SecondMoments, write_second_moment
 
     good = tmp_path / "good.safetensors"
     if not good.exists():
@@ -400,7 +400,7 @@ def test_damaged_files_are_refused_or_read(tmp_path, data):
 
 
 def test_write_refuses_what_it_cannot_write(tmp_path):
-    from mcf.second_moment import write_second_moment
+    from mcf.conversion.second_moment import write_second_moment
 
     p = tmp_path / "h.safetensors"
     with pytest.raises(mcf.InvalidArgumentError, match="square"):
@@ -431,7 +431,7 @@ def model_and_moments(tmp_path, rng):
         for n, a in arrays.items():
             w.add_tensor(n, a)
     hs = {"blk.0.attn_q.weight": correlated(rng, 1, 64)[1], "blk.0.ffn_down.weight": correlated(rng, 1, 96)[1]}
-    from mcf.second_moment import write_second_moment
+    from mcf.conversion.second_moment import write_second_moment
 
     path = tmp_path / "h.safetensors"
     write_second_moment(path, hs, {n: 1 for n in hs}, dtype=np.float64)
@@ -440,7 +440,7 @@ def model_and_moments(tmp_path, rng):
 
 def test_quantize_file_with_a_second_moment_file(tmp_path, capsys):
     from mcf.cli import main
-    from mcf.quant_policy import quantize_file
+    from mcf.conversion.quant_policy import quantize_file
 
     src, arrays, path, hs = model_and_moments(tmp_path, np.random.default_rng(8))
     with pytest.warns(UserWarning, match=r"second moment file matched 2 of the 3 .*up_proj"):
@@ -463,8 +463,8 @@ def test_quantize_file_with_a_second_moment_file(tmp_path, capsys):
 
 
 def test_quantize_file_refusals(tmp_path):
-    from mcf.quant_policy import quantize_file
-    from mcf.second_moment import write_second_moment
+    from mcf.conversion.quant_policy import quantize_file
+    from mcf.conversion.second_moment import write_second_moment
 
     src, arrays, path, hs = model_and_moments(tmp_path, np.random.default_rng(6))
     other = tmp_path / "other.safetensors"
@@ -512,8 +512,8 @@ def test_cli_wrong_arguments(tmp_path):
 def test_cli_collect_and_quantize_minilm(minilm_dir, tmp_path):
     """mcf imatrix --second-moment on the demo checkpoint: one matrix per linear layer whose diagonal is the
     importance the imatrix holds; mcf quantize --second-moment then changes the codes of exactly those."""
-    from mcf.pack import pack
-    from mcf.second_moment import SecondMoments
+    from mcf.conversion.pack import pack
+    from mcf.conversion.second_moment import SecondMoments
 
     packed = tmp_path / "minilm.mcf"
     pack(minilm_dir, packed)

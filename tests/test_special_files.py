@@ -81,7 +81,7 @@ def fifo(tmp_path):
                                     "io.open_source", "sniff"])
 def test_readers_refuse_a_fifo(fifo, reader):
     from mcf.io import open_source
-    from mcf.sniff import sniff
+    from mcf.conversion.sniff import sniff
 
     fn = {"mcf.open": mcf.open, "safetensors.load_file": mcf.safetensors.load_file, "gguf.open": mcf.gguf.open,
           "safetensors.open_checkpoint": mcf.safetensors.open_checkpoint, "io.open_source": open_source,
@@ -196,7 +196,7 @@ def test_pack_and_convert_refuse_a_fifo_tokenizer_json(tmp_path, command):
 
 
 def test_pack_caps_each_resource(tmp_path, monkeypatch):
-    pack_module = importlib.import_module("mcf.pack")  # mcf.pack is also the function
+    pack_module = importlib.import_module("mcf.conversion.pack")  # mcf.pack is also the function
 
     assert pack_module.RESOURCE_MAX_BYTES["tokenizer.json"] == fs.MAX_TOKENIZER_BYTES == 256 << 20
     assert pack_module.RESOURCE_MAX_BYTES["config.json"] == fs.MAX_JSON_BYTES == 64 << 20
@@ -224,7 +224,7 @@ def _tokenizer_file(path):
 
 def test_load_tokenizer_refuses_a_fifo_and_a_file_past_the_cap(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
-    import mcf.tokenizer as tokenizer_module
+    import mcf.conversion.tokenizer as tokenizer_module
 
     p = tmp_path / "tokenizer.json"
     os.mkfifo(p)
@@ -239,8 +239,8 @@ def test_load_tokenizer_refuses_a_fifo_and_a_file_past_the_cap(tmp_path, monkeyp
 
 
 def test_imatrix_readers_refuse_special_files_and_oversized_ones(tmp_path, monkeypatch, capsys):
-    import mcf.imatrix as imatrix
-    from mcf.second_moment import is_second_moment_file
+    import mcf.conversion.imatrix as imatrix
+    from mcf.conversion.second_moment import is_second_moment_file
 
     p = tmp_path / "imatrix.dat"
     os.mkfifo(p)
@@ -277,7 +277,7 @@ def test_safetensors_index_that_is_a_fifo(tmp_path):
 
 def test_megatron_tokenize_refuses_a_fifo_input(tmp_path):
     pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
-    from mcf.megatron.tokenize import iter_documents, tokenize
+    from mcf.conversion.tokenize import iter_documents, tokenize
 
     p = tmp_path / "docs.jsonl"
     os.mkfifo(p)

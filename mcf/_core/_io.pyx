@@ -87,6 +87,8 @@ cdef extern from "numpy/arrayobject.h":
 
 from mcf._core.args import integer, integers
 from mcf._core.fs import not_regular, open_regular
+from mcf._core.redaction import redact
+from mcf._core.urls import is_url
 from mcf._core.storage import ReadStats, Storage, defaults_for, storage_for_magic, storage_for_name
 from mcf.errors import (ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError, OutOfBoundsError,
                         TruncatedError, os_error)
@@ -319,7 +321,9 @@ cdef class Source:
         return s
 
     @staticmethod
-    def _from_fileobj(fileobj, bint owns=False):
+    def from_fileobj(fileobj, bint owns=False):
+        """A source over a binary file-like object with ``seek`` and ``readinto`` (or ``read``); with ``owns``
+        the source closes it when it closes (what :func:`mcf.remote.open_remote` does with a RemoteFile)."""
         cdef Source s = Source.__new__(Source)
         if not hasattr(fileobj, "seek") or not (hasattr(fileobj, "readinto") or hasattr(fileobj, "read")):
             raise ArgumentTypeError("a file-like source needs seek() and readinto() or read()")
@@ -1027,12 +1031,7 @@ def _reopen_memory(data, name):
 
 
 def _reopen_fileobj(fileobj):
-    return Source._from_fileobj(fileobj)
-
-
-def _is_url(obj):
-    from mcf.remote import is_url
-    return is_url(obj)
+    return Source.from_fileobj(fileobj)
 
 
 def open_fd(fd, name=None, mmap=None):
@@ -1057,25 +1056,9 @@ def _mmap_choice(mmap):
 
 
 def open_source(obj, mmap=None):
-    """Open ``obj`` as a :class:`Source`.
-
-    ``obj`` may be a path (``str`` or ``os.PathLike``), an existing :class:`Source` (returned as is),
-    the file's content in memory (``bytes``, ``bytearray``, ``memoryview`` or a numpy array) read in
-    place, or a binary file-like object with ``seek`` and ``readinto``/``read``.
-
-    ``mmap=None`` (the default) follows the filesystem (:func:`storage_of`): a file on a local disk is
-    mapped, one on a network or FUSE filesystem (NFS, SMB, Lustre, GPFS, CephFS, 9p, s3fs, gcsfuse...)
-    is read with positional reads by the read engine, because page faults there are round trips to a
-    server (and SIGBUS when it goes away).  ``mmap=True`` or ``False`` decides instead.
-
-    ``bytes`` are content, never a path, for every reader alike (as ``safetensors.load`` and
-    ``mcf.gguf.open`` take them): a path given as bytes would be ambiguous.  Decode such a path with
-    ``os.fsdecode`` first.
-
-    A URL string (``http(s)://``, ``s3://``, ``gs://``, ``memory://``, ``file://``..., anything fsspec
-    knows) opens a ``fileobj`` source over :class:`mcf.remote.RemoteFile` (range requests, a block
-    cache, checked lengths, bounded retries) whatever ``mmap`` says: remote bytes cannot be mapped.
-    """
+    """Open a local ``obj`` as a :class:`Source`: what :func:`mcf.io.open_source` does with everything but
+    a URL (a path, a Source, bytes-like content, a file-like object; see there).  A URL string is refused
+    here: the remote layer sits above the core, and :func:`mcf.io.open_source` opens URLs."""
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, bytes):
@@ -1083,13 +1066,13 @@ def open_source(obj, mmap=None):
             raise InvalidArgumentError(f"bytes are read as the file's content, but {obj!r} names an existing "
                                        "path: pass the path as str (os.fsdecode(path))")
         obj = memoryview(obj)
-    if isinstance(obj, str) and _is_url(obj):
-        from mcf.remote import open_remote
-        return open_remote(obj)
+    if isinstance(obj, str) and is_url(obj):
+        raise InvalidArgumentError(f"{redact(obj)}: a URL is opened by mcf.io.open_source (the core opens local "
+                                   "sources only)")
     if isinstance(obj, (str, os.PathLike)):
         return Source._from_path(obj, _mmap_choice(mmap))
     if isinstance(obj, (bytearray, memoryview, np.ndarray)):
         return Source._from_memory(obj)
     if hasattr(obj, "seek"):
-        return Source._from_fileobj(obj)
+        return Source.from_fileobj(obj)
     raise ArgumentTypeError(f"cannot open {type(obj).__name__!r} as a byte source")

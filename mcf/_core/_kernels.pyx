@@ -17,7 +17,7 @@ from mcf.errors import InvalidArgumentError
 from mcf._core._fpconv import IMPLS, env_impl, supported_impls
 from mcf._core._buffers cimport check_out, flat_bytes
 from mcf._core._fpconv cimport resolve_impl as _resolve_impl
-from mcf.container.layout import Domain, quant_layout
+from mcf._core.block_layout import Domain, quant_layout
 
 cdef extern from "cpu.h" nogil:
     int mcf_cpu_best()

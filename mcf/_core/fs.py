@@ -48,6 +48,7 @@ import os
 import secrets
 import stat
 
+from mcf._core.urls import refuse_url
 from mcf.errors import FormatError, MCFError, MCFIOError, os_error
 
 __all__ = ["MAX_JSON_BYTES", "MAX_TOKENIZER_BYTES", "TEMP_SUFFIX", "create_temp", "file_kind", "fsync_dir",
@@ -194,9 +195,7 @@ def preallocate(fd: int, size: int) -> None:
 def make_parent_dir(path, *, what: str = "writing") -> None:
     """Create the directories above the file ``path`` that do not exist yet (``mkdir -p``); an
     :class:`mcf.MCFIOError` subclass names the directory when that fails.  A URL is refused first
-    (:func:`mcf.remote.refuse_url`, saying ``what`` was attempted): it names no local directory."""
-    from mcf.remote import refuse_url
-
+    (:func:`mcf._core.urls.refuse_url`, saying ``what`` was attempted): it names no local directory."""
     refuse_url(path, what=what)
     directory = os.path.dirname(os.path.abspath(os.fspath(path)))
     try:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
-__all__ = ["redact", "redact_text"]
+__all__ = ["URL_SCHEME", "redact", "redact_text"]
 
-# scheme:// at the start of a string (what mcf.remote.is_url recognises)
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+# scheme:// at the start of a string (what mcf._core.urls.is_url recognises)
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 # the name of a query (or fragment) parameter that carries a credential, matched anywhere in the name and
 # in any case: pre-signed S3 and GCS URLs (X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token,
@@ -37,7 +37,7 @@ def redact(url) -> str | None:
     if isinstance(url, bytes):
         url = url.decode(errors="replace")
     url = str(url)
-    m = _URL.match(url)
+    m = URL_SCHEME.match(url)
     if m is None:
         return url
     head = m.end()

@@ -3,7 +3,7 @@
 The bit work is in C (csrc/quantize.c, csrc/dequant.c) behind :mod:`mcf._core._kernels`; this module owns the
 policy: which tensors are quantized (rank-2 float tensors; everything else is copied), clipping ranges,
 int8/int4 scale and zero point, row chunking so memory stays bounded.  Which tensors of a file are quantized, and
-whole-file quantization, are in :mod:`mcf.quant_policy` (it uses this module, never the reverse).
+whole-file quantization, are in :mod:`mcf.conversion.quant_policy` (it uses this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     side of the block where it helps); the result is never worse than the ``fast=True`` or the
     ``compat=True`` one, block by block, and any MCF decoder reads it (docs/quantization.md).
     ``importance`` (one value >= 0 per column, e.g. the mean squared input of that column from
-    :mod:`mcf.imatrix`) weights each column's error in that search.  ``fast=True`` keeps the single-pass
+    :mod:`mcf.conversion.imatrix`) weights each column's error in that search.  ``fast=True`` keeps the single-pass
     quantizer (much faster, ~1.5 dB worse at 4 bits, codes within +-qmax); ``compat=True`` reproduces the Go
     quantizer byte for byte (truncating f16 scales, codes within +-qmax).  Clips default to
     -max|x| and +max|x|, as the Go tool records them; explicit ones clamp the values before they are quantized, and
@@ -141,7 +141,7 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     ``second_moment``); the bytes do not depend on it.
 
     ``second_moment`` (the ``[cols, cols]`` matrix ``E[x x^T]`` of the layer's inputs ``x``, e.g. from
-    :mod:`mcf.second_moment`) goes further than ``importance``: the scales are those of the search weighted by
+    :mod:`mcf.conversion.second_moment`) goes further than ``importance``: the scales are those of the search weighted by
     its diagonal, and the codes are chosen with error feedback through the whole matrix (GPTQ's method,
     :mod:`mcf.container.error_feedback`), which lowers the layer's output error ``trace(dW H dW^T)``; the file
     format is unchanged.  It must be finite, symmetric and positive definite once 1% of its mean diagonal is

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._core.args import byte_order_problem, out_array, row_range
-from mcf._core._io import Source, open_source
+from mcf.io import Source, open_source
 from mcf._core.dtypes import DType
 from mcf._core.memory import allocating
 from mcf.errors import (DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError,

@@ -1,4 +1,4 @@
-"""The GGUF reader: validation and fast dequantization (conversion to MCF is :mod:`mcf.gguf.convert`).
+"""The GGUF reader: validation and fast dequantization (conversion to MCF is :mod:`mcf.conversion.gguf`).
 
 GGUF is the single-file format of llama.cpp / ggml.  Its loaders have had a long run of CVEs (an
 integer overflow in a count turned into a heap overflow, a string or array length taken from the file

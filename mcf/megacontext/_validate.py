@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core._io import Source, open_source
+from mcf.io import Source, open_source
 from mcf.errors import FormatError, MCFError, MCFIOError, TruncatedError
 from mcf.megacontext._files import level_path, not_a_dir
 from mcf.megacontext._layout import (COUNT_OFFSET, HEADER_SIZE, LEVEL_FILES, CtxHeader, encode_model_name, gist_dtypes,

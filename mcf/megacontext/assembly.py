@@ -106,11 +106,11 @@ def assemble(tree, plan, embeddings=None, *, out=None, dtype=None, threads: int 
     rows, with MCF's dequantization kernel (the SIMD variant ``MCF_FORCE_IMPL`` names, else the best the
     CPU runs).  Without a table the gist rows come out in ``dtype``, by default the levels' common float
     dtype, or float32 when a level is q8 or the levels differ."""
-    tree._check_open()
+    tree.check_open()
     p = Plan.of(plan)
     threads = integer(threads, "threads", minimum=1)
     t, n1, n2 = tree.counts
-    srcs = (tree._src(0, t), tree._src(1, n1) if n1 else None, tree._src(2, n2) if n2 else None)
+    srcs = (tree.level_source(0, t), tree.level_source(1, n1) if n1 else None, tree.level_source(2, n2) if n2 else None)
     levels, positions, token_ids, gists, matrix = _mc.assemble(
         srcs, (t, n1, n2), tree.block_size, tree.embedding_dim,
         (tree.gist_dtype_of(1).code, tree.gist_dtype_of(2).code), p.levels, p.indices,

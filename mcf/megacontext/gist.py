@@ -50,7 +50,7 @@ def build_gists(tree, pooler: MeanPool, *, chunk_blocks: int = 4096, commit: boo
     then for every complete group of LOD1 gists.  Returns how many gists of each level were added.
 
     Works from the files, so streaming ingest in any chunking produces the same gists."""
-    tree._check_writable()
+    tree.check_writable()
     if pooler.embedding_dim != tree.embedding_dim:
         raise InvalidArgumentError(f"the pooler's table is {pooler.embedding_dim} wide, the tree's "
                                    f"embedding_dim is {tree.embedding_dim}")

@@ -60,7 +60,7 @@ def snapshot(tree, dest=None) -> str:
     From the writer the copy is exact.  From a reader in another process, the counts are read once
     (:meth:`Tree.refresh`) and only that prefix is copied, which appends cannot disturb; gists being
     rewritten in place by the writer at that moment may be copied half old, half new."""
-    tree._check_open()
+    tree.check_open()
     if tree.writable:
         tree.commit()
     else:
@@ -87,7 +87,6 @@ def snapshot(tree, dest=None) -> str:
         raise os_error(exc, dest) from None
     try:
         for level in LEVELS:
-            lv = tree._levels[level]
             out = os.path.join(staging, LEVEL_FILES[level])
             n = counts[level]
             try:
@@ -97,12 +96,12 @@ def snapshot(tree, dest=None) -> str:
             try:
                 hdr = tree.header(level).with_count(n).pack()
                 os.write(fd, hdr)
-                src = tree._src(level, n)
-                _copy_range(src.fileno(), fd, HEADER_SIZE, n * lv.header.entry_size, lv.path)
+                src = tree.level_source(level, n)
+                _copy_range(src.fileno(), fd, HEADER_SIZE, n * tree.header(level).entry_size, src.name)
                 fsync_file(fd)
             finally:
                 os.close(fd)
-        meta = with_counts(tree._meta, counts)
+        meta = with_counts(tree.metadata, counts)
         meta["snapshot"] = {"of": tree.path, "taken_at": now_iso()}
         write_metadata(staging, meta, durable=True)
         fsync_dir(staging)

@@ -196,9 +196,9 @@ class Tree:
 
     def source(self, level: int) -> Source:
         """The I/O-core source of a level's file (refreshed to cover this process's count)."""
-        self._check_open()
+        self.check_open()
         self.header(level)   # the level checked
-        return self._src(level, self._levels[level].count)
+        return self.level_source(level, self._levels[level].count)
 
     # -- offsets and spans (seed 000's formulas with this tree's geometry) -------------------------------
     def token_offset(self, block: int, token: int) -> int:
@@ -230,13 +230,16 @@ class Tree:
         return parent_of(level, index, self.block_size)
 
     # -- reads ------------------------------------------------------------------------------------------
-    def _check_open(self):
+    def check_open(self) -> None:
+        """Raise :class:`mcf.ClosedError` when the tree is closed (what every read and write does first)."""
         if self._closed:
             from mcf.errors import ClosedError
 
             raise ClosedError(f"{self.path}: tree is closed")
 
-    def _src(self, level, entries) -> Source:
+    def level_source(self, level: int, entries: int) -> Source:
+        """The open byte source of level ``level``'s file, checked to hold ``entries`` entries (refreshed
+        once if another process has grown it).  For the tree's own modules (assembly, snapshots)."""
         lv = self._levels[level]
         need = HEADER_SIZE + entries * lv.header.entry_size
         if need > lv.src.size:
@@ -255,9 +258,9 @@ class Tree:
 
     def tokens(self, start: int | None = None, stop: int | None = None) -> np.ndarray:
         """Token ids ``[start, stop)`` (uint32; zero-copy when mapped)."""
-        self._check_open()
+        self.check_open()
         start, stop = self._range(self.num_tokens, start, stop, "tokens")
-        return self._src(0, stop).array(HEADER_SIZE + start * 4, "<u4", stop - start)
+        return self.level_source(0, stop).array(HEADER_SIZE + start * 4, "<u4", stop - start)
 
     def block(self, block: int) -> np.ndarray:
         """The token ids of LOD0 block ``block`` (fewer than block_size for the partial last block)."""
@@ -290,7 +293,7 @@ class Tree:
         fields name the dtype (``fp16``, ``bf16``, ``fp32``, or ``q8_scales`` + ``q8_codes``), so that
         they can only be written back to a level that stores the same dtype and width (zero-copy for a
         step-1 slice)."""
-        self._check_open()
+        self.check_open()
         n = self.num_gists(level)
         d = self.embedding_dim
         dt = self.gist_dtypes[level]
@@ -303,7 +306,7 @@ class Tree:
             start, stop, step = slice_bounds(which, n, "gist slice")
             if step == 1 and (raw or not dt.quantized):
                 stop = max(stop, start)
-                return self._src(level, stop).array(HEADER_SIZE + start * rb, npdt, shape_of(stop - start))
+                return self.level_source(level, stop).array(HEADER_SIZE + start * rb, npdt, shape_of(stop - start))
             which = np.arange(start, stop, step)
         ix = np.asarray(which)
         if ix.ndim == 0:
@@ -312,8 +315,8 @@ class Tree:
         ix = np.where(ix < 0, ix + n, ix)
         out = np.empty(shape_of(ix.shape[0]), dtype=npdt)
         if dt.quantized and not raw:
-            return _mc.gather_q8(self._src(level, n), n, d, ix, out)
-        return _mc.gather_rows(self._src(level, n), n, rb, ix, out)
+            return _mc.gather_q8(self.level_source(level, n), n, d, ix, out)
+        return _mc.gather_rows(self.level_source(level, n), n, rb, ix, out)
 
     def plan_tail(self, budget: int, recent_tokens: int):
         """The simple focus plan: see :func:`mcf.megacontext.plan_tail`."""
@@ -331,7 +334,7 @@ class Tree:
         """Pick up what a writer in another process committed since opening; returns the counts.
 
         metadata.json is read first and the headers from LOD2 down, so the counts are consistent."""
-        self._check_open()
+        self.check_open()
         if self.writable:
             return self.counts
         meta, errs = load_metadata(self.path)
@@ -366,8 +369,9 @@ class Tree:
         return self.counts
 
     # -- writes -----------------------------------------------------------------------------------------
-    def _check_writable(self):
-        self._check_open()
+    def check_writable(self) -> None:
+        """Raise unless the tree is open and writable (``mode='r+'``)."""
+        self.check_open()
         if not self.writable:
             raise InvalidArgumentError(f"{self.path}: tree is open read-only (open it with mode='r+')")
 
@@ -375,7 +379,7 @@ class Tree:
         """Append token ids (any integer array-like) to LOD0; returns the new token count.
 
         With ``commit=False`` the ids are written but not published (call :meth:`commit`)."""
-        self._check_writable()
+        self.check_writable()
         a = np.asarray(ids)
         if a.ndim != 1:
             raise InvalidArgumentError(f"token ids must be 1-D, got shape {a.shape}")
@@ -468,7 +472,7 @@ class Tree:
         LOD1 or LOD2; returns the new count.  Only complete spans get gists: LOD1 gist i needs tokens
         [32i, 32i+32), LOD2 gist j needs LOD1 gists [32j, 32j+32).  ``checkpoint`` names the GistNet
         checkpoint that produced them (default: the tree's current ``gistnet_checkpoint``)."""
-        self._check_writable()
+        self.check_writable()
         self.num_gists(level)
         a = self._as_gist_rows(rows, level)
         lv = self._levels[level]
@@ -501,7 +505,7 @@ class Tree:
         metadata.json marks the range as pending before the bytes change and clears the mark after, so
         an interrupted rewrite is reported instead of silently mixing two checkpoints.  Readers in
         other processes may see a mix of old and new rows while it runs."""
-        self._check_writable()
+        self.check_writable()
         n = self.num_gists(level)
         a = self._as_gist_rows(rows, level)
         start = integer(start, "start")
@@ -526,7 +530,7 @@ class Tree:
         self._write_metadata()
 
     def set_ingestion_complete(self, *, done: bool = True) -> None:
-        self._check_writable()
+        self.check_writable()
         self._meta["ingestion_complete"] = bool(done)
         self._dirty = True
         self.commit()
@@ -534,7 +538,7 @@ class Tree:
     def commit(self) -> tuple:
         """Publish this writer's appends: data already written, then each header's count (LOD0, LOD1,
         LOD2), then metadata.json.  Returns the committed counts."""
-        self._check_writable()
+        self.check_writable()
         changed = False
         for level in LEVELS:
             lv = self._levels[level]
@@ -567,7 +571,7 @@ class Tree:
     def restore(self, snapshot_dir) -> None:
         """Replace this (writable) tree's contents with a snapshot and reload."""
 
-        self._check_writable()
+        self.check_writable()
         for lv in self._levels.values():
             lv.close()
         _restore(snapshot_dir, self.path, locked=True)

@@ -7,7 +7,7 @@
   ``add_document``, ``add_index``, ``finalize``), byte-identical to Megatron and datatrove.
 - :mod:`mcf.megatron.sample_index`: Megatron's GPT document / sample / shuffle indices and
   :class:`GPTSamples`.
-- :mod:`mcf.megatron.tokenize`: jsonl / text to a dataset with the Hugging Face ``tokenizers``.
+- :mod:`mcf.conversion.tokenize`: jsonl / text to a dataset with the Hugging Face ``tokenizers``.
 
 See docs/megatron.md.
 """

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._core.args import integer, slice_bounds
-from mcf._core._io import Source, open_source
+from mcf.io import Source, open_source
 from mcf._core.redaction import redact
 from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError,
                         TruncatedError, UnsupportedVersionError)

@@ -1,6 +1,6 @@
 """Many Megatron datasets read as one, without merging them: global sequence and document numbering.
 
-A distributed tokenization (``mcf.megatron.raydata``) produces hundreds or thousands of shards; Megatron
+A distributed tokenization (``mcf.conversion.raydata``) produces hundreds or thousands of shards; Megatron
 itself can train on them as a blend (``--data-path``), but a reader that wants one dataset (sample
 indices over the whole corpus, a data loader, an inspection) would otherwise have to merge them first.
 :class:`ShardedDataset` is that one dataset: ``ds[i]``, ``get``, ``gather``, ``document``,
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mcf._core._io import open_source
+from mcf.io import open_source
 from mcf._core.args import integer, slice_bounds
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron

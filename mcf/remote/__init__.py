@@ -60,4 +60,4 @@ def open_remote(url, **options):
     ``request_size``, ``concurrency``, ``retries``, ``timeout``...).  Hand the source to any reader."""
     from mcf._core._io import Source
 
-    return Source._from_fileobj(RemoteFile(url, **options), owns=True)
+    return Source.from_fileobj(RemoteFile(url, **options), owns=True)

@@ -11,38 +11,19 @@ fetches where it can; every other scheme (``memory://``, ``file://``, ``hf://``.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
 from mcf._core.redaction import redact, redact_text
+from mcf._core.urls import is_url, refuse_url
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["OBJECT_STORE_SCHEMES", "Target", "is_url", "redact", "redact_text", "refuse_url", "target",
            "has_query_syntax", "split_url", "url_name", "join_path"]
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-
 #: scheme -> the store kind obstore builds for it
 OBJECT_STORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "azure": "azure",
                         "abfs": "azure", "abfss": "azure", "adl": "azure", "http": "http", "https": "http"}
-
-
-def is_url(obj) -> bool:
-    """True for a string that names a protocol (``scheme://...``): such paths are read remotely."""
-    if isinstance(obj, bytes):
-        try:
-            obj = obj.decode()
-        except UnicodeDecodeError:
-            return False
-    return isinstance(obj, str) and _URL.match(obj) is not None
-
-
-def refuse_url(path, *, what: str = "writing") -> None:
-    """Raise :class:`InvalidArgumentError` when ``path`` is a URL: remote files are read-only in mcf."""
-    if is_url(path):
-        raise InvalidArgumentError(f"{redact(path)}: {what} is not supported on remote URLs (remote files are "
-                                   "read-only)")
 
 
 @dataclass(frozen=True)

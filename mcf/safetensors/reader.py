@@ -31,7 +31,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from mcf._core._io import Source, open_source
+from mcf.io import Source, open_source
 from mcf._core.fs import read_regular
 from mcf._core.dtypes import DTypeInfo, dtype_info
 from mcf._core.memory import allocating

@@ -40,7 +40,7 @@ def bert_forward(weights, config: dict, token_ids, *, progress=None, observe=Non
     ``[T, hidden]`` and ``[(K, V), ...]`` per layer, each ``[heads, T, head_dim]`` float32: the keys and
     values the attention of that layer used.  ``progress(done, total, what)`` is called per layer;
     ``observe(weight_name, inputs)`` with the ``[T, in]`` input of every linear layer before it is applied
-    (the importance-matrix collector of :mod:`mcf.imatrix`)."""
+    (the importance-matrix collector of :mod:`mcf.conversion.imatrix`)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     t = len(ids)
     if not 0 < t <= int(config["max_position_embeddings"]):

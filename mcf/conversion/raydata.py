@@ -2,7 +2,7 @@
 
 - :func:`tokenize` runs ``mcf megatron tokenize`` on a cluster and writes ``PREFIX.bin``/``PREFIX.idx``
   byte-identical to the single-process command on the same inputs and options, whatever the cluster
-  does: inputs are cut into byte ranges on line boundaries (:mod:`mcf.megatron._chunks`), each range is
+  does: inputs are cut into byte ranges on line boundaries (:mod:`mcf.conversion._chunks`), each range is
   read, tokenized and written as shards by one fused Ray task, and the commit step merges the shards in
   input order with the existing streaming merge.  A rerun of a failed job reuses the chunks it finished.
 - :class:`MegatronDatasink` writes token sequences from any Ray Data pipeline as Megatron shards, one
@@ -29,15 +29,15 @@ import numpy as np
 from mcf._core.fs import make_parent_dir
 from mcf._core.optional import require
 
-pa = require("pyarrow", feature="mcf.megatron.raydata (Megatron datasets on Ray Data)", extra="ray",
+pa = require("pyarrow", feature="mcf.conversion.raydata (Megatron datasets on Ray Data)", extra="ray",
              package="ray[data]")
-ray = require("ray", feature="mcf.megatron.raydata (Megatron datasets on Ray Data)", extra="ray")
-require("ray.data", feature="mcf.megatron.raydata (Megatron datasets on Ray Data)", extra="ray", package="ray[data]")
+ray = require("ray", feature="mcf.conversion.raydata (Megatron datasets on Ray Data)", extra="ray")
+require("ray.data", feature="mcf.conversion.raydata (Megatron datasets on Ray Data)", extra="ray", package="ray[data]")
 from ray.data.block import BlockAccessor, BlockMetadata  # noqa: E402 - after the check above
 from ray.data.datasource import Datasink, Datasource, ReadTask  # noqa: E402
 
 from mcf.errors import FormatError, InvalidArgumentError  # noqa: E402
-from mcf.megatron._chunks import Chunk, describe_inputs, iter_chunk_documents, plan_chunks  # noqa: E402
+from mcf.conversion._chunks import Chunk, describe_inputs, iter_chunk_documents, plan_chunks  # noqa: E402
 from mcf.megatron._shard_dir import (DirectoryLock, ShardRun, commit_runs, complete_groups, read_plan,  # noqa: E402
                                      remove_our_files, run_name, scan_runs, task_name, write_plan)
 
@@ -77,7 +77,7 @@ def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, *, drop_empt
     with the chunk's end marker (alone in a block when the chunk holds no document).  ``drop_empty``
     leaves out documents whose text is empty, as datatrove's readers do (``empty_text="datatrove"``),
     so that positions and the end marker count only the documents that become documents.
-    ``max_line_bytes`` as :func:`mcf.megatron.tokenize.iter_documents` takes it (None: its default)."""
+    ``max_line_bytes`` as :func:`mcf.conversion.tokenize.iter_documents` takes it (None: its default)."""
     batch: list = []
     first = 0
     for doc in iter_chunk_documents(chunk, json_key, max_line_bytes=max_line_bytes):
@@ -93,7 +93,7 @@ def read_chunk_blocks(chunk: Chunk, json_key: str, batch_size: int, *, drop_empt
 
 class TextDatasource(Datasource):
     """JSON lines / text inputs as rows ``(group, position, end, text, sentences)``: one read task per
-    chunk (:func:`mcf.megatron._chunks.plan_chunks`); ``group`` is the chunk, ``position`` the
+    chunk (:func:`mcf.conversion._chunks.plan_chunks`); ``group`` is the chunk, ``position`` the
     document's number in it, and the last row of each chunk is its end marker (``end`` true,
     ``position`` = the chunk's document count).  ``text`` holds a plain document, ``sentences`` a
     document given as a list of strings.  ``drop_empty`` leaves out documents with an empty text (what
@@ -157,7 +157,7 @@ def _list_array(offsets: np.ndarray, values: np.ndarray, null=None) -> pa.Array:
 class TokenizeStep:
     """``map_batches`` function: text rows (see :class:`TextDatasource`) to token rows
     ``(group, position, end, tokens, lengths)``, with exactly the tokenization of
-    :func:`mcf.megatron.tokenize.tokenize` (``tokens`` holds a document's tokens, ``lengths`` its
+    :func:`mcf.conversion.tokenize.tokenize` (``tokens`` holds a document's tokens, ``lengths`` its
     sequences' lengths).  ``empty_text`` is the single-process option of that name: ``"megatron"``, a
     document without tokens has no sequence; ``"datatrove"``, a plain text is always one sequence (read
     its documents with ``TextDatasource(drop_empty=True)``: datatrove drops empty texts before
@@ -165,8 +165,8 @@ class TokenizeStep:
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = False, eod: int | None = None, dtype=np.int32,
                  batch_size: int = 1000, empty_text: str = "megatron"):
-        from mcf.megatron.tokenize import EMPTY_TEXT_RULES
-        from mcf.tokenizer import load_tokenizer
+        from mcf.conversion.tokenize import EMPTY_TEXT_RULES
+        from mcf.conversion.tokenizer import load_tokenizer
 
         if empty_text not in EMPTY_TEXT_RULES:
             raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
@@ -196,7 +196,7 @@ class TokenizeStep:
         return cum[starts[1:]] - cum[starts[:-1]], nseq, lens, flat
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from mcf.megatron.tokenize import batch_encoder
+        from mcf.conversion.tokenize import batch_encoder
 
         tok = _cached_tokenizer(self.tokenizer_json, self.digest)
         run = batch_encoder(tok, self.add_special_tokens, self.eod, self.dtype, empty_text=self.empty_text)
@@ -619,7 +619,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
              address: str | None = None, chunk_size: int | None = None,
              shard_dir=None, merge: bool = True, resume: bool = True, ray_remote_args: dict | None = None,
              progress: bool = True):
-    """:func:`mcf.megatron.tokenize.tokenize` on a Ray cluster, with byte-identical output.
+    """:func:`mcf.conversion.tokenize.tokenize` on a Ray cluster, with byte-identical output.
 
     Inputs (local paths every node can read, or fsspec URLs) are cut into chunks of ``chunk_size``
     bytes (default: about four per cluster CPU, between 1 and 256 MiB; compressed inputs are one chunk
@@ -627,19 +627,19 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     filesystem every node writes to).  ``merge=True`` merges them into ``output_prefix`` and removes
     them; ``merge=False`` keeps them and writes ``output_prefix + ".shards.json"``.
     ``max_line_bytes`` is the longest input line accepted (None:
-    :data:`mcf.megatron.tokenize.MAX_LINE_BYTES`), as in the single-process run.
+    :data:`mcf.conversion.tokenize.MAX_LINE_BYTES`), as in the single-process run.
 
     A job that fails leaves no ``output_prefix.bin``/``.idx`` and keeps its finished shards with its
     plan: the same command run again (``resume=True``) reads only the chunks that are not finished.
-    Changed inputs or options start over.  Returns a :class:`~mcf.megatron.tokenize.TokenizeStats`
+    Changed inputs or options start over.  Returns a :class:`~mcf.conversion.tokenize.TokenizeStats`
     with ``chunks``, ``chunks_reused``, ``output`` and ``phases`` added: the wall seconds of
     ``prepare`` (loading the tokenizer, reading the inputs' sizes and fingerprints), ``connect`` (joining
     or starting the cluster), ``plan`` (the chunk plan, the shard directory and what an earlier run
     finished), ``tokenize`` (the Ray Data job: starting the workers, reading, tokenizing, writing the
     shards) and ``commit`` (checking and merging the shards)."""
     from mcf.megatron._layout import dtype_for_vocab
-    from mcf.megatron.tokenize import MAX_LINE_BYTES, TokenizeStats, check_max_line_bytes, eod_token_id
-    from mcf.tokenizer import load_tokenizer
+    from mcf.conversion.tokenize import MAX_LINE_BYTES, TokenizeStats, check_max_line_bytes, eod_token_id
+    from mcf.conversion.tokenizer import load_tokenizer
     from mcf.remote import refuse_url
 
     t0 = time.perf_counter()

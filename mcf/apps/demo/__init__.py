@@ -142,7 +142,7 @@ def demo_quantize(path: str, workdir: str, *, model_dir: str | None = None) -> l
     import mcf
     from mcf._core.console import Progress
     from mcf.container.quant import METHODS
-    from mcf.quant_policy import quantize_file
+    from mcf.conversion.quant_policy import quantize_file
 
     info = mcf.kernel_info()
     print(f"== quantize with every method (kernels: {info['active']}, CPU supports {', '.join(info['supported'])})")
@@ -221,15 +221,15 @@ def demo_export(model_dir: str, workdir: str, packed: str) -> int:
 
 def demo_bucket(model_dir: str, workdir: str, *, out=None) -> int:
     """Store a real KV cache in a Model Context Bucket: the keys and values MiniLM's six attention layers
-    compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf.models.bert`), ingested with
+    compute for a paragraph of its README (a plain-numpy forward pass, :mod:`mcf.conversion.bert`), ingested with
     lz4, found again after a "restart" by content, loaded back and compared.  Returns 0 when every check
     passes."""
     import json
 
-    from mcf.models.bert import bert_forward, sentence_embedding
+    from mcf.conversion.bert import bert_forward, sentence_embedding
     from mcf.bucket import Bucket
     from mcf._core.console import Progress, human as _human
-    from mcf.demo.megacontext import load_tokenizer
+    from mcf.apps.demo.megacontext import load_tokenizer
 
     w = (out or sys.stdout).write
     tok = load_tokenizer(model_dir)
@@ -320,7 +320,7 @@ def _run_steps(model_dir: str, workdir: str) -> int:
     import mcf
     from mcf.safetensors.reader import open_checkpoint
     from mcf._core.console import Progress, print_info
-    from mcf.pack import pack
+    from mcf.conversion.pack import pack
 
     out = os.path.join(workdir, "all-MiniLM-L6-v2.mcf")
     print(f"== packing {model_dir}\n   -> {out}")
@@ -354,8 +354,8 @@ def _run_steps(model_dir: str, workdir: str) -> int:
     print()
     ex = demo_export(model_dir, workdir, out)
     print()
-    from mcf.demo.megacontext import demo_megacontext
-    from mcf.demo.megatron import demo_megatron
+    from mcf.apps.demo.megacontext import demo_megacontext
+    from mcf.apps.demo.megatron import demo_megatron
 
     mg = demo_megatron(model_dir, workdir)
     print()

@@ -1,13 +1,13 @@
-"""The routes of ``mcf bucket serve`` (:mod:`mcf.bucket.server`): one :class:`Handlers` object holds what
+"""The routes of ``mcf bucket serve`` (:mod:`mcf.apps.bucket_server`): one :class:`Handlers` object holds what
 the handlers share (the bucket, the backend, the token, the limits, the event hub), its methods answer
 the requests, and :meth:`Handlers.application` binds them to the paths of the OpenAPI document
-(:mod:`mcf.bucket._openapi`).
+(:mod:`mcf.apps.bucket_server._openapi`).
 
 Every handler runs inside :meth:`Handlers.guarded`, the one place where the token is checked and an
 error becomes its status (400, 404, 409, 413, 415, 422, 500, 507), with the bucket's location scrubbed
-from the message; the exposure checks (:mod:`mcf.bucket._exposure`) and the HTTP limits
-(:mod:`mcf.bucket._http_limits`) come before.  starlette is imported at the top: only
-:func:`mcf.bucket.server.create_app` imports this module, once it has checked the ``server`` extra.
+from the message; the exposure checks (:mod:`mcf.apps.bucket_server._exposure`) and the HTTP limits
+(:mod:`mcf.apps.bucket_server._http_limits`) come before.  starlette is imported at the top: only
+:func:`mcf.apps.bucket_server.create_app` imports this module, once it has checked the ``server`` extra.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mcf.bucket._events import EventHub, TooManyStreamsError, parse_last_id
-from mcf.bucket._exposure import bearer_ok
+from mcf.apps.bucket_server._exposure import bearer_ok
 from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
-from mcf.bucket._openapi import DEVICE_PATTERN, OPENAPI, PREFIX, SCHEMAS, TOKEN_IDS_PATTERN, query_parameters
+from mcf.apps.bucket_server._openapi import DEVICE_PATTERN, OPENAPI, PREFIX, SCHEMAS, TOKEN_IDS_PATTERN, query_parameters
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.bucket.tiers import HotTierFullError, WarmBudgetError, check_device
 from mcf.errors import (ContextNotFoundError, EncryptionKeyError, FormatError, InvalidArgumentError, MCFError,
@@ -43,7 +43,7 @@ _STREAM_PIECE = 1 << 20
 _JSON_TYPES = ("application/json",)
 _UPLOAD_TYPES = ("application/octet-stream", "application/zip")
 _TOKEN_IDS = re.compile(TOKEN_IDS_PATTERN)
-_log = logging.getLogger("mcf.bucket.server")
+_log = logging.getLogger("mcf.apps.bucket_server")
 
 
 class _UnsupportedMedia(InvalidArgumentError):
@@ -174,7 +174,7 @@ async def _http_error(request: Request, exc: HTTPException):
 class Handlers:
     """The request handlers of one application and what they share.  ``scrub`` removes every spelling
     of the bucket's location from a message (:func:`mcf.bucket._names.root_scrubber`); the limits are
-    :func:`mcf.bucket.server.create_app`'s (``max_text_bytes``: a text ingest's body)."""
+    :func:`mcf.apps.bucket_server.create_app`'s (``max_text_bytes``: a text ingest's body)."""
 
     def __init__(self, bucket: Bucket, *, token: str | None, backend: Any, scrub, hub: EventHub,
                  max_body_bytes: int, max_json_bytes: int, max_text_bytes: int, max_ingest_bytes: int,

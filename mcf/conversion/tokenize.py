@@ -20,7 +20,7 @@ READ_BYTES`` bytes of it are held, so a small compressed file that expands to on
 decompression bomb) costs time, never more memory than that.  An input is a regular file (a FIFO or a
 device is refused naming it): its size is the progress total, and a Ray run seeks in it.
 
-The tokenizer is anything :func:`mcf.tokenizer.load_tokenizer` takes: a ``tokenizers.Tokenizer``, a
+The tokenizer is anything :func:`mcf.conversion.tokenizer.load_tokenizer` takes: a ``tokenizers.Tokenizer``, a
 ``tokenizer.json``, a checkpoint directory, or an MCF file packed with its resources.
 
 ``workers`` threads tokenize batches in parallel (``tokenizers`` releases the GIL while encoding);
@@ -48,7 +48,7 @@ from mcf._core.optional import require
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
-from mcf.tokenizer import load_tokenizer  # the tokenizer argument: any source mcf.tokenizer takes
+from mcf.conversion.tokenizer import load_tokenizer  # the tokenizer argument: any source mcf.conversion.tokenizer takes
 
 try:  # faster JSON when available
     import orjson as _orjson

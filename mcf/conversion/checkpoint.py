@@ -3,7 +3,7 @@
 One streaming pass: each tensor is read, optionally quantized (the rules of ``mcf quantize``) or cast,
 and written before the next is touched, so peak memory stays near one tensor whatever the model's
 size.  The safetensors path is the same code as :func:`mcf.pack` (with no method the output is
-byte-identical to it); GGUF files go to :func:`mcf.gguf.convert_gguf`.
+byte-identical to it); GGUF files go to :func:`mcf.conversion.gguf.convert_gguf`.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import os
 
 from mcf._core.args import file_path
 from mcf.errors import FormatError, InvalidArgumentError
-from mcf.pack import files_left_out  # re-exported: mcf convert and mcf pack leave out the same files
+from mcf.conversion.pack import files_left_out  # re-exported: mcf convert and mcf pack leave out the same files
 
 __all__ = ["convert", "DTYPES", "files_left_out"]
 
 DTYPES = ("keep", "f32", "f16", "bf16")
 
 
-# What a file mcf convert cannot read is good for, by its kind (mcf.sniff): the command the user seems to want.
+# What a file mcf convert cannot read is good for, by its kind (mcf.conversion.sniff): the command the user seems to want.
 _ELSEWHERE = {
     "mcf": "it is MCF already: to quantize it, mcf quantize {path} OUT.mcf --method k4 (in Python: "
-           "mcf.quant_policy.quantize_file); to get safetensors back, mcf export {path} -o DIR",
+           "mcf.conversion.quant_policy.quantize_file); to get safetensors back, mcf export {path} -o DIR",
     "json": "pass the checkpoint directory that holds it and the weights (model.safetensors)",
     "megatron-index": "a dataset, not a model: mcf megatron info / mcf megatron verify read it",
     "megacontext-level": "part of a tree, not a model: mcf ctx info TREE_DIR reads the tree",
@@ -43,7 +43,7 @@ def _input_kind(path: str) -> str:
     """``"gguf"`` or ``"safetensors"`` (also for a checkpoint directory), by the file's first bytes
     whatever its name says; a file of another known kind is refused here, with what it is and which
     command reads it.  Unrecognized bytes go to the reader the name suggests, which says what is wrong."""
-    from mcf.sniff import sniff  # here: it imports every format, which `import mcf` need not
+    from mcf.conversion.sniff import sniff  # here: it imports every format, which `import mcf` need not
 
     if not os.path.isfile(path):
         return "safetensors"  # a directory, or missing: the checkpoint reader names the problem
@@ -65,16 +65,16 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     ``src``: a checkpoint directory (``model.safetensors``, or shards listed in
     ``model.safetensors.index.json``, plus config/tokenizer files that go into resource sections), a
     single ``.safetensors`` file, or a ``.gguf`` file.  ``method`` ("q8", "q4", "k6", "k4", "k3",
-    "k2", "int8", "int4"; for GGUF also "native", see :func:`mcf.gguf.convert_gguf`) quantizes rank-2
+    "k2", "int8", "int4"; for GGUF also "native", see :func:`mcf.conversion.gguf.convert_gguf`) quantizes rank-2
     float tensors; ``overrides`` (``["embed*=q8",
     "lm_head.weight=none"]``, first match wins) picks a method per name; ``compat=True`` reproduces
     the Go quantizer's bytes; ``fast=True`` keeps the single-pass quantizer; ``imatrix`` (a file or a
-    mapping name -> importance, see :mod:`mcf.imatrix`) weights the quantization error per column.
+    mapping name -> importance, see :mod:`mcf.conversion.imatrix`) weights the quantization error per column.
     ``dtype`` ("keep", "f32", "f16", "bf16") casts the float tensors that are not quantized.
     ``progress(done, total, name)`` is called after each tensor.  ``mmap`` chooses how safetensors
     inputs are read: mapped (True), with ``pread`` (False), or by their filesystem (None, the default:
     mapped on local disks).  For GGUF input the report is
-    :func:`mcf.gguf.convert_gguf`'s per-tensor :class:`mcf.gguf.ConvertStats`: how each tensor was
+    :func:`mcf.conversion.gguf.convert_gguf`'s per-tensor :class:`mcf.conversion.gguf.ConvertStats`: how each tensor was
     stored, and for a requantized one the error the MCF method added to the GGUF values (GGUF's own
     blocks are already lossy, and the original weights are not in the file).
 
@@ -83,9 +83,9 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     Every input is validated before the output is created; a bad input raises a
     :class:`mcf.MCFError` subclass naming the file and field, and leaves ``dst`` untouched.
     """
-    from mcf.imatrix import as_importance
-    from mcf.pack import pack_checkpoint
-    from mcf.quant_policy import check_imatrix_mode, resolve_policy
+    from mcf.conversion.imatrix import as_importance
+    from mcf.conversion.pack import pack_checkpoint
+    from mcf.conversion.quant_policy import check_imatrix_mode, resolve_policy
 
     path = file_path(src, "src")
     dtype = str(dtype).strip().lower()
@@ -94,7 +94,7 @@ def convert(src, dst, *, method: str | None = None, overrides=(), compat: bool =
     check_imatrix_mode(imatrix, compat, fast)
     imatrix = None if imatrix is None else as_importance(imatrix)  # a bad file fails before the output exists
     if _input_kind(path) == "gguf":
-        from mcf.gguf.convert import convert_gguf
+        from mcf.conversion.gguf import convert_gguf
 
         stats = convert_gguf(path, dst, method=method, overrides=overrides, compat=compat, dtype=dtype,
                              progress=progress, durable=durable, fast=fast, imatrix=imatrix, report=report)

@@ -5,7 +5,7 @@ the range: a task seeks to ``start - 1``, skips to the end of that line (unless 
 newline), and reads on until the line that holds byte ``stop - 1`` is finished.  The chunks of an input
 therefore hold every line exactly once, whatever the chunk size, and concatenating their documents in
 chunk order gives the documents of the whole file in order: that is what makes a distributed
-tokenization byte-identical to :func:`mcf.megatron.tokenize.tokenize`.  Compressed inputs (gzip, zstd)
+tokenization byte-identical to :func:`mcf.conversion.tokenize.tokenize`.  Compressed inputs (gzip, zstd)
 cannot be entered in the middle: each is one chunk.
 
 Inputs are local paths or fsspec URLs (``s3://``, ``gs://``, ``https://``...).  Each input is
@@ -195,7 +195,7 @@ class _LineRange(io.RawIOBase):
 
 
 def chunk_stream(chunk: Chunk):
-    """A binary stream of the chunk's bytes (for :func:`mcf.megatron.tokenize.iter_documents`)."""
+    """A binary stream of the chunk's bytes (for :func:`mcf.conversion.tokenize.iter_documents`)."""
     raw = _open_raw(chunk.path)
     if chunk.stop is None:
         # a whole file: buffered so that the reader can peek at the compression magic
@@ -208,10 +208,10 @@ def chunk_stream(chunk: Chunk):
 
 
 def iter_chunk_documents(chunk: Chunk, json_key: str = "text", *, max_line_bytes: int | None = None):
-    """The documents of ``chunk`` in order, as :func:`mcf.megatron.tokenize.iter_documents` yields them
+    """The documents of ``chunk`` in order, as :func:`mcf.conversion.tokenize.iter_documents` yields them
     (``max_line_bytes`` None: its default).  An error names the input and the line, counted from the
     chunk's first line."""
-    from mcf.megatron.tokenize import MAX_LINE_BYTES, iter_documents
+    from mcf.conversion.tokenize import MAX_LINE_BYTES, iter_documents
 
     stream = chunk_stream(chunk)
     begin = stream._begin if isinstance(stream, _LineRange) else 0

@@ -30,7 +30,7 @@ imatrix made by llama-imatrix applies to the checkpoint the GGUF model came from
 (``int32 n_entries``, then per entry ``int32 len, name, int32 ncall, int32 nval, float32[nval]``
 holding ``mean * ncall``, then optionally ``int32 chunks, int32 len, dataset name``) is read too.
 
-:func:`collect_bert` measures one for the BERT encoders :mod:`mcf.models.bert` runs (the demo's
+:func:`collect_bert` measures one for the BERT encoders :mod:`mcf.conversion.bert` runs (the demo's
 all-MiniLM-L6-v2), and ``mcf imatrix`` is its command line.
 """
 
@@ -47,7 +47,7 @@ from mcf._core.args import file_path, integer, real, reals
 from mcf._core.fs import MAX_JSON_BYTES, open_regular, read_regular, write_all, write_atomic
 from mcf.container.reader import open as open_container
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
-from mcf.second_moment import SecondMomentCollector, SecondMoments, is_second_moment_file
+from mcf.conversion.second_moment import SecondMomentCollector, SecondMoments, is_second_moment_file
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert", "gguf_name",
            "match_tensors"]
@@ -71,7 +71,7 @@ class ImportanceCollector:
     """Running sums of squared inputs per weight tensor: ``add(name, x)`` with the ``[tokens, columns]``
     input of that tensor's layer; :meth:`means` gives the importance vectors, :meth:`write` the file.
     With ``second_moment=True`` the whole ``x^T x`` is summed as well, in ``self.second_moment`` (a
-    :class:`mcf.second_moment.SecondMomentCollector`; its file is what ``mcf quantize --second-moment``
+    :class:`mcf.conversion.second_moment.SecondMomentCollector`; its file is what ``mcf quantize --second-moment``
     reads), else that attribute is None."""
 
     def __init__(self, *, second_moment: bool = False):
@@ -196,7 +196,7 @@ def _f32_entry(v: np.ndarray, what: str) -> np.ndarray:
 
 def read_imatrix(path) -> dict[str, np.ndarray]:
     """Importance vectors from a GGUF importance-matrix file (ours or llama.cpp's), a legacy
-    llama.cpp ``.dat`` file, or a second-moment file (:mod:`mcf.second_moment`: the diagonals of its
+    llama.cpp ``.dat`` file, or a second-moment file (:mod:`mcf.conversion.second_moment`: the diagonals of its
     matrices): name -> float32 mean squared input per column (``[experts, columns]`` for 3-D entries).
     Every length, count and value is checked: a bad file raises :class:`mcf.FormatError` naming the
     field."""
@@ -424,7 +424,7 @@ def match_tensors(imatrix: Mapping, names: Iterable[str]) -> dict[str, str]:
 
 def _model_parts(model):
     """(weights mapping, config dict, tokenizers.Tokenizer) of an MCF file or a checkpoint directory."""
-    from mcf.tokenizer import load_tokenizer
+    from mcf.conversion.tokenizer import load_tokenizer
 
     path = os.fspath(model)
     if os.path.isdir(path):
@@ -474,12 +474,12 @@ def _model_config(path) -> dict:
 
 def collect_bert(model, texts, *, chunk_tokens: int = 128, second_moment: bool = False,
                  progress=None) -> tuple[ImportanceCollector, int]:
-    """Run the numpy BERT encoder (:mod:`mcf.models.bert`) of ``model`` (an MCF file with its config.json and
+    """Run the numpy BERT encoder (:mod:`mcf.conversion.bert`) of ``model`` (an MCF file with its config.json and
     tokenizer.json, or a checkpoint directory) over ``texts`` cut into chunks of ``chunk_tokens`` tokens
     ([CLS] and [SEP] included) and record the inputs of every linear layer.  Returns the collector and
     the number of chunks.  ``second_moment=True`` records the whole second moment of the inputs as well
     (the collector's ``second_moment``), for error-feedback quantization."""
-    from mcf.models.bert import bert_forward
+    from mcf.conversion.bert import bert_forward
 
     model = file_path(model, "model")
     chunk_tokens = integer(chunk_tokens, "chunk_tokens")

@@ -22,7 +22,7 @@ def demo_megatron(model_dir: str, workdir: str) -> dict:
     """Write the README paragraphs as jsonl, tokenize them with the checkpoint's tokenizer.json into
     ``workdir/minilm-readme``, reopen, verify, build a GPT sample index over it and print a summary."""
     import mcf.megatron as mm
-    from mcf.megatron.tokenize import tokenize
+    from mcf.conversion.tokenize import tokenize
 
     os.makedirs(workdir, exist_ok=True)
     src = os.path.join(workdir, "minilm-readme.jsonl")

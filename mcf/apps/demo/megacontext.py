@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from mcf.tokenizer import load_tokenizer  # the checkpoint's tokenizer, truncation and padding off
+from mcf.conversion.tokenizer import load_tokenizer  # the checkpoint's tokenizer, truncation and padding off
 
 EMBEDDING_TENSOR = "embeddings.word_embeddings.weight"
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"

@@ -107,15 +107,15 @@ def cmd_merge(args) -> int:
 
 
 def _max_line_bytes(args) -> int:
-    from mcf.export import parse_size
-    from mcf.megatron.tokenize import MAX_LINE_BYTES
+    from mcf.conversion.export import parse_size
+    from mcf.conversion.tokenize import MAX_LINE_BYTES
 
     return MAX_LINE_BYTES if args.max_line_bytes is None else parse_size(args.max_line_bytes)
 
 
 def cmd_tokenize(args) -> int:
     from mcf._core.console import Progress
-    from mcf.megatron.tokenize import tokenize
+    from mcf.conversion.tokenize import tokenize
 
     if args.ray is not None:
         return _tokenize_on_ray(args)
@@ -143,8 +143,8 @@ def _tokenize_on_ray(args) -> int:
     if args.workers != 1:
         raise InvalidArgumentError("--workers sets threads of a single-process run; with --ray every CPU of the "
                                    "cluster tokenizes (one task per CPU)")
-    from mcf.megatron import raydata  # a MissingDependencyError names the extra when Ray is not installed
-    from mcf.export import parse_size
+    from mcf.conversion import raydata  # a MissingDependencyError names the extra when Ray is not installed
+    from mcf.conversion.export import parse_size
 
     stats = raydata.tokenize(args.inputs, args.output_prefix, args.tokenizer, json_key=args.json_key,
                              append_eod=args.append_eod, eod_token=args.eod_token, batch_size=args.batch_size,

@@ -14,16 +14,16 @@ server's own, so a web page cannot drive it; the ``Host`` header must be a valid
 on loopback only (Redis' protected mode); bodies are read in pieces up to a hard limit; ingests run a
 few at a time (503 with Retry-After past :data:`DEFAULT_MAX_CONCURRENT_INGESTS`), their arrays bounded
 once decoded; a full disk is 507 (as MinIO answers), logged in one line; connections are capped,
-slow ones closed, and requests framed strictly (:mod:`mcf.bucket._http_limits`); every request is
-logged in one line (:mod:`mcf.bucket._access_log`).  ``query`` needs a language model, which this
+slow ones closed, and requests framed strictly (:mod:`mcf.apps.bucket_server._http_limits`); every request is
+logged in one line (:mod:`mcf.apps.bucket_server._access_log`).  ``query`` needs a language model, which this
 engine does not contain: it goes through a :class:`QueryBackend` given to :func:`create_app`
 (:class:`mcf.bucket.hf.TransformersBackend` is one); a backend that also has ``ingest``
 (:class:`IngestBackend`) lets the ingest route take the content itself as a JSON body and compute its
 KV cache.
 
-The parts: the OpenAPI document, which the routes are checked against (:mod:`mcf.bucket._openapi`);
-the Host, Origin and token checks and the loopback-or-token rule (:mod:`mcf.bucket._exposure`); the
-handlers (:mod:`mcf.bucket._routes`).  This module wires them (:func:`create_app`) and runs them on
+The parts: the OpenAPI document, which the routes are checked against (:mod:`mcf.apps.bucket_server._openapi`);
+the Host, Origin and token checks and the loopback-or-token rule (:mod:`mcf.apps.bucket_server._exposure`); the
+handlers (:mod:`mcf.apps.bucket_server._routes`).  This module wires them (:func:`create_app`) and runs them on
 uvicorn (:func:`serve`).
 """
 
@@ -39,11 +39,11 @@ from typing import Any, Protocol
 from mcf._core.args import integer
 from mcf._core.optional import require
 from mcf.bucket._events import DEFAULT_KEEPALIVE, DEFAULT_MAX_STREAMS, EventHub
-from mcf.bucket._exposure import (DEFAULT_ALLOWED_HOSTS, Exposure, bearer_ok, check_bind, check_token,
+from mcf.apps.bucket_server._exposure import (DEFAULT_ALLOWED_HOSTS, Exposure, bearer_ok, check_bind, check_token,
                                   parse_allowed_hosts)
-from mcf.bucket._exposure import MIN_TOKEN_BYTES  # noqa: F401 - importable from here, as before the split
-from mcf.bucket._openapi import OPENAPI
-from mcf.bucket._openapi import PREFIX  # noqa: F401 - importable from here, as before the split
+from mcf.apps.bucket_server._exposure import MIN_TOKEN_BYTES  # noqa: F401 - importable from here, as before the split
+from mcf.apps.bucket_server._openapi import OPENAPI
+from mcf.apps.bucket_server._openapi import PREFIX  # noqa: F401 - importable from here, as before the split
 from mcf.bucket.store import Bucket
 from mcf.errors import InvalidArgumentError
 
@@ -63,7 +63,7 @@ DEFAULT_MAX_CONCURRENT_INGESTS = 4
 DEFAULT_MAX_JSON_BODY = 1 << 20
 #: a content sent as text to a model backend (JSON): 16 MiB is millions of tokens, beyond any model's window
 DEFAULT_MAX_TEXT_BODY = 16 << 20
-_log = logging.getLogger("mcf.bucket.server")
+_log = logging.getLogger("mcf.apps.bucket_server")
 
 
 class QueryBackend(Protocol):
@@ -95,10 +95,10 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     (:class:`IngestBackend`), takes text ingests; without one both answer 501.
     ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
     every ``events_keepalive`` seconds (:mod:`mcf.bucket._events`); the hub is ``app.state.events``.
-    The handlers are :class:`mcf.bucket._routes.Handlers`'s, behind :class:`mcf.bucket._exposure.Exposure`."""
+    The handlers are :class:`mcf.apps.bucket_server._routes.Handlers`'s, behind :class:`mcf.apps.bucket_server._exposure.Exposure`."""
     require("starlette", feature="the bucket's REST server", extra="server")
     from mcf.bucket._names import root_scrubber
-    from mcf.bucket._routes import Handlers
+    from mcf.apps.bucket_server._routes import Handlers
 
     check_token(token)
     for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes),
@@ -119,7 +119,7 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
 
 class _AccessLog:
-    """One access-log line per request answered by the application (:mod:`mcf.bucket._access_log`):
+    """One access-log line per request answered by the application (:mod:`mcf.apps.bucket_server._access_log`):
     the status and body bytes it sent, and the time from the request to the last byte handed over."""
 
     def __init__(self, app) -> None:
@@ -128,7 +128,7 @@ class _AccessLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from mcf.bucket._access_log import log_request, request_target
+        from mcf.apps.bucket_server._access_log import log_request, request_target
 
         start, status, sent = time.perf_counter(), [0], [0]
 
@@ -161,7 +161,7 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_body_bytes``, ``max_ingest_bytes`` and ``max_concurrent_ingests`` are
     :func:`create_app`'s; ``max_connections``, ``header_timeout``, ``body_timeout``, ``body_min_rate``,
-    ``body_deadline`` and ``send_timeout`` are the limits of :mod:`mcf.bucket._http_limits` (None: its
+    ``body_deadline`` and ``send_timeout`` are the limits of :mod:`mcf.apps.bucket_server._http_limits` (None: its
     default); ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers queries (and, with an
     ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds until a context
     ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open ``/events``
@@ -169,7 +169,7 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     (``listening on http://127.0.0.1:8765 (token: required)``); each request is logged in one line on
     standard error unless ``access_log`` is False.  Token warnings (:func:`check_token`) go to
     ``on_warning`` (default: :func:`warnings.warn`)."""
-    from mcf.bucket import _http_limits as limits_mod
+    from mcf.apps.bucket_server import _http_limits as limits_mod
 
     uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
     for w in check_token(token):
@@ -219,8 +219,8 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
 
 
 def _log_config(access_log: bool) -> dict:
-    """uvicorn's logging set-up, with the server's own loggers (warnings of ``mcf.bucket.server``, the
-    access log of :mod:`mcf.bucket._access_log`) on uvicorn's standard-error handler and format."""
+    """uvicorn's logging set-up, with the server's own loggers (warnings of ``mcf.apps.bucket_server``, the
+    access log of :mod:`mcf.apps.bucket_server._access_log`) on uvicorn's standard-error handler and format."""
     import copy
 
     from uvicorn.config import LOGGING_CONFIG

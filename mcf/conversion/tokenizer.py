@@ -1,7 +1,7 @@
 """Where a tokenizer comes from: wherever a model keeps its ``tokenizer.json``.
 
 Every command and function that takes a tokenizer (``mcf megatron tokenize --tokenizer``, ``mcf ctx ingest
---model-dir``, ``mcf imatrix``, :func:`mcf.megatron.tokenize.tokenize`, :func:`mcf.megatron.raydata.tokenize`)
+--model-dir``, ``mcf imatrix``, :func:`mcf.conversion.tokenize.tokenize`, :func:`mcf.conversion.raydata.tokenize`)
 resolves it with :func:`load_tokenizer`, so each accepts the same sources:
 
 - a ``tokenizers.Tokenizer``, used as it is configured;
@@ -11,7 +11,7 @@ resolves it with :func:`load_tokenizer`, so each accepts the same sources:
   ``tokenizer.json`` as a resource section, so the file a user already has is enough (``--tokenizer
   model.mcf`` used to fail with "stream did not contain valid UTF-8").
 
-A file is recognized by its first bytes (:mod:`mcf.sniff`), not its name; one of another kind (GGUF,
+A file is recognized by its first bytes (:mod:`mcf.conversion.sniff`), not its name; one of another kind (GGUF,
 safetensors, a dataset...) is refused with what it is.  A ``tokenizer.json`` is read as a regular file of at
 most :data:`mcf._core.fs.MAX_TOKENIZER_BYTES` (256 MiB; real ones reach 30+ MB): a FIFO, a device or a
 larger file is refused naming it.  A tokenizer read from a file has its truncation
@@ -27,7 +27,7 @@ from mcf._core.fs import MAX_TOKENIZER_BYTES, read_regular
 from mcf._core.optional import require
 from mcf.container.reader import Container, open as open_container
 from mcf.errors import InvalidArgumentError
-from mcf.sniff import sniff
+from mcf.conversion.sniff import sniff
 
 __all__ = ["load_tokenizer", "SOURCES"]
 

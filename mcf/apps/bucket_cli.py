@@ -217,7 +217,7 @@ def _check_can_listen(host: str, port: int) -> None:
 def cmd_serve(args) -> int:
     import sys
 
-    from mcf.bucket.server import check_bind, serve
+    from mcf.apps.bucket_server import check_bind, serve
 
     kw = {k: getattr(args, k) for k in ("max_body_bytes", "max_ingest_bytes", "max_concurrent_ingests")
           if getattr(args, k) is not None}

@@ -126,7 +126,7 @@ def cmd_ingest(args) -> int:
     ckpt = None
     if args.model_dir:
         from mcf.safetensors.reader import open_checkpoint
-        from mcf.tokenizer import load_tokenizer
+        from mcf.conversion.tokenizer import load_tokenizer
 
         ckpt = open_checkpoint(args.model_dir)
         table, tname = _embedding_table(ckpt, args.embedding_tensor)

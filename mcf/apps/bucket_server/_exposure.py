@@ -1,5 +1,5 @@
 """Who may reach ``mcf bucket serve`` at all (docs/bucket.md, "Deploying"): the checks made before any
-route sees a request, and the rules on where the server may listen.  :mod:`mcf.bucket._http_limits`
+route sees a request, and the rules on where the server may listen.  :mod:`mcf.apps.bucket_server._http_limits`
 beside it bounds what a client may cost; this module decides whether it is let in.
 
 * **Token.** A bearer token is printable ASCII without spaces (it travels in a header); an empty one
@@ -129,7 +129,7 @@ def _host_name(value: str) -> str:
 
 
 def parse_allowed_hosts(value: Any) -> tuple[set[str], bool]:
-    """``(names, any_host)`` of an allow-list as :func:`mcf.bucket.server.create_app` takes it: one name
+    """``(names, any_host)`` of an allow-list as :func:`mcf.apps.bucket_server.create_app` takes it: one name
     or several, normalized (:func:`_host_name`); ``"*"`` (alone or among them) allows any host."""
     any_host = value == "*" or (not isinstance(value, str) and "*" in value)
     hosts = set() if any_host else {_host_name(h) for h in ([value] if isinstance(value, str) else value)}

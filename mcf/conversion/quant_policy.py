@@ -20,8 +20,8 @@ import numpy as np
 from mcf.container.reader import open as open_container
 from mcf._core.dtypes import DTypeInfo, parse_dtype
 from mcf.errors import ArgumentTypeError, InvalidArgumentError, MCFError, in_tensor
-from mcf.imatrix import as_importance, match_tensors
-from mcf.second_moment import as_second_moment
+from mcf.conversion.imatrix import as_importance, match_tensors
+from mcf.conversion.second_moment import as_second_moment
 from mcf.container.layout import SectionType
 from mcf.container.quant import METHODS, QuantStats, dequantize, quantize, rows_f32, tensor_error_stats
 from mcf.container.writer import Writer
@@ -188,8 +188,8 @@ def _few(names, n: int = 3) -> str:
 
 def resolve_imatrix(imatrix, planned) -> dict:
     """The importance vector of each tensor a run quantizes, keyed by the file's tensor names, from
-    ``imatrix`` (None, a file or a mapping, as :func:`mcf.imatrix.as_importance` takes; its names are
-    matched by :func:`mcf.imatrix.match_tensors`, across Hugging Face and GGUF naming).  ``planned`` is the
+    ``imatrix`` (None, a file or a mapping, as :func:`mcf.conversion.imatrix.as_importance` takes; its names are
+    matched by :func:`mcf.conversion.imatrix.match_tensors`, across Hugging Face and GGUF naming).  ``planned`` is the
     ``(name, method)`` of every tensor the run will quantize, known before anything is written.
 
     N, the tensors an importance matrix is for, are the planned tensors whose method searches scales
@@ -206,7 +206,7 @@ def resolve_imatrix(imatrix, planned) -> dict:
 
 
 def resolve_second_moment(second_moment, planned) -> dict:
-    """``(entries, matched)``: ``entries`` is :func:`mcf.second_moment.as_second_moment` of ``second_moment``
+    """``(entries, matched)``: ``entries`` is :func:`mcf.conversion.second_moment.as_second_moment` of ``second_moment``
     (None, a file or a mapping name -> matrix), ``matched`` maps each tensor a run quantizes with a q*/k* method
     to the name of its entry, by the rules of :func:`resolve_imatrix` (names matched across Hugging Face and
     GGUF naming; none matched is an error, some matched a warning).  A file's matrices are read one at a time,
@@ -263,10 +263,10 @@ def quantize_file(src, dst, method: str | None, *, overrides=(), compat: bool = 
     The output is laid out as the Go quantizer lays it out (ModelInfo and resource sections copied in
     directory order, tensors sorted and 64-aligned, then TensorIndex and QuantInfo), so with
     ``compat=True`` and the same method it is byte-identical to ``mantle quantize``.  ``fast`` keeps the
-    single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.imatrix.read_imatrix`
+    single-pass quantizer (see :func:`quantize`).  ``imatrix`` (a file :func:`mcf.conversion.imatrix.read_imatrix`
     reads, or a mapping name -> per-column importance) weights the error of the tensors it names; the
     others are quantized unweighted, with a warning, and an imatrix that names none of them is refused
-    (:func:`resolve_imatrix`).  ``second_moment`` (a file :class:`mcf.second_moment.SecondMoments` reads, or
+    (:func:`resolve_imatrix`).  ``second_moment`` (a file :class:`mcf.conversion.second_moment.SecondMoments` reads, or
     a mapping name -> ``[columns, columns]`` matrix) instead chooses the codes of the tensors it names by error
     feedback (:func:`quantize`), by the same name rules; give one of ``imatrix`` and ``second_moment``.
     Returns a list of :class:`QuantStats` when ``report`` is true (else an empty list).

@@ -1,6 +1,6 @@
 """Second moments of the inputs of linear layers, E[x x^T], and their file: what error feedback quantizes with.
 
-Why a second file next to the importance matrix (:mod:`mcf.imatrix`): an importance vector is the diagonal of
+Why a second file next to the importance matrix (:mod:`mcf.conversion.imatrix`): an importance vector is the diagonal of
 ``H = E[x x^T]`` and can only weight each column's error, so it chooses block scales but not codes.  The whole
 matrix lets :func:`mcf.quantize` choose the codes too (``second_moment=``, GPTQ's error feedback,
 :mod:`mcf.container.error_feedback`), which on MiniLM lowers the (1 - cosine) of sentence embeddings about
@@ -13,8 +13,8 @@ validating reader), one tensor per weight tensor:
 - ``NAME``: F32 (or F64) ``[columns, columns]``, the mean over all calibration tokens of ``x x^T`` for the
   inputs ``x`` of the layer whose weight is ``NAME`` (accumulated in float64, made exactly symmetric).  Its
   diagonal is the importance vector of ``NAME``, so the same file serves as an importance matrix too
-  (:func:`mcf.imatrix.read_imatrix` reads it);
-- ``__metadata__``: ``format = "mcf.second_moment"`` and ``version = "1"`` (what makes it this kind of file),
+  (:func:`mcf.conversion.imatrix.read_imatrix` reads it);
+- ``__metadata__``: ``format = "mcf.conversion.second_moment"`` and ``version = "1"`` (what makes it this kind of file),
   ``counts`` (a JSON object: NAME -> the number of tokens it was measured over), ``datasets`` (a JSON list of
   what the activations came from), ``chunk_count`` and ``chunk_size`` (decimal integers), as the imatrix
   records them.
@@ -24,7 +24,7 @@ model several GB, since q/k/v and gate/up share inputs but each name gets its ow
 one at a time, when a tensor needs its own (:class:`SecondMoments`).
 
 :class:`SecondMomentCollector` accumulates them (``add(name, x)``), ``mcf imatrix --second-moment FILE``
-(:func:`mcf.imatrix.collect_bert`) measures them on a BERT encoder.
+(:func:`mcf.conversion.imatrix.collect_bert`) measures them on a BERT encoder.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from mcf.safetensors.reader import SafetensorsFile
 __all__ = ["FORMAT_TAG", "SecondMomentCollector", "SecondMoments", "write_second_moment", "read_second_moment",
            "is_second_moment_file", "as_second_moment"]
 
-FORMAT_TAG = "mcf.second_moment"
+FORMAT_TAG = "mcf.conversion.second_moment"
 _VERSION = "1"
 _DTYPES = {"F32": np.float32, "F64": np.float64}
 
@@ -144,7 +144,7 @@ def write_second_moment(path, sums: Mapping, counts: Mapping, *, datasets=(), ch
 
 
 def is_second_moment_file(path) -> bool:
-    """Whether ``path`` starts like a safetensors file whose metadata says ``format = "mcf.second_moment"``
+    """Whether ``path`` starts like a safetensors file whose metadata says ``format = "mcf.conversion.second_moment"``
     (the header is parsed and checked only by :class:`SecondMoments`)."""
     try:
         fd = open_regular(path)  # a FIFO or a device is not one (and must not block here)

@@ -40,7 +40,7 @@ the former.  So the protocol is uvicorn's h11 one, subclassed:
   waiting when the previous answer was done; the last of them says ``Connection: close``.
 
 Refusals at this layer are JSON like the application's errors and are written to the access log
-(:mod:`mcf.bucket._access_log`).  The subclass uses uvicorn's h11 protocol's own hooks (``cycle``,
+(:mod:`mcf.apps.bucket_server._access_log`).  The subclass uses uvicorn's h11 protocol's own hooks (``cycle``,
 ``on_response_complete``, ``send_400_response``, ``flow``); the tests drive it with real sockets, so
 a uvicorn change that breaks it fails them.
 """
@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mcf._core.args import integer, real
-from mcf.bucket._access_log import log_request, request_target
+from mcf.apps.bucket_server._access_log import log_request, request_target
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_BODY_DEADLINE", "DEFAULT_BODY_MIN_RATE", "DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT",

@@ -91,7 +91,7 @@ def tokenizer_config_with_template(model_dir: str) -> bytes | None:
 
 
 def files_left_out(src) -> list:
-    """Entries of checkpoint directory ``src`` that :func:`pack` and :func:`mcf.convert.convert` do not
+    """Entries of checkpoint directory ``src`` that :func:`pack` and :func:`mcf.conversion.checkpoint.convert` do not
     store: anything that is neither a weight file nor one of :data:`STORED_FILES` (a BERT ``vocab.txt``,
     ``special_tokens_map.json``, sentence-transformers' ``modules.json`` and module folders...).  MCF has
     no section for them, so the commands name them and say to keep them beside the MCF file.  Empty for
@@ -156,7 +156,7 @@ def _raw_quantized(t):
     """(dtype, shape, QuantInfo fields) when the safetensors metadata marks U8 tensor ``t`` as a raw
     MCF quantized payload (:mod:`mcf.export`, ``dtype="raw"``), else None.  The description is
     checked against the payload size before it is trusted."""
-    from mcf.export import RAW_KEY_PREFIX
+    from mcf.conversion.export import RAW_KEY_PREFIX
 
     md = t.file.metadata if isinstance(t.file.metadata, dict) else {}
     desc = md.get(RAW_KEY_PREFIX + t.name)
@@ -221,13 +221,13 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                      compat: bool = False, fast: bool = False, imatrix=None, report: bool = False,
                      progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
-    tensors picked by ``method``/``overrides`` (:func:`mcf.quant_policy.plan_method`) are quantized (``compat``,
+    tensors picked by ``method``/``overrides`` (:func:`mcf.conversion.quant_policy.plan_method`) are quantized (``compat``,
     ``fast``, and ``imatrix``, None, a file or a mapping name -> importance, as in
-    :func:`mcf.quant_policy.quantize_file`, matched to the tensors by :func:`mcf.quant_policy.resolve_imatrix`
+    :func:`mcf.conversion.quant_policy.quantize_file`, matched to the tensors by :func:`mcf.conversion.quant_policy.resolve_imatrix`
     before anything is written), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
-    :func:`pack` and :func:`mcf.convert.convert`; returns the QuantStats of ``report``."""
-    from mcf.quant_policy import add_quantized, importance_for, plan_method, resolve_imatrix, resolve_policy
+    :func:`pack` and :func:`mcf.conversion.checkpoint.convert`; returns the QuantStats of ``report``."""
+    from mcf.conversion.quant_policy import add_quantized, importance_for, plan_method, resolve_imatrix, resolve_policy
 
     target = None if dtype == "keep" else parse_dtype(dtype)
     method, ov = resolve_policy(method, overrides)
@@ -286,7 +286,7 @@ def pack(model_dir, output, *, cast: str = "keep", align: int = 64, dedup: bool 
     include config/tokenizer/vocab/merges files.  ``model_name``: ModelInfo name (default: the
     directory's base name, as the Go packer does).  ``progress(done, total, name)`` is called per tensor.
     Peak memory stays near one conversion chunk: tensors are streamed from the input.
-    :func:`mcf.convert.convert` is the same with quantization and GGUF input.
+    :func:`mcf.conversion.checkpoint.convert` is the same with quantization and GGUF input.
     """
     cast = cast.strip().lower() if isinstance(cast, str) else cast
     if cast not in CASTS:
@@ -334,7 +334,7 @@ def pack_checkpoint(path, output, *, dtype: str = "keep", method: str | None = N
     ModelInfo named after it.  Which files of a directory are read is the loaders' rule
     (:func:`mcf.safetensors.reader.locate_checkpoint`: ``model.safetensors``, else the index and its
     shards, else every ``*.safetensors``).  Everything is validated before the output is created."""
-    from mcf.quant_policy import resolve_policy
+    from mcf.conversion.quant_policy import resolve_policy
 
     path = file_path(path, "path")
     resolve_policy(method, overrides)  # a bad method or override fails before anything is written

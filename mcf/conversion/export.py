@@ -10,7 +10,7 @@ Plain tensors are copied bit for bit (or cast to ``dtype``); quantized ones are 
 row block straight into the write buffer.  ``dtype="raw"`` keeps a quantized payload as it is, as a
 ``U8`` tensor of its bytes, and records how to read it in ``__metadata__``: the key ``mcf.quant.<name>``
 holds the JSON ``{"method", "shape", "domain", "min_clip", "max_clip"}`` (clips only when the file had
-a QuantInfo record).  :func:`mcf.convert.convert` reads such a file back into the same quantized
+a QuantInfo record).  :func:`mcf.conversion.checkpoint.convert` reads such a file back into the same quantized
 tensors.
 
 The block-scaled extensions have a safetensors form of their own, which is what they are written as by
@@ -173,7 +173,7 @@ def _header(entries) -> bytes:
 def _chunks(c, e: _Entry, buf):
     """The output bytes of one tensor, in pieces of at most ``buf.nbytes`` (one row block for decoded
     tensors, at least one row).  Stored bytes are read with ``pread`` into ``buf`` (see
-    :func:`mcf.pack._stream_plain` for why not through the mapping)."""
+    :func:`mcf.conversion.pack._stream_plain` for why not through the mapping)."""
     t = c.info(e.src)
     src = c.source
     if e.kind in ("copy", "raw", "cast"):

@@ -1,8 +1,8 @@
 """GGUF to MCF: :func:`convert_gguf` and the model description taken from a GGUF file's metadata.
 
 The converter sits above the reader (:mod:`mcf.gguf.reader`) and the quantization policy
-(:mod:`mcf.quant_policy`); the reader never imports it, so reading a GGUF file (as
-:mod:`mcf.imatrix` does) does not pull in the MCF writer.  See docs/gguf.md.
+(:mod:`mcf.conversion.quant_policy`); the reader never imports it, so reading a GGUF file (as
+:mod:`mcf.conversion.imatrix` does) does not pull in the MCF writer.  See docs/gguf.md.
 """
 
 from __future__ import annotations
@@ -197,11 +197,11 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     - ``dtype="keep"``: F32/F16/BF16/F64 tensors are stored as they are; quantized ggml types are
       decoded to float32.  ``"f32"``/``"f16"``/``"bf16"`` casts every float tensor (decoded ones too).
     - ``method`` (``"q8"``, ``"q4"``, ``"k6"``, ``"k4"``, ``"k3"``, ``"k2"``, ``"int8"``, ``"int4"``)
-      requantizes every rank-2 tensor to an MCF method as :func:`mcf.quant_policy.quantize_file` does (the
+      requantizes every rank-2 tensor to an MCF method as :func:`mcf.conversion.quant_policy.quantize_file` does (the
       ggml blocks are decoded to float32 first); ``overrides`` (``["*.ffn_down.*=q8", "output.*=none"]``)
       choose per tensor name, first match wins, ``compat``, ``fast`` and ``imatrix`` (None, a file, or a mapping
       name -> importance; llama.cpp's importance matrices use GGUF names, and Hugging Face names are matched too) as
-      in ``mcf quantize`` (:func:`mcf.quant_policy.resolve_imatrix`).
+      in ``mcf quantize`` (:func:`mcf.conversion.quant_policy.resolve_imatrix`).
     - ``report=True``: each requantized tensor's :class:`ConvertStats` carries the error the MCF method
       added (RMSE, SNR, max |error| against the tensor's decoded GGUF values), as ``mcf convert --report``
       prints it.
@@ -222,7 +222,7 @@ def convert_gguf(src, dst, *, method=None, overrides=(), compat=False, dtype="ke
     """
     from mcf._core.dtypes import parse_dtype
     from mcf.container.quant import METHODS, quantize
-    from mcf.quant_policy import importance_for, method_for, parse_overrides, resolve_imatrix
+    from mcf.conversion.quant_policy import importance_for, method_for, parse_overrides, resolve_imatrix
     from mcf.container.writer import Writer, cast_chunk
 
     if method is not None and method != "native" and method not in METHODS:
