@@ -20,14 +20,8 @@ from mcf.errors import (AccessError, AllocationError, ArgumentTypeError, Checksu
                         TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
 from mcf.container.layout import SectionType, quant_layout
 from mcf.container.modelinfo import Arch, ModelInfo, RopeType
-from mcf.conversion.pack import pack
-from mcf.conversion.checkpoint import convert
-from mcf.conversion.export import export
 from mcf.container.quantinfo import QuantRecord
 from mcf.container.tensor_index import TensorInfo
-from mcf.container.writer import Writer
-from mcf._core._kernels import kernel_info
-from mcf.container.quant import dequantize, quantize
 from mcf.loaders.state_dict import load_file, load_state_dict
 from mcf.loading import Rows, Shard
 
@@ -57,7 +51,20 @@ _SUBMODULES = frozenset({"torch", "safetensors", "gguf", "remote", "megatron", "
 _CONVERSION = frozenset({"imatrix", "second_moment", "tokenizer"})
 
 
+# Names whose modules load on first use: ``import mcf`` loads what mcf.open and mcf.load_file need, not
+# the writer, the quantizers and the converters (``from mcf import Writer`` works the same).
+_LAZY = {"Writer": "mcf.container.writer", "pack": "mcf.conversion.pack", "convert": "mcf.conversion.checkpoint",
+         "export": "mcf.conversion.export", "kernel_info": "mcf._core._kernels", "quantize": "mcf.container.quant",
+         "dequantize": "mcf.container.quant"}
+
+
 def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name in _SUBMODULES:
         import importlib
 
@@ -70,7 +77,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | _SUBMODULES | _CONVERSION)
+    return sorted(set(globals()) | _SUBMODULES | _CONVERSION | set(_LAZY))
 
 
 __all__ = [

@@ -9,11 +9,19 @@ from mcf._core import _io
 from mcf._core._io import (DIRECT_ALIGN, MAX_CHUNK_BYTES, MAX_THREADS, MIN_CHUNK_BYTES, PAGE_SIZE, Source,
                            aligned_empty, alloc_buffer, open_fd, storage_of)
 from mcf._core.storage import ReadDefaults, ReadStats, Storage
-from mcf.remote import RemoteFile, is_url, open_remote
+from mcf.remote import is_url, open_remote
 
 __all__ = ["Source", "open_fd", "open_source", "storage_of", "Storage", "ReadStats", "ReadDefaults", "aligned_empty",
            "alloc_buffer", "PAGE_SIZE", "MAX_THREADS", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "DIRECT_ALIGN",
            "RemoteFile", "is_url", "open_remote"]
+
+
+def __getattr__(name):
+    if name == "RemoteFile":   # loads the remote file's machinery only when it is asked for
+        from mcf.remote.file import RemoteFile
+
+        return RemoteFile
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_source(obj, *, mmap=None) -> Source:

@@ -36,15 +36,28 @@ readers depends on it.  Remote files are read-only: every writer refuses a URL (
 
 from __future__ import annotations
 
-from mcf.remote.file import (BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_SIZE, DEFAULT_COALESCE, DEFAULT_CONCURRENCY,
-                              DEFAULT_MIN_RATE, DEFAULT_REQUEST_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY,
-                              DEFAULT_TIMEOUT, RemoteFile)
-from mcf.remote._stores import storage_options
 from mcf.remote._urls import is_url, redact, refuse_url
 
 __all__ = ["RemoteFile", "is_url", "open_remote", "refuse_url", "redact", "storage_options", "url_to_fs",
            "BACKENDS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_SIZE", "DEFAULT_REQUEST_SIZE", "DEFAULT_CONCURRENCY",
            "DEFAULT_COALESCE", "DEFAULT_RETRIES", "DEFAULT_RETRY_DELAY", "DEFAULT_TIMEOUT", "DEFAULT_MIN_RATE"]
+
+# The remote file and its settings load on first use (PEP 562): a reader that only asks whether a path is a
+# URL, or redacts one, does not import the fetcher, the stores and their thread pools.
+_LAZY = {"RemoteFile": "mcf.remote.file", "BACKENDS": "mcf.remote.file", "storage_options": "mcf.remote._stores",
+         **{n: "mcf.remote.file" for n in __all__ if n.startswith("DEFAULT_")}}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def url_to_fs(url, storage_options):
@@ -59,5 +72,6 @@ def open_remote(url, **options):
     """A :class:`mcf.io.Source` over ``url``; ``options`` are :class:`RemoteFile`'s (``storage_options``,
     ``request_size``, ``concurrency``, ``retries``, ``timeout``...).  Hand the source to any reader."""
     from mcf._core._io import Source
+    from mcf.remote.file import RemoteFile
 
     return Source.from_fileobj(RemoteFile(url, **options), owns=True)
