@@ -36,12 +36,14 @@ MODULES = [
     ("mcf.conversion.checkpoint", "import from safetensors / Hugging Face checkpoints and GGUF"),
     ("mcf.conversion.export", "export MCF back to safetensors checkpoints"),
     ("mcf.gguf", "the validating GGUF reader and its decoders"),
+    ("mcf.conversion.gguf", "GGUF to MCF (what mcf.convert does with a .gguf input, with GGUF's own options)"),
     ("mcf.safetensors", "safetensors files and checkpoint directories: the safetensors.numpy.load_file drop-in, "
                         "the reader, block-scaled weights (MXFP4, FP8, NVFP4) decoded"),
     ("mcf.loading", "what every loader shares: Rows and Shard, the pieces of tensors to load"),
-    ("mcf.conversion.imatrix", "importance matrices for the quantizer: read and write llama.cpp's format, collect from "
-                    "activations"),
-    ("mcf.conversion.second_moment", "second moments of the layers' inputs for error-feedback quantization: collect, write, read"),
+    ("mcf.conversion.imatrix", "importance matrices for the quantizer: read and write llama.cpp's format, "
+                               "collect from activations"),
+    ("mcf.conversion.second_moment", "second moments of the layers' inputs for error-feedback quantization: "
+                                     "collect, write, read"),
     ("mcf.torch", "load MCF files and safetensors checkpoints as torch tensors (the safetensors.torch.load_file "
                   "drop-in)"),
     ("mcf.loaders.state_dict", "load MCF files and safetensors checkpoints as numpy arrays"),

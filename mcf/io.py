@@ -13,7 +13,7 @@ from mcf.remote import is_url, open_remote
 
 __all__ = ["Source", "open_fd", "open_source", "storage_of", "Storage", "ReadStats", "ReadDefaults", "aligned_empty",
            "alloc_buffer", "PAGE_SIZE", "MAX_THREADS", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "DIRECT_ALIGN",
-           "RemoteFile", "is_url", "open_remote"]
+           "RemoteFile", "is_url", "open_remote"]  # noqa: F822 - RemoteFile loads on first use (__getattr__)
 
 
 def __getattr__(name):

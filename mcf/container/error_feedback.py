@@ -2,7 +2,8 @@
 
 Why: a linear layer ``y = x @ W.T`` turns a weight error ``dW`` into the output error ``x @ dW.T``, whose mean
 square over the inputs is ``trace(dW H dW^T)`` with ``H = E[x x^T]``, the second moment of the inputs.  An
-importance vector (:mod:`mcf.conversion.imatrix`) keeps only the diagonal of ``H``: it can choose each block's scale, but
+importance vector (:mod:`mcf.conversion.imatrix`) keeps only the diagonal of ``H``: it can choose each block's scale,
+but
 the codes stay each value rounded to its nearest step.  With the whole matrix the codes themselves can
 cancel each other's error along the directions the inputs actually take: GPTQ (Frantar et al., 2022) rounds
 the columns one after the other and spreads each column's rounding error over the columns not yet rounded,

@@ -141,7 +141,8 @@ def quantize(array, method, *, compat: bool = False, fast: bool = False, importa
     ``second_moment``); the bytes do not depend on it.
 
     ``second_moment`` (the ``[cols, cols]`` matrix ``E[x x^T]`` of the layer's inputs ``x``, e.g. from
-    :mod:`mcf.conversion.second_moment`) goes further than ``importance``: the scales are those of the search weighted by
+    :mod:`mcf.conversion.second_moment`) goes further than ``importance``: the scales are those of the search weighted
+    by
     its diagonal, and the codes are chosen with error feedback through the whole matrix (GPTQ's method,
     :mod:`mcf.container.error_feedback`), which lowers the layer's output error ``trace(dW H dW^T)``; the file
     format is unchanged.  It must be finite, symmetric and positive definite once 1% of its mean diagonal is

@@ -19,7 +19,8 @@ __all__ = ["convert", "DTYPES", "files_left_out"]
 DTYPES = ("keep", "f32", "f16", "bf16")
 
 
-# What a file mcf convert cannot read is good for, by its kind (mcf.conversion.sniff): the command the user seems to want.
+# What a file mcf convert cannot read is good for, by its kind (mcf.conversion.sniff): the command the user seems
+# to want.
 _ELSEWHERE = {
     "mcf": "it is MCF already: to quantize it, mcf quantize {path} OUT.mcf --method k4 (in Python: "
            "mcf.conversion.quant_policy.quantize_file); to get safetensors back, mcf export {path} -o DIR",

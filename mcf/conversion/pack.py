@@ -221,9 +221,11 @@ def write_checkpoint(ckpt, w: Writer, *, dtype: str = "keep", method: str | None
                      compat: bool = False, fast: bool = False, imatrix=None, report: bool = False,
                      progress=None) -> list:
     """Stream every tensor of an open checkpoint into writer ``w``, sorted by name: rank-2 float
-    tensors picked by ``method``/``overrides`` (:func:`mcf.conversion.quant_policy.plan_method`) are quantized (``compat``,
+    tensors picked by ``method``/``overrides`` (:func:`mcf.conversion.quant_policy.plan_method`) are quantized
+    (``compat``,
     ``fast``, and ``imatrix``, None, a file or a mapping name -> importance, as in
-    :func:`mcf.conversion.quant_policy.quantize_file`, matched to the tensors by :func:`mcf.conversion.quant_policy.resolve_imatrix`
+    :func:`mcf.conversion.quant_policy.quantize_file`, matched to the tensors by
+    :func:`mcf.conversion.quant_policy.resolve_imatrix`
     before anything is written), the
     others stored as they are or, for floats, cast to ``dtype``.  The one tensor loop of
     :func:`pack` and :func:`mcf.conversion.checkpoint.convert`; returns the QuantStats of ``report``."""

@@ -3,7 +3,8 @@
 optionally one tensor-parallel rank's share).
 
 Both open an MCF file or a safetensors checkpoint (:func:`mcf.loaders.weights.open_weights` tells them
-apart by the file's first bytes; a directory, a shard index or a ``.safetensors`` URL is safetensors), ask the format for the
+apart by the file's first bytes; a directory, a shard index or a ``.safetensors`` URL is safetensors), ask the format
+for the
 read plan of the tensors and pieces requested (:mod:`mcf.container.pieces`, :mod:`mcf.safetensors.load`)
 and carry it out with the core's executor (:mod:`mcf.loading`), which reads every range straight into
 the array that is returned.  The torch flavours, :func:`mcf.torch.load_file` and

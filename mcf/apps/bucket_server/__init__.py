@@ -95,7 +95,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
     (:class:`IngestBackend`), takes text ingests; without one both answer 501.
     ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
     every ``events_keepalive`` seconds (:mod:`mcf.bucket._events`); the hub is ``app.state.events``.
-    The handlers are :class:`mcf.apps.bucket_server._routes.Handlers`'s, behind :class:`mcf.apps.bucket_server._exposure.Exposure`."""
+    The handlers are :class:`mcf.apps.bucket_server._routes.Handlers`'s, behind
+    :class:`mcf.apps.bucket_server._exposure.Exposure`."""
     require("starlette", feature="the bucket's REST server", extra="server")
     from mcf.bucket._names import root_scrubber
     from mcf.apps.bucket_server._routes import Handlers

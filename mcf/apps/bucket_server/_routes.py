@@ -31,7 +31,8 @@ from starlette.routing import Route
 from mcf.bucket._events import EventHub, TooManyStreamsError, parse_last_id
 from mcf.apps.bucket_server._exposure import bearer_ok
 from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
-from mcf.apps.bucket_server._openapi import DEVICE_PATTERN, OPENAPI, PREFIX, SCHEMAS, TOKEN_IDS_PATTERN, query_parameters
+from mcf.apps.bucket_server._openapi import (DEVICE_PATTERN, OPENAPI, PREFIX, SCHEMAS, TOKEN_IDS_PATTERN,
+                                             query_parameters)
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.bucket.tiers import HotTierFullError, WarmBudgetError, check_device
 from mcf.errors import (ContextNotFoundError, EncryptionKeyError, FormatError, InvalidArgumentError, MCFError,
