@@ -13,7 +13,7 @@
  * Block layouts are ggml's (ggml-common.h); all multi-byte fields are little-endian. */
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fp4.h"
 #include "fpconv.h"
 #include "gguf_dequant.h"
@@ -230,7 +230,7 @@ static void q8_k_scalar(const uint8_t *x, size_t nb, float *y)
     }
 }
 
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
 /* ---- AVX2 ----------------------------------------------------------------------------------- */
 /* Stores: streaming (non-temporal) for outputs far larger than the caches when aligned, else plain.
  * Only where the values are written, never how they are computed, so the bytes do not change. */
@@ -499,7 +499,7 @@ static void f16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; m
 static void f16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
 static void bf16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX2); }
 static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
-#endif /* MCF_GGUF_X86 */
+#endif /* MCF_X86 */
 
 #ifdef MCF_NEON
 #include "gguf_neon.h"
@@ -507,17 +507,17 @@ static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st
 
 /* ---- the type table and the dispatch -------------------------------------------------------------- */
 
-/* One ggml type: `block` values in `size` bytes, and its kernel in each variant.  A NULL vector kernel
- * means that tier runs the next lower one's (Q2_K's AVX2 code when AVX-512 is selected: the decode is
- * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  NEON, the
- * other architecture's variant, is the last column (NULL: scalar). */
+/* One ggml type: `block` values in `size` bytes, its scalar kernel, and the vector kernel each variant runs
+ * (dispatch.h), indexed by variant: a variant without its own code for the type runs the one below it
+ * (Q2_K's AVX2 code when AVX-512 is selected: the decode is bound by writing the output, AVX-512 would not
+ * gain), and NULL means the scalar kernel.  The scalar column is NULL (the scalar kernel has no `st`). */
 typedef struct {
     uint16_t block, size;
     mcf_gguf_scalar_fn scalar;
-    mcf_gguf_vector_fn avx2, avx512, neon;
+    mcf_gguf_vector_fn vector[MCF_IMPL_COUNT];
 } gguf_type;
 
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
 #define X86(fn) fn
 #else
 #define X86(fn) NULL
@@ -527,24 +527,27 @@ typedef struct {
 #else
 #define NEON(fn) NULL
 #endif
-#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512), NEON(name##_neon)}
+#define VECTOR(avx2, avx512, neon) \
+    {[MCF_IMPL_AVX2] = X86(avx2), [MCF_IMPL_AVX512] = X86(avx512), [MCF_IMPL_NEON] = NEON(neon)}
+#define EXTERNAL(name, block, size) \
+    {block, size, name##_scalar, VECTOR(name##_avx2, name##_avx512, name##_neon)}
 
 static const gguf_type TYPES[MCF_GGML_TYPE_LIMIT] = {
-    [MCF_GGML_F32] = {1, 4, f32_scalar, NULL, NULL},
-    [MCF_GGML_F16] = {1, 2, f16_scalar, X86(f16_avx2), X86(f16_avx512), NEON(f16_neon)},
-    [MCF_GGML_BF16] = {1, 2, bf16_scalar, X86(bf16_avx2), X86(bf16_avx512), NEON(bf16_neon)},
-    [MCF_GGML_F64] = {1, 8, f64_scalar, NULL, NULL},
-    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, X86(q4_0_avx2), X86(q4_0_avx512), NEON(q4_0_neon)},
-    [MCF_GGML_Q4_1] = {32, 20, q4_1_scalar, NULL, NULL},
-    [MCF_GGML_Q5_0] = {32, 22, q5_0_scalar, NULL, NULL},
-    [MCF_GGML_Q5_1] = {32, 24, q5_1_scalar, NULL, NULL},
-    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, X86(q8_0_avx2), X86(q8_0_avx512), NEON(q8_0_neon)},
-    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, X86(q2_k_avx2), NULL, NEON(q2_k_neon)},
-    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, X86(q3_k_avx2), NULL, NEON(q3_k_neon)},
-    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, X86(q4_k_avx2), X86(q4_k_avx512), NEON(q4_k_neon)},
-    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, X86(q5_k_avx2), NULL, NEON(q5_k_neon)},
-    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, X86(q6_k_avx2), X86(q6_k_avx512), NEON(q6_k_neon)},
-    [MCF_GGML_Q8_K] = {QK_K, 292, q8_k_scalar, NULL, NULL},
+    [MCF_GGML_F32] = {1, 4, f32_scalar, {NULL}},
+    [MCF_GGML_F16] = {1, 2, f16_scalar, VECTOR(f16_avx2, f16_avx512, f16_neon)},
+    [MCF_GGML_BF16] = {1, 2, bf16_scalar, VECTOR(bf16_avx2, bf16_avx512, bf16_neon)},
+    [MCF_GGML_F64] = {1, 8, f64_scalar, {NULL}},
+    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, VECTOR(q4_0_avx2, q4_0_avx512, q4_0_neon)},
+    [MCF_GGML_Q4_1] = {32, 20, q4_1_scalar, {NULL}},
+    [MCF_GGML_Q5_0] = {32, 22, q5_0_scalar, {NULL}},
+    [MCF_GGML_Q5_1] = {32, 24, q5_1_scalar, {NULL}},
+    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, VECTOR(q8_0_avx2, q8_0_avx512, q8_0_neon)},
+    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, VECTOR(q2_k_avx2, q2_k_avx2, q2_k_neon)},
+    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, VECTOR(q3_k_avx2, q3_k_avx2, q3_k_neon)},
+    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, VECTOR(q4_k_avx2, q4_k_avx512, q4_k_neon)},
+    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, VECTOR(q5_k_avx2, q5_k_avx2, q5_k_neon)},
+    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, VECTOR(q6_k_avx2, q6_k_avx512, q6_k_neon)},
+    [MCF_GGML_Q8_K] = {QK_K, 292, q8_k_scalar, {NULL}},
     [MCF_GGML_IQ2_XXS] = EXTERNAL(mcf_gguf_iq2_xxs, QK_K, 66),
     [MCF_GGML_IQ2_XS] = EXTERNAL(mcf_gguf_iq2_xs, QK_K, 74),
     [MCF_GGML_IQ2_S] = EXTERNAL(mcf_gguf_iq2_s, QK_K, 82),
@@ -570,21 +573,13 @@ static const gguf_type *type_of(int type)
 size_t mcf_gguf_block_size(int type) { const gguf_type *t = type_of(type); return t ? t->block : 0; }
 size_t mcf_gguf_type_size(int type) { const gguf_type *t = type_of(type); return t ? t->size : 0; }
 
-static mcf_gguf_vector_fn vector_kernel(const gguf_type *t, int impl)
-{
-    if (impl == MCF_IMPL_NEON) return t->neon;
-    if (impl >= MCF_IMPL_AVX512 && t->avx512) return t->avx512;
-    if (impl >= MCF_IMPL_AVX2 && t->avx2) return t->avx2;
-    return NULL;
-}
-
+/* A variant has code of its own for a type when it runs a vector kernel the variant below it does not. */
 int mcf_gguf_has_variant(int type, int impl)
 {
     const gguf_type *t = type_of(type);
-    if (!t) return 0;
-    if (impl == MCF_IMPL_SCALAR) return 1;
-    return impl == MCF_IMPL_AVX512 ? t->avx512 != NULL : impl == MCF_IMPL_AVX2 ? t->avx2 != NULL
-         : impl == MCF_IMPL_NEON ? t->neon != NULL : 0;
+    if (!t || !(0 <= impl && impl < MCF_IMPL_COUNT)) return 0;
+    int below = mcf_impl_below(impl);
+    return below < 0 || (t->vector[impl] && t->vector[impl] != t->vector[below]);
 }
 
 const void *mcf_gguf_table(const char *name, size_t *nbytes)
@@ -596,14 +591,15 @@ const void *mcf_gguf_table(const char *name, size_t *nbytes)
     return mcf_gguf_iq_table(name, nbytes);
 }
 
-static void decode_f32(const gguf_type *t, const uint8_t *x, size_t nb, float *y, int impl)
+/* `variant`: a row of the table, as mcf_variant returns it */
+static void decode_f32(const gguf_type *t, const uint8_t *x, size_t nb, float *y, int variant)
 {
-    mcf_gguf_vector_fn fn = vector_kernel(t, impl);
+    mcf_gguf_vector_fn fn = t->vector[variant];
     if (fn) {
         /* streaming stores when the output (>= 8 MiB) is 64-byte aligned: every block's output then
          * starts on a 64-byte boundary (a multiple of 16 floats) */
         fn(x, nb, y, mcf_use_streaming(y, nb * t->block * 4));
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
         _mm_sfence();
 #endif
         return;
@@ -615,9 +611,10 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
 {
     const gguf_type *t = type_of(type);
     if (!t) return -1;
+    int variant = mcf_variant(impl);
     size_t bs = t->block, ts = t->size;
     if (out_kind == MCF_OUT_F32) {
-        decode_f32(t, src, nblocks, (float *)out, impl);
+        decode_f32(t, src, nblocks, (float *)out, variant);
         return 0;
     }
     if (out_kind == MCF_OUT_F16 && type == MCF_GGML_F16) { memcpy(out, src, nblocks * 2); return 0; }
@@ -628,8 +625,8 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
     uint16_t *o = (uint16_t *)out;
     while (done < nblocks) {
         size_t n = nblocks - done < per ? nblocks - done : per;
-        decode_f32(t, src + done * ts, n, tmp, impl);
-        mcf_convert(out_kind == MCF_OUT_F16 ? MCF_F32_TO_F16 : MCF_F32_TO_BF16, tmp, o + done * bs, n * bs, impl);
+        decode_f32(t, src + done * ts, n, tmp, variant);
+        mcf_convert(out_kind == MCF_OUT_F16 ? MCF_F32_TO_F16 : MCF_F32_TO_BF16, tmp, o + done * bs, n * bs, variant);
         done += n;
     }
     return 0;

@@ -224,7 +224,7 @@ static inline uint32_t ksigns4(uint32_t aux)
            ((uint32_t)mcf_ksigns_iq2xs[(aux >> 14) & 127] << 16) | ((uint32_t)mcf_ksigns_iq2xs[(aux >> 21) & 127] << 24);
 }
 
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
 /* ---- vector variants: unpack to int8 codes + scales (AVX2), emit with 8 / 16 lanes --------------- */
 
 MCF_TARGET_AVX2 static inline void put_signed32(int8_t *codes, __m256i grid, uint32_t signs)
@@ -381,7 +381,7 @@ MCF_GGUF_CODE_KERNELS(mcf_gguf_iq1_s, iq1_s_unpack, 50, 256, 32, 1)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq1_m, iq1_m_unpack, 56, 256, 16, 1)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq4_nl, iq4_nl_unpack, 18, 32, 32, 0)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq4_xs, iq4_xs_unpack, 136, 256, 32, 0)
-#endif /* MCF_GGUF_X86 */
+#endif /* MCF_X86 */
 
 #ifdef MCF_NEON
 #include "gguf_iq_neon.h"

@@ -59,9 +59,7 @@ MCF_GGUF_DECLARE(mcf_gguf_q2_0)
 #undef MCF_GGUF_DECLARE
 const void *mcf_gguf_iq_table(const char *name, size_t *nbytes);
 
-#if defined(__x86_64__)
-#define MCF_GGUF_X86 1
-
+#ifdef MCF_X86
 /* ---- emitters: y[i] = scales[i / g] * (float)codes[i] for i < n ----------------------------------
  * n and g are multiples of 8 (AVX2) / 16 (AVX-512) and compile-time constants at every call, so the
  * loops unroll.  With `eighths`, each code is first multiplied by 0.125 (exact: the IQ1 types store
@@ -141,7 +139,7 @@ MCF_TARGET_AVX2 static inline __m256i mcf_gguf_nibbles_lut_avx2(__m128i q, __m12
     __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
-#endif /* __x86_64__ */
+#endif /* MCF_X86 */
 
 #if defined(__aarch64__)
 /* ---- NEON: the emitter and the unpacking steps the *_neon.h kernels share ----------------------------

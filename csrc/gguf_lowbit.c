@@ -109,7 +109,7 @@ void mcf_gguf_nvfp4_scalar(const uint8_t *x, size_t nb, float *y)
     }
 }
 
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
 /* ---- vector variants ---------------------------------------------------------------------------- */
 
 /* tern_digit of every byte of b */
@@ -216,7 +216,7 @@ MCF_TARGET_AVX512 void mcf_gguf_q1_0_avx512(const uint8_t *x, size_t nb, float *
         }
     }
 }
-#endif /* MCF_GGUF_X86 */
+#endif /* MCF_X86 */
 
 #ifdef MCF_NEON
 #include "gguf_lowbit_neon.h"
