@@ -108,16 +108,21 @@ static void q8_0_scalar(const uint8_t *x, size_t nb, float *y)
 
 /* Q2_K: scales[16] | qs[64] | d | dmin.  Element e = h*128 + s*32 + j takes bits 2s of qs[h*32 + j];
  * sub-block e/16 has scale low nibble, min high nibble. */
+static inline void q2_k_factors(const uint8_t *x, float dl[16], float ml[16])
+{
+    float d = f16(x + 80), dmin = f16(x + 82);
+    for (int i = 0; i < 16; i++) {
+        dl[i] = d * (float)(x[i] & 0x0f);
+        ml[i] = dmin * (float)(x[i] >> 4);
+    }
+}
+
 static void q2_k_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
-        const uint8_t *sc = x, *qs = x + 16;
-        float d = f16(x + 80), dmin = f16(x + 82);
+        const uint8_t *qs = x + 16;
         float dl[16], ml[16];
-        for (int i = 0; i < 16; i++) {
-            dl[i] = d * (float)(sc[i] & 0x0f);
-            ml[i] = dmin * (float)(sc[i] >> 4);
-        }
+        q2_k_factors(x, dl, ml);
         for (int e = 0; e < QK_K; e++) {
             int h = e >> 7, s = (e >> 5) & 3, j = e & 31;
             float q = (float)((qs[h * 32 + j] >> (2 * s)) & 3);
@@ -128,17 +133,23 @@ static void q2_k_scalar(const uint8_t *x, size_t nb, float *y)
 
 /* Q3_K: hmask[32] | qs[64] | scales[12] | d.  6-bit signed scales (minus 32); element e takes 2 bits
  * from qs like Q2_K and subtracts 4 unless bit e/32 of hmask[e%32] is set. */
+static inline void q3_k_factors(const uint8_t *x, float dl[16])
+{
+    const uint8_t *s = x + 96;
+    float d = f16(x + 108);
+    for (int k = 0; k < 16; k++) {
+        int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
+        int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
+        dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+    }
+}
+
 static void q3_k_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
-        const uint8_t *hm = x, *qs = x + 32, *s = x + 96;
-        float d = f16(x + 108);
+        const uint8_t *hm = x, *qs = x + 32;
         float dl[16];
-        for (int k = 0; k < 16; k++) {
-            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
-            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
-            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-        }
+        q3_k_factors(x, dl);
         for (int e = 0; e < QK_K; e++) {
             int h = e >> 7, sh = (e >> 5) & 3, j = e & 31;
             int ql = (qs[h * 32 + j] >> (2 * sh)) & 3;
@@ -203,14 +214,19 @@ static void q5_k_scalar(const uint8_t *x, size_t nb, float *y)
 
 /* Q6_K: ql[128] | qh[64] | scales[16] (int8) | d.  Element e = h*128 + l: low nibble l/64 of
  * ql[h*64 + l%64], high two bits l/32 of qh[h*32 + l%32]; minus 32; sub-block e/16. */
+static inline void q6_k_factors(const uint8_t *x, float ds[16])
+{
+    const int8_t *sc = (const int8_t *)(x + 192);
+    float d = f16(x + 208);
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+}
+
 static void q6_k_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
         const uint8_t *ql = x, *qh = x + 128;
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208);
         float ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+        q6_k_factors(x, ds);
         for (int e = 0; e < QK_K; e++) {
             int h = e >> 7, l = e & 127;
             int lo = (ql[h * 64 + (l & 63)] >> (4 * (l >> 6))) & 0x0f;
@@ -231,7 +247,7 @@ static void q8_k_scalar(const uint8_t *x, size_t nb, float *y)
 }
 
 #ifdef MCF_X86
-/* ---- AVX2 ----------------------------------------------------------------------------------- */
+/* ---- AVX2 and AVX-512 ------------------------------------------------------------------------------ */
 /* Stores: streaming (non-temporal) for outputs far larger than the caches when aligned, else plain.
  * Only where the values are written, never how they are computed, so the bytes do not change. */
 MCF_TARGET_AVX2 static inline void st8(float *p, __m256 v, int st)
@@ -250,31 +266,36 @@ MCF_TARGET_AVX2 static inline __m256 i8x8_ps(__m128i v)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
-MCF_TARGET_AVX2 static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static inline void st16(float *p, __m512 v, int st)
 {
-    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
-        __m256 d = _mm256_set1_ps(f16(x));
-        for (int k = 0; k < 4; k++)
-            st8(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d), st);
-    }
+    if (st) _mm512_stream_ps(p, v);
+    else _mm512_storeu_ps(p, v);
 }
 
-MCF_TARGET_AVX2 static void q4_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static inline __m512 u8x16_ps(__m128i v)
 {
-    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
-        __m256 d = _mm256_set1_ps(f16(x));
-        __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
-        st8(y, _mm256_mul_ps(d, i8x8_ps(lo)), st);
-        st8(y + 8, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(lo, 8))), st);
-        st8(y + 16, _mm256_mul_ps(d, i8x8_ps(hi)), st);
-        st8(y + 24, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(hi, 8))), st);
-    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
-/* 32 unsigned codes (bytes) -> 32 floats s * q - m */
+MCF_TARGET_AVX512 static inline __m512 i8x16_ps(__m128i v)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+/* The emitters, one per width with the same arguments: 16 signed codes (the low 16 bytes of q) -> 16 floats
+ * s * q; 32 unsigned codes -> 32 floats s * q - m */
+MCF_TARGET_AVX2 static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
+{
+    __m256 vs = _mm256_set1_ps(s);
+    st8(y, _mm256_mul_ps(vs, i8x8_ps(q)), st);
+    st8(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))), st);
+}
+
+MCF_TARGET_AVX512 static inline void emit16s_avx512(__m128i q, float s, float *y, int st)
+{
+    st16(y, _mm512_mul_ps(_mm512_set1_ps(s), i8x16_ps(q)), st);
+}
+
 MCF_TARGET_AVX2 static inline void emit32_avx2(__m256i q, float s, float m, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
@@ -285,53 +306,40 @@ MCF_TARGET_AVX2 static inline void emit32_avx2(__m256i q, float s, float m, floa
     st8(y + 24, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(hi, 8))), vm), st);
 }
 
-MCF_TARGET_AVX2 static void q4_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static inline void emit32_avx512(__m256i q, float s, float m, float *y, int st)
 {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
-        float ds[8], dm[8];
-        k4_factors(x, ds, dm);
-        for (int g = 0; g < 4; g++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
-            emit32_avx2(_mm256_and_si256(v, m4), ds[2 * g], dm[2 * g], y + 64 * g, st);
-            emit32_avx2(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), ds[2 * g + 1], dm[2 * g + 1], y + 64 * g + 32, st);
-        }
+    __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+    st16(y, _mm512_sub_ps(_mm512_mul_ps(vs, u8x16_ps(_mm256_castsi256_si128(q))), vm), st);
+    st16(y + 16, _mm512_sub_ps(_mm512_mul_ps(vs, u8x16_ps(_mm256_extracti128_si256(q, 1))), vm), st);
+}
+
+MCF_TARGET_AVX2 static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+{
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        __m256 d = _mm256_set1_ps(f16(x));
+        for (int k = 0; k < 4; k++)
+            st8(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d), st);
     }
 }
 
-/* 16 signed codes (low 16 bytes) -> 16 floats s * q */
-MCF_TARGET_AVX2 static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
+MCF_TARGET_AVX512 static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
-    __m256 vs = _mm256_set1_ps(s);
-    st8(y, _mm256_mul_ps(vs, i8x8_ps(q)), st);
-    st8(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))), st);
-}
-
-MCF_TARGET_AVX2 static void q6_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208), ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
-            for (int t = 0; t < 4; t++) {
-                __m256i lsrc = (t & 1) ? l1 : l0;
-                __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4) : _mm256_and_si256(lsrc, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
-                int sb = (h * 128 + 32 * t) >> 4;
-                float *o = y + h * 128 + 32 * t;
-                emit16s_avx2(_mm256_castsi256_si128(q), ds[sb], o, st);
-                emit16s_avx2(_mm256_extracti128_si256(q, 1), ds[sb + 1], o + 16, st);
-            }
-        }
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        __m512 d = _mm512_set1_ps(f16(x));
+        st16(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d), st);
+        st16(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d), st);
     }
 }
 
+/* Q4_0, Q4_K, Q6_K in both widths */
+#define MCF_GGUF_W avx2
+#define MCF_GGUF_W_TARGET MCF_TARGET_AVX2
+#include "gguf_dequant_x86.h"
+#define MCF_GGUF_W avx512
+#define MCF_GGUF_W_TARGET MCF_TARGET_AVX512
+#include "gguf_dequant_x86.h"
+
+/* ---- AVX2 only: Q5_K, Q2_K, Q3_K (AVX-512 runs these; the decode is bound by writing the output) ------- */
 /* 16 unsigned codes (low 16 bytes) -> 16 floats s * q - m */
 MCF_TARGET_AVX2 static inline void emit16u_avx2(__m128i q, float s, float m, float *y, int st)
 {
@@ -364,12 +372,8 @@ MCF_TARGET_AVX2 static void q2_k_avx2(const uint8_t *x, size_t nb, float *y, int
 {
     const __m256i m2 = _mm256_set1_epi8(3);
     for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
-        const uint8_t *sc = x;
-        float d = f16(x + 80), dmin = f16(x + 82), dl[16], ml[16];
-        for (int i = 0; i < 16; i++) {
-            dl[i] = d * (float)(sc[i] & 0x0f);
-            ml[i] = dmin * (float)(sc[i] >> 4);
-        }
+        float dl[16], ml[16];
+        q2_k_factors(x, dl, ml);
         for (int h = 0; h < 2; h++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * h));
             for (int s = 0; s < 4; s++) {
@@ -388,13 +392,8 @@ MCF_TARGET_AVX2 static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int
 {
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
-        const uint8_t *s = x + 96;
-        float d = f16(x + 108), dl[16];
-        for (int k = 0; k < 16; k++) {
-            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
-            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
-            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-        }
+        float dl[16];
+        q3_k_factors(x, dl);
         __m256i hm = _mm256_loadu_si256((const __m256i *)x);
         for (int h = 0; h < 2; h++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(x + 32 + 32 * h));
@@ -411,89 +410,6 @@ MCF_TARGET_AVX2 static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int
     }
 }
 
-/* ---- AVX-512 -------------------------------------------------------------------------------- */
-MCF_TARGET_AVX512 static inline void st16(float *p, __m512 v, int st)
-{
-    if (st) _mm512_stream_ps(p, v);
-    else _mm512_storeu_ps(p, v);
-}
-
-MCF_TARGET_AVX512 static inline __m512 u8x16_ps(__m128i v)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-}
-
-MCF_TARGET_AVX512 static inline __m512 i8x16_ps(__m128i v)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-}
-
-MCF_TARGET_AVX512 static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
-        __m512 d = _mm512_set1_ps(f16(x));
-        st16(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d), st);
-        st16(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d), st);
-    }
-}
-
-MCF_TARGET_AVX512 static void q4_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
-        __m512 d = _mm512_set1_ps(f16(x));
-        __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
-        st16(y, _mm512_mul_ps(d, i8x16_ps(lo)), st);
-        st16(y + 16, _mm512_mul_ps(d, i8x16_ps(hi)), st);
-    }
-}
-
-MCF_TARGET_AVX512 static void q4_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
-        float ds[8], dm[8];
-        k4_factors(x, ds, dm);
-        for (int g = 0; g < 4; g++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            __m512 s0 = _mm512_set1_ps(ds[2 * g]), n0 = _mm512_set1_ps(dm[2 * g]);
-            __m512 s1 = _mm512_set1_ps(ds[2 * g + 1]), n1 = _mm512_set1_ps(dm[2 * g + 1]);
-            float *o = y + 64 * g;
-            st16(o, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_castsi256_si128(lo))), n0), st);
-            st16(o + 16, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_extracti128_si256(lo, 1))), n0), st);
-            st16(o + 32, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_castsi256_si128(hi))), n1), st);
-            st16(o + 48, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_extracti128_si256(hi, 1))), n1), st);
-        }
-    }
-}
-
-MCF_TARGET_AVX512 static void q6_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208), ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
-            for (int t = 0; t < 4; t++) {
-                __m256i lsrc = (t & 1) ? l1 : l0;
-                __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4) : _mm256_and_si256(lsrc, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
-                int sb = (h * 128 + 32 * t) >> 4;
-                float *o = y + h * 128 + 32 * t;
-                st16(o, _mm512_mul_ps(_mm512_set1_ps(ds[sb]), i8x16_ps(_mm256_castsi256_si128(q))), st);
-                st16(o + 16, _mm512_mul_ps(_mm512_set1_ps(ds[sb + 1]), i8x16_ps(_mm256_extracti128_si256(q, 1))), st);
-            }
-        }
-    }
-}
 /* F16 / BF16: the shared conversions (fpconv_simd.c), which have their own variants */
 static void f16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX2); }
 static void f16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
