@@ -6,7 +6,7 @@
  * baseline, but a kernel (or qemu -cpu) may still report it absent, and then the scalar code runs. */
 #include "cpu.h"
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__)   /* the kernels' x86 code is x86-64 only: a 32-bit x86 build reports scalar */
 #include <cpuid.h>
 
 static unsigned long long xgetbv0(void)
@@ -48,21 +48,31 @@ static int detect(void) { return MCF_IMPL_NEON; }
 static int detect(void) { return MCF_IMPL_SCALAR; }
 #endif
 
+/* Detected once; a relaxed atomic, as two threads may race to the first call (both store the same value). */
 static int best = -1;
 
 int mcf_cpu_best(void)
 {
-    if (best < 0) best = detect();
-    return best;
+    int b = __atomic_load_n(&best, __ATOMIC_RELAXED);
+    if (b < 0) {
+        b = detect();
+        __atomic_store_n(&best, b, __ATOMIC_RELAXED);
+    }
+    return b;
 }
 
-/* The x86 tiers nest (AVX-512 implies AVX2); NEON stands beside them, on the other architecture. */
+/* The variants each best variant implies: the x86 tiers nest (AVX-512 implies AVX2); NEON stands beside
+ * them, on the other architecture. */
+static const unsigned char IMPLIES[MCF_IMPL_COUNT] = {
+    [MCF_IMPL_SCALAR] = 1u << MCF_IMPL_SCALAR,
+    [MCF_IMPL_AVX2] = 1u << MCF_IMPL_SCALAR | 1u << MCF_IMPL_AVX2,
+    [MCF_IMPL_AVX512] = 1u << MCF_IMPL_SCALAR | 1u << MCF_IMPL_AVX2 | 1u << MCF_IMPL_AVX512,
+    [MCF_IMPL_NEON] = 1u << MCF_IMPL_SCALAR | 1u << MCF_IMPL_NEON,
+};
+
 int mcf_cpu_supports(int impl)
 {
-    int b = mcf_cpu_best();
-    if (impl == MCF_IMPL_SCALAR) return 1;
-    if (impl == MCF_IMPL_NEON) return b == MCF_IMPL_NEON;
-    return b != MCF_IMPL_NEON && impl > 0 && impl <= b;
+    return 0 <= impl && impl < MCF_IMPL_COUNT && ((IMPLIES[mcf_cpu_best()] >> impl) & 1u);
 }
 
 const char *mcf_impl_name(int impl)

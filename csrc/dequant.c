@@ -12,15 +12,10 @@
  * super scale with u6 = 0).  int8/int4 follow the same rule for their per-tensor scale. */
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fpconv.h"
 #include "quant.h"
 #include "simd.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MCF_X86 1
-#endif
 
 float mcf_scale_from_f16(uint16_t h)
 {
@@ -570,31 +565,7 @@ MCF_TARGET_AVX512 static void dequant_avx512(const mcf_qtensor *t, size_t r0, si
     }
     if (stream) _mm_sfence();
 }
-#endif /* MCF_X86 */
 
-#ifdef MCF_NEON
-#include "dequant_neon.h"
-#endif
-
-void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
-{
-    if (r1 <= r0) return;
-    if (t->family == MCF_FAM_RAW && t->scale == 0.0f) {   /* +0.0 everywhere, whatever the codes say */
-        memset(out, 0, (r1 - r0) * t->cols * (kind == MCF_OUT_F32 ? 4u : 2u));
-        return;
-    }
-#ifdef MCF_X86
-    if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
-    if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }
-#endif
-#ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) { dequant_neon(t, r0, r1, out, kind); return; }
-#endif
-    (void)impl;
-    dequant_scalar(t, r0, r1, out, kind);
-}
-
-#ifdef MCF_X86
 MCF_TARGET_AVX512 static void unpack_avx512(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
 {
     if (t->family == MCF_FAM_RAW) {
@@ -607,18 +578,41 @@ MCF_TARGET_AVX512 static void unpack_avx512(const mcf_qtensor *t, size_t r0, siz
             _mm256_storeu_si256((__m256i *)(out + ((r - r0) * t->bpr + b) * 32),
                                 decode32_avx512(t->data + (r * t->bpr + b) * bb, t->bits));
 }
+#endif /* MCF_X86 */
+
+#ifdef MCF_NEON
+#include "dequant_neon.h"
 #endif
+
+/* Each variant's kernels (dispatch.h) */
+typedef struct {
+    void (*dequant)(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind);
+    void (*unpack)(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out);
+} dequant_kernels;
+
+static const dequant_kernels KERNELS[MCF_IMPL_COUNT] = {
+    [MCF_IMPL_SCALAR] = {dequant_scalar, unpack_scalar},
+#ifdef MCF_X86
+    [MCF_IMPL_AVX2] = {dequant_avx2, unpack_avx2},
+    [MCF_IMPL_AVX512] = {dequant_avx512, unpack_avx512},
+#endif
+#ifdef MCF_NEON
+    [MCF_IMPL_NEON] = {dequant_neon, unpack_neon},
+#endif
+};
+
+void mcf_dequant_rows(const mcf_qtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
+{
+    if (r1 <= r0) return;
+    if (t->family == MCF_FAM_RAW && t->scale == 0.0f) {   /* +0.0 everywhere, whatever the codes say */
+        memset(out, 0, (r1 - r0) * t->cols * (kind == MCF_OUT_F32 ? 4u : 2u));
+        return;
+    }
+    KERNELS[mcf_variant(impl)].dequant(t, r0, r1, out, kind);
+}
 
 void mcf_unpack_rows(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out, int impl)
 {
     if (r1 <= r0) return;
-#ifdef MCF_X86
-    if (impl >= MCF_IMPL_AVX512) { unpack_avx512(t, r0, r1, out); return; }
-    if (impl >= MCF_IMPL_AVX2) { unpack_avx2(t, r0, r1, out); return; }
-#endif
-#ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) { unpack_neon(t, r0, r1, out); return; }
-#endif
-    (void)impl;
-    unpack_scalar(t, r0, r1, out);
+    KERNELS[mcf_variant(impl)].unpack(t, r0, r1, out);
 }

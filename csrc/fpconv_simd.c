@@ -4,12 +4,11 @@
  * operations, as the scalar code does). */
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fpconv.h"
 #include "simd.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
+#ifdef MCF_X86
 
 MCF_TARGET_AVX2 static __m256 h2f_avx2(__m128i h)
 {
@@ -142,41 +141,32 @@ MCF_TARGET_AVX512 static void f32_to_bf16_avx512(const float *s, uint16_t *d, si
 #include "fpconv_neon.h"
 #endif
 
-void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int impl)
-{
-#if defined(__x86_64__)
-    if (impl >= MCF_IMPL_AVX512) {
-        switch (op) {
-        case MCF_BF16_TO_F32: bf16_to_f32_avx512(src, dst, n); return;
-        case MCF_F32_TO_BF16: f32_to_bf16_avx512(src, dst, n); return;
-        case MCF_F16_TO_F32: f16_to_f32_avx512(src, dst, n); return;
-        default: /* MCF_F32_TO_F16 */ f32_to_f16_avx512(src, dst, n); return;
-        }
-    }
-    if (impl == MCF_IMPL_AVX2) {
-        switch (op) {
-        case MCF_BF16_TO_F32: bf16_to_f32_avx2(src, dst, n); return;
-        case MCF_F32_TO_BF16: f32_to_bf16_avx2(src, dst, n); return;
-        case MCF_F16_TO_F32: f16_to_f32_avx2(src, dst, n); return;
-        default: /* MCF_F32_TO_F16 */ f32_to_f16_avx2(src, dst, n); return;
-        }
-    }
+/* Each variant's loops (dispatch.h) */
+typedef struct {
+    void (*bf16_to_f32)(const uint16_t *, float *, size_t);
+    void (*f32_to_bf16)(const float *, uint16_t *, size_t);
+    void (*f16_to_f32)(const uint16_t *, float *, size_t);
+    void (*f32_to_f16)(const float *, uint16_t *, size_t);
+} fpconv_kernels;
+
+static const fpconv_kernels KERNELS[MCF_IMPL_COUNT] = {
+    [MCF_IMPL_SCALAR] = {mcf_bf16_to_f32, mcf_f32_to_bf16, mcf_f16_to_f32, mcf_f32_to_f16},
+#ifdef MCF_X86
+    [MCF_IMPL_AVX2] = {bf16_to_f32_avx2, f32_to_bf16_avx2, f16_to_f32_avx2, f32_to_f16_avx2},
+    [MCF_IMPL_AVX512] = {bf16_to_f32_avx512, f32_to_bf16_avx512, f16_to_f32_avx512, f32_to_f16_avx512},
 #endif
 #ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) {
-        switch (op) {
-        case MCF_BF16_TO_F32: bf16_to_f32_neon(src, dst, n); return;
-        case MCF_F32_TO_BF16: f32_to_bf16_neon(src, dst, n); return;
-        case MCF_F16_TO_F32: f16_to_f32_neon(src, dst, n); return;
-        default: /* MCF_F32_TO_F16 */ f32_to_f16_neon(src, dst, n); return;
-        }
-    }
+    [MCF_IMPL_NEON] = {bf16_to_f32_neon, f32_to_bf16_neon, f16_to_f32_neon, f32_to_f16_neon},
 #endif
-    (void)impl;
+};
+
+void mcf_convert(mcf_fpconv_op op, const void *src, void *dst, size_t n, int impl)
+{
+    const fpconv_kernels *k = &KERNELS[mcf_variant(impl)];
     switch (op) {
-    case MCF_BF16_TO_F32: mcf_bf16_to_f32(src, dst, n); return;
-    case MCF_F32_TO_BF16: mcf_f32_to_bf16(src, dst, n); return;
-    case MCF_F16_TO_F32: mcf_f16_to_f32(src, dst, n); return;
-    default: /* MCF_F32_TO_F16 */ mcf_f32_to_f16(src, dst, n); return;
+    case MCF_BF16_TO_F32: k->bf16_to_f32(src, dst, n); return;
+    case MCF_F32_TO_BF16: k->f32_to_bf16(src, dst, n); return;
+    case MCF_F16_TO_F32: k->f16_to_f32(src, dst, n); return;
+    default: /* MCF_F32_TO_F16 */ k->f32_to_f16(src, dst, n); return;
     }
 }

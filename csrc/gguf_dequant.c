@@ -13,7 +13,7 @@
  * Block layouts are ggml's (ggml-common.h); all multi-byte fields are little-endian. */
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fp4.h"
 #include "fpconv.h"
 #include "gguf_dequant.h"
@@ -108,16 +108,21 @@ static void q8_0_scalar(const uint8_t *x, size_t nb, float *y)
 
 /* Q2_K: scales[16] | qs[64] | d | dmin.  Element e = h*128 + s*32 + j takes bits 2s of qs[h*32 + j];
  * sub-block e/16 has scale low nibble, min high nibble. */
+static inline void q2_k_factors(const uint8_t *x, float dl[16], float ml[16])
+{
+    float d = f16(x + 80), dmin = f16(x + 82);
+    for (int i = 0; i < 16; i++) {
+        dl[i] = d * (float)(x[i] & 0x0f);
+        ml[i] = dmin * (float)(x[i] >> 4);
+    }
+}
+
 static void q2_k_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
-        const uint8_t *sc = x, *qs = x + 16;
-        float d = f16(x + 80), dmin = f16(x + 82);
+        const uint8_t *qs = x + 16;
         float dl[16], ml[16];
-        for (int i = 0; i < 16; i++) {
-            dl[i] = d * (float)(sc[i] & 0x0f);
-            ml[i] = dmin * (float)(sc[i] >> 4);
-        }
+        q2_k_factors(x, dl, ml);
         for (int e = 0; e < QK_K; e++) {
             int h = e >> 7, s = (e >> 5) & 3, j = e & 31;
             float q = (float)((qs[h * 32 + j] >> (2 * s)) & 3);
@@ -128,17 +133,23 @@ static void q2_k_scalar(const uint8_t *x, size_t nb, float *y)
 
 /* Q3_K: hmask[32] | qs[64] | scales[12] | d.  6-bit signed scales (minus 32); element e takes 2 bits
  * from qs like Q2_K and subtracts 4 unless bit e/32 of hmask[e%32] is set. */
+static inline void q3_k_factors(const uint8_t *x, float dl[16])
+{
+    const uint8_t *s = x + 96;
+    float d = f16(x + 108);
+    for (int k = 0; k < 16; k++) {
+        int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
+        int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
+        dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+    }
+}
+
 static void q3_k_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
-        const uint8_t *hm = x, *qs = x + 32, *s = x + 96;
-        float d = f16(x + 108);
+        const uint8_t *hm = x, *qs = x + 32;
         float dl[16];
-        for (int k = 0; k < 16; k++) {
-            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
-            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
-            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-        }
+        q3_k_factors(x, dl);
         for (int e = 0; e < QK_K; e++) {
             int h = e >> 7, sh = (e >> 5) & 3, j = e & 31;
             int ql = (qs[h * 32 + j] >> (2 * sh)) & 3;
@@ -203,14 +214,19 @@ static void q5_k_scalar(const uint8_t *x, size_t nb, float *y)
 
 /* Q6_K: ql[128] | qh[64] | scales[16] (int8) | d.  Element e = h*128 + l: low nibble l/64 of
  * ql[h*64 + l%64], high two bits l/32 of qh[h*32 + l%32]; minus 32; sub-block e/16. */
+static inline void q6_k_factors(const uint8_t *x, float ds[16])
+{
+    const int8_t *sc = (const int8_t *)(x + 192);
+    float d = f16(x + 208);
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+}
+
 static void q6_k_scalar(const uint8_t *x, size_t nb, float *y)
 {
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
         const uint8_t *ql = x, *qh = x + 128;
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208);
         float ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+        q6_k_factors(x, ds);
         for (int e = 0; e < QK_K; e++) {
             int h = e >> 7, l = e & 127;
             int lo = (ql[h * 64 + (l & 63)] >> (4 * (l >> 6))) & 0x0f;
@@ -230,8 +246,8 @@ static void q8_k_scalar(const uint8_t *x, size_t nb, float *y)
     }
 }
 
-#ifdef MCF_GGUF_X86
-/* ---- AVX2 ----------------------------------------------------------------------------------- */
+#ifdef MCF_X86
+/* ---- AVX2 and AVX-512 ------------------------------------------------------------------------------ */
 /* Stores: streaming (non-temporal) for outputs far larger than the caches when aligned, else plain.
  * Only where the values are written, never how they are computed, so the bytes do not change. */
 MCF_TARGET_AVX2 static inline void st8(float *p, __m256 v, int st)
@@ -250,31 +266,36 @@ MCF_TARGET_AVX2 static inline __m256 i8x8_ps(__m128i v)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
 }
 
-MCF_TARGET_AVX2 static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static inline void st16(float *p, __m512 v, int st)
 {
-    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
-        __m256 d = _mm256_set1_ps(f16(x));
-        for (int k = 0; k < 4; k++)
-            st8(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d), st);
-    }
+    if (st) _mm512_stream_ps(p, v);
+    else _mm512_storeu_ps(p, v);
 }
 
-MCF_TARGET_AVX2 static void q4_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static inline __m512 u8x16_ps(__m128i v)
 {
-    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
-        __m256 d = _mm256_set1_ps(f16(x));
-        __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
-        st8(y, _mm256_mul_ps(d, i8x8_ps(lo)), st);
-        st8(y + 8, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(lo, 8))), st);
-        st8(y + 16, _mm256_mul_ps(d, i8x8_ps(hi)), st);
-        st8(y + 24, _mm256_mul_ps(d, i8x8_ps(_mm_srli_si128(hi, 8))), st);
-    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
-/* 32 unsigned codes (bytes) -> 32 floats s * q - m */
+MCF_TARGET_AVX512 static inline __m512 i8x16_ps(__m128i v)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+
+/* The emitters, one per width with the same arguments: 16 signed codes (the low 16 bytes of q) -> 16 floats
+ * s * q; 32 unsigned codes -> 32 floats s * q - m */
+MCF_TARGET_AVX2 static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
+{
+    __m256 vs = _mm256_set1_ps(s);
+    st8(y, _mm256_mul_ps(vs, i8x8_ps(q)), st);
+    st8(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))), st);
+}
+
+MCF_TARGET_AVX512 static inline void emit16s_avx512(__m128i q, float s, float *y, int st)
+{
+    st16(y, _mm512_mul_ps(_mm512_set1_ps(s), i8x16_ps(q)), st);
+}
+
 MCF_TARGET_AVX2 static inline void emit32_avx2(__m256i q, float s, float m, float *y, int st)
 {
     __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
@@ -285,53 +306,40 @@ MCF_TARGET_AVX2 static inline void emit32_avx2(__m256i q, float s, float m, floa
     st8(y + 24, _mm256_sub_ps(_mm256_mul_ps(vs, u8x8_ps(_mm_srli_si128(hi, 8))), vm), st);
 }
 
-MCF_TARGET_AVX2 static void q4_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
+MCF_TARGET_AVX512 static inline void emit32_avx512(__m256i q, float s, float m, float *y, int st)
 {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
-        float ds[8], dm[8];
-        k4_factors(x, ds, dm);
-        for (int g = 0; g < 4; g++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
-            emit32_avx2(_mm256_and_si256(v, m4), ds[2 * g], dm[2 * g], y + 64 * g, st);
-            emit32_avx2(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), ds[2 * g + 1], dm[2 * g + 1], y + 64 * g + 32, st);
-        }
+    __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+    st16(y, _mm512_sub_ps(_mm512_mul_ps(vs, u8x16_ps(_mm256_castsi256_si128(q))), vm), st);
+    st16(y + 16, _mm512_sub_ps(_mm512_mul_ps(vs, u8x16_ps(_mm256_extracti128_si256(q, 1))), vm), st);
+}
+
+MCF_TARGET_AVX2 static void q8_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
+{
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        __m256 d = _mm256_set1_ps(f16(x));
+        for (int k = 0; k < 4; k++)
+            st8(y + 8 * k, _mm256_mul_ps(i8x8_ps(_mm_loadl_epi64((const __m128i *)(x + 2 + 8 * k))), d), st);
     }
 }
 
-/* 16 signed codes (low 16 bytes) -> 16 floats s * q */
-MCF_TARGET_AVX2 static inline void emit16s_avx2(__m128i q, float s, float *y, int st)
+MCF_TARGET_AVX512 static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
 {
-    __m256 vs = _mm256_set1_ps(s);
-    st8(y, _mm256_mul_ps(vs, i8x8_ps(q)), st);
-    st8(y + 8, _mm256_mul_ps(vs, i8x8_ps(_mm_srli_si128(q, 8))), st);
-}
-
-MCF_TARGET_AVX2 static void q6_k_avx2(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208), ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
-            for (int t = 0; t < 4; t++) {
-                __m256i lsrc = (t & 1) ? l1 : l0;
-                __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4) : _mm256_and_si256(lsrc, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
-                int sb = (h * 128 + 32 * t) >> 4;
-                float *o = y + h * 128 + 32 * t;
-                emit16s_avx2(_mm256_castsi256_si128(q), ds[sb], o, st);
-                emit16s_avx2(_mm256_extracti128_si256(q, 1), ds[sb + 1], o + 16, st);
-            }
-        }
+    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
+        __m512 d = _mm512_set1_ps(f16(x));
+        st16(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d), st);
+        st16(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d), st);
     }
 }
 
+/* Q4_0, Q4_K, Q6_K in both widths */
+#define MCF_GGUF_W avx2
+#define MCF_GGUF_W_TARGET MCF_TARGET_AVX2
+#include "gguf_dequant_x86.h"
+#define MCF_GGUF_W avx512
+#define MCF_GGUF_W_TARGET MCF_TARGET_AVX512
+#include "gguf_dequant_x86.h"
+
+/* ---- AVX2 only: Q5_K, Q2_K, Q3_K (AVX-512 runs these; the decode is bound by writing the output) ------- */
 /* 16 unsigned codes (low 16 bytes) -> 16 floats s * q - m */
 MCF_TARGET_AVX2 static inline void emit16u_avx2(__m128i q, float s, float m, float *y, int st)
 {
@@ -364,12 +372,8 @@ MCF_TARGET_AVX2 static void q2_k_avx2(const uint8_t *x, size_t nb, float *y, int
 {
     const __m256i m2 = _mm256_set1_epi8(3);
     for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
-        const uint8_t *sc = x;
-        float d = f16(x + 80), dmin = f16(x + 82), dl[16], ml[16];
-        for (int i = 0; i < 16; i++) {
-            dl[i] = d * (float)(sc[i] & 0x0f);
-            ml[i] = dmin * (float)(sc[i] >> 4);
-        }
+        float dl[16], ml[16];
+        q2_k_factors(x, dl, ml);
         for (int h = 0; h < 2; h++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * h));
             for (int s = 0; s < 4; s++) {
@@ -388,13 +392,8 @@ MCF_TARGET_AVX2 static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int
 {
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
-        const uint8_t *s = x + 96;
-        float d = f16(x + 108), dl[16];
-        for (int k = 0; k < 16; k++) {
-            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
-            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
-            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-        }
+        float dl[16];
+        q3_k_factors(x, dl);
         __m256i hm = _mm256_loadu_si256((const __m256i *)x);
         for (int h = 0; h < 2; h++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(x + 32 + 32 * h));
@@ -411,95 +410,12 @@ MCF_TARGET_AVX2 static void q3_k_avx2(const uint8_t *x, size_t nb, float *y, int
     }
 }
 
-/* ---- AVX-512 -------------------------------------------------------------------------------- */
-MCF_TARGET_AVX512 static inline void st16(float *p, __m512 v, int st)
-{
-    if (st) _mm512_stream_ps(p, v);
-    else _mm512_storeu_ps(p, v);
-}
-
-MCF_TARGET_AVX512 static inline __m512 u8x16_ps(__m128i v)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-}
-
-MCF_TARGET_AVX512 static inline __m512 i8x16_ps(__m128i v)
-{
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-}
-
-MCF_TARGET_AVX512 static void q8_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    for (size_t b = 0; b < nb; b++, x += 34, y += 32) {
-        __m512 d = _mm512_set1_ps(f16(x));
-        st16(y, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 2))), d), st);
-        st16(y + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(x + 18))), d), st);
-    }
-}
-
-MCF_TARGET_AVX512 static void q4_0_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    for (size_t b = 0; b < nb; b++, x += 18, y += 32) {
-        __m512 d = _mm512_set1_ps(f16(x));
-        __m128i v = _mm_loadu_si128((const __m128i *)(x + 2));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
-        st16(y, _mm512_mul_ps(d, i8x16_ps(lo)), st);
-        st16(y + 16, _mm512_mul_ps(d, i8x16_ps(hi)), st);
-    }
-}
-
-MCF_TARGET_AVX512 static void q4_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (size_t b = 0; b < nb; b++, x += 144, y += QK_K) {
-        float ds[8], dm[8];
-        k4_factors(x, ds, dm);
-        for (int g = 0; g < 4; g++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 16 + 32 * g));
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            __m512 s0 = _mm512_set1_ps(ds[2 * g]), n0 = _mm512_set1_ps(dm[2 * g]);
-            __m512 s1 = _mm512_set1_ps(ds[2 * g + 1]), n1 = _mm512_set1_ps(dm[2 * g + 1]);
-            float *o = y + 64 * g;
-            st16(o, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_castsi256_si128(lo))), n0), st);
-            st16(o + 16, _mm512_sub_ps(_mm512_mul_ps(s0, u8x16_ps(_mm256_extracti128_si256(lo, 1))), n0), st);
-            st16(o + 32, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_castsi256_si128(hi))), n1), st);
-            st16(o + 48, _mm512_sub_ps(_mm512_mul_ps(s1, u8x16_ps(_mm256_extracti128_si256(hi, 1))), n1), st);
-        }
-    }
-}
-
-MCF_TARGET_AVX512 static void q6_k_avx512(const uint8_t *x, size_t nb, float *y, int st)
-{
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-    for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208), ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * h));
-            for (int t = 0; t < 4; t++) {
-                __m256i lsrc = (t & 1) ? l1 : l0;
-                __m256i lo = (t >> 1) ? _mm256_and_si256(_mm256_srli_epi16(lsrc, 4), m4) : _mm256_and_si256(lsrc, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), k32);
-                int sb = (h * 128 + 32 * t) >> 4;
-                float *o = y + h * 128 + 32 * t;
-                st16(o, _mm512_mul_ps(_mm512_set1_ps(ds[sb]), i8x16_ps(_mm256_castsi256_si128(q))), st);
-                st16(o + 16, _mm512_mul_ps(_mm512_set1_ps(ds[sb + 1]), i8x16_ps(_mm256_extracti128_si256(q, 1))), st);
-            }
-        }
-    }
-}
 /* F16 / BF16: the shared conversions (fpconv_simd.c), which have their own variants */
 static void f16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX2); }
 static void f16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_F16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
 static void bf16_avx2(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX2); }
 static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st; mcf_convert(MCF_BF16_TO_F32, x, y, n, MCF_IMPL_AVX512); }
-#endif /* MCF_GGUF_X86 */
+#endif /* MCF_X86 */
 
 #ifdef MCF_NEON
 #include "gguf_neon.h"
@@ -507,17 +423,17 @@ static void bf16_avx512(const uint8_t *x, size_t n, float *y, int st) { (void)st
 
 /* ---- the type table and the dispatch -------------------------------------------------------------- */
 
-/* One ggml type: `block` values in `size` bytes, and its kernel in each variant.  A NULL vector kernel
- * means that tier runs the next lower one's (Q2_K's AVX2 code when AVX-512 is selected: the decode is
- * bound by writing the output, AVX-512 would not gain), and the scalar one at the bottom.  NEON, the
- * other architecture's variant, is the last column (NULL: scalar). */
+/* One ggml type: `block` values in `size` bytes, its scalar kernel, and the vector kernel each variant runs
+ * (dispatch.h), indexed by variant: a variant without its own code for the type runs the one below it
+ * (Q2_K's AVX2 code when AVX-512 is selected: the decode is bound by writing the output, AVX-512 would not
+ * gain), and NULL means the scalar kernel.  The scalar column is NULL (the scalar kernel has no `st`). */
 typedef struct {
     uint16_t block, size;
     mcf_gguf_scalar_fn scalar;
-    mcf_gguf_vector_fn avx2, avx512, neon;
+    mcf_gguf_vector_fn vector[MCF_IMPL_COUNT];
 } gguf_type;
 
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
 #define X86(fn) fn
 #else
 #define X86(fn) NULL
@@ -527,24 +443,27 @@ typedef struct {
 #else
 #define NEON(fn) NULL
 #endif
-#define EXTERNAL(name, block, size) {block, size, name##_scalar, X86(name##_avx2), X86(name##_avx512), NEON(name##_neon)}
+#define VECTOR(avx2, avx512, neon) \
+    {[MCF_IMPL_AVX2] = X86(avx2), [MCF_IMPL_AVX512] = X86(avx512), [MCF_IMPL_NEON] = NEON(neon)}
+#define EXTERNAL(name, block, size) \
+    {block, size, name##_scalar, VECTOR(name##_avx2, name##_avx512, name##_neon)}
 
 static const gguf_type TYPES[MCF_GGML_TYPE_LIMIT] = {
-    [MCF_GGML_F32] = {1, 4, f32_scalar, NULL, NULL},
-    [MCF_GGML_F16] = {1, 2, f16_scalar, X86(f16_avx2), X86(f16_avx512), NEON(f16_neon)},
-    [MCF_GGML_BF16] = {1, 2, bf16_scalar, X86(bf16_avx2), X86(bf16_avx512), NEON(bf16_neon)},
-    [MCF_GGML_F64] = {1, 8, f64_scalar, NULL, NULL},
-    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, X86(q4_0_avx2), X86(q4_0_avx512), NEON(q4_0_neon)},
-    [MCF_GGML_Q4_1] = {32, 20, q4_1_scalar, NULL, NULL},
-    [MCF_GGML_Q5_0] = {32, 22, q5_0_scalar, NULL, NULL},
-    [MCF_GGML_Q5_1] = {32, 24, q5_1_scalar, NULL, NULL},
-    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, X86(q8_0_avx2), X86(q8_0_avx512), NEON(q8_0_neon)},
-    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, X86(q2_k_avx2), NULL, NEON(q2_k_neon)},
-    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, X86(q3_k_avx2), NULL, NEON(q3_k_neon)},
-    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, X86(q4_k_avx2), X86(q4_k_avx512), NEON(q4_k_neon)},
-    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, X86(q5_k_avx2), NULL, NEON(q5_k_neon)},
-    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, X86(q6_k_avx2), X86(q6_k_avx512), NEON(q6_k_neon)},
-    [MCF_GGML_Q8_K] = {QK_K, 292, q8_k_scalar, NULL, NULL},
+    [MCF_GGML_F32] = {1, 4, f32_scalar, {NULL}},
+    [MCF_GGML_F16] = {1, 2, f16_scalar, VECTOR(f16_avx2, f16_avx512, f16_neon)},
+    [MCF_GGML_BF16] = {1, 2, bf16_scalar, VECTOR(bf16_avx2, bf16_avx512, bf16_neon)},
+    [MCF_GGML_F64] = {1, 8, f64_scalar, {NULL}},
+    [MCF_GGML_Q4_0] = {32, 18, q4_0_scalar, VECTOR(q4_0_avx2, q4_0_avx512, q4_0_neon)},
+    [MCF_GGML_Q4_1] = {32, 20, q4_1_scalar, {NULL}},
+    [MCF_GGML_Q5_0] = {32, 22, q5_0_scalar, {NULL}},
+    [MCF_GGML_Q5_1] = {32, 24, q5_1_scalar, {NULL}},
+    [MCF_GGML_Q8_0] = {32, 34, q8_0_scalar, VECTOR(q8_0_avx2, q8_0_avx512, q8_0_neon)},
+    [MCF_GGML_Q2_K] = {QK_K, 84, q2_k_scalar, VECTOR(q2_k_avx2, q2_k_avx2, q2_k_neon)},
+    [MCF_GGML_Q3_K] = {QK_K, 110, q3_k_scalar, VECTOR(q3_k_avx2, q3_k_avx2, q3_k_neon)},
+    [MCF_GGML_Q4_K] = {QK_K, 144, q4_k_scalar, VECTOR(q4_k_avx2, q4_k_avx512, q4_k_neon)},
+    [MCF_GGML_Q5_K] = {QK_K, 176, q5_k_scalar, VECTOR(q5_k_avx2, q5_k_avx2, q5_k_neon)},
+    [MCF_GGML_Q6_K] = {QK_K, 210, q6_k_scalar, VECTOR(q6_k_avx2, q6_k_avx512, q6_k_neon)},
+    [MCF_GGML_Q8_K] = {QK_K, 292, q8_k_scalar, {NULL}},
     [MCF_GGML_IQ2_XXS] = EXTERNAL(mcf_gguf_iq2_xxs, QK_K, 66),
     [MCF_GGML_IQ2_XS] = EXTERNAL(mcf_gguf_iq2_xs, QK_K, 74),
     [MCF_GGML_IQ2_S] = EXTERNAL(mcf_gguf_iq2_s, QK_K, 82),
@@ -570,21 +489,13 @@ static const gguf_type *type_of(int type)
 size_t mcf_gguf_block_size(int type) { const gguf_type *t = type_of(type); return t ? t->block : 0; }
 size_t mcf_gguf_type_size(int type) { const gguf_type *t = type_of(type); return t ? t->size : 0; }
 
-static mcf_gguf_vector_fn vector_kernel(const gguf_type *t, int impl)
-{
-    if (impl == MCF_IMPL_NEON) return t->neon;
-    if (impl >= MCF_IMPL_AVX512 && t->avx512) return t->avx512;
-    if (impl >= MCF_IMPL_AVX2 && t->avx2) return t->avx2;
-    return NULL;
-}
-
+/* A variant has code of its own for a type when it runs a vector kernel the variant below it does not. */
 int mcf_gguf_has_variant(int type, int impl)
 {
     const gguf_type *t = type_of(type);
-    if (!t) return 0;
-    if (impl == MCF_IMPL_SCALAR) return 1;
-    return impl == MCF_IMPL_AVX512 ? t->avx512 != NULL : impl == MCF_IMPL_AVX2 ? t->avx2 != NULL
-         : impl == MCF_IMPL_NEON ? t->neon != NULL : 0;
+    if (!t || !(0 <= impl && impl < MCF_IMPL_COUNT)) return 0;
+    int below = mcf_impl_below(impl);
+    return below < 0 || (t->vector[impl] && t->vector[impl] != t->vector[below]);
 }
 
 const void *mcf_gguf_table(const char *name, size_t *nbytes)
@@ -596,14 +507,15 @@ const void *mcf_gguf_table(const char *name, size_t *nbytes)
     return mcf_gguf_iq_table(name, nbytes);
 }
 
-static void decode_f32(const gguf_type *t, const uint8_t *x, size_t nb, float *y, int impl)
+/* `variant`: a row of the table, as mcf_variant returns it */
+static void decode_f32(const gguf_type *t, const uint8_t *x, size_t nb, float *y, int variant)
 {
-    mcf_gguf_vector_fn fn = vector_kernel(t, impl);
+    mcf_gguf_vector_fn fn = t->vector[variant];
     if (fn) {
         /* streaming stores when the output (>= 8 MiB) is 64-byte aligned: every block's output then
          * starts on a 64-byte boundary (a multiple of 16 floats) */
         fn(x, nb, y, mcf_use_streaming(y, nb * t->block * 4));
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
         _mm_sfence();
 #endif
         return;
@@ -615,9 +527,10 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
 {
     const gguf_type *t = type_of(type);
     if (!t) return -1;
+    int variant = mcf_variant(impl);
     size_t bs = t->block, ts = t->size;
     if (out_kind == MCF_OUT_F32) {
-        decode_f32(t, src, nblocks, (float *)out, impl);
+        decode_f32(t, src, nblocks, (float *)out, variant);
         return 0;
     }
     if (out_kind == MCF_OUT_F16 && type == MCF_GGML_F16) { memcpy(out, src, nblocks * 2); return 0; }
@@ -628,8 +541,8 @@ int mcf_gguf_dequant(int type, const uint8_t *src, size_t nblocks, void *out, in
     uint16_t *o = (uint16_t *)out;
     while (done < nblocks) {
         size_t n = nblocks - done < per ? nblocks - done : per;
-        decode_f32(t, src + done * ts, n, tmp, impl);
-        mcf_convert(out_kind == MCF_OUT_F16 ? MCF_F32_TO_F16 : MCF_F32_TO_BF16, tmp, o + done * bs, n * bs, impl);
+        decode_f32(t, src + done * ts, n, tmp, variant);
+        mcf_convert(out_kind == MCF_OUT_F16 ? MCF_F32_TO_F16 : MCF_F32_TO_BF16, tmp, o + done * bs, n * bs, variant);
         done += n;
     }
     return 0;

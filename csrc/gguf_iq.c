@@ -4,9 +4,10 @@
  * gguf-py's numpy dequantizers reproduce; every value is computed with their float32 operations in their
  * order, e.g. IQ2_XXS  y = ((d * (0.5 + s)) * 0.25) * grid * sign,  IQ1_S  y = (d * (2s + 1)) * (grid +
  * delta),  IQ4_XS  y = (d * (s - 32)) * kvalue.  The grids ("codebooks") are csrc/gguf_tables.h,
- * generated from gguf-py's.  Scalar reference per element; AVX2 / AVX-512 kernels unpack each block into
- * int8 codes and per-group scales with AVX2 and emit with 8 / 16 lanes (gguf_kernels.h says why that is
- * exact), the NEON kernels (gguf_iq_neon.h) the same with NEON.  All multi-byte fields are little-endian. */
+ * generated from gguf-py's.  Scalar reference per element; the vector kernels unpack each block into int8
+ * codes and per-group scales (one unpacker per type: AVX2 on x86-64, NEON on aarch64) and emit them with 8
+ * (AVX2), 16 (AVX-512) or 4 x 4 (NEON) lanes (gguf_kernels.h says why that is exact).  All multi-byte
+ * fields are little-endian. */
 #include <string.h>
 
 #include "gguf_kernels.h"
@@ -224,31 +225,23 @@ static inline uint32_t ksigns4(uint32_t aux)
            ((uint32_t)mcf_ksigns_iq2xs[(aux >> 14) & 127] << 16) | ((uint32_t)mcf_ksigns_iq2xs[(aux >> 21) & 127] << 24);
 }
 
-#ifdef MCF_GGUF_X86
-/* ---- vector variants: unpack to int8 codes + scales (AVX2), emit with 8 / 16 lanes --------------- */
+#ifdef MCF_GGUF_VECTOR
+/* ---- vector variants: each block unpacked to int8 codes (grid values with their signs applied) and
+ * per-group scales, the scales with the scalar reference's expressions (gguf_kernels.h) -------------- */
 
-MCF_TARGET_AVX2 static inline void put_signed32(int8_t *codes, __m256i grid, uint32_t signs)
-{
-    _mm256_store_si256((__m256i *)codes, _mm256_sign_epi8(grid, mcf_gguf_signs32_avx2(signs)));
-}
-
-MCF_TARGET_AVX2 static inline __m256i grid64x4(const uint64_t *grid, int a, int b, int c, int d)
-{
-    return _mm256_setr_epi64x((long long)grid[a], (long long)grid[b], (long long)grid[c], (long long)grid[d]);
-}
-
-MCF_TARGET_AVX2 static inline void iq2_xxs_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq2_xxs_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = x + 2 + 8 * ib;
         uint32_t aux = mcf_le32(q + 4);
         scales[ib] = d * (0.5f + (float)(aux >> 28)) * 0.25f;
-        put_signed32(codes + 32 * ib, grid64x4(mcf_iq2xxs_grid, q[0], q[1], q[2], q[3]), ksigns4(aux));
+        mcf_gguf_bytes32 g = mcf_gguf_grid64x4(mcf_iq2xxs_grid, q[0], q[1], q[2], q[3]);
+        mcf_gguf_put_signed32(codes + 32 * ib, g, ksigns4(aux));
     }
 }
 
-MCF_TARGET_AVX2 static inline void iq2_xs_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq2_xs_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
     const uint8_t *sc = x + 66;
@@ -259,11 +252,12 @@ MCF_TARGET_AVX2 static inline void iq2_xs_unpack(const uint8_t *x, int8_t *codes
         scales[2 * ib + 1] = d * (0.5f + (float)(sc[ib] >> 4)) * 0.25f;
         uint32_t signs = (uint32_t)mcf_ksigns_iq2xs[q0 >> 9] | ((uint32_t)mcf_ksigns_iq2xs[q1 >> 9] << 8) |
                          ((uint32_t)mcf_ksigns_iq2xs[q2 >> 9] << 16) | ((uint32_t)mcf_ksigns_iq2xs[q3 >> 9] << 24);
-        put_signed32(codes + 32 * ib, grid64x4(mcf_iq2xs_grid, q0 & 511, q1 & 511, q2 & 511, q3 & 511), signs);
+        mcf_gguf_bytes32 g = mcf_gguf_grid64x4(mcf_iq2xs_grid, q0 & 511, q1 & 511, q2 & 511, q3 & 511);
+        mcf_gguf_put_signed32(codes + 32 * ib, g, signs);
     }
 }
 
-MCF_TARGET_AVX2 static inline void iq2_s_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq2_s_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
     const uint8_t *qs = x + 2, *signs = x + 34, *qh = x + 66, *sc = x + 74;
@@ -272,13 +266,13 @@ MCF_TARGET_AVX2 static inline void iq2_s_unpack(const uint8_t *x, int8_t *codes,
         int h = qh[ib];
         scales[2 * ib] = d * (0.5f + (float)(sc[ib] & 0x0f)) * 0.25f;
         scales[2 * ib + 1] = d * (0.5f + (float)(sc[ib] >> 4)) * 0.25f;
-        __m256i g = grid64x4(mcf_iq2s_grid, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300),
-                             q[2] | ((h << 4) & 0x300), q[3] | ((h << 2) & 0x300));
-        put_signed32(codes + 32 * ib, g, mcf_le32(signs + 4 * ib));
+        mcf_gguf_bytes32 g = mcf_gguf_grid64x4(mcf_iq2s_grid, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300),
+                                               q[2] | ((h << 4) & 0x300), q[3] | ((h << 2) & 0x300));
+        mcf_gguf_put_signed32(codes + 32 * ib, g, mcf_le32(signs + 4 * ib));
     }
 }
 
-MCF_TARGET_AVX2 static inline void iq3_xxs_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq3_xxs_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
     const uint8_t *qs = x + 2;
@@ -286,14 +280,12 @@ MCF_TARGET_AVX2 static inline void iq3_xxs_unpack(const uint8_t *x, int8_t *code
         const uint8_t *q = qs + 8 * ib;
         uint32_t aux = mcf_le32(x + 66 + 4 * ib);
         scales[ib] = d * (0.5f + (float)(aux >> 28)) * 0.5f;
-        const uint32_t *grid = mcf_iq3xxs_grid;
-        __m256i g = _mm256_setr_epi32((int)grid[q[0]], (int)grid[q[1]], (int)grid[q[2]], (int)grid[q[3]],
-                                      (int)grid[q[4]], (int)grid[q[5]], (int)grid[q[6]], (int)grid[q[7]]);
-        put_signed32(codes + 32 * ib, g, ksigns4(aux));
+        int idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+        mcf_gguf_put_signed32(codes + 32 * ib, mcf_gguf_grid32x8(mcf_iq3xxs_grid, idx), ksigns4(aux));
     }
 }
 
-MCF_TARGET_AVX2 static inline void iq3_s_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq3_s_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
     const uint8_t *qs = x + 2, *qh = x + 66, *signs = x + 74, *sc = x + 106;
@@ -301,22 +293,14 @@ MCF_TARGET_AVX2 static inline void iq3_s_unpack(const uint8_t *x, int8_t *codes,
         const uint8_t *q = qs + 8 * ib;
         int h = qh[ib];
         scales[ib] = d * (float)(1 + 2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 0x0f));
-        const uint32_t *grid = mcf_iq3s_grid;
-        __m256i g = _mm256_setr_epi32((int)grid[q[0] | ((h << 8) & 256)], (int)grid[q[1] | ((h << 7) & 256)],
-                                      (int)grid[q[2] | ((h << 6) & 256)], (int)grid[q[3] | ((h << 5) & 256)],
-                                      (int)grid[q[4] | ((h << 4) & 256)], (int)grid[q[5] | ((h << 3) & 256)],
-                                      (int)grid[q[6] | ((h << 2) & 256)], (int)grid[q[7] | ((h << 1) & 256)]);
-        put_signed32(codes + 32 * ib, g, mcf_le32(signs + 4 * ib));
+        int idx[8];
+        for (int k = 0; k < 8; k++) idx[k] = q[k] | ((h << (8 - k)) & 256);   /* bit k of qh: the ninth bit */
+        mcf_gguf_put_signed32(codes + 32 * ib, mcf_gguf_grid32x8(mcf_iq3s_grid, idx), mcf_le32(signs + 4 * ib));
     }
 }
 
 /* IQ1: the code is 8 * grid + (delta > 0 ? 1 : -1), so that code * 0.125 == grid + delta exactly */
-MCF_TARGET_AVX2 static inline __m256i iq1_codes(__m256i grid, __m256i delta)
-{
-    return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), grid), delta);
-}
-
-MCF_TARGET_AVX2 static inline void iq1_s_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq1_s_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
     const uint8_t *qs = x + 2;
@@ -324,14 +308,13 @@ MCF_TARGET_AVX2 static inline void iq1_s_unpack(const uint8_t *x, int8_t *codes,
         const uint8_t *q = qs + 4 * ib;
         int qh = mcf_le16(x + 34 + 2 * ib);
         scales[ib] = d * (float)(2 * ((qh >> 12) & 7) + 1);
-        __m256i g = grid64x4(mcf_iq1s_grid, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700),
-                             q[2] | ((qh << 2) & 0x700), q[3] | ((qh >> 1) & 0x700));
-        __m256i delta = _mm256_set1_epi8((char)(1 | -((qh >> 15) & 1)));   /* -1 or +1, branch-free */
-        _mm256_store_si256((__m256i *)(codes + 32 * ib), iq1_codes(g, delta));
+        mcf_gguf_bytes32 g = mcf_gguf_grid64x4(mcf_iq1s_grid, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700),
+                                               q[2] | ((qh << 2) & 0x700), q[3] | ((qh >> 1) & 0x700));
+        mcf_gguf_put_iq1(codes + 32 * ib, g, mcf_gguf_signs1(qh & 0x8000));
     }
 }
 
-MCF_TARGET_AVX2 static inline void iq1_m_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq1_m_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = iq1m_d(x);
     const uint8_t *qs = x, *qh = x + 32;
@@ -341,34 +324,24 @@ MCF_TARGET_AVX2 static inline void iq1_m_unpack(const uint8_t *x, int8_t *codes,
         uint16_t sc = mcf_le16(x + 48 + 2 * (ib / 2));
         scales[2 * ib] = d * (float)(2 * ((sc >> (6 * (ib % 2))) & 7) + 1);
         scales[2 * ib + 1] = d * (float)(2 * ((sc >> (6 * (ib % 2) + 3)) & 7) + 1);
-        __m256i g = grid64x4(mcf_iq1s_grid, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700),
-                             q[2] | ((h1 << 8) & 0x700), q[3] | ((h1 << 4) & 0x700));
-        /* -1 where the delta bit is set, else +1 in every byte: without branches, which random bits
-         * mispredict (half the speed of the other types measured here) */
-        const uint64_t ones = 0x0101010101010101ull;
-        __m256i delta = _mm256_setr_epi64x((long long)(ones | (0 - (uint64_t)((h0 >> 3) & 1))),
-                                           (long long)(ones | (0 - (uint64_t)((h0 >> 7) & 1))),
-                                           (long long)(ones | (0 - (uint64_t)((h1 >> 3) & 1))),
-                                           (long long)(ones | (0 - (uint64_t)((h1 >> 7) & 1))));
-        _mm256_store_si256((__m256i *)(codes + 32 * ib), iq1_codes(g, delta));
+        mcf_gguf_bytes32 g = mcf_gguf_grid64x4(mcf_iq1s_grid, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700),
+                                               q[2] | ((h1 << 8) & 0x700), q[3] | ((h1 << 4) & 0x700));
+        mcf_gguf_put_iq1(codes + 32 * ib, g, mcf_gguf_signs4(h0 & 0x08, h0 & 0x80, h1 & 0x08, h1 & 0x80));
     }
 }
 
-MCF_TARGET_AVX2 static inline void iq4_nl_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq4_nl_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     scales[0] = mcf_f16_at(x);
-    __m128i table = _mm_loadu_si128((const __m128i *)mcf_kvalues_iq4nl);
-    _mm256_store_si256((__m256i *)codes, mcf_gguf_nibbles_lut_avx2(_mm_loadu_si128((const __m128i *)(x + 2)), table));
+    mcf_gguf_put_nibbles_lut(codes, x + 2, mcf_kvalues_iq4nl);
 }
 
-MCF_TARGET_AVX2 static inline void iq4_xs_unpack(const uint8_t *x, int8_t *codes, float *scales)
+MCF_GGUF_UNPACKER void iq4_xs_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     float d = mcf_f16_at(x);
-    __m128i table = _mm_loadu_si128((const __m128i *)mcf_kvalues_iq4nl);
     for (int ib = 0; ib < 8; ib++) {
         scales[ib] = iq4xs_scale(x, d, ib);
-        __m128i q = _mm_loadu_si128((const __m128i *)(x + 8 + 16 * ib));
-        _mm256_store_si256((__m256i *)(codes + 32 * ib), mcf_gguf_nibbles_lut_avx2(q, table));
+        mcf_gguf_put_nibbles_lut(codes + 32 * ib, x + 8 + 16 * ib, mcf_kvalues_iq4nl);
     }
 }
 
@@ -381,8 +354,4 @@ MCF_GGUF_CODE_KERNELS(mcf_gguf_iq1_s, iq1_s_unpack, 50, 256, 32, 1)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq1_m, iq1_m_unpack, 56, 256, 16, 1)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq4_nl, iq4_nl_unpack, 18, 32, 32, 0)
 MCF_GGUF_CODE_KERNELS(mcf_gguf_iq4_xs, iq4_xs_unpack, 136, 256, 32, 0)
-#endif /* MCF_GGUF_X86 */
-
-#ifdef MCF_NEON
-#include "gguf_iq_neon.h"
-#endif
+#endif /* MCF_GGUF_VECTOR */

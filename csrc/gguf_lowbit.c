@@ -109,7 +109,7 @@ void mcf_gguf_nvfp4_scalar(const uint8_t *x, size_t nb, float *y)
     }
 }
 
-#ifdef MCF_GGUF_X86
+#ifdef MCF_X86
 /* ---- vector variants ---------------------------------------------------------------------------- */
 
 /* tern_digit of every byte of b */
@@ -163,13 +163,6 @@ MCF_TARGET_AVX2 static inline void q2_0_unpack(const uint8_t *x, int8_t *codes, 
     _mm_store_si128((__m128i *)(codes + 48), _mm_unpackhi_epi16(c, e));
 }
 
-MCF_TARGET_AVX2 static inline void mxfp4_unpack(const uint8_t *x, int8_t *codes, float *scales)
-{
-    scales[0] = mcf_e8m0_to_f32_half(x[0]);
-    __m128i table = _mm_loadu_si128((const __m128i *)mcf_e2m1_x2);
-    _mm256_store_si256((__m256i *)codes, mcf_gguf_nibbles_lut_avx2(_mm_loadu_si128((const __m128i *)(x + 1)), table));
-}
-
 MCF_TARGET_AVX2 static inline void nvfp4_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     const __m128i m4 = _mm_set1_epi8(0x0f), table = _mm_loadu_si128((const __m128i *)mcf_e2m1_x2);
@@ -181,12 +174,6 @@ MCF_TARGET_AVX2 static inline void nvfp4_unpack(const uint8_t *x, int8_t *codes,
         _mm_store_si128((__m128i *)(codes + 32 * h + 16), _mm_shuffle_epi8(table, _mm_unpackhi_epi64(lo, hi)));
     }
 }
-
-MCF_GGUF_CODE_KERNELS(mcf_gguf_tq1_0, tq1_0_unpack, 54, 256, 256, 0)
-MCF_GGUF_CODE_KERNELS(mcf_gguf_tq2_0, tq2_0_unpack, 66, 256, 256, 0)
-MCF_GGUF_CODE_KERNELS(mcf_gguf_q2_0, q2_0_unpack, 18, 64, 64, 0)
-MCF_GGUF_CODE_KERNELS(mcf_gguf_mxfp4, mxfp4_unpack, 17, 32, 32, 0)
-MCF_GGUF_CODE_KERNELS(mcf_gguf_nvfp4, nvfp4_unpack, 36, 64, 16, 0)
 
 /* Q1_0: a sign-bit select, not a product (-d flips the sign of a NaN scale too, as ggml's does) */
 MCF_TARGET_AVX2 void mcf_gguf_q1_0_avx2(const uint8_t *x, size_t nb, float *y, int st)
@@ -216,8 +203,23 @@ MCF_TARGET_AVX512 void mcf_gguf_q1_0_avx512(const uint8_t *x, size_t nb, float *
         }
     }
 }
-#endif /* MCF_GGUF_X86 */
+#endif /* MCF_X86 */
 
 #ifdef MCF_NEON
 #include "gguf_lowbit_neon.h"
+#endif
+
+#ifdef MCF_GGUF_VECTOR
+MCF_GGUF_UNPACKER void mxfp4_unpack(const uint8_t *x, int8_t *codes, float *scales)
+{
+    scales[0] = mcf_e8m0_to_f32_half(x[0]);
+    mcf_gguf_put_nibbles_lut(codes, x + 1, mcf_e2m1_x2);
+}
+
+/* the other unpackers are each architecture's own (above, and gguf_lowbit_neon.h) */
+MCF_GGUF_CODE_KERNELS(mcf_gguf_tq1_0, tq1_0_unpack, 54, 256, 256, 0)
+MCF_GGUF_CODE_KERNELS(mcf_gguf_tq2_0, tq2_0_unpack, 66, 256, 256, 0)
+MCF_GGUF_CODE_KERNELS(mcf_gguf_q2_0, q2_0_unpack, 18, 64, 64, 0)
+MCF_GGUF_CODE_KERNELS(mcf_gguf_mxfp4, mxfp4_unpack, 17, 32, 32, 0)
+MCF_GGUF_CODE_KERNELS(mcf_gguf_nvfp4, nvfp4_unpack, 36, 64, 16, 0)
 #endif

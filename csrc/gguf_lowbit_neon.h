@@ -1,6 +1,7 @@
-/* The NEON kernels of the ternary, 1-/2-bit and FP4 types (part of csrc/gguf_lowbit.c, included there on
- * aarch64 only): blocks unpacked into int8 codes and float32 scales as the AVX2 unpackers do, then emitted by
- * mcf_gguf_emit_neon; Q1_0 selects d or -d per bit, as the scalar code does. */
+/* The NEON unpackers of the ternary, 1-/2-bit and FP4 types (part of csrc/gguf_lowbit.c, included there on
+ * aarch64 only): blocks unpacked into int8 codes and float32 scales as the AVX2 unpackers do (the kernels are
+ * made in gguf_lowbit.c, with MXFP4's unpacker, which both architectures share); Q1_0's kernel selects d or
+ * -d per bit, as the scalar code does. */
 
 /* tern_digit of every byte of b: (uint8)(b * 3^n) * 3 >> 8, minus 1 */
 static inline uint8x16_t tern_digits_neon(uint8x16_t b, int n)
@@ -11,7 +12,7 @@ static inline uint8x16_t tern_digits_neon(uint8x16_t b, int n)
     return vsubq_u8(vcombine_u8(lo, hi), vdupq_n_u8(1));
 }
 
-static inline void tq1_0_unpack_neon(const uint8_t *x, int8_t *codes, float *scales)
+static inline void tq1_0_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     scales[0] = mcf_f16_at(x + 52);
     uint8x16_t v0 = vld1q_u8(x), v1 = vld1q_u8(x + 16), v2 = vld1q_u8(x + 32);
@@ -24,7 +25,7 @@ static inline void tq1_0_unpack_neon(const uint8_t *x, int8_t *codes, float *sca
         for (int m = 0; m < 4; m++) codes[240 + 4 * n + m] = (int8_t)tern_digit(x[48 + m], n);
 }
 
-static inline void tq2_0_unpack_neon(const uint8_t *x, int8_t *codes, float *scales)
+static inline void tq2_0_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     const uint8x16_t m2 = vdupq_n_u8(3), one = vdupq_n_u8(1);
     scales[0] = mcf_f16_at(x + 64);
@@ -37,7 +38,7 @@ static inline void tq2_0_unpack_neon(const uint8_t *x, int8_t *codes, float *sca
         }
 }
 
-static inline void q2_0_unpack_neon(const uint8_t *x, int8_t *codes, float *scales)
+static inline void q2_0_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     const uint8x16_t m2 = vdupq_n_u8(3), one = vdupq_n_u8(1);
     scales[0] = mcf_f16_at(x);
@@ -52,13 +53,7 @@ static inline void q2_0_unpack_neon(const uint8_t *x, int8_t *codes, float *scal
     vst1q_u16((uint16_t *)(codes + 48), vzip2q_u16(c, e));
 }
 
-static inline void mxfp4_unpack_neon(const uint8_t *x, int8_t *codes, float *scales)
-{
-    scales[0] = mcf_e8m0_to_f32_half(x[0]);
-    mcf_gguf_nibbles_lut_neon(codes, vld1q_u8(x + 1), vld1q_s8(mcf_e2m1_x2));
-}
-
-static inline void nvfp4_unpack_neon(const uint8_t *x, int8_t *codes, float *scales)
+static inline void nvfp4_unpack(const uint8_t *x, int8_t *codes, float *scales)
 {
     const uint8x16_t m4 = vdupq_n_u8(0x0f);
     const int8x16_t table = vld1q_s8(mcf_e2m1_x2);
@@ -70,12 +65,6 @@ static inline void nvfp4_unpack_neon(const uint8_t *x, int8_t *codes, float *sca
         vst1q_s8(codes + 32 * h + 16, vqtbl1q_s8(table, vreinterpretq_u8_u64(vzip2q_u64(lo, hi))));
     }
 }
-
-MCF_GGUF_CODE_KERNEL_NEON(mcf_gguf_tq1_0, tq1_0_unpack_neon, 54, 256, 256, 0)
-MCF_GGUF_CODE_KERNEL_NEON(mcf_gguf_tq2_0, tq2_0_unpack_neon, 66, 256, 256, 0)
-MCF_GGUF_CODE_KERNEL_NEON(mcf_gguf_q2_0, q2_0_unpack_neon, 18, 64, 64, 0)
-MCF_GGUF_CODE_KERNEL_NEON(mcf_gguf_mxfp4, mxfp4_unpack_neon, 17, 32, 32, 0)
-MCF_GGUF_CODE_KERNEL_NEON(mcf_gguf_nvfp4, nvfp4_unpack_neon, 36, 64, 16, 0)
 
 /* Q1_0: a sign-bit select, not a product (-d flips the sign of a NaN scale too, as the scalar code does) */
 void mcf_gguf_q1_0_neon(const uint8_t *x, size_t nb, float *y, int st)

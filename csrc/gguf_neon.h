@@ -1,8 +1,8 @@
 /* The NEON kernels of the legacy and K-quant ggml types (part of csrc/gguf_dequant.c, included there on
- * aarch64 only: it shares that file's k4_factors and field loads).  Each is the AVX2 kernel's algorithm
- * with 16-byte registers: codes as bytes, widened to float32, then the reference's products and
- * differences, one float32 operation each in the reference's order.  Streaming stores are an x86 matter:
- * `st` is ignored (AArch64's non-temporal STNP has no C intrinsic). */
+ * aarch64 only: it shares that file's scale helpers, k4_factors, q2_k_factors..., and field loads).  Each is
+ * the AVX2 kernel's algorithm with 16-byte registers: codes as bytes, widened to float32, then the
+ * reference's products and differences, one float32 operation each in the reference's order.  Streaming
+ * stores are an x86 matter: `st` is ignored (AArch64's non-temporal STNP has no C intrinsic). */
 
 /* 16 codes u - bias -> 16 floats s * (u - bias) (the code is exact in float32: mcf_u8x16_to_f32_neon) */
 static inline void emit16s_neon(uint8x16_t u, float bias, float s, float *y)
@@ -92,9 +92,8 @@ static void q6_k_neon(const uint8_t *x, size_t nb, float *y, int st)
     (void)st;
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m2 = vdupq_n_u8(3);
     for (size_t b = 0; b < nb; b++, x += 210, y += QK_K) {
-        const int8_t *sc = (const int8_t *)(x + 192);
-        float d = f16(x + 208), ds[16];
-        for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+        float ds[16];
+        q6_k_factors(x, ds);
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 2; k++) {   /* the 16-byte halves of the AVX2 kernel's 32-byte registers */
                 uint8x16_t l0 = vld1q_u8(x + 64 * h + 16 * k), l1 = vld1q_u8(x + 64 * h + 32 + 16 * k);
@@ -115,12 +114,8 @@ static void q2_k_neon(const uint8_t *x, size_t nb, float *y, int st)
     (void)st;
     const uint8x16_t m2 = vdupq_n_u8(3);
     for (size_t b = 0; b < nb; b++, x += 84, y += QK_K) {
-        const uint8_t *sc = x;
-        float d = f16(x + 80), dmin = f16(x + 82), dl[16], ml[16];
-        for (int i = 0; i < 16; i++) {
-            dl[i] = d * (float)(sc[i] & 0x0f);
-            ml[i] = dmin * (float)(sc[i] >> 4);
-        }
+        float dl[16], ml[16];
+        q2_k_factors(x, dl, ml);
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 2; k++) {
                 uint8x16_t v = vld1q_u8(x + 16 + 32 * h + 16 * k);
@@ -138,13 +133,8 @@ static void q3_k_neon(const uint8_t *x, size_t nb, float *y, int st)
     (void)st;
     const uint8x16_t m2 = vdupq_n_u8(3), one = vdupq_n_u8(1);
     for (size_t b = 0; b < nb; b++, x += 110, y += QK_K) {
-        const uint8_t *s = x + 96;
-        float d = f16(x + 108), dl[16];
-        for (int k = 0; k < 16; k++) {
-            int lo = k < 8 ? (s[k] & 0x0f) : (s[k - 8] >> 4);
-            int hi = (s[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
-            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-        }
+        float dl[16];
+        q3_k_factors(x, dl);
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 2; k++) {
                 uint8x16_t v = vld1q_u8(x + 32 + 32 * h + 16 * k), hm = vld1q_u8(x + 16 * k);

@@ -14,16 +14,11 @@
  * of the 16 or 256 values it builds on each call (cheap next to any tensor, and no shared state). */
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fpconv.h"
 #include "minifloat.h"
 #include "mx.h"
 #include "simd.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MCF_X86 1
-#endif
 
 static inline float ld_f32(const uint8_t *p)
 {
@@ -76,7 +71,8 @@ static void dequant_scalar(const mcf_mxtensor *t, size_t r0, size_t r1, void *ou
     }
 }
 
-static void elements_scalar(int fmt, const uint8_t *src, size_t i0, size_t n, void *out, int kind)
+/* elements i0 .. n - 1 (the vector variants' tails start past 0) */
+static void elements_scalar_from(int fmt, const uint8_t *src, size_t i0, size_t n, void *out, int kind)
 {
     float lut[256];
     if (fmt == MCF_EL_E2M1) {
@@ -268,7 +264,7 @@ MCF_TARGET_AVX2 static void elements_avx2(int fmt, const uint8_t *src, size_t n,
             st8_avx2(out, i, el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))), kind, stream);
     }
     if (stream) _mm_sfence();
-    elements_scalar(fmt, src, i, n, out, kind);
+    elements_scalar_from(fmt, src, i, n, out, kind);
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------------------------- */
@@ -371,7 +367,7 @@ MCF_TARGET_AVX512 static void elements_avx512(int fmt, const uint8_t *src, size_
             st16_avx512(out, i, e2m1_avx512(a), kind, 0xffff, 0);
             st16_avx512(out, i + 16, e2m1_avx512(b), kind, 0xffff, 0);
         }
-        elements_scalar(fmt, src, i, n, out, kind);
+        elements_scalar_from(fmt, src, i, n, out, kind);
         return;
     }
     for (; i < n; i += 16) {
@@ -385,30 +381,36 @@ MCF_TARGET_AVX512 static void elements_avx512(int fmt, const uint8_t *src, size_
 #include "mx_neon.h"
 #endif
 
+static void elements_scalar(int fmt, const uint8_t *src, size_t n, void *out, int kind)
+{
+    elements_scalar_from(fmt, src, 0, n, out, kind);
+}
+
+/* Each variant's kernels (dispatch.h) */
+typedef struct {
+    void (*dequant)(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind);
+    void (*elements)(int fmt, const uint8_t *src, size_t n, void *out, int kind);
+} mx_kernels;
+
+static const mx_kernels KERNELS[MCF_IMPL_COUNT] = {
+    [MCF_IMPL_SCALAR] = {dequant_scalar, elements_scalar},
+#ifdef MCF_X86
+    [MCF_IMPL_AVX2] = {dequant_avx2, elements_avx2},
+    [MCF_IMPL_AVX512] = {dequant_avx512, elements_avx512},
+#endif
+#ifdef MCF_NEON
+    [MCF_IMPL_NEON] = {dequant_neon, elements_neon},
+#endif
+};
+
 void mcf_mx_dequant_rows(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind, int impl)
 {
     if (r1 <= r0 || t->cols == 0) return;
-#ifdef MCF_X86
-    if (impl >= MCF_IMPL_AVX512) { dequant_avx512(t, r0, r1, out, kind); return; }
-    if (impl == MCF_IMPL_AVX2) { dequant_avx2(t, r0, r1, out, kind); return; }
-#endif
-#ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) { dequant_neon(t, r0, r1, out, kind); return; }
-#endif
-    (void)impl;
-    dequant_scalar(t, r0, r1, out, kind);
+    KERNELS[mcf_variant(impl)].dequant(t, r0, r1, out, kind);
 }
 
 void mcf_decode_elements(int fmt, const uint8_t *src, size_t n, void *out, int kind, int impl)
 {
     if (n == 0) return;
-#ifdef MCF_X86
-    if (impl >= MCF_IMPL_AVX512) { elements_avx512(fmt, src, n, out, kind); return; }
-    if (impl == MCF_IMPL_AVX2) { elements_avx2(fmt, src, n, out, kind); return; }
-#endif
-#ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) { elements_neon(fmt, src, n, out, kind); return; }
-#endif
-    (void)impl;
-    elements_scalar(fmt, src, 0, n, out, kind);
+    KERNELS[mcf_variant(impl)].elements(fmt, src, n, out, kind);
 }

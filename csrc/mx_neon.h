@@ -1,5 +1,5 @@
 /* The NEON variant of the scaled formats (part of csrc/mx.c, included there on aarch64 only: it shares that
- * file's block_scale, put and elements_scalar).  The AVX2 variant's algorithm with 4 lanes: E2M1 from two
+ * file's block_scale, put and elements_scalar_from).  The AVX2 variant's algorithm with 4 lanes: E2M1 from two
  * byte lookups (the high and low byte of the bfloat16-exact value, whose low 16 float32 bits are zero) and
  * a sign bit; E5M2 as the top byte of a binary16 (mcf_h2f_neon keeps NaN payloads as the scalar code does);
  * E4M3 / FNUZ by moving exponent and mantissa into float32's fields and rebiasing with an integer add,
@@ -121,7 +121,7 @@ static void elements_neon(int fmt, const uint8_t *src, size_t n, void *out, int 
             e2m1x16_neon(b, f);
             st16_neon(out, i + 16, f, none, 0, kind);
         }
-        elements_scalar(fmt, src, i, n, out, kind);
+        elements_scalar_from(fmt, src, i, n, out, kind);
         return;
     }
     for (; i + 16 <= n; i += 16) {
@@ -133,5 +133,5 @@ static void elements_neon(int fmt, const uint8_t *src, size_t n, void *out, int 
         f[3] = el8_neon(fmt, vmovl_high_u16(hi));
         st16_neon(out, i, f, none, 0, kind);
     }
-    elements_scalar(fmt, src, i, n, out, kind);
+    elements_scalar_from(fmt, src, i, n, out, kind);
 }

@@ -36,7 +36,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fpconv.h"
 #include "quant.h"
 #include "simd.h"
@@ -1094,61 +1094,57 @@ MCF_TARGET_AVX512 static int group_super_avx512(int bits, const float *src, size
 #include "quant_search_neon.h"
 #endif
 
+/* The scalar code, one row at a time, in the vector variants' signature (lanes = 1: nl is always 1). */
+static int group_block_scalar(int bits, const float *src, size_t cols, size_t bpr, size_t nl, float lo, float hi,
+                              const float *weights, uint16_t *scales, uint8_t *codes)
+{
+    (void)nl;
+    return row_block_scalar(bits, src, cols, bpr, lo, hi, weights, scales, codes);
+}
+
+static int group_super_scalar(int bits, const float *src, size_t cols, size_t bpr, size_t spr, size_t nl, float lo,
+                              float hi, const float *weights, uint16_t *supers, uint8_t *sub, uint8_t *codes)
+{
+    (void)nl;
+    return row_super_scalar(bits, src, cols, bpr, spr, lo, hi, weights, supers, sub, codes);
+}
+
+/* Each variant's group kernels (dispatch.h): `lanes` rows at a time, the last group nl <= lanes rows. */
+typedef struct {
+    size_t lanes;
+    int (*block)(int bits, const float *src, size_t cols, size_t bpr, size_t nl, float lo, float hi,
+                 const float *weights, uint16_t *scales, uint8_t *codes);
+    int (*super)(int bits, const float *src, size_t cols, size_t bpr, size_t spr, size_t nl, float lo, float hi,
+                 const float *weights, uint16_t *supers, uint8_t *sub, uint8_t *codes);
+} search_kernels;
+
+static const search_kernels KERNELS[MCF_IMPL_COUNT] = {
+    [MCF_IMPL_SCALAR] = {1, group_block_scalar, group_super_scalar},
+#if defined(__x86_64__)
+    [MCF_IMPL_AVX2] = {8, group_block_avx2, group_super_avx2},
+    [MCF_IMPL_AVX512] = {16, group_block_avx512, group_super_avx512},
+#endif
+#ifdef MCF_NEON
+    [MCF_IMPL_NEON] = {4, group_block_neon, group_super_neon},
+#endif
+};
+
 int mcf_quantize_rows_search(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                              float max_clip, const float *weights, uint16_t *scales, uint8_t *sub, uint8_t *codes,
                              int impl)
 {
+    const search_kernels *k = &KERNELS[mcf_variant(impl)];
     size_t bpr = (cols + 31) / 32, spr = (bpr + 7) / 8, bb = (size_t)bits * 4;
     int overflow = 0;
-    size_t r = 0;
-#if defined(__x86_64__)
-    if (impl >= MCF_IMPL_AVX512) {
-        for (; r < nrows; r += 16) {
-            size_t nl = nrows - r < 16 ? nrows - r : 16;
-            const float *p = src + r * cols;
-            if (family == MCF_FAM_BLOCK)
-                overflow |= group_block_avx512(bits, p, cols, bpr, nl, min_clip, max_clip, weights, scales + r * bpr,
-                                               codes + r * bpr * bb);
-            else
-                overflow |= group_super_avx512(bits, p, cols, bpr, spr, nl, min_clip, max_clip, weights,
-                                               scales + r * spr, sub + r * bpr, codes + r * bpr * bb);
-        }
-    } else if (impl == MCF_IMPL_AVX2) {
-        for (; r < nrows; r += 8) {
-            size_t nl = nrows - r < 8 ? nrows - r : 8;
-            const float *p = src + r * cols;
-            if (family == MCF_FAM_BLOCK)
-                overflow |= group_block_avx2(bits, p, cols, bpr, nl, min_clip, max_clip, weights, scales + r * bpr,
-                                             codes + r * bpr * bb);
-            else
-                overflow |= group_super_avx2(bits, p, cols, bpr, spr, nl, min_clip, max_clip, weights,
-                                             scales + r * spr, sub + r * bpr, codes + r * bpr * bb);
-        }
-    }
-#endif
-#ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) {
-        for (; r < nrows; r += 4) {
-            size_t nl = nrows - r < 4 ? nrows - r : 4;
-            const float *p = src + r * cols;
-            if (family == MCF_FAM_BLOCK)
-                overflow |= group_block_neon(bits, p, cols, bpr, nl, min_clip, max_clip, weights, scales + r * bpr,
-                                             codes + r * bpr * bb);
-            else
-                overflow |= group_super_neon(bits, p, cols, bpr, spr, nl, min_clip, max_clip, weights,
-                                             scales + r * spr, sub + r * bpr, codes + r * bpr * bb);
-        }
-    }
-#endif
-    (void)impl;
-    for (; r < nrows; r++) {
-        const float *row = src + r * cols;
+    for (size_t r = 0; r < nrows; r += k->lanes) {
+        size_t nl = nrows - r < k->lanes ? nrows - r : k->lanes;
+        const float *p = src + r * cols;
         if (family == MCF_FAM_BLOCK)
-            overflow |= row_block_scalar(bits, row, cols, bpr, min_clip, max_clip, weights, scales + r * bpr,
-                                         codes + r * bpr * bb);
+            overflow |= k->block(bits, p, cols, bpr, nl, min_clip, max_clip, weights, scales + r * bpr,
+                                 codes + r * bpr * bb);
         else
-            overflow |= row_super_scalar(bits, row, cols, bpr, spr, min_clip, max_clip, weights, scales + r * spr,
-                                         sub + r * bpr, codes + r * bpr * bb);
+            overflow |= k->super(bits, p, cols, bpr, spr, nl, min_clip, max_clip, weights, scales + r * spr,
+                                 sub + r * bpr, codes + r * bpr * bb);
     }
     return overflow ? -1 : 0;
 }

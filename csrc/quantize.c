@@ -11,7 +11,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "cpu.h"
+#include "dispatch.h"
 #include "fpconv.h"
 #include "quant.h"
 #include "simd.h"
@@ -30,17 +30,9 @@ uint16_t mcf_f32_to_f16_trunc(float f)
     return (uint16_t)(sign | ((uint32_t)he << 10) | (m >> 13));
 }
 
-#if defined(__x86_64__)
-MCF_TARGET_AVX512 static long long absmax_avx512(const float *src,
-                                                                                           size_t n, float *absmax);
-#endif
-
-long long mcf_absmax(const float *src, size_t n, float *absmax, int impl)
+/* max |x| of n floats; returns the index of the first non-finite value, or -1. */
+static long long absmax_scalar(const float *src, size_t n, float *absmax)
 {
-#if defined(__x86_64__)
-    if (impl >= MCF_IMPL_AVX512) return absmax_avx512(src, n, absmax);
-#endif
-    (void)impl;
     float mx = 0.0f;
     for (size_t i = 0; i < n; i++) {
         float a = fabsf(src[i]);
@@ -114,6 +106,9 @@ static float dec16(uint16_t h) { return mcf_scale_from_f16(h); }
  * truncation and the exact fractional part), so every variant writes the same bytes. */
 typedef float (*blk_load_fn)(const float *row, size_t c0, size_t cols, float lo, float hi, float v[32]);
 typedef void (*blk_codes_fn)(const float v[32], float inv, int32_t qmax, int compat, int bits, uint8_t *dst);
+/* an int8/int4 row's whole 32-value chunks; returns how many values it wrote */
+typedef size_t (*raw_row_fn)(const float *row, size_t cols, int bits, int clip, float lo, float hi, float inv,
+                             float zero, uint8_t *dst);
 
 static float load_scalar(const float *row, size_t c0, size_t cols, float lo, float hi, float v[32])
 {
@@ -134,7 +129,7 @@ static void codes_scalar(const float v[32], float inv, int32_t qmax, int compat,
     pack_block(q, bits, dst);
 }
 
-#if defined(__x86_64__)
+#ifdef MCF_X86
 #include <immintrin.h>
 
 MCF_TARGET_AVX2 static float load_avx2(const float *row, size_t c0, size_t cols, float lo, float hi,
@@ -329,53 +324,100 @@ MCF_TARGET_AVX512 static long long absmax_avx512(const float *src, size_t n, flo
     *absmax = m;
     return -1;
 }
+
+/* 32 values of an int8/int4 row: q = clamp(round_half_away(x * inv + zero), qmin, qmax), the scalar
+ * code's f32 operations, then packed (int4: item 0 in the low nibble). */
+MCF_TARGET_AVX512 static inline void raw32_avx512(const float *x, int bits, int clip, float clip_lo,
+                                                                float clip_hi, float inv, float zero, uint8_t *dst)
+{
+    const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));
+    const __m512 vlo = _mm512_set1_ps(clip_lo), vhi = _mm512_set1_ps(clip_hi);
+    __m512i q[2];
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_loadu_ps(x + 16 * h);
+        if (clip) {   /* clampf, lane for lane */
+            v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vlo, _CMP_LT_OQ), v, vlo);
+            v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ), v, vhi);
+        }
+        __m512 p = _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), _mm512_set1_ps(zero));
+        __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(p, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(p, _mm512_set1_ps(-0.0f)));
+        t = _mm512_mask_add_ps(t, up, t, one);
+        t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(qmin)), _mm512_set1_ps(qmax));
+        q[h] = _mm512_cvttps_epi32(t);
+    }
+    mcf_store_codes32_avx512(q[0], q[1], bits, dst);   /* bits is 4 or 8 here */
+}
+
+/* The whole 32-value chunks of one int8/int4 row (the caller's scalar loop does the rest): how many values
+ * it wrote.  The two loops let raw32_avx512 be inlined with `clip` a constant. */
+MCF_TARGET_AVX512 static size_t raw_row_avx512(const float *row, size_t cols, int bits, int clip, float lo,
+                                                float hi, float inv, float zero, uint8_t *dst)
+{
+    size_t c = 0;
+    if (clip) {
+        for (; c + 32 <= cols; c += 32)
+            raw32_avx512(row + c, bits, 1, lo, hi, inv, zero, dst + (bits == 8 ? c : c / 2));
+    } else {
+        for (; c + 32 <= cols; c += 32)
+            raw32_avx512(row + c, bits, 0, lo, hi, inv, zero, dst + (bits == 8 ? c : c / 2));
+    }
+    return c;
+}
 #endif
 
 #ifdef MCF_NEON
 #include "quantize_neon.h"
 #endif
 
+/* Each variant's steps (dispatch.h).  group16 (16 full blocks at once, default mode without clips) and
+ * raw_row exist in the AVX-512 variant only: NULL elsewhere, where the per-block steps do all the work. */
+typedef struct {
+    long long (*absmax)(const float *src, size_t n, float *absmax);
+    blk_load_fn load;
+    blk_codes_fn codes;
+    int (*group16)(int family, int bits, const float *p, uint16_t *scales, uint8_t *sub, uint8_t *codes);
+    raw_row_fn raw_row;
+} quantize_kernels;
+
+static const quantize_kernels KERNELS[MCF_IMPL_COUNT] = {
+    [MCF_IMPL_SCALAR] = {absmax_scalar, load_scalar, codes_scalar, NULL, NULL},
+#ifdef MCF_X86
+    [MCF_IMPL_AVX2] = {absmax_scalar, load_avx2, codes_avx2, NULL, NULL},
+    [MCF_IMPL_AVX512] = {absmax_avx512, load_avx512, codes_avx512, group16_avx512, raw_row_avx512},
+#endif
+#ifdef MCF_NEON
+    [MCF_IMPL_NEON] = {absmax_scalar, load_neon, codes_neon, NULL, NULL},
+#endif
+};
+
+long long mcf_absmax(const float *src, size_t n, float *absmax, int impl)
+{
+    return KERNELS[mcf_variant(impl)].absmax(src, n, absmax);
+}
+
 int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size_t cols, float min_clip,
                       float max_clip, int compat, uint16_t *scales, uint8_t *sub, uint8_t *codes, int impl)
 {
-    blk_load_fn load = load_scalar;
-    blk_codes_fn mkcodes = codes_scalar;
-#if defined(__x86_64__)
-    if (impl >= MCF_IMPL_AVX512) {
-        load = load_avx512;
-        mkcodes = codes_avx512;
-    } else if (impl == MCF_IMPL_AVX2) {
-        load = load_avx2;
-        mkcodes = codes_avx2;
-    }
-#endif
-#ifdef MCF_NEON
-    if (impl == MCF_IMPL_NEON) {
-        load = load_neon;
-        mkcodes = codes_neon;
-    }
-#endif
-    (void)impl;
+    const quantize_kernels *k = &KERNELS[mcf_variant(impl)];
+    blk_load_fn load = k->load;
+    blk_codes_fn mkcodes = k->codes;
     size_t bpr = (cols + 31) / 32, spr = (bpr + 7) / 8, bb = (size_t)bits * 4;
     int32_t qmax = (1 << (bits - 1)) - 1;
     int overflow = 0;
     /* groups of 16 full blocks per row go through the vector fast path (default mode, no clips) */
     size_t groups = 0;
-#if defined(__x86_64__)
-    if (impl >= MCF_IMPL_AVX512 && !compat && isinf(min_clip) && min_clip < 0 && isinf(max_clip) && max_clip > 0)
+    if (k->group16 && !compat && isinf(min_clip) && min_clip < 0 && isinf(max_clip) && max_clip > 0)
         groups = (cols / 32) / 16;
-#endif
     for (size_t r = 0; r < nrows; r++) {
         const float *row = src + r * cols;
-#if defined(__x86_64__)
         for (size_t g = 0; g < groups; g++) {
             size_t b = g * 16;
-            overflow |= group16_avx512(family, bits, row + b * 32,
-                                       family == MCF_FAM_BLOCK ? scales + r * bpr + b : scales + r * spr + g * 2,
-                                       family == MCF_FAM_BLOCK ? NULL : sub + r * bpr + b,
-                                       codes + (r * bpr + b) * bb);
+            overflow |= k->group16(family, bits, row + b * 32,
+                                   family == MCF_FAM_BLOCK ? scales + r * bpr + b : scales + r * spr + g * 2,
+                                   family == MCF_FAM_BLOCK ? NULL : sub + r * bpr + b, codes + (r * bpr + b) * bb);
         }
-#endif
         if (family == MCF_FAM_BLOCK) {
             for (size_t b = groups * 16; b < bpr; b++) {
                 float v[32];
@@ -433,61 +475,19 @@ int mcf_quantize_rows(int family, int bits, const float *src, size_t nrows, size
     return overflow ? -1 : 0;
 }
 
-#if defined(__x86_64__)
-/* 32 values of an int8/int4 row: q = clamp(round_half_away(x * inv + zero), qmin, qmax), the scalar
- * code's f32 operations, then packed (int4: item 0 in the low nibble). */
-MCF_TARGET_AVX512 static inline void raw32_avx512(const float *x, int bits, int clip, float clip_lo,
-                                                                float clip_hi, float inv, float zero, uint8_t *dst)
-{
-    const float qmax = (float)((1 << (bits - 1)) - 1), qmin = -(float)(1 << (bits - 1));
-    const __m512 vlo = _mm512_set1_ps(clip_lo), vhi = _mm512_set1_ps(clip_hi);
-    __m512i q[2];
-    for (int h = 0; h < 2; h++) {
-        __m512 v = _mm512_loadu_ps(x + 16 * h);
-        if (clip) {   /* clampf, lane for lane */
-            v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vlo, _CMP_LT_OQ), v, vlo);
-            v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ), v, vhi);
-        }
-        __m512 p = _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), _mm512_set1_ps(zero));
-        __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(p, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-        __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(p, _mm512_set1_ps(-0.0f)));
-        t = _mm512_mask_add_ps(t, up, t, one);
-        t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(qmin)), _mm512_set1_ps(qmax));
-        q[h] = _mm512_cvttps_epi32(t);
-    }
-    mcf_store_codes32_avx512(q[0], q[1], bits, dst);   /* bits is 4 or 8 here */
-}
-#endif
-
 void mcf_quantize_raw_rows(int bits, const float *src, size_t nrows, size_t cols, float min_clip, float max_clip,
                            float scale, float zero, uint8_t *codes, size_t row_bytes, int impl)
 {
     int32_t qmax = (1 << (bits - 1)) - 1, qmin = -(1 << (bits - 1));
     float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
     int clip = !(isinf(min_clip) && min_clip < 0 && isinf(max_clip) && max_clip > 0);
-    (void)clip;
     /* the vector path needs a finite 1 / scale; scale == 0 writes zeros below */
-    int fast = 0;
-#if defined(__x86_64__)
-    fast = impl >= MCF_IMPL_AVX512 && scale != 0.0f && isfinite(inv);
-#endif
-    (void)impl;
-    (void)fast;
+    raw_row_fn raw_row = scale != 0.0f && isfinite(inv) ? KERNELS[mcf_variant(impl)].raw_row : NULL;
     for (size_t r = 0; r < nrows; r++) {
         const float *row = src + r * cols;
         uint8_t *dst = codes + r * row_bytes;
         memset(dst, 0, row_bytes);
-        size_t c = 0;
-#if defined(__x86_64__)
-        if (fast && clip) {
-            for (; c + 32 <= cols; c += 32)
-                raw32_avx512(row + c, bits, 1, min_clip, max_clip, inv, zero, dst + (bits == 8 ? c : c / 2));
-        } else if (fast) {
-            for (; c + 32 <= cols; c += 32)
-                raw32_avx512(row + c, bits, 0, min_clip, max_clip, inv, zero, dst + (bits == 8 ? c : c / 2));
-        }
-#endif
+        size_t c = raw_row ? raw_row(row, cols, bits, clip, min_clip, max_clip, inv, zero, dst) : 0;
         for (; c < cols; c++) {
             /* a scale below 2**-128 has no finite float32 inverse: divide instead (x * inf would be NaN
              * for x = 0, and converting NaN to an integer is undefined) */

@@ -35,6 +35,7 @@ static inline int mcf_use_streaming(const void *out, size_t out_bytes)
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#define MCF_X86 1
 
 /* float32 bits to bfloat16, round to nearest even, NaN kept with the quiet bit set: 8 / 16 lanes,
  * identical to mcf_f32_to_bf16_one (csrc/fpconv.c). */

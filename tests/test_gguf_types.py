@@ -96,7 +96,7 @@ def test_new_types_have_vector_kernels():
 @pytest.mark.skipif(platform.machine() not in ("aarch64", "arm64"),
                     reason="the NEON kernels are compiled on aarch64 only")
 def test_every_vector_type_has_a_neon_kernel():
-    """Every type with an AVX2 kernel has a NEON one (csrc/gguf_neon.h, gguf_iq_neon.h, gguf_lowbit_neon.h)."""
+    """Every type with an AVX2 kernel has a NEON one (csrc/gguf_neon.h, gguf_iq.c, gguf_lowbit_neon.h)."""
     for name in ("F16", "BF16", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K") + NEW:
         assert _gguf.own_variants(code_of(name)) == ("scalar", "neon"), name
 
