@@ -22,8 +22,8 @@
  *   select  vf_blend(a, b, m) / vi_blend(a, b, m): b where m, else a; vf_maskz(m, x): x where m, else +0;
  *           vf_maskz_div(m, a, b): a / b where m, else +0 (no lane outside m divides)
  *   masks   vm_and vm_andnot(a, b) (b and not a) vm_any vm_first(n) (lanes 0 .. n-1)
- *   int     vi_set1 vi_zero vi_and vi_or vi_add vi_shl / vi_shr (logical; a constant count) vi_as_f (the bits)
- *           vi_to_f (converted)
+ *   int     vi_set1 vi_zero vi_and vi_or vi_add vi_shl / vi_shr (logical; a constant count) vi_as_f / vf_as_i
+ *           (the same bits) vi_to_f (converted)
  *   f16     vf_to_h (nearest even) vh_cvt (the hardware widening: exact, but it may quiet a signalling NaN; see
  *           VSFX(mcf_h2f)) vh_widen (zero-extended to vi_t) vi_narrow16 (the low 16 bits of lanes in 0 .. 0xffff)
  *           vh_storeu vh_blend(a, b, m) vh_or(h, bits) vh_dec (a scale as the quantized decoders read it: zero
@@ -86,6 +86,7 @@
 #undef vi_testz
 #undef vi_blend
 #undef vi_as_f
+#undef vf_as_i
 #undef vi_to_f
 #undef vf_to_h
 #undef vh_cvt
@@ -234,6 +235,7 @@ MCF_TARGET_AVX2 static inline void mcf_codes32_avx2(const __m256 x[4], int bits,
 #define vi_testz(a, b) _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(a, b), _mm256_setzero_si256()))
 #define vi_blend(a, b, m) _mm256_blendv_epi8(a, b, _mm256_castps_si256(m))
 #define vi_as_f(a) _mm256_castsi256_ps(a)
+#define vf_as_i(x) _mm256_castps_si256(x)
 #define vi_to_f(a) _mm256_cvtepi32_ps(a)
 #define vf_to_h(x) _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vh_cvt(h) _mm256_cvtph_ps(h)
@@ -382,6 +384,7 @@ MCF_TARGET_AVX512 static inline void mcf_codes32_avx512(const __m512 x[2], int b
 #define vi_testz(a, b) _mm512_testn_epi32_mask(a, b)
 #define vi_blend(a, b, m) _mm512_mask_mov_epi32(a, m, b)
 #define vi_as_f(a) _mm512_castsi512_ps(a)
+#define vf_as_i(x) _mm512_castps_si512(x)
 #define vi_to_f(a) _mm512_cvtepi32_ps(a)
 #define vf_to_h(x) _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define vh_cvt(h) _mm512_cvtph_ps(h)
@@ -445,7 +448,8 @@ static inline uint16x4_t mcf_clamp_h_neon(uint16x4_t h)
 static inline uint16x4_t mcf_trunc_h_neon(float32x4_t x)
 {
     int32x4_t u = vreinterpretq_s32_f32(x), e = vshrq_n_s32(u, 23);
-    int32x4_t h = vorrq_s32(vshlq_n_s32(vsubq_s32(e, vdupq_n_s32(112)), 10), vandq_s32(vshrq_n_s32(u, 13), vdupq_n_s32(0x3ff)));
+    int32x4_t h = vorrq_s32(vshlq_n_s32(vsubq_s32(e, vdupq_n_s32(112)), 10),
+                            vandq_s32(vshrq_n_s32(u, 13), vdupq_n_s32(0x3ff)));
     h = vbslq_s32(vcgtq_s32(e, vdupq_n_s32(142)), vdupq_n_s32(0x7c00), h);
     h = vreinterpretq_s32_u32(vbicq_u32(vreinterpretq_u32_s32(h), vcgtq_s32(vdupq_n_s32(113), e)));
     return vmovn_u32(vreinterpretq_u32_s32(h));
@@ -537,6 +541,7 @@ static inline void mcf_codes32_neon(const float32x4_t x[8], int bits, uint8_t *d
 #define vi_testz(a, b) vceqzq_u32(vandq_u32(a, b))
 #define vi_blend(a, b, m) vbslq_u32(m, b, a)
 #define vi_as_f(a) vreinterpretq_f32_u32(a)
+#define vf_as_i(x) vreinterpretq_u32_f32(x)
 #define vi_to_f(a) vcvtq_f32_s32(vreinterpretq_s32_u32(a))
 #define vf_to_h(x) vreinterpret_u16_f16(vcvt_f16_f32(x))
 #define vh_cvt(h) vcvt_f32_f16(vreinterpret_f16_u16(h))
