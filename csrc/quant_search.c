@@ -1,5 +1,5 @@
-/* The error-minimizing quantizer of the q and k methods (the default): scalar reference, AVX2, AVX-512 and
- * NEON (quant_search_neon.h) variants that write the same bytes.
+/* The error-minimizing quantizer of the q and k methods (the default): scalar reference, and AVX2, AVX-512 and
+ * NEON variants from one source (quant_search_vec.h, over simd_vec.h's vocabulary) that write the same bytes.
  *
  * What it computes (docs/quantization.md, "How the default quantizer chooses scales", is the full
  * description; tests/reference.py implements it in numpy from there):

@@ -8,6 +8,36 @@
  * makes the variants bit-identical).  QS_PASS, set by the includer, is how many candidates of the block search
  * share one pass over the block (2 where the ISA has 32 vector registers to hold their sums). */
 
+/* f16 scales as the decoder reads them: zero and subnormal exponents give +0 */
+VTARGET static inline vf_t VSFX(dec_h)(vh_t h)
+{
+    return vf_blend(vh_cvt(h), vf_zero(), vi_testz(vh_widen(h), vi_set1(0x7c00)));
+}
+
+/* f16 bits with the magnitude clamped to the normal finite range; the sign is kept (clamp_h) */
+VTARGET static inline vh_t VSFX(clamp_h)(vh_t h)
+{
+    vi_t u = vh_widen(h);
+    vi_t m = vi_min(vi_max(vi_and(u, vi_set1(0x7fff)), vi_set1(F16_MIN_NORMAL)), vi_set1(F16_MAX_FINITE));
+    return vi_narrow16(vi_or(m, vi_and(u, vi_set1(F16_SIGN))));
+}
+
+/* mcf_f32_to_f16_trunc of finite values >= 0: the exponent rebiased into binary16's field, the mantissa truncated;
+ * from 65536 infinity, below 2^-14 zero */
+VTARGET static inline vh_t VSFX(trunc_h)(vf_t x)
+{
+    vi_t u = vf_as_i(x), e = vi_shr(u, 23);
+    vi_t h = vi_or(vi_shl(vi_sub(e, vi_set1(112)), 10), vi_and(vi_shr(u, 13), vi_set1(0x3ff)));
+    h = vi_blend(h, vi_set1(0x7c00), vi_gt(e, vi_set1(142)));
+    return vi_narrow16(vi_blend(vi_zero(), h, vi_gt(e, vi_set1(112))));
+}
+
+/* any lane of m whose f16 value is infinite */
+VTARGET static inline int VSFX(any_inf_h)(vh_t h, vm_t m)
+{
+    return vm_any(vm_and(m, vi_eq(vi_and(vh_widen(h), vi_set1(0x7c00)), vi_set1(0x7c00))));
+}
+
 /* 1 / s where s != 0 (NaN included), else 0 */
 VTARGET static inline vf_t VSFX(inv)(vf_t s)
 {
@@ -181,19 +211,19 @@ VTARGET static int VSFX(group_block)(int bits, const float *src, size_t cols, si
         int unit = !weights && nc == 32;
         vf_t amax = VSFX(load_t)(src, cols, nl, c0, nc, lo, hi, V);
         vf_t base = vf_maskz_div(vf_gt(amax, vf_zero()), amax, vf_set1(qp));
-        vh_t h = vf_to_h(base), hm = vh_trunc(base);
-        overflow |= vh_any_inf(h, act);
+        vh_t h = vf_to_h(base), hm = VSFX(trunc_h)(base);
+        overflow |= VSFX(any_inf_h)(h, act);
         vf_t dp, bp, dn, bn, e, em;
         VSFX(search)(V, w, unit, amax, qn, qp, tops, n, &dp, &bp, &dn, &bn);
-        vh_t hsr = vh_clamp(vf_to_h(vf_blend(dn, dp, vf_ge(bp, bn))));
-        VSFX(err2)(V, w, vh_dec(h), V, w, vh_dec(hm), unit, qn, qp, &e, &em);
+        vh_t hsr = VSFX(clamp_h)(vf_to_h(vf_blend(dn, dp, vf_ge(bp, bn))));
+        VSFX(err2)(V, w, VSFX(dec_h)(h), V, w, VSFX(dec_h)(hm), unit, qn, qp, &e, &em);
         vm_t take = vf_lt(em, e);
         h = vh_blend(h, hm, take);
         e = vf_blend(e, em, take);
-        take = vf_lt(VSFX(err1)(V, w, unit, vh_dec(hsr), qn, qp), e);
+        take = vf_lt(VSFX(err1)(V, w, unit, VSFX(dec_h)(hsr), qn, qp), e);
         h = vh_blend(h, hsr, take);
         vh_storeu(hs, h);
-        vf_storeu(inv, VSFX(inv)(vh_dec(h)));
+        vf_storeu(inv, VSFX(inv)(VSFX(dec_h)(h)));
         for (size_t l = 0; l < nl; l++) {
             scales[l * bpr + b] = hs[l];
             VSFX(codes_row)(src + l * cols, c0, nc, lo, hi, inv[l], qn, qp, bits, codes + (l * bpr + b) * bb);
@@ -246,8 +276,8 @@ VTARGET static int VSFX(group_super)(int bits, const float *src, size_t cols, si
         }
         /* 1. the single-pass choice */
         vh_t H = vf_to_h(M);
-        overflow |= vh_any_inf(H, act);
-        vf_t S = vh_dec(H);
+        overflow |= VSFX(any_inf_h)(H, act);
+        vf_t S = VSFX(dec_h)(H);
         vm_t spos = vf_gt(S, zero);
         for (int k = 0; k < nb; k++) {
             u[k] = VSFX(u6)(base[k], S, vm_and(vf_gt(base[k], zero), spos));
@@ -256,8 +286,8 @@ VTARGET static int VSFX(group_super)(int bits, const float *src, size_t cols, si
         vf_t E = VSFX(total)((const float(*)[32 * VW])V, (const float(*)[32])w, unit, sc, nb, qn, qp);
         /* 2. mantle's: the truncated super scale, sub-scales from the unrounded one */
         {
-            vh_t Hc = vh_trunc(M);
-            vf_t Sc = vh_dec(Hc);
+            vh_t Hc = VSFX(trunc_h)(M);
+            vf_t Sc = VSFX(dec_h)(Hc);
             for (int k = 0; k < nb; k++) {
                 uc[k] = VSFX(u6)(base[k], M, vf_gt(base[k], zero));
                 sc[k] = vf_maskz(vf_gt(uc[k], zero), vf_mul(Sc, vf_div(uc[k], c32)));
@@ -273,8 +303,8 @@ VTARGET static int VSFX(group_super)(int bits, const float *src, size_t cols, si
             vm_t anyd = vm_and(vf_gt(D[sg], zero), act);
             if (!vm_any(anyd)) continue;
             for (int c = 0; c < MCF_SUPER_CANDIDATES; c++) {
-                vh_t hc = vh_clamp(vf_to_h(vf_div(vf_mul(D[sg], c32), vf_set1((float)(63 - c)))));
-                vf_t Sc = vh_dec(hc), T = zero;
+                vh_t hc = VSFX(clamp_h)(vf_to_h(vf_div(vf_mul(D[sg], c32), vf_set1((float)(63 - c)))));
+                vf_t Sc = VSFX(dec_h)(hc), T = zero;
                 for (int k = 0; k < nb; k++) {
                     vm_t live = vf_gt(amax[k], zero);
                     vf_t f = vf_floor(vf_div(vf_mul(mag[sg][k], c32), Sc));
@@ -294,7 +324,7 @@ VTARGET static int VSFX(group_super)(int bits, const float *src, size_t cols, si
             }
         }
         vh_storeu(hs, H);
-        S = vh_dec(H);
+        S = VSFX(dec_h)(H);
         for (size_t l = 0; l < nl; l++) supers[l * spr + s] = hs[l];
         for (int k = 0; k < nb; k++) {
             size_t b = s * 8 + (size_t)k, c0 = b * 32, nc = cols - c0 < 32 ? cols - c0 : 32;

@@ -1,9 +1,11 @@
 /* What every SIMD variant shares: one target attribute per tier of csrc/cpu.c, and the small inline
- * helpers more than one kernel file needs.
+ * helpers more than one kernel file needs (with those of csrc/simd_vec.h, the width-generic vocabulary a
+ * kernel can be written against once for every ISA: the *_vec.h files).
  *
  * NEON (aarch64) uses only the ASIMD instructions every aarch64 CPU has (the architecture's baseline:
  * numpy assumes it too), so its functions need no target attribute; its code lives in the *_neon.h files,
- * each included by the one kernel file whose scalar helpers it shares, and compiled on aarch64 only.  The
+ * each included by the one kernel file whose scalar helpers it shares, or comes from a *_vec.h file, and is
+ * compiled on aarch64 only.  The
  * optional features (dotprod, FP16 arithmetic, SVE) buy nothing here: every kernel converts to float32 and
  * multiplies in float32, which is what the scalar reference does, and a dot product or f16 arithmetic
  * would round differently.

@@ -22,13 +22,11 @@
  *   select  vf_blend(a, b, m) / vi_blend(a, b, m): b where m, else a; vf_maskz(m, x): x where m, else +0;
  *           vf_maskz_div(m, a, b): a / b where m, else +0 (no lane outside m divides)
  *   masks   vm_and vm_andnot(a, b) (b and not a) vm_any vm_first(n) (lanes 0 .. n-1)
- *   int     vi_set1 vi_zero vi_and vi_or vi_add vi_shl / vi_shr (logical; a constant count) vi_as_f / vf_as_i
- *           (the same bits) vi_to_f (converted)
+ *   int     vi_set1 vi_zero vi_and vi_or vi_add vi_sub vi_min / vi_max (signed) vi_shl / vi_shr (logical; a
+ *           constant count) vi_as_f / vf_as_i (the same bits) vi_to_f (converted)
  *   f16     vf_to_h (nearest even) vh_cvt (the hardware widening: exact, but it may quiet a signalling NaN; see
  *           VSFX(mcf_h2f)) vh_widen (zero-extended to vi_t) vi_narrow16 (the low 16 bits of lanes in 0 .. 0xffff)
- *           vh_storeu vh_blend(a, b, m) vh_or(h, bits) vh_dec (a scale as the quantized decoders read it: zero
- *           and subnormal exponents give +0) vh_clamp (magnitude clamped to the normal finite range, sign kept)
- *           vh_trunc (mcf_f32_to_f16_trunc of finite values >= 0) vh_any_inf(h, m) (a lane of m is infinite)
+ *           vh_storeu vh_blend(a, b, m) vh_or(h, bits)
  *   blocks  vf_load_clip(p, q, nc, lo, hi): p[VW*q .. VW*q + VW-1] clamped to [lo, hi], lanes at or past nc +0
  *           (VW*q < nc); vf_transpose(r[VW]); vf_codes32(x[32 / VW], bits, dst): 32 integral floats in the int8
  *           range as codes, stored or packed as csrc/quant.h lays blocks out
@@ -79,6 +77,9 @@
 #undef vi_and
 #undef vi_or
 #undef vi_add
+#undef vi_sub
+#undef vi_min
+#undef vi_max
 #undef vi_shl
 #undef vi_shr
 #undef vi_eq
@@ -95,10 +96,6 @@
 #undef vh_storeu
 #undef vh_blend
 #undef vh_or
-#undef vh_dec
-#undef vh_clamp
-#undef vh_trunc
-#undef vh_any_inf
 #undef vf_load_clip
 #undef vf_transpose
 #undef vf_codes32
@@ -114,36 +111,6 @@ MCF_TARGET_AVX2 static inline __m128i mcf_mask16_of_avx2(__m256 m)
 {
     __m256i i = _mm256_castps_si256(m);
     return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-}
-
-MCF_TARGET_AVX2 static inline __m256 mcf_dec_h_avx2(__m128i h)
-{
-    __m128i sub = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7c00)), _mm_setzero_si128());
-    return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(sub)), _mm256_cvtph_ps(h));
-}
-
-MCF_TARGET_AVX2 static inline __m128i mcf_clamp_h_avx2(__m128i h)
-{
-    __m128i m = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
-    m = _mm_min_epu16(_mm_max_epu16(m, _mm_set1_epi16(0x0400)), _mm_set1_epi16(0x7bff));
-    return _mm_or_si128(m, _mm_and_si128(h, _mm_set1_epi16((short)0x8000)));
-}
-
-/* the exponent rebiased into binary16's field, the mantissa truncated; from 2^16 infinity, below 2^-14 zero */
-MCF_TARGET_AVX2 static inline __m128i mcf_trunc_h_avx2(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x), e = _mm256_srli_epi32(u, 23);
-    __m256i h = _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(112)), 10),
-                                _mm256_and_si256(_mm256_srli_epi32(u, 13), _mm256_set1_epi32(0x3ff)));
-    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7c00), _mm256_cmpgt_epi32(e, _mm256_set1_epi32(142)));
-    h = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(113), e), h);
-    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-}
-
-MCF_TARGET_AVX2 static inline int mcf_any_inf_h_avx2(__m128i h, __m256 m)
-{
-    __m128i inf = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7c00)), _mm_set1_epi16(0x7c00));
-    return _mm_movemask_epi8(_mm_and_si128(inf, mcf_mask16_of_avx2(m))) != 0;
 }
 
 MCF_TARGET_AVX2 static inline __m256 mcf_maskz_div_avx2(__m256 m, __m256 a, __m256 b)
@@ -228,6 +195,9 @@ MCF_TARGET_AVX2 static inline void mcf_codes32_avx2(const __m256 x[4], int bits,
 #define vi_and(a, b) _mm256_and_si256(a, b)
 #define vi_or(a, b) _mm256_or_si256(a, b)
 #define vi_add(a, b) _mm256_add_epi32(a, b)
+#define vi_sub(a, b) _mm256_sub_epi32(a, b)
+#define vi_min(a, b) _mm256_min_epi32(a, b)
+#define vi_max(a, b) _mm256_max_epi32(a, b)
 #define vi_shl(a, n) _mm256_slli_epi32(a, n)
 #define vi_shr(a, n) _mm256_srli_epi32(a, n)
 #define vi_eq(a, b) _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b))
@@ -244,10 +214,6 @@ MCF_TARGET_AVX2 static inline void mcf_codes32_avx2(const __m256 x[4], int bits,
 #define vh_storeu(p, h) _mm_storeu_si128((__m128i *)(p), h)
 #define vh_blend(a, b, m) _mm_blendv_epi8(a, b, mcf_mask16_of_avx2(m))
 #define vh_or(h, bits) _mm_or_si128(h, _mm_set1_epi16((short)(bits)))
-#define vh_dec(h) mcf_dec_h_avx2(h)
-#define vh_clamp(h) mcf_clamp_h_avx2(h)
-#define vh_trunc(x) mcf_trunc_h_avx2(x)
-#define vh_any_inf(h, m) mcf_any_inf_h_avx2(h, m)
 #define vf_load_clip(p, q, nc, lo, hi) mcf_load_clip_avx2(p, q, nc, lo, hi)
 #define vf_transpose(r) mcf_transpose_avx2(r)
 #define vf_codes32(x, bits, dst) mcf_codes32_avx2(x, bits, dst)
@@ -261,35 +227,6 @@ MCF_TARGET_AVX2 static inline void mcf_codes32_avx2(const __m256 x[4], int bits,
 MCF_TARGET_AVX512 static inline __mmask16 mcf_mask16_avx512(size_t n)
 {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-}
-
-MCF_TARGET_AVX512 static inline __m512 mcf_dec_h_avx512(__m256i h)
-{
-    __mmask16 normal = _mm256_test_epi16_mask(h, _mm256_set1_epi16(0x7c00));
-    return _mm512_maskz_mov_ps(normal, _mm512_cvtph_ps(h));
-}
-
-MCF_TARGET_AVX512 static inline __m256i mcf_clamp_h_avx512(__m256i h)
-{
-    __m256i m = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
-    m = _mm256_min_epu16(_mm256_max_epu16(m, _mm256_set1_epi16(0x0400)), _mm256_set1_epi16(0x7bff));
-    return _mm256_or_si256(m, _mm256_and_si256(h, _mm256_set1_epi16((short)0x8000)));
-}
-
-MCF_TARGET_AVX512 static inline __m256i mcf_trunc_h_avx512(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x), e = _mm512_srli_epi32(u, 23);
-    __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(112)), 10),
-                                _mm512_and_si512(_mm512_srli_epi32(u, 13), _mm512_set1_epi32(0x3ff)));
-    h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(142)), _mm512_set1_epi32(0x7c00));
-    h = _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(112)), h);
-    return _mm512_cvtepi32_epi16(h);
-}
-
-MCF_TARGET_AVX512 static inline int mcf_any_inf_h_avx512(__m256i h, __mmask16 m)
-{
-    return _mm256_mask_cmpeq_epi16_mask(m, _mm256_and_si256(h, _mm256_set1_epi16(0x7c00)),
-                                        _mm256_set1_epi16(0x7c00)) != 0;
 }
 
 MCF_TARGET_AVX512 static inline __m512 mcf_load_clip_avx512(const float *p, size_t q, size_t nc, __m512 lo,
@@ -377,6 +314,9 @@ MCF_TARGET_AVX512 static inline void mcf_codes32_avx512(const __m512 x[2], int b
 #define vi_and(a, b) _mm512_and_si512(a, b)
 #define vi_or(a, b) _mm512_or_si512(a, b)
 #define vi_add(a, b) _mm512_add_epi32(a, b)
+#define vi_sub(a, b) _mm512_sub_epi32(a, b)
+#define vi_min(a, b) _mm512_min_epi32(a, b)
+#define vi_max(a, b) _mm512_max_epi32(a, b)
 #define vi_shl(a, n) _mm512_slli_epi32(a, n)
 #define vi_shr(a, n) _mm512_srli_epi32(a, n)
 #define vi_eq(a, b) _mm512_cmpeq_epi32_mask(a, b)
@@ -393,10 +333,6 @@ MCF_TARGET_AVX512 static inline void mcf_codes32_avx512(const __m512 x[2], int b
 #define vh_storeu(p, h) _mm256_storeu_si256((__m256i *)(p), h)
 #define vh_blend(a, b, m) _mm256_mask_blend_epi16(m, a, b)
 #define vh_or(h, bits) _mm256_or_si256(h, _mm256_set1_epi16((short)(bits)))
-#define vh_dec(h) mcf_dec_h_avx512(h)
-#define vh_clamp(h) mcf_clamp_h_avx512(h)
-#define vh_trunc(x) mcf_trunc_h_avx512(x)
-#define vh_any_inf(h, m) mcf_any_inf_h_avx512(h, m)
 #define vf_load_clip(p, q, nc, lo, hi) mcf_load_clip_avx512(p, q, nc, lo, hi)
 #define vf_transpose(r) mcf_transpose_avx512(r)
 #define vf_codes32(x, bits, dst) mcf_codes32_avx512(x, bits, dst)
@@ -430,35 +366,6 @@ static inline uint32x4_t mcf_first_neon(size_t n)
 {
     static const uint32_t idx[4] = {0, 1, 2, 3};
     return vcltq_u32(vld1q_u32(idx), vdupq_n_u32((uint32_t)n));
-}
-
-static inline float32x4_t mcf_dec_h_neon(uint16x4_t h)
-{
-    uint32x4_t sub = vreinterpretq_u32_s32(vmovl_s16(vreinterpret_s16_u16(vceqz_u16(vand_u16(h, vdup_n_u16(0x7c00))))));
-    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vcvt_f32_f16(vreinterpret_f16_u16(h))), sub));
-}
-
-static inline uint16x4_t mcf_clamp_h_neon(uint16x4_t h)
-{
-    uint16x4_t m = vand_u16(h, vdup_n_u16(0x7fff));
-    m = vmin_u16(vmax_u16(m, vdup_n_u16(0x0400)), vdup_n_u16(0x7bff));
-    return vorr_u16(m, vand_u16(h, vdup_n_u16(0x8000)));
-}
-
-static inline uint16x4_t mcf_trunc_h_neon(float32x4_t x)
-{
-    int32x4_t u = vreinterpretq_s32_f32(x), e = vshrq_n_s32(u, 23);
-    int32x4_t h = vorrq_s32(vshlq_n_s32(vsubq_s32(e, vdupq_n_s32(112)), 10),
-                            vandq_s32(vshrq_n_s32(u, 13), vdupq_n_s32(0x3ff)));
-    h = vbslq_s32(vcgtq_s32(e, vdupq_n_s32(142)), vdupq_n_s32(0x7c00), h);
-    h = vreinterpretq_s32_u32(vbicq_u32(vreinterpretq_u32_s32(h), vcgtq_s32(vdupq_n_s32(113), e)));
-    return vmovn_u32(vreinterpretq_u32_s32(h));
-}
-
-static inline int mcf_any_inf_h_neon(uint16x4_t h, uint32x4_t m)
-{
-    uint16x4_t inf = vceq_u16(vand_u16(h, vdup_n_u16(0x7c00)), vdup_n_u16(0x7c00));
-    return vmaxv_u16(vand_u16(inf, vmovn_u32(m))) != 0;
 }
 
 static inline float32x4_t mcf_load_clip_neon(const float *p, size_t q, size_t nc, float32x4_t lo, float32x4_t hi)
@@ -534,6 +441,9 @@ static inline void mcf_codes32_neon(const float32x4_t x[8], int bits, uint8_t *d
 #define vi_and(a, b) vandq_u32(a, b)
 #define vi_or(a, b) vorrq_u32(a, b)
 #define vi_add(a, b) vaddq_u32(a, b)
+#define vi_sub(a, b) vsubq_u32(a, b)
+#define vi_min(a, b) vreinterpretq_u32_s32(vminq_s32(vreinterpretq_s32_u32(a), vreinterpretq_s32_u32(b)))
+#define vi_max(a, b) vreinterpretq_u32_s32(vmaxq_s32(vreinterpretq_s32_u32(a), vreinterpretq_s32_u32(b)))
 #define vi_shl(a, n) vshlq_n_u32(a, n)
 #define vi_shr(a, n) vshrq_n_u32(a, n)
 #define vi_eq(a, b) vceqq_u32(a, b)
@@ -550,10 +460,6 @@ static inline void mcf_codes32_neon(const float32x4_t x[8], int bits, uint8_t *d
 #define vh_storeu(p, h) vst1_u16(p, h)
 #define vh_blend(a, b, m) vbsl_u16(vmovn_u32(m), b, a)
 #define vh_or(h, bits) vorr_u16(h, vdup_n_u16(bits))
-#define vh_dec(h) mcf_dec_h_neon(h)
-#define vh_clamp(h) mcf_clamp_h_neon(h)
-#define vh_trunc(x) mcf_trunc_h_neon(x)
-#define vh_any_inf(h, m) mcf_any_inf_h_neon(h, m)
 #define vf_load_clip(p, q, nc, lo, hi) mcf_load_clip_neon(p, q, nc, lo, hi)
 #define vf_transpose(r) mcf_transpose_neon(r)
 #define vf_codes32(x, bits, dst) mcf_codes32_neon(x, bits, dst)
