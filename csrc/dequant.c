@@ -112,7 +112,12 @@ static void dequant_scalar(const mcf_qtensor *t, size_t r0, size_t r1, void *out
     }
 }
 
-static void unpack_scalar(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+/* The codes of rows [r0, r1) as int8, each q* / k* block written by `block` (a variant's decoder of the 32 codes
+ * at src into dst; inlined into each variant); int8 / int4 rows are copied or sign-extended by the scalar code. */
+typedef void (*unpack_block_fn)(const uint8_t *src, int bits, int8_t *dst);
+
+static inline __attribute__((always_inline)) void unpack_blocks(const mcf_qtensor *t, size_t r0, size_t r1,
+                                                                int8_t *out, unpack_block_fn block)
 {
     if (t->family == MCF_FAM_RAW) {
         for (size_t r = r0; r < r1; r++) raw_row_codes(t, r, out + (r - r0) * t->cols);
@@ -121,7 +126,12 @@ static void unpack_scalar(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *ou
     size_t bb = (size_t)t->bits * 4;
     for (size_t r = r0; r < r1; r++)
         for (size_t b = 0; b < t->bpr; b++)
-            decode_block_scalar(t->data + (r * t->bpr + b) * bb, t->bits, out + ((r - r0) * t->bpr + b) * 32);
+            block(t->data + (r * t->bpr + b) * bb, t->bits, out + ((r - r0) * t->bpr + b) * 32);
+}
+
+static void unpack_scalar(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
+{
+    unpack_blocks(t, r0, r1, out, decode_block_scalar);
 }
 
 #ifdef MCF_X86
@@ -259,13 +269,11 @@ MCF_TARGET_AVX2 static inline unsigned scales8_avx2(const mcf_qtensor *t, size_t
     return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ)) & ((1u << n) - 1u);
 }
 
+/* n <= 8 outputs w at out[idx] */
 MCF_TARGET_AVX2 static inline void store8_avx2(void *out, size_t idx, __m256 w, int kind, int n)
 {
     if (n == 8) {
-        if (kind == MCF_OUT_F32) _mm256_storeu_ps((float *)out + idx, w);
-        else if (kind == MCF_OUT_F16)
-            _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
-        else _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), mcf_bf16_round_avx2(_mm256_castps_si256(w)));
+        mcf_store8_avx2(out, idx, w, kind, 0);
         return;
     }
     float tmp[8];
@@ -365,42 +373,25 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_qtensor *t, size_t r0, size_t
     if (stream) _mm_sfence();
 }
 
+MCF_TARGET_AVX2 static inline void unpack_block_avx2(const uint8_t *src, int bits, int8_t *dst)
+{
+    __m256i q[4];
+    switch (bits) {
+    case 2: codes32_avx2(src, 2, q); break;
+    case 3: codes32_avx2(src, 3, q); break;
+    case 4: codes32_avx2(src, 4, q); break;
+    case 6: codes32_avx2(src, 6, q); break;
+    default: codes32_avx2(src, 8, q); break;
+    }
+    mcf_store_codes32_avx2(q, 8, (uint8_t *)dst);
+}
+
 MCF_TARGET_AVX2 static void unpack_avx2(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
 {
-    if (t->family == MCF_FAM_RAW) {
-        unpack_scalar(t, r0, r1, out);
-        return;
-    }
-    size_t bb = (size_t)t->bits * 4;
-    for (size_t r = r0; r < r1; r++)
-        for (size_t b = 0; b < t->bpr; b++) {
-            __m256i q[4];
-            const uint8_t *src = t->data + (r * t->bpr + b) * bb;
-            switch (t->bits) {
-            case 2: codes32_avx2(src, 2, q); break;
-            case 3: codes32_avx2(src, 3, q); break;
-            case 4: codes32_avx2(src, 4, q); break;
-            case 6: codes32_avx2(src, 6, q); break;
-            default: codes32_avx2(src, 8, q); break;
-            }
-            mcf_store_codes32_avx2(q, 8, (uint8_t *)out + ((r - r0) * t->bpr + b) * 32);
-        }
+    unpack_blocks(t, r0, r1, out, unpack_block_avx2);
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------------------ */
-MCF_TARGET_AVX512 static inline void store16_avx512(void *out, size_t idx, __m512 w, int kind,
-                                                               __mmask16 m, int stream)
-{
-    if (kind == MCF_OUT_F32) {
-        if (stream && m == 0xffff) _mm512_stream_ps((float *)out + idx, w);
-        else _mm512_mask_storeu_ps((float *)out + idx, m, w);
-    } else if (kind == MCF_OUT_F16) {
-        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
-    } else {
-        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, mcf_bf16_round_avx512(_mm512_castps_si512(w)));
-    }
-}
-
 /* 32 signed codes of one block as bytes.  4-bit codes take a pure-SIMD nibble split (item 0 in the low
  * nibble); 2, 3 and 6 bits vpermb + vpmultishiftqb (below). */
 MCF_TARGET_AVX512 static inline __m256i decode32_avx512(const uint8_t *src, int bits)
@@ -441,7 +432,7 @@ MCF_TARGET_AVX512 static inline __mmask16 scales16_avx512(const mcf_qtensor *t, 
                                                                      float sc[16])
 {
     size_t n = t->bpr - b < 16 ? t->bpr - b : 16;
-    __mmask16 m = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    __mmask16 m = mcf_mask16_avx512(n);
     if (t->family == MCF_FAM_BLOCK) {
         __m256i h = _mm256_maskz_loadu_epi16(m, t->scales + r * t->bpr + b);
         __m512 f = _mm512_cvtph_ps(h);
@@ -483,7 +474,7 @@ MCF_TARGET_AVX512 static void dequant_raw_avx512(const mcf_qtensor *t, size_t r0
                 b = _mm256_extracti128_si256(q, 1);
             } else {       /* item 2i in the low nibble of byte i, item 2i+1 in the high one */
                 size_t nb = (n + 1) / 2;
-                __m128i by = _mm_maskz_loadu_epi8((__mmask16)(nb == 16 ? 0xffffu : ((1u << nb) - 1u)), src + j / 2);
+                __m128i by = _mm_maskz_loadu_epi8(mcf_mask16_avx512(nb), src + j / 2);
                 __m128i lo = _mm_and_si128(by, lo4), hi = _mm_and_si128(_mm_srli_epi16(by, 4), lo4);
                 a = _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), m8), m8);   /* sign-extend 4 bits */
                 b = _mm_sub_epi8(_mm_xor_si128(_mm_unpackhi_epi8(lo, hi), m8), m8);
@@ -494,10 +485,9 @@ MCF_TARGET_AVX512 static void dequant_raw_avx512(const mcf_qtensor *t, size_t r0
                 _mm512_storeu_ps((float *)out + o, w0);
                 _mm512_storeu_ps((float *)out + o + 16, w1);
             } else {
-                __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-                __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
-                store16_avx512(out, o, w0, kind, m0, 0);
-                if (m1) store16_avx512(out, o + 16, w1, kind, m1, 0);
+                __mmask16 m0 = mcf_mask16_avx512(n), m1 = n > 16 ? mcf_mask16_avx512(n - 16) : 0;
+                mcf_store16_avx512(out, o, w0, kind, m0, 0);
+                if (m1) mcf_store16_avx512(out, o + 16, w1, kind, m1, 0);
             }
             o += n;
         }
@@ -521,10 +511,9 @@ MCF_TARGET_AVX512 static inline void block_out_avx512(void *out, size_t o, __m51
         }
         return;
     }
-    __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    __mmask16 m1 = n >= 32 ? (__mmask16)0xffff : (n > 16 ? (__mmask16)((1u << (n - 16)) - 1u) : 0);
-    store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
-    if (m1) store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
+    __mmask16 m0 = mcf_mask16_avx512(n), m1 = n > 16 ? mcf_mask16_avx512(n - 16) : 0;
+    mcf_store16_avx512(out, o, _mm512_mul_ps(s, f0), kind, m0, stream);
+    if (m1) mcf_store16_avx512(out, o + 16, _mm512_mul_ps(s, f1), kind, m1, stream);
 }
 
 MCF_TARGET_AVX512 static void dequant_avx512(const mcf_qtensor *t, size_t r0, size_t r1, void *out,
@@ -566,17 +555,14 @@ MCF_TARGET_AVX512 static void dequant_avx512(const mcf_qtensor *t, size_t r0, si
     if (stream) _mm_sfence();
 }
 
+MCF_TARGET_AVX512 static inline void unpack_block_avx512(const uint8_t *src, int bits, int8_t *dst)
+{
+    _mm256_storeu_si256((__m256i *)dst, decode32_avx512(src, bits));
+}
+
 MCF_TARGET_AVX512 static void unpack_avx512(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
 {
-    if (t->family == MCF_FAM_RAW) {
-        unpack_scalar(t, r0, r1, out);
-        return;
-    }
-    size_t bb = (size_t)t->bits * 4;
-    for (size_t r = r0; r < r1; r++)
-        for (size_t b = 0; b < t->bpr; b++)
-            _mm256_storeu_si256((__m256i *)(out + ((r - r0) * t->bpr + b) * 32),
-                                decode32_avx512(t->data + (r * t->bpr + b) * bb, t->bits));
+    unpack_blocks(t, r0, r1, out, unpack_block_avx512);
 }
 #endif /* MCF_X86 */
 

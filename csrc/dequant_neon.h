@@ -1,5 +1,5 @@
 /* The NEON variant of dequantization and code unpacking (part of csrc/dequant.c, included there on
- * aarch64 only: it shares that file's block_scale, store_out and sext).
+ * aarch64 only: it shares that file's block_scale, store_out, sext and unpack_blocks).
  *
  * A block's 32 codes become two int8x16 vectors: 8-bit codes are loaded, 4-bit codes split into nibbles
  * and interleaved (item 0 in the low nibble), and 2-, 3- and 6-bit codes gathered with one table lookup
@@ -177,19 +177,15 @@ static void dequant_neon(const mcf_qtensor *t, size_t r0, size_t r1, void *out, 
     }
 }
 
+static inline void unpack_block_neon(const uint8_t *src, int bits, int8_t *dst)
+{
+    uint8x16_t q[2];
+    decode_block_neon(src, bits, q);
+    vst1q_u8((uint8_t *)dst, veorq_u8(q[0], vdupq_n_u8(0x80)));
+    vst1q_u8((uint8_t *)dst + 16, veorq_u8(q[1], vdupq_n_u8(0x80)));
+}
+
 static void unpack_neon(const mcf_qtensor *t, size_t r0, size_t r1, int8_t *out)
 {
-    if (t->family == MCF_FAM_RAW) {
-        unpack_scalar(t, r0, r1, out);
-        return;
-    }
-    size_t bb = (size_t)t->bits * 4;
-    uint8x16_t q[2];
-    for (size_t r = r0; r < r1; r++)
-        for (size_t b = 0; b < t->bpr; b++) {
-            int8_t *dst = out + ((r - r0) * t->bpr + b) * 32;
-            decode_block_neon(t->data + (r * t->bpr + b) * bb, t->bits, q);
-            vst1q_u8((uint8_t *)dst, veorq_u8(q[0], vdupq_n_u8(0x80)));
-            vst1q_u8((uint8_t *)dst + 16, veorq_u8(q[1], vdupq_n_u8(0x80)));
-        }
+    unpack_blocks(t, r0, r1, out, unpack_block_neon);
 }

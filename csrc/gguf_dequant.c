@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "dispatch.h"
-#include "fp4.h"
+#include "minifloat.h"
 #include "fpconv.h"
 #include "gguf_dequant.h"
 #include "gguf_kernels.h"

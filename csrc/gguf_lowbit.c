@@ -10,7 +10,7 @@
  * lanes (gguf_kernels.h), the NEON ones (gguf_lowbit_neon.h) with NEON and 4 x 4 lanes.  All multi-byte fields are little-endian. */
 #include <string.h>
 
-#include "fp4.h"
+#include "minifloat.h"
 #include "gguf_kernels.h"
 
 static const uint8_t pow3[5] = {1, 3, 9, 27, 81};

@@ -13,6 +13,20 @@
 
 #include "lz4block.h"
 
+/* The extra bytes of a length whose 4-bit field was 15, added to *len: each byte is added, and another follows
+ * while it is 255.  Returns 0, or -1 when the input ends first. */
+static inline int add_length_bytes(const uint8_t **ip, const uint8_t *iend, size_t *len)
+{
+    unsigned b;
+    do {
+        if (*ip >= iend)
+            return -1;
+        b = *(*ip)++;
+        *len += b; /* at most 255 per input byte: cannot overflow size_t */
+    } while (b == 255);
+    return 0;
+}
+
 int64_t mcf_lz4_decompress_into(const uint8_t *src, size_t src_len, uint8_t *dst, size_t dst_len)
 {
     const uint8_t *ip = src, *const iend = src + src_len;
@@ -23,15 +37,8 @@ int64_t mcf_lz4_decompress_into(const uint8_t *src, size_t src_len, uint8_t *dst
     for (;;) {
         unsigned token = *ip++;
         size_t lit = token >> 4;
-        if (lit == 15) {
-            unsigned b;
-            do {
-                if (ip >= iend)
-                    return MCF_LZ4_MALFORMED;
-                b = *ip++;
-                lit += b; /* at most 255 per input byte: cannot overflow size_t */
-            } while (b == 255);
-        }
+        if (lit == 15 && add_length_bytes(&ip, iend, &lit) != 0)
+            return MCF_LZ4_MALFORMED;
         if (lit > (size_t)(iend - ip))
             return MCF_LZ4_MALFORMED;
         if (lit > (size_t)(oend - op))
@@ -48,15 +55,8 @@ int64_t mcf_lz4_decompress_into(const uint8_t *src, size_t src_len, uint8_t *dst
         if (offset == 0 || offset > (size_t)(op - dst))
             return MCF_LZ4_MALFORMED; /* a match may only refer to bytes already written */
         size_t mlen = token & 15;
-        if (mlen == 15) {
-            unsigned b;
-            do {
-                if (ip >= iend)
-                    return MCF_LZ4_MALFORMED;
-                b = *ip++;
-                mlen += b;
-            } while (b == 255);
-        }
+        if (mlen == 15 && add_length_bytes(&ip, iend, &mlen) != 0)
+            return MCF_LZ4_MALFORMED;
         mlen += 4;
         if (mlen > (size_t)(oend - op))
             return MCF_LZ4_TOO_LONG;

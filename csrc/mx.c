@@ -2,13 +2,9 @@
  * value) and AVX2 / AVX-512 / NEON (mx_neon.h) variants computing the same products.
  *
  * How the vector variants decode elements: E2M1 is a table lookup in registers (vpermps on the 16 values for
- * AVX-512; on the magnitude's 8 values plus a sign xor for AVX2); E5M2 is binary16's top byte (vcvtph2ps);
- * E4M3 and the FNUZ types put their exponent and mantissa bits where float32 keeps them and change the bias
- * with an integer add (AVX2 decodes runs of E4M3 16 at a time as binary16 instead: e4m3x16_avx2),
- * their subnormals being mantissa * 2^-9 (E4M3) as a product of normal floats: a float32
- * subnormal operand would cost a microcode assist (4-5x slower decoding of random E4M3 bytes, measured here);
- * E8M0 shifts its byte into float32's exponent field.  NaN encodings are then set to the quiet NaN the
- * reference writes.
+ * AVX-512; on the magnitude's 8 values plus a sign xor for AVX2; two byte lookups on NEON); the byte-sized types
+ * come from one source for every ISA, csrc/minifloat_vec.h (el8_avx2, el8_avx512, el8_neon), which says how (AVX2
+ * decodes runs of E4M3 16 at a time as binary16 instead: e4m3x16_avx2).
  *
  * The scalar reference decodes each element from the format's definition (csrc/minifloat.h), through a table
  * of the 16 or 256 values it builds on each call (cheap next to any tensor, and no shared state). */
@@ -84,60 +80,26 @@ static void elements_scalar_from(int fmt, const uint8_t *src, size_t i0, size_t 
     for (size_t i = i0; i < n; i++) put(out, i, lut[src[i]], kind);
 }
 
+/* The byte-sized element decoders of the vector variants: one source, minifloat_vec.h, compiled per ISA
+ * (simd_vec.h's vocabulary): el8_avx2, el8_avx512, el8_neon. */
+#ifdef MCF_X86
+#define MCF_VEC_ISA MCF_VEC_AVX2
+#include "simd_vec.h"
+#include "minifloat_vec.h"
+#define MCF_VEC_ISA MCF_VEC_AVX512
+#include "simd_vec.h"
+#include "minifloat_vec.h"
+#endif
+#ifdef MCF_NEON
+#define MCF_VEC_ISA MCF_VEC_NEON
+#include "simd_vec.h"
+#include "minifloat_vec.h"
+#endif
+#define MCF_VEC_ISA MCF_VEC_NONE
+#include "simd_vec.h"
+
 #ifdef MCF_X86
 /* ---- AVX2 --------------------------------------------------------------------------------------------- */
-
-/* stream: float32 output only, 32-byte aligned at every o the caller passes (simd.h's rule) */
-MCF_TARGET_AVX2 static inline void st8_avx2(void *out, size_t o, __m256 w, int kind, int stream)
-{
-    if (kind == MCF_OUT_F32) {
-        if (stream) _mm256_stream_ps((float *)out + o, w);
-        else _mm256_storeu_ps((float *)out + o, w);
-    }
-    else if (kind == MCF_OUT_F16)
-        _mm_storeu_si128((__m128i *)((uint16_t *)out + o), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
-    else _mm_storeu_si128((__m128i *)((uint16_t *)out + o), mcf_bf16_round_avx2(_mm256_castps_si256(w)));
-}
-
-/* 8 byte-sized elements (one per int32 lane of u) as float32. */
-MCF_TARGET_AVX2 static inline __m256 el8_avx2(int fmt, __m256i u)
-{
-    const __m256i qnan = _mm256_set1_epi32(0x7fc00000);
-    __m256i r, nan;
-    switch (fmt) {
-    case MCF_EL_E5M2: {
-        __m256i h = _mm256_slli_epi32(u, 8);
-        return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-    }
-    case MCF_EL_E8M0:
-        r = _mm256_slli_epi32(u, 23);
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(u, _mm256_setzero_si256()));
-        return _mm256_castsi256_ps(_mm256_blendv_epi8(r, qnan, _mm256_cmpeq_epi32(u, _mm256_set1_epi32(0xff))));
-    default: {
-        /* normal values: exponent and mantissa moved into float32's fields, the bias changed by an integer add;
-         * subnormals (exponent field 0): mantissa * 2^(1 - bias - mbits), a product of normal floats, so no
-         * arithmetic ever sees a float32 subnormal (which costs a microcode assist on some CPUs) */
-        int e5 = fmt == MCF_EL_E5M2FNUZ;
-        int rebias = fmt == MCF_EL_E4M3 ? 120 : fmt == MCF_EL_E4M3FNUZ ? 119 : 111;
-        float sub = mcf_mf_pow2(fmt == MCF_EL_E4M3 ? -9 : fmt == MCF_EL_E4M3FNUZ ? -10 : -17);
-        __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
-        __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
-        __m256i bits = e5 ? _mm256_slli_epi32(mag, 21) : _mm256_slli_epi32(mag, 20);
-        __m256i normal = _mm256_add_epi32(bits, _mm256_set1_epi32(rebias << 23));
-        __m256i m = _mm256_and_si256(mag, _mm256_set1_epi32(e5 ? 3 : 7));
-        __m256i small = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(sub)));
-        __m256i zexp = _mm256_cmpeq_epi32(_mm256_and_si256(mag, _mm256_set1_epi32(e5 ? 0x7c : 0x78)),
-                                          _mm256_setzero_si256());
-        r = _mm256_or_si256(_mm256_blendv_epi8(normal, small, zexp), sign);
-        if (fmt == MCF_EL_E4M3) {
-            nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
-            return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_or_si256(qnan, sign), nan));
-        }
-        nan = _mm256_cmpeq_epi32(u, _mm256_set1_epi32(0x80));
-        return _mm256_castsi256_ps(_mm256_blendv_epi8(r, qnan, nan));
-    }
-    }
-}
 
 /* 16 E4M3 bytes as float32, in two vectors of 8: the byte's exponent and mantissa go where binary16 keeps
  * them (bits 14..7 of a half read with bias 15 instead of 7), vcvtph2ps widens exactly, subnormals
@@ -174,6 +136,15 @@ MCF_TARGET_AVX2 static inline void nibbles32(__m128i by, __m128i *a, __m128i *b)
     *b = _mm_unpackhi_epi8(lo, hi);
 }
 
+/* 16 E2M1 codes (one per byte of a), times s when `scaled`, as 16 outputs at out[o] */
+MCF_TARGET_AVX2 static inline void e2m1x16_out_avx2(void *out, size_t o, __m128i a, __m256 s, int scaled, int kind,
+                                                    int stream)
+{
+    __m256 lo = e2m1_avx2(_mm256_cvtepu8_epi32(a)), hi = e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
+    mcf_store8_avx2(out, o, scaled ? _mm256_mul_ps(lo, s) : lo, kind, stream);
+    mcf_store8_avx2(out, o + 8, scaled ? _mm256_mul_ps(hi, s) : hi, kind, stream);
+}
+
 MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind)
 {
     size_t cols = t->cols, o = 0;
@@ -187,12 +158,13 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
             for (; c + 16 <= cols; c += 16) {   /* 16 | 128: the 16 values share one scale */
                 __m256 s = _mm256_set1_ps(ld_f32(srow + (c / 128) * 4)), x0, x1;
                 e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(d + c)), &x0, &x1);
-                st8_avx2(out, o + c, _mm256_mul_ps(x0, s), kind, stream);
-                st8_avx2(out, o + c + 8, _mm256_mul_ps(x1, s), kind, stream);
+                mcf_store8_avx2(out, o + c, _mm256_mul_ps(x0, s), kind, stream);
+                mcf_store8_avx2(out, o + c + 8, _mm256_mul_ps(x1, s), kind, stream);
             }
             for (; c + 8 <= cols; c += 8) {
                 __m256 x = el8_avx2(MCF_EL_E4M3, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(d + c))));
-                st8_avx2(out, o + c, _mm256_mul_ps(x, _mm256_set1_ps(ld_f32(srow + (c / 128) * 4))), kind, stream);
+                x = _mm256_mul_ps(x, _mm256_set1_ps(ld_f32(srow + (c / 128) * 4)));
+                mcf_store8_avx2(out, o + c, x, kind, stream);
             }
             for (; c < cols; c++) put(out, o + c, mcf_e4m3_to_f32(d[c]) * ld_f32(srow + (c / 128) * 4), kind);
         }
@@ -213,13 +185,8 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
             for (int k = 0; k < 16; k += 2, o += 32) {
                 __m128i a, b;
                 nibbles32(_mm_loadu_si128((const __m128i *)(t->data + (blk + (size_t)k) * 8)), &a, &b);
-                __m256 s0 = _mm256_broadcast_ss(&sc[k]), s1 = _mm256_broadcast_ss(&sc[k + 1]);
-                st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s0), kind, stream);
-                st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s0), kind,
-                         stream);
-                st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s1), kind, stream);
-                st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s1), kind,
-                         stream);
+                e2m1x16_out_avx2(out, o, a, _mm256_broadcast_ss(&sc[k]), 1, kind, stream);
+                e2m1x16_out_avx2(out, o + 16, b, _mm256_broadcast_ss(&sc[k + 1]), 1, kind, stream);
             }
         }
     }
@@ -228,12 +195,8 @@ MCF_TARGET_AVX2 static void dequant_avx2(const mcf_mxtensor *t, size_t r0, size_
         __m128i a, b;
         if (bs == 32) nibbles32(_mm_loadu_si128((const __m128i *)(t->data + blk * 16)), &a, &b);
         else nibbles32(_mm_loadl_epi64((const __m128i *)(t->data + blk * 8)), &a, &b);
-        st8_avx2(out, o, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(a)), s), kind, stream);
-        st8_avx2(out, o + 8, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), s), kind, stream);
-        if (bs == 32) {
-            st8_avx2(out, o + 16, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(b)), s), kind, stream);
-            st8_avx2(out, o + 24, _mm256_mul_ps(e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), s), kind, stream);
-        }
+        e2m1x16_out_avx2(out, o, a, s, 1, kind, stream);
+        if (bs == 32) e2m1x16_out_avx2(out, o + 16, b, s, 1, kind, stream);
         o += bs;
     }
     if (stream) _mm_sfence();
@@ -247,21 +210,21 @@ MCF_TARGET_AVX2 static void elements_avx2(int fmt, const uint8_t *src, size_t n,
         for (; i + 32 <= n; i += 32) {
             __m128i a, b;
             nibbles32(_mm_loadu_si128((const __m128i *)(src + i / 2)), &a, &b);
-            st8_avx2(out, i, e2m1_avx2(_mm256_cvtepu8_epi32(a)), kind, stream);
-            st8_avx2(out, i + 8, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))), kind, stream);
-            st8_avx2(out, i + 16, e2m1_avx2(_mm256_cvtepu8_epi32(b)), kind, stream);
-            st8_avx2(out, i + 24, e2m1_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), kind, stream);
+            e2m1x16_out_avx2(out, i, a, _mm256_setzero_ps(), 0, kind, stream);
+            e2m1x16_out_avx2(out, i + 16, b, _mm256_setzero_ps(), 0, kind, stream);
         }
     } else {
         if (fmt == MCF_EL_E4M3)
             for (; i + 16 <= n; i += 16) {
                 __m256 x0, x1;
                 e4m3x16_avx2(_mm_loadu_si128((const __m128i *)(src + i)), &x0, &x1);
-                st8_avx2(out, i, x0, kind, stream);
-                st8_avx2(out, i + 8, x1, kind, stream);
+                mcf_store8_avx2(out, i, x0, kind, stream);
+                mcf_store8_avx2(out, i + 8, x1, kind, stream);
             }
-        for (; i + 8 <= n; i += 8)
-            st8_avx2(out, i, el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)))), kind, stream);
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = el8_avx2(fmt, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i))));
+            mcf_store8_avx2(out, i, x, kind, stream);
+        }
     }
     if (stream) _mm_sfence();
     elements_scalar_from(fmt, src, i, n, out, kind);
@@ -269,58 +232,12 @@ MCF_TARGET_AVX2 static void elements_avx2(int fmt, const uint8_t *src, size_t n,
 
 /* ---- AVX-512 ------------------------------------------------------------------------------------------- */
 
-MCF_TARGET_AVX512 static inline void st16_avx512(void *out, size_t o, __m512 w, int kind, __mmask16 m, int stream)
-{
-    if (kind == MCF_OUT_F32) {
-        if (stream && m == 0xffff) _mm512_stream_ps((float *)out + o, w);
-        else _mm512_mask_storeu_ps((float *)out + o, m, w);
-    } else if (kind == MCF_OUT_F16) {
-        _mm256_mask_storeu_epi16((uint16_t *)out + o, m, _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
-    } else {
-        _mm256_mask_storeu_epi16((uint16_t *)out + o, m, mcf_bf16_round_avx512(_mm512_castps_si512(w)));
-    }
-}
-
-/* 16 byte-sized elements (one per int32 lane of u) as float32: el8_avx2 on 16 lanes. */
-MCF_TARGET_AVX512 static inline __m512 el8_avx512(int fmt, __m512i u)
-{
-    const __m512i qnan = _mm512_set1_epi32(0x7fc00000);
-    __m512i r;
-    switch (fmt) {
-    case MCF_EL_E5M2:
-        return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(u, 8)));
-    case MCF_EL_E8M0:
-        r = _mm512_slli_epi32(u, 23);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(u, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
-        return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(u, _mm512_set1_epi32(0xff)), qnan));
-    default: {   /* as el8_avx2: no float32 subnormal ever enters an arithmetic instruction */
-        int e5 = fmt == MCF_EL_E5M2FNUZ;
-        int rebias = fmt == MCF_EL_E4M3 ? 120 : fmt == MCF_EL_E4M3FNUZ ? 119 : 111;
-        float sub = mcf_mf_pow2(fmt == MCF_EL_E4M3 ? -9 : fmt == MCF_EL_E4M3FNUZ ? -10 : -17);
-        __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7f));
-        __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
-        __m512i bits = e5 ? _mm512_slli_epi32(mag, 21) : _mm512_slli_epi32(mag, 20);
-        __m512i normal = _mm512_add_epi32(bits, _mm512_set1_epi32(rebias << 23));
-        __m512i m = _mm512_and_si512(mag, _mm512_set1_epi32(e5 ? 3 : 7));
-        __m512i small = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(sub)));
-        __mmask16 zexp = _mm512_testn_epi32_mask(mag, _mm512_set1_epi32(e5 ? 0x7c : 0x78));
-        r = _mm512_or_si512(_mm512_mask_mov_epi32(normal, zexp, small), sign);
-        if (fmt == MCF_EL_E4M3)
-            return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)),
-                                                             _mm512_or_si512(qnan, sign)));
-        return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, _mm512_cmpeq_epi32_mask(u, _mm512_set1_epi32(0x80)), qnan));
-    }
-    }
-}
-
 MCF_TARGET_AVX512 static inline __m512 e2m1_avx512(__m128i nib16)
 {
     const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
     return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib16), lut);
 }
-
-static inline __mmask16 mask16(size_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
 
 MCF_TARGET_AVX512 static void dequant_avx512(const mcf_mxtensor *t, size_t r0, size_t r1, void *out, int kind)
 {
@@ -332,9 +249,10 @@ MCF_TARGET_AVX512 static void dequant_avx512(const mcf_mxtensor *t, size_t r0, s
         for (size_t r = r0; r < r1; r++, o += cols) {
             const uint8_t *srow = t->scales + (r / 128) * cpr * 4, *d = t->data + r * cols;
             for (size_t c = 0; c < cols; c += 16) {   /* 16 | 128: the 16 values share one scale */
-                __mmask16 m = mask16(cols - c);
+                __mmask16 m = mcf_mask16_avx512(cols - c);
                 __m512 x = el8_avx512(MCF_EL_E4M3, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, d + c)));
-                st16_avx512(out, o + c, _mm512_mul_ps(x, _mm512_set1_ps(ld_f32(srow + (c / 128) * 4))), kind, m, stream);
+                x = _mm512_mul_ps(x, _mm512_set1_ps(ld_f32(srow + (c / 128) * 4)));
+                mcf_store16_avx512(out, o + c, x, kind, m, stream);
             }
         }
     } else {
@@ -344,12 +262,12 @@ MCF_TARGET_AVX512 static void dequant_avx512(const mcf_mxtensor *t, size_t r0, s
             if (bs == 32) {
                 __m128i a, b;
                 nibbles32(_mm_loadu_si128((const __m128i *)(t->data + blk * 16)), &a, &b);
-                st16_avx512(out, o, _mm512_mul_ps(e2m1_avx512(a), s), kind, 0xffff, stream);
-                st16_avx512(out, o + 16, _mm512_mul_ps(e2m1_avx512(b), s), kind, 0xffff, stream);
+                mcf_store16_avx512(out, o, _mm512_mul_ps(e2m1_avx512(a), s), kind, 0xffff, stream);
+                mcf_store16_avx512(out, o + 16, _mm512_mul_ps(e2m1_avx512(b), s), kind, 0xffff, stream);
             } else {
                 __m128i a, b;
                 nibbles32(_mm_loadl_epi64((const __m128i *)(t->data + blk * 8)), &a, &b);
-                st16_avx512(out, o, _mm512_mul_ps(e2m1_avx512(a), s), kind, 0xffff, stream);
+                mcf_store16_avx512(out, o, _mm512_mul_ps(e2m1_avx512(a), s), kind, 0xffff, stream);
             }
             o += bs;
         }
@@ -364,15 +282,15 @@ MCF_TARGET_AVX512 static void elements_avx512(int fmt, const uint8_t *src, size_
         for (; i + 32 <= n; i += 32) {
             __m128i a, b;
             nibbles32(_mm_loadu_si128((const __m128i *)(src + i / 2)), &a, &b);
-            st16_avx512(out, i, e2m1_avx512(a), kind, 0xffff, 0);
-            st16_avx512(out, i + 16, e2m1_avx512(b), kind, 0xffff, 0);
+            mcf_store16_avx512(out, i, e2m1_avx512(a), kind, 0xffff, 0);
+            mcf_store16_avx512(out, i + 16, e2m1_avx512(b), kind, 0xffff, 0);
         }
         elements_scalar_from(fmt, src, i, n, out, kind);
         return;
     }
     for (; i < n; i += 16) {
-        __mmask16 m = mask16(n - i);
-        st16_avx512(out, i, el8_avx512(fmt, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, src + i))), kind, m, 0);
+        __mmask16 m = mcf_mask16_avx512(n - i);
+        mcf_store16_avx512(out, i, el8_avx512(fmt, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, src + i))), kind, m, 0);
     }
 }
 #endif /* MCF_X86 */

@@ -1,42 +1,8 @@
 /* The NEON variant of the scaled formats (part of csrc/mx.c, included there on aarch64 only: it shares that
- * file's block_scale, put and elements_scalar_from).  The AVX2 variant's algorithm with 4 lanes: E2M1 from two
- * byte lookups (the high and low byte of the bfloat16-exact value, whose low 16 float32 bits are zero) and
- * a sign bit; E5M2 as the top byte of a binary16 (mcf_h2f_neon keeps NaN payloads as the scalar code does);
- * E4M3 / FNUZ by moving exponent and mantissa into float32's fields and rebiasing with an integer add,
- * subnormals as mantissa times a power of two (exact); E8M0 by shifting into the exponent field.  NaN
- * encodings then become the quiet NaN the reference writes.  Each output is one float32 multiplication,
- * the reference's. */
-
-/* 4 byte-sized elements (one per uint32 lane of u) as float32 */
-static inline float32x4_t el8_neon(int fmt, uint32x4_t u)
-{
-    const uint32x4_t qnan = vdupq_n_u32(0x7fc00000);
-    switch (fmt) {
-    case MCF_EL_E5M2:
-        return mcf_h2f_neon(vmovn_u32(vshlq_n_u32(u, 8)));
-    case MCF_EL_E8M0: {
-        uint32x4_t r = vshlq_n_u32(u, 23);
-        r = vbslq_u32(vceqzq_u32(u), vdupq_n_u32(0x00400000), r);   /* 2^-127, a float32 subnormal */
-        return vreinterpretq_f32_u32(vbslq_u32(vceqq_u32(u, vdupq_n_u32(0xff)), qnan, r));
-    }
-    default: {
-        int e5 = fmt == MCF_EL_E5M2FNUZ;
-        int rebias = fmt == MCF_EL_E4M3 ? 120 : fmt == MCF_EL_E4M3FNUZ ? 119 : 111;
-        float sub = mcf_mf_pow2(fmt == MCF_EL_E4M3 ? -9 : fmt == MCF_EL_E4M3FNUZ ? -10 : -17);
-        uint32x4_t mag = vandq_u32(u, vdupq_n_u32(0x7f));
-        uint32x4_t sign = vshlq_n_u32(vandq_u32(u, vdupq_n_u32(0x80)), 24);
-        uint32x4_t bits = e5 ? vshlq_n_u32(mag, 21) : vshlq_n_u32(mag, 20);
-        uint32x4_t normal = vaddq_u32(bits, vdupq_n_u32((uint32_t)rebias << 23));
-        uint32x4_t m = vandq_u32(mag, vdupq_n_u32(e5 ? 3 : 7));
-        uint32x4_t small = vreinterpretq_u32_f32(vmulq_f32(vcvtq_f32_u32(m), vdupq_n_f32(sub)));
-        uint32x4_t zexp = vceqzq_u32(vandq_u32(mag, vdupq_n_u32(e5 ? 0x7c : 0x78)));
-        uint32x4_t r = vorrq_u32(vbslq_u32(zexp, small, normal), sign);
-        if (fmt == MCF_EL_E4M3)
-            return vreinterpretq_f32_u32(vbslq_u32(vceqq_u32(mag, vdupq_n_u32(0x7f)), vorrq_u32(qnan, sign), r));
-        return vreinterpretq_f32_u32(vbslq_u32(vceqq_u32(u, vdupq_n_u32(0x80)), qnan, r));
-    }
-    }
-}
+ * file's block_scale, put and elements_scalar_from, and el8_neon, its minifloat_vec.h).  The AVX2 variant's algorithm
+ * with 4 lanes: E2M1 from two byte lookups (the high and low byte of the bfloat16-exact value, whose low 16
+ * float32 bits are zero) and a sign bit; the byte-sized types through el8_neon.  Each output is one float32
+ * multiplication, the reference's. */
 
 /* 16 E2M1 codes (one per byte, 0..15) as four float32x4 vectors: every E2M1 value is exact in the top 16 bits
  * of a float32, so two table lookups give those bytes and the sign is bit 3 of the code */

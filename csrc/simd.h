@@ -1,9 +1,11 @@
 /* What every SIMD variant shares: one target attribute per tier of csrc/cpu.c, and the small inline
- * helpers more than one kernel file needs.
+ * helpers more than one kernel file needs (with those of csrc/simd_vec.h, the width-generic vocabulary a
+ * kernel can be written against once for every ISA: the *_vec.h files).
  *
  * NEON (aarch64) uses only the ASIMD instructions every aarch64 CPU has (the architecture's baseline:
  * numpy assumes it too), so its functions need no target attribute; its code lives in the *_neon.h files,
- * each included by the one kernel file whose scalar helpers it shares, and compiled on aarch64 only.  The
+ * each included by the one kernel file whose scalar helpers it shares, or comes from a *_vec.h file, and is
+ * compiled on aarch64 only.  The
  * optional features (dotprod, FP16 arithmetic, SVE) buy nothing here: every kernel converts to float32 and
  * multiplies in float32, which is what the scalar reference does, and a dot product or f16 arithmetic
  * would round differently.
@@ -19,6 +21,7 @@
 #include <string.h>
 
 #include "cpu.h"
+#include "fpconv.h" /* MCF_OUT_* */
 
 #define MCF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
 #define MCF_TARGET_AVX512 \
@@ -26,6 +29,12 @@
 
 /* Streaming (non-temporal) stores pay off only for outputs far larger than the caches, and need
  * 64-byte-aligned destinations; they change where values are written, never the values. */
+/* The ISAs of csrc/simd_vec.h's vocabulary (the MCF_VEC_ISA a *_vec.h kernel is compiled for). */
+#define MCF_VEC_NONE 0
+#define MCF_VEC_AVX2 1
+#define MCF_VEC_AVX512 2
+#define MCF_VEC_NEON 3
+
 #define MCF_STREAM_MIN_BYTES ((size_t)8 << 20)
 
 static inline int mcf_use_streaming(const void *out, size_t out_bytes)
@@ -36,29 +45,6 @@ static inline int mcf_use_streaming(const void *out, size_t out_bytes)
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MCF_X86 1
-
-/* float32 bits to bfloat16, round to nearest even, NaN kept with the quiet bit set: 8 / 16 lanes,
- * identical to mcf_f32_to_bf16_one (csrc/fpconv.c). */
-MCF_TARGET_AVX2 static inline __m128i mcf_bf16_round_avx2(__m256i u)
-{
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                       _mm256_set1_epi32(0x7f800000));
-    r = _mm256_and_si256(_mm256_blendv_epi8(r, nanv, isnan), _mm256_set1_epi32(0xffff));
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-MCF_TARGET_AVX512 static inline __m256i mcf_bf16_round_avx512(__m512i u)
-{
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    __m512i nanv = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                              _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, isnan, nanv));
-}
 
 /* 32 int8 codes (the bytes of ``b``, in order) bit-packed as csrc/quant.h lays out int2/int3/int4/int6
  * blocks: the low ``bits`` bits of each code, each group of 8 codes in ``bits`` bytes, little-endian.
@@ -129,19 +115,7 @@ MCF_TARGET_AVX512 static inline void mcf_store_codes32_avx512(__m512i q0, __m512
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#include "fpconv.h"
 #define MCF_NEON 1
-
-/* float32 bits to bfloat16, round to nearest even, NaN kept with the quiet bit set: 4 lanes, identical
- * to mcf_f32_to_bf16_one (csrc/fpconv.c) and mcf_bf16_round_avx2. */
-static inline uint16x4_t mcf_bf16_round_neon(uint32x4_t u)
-{
-    uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
-    uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
-    uint32x4_t nanv = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
-    uint32x4_t isnan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
-    return vmovn_u32(vbslq_u32(isnan, nanv, r));
-}
 
 /* float32 to binary16, round to nearest even (FCVTN rounds as FPCR says: nearest even, subnormals kept,
  * NaN quieted with its top payload bits, exactly what mcf_f32_to_f16_one writes). */
@@ -166,7 +140,7 @@ static inline uint64_t mcf_pack8_bits(uint64_t w, int bits)
 
 /* 32 codes, given as int32 lanes already clamped to the int8 range (q[0] codes 0..3, ..., q[7] codes 28..31),
  * stored in order: 32 int8 bytes when bits == 8, else packed as csrc/quant.h lays blocks out.  The tail of
- * the NEON quantizers (quantize_neon.h, quant_search_neon.h), as mcf_store_codes32_avx2 is of the AVX2 ones. */
+ * the NEON quantizers (quantize_neon.h, quant_search_vec.h), as mcf_store_codes32_avx2 is of the AVX2 ones. */
 static inline void mcf_store_codes32_neon(const int32x4_t q[8], int bits, uint8_t *dst)
 {
     int8x16_t b[2];
@@ -195,34 +169,6 @@ static inline void mcf_store_codes32_neon(const int32x4_t q[8], int bits, uint8_
     }
 }
 
-/* binary16 to float32, exactly as mcf_f16_to_f32_one: FCVTL widens exactly but quiets a signalling NaN, so
- * NaN lanes are rebuilt with integer operations (sign, all-ones exponent, payload << 13), as the scalar
- * code and the x86 variants do. */
-static inline float32x4_t mcf_h2f_neon(uint16x4_t h)
-{
-    float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u16(h));
-    uint32x4_t u = vmovl_u16(h);
-    uint32x4_t e = vandq_u32(u, vdupq_n_u32(0x7c00)), m = vandq_u32(u, vdupq_n_u32(0x3ff));
-    uint32x4_t isnan = vandq_u32(vceqq_u32(e, vdupq_n_u32(0x7c00)), vtstq_u32(m, m));
-    uint32x4_t nanv = vorrq_u32(vorrq_u32(vshlq_n_u32(vandq_u32(u, vdupq_n_u32(0x8000)), 16), vdupq_n_u32(0x7f800000)),
-                                vshlq_n_u32(m, 13));
-    return vbslq_f32(isnan, vreinterpretq_f32_u32(nanv), f);
-}
-
-/* 8 floats (two vectors) to the output format `kind` (fpconv.h) at out[idx]: all 8 lanes. */
-static inline void mcf_store8_neon(void *out, size_t idx, float32x4_t a, float32x4_t b, int kind)
-{
-    if (kind == MCF_OUT_F32) {
-        vst1q_f32((float *)out + idx, a);
-        vst1q_f32((float *)out + idx + 4, b);
-    } else if (kind == MCF_OUT_F16) {
-        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_f16_round_neon(a), mcf_f16_round_neon(b)));
-    } else {
-        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_bf16_round_neon(vreinterpretq_u32_f32(a)),
-                                                      mcf_bf16_round_neon(vreinterpretq_u32_f32(b))));
-    }
-}
-
 /* 16 bytes u as four float32x4 vectors of (float)u - bias, in order, for a bias of 0 .. 255 (signed codes are
  * passed as q ^ 0x80 with bias 128, q - 8 as q with bias 8...).  Each byte becomes the low byte of the float
  * 0x4B4000uu = 12582912 + u (two interleaves with zero and with 0x4B40), and one subtraction of
@@ -239,6 +185,66 @@ static inline void mcf_u8x16_to_f32_neon(uint8x16_t u, float bias, float32x4_t f
     f[1] = vsubq_f32(vreinterpretq_f32_u16(vzip2q_u16(w0, hi)), m);
     f[2] = vsubq_f32(vreinterpretq_f32_u16(vzip1q_u16(w1, hi)), m);
     f[3] = vsubq_f32(vreinterpretq_f32_u16(vzip2q_u16(w1, hi)), m);
+}
+#endif
+
+/* The vocabulary's helpers, for every ISA of this build (simd_vec.h): mcf_bf16_round_avx2 / _avx512 / _neon
+ * and mcf_h2f_avx2 / _avx512 / _neon, written once there. */
+#if defined(__x86_64__)
+#define MCF_VEC_ISA MCF_VEC_AVX2
+#include "simd_vec.h"
+#define MCF_VEC_ISA MCF_VEC_AVX512
+#include "simd_vec.h"
+#endif
+#if defined(__aarch64__)
+#define MCF_VEC_ISA MCF_VEC_NEON
+#include "simd_vec.h"
+#endif
+#define MCF_VEC_ISA MCF_VEC_NONE
+#include "simd_vec.h"
+
+#if defined(__x86_64__)
+/* 8 / 16 floats to the output format `kind` (fpconv.h) at out[idx] (AVX-512: the lanes of m); `stream`: float32
+ * only, streaming stores at 32- / 64-byte aligned addresses (mcf_use_streaming), every lane stored. */
+MCF_TARGET_AVX2 static inline void mcf_store8_avx2(void *out, size_t idx, __m256 w, int kind, int stream)
+{
+    if (kind == MCF_OUT_F32) {
+        if (stream) _mm256_stream_ps((float *)out + idx, w);
+        else _mm256_storeu_ps((float *)out + idx, w);
+    } else if (kind == MCF_OUT_F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + idx), mcf_bf16_round_avx2(_mm256_castps_si256(w)));
+    }
+}
+
+MCF_TARGET_AVX512 static inline void mcf_store16_avx512(void *out, size_t idx, __m512 w, int kind, __mmask16 m,
+                                                        int stream)
+{
+    if (kind == MCF_OUT_F32) {
+        if (stream && m == 0xffff) _mm512_stream_ps((float *)out + idx, w);
+        else _mm512_mask_storeu_ps((float *)out + idx, m, w);
+    } else if (kind == MCF_OUT_F16) {
+        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, _mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        _mm256_mask_storeu_epi16((uint16_t *)out + idx, m, mcf_bf16_round_avx512(_mm512_castps_si512(w)));
+    }
+}
+#endif
+
+#if defined(__aarch64__)
+/* 8 floats (two vectors) to the output format `kind` (fpconv.h) at out[idx]: all 8 lanes. */
+static inline void mcf_store8_neon(void *out, size_t idx, float32x4_t a, float32x4_t b, int kind)
+{
+    if (kind == MCF_OUT_F32) {
+        vst1q_f32((float *)out + idx, a);
+        vst1q_f32((float *)out + idx + 4, b);
+    } else if (kind == MCF_OUT_F16) {
+        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_f16_round_neon(a), mcf_f16_round_neon(b)));
+    } else {
+        vst1q_u16((uint16_t *)out + idx, vcombine_u16(mcf_bf16_round_neon(vreinterpretq_u32_f32(a)),
+                                                      mcf_bf16_round_neon(vreinterpretq_u32_f32(b))));
+    }
 }
 #endif
 

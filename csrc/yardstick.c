@@ -13,29 +13,33 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+/* Bytes i .. (the last whole 32) widened by aligned 32-byte stores, streaming or plain: `streaming` is a constant
+ * at both calls, so each inlined copy of the loop has one kind of store.  Returns where it stopped. */
+MCF_TARGET_AVX2 static inline __attribute__((always_inline)) size_t widen32_avx2(const uint8_t *src, uint32_t *dst,
+                                                                                 size_t i, size_t n, const int streaming)
+{
+    for (; i + 32 <= n; i += 32) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+        __m256i w[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                        _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+        for (int k = 0; k < 4; k++) {
+            if (streaming) _mm256_stream_si256((__m256i *)(dst + i + 8 * k), w[k]);
+            else _mm256_store_si256((__m256i *)(dst + i + 8 * k), w[k]);
+        }
+    }
+    return i;
+}
+
 MCF_TARGET_AVX2 static void widen_avx2(const uint8_t *src, uint32_t *dst, size_t n, int streaming)
 {
     size_t i = 0;
     for (; i < n && ((uintptr_t)(dst + i) & 31); i++) dst[i] = src[i];
     if (streaming) {
-        for (; i + 32 <= n; i += 32) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(src + i));
-            __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-            _mm256_stream_si256((__m256i *)(dst + i), _mm256_cvtepu8_epi32(lo));
-            _mm256_stream_si256((__m256i *)(dst + i + 8), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            _mm256_stream_si256((__m256i *)(dst + i + 16), _mm256_cvtepu8_epi32(hi));
-            _mm256_stream_si256((__m256i *)(dst + i + 24), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        }
+        i = widen32_avx2(src, dst, i, n, 1);
         _mm_sfence();
     } else {
-        for (; i + 32 <= n; i += 32) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(src + i));
-            __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-            _mm256_store_si256((__m256i *)(dst + i), _mm256_cvtepu8_epi32(lo));
-            _mm256_store_si256((__m256i *)(dst + i + 8), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            _mm256_store_si256((__m256i *)(dst + i + 16), _mm256_cvtepu8_epi32(hi));
-            _mm256_store_si256((__m256i *)(dst + i + 24), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        }
+        i = widen32_avx2(src, dst, i, n, 0);
     }
     for (; i < n; i++) dst[i] = src[i];
 }

@@ -75,6 +75,18 @@ def test_every_byte_as_torch_converts_it(name, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", sorted(ML) + ["f4"])
+def test_every_variant_writes_the_scalar_bits_nan_payloads_included(name, impl):
+    """Every byte (F4: every code in both nibbles) decodes to the scalar reference's float32 bits in every variant,
+    NaN payloads included (csrc/minifloat.h's promise). E5M2's signalling NaNs 0x7D / 0xFD are binary16's 0x7D00 /
+    0xFD00 widened exactly, payload kept (the x86 variants' vcvtph2ps used to quiet them to 0x7FE00000)."""
+    got, want = (_mx.decode_elements(BYTES, name, impl=i).view(np.uint32) for i in (impl, "scalar"))
+    assert np.array_equal(got, want), [(hex(b), hex(g), hex(w)) for b, g, w in zip(BYTES, got, want) if g != w]
+    if name == "f8_e5m2":
+        assert (hex(got[0x7D]), hex(got[0xFD])) == ("0x7fa00000", "0xffa00000")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_every_fp4_code_in_both_nibbles(impl):
     """All 16 E2M1 codes in the low nibble (element 2k) and in the high one (element 2k + 1), as ml_dtypes'
     float4_e2m1fn converts them (torch's float4_e2m1fn_x2 converts to nothing)."""
