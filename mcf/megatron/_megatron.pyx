@@ -529,6 +529,8 @@ cdef class _Table:
 
     cdef inline Py_ssize_t _locate(self, int64_t i) noexcept nogil:
         """The shard holding global sequence ``0 <= i < n``: the last k with starts[k] <= i."""
+        if self._k == 1:                         # one dataset
+            return 0
         cdef Py_ssize_t k = self._buckets[i >> self._shift], steps = 0, lo, hi, mid
         while self._starts[k + 1] <= i:          # ends: starts[K] = n > i
             k += 1
@@ -608,9 +610,8 @@ cdef class _Table:
 
     def gather(self, indices, out=None):
         """Read many sequences into one flat array: returns ``(tokens, offsets)`` with sequence ``k`` at
-        ``tokens[offsets[k]:offsets[k+1]]``.  Copies from mapped .bin files run with the GIL released;
-        ``out`` may be a preallocated 1-D array of the dataset's dtype (a prefix of it is filled and
-        returned)."""
+        ``tokens[offsets[k]:offsets[k+1]]``.  Copies from a mapped .bin run with the GIL released; ``out`` may
+        be a preallocated 1-D array of the dataset's dtype (a prefix of it is filled and returned)."""
         self._check_open()
         # Another thread may close the dataset whenever the GIL is released (numpy calls below may release
         # it, the copies do): the mappings and Sources stay alive through these references, and the shard
@@ -624,7 +625,7 @@ cdef class _Table:
         cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
         cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
         cdef int64_t j, ln, total = 0, n = self._n
-        cdef bint negative = False, unmapped = False
+        cdef bint negative = False
         cdef _Shard* sh
         # First pass, under the GIL (a shard touched for the first time is opened here): locate each
         # sequence.  It only reads the starts and buckets, which stay in the cache.
@@ -653,8 +654,6 @@ cdef class _Table:
                         bad = k
                         negative = True
                         break
-                    if sh.base == NULL and ln:
-                        unmapped = True
                     pl[2 * k + 1] = ld64(sh.ptrs + 8 * j)
                     total += ln
                     po[k + 1] = total
@@ -666,26 +665,14 @@ cdef class _Table:
         cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
         cdef int64_t isz = self._dtype.itemsize, p, nb
         cdef _Shard* shp
-        if not unmapped:
-            with nogil:
-                for k in range(m):
-                    if k + PREFETCH_AHEAD < m:
-                        # random sequences miss the caches: start loading one a few copies ahead
-                        shp = &self._shards[pl[2 * (k + PREFETCH_AHEAD)]]
-                        p = pl[2 * (k + PREFETCH_AHEAD) + 1]
-                        if shp.base != NULL and p >= 0 and <uint64_t>p < shp.size:
-                            mg_prefetch(shp.base + p)
-                    nb = (po[k + 1] - po[k]) * isz
-                    if nb == 0:
-                        continue
-                    sh = &self._shards[pl[2 * k]]
-                    p = pl[2 * k + 1]
-                    if p < 0 or <uint64_t>p > sh.size or <uint64_t>nb > sh.size - <uint64_t>p:
-                        bad = k
-                        break
-                    memcpy(dst + po[k] * isz, sh.base + p, <size_t>nb)
-        else:
+        with nogil:
             for k in range(m):
+                if k + PREFETCH_AHEAD < m:
+                    # random sequences miss the caches: start loading one a few copies ahead
+                    shp = &self._shards[pl[2 * (k + PREFETCH_AHEAD)]]
+                    p = pl[2 * (k + PREFETCH_AHEAD) + 1]
+                    if shp.base != NULL and p >= 0 and <uint64_t>p < shp.size:
+                        mg_prefetch(shp.base + p)
                 nb = (po[k + 1] - po[k]) * isz
                 if nb == 0:
                     continue
@@ -696,8 +683,9 @@ cdef class _Table:
                     break
                 if sh.base != NULL:
                     memcpy(dst + po[k] * isz, sh.base + p, <size_t>nb)
-                else:
-                    (<Source>srcs[pl[2 * k]]).copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
+                else:   # a .bin read through pread or a file object (a positional read per sequence)
+                    with gil:
+                        (<Source>srcs[pl[2 * k]]).copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
         del srcs, keep
         if bad >= 0:
             where = "" if self._k == 1 else f" of shard {pl[2 * bad]}"
