@@ -469,13 +469,19 @@ def _source(fn):
     return run
 
 
-def _gguf_rows(ctx, v):
-    import mcf.gguf
-    from pathlib import Path
+def _gguf_dequantize(kinds, call):
+    def run(ctx, v):
+        import mcf.gguf
+        from pathlib import Path
 
-    with mcf.gguf.open(str(Path(__file__).parent / "fixtures" / "gguf" / "golden_v3.gguf")) as g:
-        name = next(n for n, t in g.tensors.items() if t.type.kind in ("float", "quant") and t.shape and t.shape[0] > 2)
-        return g.dequantize(name, rows=(v, 2))
+        with mcf.gguf.open(str(Path(__file__).parent / "fixtures" / "gguf" / "golden_v3.gguf")) as g:
+            name = next(n for n, t in g.tensors.items() if t.type.kind in kinds and t.shape and t.shape[0] > 2)
+            return call(g, name, v)
+    return run
+
+
+_gguf_rows = _gguf_dequantize(("float", "quant"), lambda g, name, v: g.dequantize(name, rows=(v, 2)))
+_gguf_threads = _gguf_dequantize(("quant",), lambda g, name, v: g.dequantize(name, threads=v))
 
 
 def _load_multimodal_item(ctx, v):
@@ -561,6 +567,7 @@ INTEGER_SLOTS = {
     "Source.view(size)": _source(lambda s, v: s.view(0, v)),
     "Source.array(offset)": _source(lambda s, v: s.array(v, np.uint8, 4)),
     "gguf dequantize(rows)": _gguf_rows,
+    "gguf dequantize(threads)": _gguf_threads,
     "Writer.add_tensor_bytes(shape)": lambda ctx, v: _bytes_writer_shape(ctx, v),
     "megatron Writer(vocab_size)": (lambda ctx, v: _vocab_writer(ctx, v), 1000),
     "megacontext create(embedding_dim)": (lambda ctx, v: _create_tree(ctx, embedding_dim=v), 8),

@@ -5,17 +5,16 @@ GIL released.  The C variant (scalar / avx2 / avx512 on x86-64, scalar / neon on
 ``MCF_FORCE_IMPL`` environment variable, or the ``impl=`` keyword.
 """
 
-import threading
-
 import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, int8_t, int32_t, uintptr_t
 
-from mcf._core.args import byte_order_problem, integer, row_range
+from mcf._core.args import integer, row_range
 from mcf._core._io import aligned_empty
 from mcf.errors import InvalidArgumentError
 from mcf._core._fpconv import IMPLS, env_impl, supported_impls
 from mcf._core._buffers cimport check_out, flat_bytes
+from mcf._core._kernel_args cimport MCF_OUT_F32, out_kind as _out_kind, rows_job, run_split, thread_count
 from mcf._core._fpconv cimport resolve_impl as _resolve_impl
 from mcf._core.block_layout import Domain, quant_layout
 
@@ -23,9 +22,6 @@ cdef extern from "cpu.h" nogil:
     int mcf_cpu_best()
     int mcf_cpu_supports(int impl)
     const char* mcf_impl_name(int impl)
-
-cdef extern from "fpconv.h" nogil:
-    enum: MCF_OUT_F32, MCF_OUT_F16, MCF_OUT_BF16
 
 cdef extern from "quant.h" nogil:
     enum: MCF_FAM_RAW, MCF_FAM_BLOCK, MCF_FAM_SUPER
@@ -72,23 +68,11 @@ def kernel_info():
             "forced": forced, "env": "MCF_FORCE_IMPL"}
 
 
-cdef int _out_kind(object dt) except -1:
-    msg = byte_order_problem(dt, "the output dtype")
-    if msg:
-        raise InvalidArgumentError(msg)
-    if dt == np.float32:
-        return MCF_OUT_F32
-    if dt == np.float16:
-        return MCF_OUT_F16
-    if dt.name == "bfloat16" or dt == np.uint16:
-        return MCF_OUT_BF16
-    raise InvalidArgumentError(f"output dtype must be float32, float16 or bfloat16, got {dt}")
-
-
 def out_kind(dt):
     """The C kernels' output code of a numpy dtype (MCF_OUT_F32 / _F16 / _BF16 of csrc/fpconv.h; bfloat16
-    also as its uint16 bits); the one place that maps output dtypes, for every compiled module."""
-    return _out_kind(np.dtype(dt))
+    also as its uint16 bits): the mapping every compiled module cimports (mcf/_core/_kernel_args.pxd), shown
+    to Python."""
+    return _out_kind(dt)
 
 
 cdef class _Tensor:
@@ -209,6 +193,11 @@ def _row_range(rows, total):
     return row_range(rows, total, InvalidArgumentError)
 
 
+cdef void _dequant_rows(const void* job, size_t a, size_t b) noexcept nogil:
+    cdef const rows_job* j = <const rows_job*>job
+    mcf_dequant_rows(<const mcf_qtensor*>j.tensor, a, b, j.out + (a - j.r0) * j.row_bytes, j.kind, j.impl)
+
+
 def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.float32, row_range=None,
                out=None, impl=None, threads=1):
     """Dequantize a quantized payload (rows ``row_range`` only, default all) to a [n, cols] array."""
@@ -216,6 +205,7 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
     cdef size_t r0, r1
     a, b = _row_range(row_range, rows)
     r0, r1 = a, b
+    cdef Py_ssize_t nthreads = thread_count(threads)
     dt = np.dtype(dtype)
     cdef int kind = _out_kind(dt)
     n = (b - a) * cols
@@ -232,22 +222,8 @@ def dequantize(payload, code, rows, cols, *, domain=Domain.WEIGHTS, dtype=np.flo
     cdef size_t c = cols
     if n == 0:
         return out
-    nthreads = max(1, min(integer(threads, "threads"), int(b - a)))
-    if nthreads == 1:
-        with nogil:
-            mcf_dequant_rows(&qt.t, r0, r1, <void*>optr, kind, im)
-        return out
-    cuts = [a + (b - a) * k // nthreads for k in range(nthreads + 1)]
-
-    def work(size_t s, size_t e):
-        with nogil:
-            mcf_dequant_rows(&qt.t, s, e, <void*>(optr + (s - r0) * c * esize), kind, im)
-
-    ts = [threading.Thread(target=work, args=(cuts[k], cuts[k + 1])) for k in range(nthreads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    cdef rows_job job = rows_job(&qt.t, <char*>optr, r0, c * esize, kind, im)
+    run_split(_dequant_rows, &job, r0, r1, nthreads)
     return out
 
 

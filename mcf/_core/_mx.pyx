@@ -11,18 +11,16 @@ refused with the index of the first such scale), before the C code runs with the
 (scalar / avx2 / avx512 / neon) is chosen as for every kernel: ``impl=``, ``MCF_FORCE_IMPL``, or the CPU.
 """
 
-import threading
-
 import numpy as np
 
 from libc.stdint cimport uint8_t, uintptr_t
 
 from mcf._core.args import integer, row_range as _row_range
 from mcf._core._io import aligned_empty
-from mcf._core._kernels import out_kind
 from mcf._core.dtypes import DType, parse_dtype
 from mcf.errors import DTypeError, FormatError, InvalidArgumentError
 from mcf._core._buffers cimport check_out, flat_bytes
+from mcf._core._kernel_args cimport out_kind, rows_job, run_split, thread_count
 from mcf._core._fpconv cimport resolve_impl
 from mcf._core.scaled import nan_scales, scaled_layout
 
@@ -137,6 +135,11 @@ cdef class _Scaled:
                 self.t.glob = float(buf[off:off + 4].view("<f4")[0])
 
 
+cdef void _dequant_rows(const void* job, size_t a, size_t b) noexcept nogil:
+    cdef const rows_job* j = <const rows_job*>job
+    mcf_mx_dequant_rows(<const mcf_mxtensor*>j.tensor, a, b, j.out + (a - j.r0) * j.row_bytes, j.kind, j.impl)
+
+
 def dequantize(payload, code, shape, *, dtype=np.float32, row_range=None, out=None, impl=None, threads=1):
     """Decode an mxfp4 / nvfp4 / f8_e4m3_b128 payload of tensor shape ``shape`` (payload rows: every dimension
     but the last) to a ``[n, cols]`` float32 / float16 / bfloat16 array, payload rows ``row_range`` only
@@ -148,6 +151,7 @@ def dequantize(payload, code, shape, *, dtype=np.float32, row_range=None, out=No
     cdef _Scaled st = _Scaled(payload, info, shape)
     rows, cols = st.layout.rows, st.layout.cols
     a, b = _row_range(row_range, rows, InvalidArgumentError)
+    cdef Py_ssize_t nthreads = thread_count(threads)
     bad = first_nan_scale(st.keep, info, shape, rows=(a, b))
     if bad is not None:
         raise FormatError("a NaN block scale: every value of its block would decode to NaN", field=bad[0],
@@ -166,20 +170,6 @@ def dequantize(payload, code, shape, *, dtype=np.float32, row_range=None, out=No
     cdef size_t esize = out.dtype.itemsize, c = cols, r0 = a, r1 = b
     if n == 0:
         return out
-    nthreads = max(1, min(integer(threads, "threads"), int(b - a)))
-    if nthreads == 1:
-        with nogil:
-            mcf_mx_dequant_rows(&st.t, r0, r1, <void*>optr, kind, im)
-        return out
-    cuts = [a + (b - a) * k // nthreads for k in range(nthreads + 1)]
-
-    def work(size_t s, size_t e):
-        with nogil:
-            mcf_mx_dequant_rows(&st.t, s, e, <void*>(optr + (s - r0) * c * esize), kind, im)
-
-    ts = [threading.Thread(target=work, args=(cuts[k], cuts[k + 1])) for k in range(nthreads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    cdef rows_job job = rows_job(&st.t, <char*>optr, r0, c * esize, kind, im)
+    run_split(_dequant_rows, &job, r0, r1, nthreads)
     return out

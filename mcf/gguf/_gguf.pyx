@@ -5,13 +5,12 @@ variant (scalar / avx2 / avx512 / neon) is chosen as in :mod:`mcf._core._kernels
 ``impl=``).
 """
 
-import threading
-
 import numpy as np
 
 from libc.stdint cimport uint8_t, uint16_t, uintptr_t
 
 from mcf._core._buffers cimport check_out, flat_bytes
+from mcf._core._kernel_args cimport out_kind, run_split, thread_count
 from mcf._core._fpconv cimport resolve_impl
 from mcf._core._fpconv import IMPLS
 from mcf.errors import DTypeError, InvalidArgumentError
@@ -52,7 +51,21 @@ def table(str name):
     return (<const char*>p)[:n]
 
 
-from mcf._core._kernels import out_kind as _kind  # one output-dtype table for every kernel module
+cdef struct _Blocks:          # one dequantize_blocks call, for the split (_kernel_args.run_split)
+    int gtype
+    const uint8_t* src
+    char* out
+    size_t type_size, out_block_bytes
+    int kind, impl
+
+
+cdef void _dequant_blocks(const void* job, size_t a, size_t b) noexcept nogil:
+    cdef const _Blocks* j = <const _Blocks*>job
+    mcf_gguf_dequant(j.gtype, j.src + a * j.type_size, b - a, j.out + a * j.out_block_bytes, j.kind, j.impl)
+
+
+cdef enum:
+    MIN_BLOCKS_PER_THREAD = 16   # a thread decodes 16 blocks at least (512+ values): fewer are not worth one
 
 
 def dequantize_blocks(src, int gtype, nblocks, out, *, threads=1, impl=None):
@@ -64,35 +77,24 @@ def dequantize_blocks(src, int gtype, nblocks, out, *, threads=1, impl=None):
     nb = int(nblocks)
     if nb < 0:
         raise InvalidArgumentError("negative block count")
+    cdef Py_ssize_t nthreads = min(thread_count(threads), nb // MIN_BLOCKS_PER_THREAD)
     a = flat_bytes(src)
     if a.size < nb * ts:
         raise InvalidArgumentError(f"source has {a.size} bytes, {nb} blocks need {nb * ts}")
     check_out(out, "out")
     if out.size < nb * bs:
         raise InvalidArgumentError(f"out holds {out.size} values, {nb} blocks give {nb * bs}")
-    cdef int kind = _kind(out.dtype)
-    cdef int im = resolve_impl(impl)
+    cdef _Blocks job
+    job.kind = out_kind(out.dtype)
+    job.impl = resolve_impl(impl)
     if nb == 0:
         return out
-    cdef uintptr_t sp = a.ctypes.data, op = out.ctypes.data
-    cdef size_t osize = out.dtype.itemsize
-    cdef size_t n = nb
-    nthreads = max(1, min(int(threads), nb // 16 or 1))
-    if nthreads == 1:
-        with nogil:
-            mcf_gguf_dequant(gtype, <const uint8_t*>sp, n, <void*>op, kind, im)
-        return out
-    cuts = [nb * k // nthreads for k in range(nthreads + 1)]
-
-    def work(size_t s, size_t e):
-        with nogil:
-            mcf_gguf_dequant(gtype, <const uint8_t*>(sp + s * ts), e - s, <void*>(op + s * bs * osize), kind, im)
-
-    ts_ = [threading.Thread(target=work, args=(cuts[k], cuts[k + 1])) for k in range(nthreads)]
-    for t in ts_:
-        t.start()
-    for t in ts_:
-        t.join()
+    job.gtype = gtype
+    job.src = <const uint8_t*><uintptr_t>a.ctypes.data
+    job.out = <char*><uintptr_t>out.ctypes.data
+    job.type_size = ts
+    job.out_block_bytes = bs * out.dtype.itemsize
+    run_split(_dequant_blocks, &job, 0, nb, nthreads)
     return out
 
 

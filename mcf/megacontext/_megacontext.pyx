@@ -7,8 +7,6 @@ released.  Files are read through the I/O core: straight from the mapping when a
 else one positional read per plan entry into scratch memory first.
 """
 
-import threading
-
 import numpy as np
 
 cimport numpy as cnp
@@ -17,6 +15,7 @@ from libc.string cimport memcpy, memset
 
 from mcf._core._buffers cimport check_out
 from mcf._core._fpconv cimport resolve_impl as _resolve_impl
+from mcf._core._kernel_args cimport run_split, thread_count
 from mcf._core._io cimport Source
 
 from mcf._core.args import byte_order_problem
@@ -249,25 +248,18 @@ cdef _table_info(table, uint32_t dim):
 STREAM_BYTES = 8 << 20
 
 
-def _copy_threads(size_t addr, const int64_t[::1] cuts, int stream):
-    """Run mc_copy_rows over the row ranges [cuts[i], cuts[i+1]) on one thread each."""
-    cdef Py_ssize_t nt = cuts.shape[0] - 1
+cdef struct _Copy:            # the copy loop of one assembly, for the row split (_kernel_args.run_split)
+    const mc_assembly* a
+    int stream
 
-    def work(Py_ssize_t t):
-        cdef size_t a0 = <size_t>cuts[t], a1 = <size_t>cuts[t + 1]
-        with nogil:
-            mc_copy_rows(<const mc_assembly*><uintptr_t>addr, a0, a1, stream)
 
-    ts = [threading.Thread(target=work, args=(t,)) for t in range(1, nt)]
-    for th in ts:
-        th.start()
-    work(0)
-    for th in ts:
-        th.join()
+cdef void _copy_rows(const void* job, size_t r0, size_t r1) noexcept nogil:
+    cdef const _Copy* j = <const _Copy*>job
+    mc_copy_rows(j.a, r0, r1, j.stream)
 
 
 def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, tuple gist_codes,
-             plan_levels, plan_index, table=None, out=None, out_dtype=None, int threads=1, impl=None):
+             plan_levels, plan_index, table=None, out=None, out_dtype=None, threads=1, impl=None):
     """Gather a working context in one pass.
 
     ``sources`` = (LOD0, LOD1, LOD2) :class:`mcf.io.Source` (LOD1/LOD2 may be None when the plan has
@@ -287,6 +279,7 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, tup
     cdef size_t grow1 = _row_bytes(c1, dim), grow2 = _row_bytes(c2, dim)
     cdef size_t grow = max(grow1, grow2)
     cdef int im = _resolve_impl(impl)
+    cdef Py_ssize_t nt = thread_count(threads)
     if block_size == 0 or dim == 0:
         raise InvalidArgumentError("block_size and dim must be >= 1")
     lv = np.ascontiguousarray(plan_levels)
@@ -462,16 +455,15 @@ def assemble(tuple sources, tuple counts, uint32_t block_size, uint32_t dim, tup
     cdef int64_t bad
     cdef size_t ncp = n_copy
     cdef int stream = (n_copy * a.out_row_bytes) >= STREAM_BYTES
-    cdef Py_ssize_t nt = max(1, min(threads, n_copy))
-    if nt == 1:
+    cdef _Copy job = _Copy(&a, stream)
+    if nt == 1 or ncp < 2:
         with nogil:
             bad = mc_assemble(&a, <size_t>m, ncp, stream)
     else:
         with nogil:
             bad = mc_plan_rows(&a, 0, <size_t>m)
         if bad < 0:
-            cuts = np.unique((np.arange(nt + 1, dtype=np.int64) * n_copy) // nt).astype(np.int64)
-            _copy_threads(<size_t><uintptr_t>&a, cuts, stream)
+            run_split(_copy_rows, &job, 0, ncp, nt)
     if bad >= 0:
         # find the token behind output row `bad`
         e = int(np.searchsorted(out_row, bad, side="right")) - 1

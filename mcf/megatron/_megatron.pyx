@@ -416,179 +416,7 @@ cdef int64_t _part_of(object offset, object length, int64_t ln, Py_ssize_t i, in
     return off
 
 
-cdef class SequenceTable:
-    """Per-sequence access over validated index arrays; the base class of ``IndexedDataset``.
-
-    ``_bind`` is called once the Python side has validated the index against the .bin.  Integer
-    indexing, ``get`` and ``gather`` run here; every other key goes to ``self._getitem_other``.
-    """
-
-    cdef const uint8_t* _lens        # int32[n], unaligned
-    cdef const uint8_t* _ptrs        # int64[n], unaligned
-    cdef Py_ssize_t _n
-    cdef object _idx_keep            # owns _lens/_ptrs
-    cdef Source _bin
-    cdef const uint8_t* _bin_base    # mapping of the .bin, or NULL (pread, file-like, empty)
-    cdef object _bin_whole           # owner of the mapping, the base of every view
-    cdef uint64_t _bin_size
-    cdef cnp.dtype _dtype
-    cdef int64_t _itemsize
-    cdef bint _bound
-
-    def _bind(self, const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n, object idx_keep,
-              Source bin_src, cnp.dtype dtype):
-        if n < 0 or lens.shape[0] < 4 * n or ptrs.shape[0] < 8 * n:
-            raise InvalidArgumentError("_bind: index arrays too small")
-        self._lens = &lens[0] if n else NULL
-        self._ptrs = &ptrs[0] if n else NULL
-        self._n = n
-        self._idx_keep = (idx_keep, lens, ptrs)
-        self._bin = bin_src
-        self._bin_base = bin_src.base
-        self._bin_whole = bin_src._whole if bin_src.base != NULL else None
-        self._bin_size = bin_src._size
-        self._dtype = dtype
-        self._itemsize = dtype.itemsize
-        self._bound = True
-
-    def _unbind(self):
-        """Drop the index and the .bin; arrays handed out earlier keep what they reference alive."""
-        self._bound = False
-        self._lens = NULL
-        self._ptrs = NULL
-        self._bin_base = NULL
-        self._bin_whole = None
-        self._idx_keep = None
-        self._bin = None
-
-    cdef inline int _check_open(self) except -1:
-        if not self._bound:
-            raise ClosedError("the dataset is closed")
-        return 0
-
-    cdef inline Py_ssize_t _norm(self, object idx) except -2:
-        return _norm_index(idx, self._n)
-
-    cdef object _read(self, int64_t ptr, int64_t count):
-        """``count`` items at byte offset ``ptr`` of the .bin: a view when mapped, else a new array."""
-        # owned references taken first: the allocation inside may let a closing thread run and drop them
-        cdef Source bin_src = self._bin
-        whole = self._bin_whole
-        return _read_bin(bin_src, self._bin_base, whole, self._bin_size, self._dtype, ptr, count)
-
-    def __len__(self):
-        return self._n
-
-    def __getitem__(self, idx):
-        cdef Py_ssize_t i
-        if type(idx) is int or _is_np_integer(idx):
-            self._check_open()
-            i = self._norm(idx)
-            return self._read(ld64(self._ptrs + 8 * i), ld32(self._lens + 4 * i))
-        return self._getitem_other(idx)
-
-    def get(self, idx, offset=0, length=None):
-        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end when ``length`` is None).
-
-        Unlike Megatron's ``IndexedDataset.get``, a range outside the sequence raises
-        :class:`mcf.OutOfBoundsError` instead of reading into the next sequence or past the file."""
-        self._check_open()
-        cdef Py_ssize_t i = self._norm(idx)
-        cdef int64_t ln = ld32(self._lens + 4 * i)
-        cdef int64_t cnt
-        cdef int64_t off = _part_of(offset, length, ln, i, &cnt)
-        return self._read(ld64(self._ptrs + 8 * i) + off * self._itemsize, cnt)
-
-    def _sequence_length(self, idx):
-        self._check_open()
-        cdef Py_ssize_t i = self._norm(idx)
-        return ld32(self._lens + 4 * i)
-
-    def gather(self, indices, out=None):
-        """Read many sequences into one flat array: returns ``(tokens, offsets)`` with sequence ``k`` at
-        ``tokens[offsets[k]:offsets[k+1]]``.  Copies run with the GIL released; ``out`` may be a
-        preallocated 1-D array of the dataset's dtype (a prefix of it is filled and returned)."""
-        self._check_open()
-        # Everything the copies use is taken now, in one step under the GIL: another thread may close
-        # the dataset whenever the GIL is released (numpy calls below may release it, the copies do).
-        # The mappings and the Source stay alive through these references; a closed Source then
-        # raises instead of being dereferenced as None.
-        keep = (self._bin_whole, self._idx_keep)
-        cdef Source bin_src = self._bin
-        cdef const uint8_t* base = self._bin_base
-        cdef const uint8_t* ptrs = self._ptrs
-        cdef const uint8_t* lens = self._lens
-        cdef uint64_t size = self._bin_size
-        idx_arr = index_array(indices, self._n)   # numpy's rules: integers, or a mask of N bools
-        cdef const int64_t[::1] ix = idx_arr
-        cdef Py_ssize_t m = ix.shape[0], k, bad = -1
-        cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
-        cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
-        cdef int64_t j, ln, total = 0, n = self._n
-        cdef bint negative = False
-        with nogil:
-            po[0] = 0
-            for k in range(m):
-                j = ix[k]
-                if j < 0:
-                    j = j + n
-                if j < 0 or j >= n:
-                    bad = k
-                    break
-                ln = ld32(lens + 4 * j)
-                if ln < 0:  # only possible with validate=False
-                    bad = k
-                    negative = True
-                    break
-                total += ln
-                po[k + 1] = total
-        if bad >= 0:
-            if negative:
-                raise OutOfBoundsError(f"sequence {ix[bad]} has a negative length in the index")
-            raise OutOfBoundsError(f"indices[{bad}] = {ix[bad]} out of range for {n} sequences")
-        cdef cnp.ndarray res = _gather_output(out, self._dtype, total)
-        cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
-        cdef int64_t isz = self._itemsize, p, nb
-        cdef int64_t jp, pp
-        if base != NULL:
-            with nogil:
-                for k in range(m):
-                    if k + PREFETCH_AHEAD < m:
-                        # random sequences miss the caches: start loading one a few copies ahead
-                        jp = ix[k + PREFETCH_AHEAD]
-                        if jp < 0:
-                            jp = jp + n
-                        pp = ld64(ptrs + 8 * jp)
-                        if pp >= 0 and <uint64_t>pp < size:
-                            mg_prefetch(base + pp)
-                    j = ix[k]
-                    if j < 0:
-                        j = j + n
-                    p = ld64(ptrs + 8 * j)
-                    nb = (po[k + 1] - po[k]) * isz
-                    if p < 0 or <uint64_t>p > size or <uint64_t>nb > size - <uint64_t>p:
-                        bad = k
-                        break
-                    memcpy(dst + po[k] * isz, base + p, <size_t>nb)
-        else:
-            for k in range(m):
-                j = ix[k]
-                if j < 0:
-                    j = j + n
-                p = ld64(ptrs + 8 * j)
-                nb = (po[k + 1] - po[k]) * isz
-                if p < 0 or <uint64_t>p > size or <uint64_t>nb > size - <uint64_t>p:
-                    bad = k
-                    break
-                if nb:
-                    bin_src.copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
-        del keep
-        if bad >= 0:
-            raise OutOfBoundsError(f"sequence {ix[bad]} lies outside the .bin")
-        return res, offsets
-
-
-# -- many datasets read as one -------------------------------------------------------------------------
+# -- one dataset, or many read as one -------------------------------------------------------------------
 cdef struct _Shard:
     const uint8_t* lens          # int32[n], unaligned
     const uint8_t* ptrs          # int64[n], unaligned
@@ -598,15 +426,16 @@ cdef struct _Shard:
     int ready                    # bound by _bind_shard
 
 
-cdef class ShardTable:
-    """Per-sequence access over many datasets as one, with global sequence ids; the base class of
-    ``ShardedDataset``.
+cdef class _Table:
+    """Per-sequence access over datasets read as one, with global sequence ids: the compiled part of
+    ``IndexedDataset`` (one dataset is a one-shard table, :class:`SequenceTable`) and of ``ShardedDataset``
+    (:class:`ShardTable`).  Integer indexing, ``get`` and ``gather`` run here; every other key goes to
+    ``self._getitem_other``.
 
-    Shard ``k`` holds the global sequences ``[starts[k], starts[k+1])``.  The starts come from the
-    headers (or a shard list), so nothing of a shard is read until it is first touched: then the
-    Python side opens and validates it (``_open_shard(k)``) and binds its arrays (``_bind_shard``).
-    A lookup starts at the shard of its bucket (buckets about half a shard wide) and moves on a step or
-    two; a long run of tiny shards falls back to a binary search.
+    Shard ``k`` holds the global sequences ``[starts[k], starts[k+1])``.  A shard's arrays are bound once the
+    Python side has validated its index against its .bin (``_bind_shard``); a table of many binds each on
+    first touch (``self._open_shard(k)``).  A lookup starts at the shard of its bucket (buckets about half
+    a shard wide) and moves on a step or two; a long run of tiny shards falls back to a binary search.
     """
 
     cdef int64_t* _starts        # K + 1 global sequence ids
@@ -617,7 +446,7 @@ cdef class ShardTable:
     cdef int64_t _n
     cdef list _srcs              # per shard: the .bin Source once bound
     cdef list _keep              # per shard: what owns its mapping and index arrays once bound; the list
-                                 # itself is the owner (numpy base) of every view handed out
+                                 # itself is the owner (numpy base) of the views of a table of many shards
     cdef cnp.dtype _dtype
     cdef bint _bound
 
@@ -626,7 +455,7 @@ cdef class ShardTable:
         free(self._buckets)
         free(self._shards)
 
-    def _init_table(self, starts, cnp.dtype dtype):
+    cdef int _setup(self, starts, cnp.dtype dtype) except -1:
         a = np.ascontiguousarray(starts, dtype=np.int64)
         if a.ndim != 1 or a.shape[0] < 1 or int(a[0]) != 0 or (a.shape[0] > 1 and bool((np.diff(a) < 0).any())):
             raise InvalidArgumentError("_init_table: starts must run from 0 without decreasing")
@@ -661,6 +490,7 @@ cdef class ShardTable:
         self._keep = [None] * k
         self._dtype = dtype
         self._bound = True
+        return 0
 
     def _bind_shard(self, Py_ssize_t k, const uint8_t[::1] lens, const uint8_t[::1] ptrs, Py_ssize_t n,
                     object idx_keep, Source bin_src, cnp.dtype dtype):
@@ -689,9 +519,6 @@ cdef class ShardTable:
         self._srcs = None
         self._keep = None
 
-    def _shard_bound(self, Py_ssize_t k):
-        return 0 <= k < self._k and self._shards[k].ready != 0
-
     cdef inline int _check_open(self) except -1:
         if not self._bound:
             raise ClosedError("the dataset is closed")
@@ -702,6 +529,8 @@ cdef class ShardTable:
 
     cdef inline Py_ssize_t _locate(self, int64_t i) noexcept nogil:
         """The shard holding global sequence ``0 <= i < n``: the last k with starts[k] <= i."""
+        if self._k == 1:                         # one dataset
+            return 0
         cdef Py_ssize_t k = self._buckets[i >> self._shift], steps = 0, lo, hi, mid
         while self._starts[k + 1] <= i:          # ends: starts[K] = n > i
             k += 1
@@ -726,15 +555,21 @@ cdef class ShardTable:
                 raise AssertionError(f"shard {k} was not bound by _open_shard")
         return 0
 
+    cdef object _read(self, Py_ssize_t k, int64_t ptr, int64_t count):
+        """``count`` items at byte ``ptr`` of shard ``k``'s .bin: a view when mapped, else a new array."""
+        self._check_open()   # again: the caller may have let a closing thread run (a Python call)
+        cdef _Shard* sh = &self._shards[k]
+        if sh.base == NULL:
+            return _read_bin(<Source>self._srcs[k], NULL, None, sh.size, self._dtype, ptr, count)
+        # The view's owner, an owned reference taken before the allocation inside may let a closing thread
+        # run: for many shards the list that keeps every bound shard's mapping alive (one object, hot in the
+        # cache, instead of one per shard: with a thousand shards, touching per-shard objects costs more
+        # than the rest of the lookup); for one, the mapping of its .bin alone.
+        owner = self._keep if self._k > 1 else (<tuple>self._keep[0])[0]
+        return _read_bin(None, sh.base, owner, sh.size, self._dtype, ptr, count)
+
     def __len__(self):
         return self._n
-
-    def _locate_sequence(self, idx):
-        """(shard, local sequence id) of global sequence ``idx``."""
-        self._check_open()
-        cdef Py_ssize_t i = self._norm(idx)
-        cdef Py_ssize_t k = self._locate(i)
-        return k, i - self._starts[k]
 
     def __getitem__(self, idx):
         cdef Py_ssize_t i, k, j
@@ -747,16 +582,14 @@ cdef class ShardTable:
             if not sh.ready:
                 self._ready(k)
             j = i - self._starts[k]
-            # The view's owner is the list that keeps every bound shard's mapping alive: one object, hot
-            # in the cache, instead of one per shard (with a thousand shards, touching per-shard objects
-            # costs more than the rest of the lookup).
-            return _read_bin(None if sh.base != NULL else <Source>self._srcs[k], sh.base, self._keep, sh.size,
-                             self._dtype, ld64(sh.ptrs + 8 * j), ld32(sh.lens + 4 * j))
+            return self._read(k, ld64(sh.ptrs + 8 * j), ld32(sh.lens + 4 * j))
         return self._getitem_other(idx)
 
     def get(self, idx, offset=0, length=None):
-        """Tokens ``[offset, offset + length)`` of global sequence ``idx`` (to its end when ``length`` is
-        None); a range outside the sequence raises :class:`mcf.OutOfBoundsError`."""
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end when ``length`` is None).
+
+        Unlike Megatron's ``IndexedDataset.get``, a range outside the sequence raises
+        :class:`mcf.OutOfBoundsError` instead of reading into the next sequence or past the file."""
         self._check_open()
         cdef Py_ssize_t i = self._norm(idx)
         cdef Py_ssize_t k = self._locate(i)
@@ -766,8 +599,7 @@ cdef class ShardTable:
         cdef int64_t ln = ld32(sh.lens + 4 * j)
         cdef int64_t cnt
         cdef int64_t off = _part_of(offset, length, ln, i, &cnt)
-        return _read_bin(None if sh.base != NULL else <Source>self._srcs[k], sh.base, self._keep, sh.size,
-                         self._dtype, ld64(sh.ptrs + 8 * j) + off * self._dtype.itemsize, cnt)
+        return self._read(k, ld64(sh.ptrs + 8 * j) + off * self._dtype.itemsize, cnt)
 
     def _sequence_length(self, idx):
         self._check_open()
@@ -777,12 +609,15 @@ cdef class ShardTable:
         return ld32(self._shards[k].lens + 4 * (i - self._starts[k]))
 
     def gather(self, indices, out=None):
-        """Read many global sequences into one flat array: returns ``(tokens, offsets)`` with sequence
-        ``k`` at ``tokens[offsets[k]:offsets[k+1]]``.  Copies from mapped shards run with the GIL
-        released; ``out`` may be a preallocated 1-D array of the dataset's dtype."""
+        """Read many sequences into one flat array: returns ``(tokens, offsets)`` with sequence ``k`` at
+        ``tokens[offsets[k]:offsets[k+1]]``.  Copies from a mapped .bin run with the GIL released; ``out`` may
+        be a preallocated 1-D array of the dataset's dtype (a prefix of it is filled and returned)."""
         self._check_open()
-        srcs, keep = self._srcs, self._keep   # owned: a closing thread cannot unmap what is copied
-        idx_arr = index_array(indices, self._n)   # numpy's rules, as on one dataset: integers or a mask
+        # Another thread may close the dataset whenever the GIL is released (numpy calls below may release
+        # it, the copies do): the mappings and Sources stay alive through these references, and the shard
+        # slots until the table is freed.
+        srcs, keep = self._srcs, self._keep
+        idx_arr = index_array(indices, self._n)   # numpy's rules: integers, or a mask of N bools
         cdef const int64_t[::1] ix = idx_arr
         cdef Py_ssize_t m = ix.shape[0], k, s, bad = -1
         cdef cnp.ndarray loc = np.empty(2 * m, dtype=np.int64)   # (shard, byte offset in its .bin) of each
@@ -790,7 +625,7 @@ cdef class ShardTable:
         cdef cnp.ndarray offsets = np.empty(m + 1, dtype=np.int64)
         cdef int64_t* po = <int64_t*>cnp.PyArray_DATA(offsets)
         cdef int64_t j, ln, total = 0, n = self._n
-        cdef bint negative = False, unmapped = False
+        cdef bint negative = False
         cdef _Shard* sh
         # First pass, under the GIL (a shard touched for the first time is opened here): locate each
         # sequence.  It only reads the starts and buckets, which stay in the cache.
@@ -819,8 +654,6 @@ cdef class ShardTable:
                         bad = k
                         negative = True
                         break
-                    if sh.base == NULL and ln:
-                        unmapped = True
                     pl[2 * k + 1] = ld64(sh.ptrs + 8 * j)
                     total += ln
                     po[k + 1] = total
@@ -832,26 +665,14 @@ cdef class ShardTable:
         cdef uint8_t* dst = <uint8_t*>cnp.PyArray_DATA(res)
         cdef int64_t isz = self._dtype.itemsize, p, nb
         cdef _Shard* shp
-        if not unmapped:
-            with nogil:
-                for k in range(m):
-                    if k + PREFETCH_AHEAD < m:
-                        # random sequences miss the caches: start loading one a few copies ahead
-                        shp = &self._shards[pl[2 * (k + PREFETCH_AHEAD)]]
-                        p = pl[2 * (k + PREFETCH_AHEAD) + 1]
-                        if shp.base != NULL and p >= 0 and <uint64_t>p < shp.size:
-                            mg_prefetch(shp.base + p)
-                    nb = (po[k + 1] - po[k]) * isz
-                    if nb == 0:
-                        continue
-                    sh = &self._shards[pl[2 * k]]
-                    p = pl[2 * k + 1]
-                    if p < 0 or <uint64_t>p > sh.size or <uint64_t>nb > sh.size - <uint64_t>p:
-                        bad = k
-                        break
-                    memcpy(dst + po[k] * isz, sh.base + p, <size_t>nb)
-        else:
+        with nogil:
             for k in range(m):
+                if k + PREFETCH_AHEAD < m:
+                    # random sequences miss the caches: start loading one a few copies ahead
+                    shp = &self._shards[pl[2 * (k + PREFETCH_AHEAD)]]
+                    p = pl[2 * (k + PREFETCH_AHEAD) + 1]
+                    if shp.base != NULL and p >= 0 and <uint64_t>p < shp.size:
+                        mg_prefetch(shp.base + p)
                 nb = (po[k + 1] - po[k]) * isz
                 if nb == 0:
                     continue
@@ -862,10 +683,43 @@ cdef class ShardTable:
                     break
                 if sh.base != NULL:
                     memcpy(dst + po[k] * isz, sh.base + p, <size_t>nb)
-                else:
-                    (<Source>srcs[pl[2 * k]]).copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
+                else:   # a .bin read through pread or a file object (a positional read per sequence)
+                    with gil:
+                        (<Source>srcs[pl[2 * k]]).copy_to(<uint64_t>p, <size_t>nb, dst + po[k] * isz)
         del srcs, keep
         if bad >= 0:
-            raise OutOfBoundsError(f"sequence {ix[bad]} lies outside its shard's .bin")
+            where = "" if self._k == 1 else f" of shard {pl[2 * bad]}"
+            raise OutOfBoundsError(f"sequence {ix[bad]} lies outside the .bin{where}")
         return res, offsets
 
+
+cdef class SequenceTable(_Table):
+    """One dataset as a table of one shard; the base class of ``IndexedDataset``.  ``_bind`` is called once
+    the Python side has validated the index against the .bin."""
+
+    def _bind(self, lens, ptrs, Py_ssize_t n, object idx_keep, Source bin_src, cnp.dtype dtype):
+        if n < 0:
+            raise InvalidArgumentError("_bind: negative sequence count")
+        self._setup((0, n), dtype)
+        self._bind_shard(0, lens, ptrs, n, idx_keep, bin_src, dtype)
+
+
+cdef class ShardTable(_Table):
+    """Many datasets as one, with global sequence ids; the base class of ``ShardedDataset``.
+
+    The starts come from the headers (or a shard list), so nothing of a shard is read until it is first
+    touched: then the Python side opens and validates it (``_open_shard(k)``) and binds its arrays
+    (``_bind_shard``)."""
+
+    def _init_table(self, starts, cnp.dtype dtype):
+        self._setup(starts, dtype)
+
+    def _shard_bound(self, Py_ssize_t k):
+        return 0 <= k < self._k and self._shards[k].ready != 0
+
+    def _locate_sequence(self, idx):
+        """(shard, local sequence id) of global sequence ``idx``."""
+        self._check_open()
+        cdef Py_ssize_t i = self._norm(idx)
+        cdef Py_ssize_t k = self._locate(i)
+        return k, i - self._starts[k]
