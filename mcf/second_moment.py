@@ -38,6 +38,7 @@ import numpy as np
 
 from mcf._core.args import file_path, integer, reals
 from mcf._core.fs import open_regular, write_all, write_atomic
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, UnsupportedVersionError
 from mcf.safetensors.reader import SafetensorsFile
 
@@ -165,7 +166,7 @@ def is_second_moment_file(path) -> bool:
     return start[:1] == b"{" and b'"format":"' + FORMAT_TAG.encode() + b'"' in start.replace(b" ", b"")
 
 
-class SecondMoments(Mapping):
+class SecondMoments(Mapping, ClosedOnExit):
     """An open second-moment file: a read-only mapping name -> float64 ``[columns, columns]`` matrix, each
     read from the file (and checked: square, finite, a diagonal >= 0) when it is looked up.  ``counts``,
     ``datasets``, ``chunk_count`` and ``chunk_size`` are the metadata.  A file of another kind, or metadata
@@ -255,12 +256,6 @@ class SecondMoments(Mapping):
 
     def close(self) -> None:
         self._file.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def read_second_moment(path) -> dict[str, np.ndarray]:

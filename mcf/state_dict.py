@@ -23,6 +23,7 @@ from typing import Callable
 
 from mcf._core._io import Source, open_source
 from mcf._core.args import integer
+from mcf._core.lifetime import ClosedOnExit
 from mcf.container.layout import MAGIC
 from mcf.container.pieces import tensor_piece
 from mcf.container.reader import Container
@@ -39,7 +40,8 @@ from mcf.safetensors.reader import Checkpoint, SafetensorsFile, name_kind, open_
 
 __all__ = ["load_file", "load_state_dict", "shard_range"]
 
-class Weights:
+
+class Weights(ClosedOnExit):
     """An open MCF container or safetensors checkpoint, as the loaders see it: the tensors in the order
     a load returns them, their shapes, and the read plan of pieces of them."""
 
@@ -74,12 +76,6 @@ class Weights:
     def close(self) -> None:
         if self.owned:
             self.obj.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _sniffed(src: Source, owned: bool, where: str) -> Weights:

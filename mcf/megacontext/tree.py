@@ -26,6 +26,7 @@ from mcf._core.fs import fsync_file, open_regular
 from mcf._core import _fpconv
 from mcf._core.args import index_array, integer, slice_bounds
 from mcf._core._io import Source
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import InvalidArgumentError, MCFError, OutOfBoundsError, TruncatedError, os_error
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
@@ -43,7 +44,7 @@ __all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_
 _KEEP = object()
 
 
-class Tree:
+class Tree(ClosedOnExit):
     """An open MegaContext tree directory.  Use :func:`mcf.megacontext.open` or
     :func:`mcf.megacontext.create`; close it (or use ``with``).
 
@@ -629,12 +630,6 @@ class Tree:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __del__(self):
         if not getattr(self, "_closed", True):

@@ -19,6 +19,7 @@ import numpy as np
 from mcf._core.args import integer, slice_bounds
 from mcf._core._io import Source, open_source
 from mcf._core.redaction import redact
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError,
                         TruncatedError, UnsupportedVersionError)
 from mcf.megatron import _megatron
@@ -205,7 +206,7 @@ def array_problems(h: IndexHeader, arrs: _Arrays, bin_size: int, *, idx_path: st
     return out
 
 
-class IndexedDataset(_megatron.SequenceTable):
+class IndexedDataset(_megatron.SequenceTable, ClosedOnExit):
     """An open Megatron (or fairseq) indexed dataset.  Use :func:`mcf.megatron.open`.
 
     ``ds[i]`` (negative ``i`` too) is sequence ``i`` as a read-only numpy view when the .bin is
@@ -377,12 +378,6 @@ class IndexedDataset(_megatron.SequenceTable):
     @property
     def closed(self) -> bool:
         return self._is_closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __reduce__(self):
         # Reopens in the receiving process (DataLoader workers): Sources pickle as their path.
