@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["Parser", "DefaultsHelpFormatter", "add_command", "shows_default", "QUIET_HELP", "NO_MMAP_HELP",
+__all__ = ["Parser", "DefaultsHelpFormatter", "add_command", "add_group", "shows_default", "QUIET_HELP", "NO_MMAP_HELP",
            "JSON_HELP"]
 
 # the help lines of the options many commands share, worded once
@@ -70,3 +70,12 @@ def add_command(sub, name: str, func, help: str, *positionals, json: bool = Fals
         s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(func=func)
     return s
+
+
+def add_group(sub, name: str, help: str):
+    """Register the command group ``mcf name COMMAND`` (``mcf megatron``, ``mcf ctx``, ``mcf bucket``) on
+    ``sub``; returns its subcommands' ``add_subparsers`` result, for :func:`add_command` (the command
+    chosen lands in ``args.<name>_cmd``)."""
+    p = sub.add_parser(name, help=help)
+    return p.add_subparsers(dest=f"{name}_cmd", required=True, metavar="COMMAND",
+                            help=f"what to do (mcf {name} COMMAND --help tells more)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mcf._core.cli_parser import JSON_HELP, add_command
+from mcf._core.cli_parser import JSON_HELP, add_command, add_group
 from mcf._core.console import json_text, printable
 from mcf.errors import InvalidArgumentError
 
@@ -275,9 +275,7 @@ def _port(text: str) -> int:
 
 def add_bucket_parser(sub) -> None:
     """Register ``mcf bucket ...`` on the top-level subparsers."""
-    p = sub.add_parser("bucket", help="Model Context Bucket: a store of pre-computed KV caches")
-    bsub = p.add_subparsers(dest="bucket_cmd", required=True, metavar="COMMAND",
-                            help="what to do (mcf bucket COMMAND --help tells more)")
+    bsub = add_group(sub, "bucket", "Model Context Bucket: a store of pre-computed KV caches")
 
     def cmd(name, func, help, *, url=False):
         s = add_command(bsub, name, func, help)

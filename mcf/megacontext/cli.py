@@ -12,7 +12,7 @@ __all__ = ["add_ctx_parser"]
 
 from mcf._core.console import human as _human  # noqa: E402  (one formatter for every subcommand)
 from mcf._core.console import json_text, printable  # noqa: E402  (strings from a tree, printed safely)
-from mcf._core.cli_parser import NO_MMAP_HELP, QUIET_HELP, add_command  # noqa: E402
+from mcf._core.cli_parser import NO_MMAP_HELP, QUIET_HELP, add_command, add_group  # noqa: E402
 from mcf.remote import is_url, redact  # noqa: E402  (a tree URL as messages show it)
 
 
@@ -223,9 +223,7 @@ def cmd_restore(args) -> int:
 
 def add_ctx_parser(sub) -> None:
     """Register ``mcf ctx ...`` on the top-level subparsers."""
-    p = sub.add_parser("ctx", help="MegaContext trees (LOD0/LOD1/LOD2 .ctx files)")
-    cs = p.add_subparsers(dest="ctx_cmd", required=True, metavar="COMMAND",
-                          help="what to do (mcf ctx COMMAND --help tells more)")
+    cs = add_group(sub, "ctx", "MegaContext trees (LOD0/LOD1/LOD2 .ctx files)")
 
     tree = ("tree", "tree directory (LOD0/1/2.ctx + metadata.json)")
     add_command(cs, "info", cmd_info, "headers, counts, sizes, checkpoints and notes of a tree", tree, json=True,

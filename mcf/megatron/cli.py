@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from mcf._core.cli_parser import QUIET_HELP, add_command
+from mcf._core.cli_parser import QUIET_HELP, add_command, add_group
 from mcf._core.console import human as _human
 from mcf._core.console import json_text, printable
 from mcf.remote import redact
@@ -164,9 +164,7 @@ def _tokenize_on_ray(args) -> int:
 
 def add_megatron_parser(sub) -> None:
     """Register ``mcf megatron ...`` on the top-level subparsers."""
-    p = sub.add_parser("megatron", help="Megatron indexed datasets (.idx/.bin): info, verify, merge, tokenize")
-    msub = p.add_subparsers(dest="megatron_cmd", required=True, metavar="COMMAND",
-                            help="what to do (mcf megatron COMMAND --help tells more)")
+    msub = add_group(sub, "megatron", "Megatron indexed datasets (.idx/.bin): info, verify, merge, tokenize")
 
     prefix = ("prefix", "dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
     s = add_command(msub, "info", cmd_info, "header, counts, dtype and sizes of a dataset", prefix, json=True,

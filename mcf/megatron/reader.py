@@ -411,17 +411,8 @@ def _sources(prefix, idx, bin):
 
 def open(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,
          idx=None, bin=None):
-    """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
-
-    The files are mapped on a local disk and read with positional reads on a network or FUSE
-    filesystem (``mmap=None``, the default); ``mmap=False`` always reads with positional reads (no
-    address-space limits), ``mmap=True`` always maps;
-    ``idx=`` and ``bin=`` take anything :func:`mcf.io.open_source` takes instead of a prefix (file-like
-    objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
-    ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
-
-    One dataset only: :func:`mcf.megatron.open` also opens lists of prefixes and shard lists.
-    """
+    """Open one dataset, ``PREFIX.idx`` + ``PREFIX.bin`` (or ``idx=`` and ``bin=``): the arguments as
+    :func:`mcf.megatron.open` documents them, which also opens lists of prefixes and shard lists."""
     p, i, b = _sources(prefix, idx, bin)
     try:
         return _open_pair(p, i, b, mmap, multimodal, validate)
