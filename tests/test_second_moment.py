@@ -418,6 +418,23 @@ def test_write_refuses_what_it_cannot_write(tmp_path):
     assert not p.exists()
 
 
+def test_write_checks_names_and_datasets_as_the_imatrix_writer_does(tmp_path):
+    """A non-str name among str names is refused by name (sorting them raised a bare TypeError), datasets
+    that are not a sequence too (iterating an int did), and datasets given as a generator are written
+    (they were consumed by the check and the file said [])."""
+    from mcf.conversion.second_moment import SecondMoments, write_second_moment
+
+    p = tmp_path / "h.safetensors"
+    with pytest.raises(mcf.ArgumentTypeError, match="tensor name must be a str"):
+        write_second_moment(p, {"w": np.eye(2), 5: np.eye(2)}, {"w": 1, 5: 1})
+    with pytest.raises(mcf.ArgumentTypeError, match="datasets must be a sequence"):
+        write_second_moment(p, {"w": np.eye(2)}, {"w": 1}, datasets=5)
+    assert not p.exists()
+    write_second_moment(p, {"w": np.eye(2)}, {"w": 1}, datasets=(d for d in ["a.txt", "b.txt"]))
+    with SecondMoments(p) as sm:
+        assert sm.datasets == ["a.txt", "b.txt"]
+
+
 # -- files of tensors ----------------------------------------------------------------------------------
 
 def model_and_moments(tmp_path, rng):

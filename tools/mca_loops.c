@@ -32,14 +32,18 @@
 #define MCF_BLOCK_LOOPS(X) X(q8, 8, MCF_FAM_BLOCK) X(q4, 4, MCF_FAM_BLOCK) X(k6, 6, MCF_FAM_SUPER) \
     X(k4, 4, MCF_FAM_SUPER) X(k3, 3, MCF_FAM_SUPER) X(k2, 2, MCF_FAM_SUPER)
 
+/* block b's scale as dequant_*() computes it: a q block's own f16 scale, a k block's from its super-block */
+#define MCA_BLOCK_SCALE(t, b, FAM)                                                                      \
+    ((FAM) == MCF_FAM_BLOCK ? mcf_scale_from_f16((t)->scales[b])                                       \
+                            : block_scale(&(mcf_qtensor){.family = (FAM), .bpr = (b) + 1, .spr = (b) + 1,  \
+                                                         .scales = (t)->scales, .sub = (t)->sub}, 0, (b)))
+
 #define SCALAR_MCF(name, BITS, FAM)                                                                     \
     void mca_scalar_##name(const mcf_qtensor *t, float *out, size_t b)                                 \
     {                                                                                                   \
         int8_t q[32];                                                                                   \
         MCA_BEGIN("scalar_" #name);                                                                 \
-        float s = FAM == MCF_FAM_BLOCK ? mcf_scale_from_f16(t->scales[b])                          \
-                                           : block_scale(&(mcf_qtensor){.family = FAM, .bpr = b + 1,      \
-                                                 .spr = b + 1, .scales = t->scales, .sub = t->sub}, 0, b); \
+        float s = MCA_BLOCK_SCALE(t, b, FAM);                                                       \
         decode_block_scalar(t->data + b * (BITS) * 4, BITS, q);                                     \
         for (int i = 0; i < 32; i++) store_out(out, b * 32 + (size_t)i, s * (float)q[i], MCF_OUT_F32); \
         MCA_END("scalar_" #name);                                                                   \
@@ -52,9 +56,7 @@ MCF_BLOCK_LOOPS(SCALAR_MCF)
     {                                                                                                   \
         uint8x16_t q[2];                                                                                 \
         MCA_BEGIN("neon_" #name);                                                                   \
-        float s = FAM == MCF_FAM_BLOCK ? mcf_scale_from_f16(t->scales[b])                          \
-                                           : block_scale(&(mcf_qtensor){.family = FAM, .bpr = b + 1,      \
-                                                 .spr = b + 1, .scales = t->scales, .sub = t->sub}, 0, b); \
+        float s = MCA_BLOCK_SCALE(t, b, FAM);                                                       \
         decode_block_neon(t->data + b * (BITS) * 4, BITS, q);                                       \
         float32x4_t vs = vdupq_n_f32(s);                                                            \
         emit16_neon(out, b * 32, q[0], vs, NULL, 16, MCF_OUT_F32);                                  \

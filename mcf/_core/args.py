@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections.abc import Mapping
 
 import numpy as np
 
 from mcf.errors import ArgumentTypeError, InvalidArgumentError, OutOfBoundsError
 
 __all__ = ["integer", "integers", "index_array", "slice_bounds", "row_range", "out_array", "byte_order_problem",
-           "real", "reals", "file_path"]
+           "real", "reals", "file_path", "path_or_mapping"]
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -112,6 +113,23 @@ def file_path(value, what: str):
         return os.fspath(value)
     raise ArgumentTypeError(f"{what} must be a file path (str, bytes or os.PathLike), got {value!r} "
                             f"({type(value).__name__})")
+
+
+def path_or_mapping(value, what: str, values: str, read) -> Mapping:
+    """An argument that names tensors' data either way: ``None`` -> {}, a path -> ``read(path)``, a mapping
+    whose keys are str (tensor names) as it is; anything else is an :class:`mcf.ArgumentTypeError` naming
+    ``what`` and what the mapping's ``values`` are (``imatrix=``: a path or name -> importance)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        for k in value:
+            if not isinstance(k, str):
+                raise ArgumentTypeError(f"{what}: the names of a mapping must be str (tensor names), got {k!r} "
+                                        f"({type(k).__name__})")
+        return value
+    if isinstance(value, (str, bytes, os.PathLike)):
+        return read(value)
+    raise ArgumentTypeError(f"{what} must be a file path or a mapping name -> {values}, got {type(value).__name__}")
 
 
 def index_array(indices, n: int, what: str = "indices") -> np.ndarray:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["Parser", "DefaultsHelpFormatter", "shows_default", "QUIET_HELP", "NO_MMAP_HELP", "JSON_HELP"]
+__all__ = ["Parser", "DefaultsHelpFormatter", "add_command", "add_group", "shows_default", "QUIET_HELP", "NO_MMAP_HELP",
+           "JSON_HELP"]
 
 # the help lines of the options many commands share, worded once
 QUIET_HELP = "no progress bar on stderr"
@@ -50,3 +51,31 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+
+
+def add_command(sub, name: str, func, help: str, *positionals, json: bool = False, no_mmap: bool = False,
+                quiet: bool = False) -> argparse.ArgumentParser:
+    """Register the subcommand ``name`` of ``sub`` (an ``add_subparsers`` result), run by ``func(args)``:
+    its positional arguments, each ``(dest, help)`` or ``(dest, nargs, help)``, then the options many
+    commands share, worded once (``--json``, ``--no-mmap``, ``-q/--quiet``, in that order; ``--help``
+    lists options in the order they are added).  Returns the subcommand's parser, for its own options."""
+    s = sub.add_parser(name, help=help)
+    for dest, *nargs, text in positionals:
+        s.add_argument(dest, help=text, **({"nargs": nargs[0]} if nargs else {}))
+    if json:
+        s.add_argument("--json", action="store_true", help=JSON_HELP)
+    if no_mmap:
+        s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
+    if quiet:
+        s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
+    s.set_defaults(func=func)
+    return s
+
+
+def add_group(sub, name: str, help: str):
+    """Register the command group ``mcf name COMMAND`` (``mcf megatron``, ``mcf ctx``, ``mcf bucket``) on
+    ``sub``; returns its subcommands' ``add_subparsers`` result, for :func:`add_command` (the command
+    chosen lands in ``args.<name>_cmd``)."""
+    p = sub.add_parser(name, help=help)
+    return p.add_subparsers(dest=f"{name}_cmd", required=True, metavar="COMMAND",
+                            help=f"what to do (mcf {name} COMMAND --help tells more)")

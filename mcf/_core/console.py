@@ -24,7 +24,8 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["Progress", "human", "info_dict", "json_text", "print_info", "print_report", "printable"]
+__all__ = ["Progress", "human", "info_dict", "json_text", "print_info", "print_report", "printable",
+           "write_tensor_table"]
 
 #: what a terminal acts on instead of showing: C0 controls (ESC, BEL, CR, LF, BS, ...), DEL, C1 controls
 #: (CSI, OSC, ... as single code points), the bidirectional marks, embeddings, overrides and isolates
@@ -119,21 +120,32 @@ def print_info(c, *, out=None) -> None:
                 w(f"  {k:<16} {printable(mi[k])}\n")
         for k, v in mi["extras"].items():
             w(f"  {printable(k):<16} {printable(v)}\n")
-    tensors = d["tensors"]
-    total = sum(t["size"] for t in tensors)
-    w(f"\ntensors ({len(tensors)}, {human(total)}):\n")
-    names = [printable(t["name"]) for t in tensors]
-    nw = min(max([len(n) for n in names] + [4]), 60)
-    w(f"  {'name':<{nw}} {'dtype':<5} {'shape':<18} {'size':>12} {'offset':>12}\n")
-    for t, name in zip(tensors, names):
-        shape = "x".join(map(str, t["shape"])) or "scalar"
-        w(f"  {name:<{nw}} {t['dtype']:<5} {shape:<18} {t['size']:>12} {t['offset']:>12}\n")
+    nw = write_tensor_table(w, d["tensors"], "dtype", 5)
     if d["quant_info"]:
         w(f"\nquant records ({len(d['quant_info'])}):\n")
         for r in d["quant_info"]:
             w(f"  {printable(r['tensor']):<{nw}} method=0x{r['method']:02x} domain={r['domain']} "
               f"block={r['block_size']} "
               f"super={r['super_size']} clip=[{r['min_clip']:.6g}, {r['max_clip']:.6g}]\n")
+
+
+def write_tensor_table(w, tensors: list, key: str, width: int, *, title: str | None = None, totals: bool = True,
+                       head: str = "", tail=None) -> int:
+    """The tensor table ``mcf info`` shows of every format, through ``w`` (a ``write``): a heading (with the
+    count and size of the tensors where ``totals``), a header line ending in ``head``, then a line a tensor
+    of ``tensors`` (``info_dict`` entries): name, the ``key`` entry (``width`` wide, titled ``title``, by
+    default ``key``), shape, size, offset and ``tail(t)``.  Returns the width of the name column (60 at
+    most), for the lines that follow."""
+    total = sum(t["size"] for t in tensors)
+    w(f"\ntensors ({len(tensors)}, {human(total)}):\n" if totals else "\ntensors:\n")
+    names = [printable(t["name"]) for t in tensors]
+    nw = min(max([len(n) for n in names] + [4]), 60)
+    w(f"  {'name':<{nw}} {title or key:<{width}} {'shape':<18} {'size':>12} {'offset':>12}{head}\n")
+    for t, name in zip(tensors, names):
+        shape = "x".join(map(str, t["shape"])) or "scalar"
+        w(f"  {name:<{nw}} {t[key]:<{width}} {shape:<18} {t['size']:>12} {t['offset']:>12}"
+          f"{tail(t) if tail else ''}\n")
+    return nw
 
 
 def print_report(stats, *, out=None) -> None:

@@ -42,6 +42,7 @@ processes and must not follow a planted link; the naming and ordering rules are 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -115,18 +116,31 @@ def open_regular(path, flags: int = os.O_RDONLY, mode: int = 0o666) -> int:
             if err is not None:
                 raise err from None
         raise os_error(exc, os.fsdecode(p)) from None
-    try:
+    with _undone_on_failure(lambda: os.close(fd), os.fsdecode(p)):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # swapped between the stat and the open
             raise not_regular(p, st.st_mode)
         if not flags & os.O_NONBLOCK:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException as exc:
-        os.close(fd)
-        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
-            raise os_error(exc, os.fsdecode(p)) from None
-        raise
     return fd
+
+
+@contextlib.contextmanager
+def _undone_on_failure(undo, path):
+    """Run ``undo()`` (close a descriptor, remove a temporary) when the block raises, then raise again: a
+    plain OSError as the :class:`mcf.MCFIOError` naming ``path``, anything else as it is."""
+    try:
+        yield
+    except BaseException as exc:
+        undo()
+        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
+            raise os_error(exc, path) from None
+        raise
+
+
+def _remove_if_there(tmp: str) -> None:
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
 
 
 def read_regular(path, *, limit: int, what: str = "file", missing_ok: bool = False) -> bytes | None:
@@ -266,18 +280,12 @@ def write_temp(path, write) -> str:
         fd, tmp = create_temp(d, os.path.basename(path))
     except OSError as exc:
         raise os_error(exc, path) from None
-    try:
+    with _undone_on_failure(lambda: _remove_if_there(tmp), path):
         try:
             write(fd)
             fsync_file(fd)
         finally:
             os.close(fd)
-    except BaseException as exc:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
-            raise os_error(exc, path) from None
-        raise
     return tmp
 
 
@@ -287,11 +295,5 @@ def write_atomic(path, write, *, durable: bool = False) -> None:
     :class:`mcf.MCFIOError` naming ``path``."""
     path = os.fspath(path)
     tmp = write_temp(path, write)
-    try:
+    with _undone_on_failure(lambda: _remove_if_there(tmp), path):
         publish(tmp, path, durable=durable)
-    except BaseException as exc:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, MCFError):
-            raise os_error(exc, path) from None
-        raise

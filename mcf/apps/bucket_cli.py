@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mcf._core.cli_parser import JSON_HELP
+from mcf._core.cli_parser import JSON_HELP, add_command, add_group
 from mcf._core.console import json_text, printable
 from mcf.errors import InvalidArgumentError
 
@@ -275,12 +275,10 @@ def _port(text: str) -> int:
 
 def add_bucket_parser(sub) -> None:
     """Register ``mcf bucket ...`` on the top-level subparsers."""
-    p = sub.add_parser("bucket", help="Model Context Bucket: a store of pre-computed KV caches")
-    bsub = p.add_subparsers(dest="bucket_cmd", required=True, metavar="COMMAND",
-                            help="what to do (mcf bucket COMMAND --help tells more)")
+    bsub = add_group(sub, "bucket", "Model Context Bucket: a store of pre-computed KV caches")
 
     def cmd(name, func, help, *, url=False):
-        s = bsub.add_parser(name, help=help)
+        s = add_command(bsub, name, func, help)
         if url:  # --root (persistent preference) or --url (a running server, now)
             where = s.add_mutually_exclusive_group(required=True)
             where.add_argument("--root", help="bucket directory: record the tier as the context's preference")
@@ -292,7 +290,6 @@ def add_bucket_parser(sub) -> None:
             tok.add_argument("--token", help="bearer token for --url (visible in the process list)")
         else:
             s.add_argument("--root", required=True, help="bucket directory")
-        s.set_defaults(func=func)
         return s
 
     s = cmd("ingest", cmd_ingest, "store a context from an .npz of k/v arrays [layers, heads, tokens, head_dim]")

@@ -12,7 +12,7 @@ __all__ = ["add_ctx_parser"]
 
 from mcf._core.console import human as _human  # noqa: E402  (one formatter for every subcommand)
 from mcf._core.console import json_text, printable  # noqa: E402  (strings from a tree, printed safely)
-from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP  # noqa: E402
+from mcf._core.cli_parser import NO_MMAP_HELP, QUIET_HELP, add_command, add_group  # noqa: E402
 from mcf.remote import is_url, redact  # noqa: E402  (a tree URL as messages show it)
 
 
@@ -223,26 +223,19 @@ def cmd_restore(args) -> int:
 
 def add_ctx_parser(sub) -> None:
     """Register ``mcf ctx ...`` on the top-level subparsers."""
-    p = sub.add_parser("ctx", help="MegaContext trees (LOD0/LOD1/LOD2 .ctx files)")
-    cs = p.add_subparsers(dest="ctx_cmd", required=True, metavar="COMMAND",
-                          help="what to do (mcf ctx COMMAND --help tells more)")
+    cs = add_group(sub, "ctx", "MegaContext trees (LOD0/LOD1/LOD2 .ctx files)")
 
-    s = cs.add_parser("info", help="headers, counts, sizes, checkpoints and notes of a tree")
-    s.add_argument("tree", help="tree directory (LOD0/1/2.ctx + metadata.json)")
-    s.add_argument("--json", action="store_true", help=JSON_HELP)
-    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
-    s.set_defaults(func=cmd_info)
-
-    s = cs.add_parser("verify", help="list every inconsistency; exit 1 if any is an error")
-    s.add_argument("tree", help="tree directory (LOD0/1/2.ctx + metadata.json)")
+    tree = ("tree", "tree directory (LOD0/1/2.ctx + metadata.json)")
+    add_command(cs, "info", cmd_info, "headers, counts, sizes, checkpoints and notes of a tree", tree, json=True,
+                no_mmap=True)
+    s = add_command(cs, "verify", cmd_verify, "list every inconsistency; exit 1 if any is an error", tree)
     s.add_argument("--deep", action="store_true", help="also read all data (token ids, NaN/Inf gists)")
     s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
-    s.set_defaults(func=cmd_verify)
 
-    s = cs.add_parser("ingest", help="stream a text (or uint32 ids) into a tree, building mean-pooled gists")
-    s.add_argument("tree", help="tree directory (created when it holds no tree)")
-    s.add_argument("input", help="UTF-8 text file, or raw little-endian uint32 ids with --ids; '-' for stdin (a "
-                   "pipe: a path must be a regular file)")
+    s = add_command(cs, "ingest", cmd_ingest, "stream a text (or uint32 ids) into a tree, building mean-pooled gists",
+                    ("tree", "tree directory (created when it holds no tree)"),
+                    ("input", "UTF-8 text file, or raw little-endian uint32 ids with --ids; '-' for stdin (a "
+                              "pipe: a path must be a regular file)"))
     s.add_argument("--model-dir", help="checkpoint directory: tokenizer.json and the embedding matrix")
     s.add_argument("--embedding-tensor", help="name of the [vocab, d] input-embedding tensor")
     s.add_argument("--ids", action="store_true", help="input holds token ids, not text")
@@ -256,14 +249,9 @@ def add_ctx_parser(sub) -> None:
     s.add_argument("--chunk-bytes", type=int, default=1 << 20, help="commit after about this much input")
     s.add_argument("--complete", action="store_true", help="mark ingestion_complete at the end")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_ingest)
 
-    s = cs.add_parser("snapshot", help="consistent, atomic copy to <tree>/checkpoints/<time>/ (or --dest)")
-    s.add_argument("tree", help="tree directory to copy")
+    s = add_command(cs, "snapshot", cmd_snapshot, "consistent, atomic copy to <tree>/checkpoints/<time>/ (or --dest)",
+                    ("tree", "tree directory to copy"))
     s.add_argument("--dest", help="snapshot directory to create (default: <tree>/checkpoints/<UTC time>)")
-    s.set_defaults(func=cmd_snapshot)
-
-    s = cs.add_parser("restore", help="replace a tree with a snapshot")
-    s.add_argument("snapshot", help="a snapshot directory (mcf ctx snapshot)")
-    s.add_argument("tree", help="the tree directory it replaces")
-    s.set_defaults(func=cmd_restore)
+    add_command(cs, "restore", cmd_restore, "replace a tree with a snapshot",
+                ("snapshot", "a snapshot directory (mcf ctx snapshot)"), ("tree", "the tree directory it replaces"))

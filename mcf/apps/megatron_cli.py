@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from mcf._core.cli_parser import JSON_HELP, NO_MMAP_HELP, QUIET_HELP
+from mcf._core.cli_parser import QUIET_HELP, add_command, add_group
 from mcf._core.console import human as _human
 from mcf._core.console import json_text, printable
 from mcf.remote import redact
@@ -164,31 +164,20 @@ def _tokenize_on_ray(args) -> int:
 
 def add_megatron_parser(sub) -> None:
     """Register ``mcf megatron ...`` on the top-level subparsers."""
-    p = sub.add_parser("megatron", help="Megatron indexed datasets (.idx/.bin): info, verify, merge, tokenize")
-    msub = p.add_subparsers(dest="megatron_cmd", required=True, metavar="COMMAND",
-                            help="what to do (mcf megatron COMMAND --help tells more)")
+    msub = add_group(sub, "megatron", "Megatron indexed datasets (.idx/.bin): info, verify, merge, tokenize")
 
-    s = msub.add_parser("info", help="header, counts, dtype and sizes of a dataset")
-    s.add_argument("prefix", help="dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
-    s.add_argument("--json", action="store_true", help=JSON_HELP)
-    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
+    prefix = ("prefix", "dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
+    s = add_command(msub, "info", cmd_info, "header, counts, dtype and sizes of a dataset", prefix, json=True,
+                    no_mmap=True)
     s.add_argument("--show", type=int, default=0, metavar="N", help="print the first N sequences")
-    s.set_defaults(func=cmd_info)
+    add_command(msub, "verify", cmd_verify, "check a dataset completely; report every problem, exit 1 if any", prefix,
+                no_mmap=True)
+    add_command(msub, "merge", cmd_merge, "concatenate datasets into one (streaming, bounded memory)",
+                ("output_prefix", "the dataset to write (OUTPUT_PREFIX.idx + .bin)"),
+                ("inputs", "+", "input dataset prefixes, in order"), no_mmap=True, quiet=True)
 
-    s = msub.add_parser("verify", help="check a dataset completely; report every problem, exit 1 if any")
-    s.add_argument("prefix", help="dataset prefix (PREFIX.idx + PREFIX.bin; a .idx or .bin path works too)")
-    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
-    s.set_defaults(func=cmd_verify)
-
-    s = msub.add_parser("merge", help="concatenate datasets into one (streaming, bounded memory)")
-    s.add_argument("output_prefix", help="the dataset to write (OUTPUT_PREFIX.idx + .bin)")
-    s.add_argument("inputs", nargs="+", help="input dataset prefixes, in order")
-    s.add_argument("--no-mmap", action="store_true", help=NO_MMAP_HELP)
-    s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_merge)
-
-    s = msub.add_parser("tokenize", help="tokenize jsonl / text (gzip, zstd) into a dataset")
-    s.add_argument("inputs", nargs="+", help="input files (.jsonl[.gz|.zst] or plain text, one document a line)")
+    s = add_command(msub, "tokenize", cmd_tokenize, "tokenize jsonl / text (gzip, zstd) into a dataset",
+                    ("inputs", "+", "input files (.jsonl[.gz|.zst] or plain text, one document a line)"))
     s.add_argument("--tokenizer", required=True, help="a tokenizer.json, a checkpoint directory holding one, or an "
                    "MCF file packed with its resources (it carries the tokenizer.json)")
     s.add_argument("--output-prefix", required=True,
@@ -223,4 +212,3 @@ def add_megatron_parser(sub) -> None:
     g.add_argument("--no-resume", action="store_true", help="start over instead of reusing the chunks an "
                    "interrupted run finished")
     s.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
-    s.set_defaults(func=cmd_tokenize)

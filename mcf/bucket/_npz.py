@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import FormatError, InvalidArgumentError
 
 __all__ = ["MAX_DIRECTORY_BYTES", "MAX_MEMBERS", "NpzArrays", "UploadTooLargeError", "read_kv_npz"]
@@ -55,7 +56,7 @@ class UploadTooLargeError(InvalidArgumentError):
     """The body, or the arrays it declares, exceed the upload limit (HTTP 413)."""
 
 
-class NpzArrays:
+class NpzArrays(ClosedOnExit):
     """``k`` and ``v`` as read-only arrays mapped from the archive (or its scratch files)."""
 
     def __init__(self, k: np.ndarray, v: np.ndarray, files: list[BinaryIO]) -> None:
@@ -69,12 +70,6 @@ class NpzArrays:
         for f in self._files:
             f.close()
         self._files = []
-
-    def __enter__(self) -> NpzArrays:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _bad(reason: str, name: Any, **kw: Any) -> FormatError:

@@ -36,6 +36,7 @@ import numpy as np
 
 from mcf._core.fs import preallocate
 from mcf._core.optional import require
+from mcf._core.lifetime import ClosedOnExit
 from mcf.bucket import _layout as L
 from mcf.errors import (
     ChecksumError,
@@ -557,7 +558,7 @@ def parse_header(raw: bytes, *, path: Any = None, file_size: int | None = None,
     return KVHeader(version, flags, shape, kd, cp, orig, csize, crc)
 
 
-class KVFile:
+class KVFile(ClosedOnExit):
     """An opened ``kv_data.mcb``.  Construction validates the header and the chunk table; :meth:`load`
     returns per-layer (K, V) arrays, zero-copy views of the mapping when the file is uncompressed."""
 
@@ -867,12 +868,6 @@ class KVFile:
 
     def close(self) -> None:
         self._src.close()
-
-    def __enter__(self) -> KVFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def open_kv(source: Any, *, mmap: bool | None = None, max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES,

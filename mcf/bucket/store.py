@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from mcf._core.fs import fsync_file
+from mcf._core.lifetime import ClosedOnExit
 from mcf.bucket import _layout as L
 from mcf.bucket._crypto import key_id
 from mcf.bucket._fs import BucketFS
@@ -177,7 +178,7 @@ def check_ttl(ttl: Any, name: str) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # the bucket
 # ------------------------------------------------------------------------------------------------
-class Bucket:
+class Bucket(ClosedOnExit):
     """A bucket directory.  ``clock`` (seconds since the epoch) is injectable so TTLs can be tested.
 
     >>> b = Bucket("/data/mcb")                                                # doctest: +SKIP
@@ -249,12 +250,6 @@ class Bucket:
     def close(self) -> None:
         """Release the root directory's descriptor (the object cannot be used afterwards)."""
         self._fs.close()
-
-    def __enter__(self) -> Bucket:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def scratch_file(self):
         """A new, nameless read-write binary file on the bucket's own disk (``contexts/``), freed when

@@ -17,6 +17,7 @@ from mcf._core.args import byte_order_problem, out_array, row_range
 from mcf.io import Source, open_source
 from mcf._core.dtypes import DType
 from mcf._core.memory import allocating
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import (DTypeError, FormatError, InvalidArgumentError, TruncatedError, UnknownNameError,
                         UnsupportedVersionError, in_tensor)
 from mcf.container.layout import (DIR_ENTRY, DIR_ENTRY_SIZE, FLAG_TENSOR_DATA_ALIGNED64, HEADER, HEADER_SIZE, MAGIC,
@@ -142,7 +143,7 @@ def _parse_directory(src: Source, h: Header) -> list:
     return sections
 
 
-class Container:
+class Container(ClosedOnExit):
     """An open MCF file.  Use :func:`mcf.open`; close it (or use ``with``) when done.
 
     Arrays returned by :meth:`tensor` are zero-copy views when the file is mapped and stay valid after
@@ -571,12 +572,6 @@ class Container:
     def close(self) -> None:
         if self._owns:
             self._src.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __reduce__(self):
         return (Container, (self._src,))

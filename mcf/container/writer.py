@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mcf._core import _fpconv
+from mcf._core.lifetime import PublishedOnExit
 from mcf._core.fs import create_temp, fsync_file, publish
 from mcf._core.args import file_path, integer
 from mcf._core.dtypes import DType, DTypeInfo, from_numpy, parse_dtype
@@ -46,7 +47,7 @@ class _Rec:
     quant: dict | None = None
 
 
-class Writer:
+class Writer(PublishedOnExit):
     """Write an MCF file.
 
     ``align`` is the alignment of each tensor's data (64 by default; 1 turns padding off like the Go
@@ -384,14 +385,7 @@ class Writer:
             if os.path.exists(self._tmp):
                 os.unlink(self._tmp)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+    _publish_on_exit = close  # a with block that ends normally publishes; one left by an exception aborts
 
 
 def _as_bytes(c) -> memoryview:

@@ -43,11 +43,12 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from mcf._core.args import file_path, integer, real, reals
+from mcf._core.args import file_path, integer, path_or_mapping, real, reals
 from mcf._core.fs import MAX_JSON_BYTES, open_regular, read_regular, write_all, write_atomic
 from mcf.container.reader import open as open_container
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, TruncatedError
-from mcf.conversion.second_moment import SecondMomentCollector, SecondMoments, is_second_moment_file
+from mcf.conversion.second_moment import (RunningSums, SecondMomentCollector, SecondMoments, dataset_names,
+                                          is_second_moment_file, iterable, tensor_names)
 
 __all__ = ["ImportanceCollector", "read_imatrix", "write_imatrix", "as_importance", "collect_bert", "gguf_name",
            "match_tensors"]
@@ -67,7 +68,7 @@ MAX_LEGACY_BYTES = 4 << 30
 MAX_TEXT_BYTES = 1 << 30
 
 
-class ImportanceCollector:
+class ImportanceCollector(RunningSums):
     """Running sums of squared inputs per weight tensor: ``add(name, x)`` with the ``[tokens, columns]``
     input of that tensor's layer; :meth:`means` gives the importance vectors, :meth:`write` the file.
     With ``second_moment=True`` the whole ``x^T x`` is summed as well, in ``self.second_moment`` (a
@@ -75,28 +76,14 @@ class ImportanceCollector:
     reads), else that attribute is None."""
 
     def __init__(self, *, second_moment: bool = False):
-        self.sums: dict[str, np.ndarray] = {}
-        self.counts: dict[str, int] = {}
+        super().__init__()
         self.second_moment = SecondMomentCollector() if second_moment else None
 
     def add(self, name: str, x) -> None:
-        if not isinstance(name, str):
-            raise ArgumentTypeError(f"the tensor name must be a str, got {name!r} ({type(name).__name__})")
-        x = reals(x, f"the inputs of {name!r}")
-        if x.ndim != 2:
-            raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {x.shape}")
+        x = self.layer_inputs(name, x)
         with np.errstate(over="ignore", invalid="ignore"):   # NaN or overflow: write() refuses the sums
             sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
-        if name in self.sums:
-            if self.sums[name].shape != sq.shape:
-                raise InvalidArgumentError(f"{name}: {sq.shape[0]} columns, earlier inputs had "
-                                           f"{self.sums[name].shape[0]}")
-            with np.errstate(over="ignore", invalid="ignore"):
-                self.sums[name] += sq
-            self.counts[name] += x.shape[0]
-        else:
-            self.sums[name] = sq
-            self.counts[name] = x.shape[0]
+        self.accumulate(name, sq, x.shape[0])
         if self.second_moment is not None:
             self.second_moment.add(name, x)
 
@@ -125,22 +112,14 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
     written: what :func:`read_imatrix` would refuse (a sum beyond float32, a negative one) is refused
     here, so a file this writes can always be read."""
     path = file_path(path, "path")
-    names_of_data = [] if isinstance(datasets, (str, bytes)) else _iterable(datasets, "datasets")
-    if isinstance(datasets, (str, bytes)) or not all(isinstance(d, (str, os.PathLike)) for d in names_of_data):
-        raise ArgumentTypeError(f"datasets must be a sequence of str (what the activations came from), got "
-                                f"{datasets!r}")
-    datasets = [os.fsdecode(d) for d in names_of_data]
+    datasets = dataset_names(datasets)
     u32 = {}
     for what, v in (("chunk_count", chunk_count), ("chunk_size", chunk_size)):
         u32[what] = integer(v, what, minimum=0)
         if u32[what] > 0xFFFFFFFF:
             raise InvalidArgumentError(f"{what} = {u32[what]} does not fit the file's u32 field")
-    for n in sums:
-        if not isinstance(n, str):
-            raise ArgumentTypeError(f"every tensor name must be a str, got {n!r} ({type(n).__name__})")
-    names = sorted(sums)
     tensors = []
-    for n in names:
+    for n in tensor_names(sums):
         if n not in counts:
             raise InvalidArgumentError(f"no token count for {n!r}")
         s = _f32_entry(reals(sums[n], f"sums[{n!r}]"), f"sums[{n!r}]")
@@ -171,13 +150,6 @@ def write_imatrix(path, sums: Mapping, counts: Mapping, *, datasets=(), chunk_co
             write_all(fd, b"\0" * (-data.nbytes % _ALIGN))
 
     write_atomic(path, write)
-
-
-def _iterable(obj, what: str):
-    try:
-        return list(obj)
-    except TypeError:
-        raise ArgumentTypeError(f"{what} must be a sequence, got {type(obj).__name__}") from None
 
 
 def _f32_entry(v: np.ndarray, what: str) -> np.ndarray:
@@ -335,17 +307,7 @@ def _read_legacy(path) -> dict[str, np.ndarray]:
 
 def as_importance(obj) -> Mapping:
     """``None`` -> {}; a path -> :func:`read_imatrix`; a mapping (str name -> per-column vector) as it is."""
-    if obj is None:
-        return {}
-    if isinstance(obj, Mapping):
-        for k in obj:
-            if not isinstance(k, str):
-                raise ArgumentTypeError(f"imatrix: the names of a mapping must be str (tensor names), got {k!r} "
-                                        f"({type(k).__name__})")
-        return obj
-    if isinstance(obj, (str, bytes, os.PathLike)):
-        return read_imatrix(obj)
-    raise ArgumentTypeError(f"imatrix must be a file path or a mapping name -> importance, got {type(obj).__name__}")
+    return path_or_mapping(obj, "imatrix", "importance", read_imatrix)
 
 
 # -- names -----------------------------------------------------------------------------------------
@@ -485,7 +447,7 @@ def collect_bert(model, texts, *, chunk_tokens: int = 128, second_moment: bool =
     chunk_tokens = integer(chunk_tokens, "chunk_tokens")
     if isinstance(texts, (str, bytes)):  # would be read as one text per character
         raise ArgumentTypeError("texts must be a sequence of texts, got a single " + type(texts).__name__)
-    texts = _iterable(texts, "texts")
+    texts = iterable(texts, "texts")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise ArgumentTypeError(f"texts[{i}] must be a str, got {type(text).__name__}")

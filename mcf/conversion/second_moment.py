@@ -36,8 +36,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from mcf._core.args import file_path, integer, reals
+from mcf._core.args import file_path, integer, path_or_mapping, reals
 from mcf._core.fs import open_regular, write_all, write_atomic
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, UnsupportedVersionError
 from mcf.safetensors.reader import SafetensorsFile
 
@@ -49,41 +50,86 @@ _VERSION = "1"
 _DTYPES = {"F32": np.float32, "F64": np.float64}
 
 
-class SecondMomentCollector:
+class RunningSums:
+    """What a collector of layer-input statistics keeps (:class:`SecondMomentCollector` here,
+    :class:`mcf.conversion.imatrix.ImportanceCollector`): per weight tensor, ``sums[name]`` over tokens and
+    ``counts[name]``, the tokens summed."""
+
+    def __init__(self):
+        self.sums: dict[str, np.ndarray] = {}
+        self.counts: dict[str, int] = {}
+
+    @staticmethod
+    def layer_inputs(name: str, x) -> np.ndarray:
+        """``x`` checked as the ``[tokens, columns]`` real inputs of the layer whose weight is ``name``."""
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"the tensor name must be a str, got {name!r} ({type(name).__name__})")
+        v = reals(x, f"the inputs of {name!r}")
+        if v.ndim != 2:
+            raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {v.shape}")
+        return v
+
+    def accumulate(self, name: str, value: np.ndarray, tokens: int) -> None:
+        """Add ``value``, the statistic of ``tokens`` more tokens, to ``name``'s sum (a copy of it starts the
+        sum); its shape must be the earlier inputs' (the same number of columns)."""
+        if name in self.sums:
+            if self.sums[name].shape != value.shape:
+                raise InvalidArgumentError(f"{name}: {value.shape[0]} columns, earlier inputs had "
+                                           f"{self.sums[name].shape[0]}")
+            with np.errstate(over="ignore", invalid="ignore"):   # NaN or overflow: write() refuses the sums
+                self.sums[name] += value
+            self.counts[name] += tokens
+        else:
+            self.sums[name] = value.copy()
+            self.counts[name] = tokens
+
+
+def dataset_names(datasets) -> list[str]:
+    """``datasets=`` of the writers: a sequence (or any iterable) of str or path-like, what the activations
+    came from, as a list of str."""
+    names = [] if isinstance(datasets, (str, bytes)) else iterable(datasets, "datasets")
+    if isinstance(datasets, (str, bytes)) or not all(isinstance(d, (str, os.PathLike)) for d in names):
+        raise ArgumentTypeError(f"datasets must be a sequence of str (what the activations came from), got "
+                                f"{datasets!r}")
+    return [os.fsdecode(d) for d in names]
+
+
+def tensor_names(sums: Mapping) -> list[str]:
+    """The names of ``sums``, each checked to be a str, sorted (the order both files store them in)."""
+    for n in sums:
+        if not isinstance(n, str):
+            raise ArgumentTypeError(f"every tensor name must be a str, got {n!r} ({type(n).__name__})")
+    return sorted(sums)
+
+
+def iterable(obj, what: str) -> list:
+    """The items of ``obj`` as a list; an object that cannot be iterated is an :class:`mcf.ArgumentTypeError`
+    naming ``what``."""
+    try:
+        return list(obj)
+    except TypeError:
+        raise ArgumentTypeError(f"{what} must be a sequence, got {type(obj).__name__}") from None
+
+
+class SecondMomentCollector(RunningSums):
     """Running sums of ``x^T x`` (float64) per weight tensor: ``add(name, x)`` with the ``[tokens, columns]``
     input of that tensor's layer; :meth:`write` the file.  Layers that share their input (q, k and v) see
     the same values one after the other: the product of inputs equal to the previous call's is reused (a
     comparison costs ``tokens * columns``, the product ``tokens * columns^2``)."""
 
     def __init__(self):
-        self.sums: dict[str, np.ndarray] = {}
-        self.counts: dict[str, int] = {}
+        super().__init__()
         self._last = None   # (inputs as float64, their x^T x) of the previous call
 
     def add(self, name: str, x) -> None:
-        if not isinstance(name, str):
-            raise ArgumentTypeError(f"the tensor name must be a str, got {name!r} ({type(name).__name__})")
-        v = reals(x, f"the inputs of {name!r}")
-        if v.ndim != 2:
-            raise InvalidArgumentError(f"{name}: inputs must be [tokens, columns], got shape {v.shape}")
-        v = np.array(v, dtype=np.float64)
+        v = np.array(self.layer_inputs(name, x), dtype=np.float64)
         if self._last is not None and self._last[0].shape == v.shape and np.array_equal(self._last[0], v):
             xx = self._last[1]
         else:
             with np.errstate(over="ignore", invalid="ignore"):   # NaN or overflow: write() refuses the sums
                 xx = v.T @ v
             self._last = (v, xx)
-        tokens = v.shape[0]
-        if name in self.sums:
-            if self.sums[name].shape != xx.shape:
-                raise InvalidArgumentError(f"{name}: {xx.shape[0]} columns, earlier inputs had "
-                                           f"{self.sums[name].shape[0]}")
-            with np.errstate(over="ignore", invalid="ignore"):
-                self.sums[name] += xx
-            self.counts[name] += tokens
-        else:
-            self.sums[name] = xx.copy()
-            self.counts[name] = tokens
+        self.accumulate(name, xx, v.shape[0])
 
     def write(self, path, *, datasets=(), chunk_count: int = 0, chunk_size: int = 0, dtype=np.float32) -> None:
         write_second_moment(path, self.sums, self.counts, datasets=datasets, chunk_count=chunk_count,
@@ -96,20 +142,16 @@ def write_second_moment(path, sums: Mapping, counts: Mapping, *, datasets=(), ch
     ``counts[name]`` (tokens), as ``dtype`` (float32 or float64).  Everything is checked before anything is
     written, so a file this writes can always be read; it is written to a temporary name and renamed."""
     path = file_path(path, "path")
-    if isinstance(datasets, (str, bytes)) or not all(isinstance(d, (str, os.PathLike)) for d in datasets):
-        raise ArgumentTypeError(f"datasets must be a sequence of str (what the activations came from), got "
-                                f"{datasets!r}")
+    datasets = dataset_names(datasets)
     dt = np.dtype(dtype)
     if dt not in (np.float32, np.float64):
         raise InvalidArgumentError(f"dtype must be float32 or float64, got {dt}")
     meta = {"format": FORMAT_TAG, "version": _VERSION,
-            "datasets": json.dumps([os.fsdecode(d) for d in datasets]),
+            "datasets": json.dumps(datasets),
             "chunk_count": str(integer(chunk_count, "chunk_count", minimum=0)),
             "chunk_size": str(integer(chunk_size, "chunk_size", minimum=0))}
     tensors, cnt = [], {}
-    for n in sorted(sums):
-        if not isinstance(n, str):
-            raise ArgumentTypeError(f"every tensor name must be a str, got {n!r} ({type(n).__name__})")
+    for n in tensor_names(sums):
         if n == "__metadata__":
             raise InvalidArgumentError("a tensor named '__metadata__' cannot be stored in safetensors")
         if n not in counts:
@@ -165,7 +207,7 @@ def is_second_moment_file(path) -> bool:
     return start[:1] == b"{" and b'"format":"' + FORMAT_TAG.encode() + b'"' in start.replace(b" ", b"")
 
 
-class SecondMoments(Mapping):
+class SecondMoments(Mapping, ClosedOnExit):
     """An open second-moment file: a read-only mapping name -> float64 ``[columns, columns]`` matrix, each
     read from the file (and checked: square, finite, a diagonal >= 0) when it is looked up.  ``counts``,
     ``datasets``, ``chunk_count`` and ``chunk_size`` are the metadata.  A file of another kind, or metadata
@@ -256,12 +298,6 @@ class SecondMoments(Mapping):
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def read_second_moment(path) -> dict[str, np.ndarray]:
     """Every matrix of a second-moment file, name -> float64 ``[columns, columns]`` (all of them in memory:
@@ -272,15 +308,4 @@ def read_second_moment(path) -> dict[str, np.ndarray]:
 
 def as_second_moment(obj) -> Mapping:
     """``None`` -> {}; a path -> :class:`SecondMoments` (read lazily); a mapping (str name -> matrix) as it is."""
-    if obj is None:
-        return {}
-    if isinstance(obj, Mapping):
-        for k in obj:
-            if not isinstance(k, str):
-                raise ArgumentTypeError(f"second_moment: the names of a mapping must be str (tensor names), got "
-                                        f"{k!r} ({type(k).__name__})")
-        return obj
-    if isinstance(obj, (str, bytes, os.PathLike)):
-        return SecondMoments(file_path(obj, "second_moment"))
-    raise ArgumentTypeError(f"second_moment must be a file path or a mapping name -> matrix, got "
-                            f"{type(obj).__name__}")
+    return path_or_mapping(obj, "second_moment", "matrix", lambda p: SecondMoments(file_path(p, "second_moment")))

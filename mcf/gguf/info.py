@@ -17,7 +17,7 @@ import numpy as np
 
 from mcf._core.fs import open_regular
 
-from mcf._core.console import human, printable
+from mcf._core.console import human, printable, write_tensor_table
 from mcf.gguf.reader import GGUFFile
 from mcf.remote._urls import url_name
 
@@ -102,13 +102,5 @@ def print_info(g: GGUFFile, *, out=None) -> None:
         w(f"  {printable(k):<{kw}} {printable(_show(e['value'], vt))}\n")
     types = ", ".join(f"{n} x {c}" for n, c in sorted(d["types"].items(), key=lambda kv: (-kv[1], kv[0])))
     w(f"\ntypes: {types or 'none'}\n")
-    tensors = d["tensors"]
-    total = sum(t["size"] for t in tensors)
-    w(f"\ntensors ({len(tensors)}, {human(total)}):\n")
-    names = [printable(t["name"]) for t in tensors]
-    nw = min(max([len(n) for n in names] + [4]), 60)
-    w(f"  {'name':<{nw}} {'type':<7} {'shape':<18} {'size':>12} {'offset':>12}\n")
-    for t, name in zip(tensors, names):
-        shape = "x".join(map(str, t["shape"])) or "scalar"
-        note = "  (mcf cannot decode this type)" if t["kind"] == "unsupported" else ""
-        w(f"  {name:<{nw}} {t['ggml_type']:<7} {shape:<18} {t['size']:>12} {t['offset']:>12}{note}\n")
+    write_tensor_table(w, d["tensors"], "ggml_type", 7, title="type",
+                       tail=lambda t: "  (mcf cannot decode this type)" if t["kind"] == "unsupported" else "")

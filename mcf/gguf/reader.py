@@ -23,6 +23,7 @@ import numpy as np
 
 from mcf._core.args import byte_order_problem, row_range
 from mcf._core.memory import allocating
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import (
     DTypeError,
     FormatError,
@@ -303,7 +304,7 @@ class GGUFTensor:
         return n
 
 
-class GGUFFile:
+class GGUFFile(ClosedOnExit):
     """An open GGUF file: ``metadata`` (key -> value), ``tensors`` (name -> :class:`GGUFTensor`, file
     order), zero-copy ``raw()`` views and ``dequantize()``.  Use :func:`open`."""
 
@@ -527,12 +528,6 @@ class GGUFFile:
         """Close the file.  Views handed out earlier stay valid."""
         if self._own:
             self._src.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _out_dtype(dtype) -> np.dtype:

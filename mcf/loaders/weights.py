@@ -15,6 +15,7 @@ import os
 
 from mcf.io import Source, open_source
 from mcf._core.args import integer
+from mcf._core.lifetime import ClosedOnExit
 from mcf.container.layout import MAGIC
 from mcf.container.pieces import tensor_piece
 from mcf.container.reader import Container
@@ -31,7 +32,8 @@ from mcf.safetensors.reader import Checkpoint, SafetensorsFile, name_kind, open_
 __all__ = ["Weights", "open_weights", "plan_state_dict", "tp_specs", "decode_threads"]
 
 
-class Weights:
+
+class Weights(ClosedOnExit):
     """An open MCF container or safetensors checkpoint, as the loaders see it: the tensors in the order
     a load returns them, their shapes, and the read plan of pieces of them."""
 
@@ -66,12 +68,6 @@ class Weights:
     def close(self) -> None:
         if self.owned:
             self.obj.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _sniffed(src: Source, owned: bool, where: str) -> Weights:

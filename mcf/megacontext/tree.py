@@ -26,6 +26,7 @@ from mcf._core.fs import fsync_file, open_regular
 from mcf._core import _fpconv
 from mcf._core.args import index_array, integer, slice_bounds
 from mcf._core._io import Source
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import InvalidArgumentError, MCFError, OutOfBoundsError, TruncatedError, os_error
 from mcf.megacontext import _megacontext as _mc
 from mcf.megacontext._files import dir_path, level_path, not_a_dir, pwrite_all
@@ -43,7 +44,7 @@ __all__ = ["Tree", "Problem", "create", "open_tree", "restore", "verify", "LOCK_
 _KEEP = object()
 
 
-class Tree:
+class Tree(ClosedOnExit):
     """An open MegaContext tree directory.  Use :func:`mcf.megacontext.open` or
     :func:`mcf.megacontext.create`; close it (or use ``with``).
 
@@ -70,14 +71,9 @@ class Tree:
                 from mcf.megacontext.snapshots import finish_restore
 
                 finish_restore(self.path)
-            meta, levels, problems = scan(self.path, self._mmap)
-            self._levels = levels
-            errors = [p for p in problems if p.severity == "error"]
-            if errors:
-                raise errors[0].error
+            problems = self._load()
             self._closed = False
-            self._meta = meta
-            self.notes = [str(p) for p in problems]
+            levels = self._levels
             h0 = levels[0].header
             self.block_size = h0.block_size
             self.embedding_dim = h0.embedding_dim
@@ -90,6 +86,16 @@ class Tree:
             raise
 
     # -- opening ----------------------------------------------------------------------------------------
+    def _load(self) -> list:
+        """Scan the directory into this tree (its levels, metadata and notes) and return the problems
+        found; the first error among them is raised."""
+        meta, levels, problems = scan(self.path, self._mmap)
+        self._levels = levels
+        _raise_first_error(problems)
+        self._meta = meta
+        self.notes = [str(p) for p in problems]
+        return problems
+
     def _reconcile(self, problems) -> None:
         """Make the directory agree with the committed headers (the writer's open after a crash)."""
         for lv in self._levels.values():
@@ -357,9 +363,7 @@ class Tree:
             s.tail = self._levels[level].src.size - HEADER_SIZE - h.num_entries * h.entry_size
             staged[level] = s
         cross_check(self.path, meta, staged, problems)
-        errors = [p for p in problems if p.severity == "error"]
-        if errors:
-            raise errors[0].error
+        _raise_first_error(problems)
         for level, h in heads.items():
             lv = self._levels[level]
             lv.header = h
@@ -575,14 +579,7 @@ class Tree:
         for lv in self._levels.values():
             lv.close()
         _restore(snapshot_dir, self.path, locked=True)
-        meta, levels, problems = scan(self.path, self._mmap)
-        self._levels = levels
-        errors = [p for p in problems if p.severity == "error"]
-        if errors:
-            raise errors[0].error
-        self._meta = meta
-        self.notes = [str(p) for p in problems]
-        self._reconcile(problems)
+        self._reconcile(self._load())
 
     def verify(self, *, deep: bool = False) -> list:
         """Every inconsistency of the directory as it is on disk (see :func:`verify`)."""
@@ -634,12 +631,6 @@ class Tree:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __del__(self):
         if not getattr(self, "_closed", True):
             try:
@@ -661,6 +652,13 @@ class Tree:
 
 
 # -- module-level entry points ---------------------------------------------------------------------------
+def _raise_first_error(problems) -> None:
+    """Raise the first problem of ``problems`` that is an error (warnings only become notes)."""
+    for p in problems:
+        if p.severity == "error":
+            raise p.error
+
+
 def _check_geometry(embedding_dim, block_size):
     for name, v in (("embedding_dim", embedding_dim), ("block_size", block_size)):
         if not 1 <= integer(v, name) <= 0xFFFF:

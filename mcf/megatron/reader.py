@@ -19,6 +19,7 @@ import numpy as np
 from mcf._core.args import integer, slice_bounds
 from mcf.io import Source, open_source
 from mcf._core.redaction import redact
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import (ArgumentTypeError, FormatError, InvalidArgumentError, MissingFileError, OutOfBoundsError,
                         TruncatedError, UnsupportedVersionError)
 from mcf.megatron import _megatron
@@ -205,7 +206,7 @@ def array_problems(h: IndexHeader, arrs: _Arrays, bin_size: int, *, idx_path: st
     return out
 
 
-class IndexedDataset(_megatron.SequenceTable):
+class IndexedDataset(_megatron.SequenceTable, ClosedOnExit):
     """An open Megatron (or fairseq) indexed dataset.  Use :func:`mcf.megatron.open`.
 
     ``ds[i]`` (negative ``i`` too) is sequence ``i`` as a read-only numpy view when the .bin is
@@ -378,12 +379,6 @@ class IndexedDataset(_megatron.SequenceTable):
     def closed(self) -> bool:
         return self._is_closed
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __reduce__(self):
         # Reopens in the receiving process (DataLoader workers): Sources pickle as their path.
         return (_reopen, (self._idx_src, self._bin_src, self.mmap, self.header.multimodal, self.validated,
@@ -416,17 +411,8 @@ def _sources(prefix, idx, bin):
 
 def open(prefix=None, *, mmap: bool | None = None, multimodal: bool | None = None, validate: bool = True,
          idx=None, bin=None):
-    """Open ``PREFIX.idx`` + ``PREFIX.bin`` (``prefix`` may also end in ``.idx`` or ``.bin``).
-
-    The files are mapped on a local disk and read with positional reads on a network or FUSE
-    filesystem (``mmap=None``, the default); ``mmap=False`` always reads with positional reads (no
-    address-space limits), ``mmap=True`` always maps;
-    ``idx=`` and ``bin=`` take anything :func:`mcf.io.open_source` takes instead of a prefix (file-like
-    objects, memoryviews, paths).  ``multimodal`` is detected from the .idx size unless given.
-    ``validate=False`` skips the O(N) checks of the arrays (reads stay bounds-checked).
-
-    One dataset only: :func:`mcf.megatron.open` also opens lists of prefixes and shard lists.
-    """
+    """Open one dataset, ``PREFIX.idx`` + ``PREFIX.bin`` (or ``idx=`` and ``bin=``): the arguments as
+    :func:`mcf.megatron.open` documents them, which also opens lists of prefixes and shard lists."""
     p, i, b = _sources(prefix, idx, bin)
     try:
         return _open_pair(p, i, b, mmap, multimodal, validate)

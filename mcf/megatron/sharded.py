@@ -46,6 +46,7 @@ import numpy as np
 
 from mcf.io import open_source
 from mcf._core.args import integer, slice_bounds
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import ArgumentTypeError, FormatError, InvalidArgumentError, OutOfBoundsError
 from mcf.megatron import _megatron
 from mcf.megatron._layout import DOC_DTYPE, LENGTH_DTYPE, MEGATRON_DTYPES, MODE_DTYPE, dtype_code
@@ -253,7 +254,7 @@ def open_shards(obj, *, mmap: bool | None = None, multimodal: bool | None = None
     return ShardedDataset(shards, dtype=dtype, multimodal=mm, mmap=mmap, validate=validate)
 
 
-class ShardedDataset(_megatron.ShardTable):
+class ShardedDataset(_megatron.ShardTable, ClosedOnExit):
     """Several Megatron datasets read as their concatenation (read-only; nothing is merged).
 
     Sequence ``i`` and document ``k`` are numbered as in the merged dataset.  ``ds[i]``, ``ds[a:b]``,
@@ -466,12 +467,6 @@ class ShardedDataset(_megatron.ShardTable):
     @property
     def closed(self) -> bool:
         return self._is_closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __reduce__(self):
         # Reopens lazily in the receiving process (DataLoader workers, Ray tasks).

@@ -26,6 +26,7 @@ import tempfile
 import numpy as np
 
 from mcf._core.args import integer, integers
+from mcf._core.lifetime import PublishedOnExit
 from mcf._core.fs import create_temp, fsync_dir, fsync_file, make_parent_dir
 from mcf.errors import InvalidArgumentError, MCFIOError, os_error
 from mcf.megatron import _megatron
@@ -215,7 +216,7 @@ class _BinOut:
         self.nbytes += nbytes
 
 
-class Writer:
+class Writer(PublishedOnExit):
     """Write ``PREFIX.bin`` + ``PREFIX.idx``.
 
     The token dtype is ``dtype`` if given, else chosen from ``vocab_size`` by ``dtype_rule``
@@ -542,14 +543,7 @@ class Writer:
             if p is not None and os.path.exists(p):
                 os.unlink(p)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.finalize()
-        else:
-            self.abort()
+    _publish_on_exit = finalize  # a with block that ends normally publishes; one left by an exception aborts
 
 
 def merge(output_prefix, inputs, *, mmap: bool | None = None, progress=None) -> Writer:

@@ -152,7 +152,8 @@ class FsspecTransport:
     async def _request(self, method: str, headers: dict, nbytes: int):
         """``method`` on fsspec's aiohttp session, redirects followed by hand: within one origin with every
         header, to another without any credential (the caller's headers, ``auth``, the URL's password);
-        from https to http never.  Returns the response, to be used in ``async with``."""
+        from https to http never.  Returns the response, to be used in ``async with``, or the final error
+        a 404, 401 or 403 (or a refused redirect) means."""
         import aiohttp
         from yarl import URL
 
@@ -170,6 +171,10 @@ class FsspecTransport:
         for _ in range(MAX_REDIRECTS + 1):
             r = await session.request(method, url, headers=hdrs, allow_redirects=False, timeout=timeout, **kw)
             if r.status not in (301, 302, 303, 307, 308) or "Location" not in r.headers:
+                refused = self._refused(r.status)
+                if refused is not None:
+                    r.release()
+                    return refused
                 return r
             new = url.join(URL(r.headers["Location"]))
             r.release()
@@ -196,9 +201,6 @@ class FsspecTransport:
         if isinstance(r, BaseException):
             return r
         async with r:
-            refused = self._refused(r.status)
-            if refused is not None:
-                return refused
             if r.status != 200:
                 return MCFIOError(errno.EIO, f"HTTP status {r.status} {r.reason} for HEAD", self.url)
             length = r.headers.get("Content-Length")
@@ -220,9 +222,6 @@ class FsspecTransport:
         if isinstance(r, BaseException):
             return r
         async with r:
-            refused = self._refused(r.status)
-            if refused is not None:
-                return refused
             if r.status == 412:
                 return MCFIOError(errno.ESTALE, f"the remote file changed while it was read (its ETag is no longer "
                                   f"{self.etag}): open it again", self.url)

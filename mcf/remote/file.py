@@ -10,6 +10,7 @@ from collections import OrderedDict
 
 from mcf._core.args import integer, real
 from mcf._core.storage import defaults_for
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import ArgumentTypeError, ClosedError, InvalidArgumentError, MCFIOError
 from mcf.remote._fetch import Fetcher
 from mcf.remote._plan import Part, plan
@@ -100,7 +101,7 @@ def _transport(url, tgt, backend, opts, *, timeout, min_rate, request_size, conc
                          concurrency=concurrency, redacted=redacted)
 
 
-class RemoteFile:
+class RemoteFile(ClosedOnExit):
     """A read-only, seekable file over ranged GETs.  See :mod:`mcf.remote`.
 
     ``size`` is fetched once at opening (an object whose size is unknown is refused).  Large reads are
@@ -322,12 +323,6 @@ class RemoteFile:
         closer = getattr(self._transport, "close", None)
         if closer is not None:
             closer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __reduce__(self):
         # reopened by URL in the receiving process (DataLoader workers)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from mcf._core.console import human, printable
+from mcf._core.console import human, printable, write_tensor_table
 from mcf.safetensors.reader import Checkpoint
 
 __all__ = ["info_dict", "print_info"]
@@ -46,15 +46,9 @@ def print_info(ckpt: Checkpoint, *, out=None) -> None:
             w(f"      {printable(k)}: {printable(v if len(v) <= 120 else v[:117] + '...')}\n")
     dtypes = ", ".join(f"{k} x {c}" for k, c in sorted(d["dtypes"].items(), key=lambda kv: (-kv[1], kv[0])))
     w(f"\ndtypes: {dtypes or 'none'}\n")
-    names = [printable(t["name"]) for t in d["tensors"]]
-    nw = min(max([len(x) for x in names] + [4]), 60)
     shard = n > 1
-    w(f"\ntensors:\n  {'name':<{nw}} {'dtype':<7} {'shape':<18} {'size':>12} {'offset':>12}"
-      f"{' shard' if shard else ''}\n")
-    for t, name in zip(d["tensors"], names):
-        shape = "x".join(map(str, t["shape"])) or "scalar"
-        w(f"  {name:<{nw}} {t['dtype']:<7} {shape:<18} {t['size']:>12} {t['offset']:>12}"
-          f"{'  [%d]' % t['shard'] if shard else ''}\n")
+    write_tensor_table(w, d["tensors"], "dtype", 7, totals=False, head=" shard" if shard else "",
+                       tail=(lambda t: f"  [{t['shard']}]") if shard else None)
 
 
 def _count(n: int, what: str) -> str:

@@ -35,6 +35,7 @@ from mcf.io import Source, open_source
 from mcf._core.fs import read_regular
 from mcf._core.dtypes import DTypeInfo, dtype_info
 from mcf._core.memory import allocating
+from mcf._core.lifetime import ClosedOnExit
 from mcf.errors import AccessError, FormatError, MissingFileError, TruncatedError, os_error
 from mcf.loading.dtypes import ELEMENTS, Element, element
 from mcf.remote import is_url, redact
@@ -76,7 +77,7 @@ class SafetensorsTensor:
             return src.array(self.offset, dt, self.shape)
 
 
-class SafetensorsFile:
+class SafetensorsFile(ClosedOnExit):
     """One ``.safetensors`` file (a path, URL, buffer, file-like or :class:`mcf.io.Source`), its header
     validated when opened: ``tensors`` (name -> :class:`SafetensorsTensor`) and ``metadata``."""
 
@@ -163,12 +164,6 @@ class SafetensorsFile:
     def close(self):
         self.source.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def _load_header(src: Source, hlen: int):
     """The JSON header at offset 8 of ``src``, ``hlen`` bytes, parsed with its tensor entries as compact tuples
@@ -229,7 +224,7 @@ def _refuse_entry(path, name, ent):
                       got=offs)
 
 
-class Checkpoint:
+class Checkpoint(ClosedOnExit):
     """All tensors of a checkpoint: one ``model.safetensors``, or shards listed in
     ``model.safetensors.index.json`` (``index`` and its ``weight_map``, checked against the shards
     here), or every ``*.safetensors`` of a directory.  ``files`` may be paths, URLs or sources; ``shards``
@@ -285,12 +280,6 @@ class Checkpoint:
     def close(self):
         for f in self.files:
             f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _open_shard(f, mmap, index, weight_map, shard) -> SafetensorsFile:
