@@ -9,16 +9,7 @@ See docs/gguf.md.
 """
 
 from mcf.gguf.quants import dequantize
-from mcf.gguf.reader import (GGUF_METADATA_SECTION, SUPPORTED_TYPES, GGMLType, GGUFFile, GGUFTensor, ggml_type,
-                             open)
+from mcf.gguf.reader import GGUF_METADATA_SECTION, SUPPORTED_TYPES, GGMLType, GGUFFile, GGUFTensor, ggml_type, open
 
-__all__ = [
-    "GGUF_METADATA_SECTION",
-    "SUPPORTED_TYPES",
-    "GGMLType",
-    "GGUFFile",
-    "GGUFTensor",
-    "dequantize",
-    "ggml_type",
-    "open",
-]
+__all__ = ["GGUF_METADATA_SECTION", "SUPPORTED_TYPES", "GGMLType", "GGUFFile", "GGUFTensor", "dequantize", "ggml_type",
+           "open"]
