@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import mcf
+import mcf.container.quant
 import mcf.megacontext as mc
 import mcf.megatron as mt
 from mcf.io import open_source
