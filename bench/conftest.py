@@ -14,13 +14,9 @@ state" below and bench/results/reader.md).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import gc
-import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +24,8 @@ import numpy as np
 import pytest
 
 import mcf
+from bench_common import (bench_dir, build_once, decoder_layer_spec, drop_manifest, read_manifest, sizes_match,
+                          write_manifest)
 from host_state import cpu_snapshot, other_cpu
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -47,19 +45,7 @@ def model_spec():
     """(name, shape, kind) of every tensor, in the order they are generated and written."""
     yield "model.embed_tokens.weight", (VOCAB, HIDDEN), "weight"
     for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (HIDDEN,), "norm"
-        yield p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), "weight"
-        yield p + "self_attn.q_proj.bias", (HIDDEN,), "bias"
-        yield p + "self_attn.k_proj.weight", (KV_DIM, HIDDEN), "weight"
-        yield p + "self_attn.k_proj.bias", (KV_DIM,), "bias"
-        yield p + "self_attn.v_proj.weight", (KV_DIM, HIDDEN), "weight"
-        yield p + "self_attn.v_proj.bias", (KV_DIM,), "bias"
-        yield p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), "weight"
-        yield p + "post_attention_layernorm.weight", (HIDDEN,), "norm"
-        yield p + "mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN), "weight"
-        yield p + "mlp.up_proj.weight", (INTERMEDIATE, HIDDEN), "weight"
-        yield p + "mlp.down_proj.weight", (HIDDEN, INTERMEDIATE), "weight"
+        yield from decoder_layer_spec(f"model.layers.{i}.", HIDDEN, INTERMEDIATE, KV_DIM, bias=True)
     yield "model.norm.weight", (HIDDEN,), "norm"
 
 
@@ -84,20 +70,7 @@ def many_spec():
     h, i_, kv, v = (MANY_DIMS[k] for k in ("hidden", "intermediate", "kv", "vocab"))
     yield "model.embed_tokens.weight", (v, h), "weight"
     for i in range(MANY_LAYERS):
-        p = f"model.layers.{i}."
-        for name, shape, kind in (("input_layernorm.weight", (h,), "norm"),
-                                  ("self_attn.q_proj.weight", (h, h), "weight"),
-                                  ("self_attn.q_proj.bias", (h,), "bias"),
-                                  ("self_attn.k_proj.weight", (kv, h), "weight"),
-                                  ("self_attn.k_proj.bias", (kv,), "bias"),
-                                  ("self_attn.v_proj.weight", (kv, h), "weight"),
-                                  ("self_attn.v_proj.bias", (kv,), "bias"),
-                                  ("self_attn.o_proj.weight", (h, h), "weight"),
-                                  ("post_attention_layernorm.weight", (h,), "norm"),
-                                  ("mlp.gate_proj.weight", (i_, h), "weight"),
-                                  ("mlp.up_proj.weight", (i_, h), "weight"),
-                                  ("mlp.down_proj.weight", (h, i_), "weight")):
-            yield p + name, shape, kind
+        yield from decoder_layer_spec(f"model.layers.{i}.", h, i_, kv, bias=True)
     yield "model.norm.weight", (h,), "norm"
 
 
@@ -134,19 +107,9 @@ def _manifest_expected() -> dict:
 
 
 def _cached(cache_dir: str, want: dict):
-    try:
-        with open(os.path.join(cache_dir, "manifest.json")) as f:
-            got = json.load(f)
-    except (OSError, ValueError):
+    got = read_manifest(cache_dir, want)
+    if got is None or not sizes_match(cache_dir, {fname: got.get(key) for key, fname in FILES}):
         return None
-    if {k: got.get(k) for k in want} != want:
-        return None
-    for key, fname in FILES:
-        try:
-            if os.path.getsize(os.path.join(cache_dir, fname)) != got.get(key):
-                return None
-        except OSError:
-            return None
     return got
 
 
@@ -161,8 +124,7 @@ def _build(cache_dir: str, want: dict) -> dict:
     import safetensors.numpy as stnp
 
     paths = {key: os.path.join(cache_dir, fname) for key, fname in FILES}
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(cache_dir, "manifest.json"))
+    drop_manifest(cache_dir)
     _write_mcf(paths["mcf_size"], model_spec(), np.random.default_rng(SEED))
     _write_mcf(paths["many_size"], many_spec(), np.random.default_rng(SEED + 1))
     # The same tensors as one safetensors file, passed as zero-copy views of the MCF mapping so the
@@ -172,26 +134,15 @@ def _build(cache_dir: str, want: dict) -> dict:
         stnp.save_file({n: c.tensor(n) for n in c}, tmp)
     os.replace(tmp, paths["st_size"])
     got = dict(want, **{key: os.path.getsize(path) for key, path in paths.items()})
-    with open(os.path.join(cache_dir, "manifest.json.tmp"), "w") as f:
-        json.dump(got, f, indent=1)
-    os.replace(os.path.join(cache_dir, "manifest.json.tmp"), os.path.join(cache_dir, "manifest.json"))
+    write_manifest(cache_dir, got)
     return got
 
 
 @pytest.fixture(scope="session")
 def bench_model() -> BenchModel:
-    cache_dir = os.environ.get("MCF_BENCH_DIR") or os.path.join(tempfile.gettempdir(), "mcf-bench")
+    cache_dir = bench_dir()
     os.makedirs(cache_dir, exist_ok=True)
-    want = _manifest_expected()
-    built_s = None
-    # A lock, so that two sessions sharing the cache do not build it at the same time.
-    with open(os.path.join(cache_dir, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        got = _cached(cache_dir, want)
-        if got is None:
-            t0 = time.perf_counter()
-            got = _build(cache_dir, want)
-            built_s = time.perf_counter() - t0
+    got, built_s = build_once(cache_dir, _manifest_expected(), _cached, _build)
     names = tuple(sorted(n for n, _, _ in model_spec()))
     return BenchModel(os.path.join(cache_dir, "model.mcf"), os.path.join(cache_dir, "model.safetensors"),
                       os.path.join(cache_dir, "many.mcf"), names, got["n_many"], got["payload_bytes"],

@@ -30,6 +30,7 @@ from typing import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from bench_common import touch_files  # noqa: E402
 from host_state import cpu_snapshot, drop_caches, load_average, other_cpu  # noqa: E402
 from loading_model import loading_model, tp_plan  # noqa: E402
 
@@ -328,16 +329,6 @@ CASES = {
 
 
 # -- what every run does -----------------------------------------------------------------------------
-def touch_files(paths) -> None:
-    """Read every file whole through one reused 8 MiB buffer: in the page cache, nothing mapped."""
-    buf = bytearray(8 * MiB)
-    mv = memoryview(buf)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(mv):
-                pass
-
-
 def _bytes_of(t):
     """A tensor's or array's bytes as a uint8 numpy array (no copy when contiguous)."""
     import numpy as np

@@ -56,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import fio  # noqa: E402
+from bench_common import print_summary  # noqa: E402
 from host_state import drop_caches, load_average, machine  # noqa: E402
 from loading_model import loading_model, tp_bytes  # noqa: E402
 
@@ -277,10 +278,7 @@ def main(argv=None):
             "bytes_read the engine reports, GB; load: 1-min load average at the runs' start; other: other processes' "
             "share of the cores during the timed part"]
     lines = head + summarize(runs, m, meta)
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": lines, "runs": runs}, f, indent=1)
+    print_summary(lines, runs, args.json)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ CRC-32 of every tensor's bytes, which the benchmarks check every loader's result
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-import tempfile
-import time
 import zlib
 from dataclasses import dataclass
+
+from bench_common import (bench_dir, build_once, decoder_layer_spec, drop_manifest, read_manifest, sizes_match,
+                          write_manifest)
 
 HIDDEN = 2048
 INTERMEDIATE = 5632
@@ -51,16 +50,7 @@ def model_spec():
     """(name, shape, kind) of every tensor, in generation order."""
     yield "model.embed_tokens.weight", (VOCAB, HIDDEN), "weight"
     for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (HIDDEN,), "norm"
-        yield p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), "weight"
-        yield p + "self_attn.k_proj.weight", (KV_DIM, HIDDEN), "weight"
-        yield p + "self_attn.v_proj.weight", (KV_DIM, HIDDEN), "weight"
-        yield p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), "weight"
-        yield p + "post_attention_layernorm.weight", (HIDDEN,), "norm"
-        yield p + "mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN), "weight"
-        yield p + "mlp.up_proj.weight", (INTERMEDIATE, HIDDEN), "weight"
-        yield p + "mlp.down_proj.weight", (HIDDEN, INTERMEDIATE), "weight"
+        yield from decoder_layer_spec(f"model.layers.{i}.", HIDDEN, INTERMEDIATE, KV_DIM)
     yield "model.norm.weight", (HIDDEN,), "norm"
     yield "lm_head.weight", (VOCAB, HIDDEN), "weight"
 
@@ -114,8 +104,7 @@ class LoadingModel:
 
 
 def cache_dir() -> str:
-    base = os.environ.get("MCF_BENCH_DIR") or os.path.join(tempfile.gettempdir(), "mcf-bench")
-    return os.path.join(base, "loading")
+    return os.path.join(bench_dir(), "loading")
 
 
 def _expected() -> dict:
@@ -132,19 +121,9 @@ def _files(root: str) -> list:
 
 
 def _cached(root: str, want: dict):
-    try:
-        with open(os.path.join(root, "manifest.json")) as f:
-            got = json.load(f)
-    except (OSError, ValueError):
+    got = read_manifest(root, want)
+    if got is None or not sizes_match(root, got.get("sizes", {})):
         return None
-    if {k: got.get(k) for k in want} != want:
-        return None
-    for rel, size in got.get("sizes", {}).items():
-        try:
-            if os.path.getsize(os.path.join(root, rel)) != size:
-                return None
-        except OSError:
-            return None
     return got if got.get("sizes") else None
 
 
@@ -161,8 +140,7 @@ def _build(root: str, want: dict) -> dict:
 
     import mcf
 
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(root, "manifest.json"))
+    drop_manifest(root)
     gen = torch.Generator().manual_seed(SEED)
     tensors, crc = {}, {}
     for name, shape, kind in model_spec():
@@ -204,9 +182,7 @@ def _build(root: str, want: dict) -> dict:
     del tensors, groups, cur
     mcf.pack(sd, os.path.join(root, "model.mcf"))
     got = dict(want, crc=crc, sizes={rel: os.path.getsize(os.path.join(root, rel)) for rel in _files(root)})
-    with open(os.path.join(root, "manifest.json.tmp"), "w") as f:
-        json.dump(got, f, indent=1)
-    os.replace(os.path.join(root, "manifest.json.tmp"), os.path.join(root, "manifest.json"))
+    write_manifest(root, got)
     return got
 
 
@@ -214,15 +190,7 @@ def loading_model() -> LoadingModel:
     """The checkpoint, built on first use (under a lock: two runs sharing the cache build it once)."""
     root = cache_dir()
     os.makedirs(root, exist_ok=True)
-    want = _expected()
-    built_s = None
-    with open(os.path.join(root, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        got = _cached(root, want)
-        if got is None:
-            t0 = time.perf_counter()
-            got = _build(root, want)
-            built_s = time.perf_counter() - t0
+    got, built_s = build_once(root, _expected(), _cached, _build)
     return LoadingModel(root, os.path.join(root, "single", "model.safetensors"), os.path.join(root, "sharded"),
                         os.path.join(root, "model.mcf"), got["payload_bytes"], got["crc"], got["sizes"], built_s)
 

@@ -48,8 +48,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from bench_common import print_summary, touch_files  # noqa: E402
 from host_state import load_average, machine  # noqa: E402
-from load_child import touch_files  # noqa: E402
 from loading_model import loading_model  # noqa: E402
 
 MiB = 1 << 20
@@ -178,10 +178,7 @@ def main(argv=None):
     if "today.mcf" in gbps:
         for new, old in (("mcf.load_file.mcf", "today.mcf"), ("raw", "today.raw")):
             lines.append(f"  {new}: {gbps[new] / gbps[old]:.2f}x the path before (target over HTTP >= 5x)")
-    print("\n".join(lines))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"summary": lines, "runs": runs}, f, indent=1)
+    print_summary(lines, runs, a.json)
 
 
 if __name__ == "__main__":

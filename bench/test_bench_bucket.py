@@ -26,6 +26,7 @@ Data is cached under ``$MCF_BENCH_DIR/bucket`` (default ``<tempdir>/mcf-bench/bu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -294,27 +295,26 @@ def _small_npz(i: int) -> bytes:
     return bio.getvalue()
 
 
-@pytest.fixture(scope="module")
-def load_server(tmp_path_factory):
-    """``mcf bucket serve`` as a real process on a fresh bucket of 200 small contexts; yields (port, ids)."""
+@contextlib.contextmanager
+def _serve_bucket(root, seed: int, n: int, content: str, *serve_args):
+    """``mcf bucket serve`` as a real process on a fresh bucket at ``root`` of ``n`` small contexts
+    (``content`` numbered); yields (port, ids) once it answers, stops it on exit."""
     import http.client
     import socket
     import subprocess
     import sys
     import time
 
-    pytest.importorskip("uvicorn", reason="the server extra")
-    root = tmp_path_factory.mktemp("load")
     b = Bucket(root)
-    rng = np.random.default_rng(1)
-    ids = [b.ingest("m", [(rng.standard_normal((2, 16, 8)).astype(np.float32),) * 2] * 2, content=f"seed {i}",
-                    dtype="float32")["context_id"] for i in range(200)]
+    rng = np.random.default_rng(seed)
+    ids = [b.ingest("m", [(rng.standard_normal((2, 16, 8)).astype(np.float32),) * 2] * 2, content=f"{content} {i}",
+                    dtype="float32")["context_id"] for i in range(n)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MCF_BUCKET_TOKEN=TOKEN)
     proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root), "--port",
-                             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(port), *serve_args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -332,6 +332,14 @@ def load_server(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def load_server(tmp_path_factory):
+    """``mcf bucket serve`` as a real process on a fresh bucket of 200 small contexts; yields (port, ids)."""
+    pytest.importorskip("uvicorn", reason="the server extra")
+    with _serve_bucket(tmp_path_factory.mktemp("load"), 1, 200, "seed") as served:
+        yield served
 
 
 def _drive(port: int, plan) -> dict:
@@ -544,39 +552,12 @@ def test_server_lookups_beside_slow_clients(benchmark, tmp_path_factory):
     over the mean p99 of the two runs alone (target: within 2x); errors are any answer but 200 to a
     well-behaved client, which must be none.  The attackers also take CPU (the flood is answered as
     fast as it asks), so on a busy 2-core machine the ratio measures that too: report the load."""
-    import http.client
-    import socket
-    import subprocess
-    import sys
     import threading
     import time
 
     pytest.importorskip("uvicorn", reason="the server extra")
     root = tmp_path_factory.mktemp("slow")
-    b = Bucket(root)
-    rng = np.random.default_rng(2)
-    ids = [b.ingest("m", [(rng.standard_normal((2, 16, 8)).astype(np.float32),) * 2] * 2, content=f"s {i}",
-                    dtype="float32")["context_id"] for i in range(100)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mcf.cli", "bucket", "serve", "--root", str(root), "--port",
-                             str(port), "--max-connections", str(SLOW_CAP)],
-                            env=dict(os.environ, MCF_BUCKET_TOKEN=TOKEN), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/mcrp/v1/openapi.json")
-                c.getresponse().read()
-                c.close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+    with _serve_bucket(root, 2, 100, "s", "--max-connections", str(SLOW_CAP)) as (port, ids):
         plan = _Plan(lambda c, i: ("GET", f"/mcrp/v1/contexts/{ids[(c * 600 + i) % len(ids)]}", None, {}, 200,
                                    "lookup"), 600)
         alone = _drive(port, plan)
@@ -591,9 +572,6 @@ def test_server_lookups_beside_slow_clients(benchmark, tmp_path_factory):
             for t in attackers:
                 t.join(timeout=30)
         alone_again = _drive(port, plan)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
     def p99(r):
         return float(np.percentile(np.array(r["latencies"]["lookup"]) * 1e3, 99))

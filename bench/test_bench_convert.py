@@ -21,6 +21,7 @@ import pytest
 import mcf
 from mcf.conversion.checkpoint import convert
 from mcf.conversion.export import export
+from bench_common import bench_median
 
 ROUNDS = 5
 FLOAT_TARGET = 0.5   # convert at least half the throughput of a plain copy
@@ -74,14 +75,12 @@ def out_dir(bench_model):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _median(benchmark):
-    stats = getattr(benchmark, "stats", None)
-    return stats.stats.median if stats is not None else None
-
-
-def _run(benchmark, report, group, label, fn, src, out, anchors, nbytes, target=None):
+def _run(benchmark, report, group, label, fn, src, out_dir, out, nbytes, target=None):
+    """Time ``fn`` (which writes ``out``) with :class:`Anchors` copying ``src`` before every round; report
+    the target, both anchors and the ratios."""
+    anchors = Anchors(src, out_dir, out)
     benchmark.pedantic(fn, setup=anchors, rounds=ROUNDS, warmup_rounds=1, iterations=1)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t is None:
         return
     a_sync, a_nosync = anchors.median(True), anchors.median(False)
@@ -103,9 +102,8 @@ def test_convert_float(benchmark, bench_model, touch, report, out_dir, mmap):
     m = bench_model
     out = os.path.join(out_dir, "float.mcf")
     touch(m.st_path)
-    anchors = Anchors(m.st_path, out_dir, out)
     _run(benchmark, report, "convert", f"convert float ({'mmap' if mmap else 'pread'})",
-         lambda: convert(m.st_path, out, mmap=mmap), m.st_path, out, anchors, m.nbytes, FLOAT_TARGET)
+         lambda: convert(m.st_path, out, mmap=mmap), m.st_path, out_dir, out, m.nbytes, FLOAT_TARGET)
     with mcf.open(out) as c:
         assert len(c) == m.n_tensors and c.info(m.names[0]).dtype.name == "f16"
     _remove(out)
@@ -118,9 +116,8 @@ def test_convert_float_no_fsync(benchmark, bench_model, touch, report, out_dir):
     m = bench_model
     out = os.path.join(out_dir, "float-nofsync.mcf")
     touch(m.st_path)
-    anchors = Anchors(m.st_path, out_dir, out)
     _run(benchmark, report, "convert", "convert float (pread, durable=False)",
-         lambda: convert(m.st_path, out, mmap=False, durable=False), m.st_path, out, anchors, m.nbytes,
+         lambda: convert(m.st_path, out, mmap=False, durable=False), m.st_path, out_dir, out, m.nbytes,
          FLOAT_TARGET)
     _remove(out)
 
@@ -130,9 +127,8 @@ def test_convert_k4(benchmark, bench_model, touch, report, out_dir):
     m = bench_model
     out = os.path.join(out_dir, "k4.mcf")
     touch(m.st_path)
-    anchors = Anchors(m.st_path, out_dir, out)
     _run(benchmark, report, "convert", "convert k4 (read bytes/s)", lambda: convert(m.st_path, out, method="k4"),
-         m.st_path, out, anchors, m.nbytes)
+         m.st_path, out_dir, out, m.nbytes)
     with mcf.open(out) as c:
         assert c.info("model.embed_tokens.weight").dtype.name == "k4"
     _remove(out)
@@ -143,9 +139,8 @@ def test_export_float(benchmark, bench_model, touch, report, out_dir):
     m = bench_model
     out = os.path.join(out_dir, "out.safetensors")
     touch(m.mcf_path)
-    anchors = Anchors(m.mcf_path, out_dir, out)
-    _run(benchmark, report, "export", "export float (copy)", lambda: export(m.mcf_path, out), m.mcf_path, out,
-         anchors, m.nbytes)
+    _run(benchmark, report, "export", "export float (copy)", lambda: export(m.mcf_path, out), m.mcf_path, out_dir,
+         out, m.nbytes)
     assert os.path.getsize(out) >= m.nbytes
     _remove(out)
 
@@ -159,8 +154,7 @@ def test_export_k4_to_f16(benchmark, bench_model, touch, report, out_dir):
         convert(m.st_path, k4, method="k4")
     out = os.path.join(out_dir, "out-k4.safetensors")
     touch(k4, m.mcf_path)
-    anchors = Anchors(m.mcf_path, out_dir, out)
     _run(benchmark, report, "export", "export k4 -> f16 (written bytes/s)",
-         lambda: export(k4, out, dtype="f16"), m.mcf_path, out, anchors, m.nbytes)
+         lambda: export(k4, out, dtype="f16"), m.mcf_path, out_dir, out, m.nbytes)
     assert os.path.getsize(out) >= m.nbytes
     _remove(out)

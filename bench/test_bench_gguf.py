@@ -32,6 +32,7 @@ import pytest
 import mcf.gguf as G
 from mcf._core import _kernels as K
 from mcf.io import aligned_empty
+from bench_common import median_time
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
 from gguf import GGMLQuantizationType as GT  # noqa: E402 - after the skip above
@@ -45,15 +46,6 @@ TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0"]
 IMPLS = K.kernel_info()["supported"]
 _SUMMARY = []
 F16_SCALES = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-def _median_time(fn, rounds=5):
-    ts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def _blocks(tname, n_blocks, seed_label):
@@ -109,9 +101,9 @@ def test_decode_full(benchmark, one_tensor_files, out_buf, tname, impl):
     t = benchmark.stats.stats.median
     raw = g.raw(name).reshape(N, -1)  # what GGUFReader's tensor.data is
     assert np.array_equal(gguf.quants.dequantize(raw, GT[tname]).view(np.uint32), out_buf.view(np.uint32))
-    t_ref = _median_time(lambda: gguf.quants.dequantize(raw, GT[tname]), rounds=3)
+    t_ref = median_time(lambda: gguf.quants.dequantize(raw, GT[tname]), rounds=3)
     src = np.ones((N, N), np.float32)
-    t_copy = _median_time(lambda: np.copyto(out_buf, src))
+    t_copy = median_time(lambda: np.copyto(out_buf, src), rounds=5)
     gbps = N * N * 4 / t / 1e9
     benchmark.extra_info.update(gbps_out=gbps, vs_gguf_py=t_ref / t, gguf_py_gbps=N * N * 4 / t_ref / 1e9,
                                 vs_copyto=t_copy / t)
@@ -129,7 +121,7 @@ def test_decode_fresh_output(benchmark, one_tensor_files, tname):
     benchmark.pedantic(lambda: g.dequantize(name), rounds=9, warmup_rounds=1, iterations=1)
     t = benchmark.stats.stats.median
     raw = g.raw(name).reshape(N, -1)
-    t_ref = _median_time(lambda: gguf.quants.dequantize(raw, GT[tname]), rounds=3)
+    t_ref = median_time(lambda: gguf.quants.dequantize(raw, GT[tname]), rounds=3)
     benchmark.extra_info.update(gbps_out=N * N * 4 / t / 1e9, vs_gguf_py=t_ref / t)
     _SUMMARY.append(("decode-fresh", tname, "best", N * N * 4 / t / 1e9, t_ref / t, None))
     g.close()
@@ -139,7 +131,7 @@ def test_decode_fresh_output(benchmark, one_tensor_files, tname):
 @pytest.mark.benchmark(group="gguf-decode-2threads")
 def test_decode_two_threads(benchmark, one_tensor_files, out_buf, tname):
     g = G.open(one_tensor_files[tname])
-    t1 = _median_time(lambda: g.dequantize("blk.0.weight", out=out_buf))
+    t1 = median_time(lambda: g.dequantize("blk.0.weight", out=out_buf), rounds=5)
     benchmark.pedantic(lambda: g.dequantize("blk.0.weight", out=out_buf, threads=2), rounds=9,
                        warmup_rounds=1, iterations=1)
     t2 = benchmark.stats.stats.median
@@ -200,8 +192,8 @@ def test_convert(benchmark, conversion_files, tmp_path, tname, method):
     _touch(src)
     benchmark.pedantic(run, rounds=5, warmup_rounds=1, iterations=1)
     t = benchmark.stats.stats.median
-    t_copy = _median_time(copy)
-    t_pycopy = _median_time(pycopy)
+    t_copy = median_time(copy, rounds=5)
+    t_pycopy = median_time(pycopy, rounds=5)
     out_size = os.path.getsize(dst)
     benchmark.extra_info.update(gbps_in=size / t / 1e9, vs_copy=t_copy / t, vs_pycopy=t_pycopy / t,
                                 in_mb=size / 1e6, out_mb=out_size / 1e6)
@@ -235,7 +227,7 @@ def test_open_vocabulary(benchmark, vocab_file):
     _touch(vocab_file)
     benchmark.pedantic(lambda: G.open(vocab_file).close(), rounds=5, warmup_rounds=1, iterations=1)
     t = benchmark.stats.stats.median
-    t_ref = _median_time(lambda: gguf.GGUFReader(vocab_file), rounds=1)
+    t_ref = median_time(lambda: gguf.GGUFReader(vocab_file), rounds=1)
     benchmark.extra_info.update(seconds=t, gguf_reader_seconds=t_ref, vs_gguf_reader=t_ref / t)
     _SUMMARY.append(("open-vocab", "-", "best", os.path.getsize(vocab_file) / t / 1e9, t_ref / t, None))
 
@@ -287,8 +279,8 @@ def test_decode_new_types(benchmark, out_buf, tname, impl):
     assert np.array_equal(out_buf.view(np.uint32).reshape(-1), _ANCHOR_BITS[tname])
     ratios = []
     for _ in range(3):
-        t_ours = min(_median_time(decode, rounds=1) for _ in range(3))
-        ratios.append(_median_time(lambda: _anchor(tname, raw), rounds=1) / t_ours)
+        t_ours = min(median_time(decode, rounds=1) for _ in range(3))
+        ratios.append(median_time(lambda: _anchor(tname, raw), rounds=1) / t_ours)
     ratio = float(np.median(ratios))
     gbps = N * N * 4 / t / 1e9
     benchmark.extra_info.update(gbps_out=gbps, vs_anchor=ratio, vs_anchor_pairs=ratios)

@@ -10,7 +10,6 @@ Run: python -m pytest bench/test_bench_kernels.py --benchmark-only -s
 """
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import pytest
 import mcf
 from mcf._core import _kernels as K
 from mcf.io import aligned_empty
+from bench_common import median_time
 
 gguf = pytest.importorskip("gguf", reason="gguf-py is the anchor of these benchmarks (pip install gguf)")
 from gguf.quants import GGMLQuantizationType as GT  # noqa: E402
@@ -27,15 +27,6 @@ METHODS = ["q8", "q4", "k6", "k4", "k3", "k2"]
 GGUF_TYPE = {"q8": GT.Q8_0, "q4": GT.Q4_0, "k6": GT.Q6_K, "k4": GT.Q4_K, "k3": GT.Q3_K, "k2": GT.Q2_K}
 IMPLS = K.kernel_info()["supported"]
 _SUMMARY = []
-
-
-def _median_time(fn, rounds=7):
-    ts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +48,7 @@ def out_buf():
 
 
 def _copyto_time(out, src):
-    return _median_time(lambda: np.copyto(out, src))
+    return median_time(lambda: np.copyto(out, src))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -82,7 +73,7 @@ def test_dequant_full(benchmark, payloads, out_buf, weights, method, impl):
     if gt in (GT.Q8_0, GT.Q4_0):
         raw = gguf.quants.quantize(weights, gt)
     with np.errstate(all="ignore"):
-        t_gguf = _median_time(lambda: gguf.quants.dequantize(raw, gt), rounds=2)
+        t_gguf = median_time(lambda: gguf.quants.dequantize(raw, gt), rounds=2)
     ratio_gguf = t_gguf / t
     benchmark.extra_info.update(gbps_out=gbps, vs_copyto=ratio_copy, vs_gguf=ratio_gguf,
                                 gguf_gbps=N * N * 4 / t_gguf / 1e9, copyto_gbps=N * N * 4 / t_copy / 1e9)
@@ -107,6 +98,29 @@ def test_dequant_l1(benchmark, payloads, weights, out_buf, method, impl):
     _SUMMARY.append(("L1", method, impl, gbps, t_copy / t, None))
 
 
+def _two_threads(benchmark, qt, rows, passes):
+    """Decoding ``rows`` rows of ``qt`` tile by tile ``passes`` times: the median seconds of one thread doing
+    it all (best of two), then of two threads each doing half into its own small buffer (the benchmark)."""
+    tiles = [aligned_empty(N * 4, 64).view(np.float32) for _ in range(2)]
+
+    def part(k, r0, r1):
+        for _ in range(passes):
+            qt.decode_tiles(r0, r1, 1, tiles[k])
+
+    def two():
+        ts = [threading.Thread(target=part, args=(k, k * rows // 2, (k + 1) * rows // 2)) for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    t1 = min(median_time(lambda: part(0, 0, rows)) for _ in range(2))
+    benchmark.pedantic(two, rounds=7, warmup_rounds=1, iterations=1)
+    t2 = benchmark.stats.stats.median
+    benchmark.extra_info.update(speedup_2_threads=t1 / t2)
+    return t1, t2
+
+
 @pytest.mark.parametrize("method", ["q8", "q4", "k4", "k3"])
 @pytest.mark.benchmark(group="dequant-L1-2threads")
 def test_dequant_l1_two_threads(benchmark, payloads, method):
@@ -114,25 +128,8 @@ def test_dequant_l1_two_threads(benchmark, payloads, method):
     GIL-free C loop per thread): speedup over one thread doing all the rows."""
     code = mcf._core.dtypes.parse_dtype(method).code
     qt = K.QTensor(payloads[method], code, N, N)
-    tiles = [aligned_empty(N * 4, 64).view(np.float32) for _ in range(2)]
-
     passes = 64  # ~0.1 s of work per round: thread start-up, wake-up and this VM's scheduling noise must not dominate
-
-    def part(k, r0, r1):
-        for _ in range(passes):
-            qt.decode_tiles(r0, r1, 1, tiles[k])
-
-    def two():
-        ts = [threading.Thread(target=part, args=(k, k * N // 2, (k + 1) * N // 2)) for k in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-
-    t1 = min(_median_time(lambda: part(0, 0, N)) for _ in range(2))
-    benchmark.pedantic(two, rounds=7, warmup_rounds=1, iterations=1)
-    t2 = benchmark.stats.stats.median
-    benchmark.extra_info.update(speedup_2_threads=t1 / t2)
+    t1, t2 = _two_threads(benchmark, qt, N, passes)
     _SUMMARY.append(("2thr", method, "best", passes * N * N * 4 / t2 / 1e9, t1 / t2, None))
 
 
@@ -146,24 +143,8 @@ def test_dequant_l2_payload_two_threads(benchmark, weights, method):
     code = mcf._core.dtypes.parse_dtype(method).code
     payload, _ = mcf.quantize(np.ascontiguousarray(weights[:rows]), method)
     qt = K.QTensor(payload, code, rows, N)
-    tiles = [aligned_empty(N * 4, 64).view(np.float32) for _ in range(2)]
     passes = 2048  # ~0.15 s of work per round
-
-    def part(k, r0, r1):
-        for _ in range(passes):
-            qt.decode_tiles(r0, r1, 1, tiles[k])
-
-    def two():
-        ts = [threading.Thread(target=part, args=(k, k * rows // 2, (k + 1) * rows // 2)) for k in range(2)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-
-    t1 = min(_median_time(lambda: part(0, 0, rows)) for _ in range(2))
-    benchmark.pedantic(two, rounds=7, warmup_rounds=1, iterations=1)
-    t2 = benchmark.stats.stats.median
-    benchmark.extra_info.update(speedup_2_threads=t1 / t2)
+    t1, t2 = _two_threads(benchmark, qt, rows, passes)
     _SUMMARY.append(("2thrL2", method, "best", passes * rows * N * 4 / t2 / 1e9, t1 / t2, None))
 
 
@@ -180,7 +161,7 @@ def test_quantize(benchmark, weights, method, threads):
     if method in ("q8", "q4"):
         gt = GGUF_TYPE[method]
         with np.errstate(all="ignore"):
-            t_g = _median_time(lambda: gguf.quants.quantize(weights, gt), rounds=1)
+            t_g = median_time(lambda: gguf.quants.quantize(weights, gt), rounds=1)
         info["vs_gguf_quantize"] = t_g / t
     benchmark.extra_info.update(info)
     _SUMMARY.append(("quant", method, f"{threads}thr", gbps, info.get("vs_gguf_quantize"), None))

@@ -12,15 +12,13 @@ faulted in, identically for targets and anchors.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 import pytest
 import safetensors.numpy as stnp
 from safetensors import safe_open
 
 import mcf
+from bench_common import Interleaved, Rounds, bench_median
 
 OPEN_ROUNDS = 300
 BIG_ROUNDS = 7        # rounds of the ~1 GiB benchmarks (0.1-0.6 s each)
@@ -42,63 +40,20 @@ def aligned_buffer(nbytes: int, align: int = 4096) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
-def _median(benchmark):
-    """Median seconds of the last pedantic run (None with --benchmark-disable)."""
-    stats = getattr(benchmark, "stats", None)
-    return stats.stats.median if stats is not None else None
-
-
-class Rounds:
-    """Runs ``fn`` as a pedantic target that allocates its result; the untimed teardown checks the
-    first result with ``check``, drops it and applies the memory mode."""
-
-    def __init__(self, fn, memory, check=None):
-        self.fn = fn
-        self.memory = memory
-        self.check = check
-        self._result = None
-
-    def target(self, *args):
-        self._result = self.fn(*args)
-
-    def teardown(self, *args, **kwargs):
-        result, self._result = self._result, None
-        if self.check is not None:
-            self.check(result)
-            self.check = None
-        del result
-        self.memory.release()
-
-
-class Interleaved:
-    """A pedantic ``setup`` that times ``fn`` once before every round of the target (untimed for the
-    target) and then drops its result like :class:`Rounds`: the anchor's samples are taken between
-    the target's, not a minute earlier."""
-
-    def __init__(self, fn, memory=None):
-        self.fn = fn
-        self.memory = memory
-        self.times: list = []
-
-    def __call__(self):
-        t0 = time.perf_counter()
-        result = self.fn()
-        self.times.append(time.perf_counter() - t0)
-        del result
-        if self.memory is not None:
-            self.memory.release()
-
-    @property
-    def median(self):
-        return statistics.median(self.times) if self.times else None
-
-
 def _pedantic(benchmark, run, args, rounds, setup=None):
     """benchmark.pedantic over a :class:`Rounds` (one warmup round, so that the first measured round
     of the warm mode already reuses memory)."""
     run.memory.release()
     benchmark.pedantic(run.target, args=args, setup=setup, teardown=run.teardown, rounds=rounds,
                        warmup_rounds=1, iterations=1)
+
+
+def _report_gbps(benchmark, report, group, name, role, nbytes, note=""):
+    """The summary row of a benchmark measured in GB/s of ``nbytes`` (nothing with --benchmark-disable)."""
+    t = bench_median(benchmark)
+    if t is not None:
+        benchmark.extra_info.update(gbps=nbytes / t / 1e9)
+        report.row(group, name, role, t, nbytes, note)
 
 
 def _readinto_whole(path, buf):
@@ -141,7 +96,7 @@ def test_open_views_mcf(benchmark, bench_model, touch, report):
     views = benchmark.pedantic(_mcf_open_views, args=(m.mcf_path,), setup=ref, rounds=OPEN_ROUNDS,
                                warmup_rounds=5, iterations=1)
     assert len(views) == m.n_tensors and not views[0].flags.owndata
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t is None:
         return
     budget = _budget(m.n_tensors)
@@ -168,7 +123,7 @@ def test_open_views_mcf_many(benchmark, bench_model, touch, report):
     views = benchmark.pedantic(_mcf_open_views, args=(m.many_path,), setup=small, rounds=OPEN_ROUNDS // 2,
                                warmup_rounds=3, iterations=1)
     assert len(views) == m.n_many
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t is None:
         return
     n1, t1, n2 = m.n_tensors, small.median, m.n_many
@@ -196,7 +151,7 @@ def test_open_meta_safetensors(benchmark, bench_model, touch, report):
     meta = benchmark.pedantic(_safetensors_open_meta, args=(m.st_path,), rounds=OPEN_ROUNDS // 2,
                               warmup_rounds=3, iterations=1)
     assert len(meta) == m.n_tensors
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t is not None:
         benchmark.extra_info.update(n_tensors=m.n_tensors, per_tensor_us=t / m.n_tensors * 1e6)
         report.row("1-open-views", "safetensors safe_open + get_slice shapes", "reference", t,
@@ -249,32 +204,35 @@ def _check_materialized(m):
     return check
 
 
-@pytest.mark.benchmark(group="2-materialize")
-def test_materialize_readinto(benchmark, bench_model, touch, report):
-    m = bench_model
+def _readinto_preallocated(benchmark, m, touch, report, group, rounds, role, note=""):
+    """A plain readinto of the whole MCF file into a preallocated, faulted-in aligned buffer."""
     touch(m.mcf_path)
     buf = aligned_buffer(m.mcf_size)
     buf[:] = 1   # preallocated and faulted in
-    n = benchmark.pedantic(_readinto_whole, args=(m.mcf_path, buf), rounds=BIG_ROUNDS, warmup_rounds=1,
+    n = benchmark.pedantic(_readinto_whole, args=(m.mcf_path, buf), rounds=rounds, warmup_rounds=1,
                            iterations=1)
     assert n == m.mcf_size
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.mcf_size / t / 1e9)
-        report.row("2-materialize", "readinto whole file, preallocated aligned", "yardstick", t,
-                   m.mcf_size, "no allocation: the copy alone")
+    _report_gbps(benchmark, report, group, "readinto whole file, preallocated aligned", role, m.mcf_size, note)
+
+
+def _materialize(benchmark, report, memory, m, fn, args, name, role, note=""):
+    """``fn(*args)`` as a materialize benchmark: fresh arrays every round, checked, in GB/s of the payload."""
+    _pedantic(benchmark, Rounds(fn, memory, _check_materialized(m)), args, BIG_ROUNDS)
+    _report_gbps(benchmark, report, "2-materialize", name, role, m.nbytes, note)
+
+
+@pytest.mark.benchmark(group="2-materialize")
+def test_materialize_readinto(benchmark, bench_model, touch, report):
+    _readinto_preallocated(benchmark, bench_model, touch, report, "2-materialize", BIG_ROUNDS, "yardstick",
+                           "no allocation: the copy alone")
 
 
 @pytest.mark.benchmark(group="2-materialize")
 def test_materialize_alloc_only(benchmark, bench_model, report, memory):
     m = bench_model
     layout = _layout(m.mcf_path)
-    _pedantic(benchmark, Rounds(_alloc_fault, memory, _check_materialized(m)), (layout,), BIG_ROUNDS)
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.nbytes / t / 1e9)
-        report.row("2-materialize", "np.empty per tensor + 1 byte/page, no file", "yardstick", t,
-                   m.nbytes, "the allocations alone")
+    _materialize(benchmark, report, memory, m, _alloc_fault, (layout,), "np.empty per tensor + 1 byte/page, no file",
+                 "yardstick", "the allocations alone")
 
 
 @pytest.mark.benchmark(group="2-materialize")
@@ -282,38 +240,24 @@ def test_materialize_memmap(benchmark, bench_model, touch, report, memory):
     m = bench_model
     layout = _layout(m.mcf_path)
     touch(m.mcf_path)
-    _pedantic(benchmark, Rounds(_materialize_memmap, memory, _check_materialized(m)), (m.mcf_path, layout),
-              BIG_ROUNDS)
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.nbytes / t / 1e9)
-        report.row("2-materialize", "np.memmap + np.array per tensor", "yardstick", t, m.nbytes,
-                   "offsets known in advance")
+    _materialize(benchmark, report, memory, m, _materialize_memmap, (m.mcf_path, layout),
+                 "np.memmap + np.array per tensor", "yardstick", "offsets known in advance")
 
 
 @pytest.mark.benchmark(group="2-materialize")
 def test_materialize_safetensors(benchmark, bench_model, touch, report, memory):
     m = bench_model
     touch(m.st_path)
-    _pedantic(benchmark, Rounds(_materialize_safetensors, memory, _check_materialized(m)), (m.st_path,),
-              BIG_ROUNDS)
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.nbytes / t / 1e9)
-        report.row("2-materialize", "safetensors.numpy.load_file", "anchor", t, m.nbytes)
+    _materialize(benchmark, report, memory, m, _materialize_safetensors, (m.st_path,), "safetensors.numpy.load_file",
+                 "anchor")
 
 
 @pytest.mark.benchmark(group="2-materialize")
 def test_materialize_mcf_per_tensor(benchmark, bench_model, touch, report, memory):
     m = bench_model
     touch(m.mcf_path)
-    _pedantic(benchmark, Rounds(_materialize_mcf_per_tensor, memory, _check_materialized(m)), (m.mcf_path,),
-              BIG_ROUNDS)
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.nbytes / t / 1e9)
-        report.row("2-materialize", "mcf.open + np.array(tensor()) per tensor", "reference", t, m.nbytes,
-                   "one allocation and copy per tensor")
+    _materialize(benchmark, report, memory, m, _materialize_mcf_per_tensor, (m.mcf_path,),
+                 "mcf.open + np.array(tensor()) per tensor", "reference", "one allocation and copy per tensor")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -324,7 +268,7 @@ def test_materialize_mcf(benchmark, bench_model, touch, report, memory, threads)
     anchor = Interleaved(lambda: _materialize_safetensors(m.st_path), memory)
     _pedantic(benchmark, Rounds(_materialize_mcf, memory, _check_materialized(m)), (m.mcf_path, threads),
               BIG_ROUNDS, setup=anchor)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t is None:
         return
     speedup = anchor.median / t
@@ -356,17 +300,7 @@ def _readinto_fresh(path, size):
 
 @pytest.mark.benchmark(group="3-read-nommap")
 def test_nommap_readinto(benchmark, bench_model, touch, report):
-    m = bench_model
-    touch(m.mcf_path)
-    buf = aligned_buffer(m.mcf_size)
-    buf[:] = 1
-    n = benchmark.pedantic(_readinto_whole, args=(m.mcf_path, buf), rounds=FAST_ROUNDS, warmup_rounds=1,
-                           iterations=1)
-    assert n == m.mcf_size
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.mcf_size / t / 1e9)
-        report.row("3-read-nommap", "readinto whole file, preallocated aligned", "anchor", t, m.mcf_size)
+    _readinto_preallocated(benchmark, bench_model, touch, report, "3-read-nommap", FAST_ROUNDS, "anchor")
 
 
 @pytest.mark.benchmark(group="3-read-nommap")
@@ -378,11 +312,8 @@ def test_nommap_readinto_fresh(benchmark, bench_model, touch, report, memory):
         assert len(buf) == m.mcf_size
 
     _pedantic(benchmark, Rounds(_readinto_fresh, memory, check), (m.mcf_path, m.mcf_size), FAST_ROUNDS)
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.mcf_size / t / 1e9)
-        report.row("3-read-nommap", "readinto whole file, new aligned buffer", "yardstick", t,
-                   m.mcf_size, "one 1 GiB allocation per round")
+    _report_gbps(benchmark, report, "3-read-nommap", "readinto whole file, new aligned buffer", "yardstick",
+                 m.mcf_size, "one 1 GiB allocation per round")
 
 
 @pytest.mark.benchmark(group="3-read-nommap")
@@ -403,11 +334,8 @@ def test_nommap_source_readinto_prealloc(benchmark, bench_model, touch, report):
         s.close()
 
     benchmark.pedantic(run, rounds=FAST_ROUNDS, warmup_rounds=1, iterations=1)
-    t = _median(benchmark)
-    if t is not None:
-        benchmark.extra_info.update(gbps=m.nbytes / t / 1e9)
-        report.row("3-read-nommap", "mcf Source.readinto per tensor, preallocated", "yardstick", t,
-                   m.nbytes, "mcf's pread path minus the allocations")
+    _report_gbps(benchmark, report, "3-read-nommap", "mcf Source.readinto per tensor, preallocated", "yardstick",
+                 m.nbytes, "mcf's pread path minus the allocations")
 
 
 @pytest.mark.benchmark(group="3-read-nommap")
@@ -423,7 +351,7 @@ def test_nommap_mcf(benchmark, bench_model, touch, report, memory):
         assert all(a.ctypes.data % 4096 == 0 and a.flags.c_contiguous for a in out)
 
     _pedantic(benchmark, Rounds(_read_nommap_mcf, memory, check), (m.mcf_path,), FAST_ROUNDS, setup=anchor)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t is None:
         return
     ratio = t / anchor.median

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import mcf.megacontext as mc
+from bench_common import bench_median, touch_files
 
 T = 10_000_000
 D = 2048
@@ -87,14 +88,6 @@ def summary():
         for g, w, v, t, m, o in RESULTS:
             oc = f"{o * 100:3.0f}%" if o is not None else "  -"
             print(f"  {g:<8} {w:<64} {v:>30}  target {t:<9} {'met' if m else 'NOT met':<7} other {oc}")
-
-
-def touch(*paths):
-    buf = bytearray(8 << 20)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def tokens_at(start, n):
@@ -263,11 +256,6 @@ class MemmapReader:
         return self.levels.copy(), self.positions.copy(), ids, out
 
 
-def _median(benchmark):
-    stats = getattr(benchmark, "stats", None)
-    return stats.stats.median if stats is not None else None
-
-
 class Interleaved:
     """pedantic's setup: time ``fn`` once before each target round (untimed for the target)."""
 
@@ -309,7 +297,7 @@ def test_assemble_vs_seed_reader(benchmark, opened, tree_path, table, kind):
     assert n == ROWS
     out = np.empty((n, D), np.float16)
     seed = SeedReader(tree_path, D)
-    touch(*(os.path.join(tree_path, f"LOD{lv}.ctx") for lv in range(3)))
+    touch_files(os.path.join(tree_path, f"LOD{lv}.ctx") for lv in range(3))
     wc = opened.assemble(plan, table, out=out)
     ref = seed.assemble(plan, table, np.empty((n, D), np.float16))
     _check_same((wc.levels, wc.positions, wc.token_ids, wc.embeddings), ref)
@@ -318,7 +306,7 @@ def test_assemble_vs_seed_reader(benchmark, opened, tree_path, table, kind):
     benchmark.pedantic(lambda: opened.assemble(plan, table, out=out), setup=anchor, rounds=SEED_ROUNDS,
                        warmup_rounds=1)
     seed.close()
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t:
         ratio = anchor.median / t
         record(benchmark, "assemble", f"{kind}: mcf vs seed 000 reader (seek+fromfile)", f"{ratio:.1f}x "
@@ -332,13 +320,13 @@ def test_assemble_vs_memmap(benchmark, opened, tree_path, table, kind):
     n = plan.rows(T, K)
     out = np.empty((n, D), np.float16)
     mm = MemmapReader(tree_path, opened.counts, plan)
-    touch(*(os.path.join(tree_path, f"LOD{lv}.ctx") for lv in range(3)))
+    touch_files(os.path.join(tree_path, f"LOD{lv}.ctx") for lv in range(3))
     wc = opened.assemble(plan, table, out=out)
     _check_same((wc.levels, wc.positions, wc.token_ids, wc.embeddings), mm.assemble(table))
     anchor = Interleaved(lambda: mm.assemble(table))
     benchmark.pedantic(lambda: opened.assemble(plan, table, out=out), setup=anchor, rounds=ASSEMBLE_ROUNDS,
                        warmup_rounds=1)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t:
         ratio = anchor.median / t
         record(benchmark, "assemble", f"{kind}: mcf vs numpy fancy indexing on np.memmap",
@@ -378,7 +366,7 @@ def test_assemble_vs_copy_bandwidth(benchmark, opened, tree_path, table, kind, v
     out = np.empty((n, D), np.float16)
     src = np.ones((n, D), np.float16)
     dst = np.empty((n, D), np.float16)
-    touch(*(os.path.join(tree_path, f"LOD{lv}.ctx") for lv in range(3)))
+    touch_files(os.path.join(tree_path, f"LOD{lv}.ctx") for lv in range(3))
     if variant == "out":
         fn = lambda: opened.assemble(plan, table, out=out)               # noqa: E731
     elif variant == "alloc":
@@ -397,7 +385,7 @@ def test_assemble_vs_copy_bandwidth(benchmark, opened, tree_path, table, kind, v
 
     anchor = Interleaved(both)
     benchmark.pedantic(fn, setup=anchor, rounds=ASSEMBLE_ROUNDS, warmup_rounds=1)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t:
         copy_s = anchor.median - statistics.median(hot[1:] or hot)
         share = copy_s / t
@@ -427,6 +415,16 @@ def _fresh(d, name):
     return p
 
 
+def _raw_write(path, data, chunk):
+    """The ingest benchmarks' anchor: the same chunks of ``data`` written to a plain file, then removed."""
+    def raw_write():
+        with open(path, "wb", buffering=0) as f:
+            for s in range(0, len(data), chunk):
+                f.write(data[s:s + chunk])
+        os.unlink(path)
+    return raw_write
+
+
 @pytest.mark.parametrize("chunk", [1 << 20, 1 << 16])
 def test_ingest_tokens(benchmark, scratch, chunk):
     """append_tokens of 10M tokens (each chunk committed: data, header, metadata.json) into a new tree."""
@@ -444,13 +442,7 @@ def test_ingest_tokens(benchmark, scratch, chunk):
     def teardown():
         _fresh(scratch, f"t{counter[0]}")
 
-    def raw_write():
-        with open(raw, "wb", buffering=0) as f:
-            for s in range(0, n, chunk):
-                f.write(ids[s:s + chunk])
-        os.unlink(raw)
-
-    anchor = Interleaved(raw_write)
+    anchor = Interleaved(_raw_write(raw, ids, chunk))
 
     def setup():
         teardown()
@@ -458,7 +450,7 @@ def test_ingest_tokens(benchmark, scratch, chunk):
 
     benchmark.pedantic(target, setup=setup, rounds=INGEST_ROUNDS, warmup_rounds=1)
     teardown()
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t:
         rate = n / t
         record(benchmark, "ingest", f"tokens, {chunk} per commit (raw write: {n / anchor.median / 1e6:.0f}M/s)",
@@ -496,13 +488,7 @@ def test_ingest_gists(benchmark, scratch, chunk):
             for s in range(0, n, chunk):
                 tree.append_gists(1, rows[s:s + chunk])
 
-    def raw_write():
-        with open(raw, "wb", buffering=0) as f:
-            for s in range(0, n, chunk):
-                f.write(rows[s:s + chunk])
-        os.unlink(raw)
-
-    anchor = Interleaved(raw_write)
+    anchor = Interleaved(_raw_write(raw, rows, chunk))
 
     def setup():
         for p in paths:
@@ -514,7 +500,7 @@ def test_ingest_gists(benchmark, scratch, chunk):
         return (p,), {}
 
     benchmark.pedantic(target, setup=setup, rounds=INGEST_ROUNDS, warmup_rounds=1)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t:
         gbps = nbytes / t / 1e9
         record(benchmark, "ingest", f"gists, {chunk} per commit (raw write: {nbytes / anchor.median / 1e9:.2f} GB/s)",
@@ -588,7 +574,7 @@ def test_assemble_q8_vs_fp16(benchmark, q8_trees, table, kind, policy):
     n = plan.rows(fp.num_tokens, K)
     out_fp, out_q = np.empty((n, D), np.float16), np.empty((n, D), np.float16)
     for p in (paths["fp16"], paths[policy]):
-        touch(*(os.path.join(p, f"LOD{lv}.ctx") for lv in range(3)))
+        touch_files(os.path.join(p, f"LOD{lv}.ctx") for lv in range(3))
     a, b = fp.assemble(plan, table, out=out_fp), qt.assemble(plan, table, out=out_q)
     tok = a.levels == 0
     assert np.array_equal(a.embeddings[tok], b.embeddings[tok])
@@ -597,7 +583,7 @@ def test_assemble_q8_vs_fp16(benchmark, q8_trees, table, kind, policy):
     anchor = Interleaved(lambda: fp.assemble(plan, table, out=out_fp))
     benchmark.pedantic(lambda: qt.assemble(plan, table, out=out_q), setup=anchor, rounds=ASSEMBLE_ROUNDS,
                        warmup_rounds=1)
-    t = _median(benchmark)
+    t = bench_median(benchmark)
     if t:
         ratio = t / anchor.median
         q_rows = int(((b.levels == 2) if policy == "hybrid" else ~tok).sum())

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import mcf.megatron as mm
+from bench_common import text_paragraphs, touch_files, write_untruncated_tokenizer
 
 SMALL_TOKENS = 512            # 1 KiB sequences
 N_SMALL = 1 << 20             # 1 GiB
@@ -86,14 +87,6 @@ def data():
     return small, big
 
 
-def touch(*paths):
-    buf = bytearray(8 << 20)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
 class MegatronLikeDataset:
     """Megatron-LM's IndexedDataset read path, reproduced without torch: the index arrays are
     ``numpy.frombuffer`` views of a ``numpy.memmap`` of the .idx, ``_IndexReader.__getitem__`` is
@@ -145,7 +138,7 @@ def interleaved(benchmark, target, anchor, rounds, warmup=1):
 # -- 1. random access ----------------------------------------------------------------------------------
 def test_random_access_getitem(benchmark, data):
     small, _ = data
-    touch(small + ".idx", small + ".bin")
+    touch_files([small + ".idx", small + ".bin"])
     ds = mm.open(small)
     meg = MegatronLikeDataset(small)
     idx = np.random.default_rng(1).integers(0, len(ds), 100_000).tolist()
@@ -227,7 +220,7 @@ def test_numpy_integer_indices(benchmark, data, what):
     Before numpy integers took the compiled path they went through a Python-level check: 0.79 vs 0.15 us for
     ``ds[i]``.  Target: numpy integers within 1.5x of Python ints."""
     small, _ = data
-    touch(small + ".idx", small + ".bin")
+    touch_files([small + ".idx", small + ".bin"])
     ds = mm.open(small)
     rng = np.random.default_rng(7)
     idx = rng.integers(0, len(ds), 100_000).tolist()
@@ -244,7 +237,7 @@ def test_numpy_integer_indices(benchmark, data, what):
 # -- 2. gather -----------------------------------------------------------------------------------------
 def test_gather_1k_sequences(benchmark, data):
     small, _ = data
-    touch(small + ".bin")
+    touch_files([small + ".bin"])
     ds = mm.open(small)
     rng = np.random.default_rng(2)
     batches = [rng.integers(0, len(ds), 1024) for _ in range(200)]
@@ -281,7 +274,7 @@ def test_gather_64k_bandwidth(benchmark, data):
     ways: the same sequences one copyto each (the same memory access pattern), and one contiguous 16 MiB
     copyto from a random place in the file (the copy bandwidth ceiling)."""
     _, big = data
-    touch(big + ".bin")
+    touch_files([big + ".bin"])
     ds = mm.open(big)
     rng = np.random.default_rng(3)
     k = 256
@@ -416,21 +409,9 @@ def corpus(tmp_path_factory):
     except RuntimeError as exc:
         pytest.skip(f"demo checkpoint unavailable: {exc}")
     d = tmp_path_factory.mktemp("tok")
-    with open(tok_json, encoding="utf-8") as f:
-        cfg = json.load(f)
-    cfg["truncation"] = None
-    cfg["padding"] = None
     tok = str(d / "tokenizer.json")
-    with open(tok, "w", encoding="utf-8") as f:
-        json.dump(cfg, f)
-    paras = []
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
-        try:
-            with open(path, encoding="utf-8") as f:
-                txt = f.read()
-        except (UnicodeDecodeError, OSError):
-            continue
-        paras += [p.strip() for p in txt.split("\n\n") if len(p.strip()) > 40]
+    write_untruncated_tokenizer(tok_json, tok)
+    paras = text_paragraphs(sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))), 40)
     (d / "in").mkdir()
     src = d / "in" / "corpus.jsonl"
     with open(src, "w", encoding="utf-8") as f:
@@ -467,7 +448,7 @@ def test_tokenize_vs_datatrove(benchmark, corpus):
                      dtype_rule="datatrove")
         return run
 
-    touch(src)
+    touch_files([src])
     t1, t_dt = interleaved(benchmark, ours(1), datatrove, rounds=5)
     t2_list, dt2_list = [], []
     for _ in range(5):

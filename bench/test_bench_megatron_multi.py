@@ -27,6 +27,7 @@ import pytest
 
 import mcf.megatron as mm
 from mcf.megatron.sharded import write_shard_list
+from bench_common import touch_files
 from test_bench_megatron import INDEX_KINDS, index_kinds, interleaved
 
 SIZES = {64: 1 << 20, 512: 1 << 18}     # tokens per sequence: sequences
@@ -82,13 +83,8 @@ def data():
     return out, merged
 
 
-def touch(paths):
-    buf = bytearray(8 << 20)
-    for p in paths:
-        for ext in (".idx", ".bin"):
-            with open(p + ext, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
+def touch(prefixes):
+    touch_files(p + ext for p in prefixes for ext in (".idx", ".bin"))
 
 
 def per_item(fn, items, rounds=30):

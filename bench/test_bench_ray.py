@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from _ray_cluster import ADDRESS, RayCluster, namespace_problem  # noqa: E402
+from bench_common import text_paragraphs, touch_files, write_untruncated_tokenizer  # noqa: E402
 
 pytest.importorskip("ray.data", reason="Ray is an optional extra: pip install 'mcf[ray]'")
 pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
@@ -86,17 +87,9 @@ def summary():
 
 def stdlib_paragraphs() -> list:
     root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for path in sorted(glob.glob(os.path.join(root, "**", "*"), recursive=True)):
-        if "site-packages" in path or not path.endswith((".py", ".rst", ".txt")) or not os.path.isfile(path):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (UnicodeDecodeError, OSError):
-            continue
-        out += [p.strip() for p in text.split("\n\n") if len(p.strip()) > 20]
-    return out
+    paths = [p for p in sorted(glob.glob(os.path.join(root, "**", "*"), recursive=True))
+             if "site-packages" not in p and p.endswith((".py", ".rst", ".txt")) and os.path.isfile(p)]
+    return text_paragraphs(paths, 20)
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +112,7 @@ def corpus():
         ok = False
     if not ok:
         os.makedirs(os.path.join(d, "in"), exist_ok=True)
-        with open(os.path.join(model, "tokenizer.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-        cfg["truncation"] = None
-        cfg["padding"] = None
-        with open(tok, "w", encoding="utf-8") as f:
-            json.dump(cfg, f)
+        write_untruncated_tokenizer(os.path.join(model, "tokenizer.json"), tok)
         lines = [json.dumps({"text": p}) + "\n" for p in stdlib_paragraphs()]
         per_file = MB * 1_000_000 // FILES
         k = 0
@@ -152,14 +140,6 @@ def cluster():
     finally:
         left = c.stop()
     assert not left, left
-
-
-def touch(paths):
-    buf = bytearray(8 << 20)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 OURS = r"""
@@ -249,7 +229,7 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
     phases: dict = {"ray1": [], "ray2": []}
     chunks: dict = {}
 
-    touch(files)
+    touch_files(files)
     s = tokenize(files, out + "/single", tok, append_eod=True, eod_token="[SEP]", dtype_rule="datatrove")
     tokens = s["tokens"]
     with mm.open(out + "/single") as ds:
@@ -258,7 +238,7 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
     loads["single"].append(load())
 
     def single(r):
-        touch(files)
+        touch_files(files)
         s = tokenize(files, out + "/single-again", tok, append_eod=True, eod_token="[SEP]", dtype_rule="datatrove")
         assert same(out + "/single-again", out + "/single")
         drop(out + "/single-again")
@@ -266,7 +246,7 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
 
     def ours(name):
         def run(r):
-            touch(files)
+            touch_files(files)
             o = run_ours(cluster, files, tok, f"{out}/{name}-{r}")
             assert same(f"{out}/{name}-{r}", out + "/single"), f"{name} round {r}: not byte-identical"
             drop(f"{out}/{name}-{r}")
@@ -277,7 +257,7 @@ def test_tokenize_throughput_ray_vs_single_vs_datatrove(benchmark, corpus, clust
 
     def theirs(workers):
         def run(r):
-            touch(files)
+            touch_files(files)
             o = run_datatrove(cluster, d, tok, f"{out}/dt{workers}-{r}", workers)
             assert o["tokens"] == tokens
             shutil.rmtree(f"{out}/dt{workers}-{r}", ignore_errors=True)

@@ -20,10 +20,7 @@ SeaweedFS (S3) and nginx.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -32,6 +29,7 @@ pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
 import mcf  # noqa: E402
+from bench_common import Interleaved, bench_dir, bench_median, touch_files  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import _http_server  # noqa: E402
@@ -43,7 +41,7 @@ NBYTES = N_TENSORS * ROWS * COLS * 2
 
 @pytest.fixture(scope="module")
 def remote_model(tmp_path_factory):
-    d = os.path.join(os.environ.get("MCF_BENCH_DIR") or os.path.join(tempfile.gettempdir(), "mcf-bench"), "remote")
+    d = os.path.join(bench_dir(), "remote")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "model256.mcf")
     ok = False
@@ -63,17 +61,6 @@ def remote_model(tmp_path_factory):
         os.replace(tmp, path)
     with _http_server.serve(d, str(tmp_path_factory.mktemp("srv"))) as srv:
         yield path, srv
-
-
-class _Interleaved:
-    def __init__(self, fn):
-        self.fn, self.times = fn, []
-
-    def __call__(self):
-        t0 = time.perf_counter()
-        r = self.fn()
-        self.times.append(time.perf_counter() - t0)
-        del r
 
 
 def _load(src):
@@ -111,12 +98,6 @@ def _http_get(url):
         conn.close()
 
 
-def _touch(path):
-    with open(path, "rb", buffering=0) as f:
-        while f.read(8 << 20):
-            pass
-
-
 def _check(sd, path):
     ref = _load(path)
     assert sorted(sd) == sorted(ref)
@@ -138,8 +119,8 @@ def test_remote_load(benchmark, remote_model, bench_model, report, case):
     path, srv = remote_model
     url = srv.url(os.path.basename(path))
     label, role, fn = CASES[case]
-    _touch(path)
-    anchor = _Interleaved(lambda: _load(path)) if case != "local-mmap" else None
+    touch_files([path])
+    anchor = Interleaved(lambda: _load(path)) if case != "local-mmap" else None
     result = {}
 
     def target():
@@ -153,13 +134,12 @@ def test_remote_load(benchmark, remote_model, bench_model, report, case):
         del r
 
     benchmark.pedantic(target, setup=anchor, teardown=teardown, rounds=ROUNDS, warmup_rounds=1, iterations=1)
-    stats = getattr(benchmark, "stats", None)
-    if stats is None:
+    t = bench_median(benchmark)
+    if t is None:
         return
-    t = stats.stats.median
     note = f"server: {srv.kind}"
     if anchor is not None:
-        a = statistics.median(anchor.times)
+        a = anchor.median
         note = f"{a / t:.2f}x local mapped load (interleaved); server: {srv.kind}"
         benchmark.extra_info.update(anchor_median_s=a, ratio=a / t)
     report.row("remote", label, role, t, NBYTES if case != "http-get" else os.path.getsize(path), note)

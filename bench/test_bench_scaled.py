@@ -12,28 +12,18 @@ Ratios (anchor time / mcf time) go to benchmark.extra_info and the summary print
 Run: python -m pytest bench/test_bench_scaled.py --benchmark-only -s
 """
 
-import time
-
 import numpy as np
 import pytest
 
 import mcf
 from mcf._core import _kernels, _mx
 from mcf.io import aligned_empty
+from bench_common import median_time
 
 N = 4096
 FORMATS = ["mxfp4", "nvfp4", "f8_e4m3_b128"]
 IMPLS = _kernels.kernel_info()["supported"]
 _SUMMARY = []
-
-
-def _median_time(fn, rounds=7):
-    ts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def _payload(fmt):
@@ -73,7 +63,7 @@ def _anchors(fmt, lay, p):
     out = {}
     src = np.ones((N, N), np.float32)
     dst = np.empty((N, N), np.float32)
-    out["numpy.copyto"] = _median_time(lambda: np.copyto(dst, src))
+    out["numpy.copyto"] = median_time(lambda: np.copyto(dst, src))
     sc, data = lay.region("scales"), lay.region("data")
     scales, codes = p[sc.offset:sc.offset + sc.size], p[data.offset:data.offset + data.size]
     try:
@@ -86,7 +76,7 @@ def _anchors(fmt, lay, p):
             from gguf.quants import dequantize
 
             blocks = np.concatenate([scales.reshape(-1, 1), codes.reshape(-1, 16)], axis=1).reshape(N, -1)
-            out["gguf-py MXFP4 dequantize"] = _median_time(lambda: dequantize(blocks, gguf.GGMLQuantizationType.MXFP4),
+            out["gguf-py MXFP4 dequantize"] = median_time(lambda: dequantize(blocks, gguf.GGMLQuantizationType.MXFP4),
                                                            rounds=3)
         except ImportError:   # pragma: no cover
             pass
@@ -98,7 +88,7 @@ def _anchors(fmt, lay, p):
             if convert_moe_packed_tensors is not None:
                 b = torch.from_numpy(codes.reshape(1, N, N // 32, 16).copy())
                 s = torch.from_numpy(scales.reshape(1, N, N // 32).copy())
-                out["transformers convert_moe_packed_tensors (bf16)"] = _median_time(
+                out["transformers convert_moe_packed_tensors (bf16)"] = median_time(
                     lambda: convert_moe_packed_tensors(b, s, dtype=torch.bfloat16), rounds=3)
     elif torch is not None and fmt == "f8_e4m3_b128":
         x = torch.from_numpy(codes.reshape(N, N).copy()).view(torch.float8_e4m3fn)
@@ -107,7 +97,7 @@ def _anchors(fmt, lay, p):
         def weight_dequant():   # DeepSeek-V3's weight_dequant, as torch CPU code: y = x.float() * s[i//128, j//128]
             return (x.float().view(N // 128, 128, N // 128, 128) * s[:, None, :, None]).view(N, N)
 
-        out["torch weight_dequant (f32)"] = _median_time(weight_dequant, rounds=3)
+        out["torch weight_dequant (f32)"] = median_time(weight_dequant, rounds=3)
     elif torch is not None:
         w = torch.from_numpy(codes.reshape(N, N // 2).copy())
         s = torch.from_numpy(scales.reshape(N, N // 16).copy()).view(torch.float8_e4m3fn)
@@ -120,7 +110,7 @@ def _anchors(fmt, lay, p):
             u[:, 0::2] = (w & 15).long()
             return (lut[u].view(N, -1, 16) * (s.float() * s2).unsqueeze(-1)).view(N, N)
 
-        out["torch NVFP4QTensor.dequantize (f32)"] = _median_time(nvfp4_dequantize, rounds=3)
+        out["torch NVFP4QTensor.dequantize (f32)"] = median_time(nvfp4_dequantize, rounds=3)
     return out
 
 
@@ -136,7 +126,7 @@ def test_dequant(benchmark, payloads, out_buf, fmt, impl):
 
     benchmark.pedantic(run, rounds=9, warmup_rounds=1, iterations=1)
     t = benchmark.stats.stats.median
-    t_bf16 = _median_time(lambda: _mx.dequantize(p, fmt, (N, N), out=bf16, impl=impl))
+    t_bf16 = median_time(lambda: _mx.dequantize(p, fmt, (N, N), out=bf16, impl=impl))
     ratios = {name: a / t for name, a in _anchors(fmt, lay, p).items()}
     benchmark.extra_info.update({"GB/s f32 out": N * N * 4 / t / 1e9, "ms bf16 out": t_bf16 * 1e3,
                                  **{f"x {k}": v for k, v in ratios.items()}})

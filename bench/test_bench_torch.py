@@ -17,46 +17,16 @@ pedantic's untimed setup).  The untouched loads are reported as references (thei
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import mcf.torch as mtorch  # noqa: E402
+from bench_common import Interleaved, Rounds, bench_median  # noqa: E402
 
 ROUNDS = 7
 TARGET = 1.0
-
-
-class _Interleaved:
-    def __init__(self, fn, memory):
-        self.fn, self.memory, self.times = fn, memory, []
-
-    def __call__(self):
-        t0 = time.perf_counter()
-        r = self.fn()
-        self.times.append(time.perf_counter() - t0)
-        del r
-        self.memory.release()
-
-
-class _Rounds:
-    def __init__(self, fn, memory, check):
-        self.fn, self.memory, self.check, self._r = fn, memory, check, None
-
-    def target(self):
-        self._r = self.fn()
-
-    def teardown(self, *a, **k):
-        r, self._r = self._r, None
-        if self.check is not None:
-            self.check(r)
-            self.check = None
-        del r
-        self.memory.release()
 
 
 def _check(m):
@@ -71,10 +41,9 @@ def _check(m):
 
 def _run(benchmark, fn, memory, m, setup=None):
     memory.release()
-    run = _Rounds(fn, memory, _check(m))
+    run = Rounds(fn, memory, _check(m))
     benchmark.pedantic(run.target, setup=setup, teardown=run.teardown, rounds=ROUNDS, warmup_rounds=1, iterations=1)
-    stats = getattr(benchmark, "stats", None)
-    return stats.stats.median if stats is not None else None
+    return bench_median(benchmark)
 
 
 def _touch_pages(sd):
@@ -113,13 +82,13 @@ def test_torch_load(benchmark, bench_model, touch, report, memory, case):
     m = bench_model
     touch(m.mcf_path, m.st_path)
     label, role, fn = CASES[case]
-    anchor = _Interleaved(lambda: CASES[ANCHOR_OF[case]][2](m), memory) if case in ANCHOR_OF else None
+    anchor = Interleaved(lambda: CASES[ANCHOR_OF[case]][2](m), memory) if case in ANCHOR_OF else None
     t = _run(benchmark, lambda: fn(m), memory, m, setup=anchor)
     if t is None:
         return
     note = ""
     if anchor is not None:
-        a = statistics.median(anchor.times)
+        a = anchor.median
         ratio = a / t
         benchmark.extra_info.update(anchor_median_s=a, ratio=ratio)
         note = f"{ratio:.2f}x {CASES[ANCHOR_OF[case]][0].split(' + ')[0]} (interleaved)"
