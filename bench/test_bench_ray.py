@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from _ray_cluster import ADDRESS, RayCluster, namespace_problem  # noqa: E402
 from bench_common import text_paragraphs, touch_files, write_untruncated_tokenizer  # noqa: E402
 
-pytest.importorskip("ray.data", reason="Ray is an optional extra: pip install 'mcf[ray]'")
+pytest.importorskip("ray.data", reason="Ray is an optional extra: pip install 'mcf-formats[ray]'")
 pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
 pytest.importorskip("datatrove", reason="the anchor: datatrove is in the test extra")
 
