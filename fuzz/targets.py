@@ -402,6 +402,7 @@ def _jsonl_seeds() -> list:
 # ------------------------------------------------------------------------------------------------
 def gguf(data: bytes) -> None:
     import mcf.gguf as G
+    import mcf.conversion.gguf as GC
 
     def read(g) -> None:
         _ = g.metadata, g.version, g.alignment
@@ -413,10 +414,10 @@ def gguf(data: bytes) -> None:
                 if len(t.shape) >= 2 and t.shape[0] > 1:
                     _each_mcf_error(lambda n=name, r=t.shape[0]: g.dequantize(n, rows=(1, r), dtype=np.float16))
             _each_mcf_error(lambda n=name: np.asarray(g.array(n)).tobytes())
-        _each_mcf_error(G.model_info, g)
-        _each_mcf_error(G.metadata_json, g)
+        _each_mcf_error(GC.model_info, g)
+        _each_mcf_error(GC.metadata_json, g)
         out = os.path.join(_scratch_dir("gguf"), "out.mcf")
-        _each_mcf_error(G.convert_gguf, memoryview(data), out)
+        _each_mcf_error(GC.convert_gguf, memoryview(data), out)
         if os.path.exists(out):
             with mcf.open(out) as c:
                 _read_mcf(c)

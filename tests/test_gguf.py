@@ -11,6 +11,7 @@ import pytest
 
 import mcf
 import mcf.gguf as G
+import mcf.conversion.gguf as GC
 from mcf._core import _kernels as K
 from mcf.io import open_source
 
@@ -239,7 +240,7 @@ def test_golden_generator_reproduces_the_committed_bytes(tmp_path):
 
 def _convert(src, tmp_path, name="out.mcf", **kw):
     dst = str(tmp_path / name)
-    stats = G.convert_gguf(src, dst, **kw)
+    stats = GC.convert_gguf(src, dst, **kw)
     return dst, stats
 
 
@@ -394,7 +395,7 @@ def test_unsupported_type_is_a_clear_dtype_error(tmp_path):
             g.dequantize("q81")
     dst = tmp_path / "q81.mcf"
     with pytest.raises(mcf.DTypeError, match="Q8_1"):
-        G.convert_gguf(path, str(dst))
+        GC.convert_gguf(path, str(dst))
     assert not dst.exists()
 
 
@@ -446,7 +447,7 @@ def test_non_utf8_strings_stay_bytes(tmp_path):
     data[i + 2] = 0xFF  # 0xFF 0xA9 is not UTF-8
     with G.open(bytes(data)) as g:
         assert g.metadata["tokenizer.ggml.tokens"] == [b"ab\xff\xa9", "zz"]
-        doc = json.loads(G.metadata_json(g))
+        doc = json.loads(GC.metadata_json(g))
         assert doc["metadata"]["tokenizer.ggml.tokens"][0] == {"bytes_hex": "6162ffa9"}
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import mcf
 import mcf.gguf as G
+import mcf.conversion.gguf as GC
 
 pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
 
@@ -240,7 +241,7 @@ def test_odd_but_valid_shapes_convert(tmp_path):
     src.write_bytes(data)
     for method in (None, "native", "q8"):
         dst = str(tmp_path / f"odd-{method}.mcf")
-        G.convert_gguf(str(src), dst, method=method)
+        GC.convert_gguf(str(src), dst, method=method)
         with mcf.open(dst) as c:
             assert c.info("empty").shape == (0, 4) and c.info("q").shape == (0, 32)
             assert c.tensor("scalar").shape == () and float(c.tensor("scalar")) == 1.5

@@ -20,6 +20,7 @@ LAYOUT = [("F16", 6), ("Q4_K", 4), ("Q8_0", 4), ("F32", 2)]
 CHILD = r"""
 import json, sys
 import mcf.gguf as G
+import mcf.conversion.gguf as GC
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -29,11 +30,11 @@ def status(key):
     raise KeyError(key)
 
 src, dst, mmap, method = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] or None
-G.convert_gguf(src, dst + ".warm", method=method, mmap=mmap)  # first run: imports, allocator state
+GC.convert_gguf(src, dst + ".warm", method=method, mmap=mmap)  # first run: imports, allocator state
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
 base = status("VmRSS")
-stats = G.convert_gguf(src, dst, method=method, mmap=mmap)
+stats = GC.convert_gguf(src, dst, method=method, mmap=mmap)
 print(json.dumps({"base": base, "peak": status("VmHWM"), "out": sum(s.nbytes_out for s in stats),
                   "how": sorted({s.how for s in stats})}))
 """

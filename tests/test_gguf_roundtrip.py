@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import mcf
 import mcf.gguf as G
+import mcf.conversion.gguf as GC
 
 pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant
 
@@ -99,7 +100,7 @@ def test_native_conversion_is_lossless_for_any_shape(tname, rows, nblocks, seed,
     with tempfile.TemporaryDirectory() as d:
         src, dst = os.path.join(d, "n.gguf"), os.path.join(d, "n.mcf")
         fx.write_gguf(src, [("w", b.reshape(rows, -1), fx.qtype(tname))])
-        (st_,) = G.convert_gguf(src, dst, method="native")
+        (st_,) = GC.convert_gguf(src, dst, method="native")
         want = fx.reference_decode(b, tname, (rows, nblocks * 32))
         with mcf.open(dst) as c:
             got = c.tensor("w")

@@ -63,7 +63,7 @@ def test_transformers_loads_the_same_model_with_mcf_dequantize(checkpoint, monke
     assert sorted(set(calls)) == sorted({int(gguf.GGMLQuantizationType[t]) for t in chosen.values()})
     assert len(calls) == len(chosen)  # every tensor went through mcf's function
 
-    ref_sd, mcf_sd = reference.state_dict(), with_mcf.loaders.state_dict()
+    ref_sd, mcf_sd = reference.state_dict(), with_mcf.state_dict()
     assert ref_sd.keys() == mcf_sd.keys() == original.state_dict().keys()
     for k in ref_sd:
         assert ref_sd[k].dtype == mcf_sd[k].dtype

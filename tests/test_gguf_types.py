@@ -17,6 +17,7 @@ import pytest
 
 import mcf
 import mcf.gguf as G
+import mcf.conversion.gguf as GC
 from mcf._core import _kernels as K
 from mcf.gguf import _gguf
 
@@ -455,7 +456,7 @@ def test_convert_decodes_and_requantizes_the_new_types_with_the_error_reported(n
     from mcf.container.quant import tensor_error_stats
 
     dst = str(tmp_path / "k4.mcf")
-    stats = G.convert_gguf(new_types_file, dst, method="k4", overrides=["*IQ1_S*=q8"], report=True)
+    stats = GC.convert_gguf(new_types_file, dst, method="k4", overrides=["*IQ1_S*=q8"], report=True)
     by = {s.name: s for s in stats}
     with mcf.open(dst) as c, G.open(new_types_file) as g:
         for name, _t in g.tensors.items():
@@ -468,7 +469,7 @@ def test_convert_decodes_and_requantizes_the_new_types_with_the_error_reported(n
             assert (s.rmse, s.snr_db, s.max_abs_err) == want, name
             assert 0 < s.rmse < np.abs(g.dequantize(name)).max()
     plain = str(tmp_path / "f32.mcf")
-    stats = G.convert_gguf(new_types_file, plain)
+    stats = GC.convert_gguf(new_types_file, plain)
     with mcf.open(plain) as c, G.open(new_types_file) as g:
         for s in stats:
             assert s.rmse is None

@@ -57,7 +57,7 @@ def _megacontext_assemble(ctx, threads):
     t = ctx["tree"]
     n0, n1, n2 = t.counts
     plan = mc.plan_tail(t, 12, 4)
-    srcs = (t._src(0, n0), t._src(1, n1), None)
+    srcs = (t.level_source(0, n0), t.level_source(1, n1), None)
     res = _megacontext.assemble(srcs, (n0, n1, n2), t.block_size, t.embedding_dim,
                                 (t.gist_dtype_of(1).code, t.gist_dtype_of(2).code), plan.levels, plan.indices,
                                 table=ctx["table"], threads=threads)

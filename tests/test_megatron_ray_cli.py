@@ -38,11 +38,11 @@ def test_workers_is_refused_with_ray(tmp_path, inputs, capsys):
 
 
 def test_without_ray_installed(tmp_path, inputs, capsys, monkeypatch):
-    import mcf.megatron
+    import mcf.conversion
 
     monkeypatch.setitem(sys.modules, "ray", None)            # `import ray` raises ImportError
     monkeypatch.delitem(sys.modules, "mcf.conversion.raydata", raising=False)
-    monkeypatch.delattr(mcf.megatron, "raydata", raising=False)   # imported by an earlier test
+    monkeypatch.delitem(vars(mcf.conversion), "raydata", raising=False)   # imported by an earlier test
     code, _, err = run(capsys, inputs, "--tokenizer", tmp_path / "t.json", "--output-prefix", tmp_path / "o",
                        "--ray", "auto")
     assert code == 1 and "pip install 'mcf-formats[ray]'" in err
