@@ -17,14 +17,14 @@ Compiling is most of the time a first ``pip install`` takes, so the build does i
 - everything is compiled with ``-fvisibility=hidden``: an extension module exports its ``PyInit_*`` and
   nothing else (Python finds that; mcf's modules reach each other through Cython's cross-module C API);
 - Cython's utility code (memoryviews, buffer handling, ...) goes into one shared module,
-  ``mcf._core._cyutility``, instead of into each of the eight extensions: 40% less C to compile;
+  ``mcf._core._cyutility``, instead of into each of the nine extensions: 40% less C to compile;
 - Cython translates the ``.pyx`` files in a process pool;
 - the library's files, then the extensions, are compiled in a thread pool, largest first.
 
 Rebuilds: an object is compiled again when its source or any ``csrc/*.h`` is newer (for an extension's
 Cython C, when a header it depends on is); an extension that includes a ``csrc`` header is linked again when
 the library is newer.  The flags are recorded in the build directory, and a build with other flags
-(MCF_DEBUG, MCF_SANITIZE, an edit of this file's) compiles every object again.
+(MCF_DEBUG, MCF_SANITIZE, an edit of the flags below) compiles every object again.
 """
 import glob
 import json
@@ -37,7 +37,6 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_clib import build_clib as _build_clib
 from setuptools.command.build_ext import build_ext as _build_ext
-
 from setuptools.errors import SetupError
 
 try:
