@@ -323,6 +323,60 @@ def test_no_negative_constant_index_in_compiled_modules():
     assert scanned >= 8 and not bad, "\n".join(bad)
 
 
+def _elf_exports(path: str) -> list:
+    """The names an ELF shared object exports: the defined symbols of its .dynsym with global, weak or unique
+    binding and default or protected visibility (``nm -D --defined-only`` without the hidden ones)."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b"\x7fELF", f"{path}: not an ELF file"
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    if wide:
+        (shoff,), (shentsize, shnum) = struct.unpack_from(order + "Q", data, 0x28), \
+            struct.unpack_from(order + "HH", data, 0x3A)
+        section_header, symbol = order + "IIQQQQIIQQ", order + "IBBHQQ"
+    else:
+        (shoff,), (shentsize, shnum) = struct.unpack_from(order + "I", data, 0x20), \
+            struct.unpack_from(order + "HH", data, 0x2E)
+        section_header, symbol = order + "IIIIIIIIII", order + "IIIBBH"
+    sections = [struct.unpack_from(section_header, data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 11:  # SHT_DYNSYM
+            continue
+        strings = sections[link][4]
+        for at in range(offset, offset + size, entsize):
+            fields = struct.unpack_from(symbol, data, at)
+            name, info, other, shndx = fields[:4] if wide else (fields[0],) + fields[3:]
+            if shndx != 0 and info >> 4 in (1, 2, 10) and other & 3 in (0, 3):  # defined; GLOBAL/WEAK/UNIQUE
+                names.append(data[strings + name:data.index(b"\0", strings + name)].decode())
+    return names
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ELF shared objects (Linux)")
+def test_extension_modules_export_their_init_function_alone():
+    """setup.py compiles csrc/ once into a static library with -fvisibility=hidden: every extension module
+    exports PyInit_<name> and nothing else (each exported mcf_*, mc_* and Cython's module flag when every
+    extension compiled the C files it used, with default visibility)."""
+    import importlib.machinery
+
+    import mcf
+
+    pkg = os.path.dirname(mcf.__file__)
+    found = {}
+    for dirpath, _, files in os.walk(pkg):
+        for fn in files:
+            suffix = next((s for s in importlib.machinery.EXTENSION_SUFFIXES if fn.endswith(s)), None)
+            if suffix:
+                found[os.path.relpath(os.path.join(dirpath, fn), pkg)] = (fn[:-len(suffix)],
+                                                                         _elf_exports(os.path.join(dirpath, fn)))
+    assert len(found) >= 10, sorted(found)
+    extra = {path: sorted(set(names) - {f"PyInit_{module}"}) for path, (module, names) in found.items()}
+    assert all(f"PyInit_{module}" in names for module, names in found.values()), found
+    assert not any(extra.values()), {path: names for path, names in extra.items() if names}
+
+
 OPTIONAL_IMPORTS = ("gguf", "torch", "transformers", "datatrove", "schemathesis", "safetensors", "ml_dtypes",
                     "tokenizers", "zstandard", "lz4", "cryptography", "starlette", "uvicorn", "fsspec", "aiohttp",
                     "megatron", "orjson", "zlib_ng")
