@@ -5,8 +5,9 @@
 - The I/O core every format reads through: :func:`mcf.io.open_source` (paths, buffers, fsspec URLs).
 - Loading weights from MCF files and safetensors checkpoints: :func:`mcf.load_file` and
   :func:`mcf.load_state_dict` (numpy), :func:`mcf.torch.load_file` and :func:`mcf.torch.load_state_dict`
-  (torch), :func:`mcf.load_into` and :func:`mcf.torch.load_model` (into memory the caller holds), :func:`mcf.safetensors.load_file` (the drop-in for ``safetensors.numpy.load_file``); partial
-  and per-rank loads with ``names=`` and ``slices=`` (:class:`mcf.Rows`, :class:`mcf.Shard`).
+  (torch), :func:`mcf.safetensors.load_file` (the drop-in for ``safetensors.numpy.load_file``); into
+  memory the caller holds: :func:`mcf.load_into`, :func:`mcf.torch.load_into`, :func:`mcf.torch.load_model`;
+  partial and per-rank loads with ``names=`` and ``slices=`` (:class:`mcf.Rows`, :class:`mcf.Shard`).
 - Errors: everything raised on purpose derives from :class:`mcf.MCFError`.
 """
 

@@ -72,9 +72,9 @@ def torch_target(name: str, t) -> Target:
         return Target(name, el, shape, memory=data.reshape(-1).view(torch.uint8).numpy(), span=span, layout=layout)
 
     def store(buf, data=data):
-        src = torch.from_numpy(buf)
+        src = torch.from_numpy(buf).view(data.dtype).reshape(data.shape)
         with torch.no_grad():
-            data.copy_(src.view(data.dtype).view(data.shape) if src.numel() else src.view(data.dtype).reshape(data.shape))
+            data.copy_(src)
 
     return Target(name, el, shape, store=store, span=span, layout=layout)
 

@@ -38,8 +38,8 @@ from mcf.errors import FormatError, InvalidArgumentError
 from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
 
-__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "cast_stages", "execute", "aligned_bytes", "source_options", "STAGING_BYTES",
-           "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
+__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "cast_stages", "execute", "aligned_bytes", "source_options",
+           "STAGING_BYTES", "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
 
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
 STAGING_BYTES = 64 << 20
