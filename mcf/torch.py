@@ -207,8 +207,8 @@ def load_model(model, filename, strict: bool = True, device=None, *, names=None,
       parameter's dtype): as :func:`mcf.load_into`.  ``backend``/``mmap``, ``threads``, ``chunk_bytes``: as
       :func:`load_file`.
     """
-    return _torch_into().load_model(model, filename, strict, device, names=names, slices=slices, mapping=mapping,
-                                    dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
+    return _torch_into().load_model(model, filename, strict=strict, device=device, names=names, slices=slices,
+                                    mapping=mapping, dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
                                     chunk_bytes=chunk_bytes)
 
 

@@ -101,7 +101,7 @@ class IntoPlan:
     unexpected: list = field(default_factory=list)
 
 
-def mismatch_error(where: str, into: str, missing=(), unexpected=(), sizes=()) -> LoadMismatchError:
+def mismatch_error(where: str, into: str, *, missing=(), unexpected=(), sizes=()) -> LoadMismatchError:
     """One error naming every missing and unexpected tensor and every shape that differs."""
     lines = [f"{where}: the checkpoint does not match {into}:"]
     if missing:
@@ -222,7 +222,8 @@ def plan_into(w, targets: dict, *, names=None, slices=None, mapping=None, strict
                              f"holds {t.element.name}: mcf casts only between F16, BF16, F32 and F64, into which it "
                              "also decodes quantized tensors (and block-scaled weights with dequantize=)")
     if sizes or (strict and (missing or unexpected)):
-        raise mismatch_error(w.where, into, missing if strict else (), unexpected if strict else (), sizes)
+        raise mismatch_error(w.where, into, missing=missing if strict else (), unexpected=unexpected if strict else (),
+                             sizes=sizes)
     by_kind = {}
     for n in loaded:
         by_kind.setdefault(want[n], []).append(n)

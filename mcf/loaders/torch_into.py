@@ -127,7 +127,7 @@ def _materialize(old, slots: list, device):
     return new
 
 
-def load_model(model, filename, strict: bool = True, device=None, *, names=None, slices=None, mapping=None,
+def load_model(model, filename, *, strict: bool = True, device=None, names=None, slices=None, mapping=None,
                dequantize=False, mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
     """:func:`mcf.torch.load_model`."""
     if not isinstance(model, torch.nn.Module):
