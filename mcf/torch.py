@@ -18,6 +18,10 @@ Where the bytes go, and why:
   ``torch.Tensor`` that is returned (bfloat16 included: its storage is written as bf16 bits); a
   tensor-parallel rank reads and decodes only its own share.
 - ``device`` other than ``"cpu"`` moves each tensor after it is loaded on the CPU.
+
+:func:`load_into` and :func:`load_model` (the drop-in for ``safetensors.torch.load_model``) fill tensors
+and a module's parameters that the caller holds, in place, from the same read plans
+(:mod:`mcf.loaders.into`, :mod:`mcf.loaders.torch_into`).
 """
 
 from __future__ import annotations

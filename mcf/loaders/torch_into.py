@@ -30,6 +30,7 @@ from mcf.loading.dtypes import ELEMENTS
 from mcf.loading.plan import mmap_of_backend
 
 torch = require("torch", feature="mcf.torch", extra="torch")
+from torch.autograd.graph import increment_version  # noqa: E402 - torch is optional: imported after require
 
 __all__ = ["torch_target", "load_into", "load_model"]
 
@@ -96,7 +97,16 @@ def load_into(tensors, filename, *, names=None, slices=None, mapping=None, stric
         plan = plan_into(w, targets, names=names, slices=slices, mapping=mapping, strict=strict,
                          dequantize=dequantize, threads=threads, into="the tensors")
         fill(plan.pieces, plan.targets, threads=threads, chunk_bytes=chunk_bytes)
+    _written(plan, tensors)
     return plan.missing, plan.unexpected
+
+
+def _written(plan, tensors) -> None:
+    """Tell autograd that the tensors filled in place changed (as ``copy_`` does for the staged ones), so a
+    graph that saved one of them refuses to use it."""
+    for t in plan.targets.values():
+        if t.memory is not None:
+            increment_version(tensors[t.name])
 
 
 def _slots(model) -> dict:
@@ -155,5 +165,7 @@ def load_model(model, filename, *, strict: bool = True, device=None, names=None,
             if t.pending:
                 new = _materialize(state[t.name], slots[id(state[t.name])], dev)
                 plan.targets[name] = torch_target(t.name, new)
+                state[t.name] = new
         fill(plan.pieces, plan.targets, threads=threads, chunk_bytes=chunk_bytes)
+    _written(plan, state)
     return plan.missing + [n for n in unbuilt if n not in plan.missing], plan.unexpected
