@@ -9,9 +9,10 @@ The checkpoint is a Llama-shaped bfloat16 model (vocabulary 32000, hidden 1024, 
 Each case runs in its own process (this script with ``--child CASE``): the imports, then the model built as
 the case builds it, then the RSS is read and the peak (``VmHWM``) reset (``/proc/self/clear_refs``), then
 the load, then one byte of every 4 KiB page of every weight read (what a first forward pass does: a weight
-that is a view of a mapped file counts once it is used), then the new peak.  ``growth`` is the peak minus the RSS before the load: every byte the load
-added at its worst moment, file pages it mapped included (a mapped checkpoint's pages count in RSS while
-they are mapped), against the model's bytes (its parameters and buffers after the load).
+that is a view of a mapped file counts once it is used), then the new peak.  ``growth`` is the peak minus
+the RSS before the load: every byte the load added at its worst moment, file pages it mapped included (a
+mapped checkpoint's pages count in RSS while they are mapped), against the model's bytes (its parameters
+and buffers after the load).
 
 Cases:
 

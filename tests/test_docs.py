@@ -314,9 +314,10 @@ def _check_loading(out):
     lines = out.splitlines()
     assert lines[0] == "21 torch.bfloat16" and lines[1] == "True"
     assert lines[2] in ("local", "network", "fuse", "unknown") and lines[3] == "True 8" and lines[4] == "(64, 32) True"
-    assert lines[5:] == ["[] [] cpu", "True", "([], [])", "missing (1, in the destinations, not in the checkpoint): "
-                         "'model.extra'", "shape mismatch for 'model.norm.weight': the checkpoint's 'model.norm.weight' "
-                         "is (64,), the destination is (63,)", "False"], lines[5:]
+    assert lines[5:] == ["[] [] cpu", "True", "([], [])",
+                         "missing (1, in the destinations, not in the checkpoint): 'model.extra'",
+                         "shape mismatch for 'model.norm.weight': the checkpoint's 'model.norm.weight' is (64,), "
+                         "the destination is (63,)", "False"], lines[5:]
 
 
 CHECKS = {
