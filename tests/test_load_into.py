@@ -316,6 +316,28 @@ def test_torch_strided_view_and_meta_tensor(files):
         mcf.torch.load_into({"norm": np.zeros(48, np.float32)}, path, names=["norm"])
 
 
+def test_torch_in_place_fill_is_seen_by_autograd(files):
+    """A tensor a graph saved and the load then changed in place: backward refuses it, as after copy_."""
+    w = torch.zeros(48, requires_grad=True)
+    y = (w * w).sum()
+    mcf.torch.load_into({"norm": w}, str(files / "f32.safetensors"), names=["norm"])
+    assert torch.equal(w.detach(), torch.from_numpy(_tensors()["norm"]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_torch_cuda_meta_module_on_device(tied_file):
+    original, path = tied_file
+    with torch.device("meta"):
+        m = _Tied()
+    m.register_buffer("cache", torch.zeros(4), persistent=False)
+    assert mcf.torch.load_model(m, path, device="cuda") == ([], [])
+    assert m.emb.weight.device.type == "cuda" and m.head.weight is m.emb.weight
+    for k, v in original.state_dict().items():
+        assert torch.equal(m.state_dict()[k].cpu(), v), k
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_torch_cuda_destination_through_staging(files):
     path = str(files / "bf16.safetensors")
