@@ -45,8 +45,10 @@ MODULES = [
     ("mcf.conversion.second_moment", "second moments of the layers' inputs for error-feedback quantization: "
                                      "collect, write, read"),
     ("mcf.torch", "load MCF files and safetensors checkpoints as torch tensors (the safetensors.torch.load_file "
-                  "drop-in)"),
+                  "drop-in), and into a model (the safetensors.torch.load_model drop-in)"),
     ("mcf.loaders.state_dict", "load MCF files and safetensors checkpoints as numpy arrays"),
+    ("mcf.loaders.into", "load checkpoints into memory the caller holds: names, tied weights, checks, the fill "
+                         "(mcf.load_into, and the machinery of mcf.torch.load_into / load_model)"),
     ("mcf.megatron", "Megatron-LM indexed datasets (.bin/.idx), sample indices, tokenization"),
     ("mcf.conversion.raydata", "Megatron datasets on a Ray cluster: tokenize, Datasink, Datasource (mcf-formats[ray])"),
     ("mcf.megacontext", "MegaContext trees (LOD0/1/2.ctx + metadata.json)"),

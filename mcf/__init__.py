@@ -5,8 +5,9 @@
 - The I/O core every format reads through: :func:`mcf.io.open_source` (paths, buffers, fsspec URLs).
 - Loading weights from MCF files and safetensors checkpoints: :func:`mcf.load_file` and
   :func:`mcf.load_state_dict` (numpy), :func:`mcf.torch.load_file` and :func:`mcf.torch.load_state_dict`
-  (torch), :func:`mcf.safetensors.load_file` (the drop-in for ``safetensors.numpy.load_file``); partial
-  and per-rank loads with ``names=`` and ``slices=`` (:class:`mcf.Rows`, :class:`mcf.Shard`).
+  (torch), :func:`mcf.safetensors.load_file` (the drop-in for ``safetensors.numpy.load_file``); into
+  memory the caller holds: :func:`mcf.load_into`, :func:`mcf.torch.load_into`, :func:`mcf.torch.load_model`;
+  partial and per-rank loads with ``names=`` and ``slices=`` (:class:`mcf.Rows`, :class:`mcf.Shard`).
 - Errors: everything raised on purpose derives from :class:`mcf.MCFError`.
 """
 
@@ -15,7 +16,7 @@ from mcf.container.reader import Container, Header, Section, open
 from mcf._core.dtypes import DType
 from mcf.errors import (AccessError, AllocationError, ArgumentTypeError, ChecksumError, ClosedError,
                         ContextNotFoundError, DTypeError, EncryptionKeyError, FormatError, InvalidArgumentError,
-                        MCFError, MCFIOError,
+                        LoadMismatchError, MCFError, MCFIOError,
                         MissingDependencyError, MissingFileError, OutOfBoundsError, StaleContextError,
                         TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
 from mcf.container.layout import SectionType, quant_layout
@@ -55,7 +56,7 @@ _CONVERSION = frozenset({"imatrix", "second_moment", "tokenizer"})
 # the writer, the quantizers and the converters (``from mcf import Writer`` works the same).
 _LAZY = {"Writer": "mcf.container.writer", "pack": "mcf.conversion.pack", "convert": "mcf.conversion.checkpoint",
          "export": "mcf.conversion.export", "kernel_info": "mcf._core._kernels", "quantize": "mcf.container.quant",
-         "dequantize": "mcf.container.quant"}
+         "dequantize": "mcf.container.quant", "load_into": "mcf.loaders.into"}
 
 
 def __getattr__(name):
@@ -85,10 +86,10 @@ __all__ = [
     "Writer", "pack", "convert", "export", "kernel_info", "quantize", "dequantize", "DType", "SectionType",
     "quant_layout", "io",
     "MCFError", "FormatError", "TruncatedError", "UnsupportedVersionError", "ChecksumError",
-    "OutOfBoundsError", "TensorNotFoundError", "DTypeError", "ClosedError", "MCFIOError",
+    "OutOfBoundsError", "TensorNotFoundError", "LoadMismatchError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "AllocationError", "InvalidArgumentError", "MissingDependencyError",
     "ContextNotFoundError", "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError",
-    "load_state_dict",
+    "load_state_dict", "load_into",
     "Rows", "Shard",
     "get_include",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "ChecksumError",
     "OutOfBoundsError",
     "TensorNotFoundError",
+    "LoadMismatchError",
     "DTypeError",
     "ClosedError",
     "MCFIOError",
@@ -133,6 +134,12 @@ class TensorNotFoundError(MCFError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message, quoting it
         return str(self.args[0]) if self.args else ""
+
+
+class LoadMismatchError(MCFError, RuntimeError):
+    """A checkpoint and the tensors it is loaded into disagree: tensors missing or unexpected, or shapes that
+    differ.  A RuntimeError, as ``torch.nn.Module.load_state_dict`` and ``safetensors.torch.load_model`` raise
+    for the same disagreements; the message names every tensor concerned."""
 
 
 class DTypeError(MCFError, TypeError):

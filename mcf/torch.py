@@ -18,6 +18,10 @@ Where the bytes go, and why:
   ``torch.Tensor`` that is returned (bfloat16 included: its storage is written as bf16 bits); a
   tensor-parallel rank reads and decodes only its own share.
 - ``device`` other than ``"cpu"`` moves each tensor after it is loaded on the CPU.
+
+:func:`load_into` and :func:`load_model` (the drop-in for ``safetensors.torch.load_model``) fill tensors
+and a module's parameters that the caller holds, in place, from the same read plans
+(:mod:`mcf.loaders.into`, :mod:`mcf.loaders.torch_into`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from mcf.safetensors.load import dequantize_kind
 
 _torch = require("torch", feature="mcf.torch", extra="torch")
 
-__all__ = ["load_file", "load_state_dict"]
+__all__ = ["load_file", "load_state_dict", "load_into", "load_model"]
 
 # torch has uint16/32/64 only since 2.3, with few operations; before, the bits are kept as the same-size
 # signed type
@@ -160,3 +164,59 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
     with _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
         pieces = _weights.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
         return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
+
+
+def load_into(tensors, filename, *, names=None, slices=None, mapping=None, strict: bool = True, dequantize=False,
+              mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
+    """Fill the torch tensors ``tensors`` (a mapping destination name -> tensor) in place from a checkpoint;
+    returns ``(missing, unexpected)`` as :func:`load_model` does.
+
+    Every tensor keeps its memory (``data_ptr``): one that is C-contiguous on the CPU is filled by the read
+    engine straight from storage (cast or decoded into it when the checkpoint holds another float type or a
+    quantized tensor); a strided view or a GPU tensor through bounded CPU staging and ``copy_``.  ``filename``:
+    what :func:`load_file` reads, or a GGUF file.  ``names``, ``slices``, ``mapping``, ``strict``,
+    ``dequantize`` and the rest: as :func:`mcf.load_into` (the numpy flavour), whose rules apply unchanged.  A
+    tensor on the meta device is refused (it has no memory): :func:`load_model` gives a module's meta tensors
+    memory.
+    """
+    return _torch_into().load_into(tensors, filename, names=names, slices=slices, mapping=mapping, strict=strict,
+                                   dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
+                                   chunk_bytes=chunk_bytes)
+
+
+def load_model(model, filename, strict: bool = True, device=None, *, names=None, slices=None, mapping=None,
+               dequantize=False, mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
+    """Load a checkpoint into ``model``'s parameters and buffers, in place: the drop-in for
+    ``safetensors.torch.load_model(model, filename, strict, device)``, with its return value ``(missing,
+    unexpected)``: the model's names nothing filled, the checkpoint's names the model did not take.
+
+    - Every parameter and buffer with memory keeps it (``data_ptr`` unchanged; a refit of a live model
+      allocates nothing): read straight into it when the checkpoint holds its dtype, cast or decoded into it
+      otherwise (a float32 model from a bfloat16 checkpoint holds what ``load_state_dict`` would copy in).
+    - Those on the meta device (``with torch.device("meta"):`` or accelerate's ``init_empty_weights()``) get
+      memory once, on ``device`` (default: the CPU), then are filled; non-persistent buffers there (a
+      transformers model's rotary ``inv_freq``) are computed as ``from_pretrained`` computes them, or refused.
+    - Tied weights (``lm_head.weight`` and ``embed_tokens.weight``: one tensor under two names) are filled
+      once and stay one tensor; the checkpoint needs one of the names (``safetensors.torch.save_model`` keeps
+      one), and another name of the same tensor in it is unexpected, as safetensors counts it.
+    - ``strict=True`` refuses any missing or unexpected tensor with one :class:`mcf.LoadMismatchError` (a
+      RuntimeError, as safetensors raises) naming them all, and leaves the model untouched; a shape that
+      differs is refused whatever ``strict``.  Every name, shape and dtype is checked before a byte is read.
+    - ``filename``: anything :func:`load_file` reads (a safetensors file, a sharded checkpoint's directory or
+      index, an MCF file, a URL of any of these), or a GGUF file, whose names a transformers model takes from
+      transformers' own GGUF table (and whose llama Q/K rows it reorders as transformers does) unless
+      ``mapping`` is given.
+    - ``names``/``slices``/``mapping`` (a dict checkpoint name -> model name, or a callable; None leaves a
+      tensor out) and ``dequantize`` (decode block-scaled FP8/MXFP4/NVFP4 safetensors weights into the
+      parameter's dtype): as :func:`mcf.load_into`.  ``backend``/``mmap``, ``threads``, ``chunk_bytes``: as
+      :func:`load_file`.
+    """
+    return _torch_into().load_model(model, filename, strict=strict, device=device, names=names, slices=slices,
+                                    mapping=mapping, dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
+                                    chunk_bytes=chunk_bytes)
+
+
+def _torch_into():
+    from mcf.loaders import torch_into
+
+    return torch_into

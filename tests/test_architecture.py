@@ -39,6 +39,10 @@ POSITIONAL_OK = {
     ("mcf.loaders.state_dict", "load_file", "names"): "load_file(path, ['a', 'b']), as Container.load(names)",
     ("mcf.torch", "load_file", "device"):
         "safetensors.torch.load_file(filename, device): a drop-in takes it positionally",
+    ("mcf.torch", "load_model", "strict"):
+        "safetensors.torch.load_model(model, filename, strict, device): a drop-in takes it positionally",
+    ("mcf.torch", "load_model", "device"):
+        "safetensors.torch.load_model(model, filename, strict, device): a drop-in takes it positionally",
     ("mcf.container.reader", "Container.dequantize", "dtype"): "c.dequantize('w', np.float16)",
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",

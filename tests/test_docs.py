@@ -149,8 +149,9 @@ def _setup_remote(tmp, request):
 
 def _setup_loading(tmp, request):
     """``checkpoint/``: a small Llama-shaped bfloat16 checkpoint in two shards with its index and config, as
-    save_pretrained writes one (2 layers, hidden 64, MLP 128, vocabulary 256: 21 tensors)."""
+    save_pretrained writes one (2 layers, hidden 64, 4 heads, 2 KV heads, MLP 128, vocabulary 256: 21 tensors)."""
     torch = pytest.importorskip("torch", reason="torch is in the test extra (the test-core legs run without it)")
+    pytest.importorskip("transformers", reason="transformers is in the test extra (the test-core legs run without it)")
     import json
 
     from safetensors.torch import save_file
@@ -177,7 +178,8 @@ def _setup_loading(tmp, request):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                 "weight_map": weight_map}))
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                                               "intermediate_size": 128, "vocab_size": 256}))
+                                               "intermediate_size": 128, "vocab_size": 256,
+                                               "num_attention_heads": 4, "num_key_value_heads": 2}))
 
 
 def _needs_minilm(tmp, request):
@@ -312,6 +314,10 @@ def _check_loading(out):
     lines = out.splitlines()
     assert lines[0] == "21 torch.bfloat16" and lines[1] == "True"
     assert lines[2] in ("local", "network", "fuse", "unknown") and lines[3] == "True 8" and lines[4] == "(64, 32) True"
+    assert lines[5:] == ["[] [] cpu", "True", "([], [])",
+                         "missing (1, in the destinations, not in the checkpoint): 'model.extra'",
+                         "shape mismatch for 'model.norm.weight': the checkpoint's 'model.norm.weight' is (64,), "
+                         "the destination is (63,)", "False"], lines[5:]
 
 
 CHECKS = {

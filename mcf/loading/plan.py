@@ -38,8 +38,8 @@ from mcf.errors import FormatError, InvalidArgumentError
 from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
 
-__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "execute", "aligned_bytes", "source_options", "STAGING_BYTES",
-           "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
+__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "cast_stages", "execute", "aligned_bytes", "source_options",
+           "STAGING_BYTES", "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
 
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
 STAGING_BYTES = 64 << 20
@@ -108,7 +108,7 @@ def cut_ranges(offset: int, shape: tuple, itemsize: int, cut):
 _STORED = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
 
 
-def _cast_stages(offsets: np.ndarray, size: int, itemsize: int, src_name: str) -> list:
+def cast_stages(offsets: np.ndarray, size: int, itemsize: int, src_name: str) -> list:
     """Stages of at most :data:`STAGING_BYTES` (whole values) over equal ranges of ``size`` bytes, in
     result order, each cast into its span of the flat result."""
     cap = max(itemsize, STAGING_BYTES // itemsize * itemsize)
@@ -170,7 +170,7 @@ def plain_piece(name: str, source: Source, offset: int, shape: tuple, element: E
                      view=view)
     if element.name not in FLOAT_ELEMENTS or out.name not in FLOAT_ELEMENTS:
         raise AssertionError(f"plain_piece: no cast from {element.name} to {out.name}")
-    stages = _cast_stages(offsets, size, itemsize, element.name) if n else []
+    stages = cast_stages(offsets, size, itemsize, element.name) if n else []
     return Piece(name, source, out_shape, out, stages=stages)
 
 
@@ -201,7 +201,8 @@ class _Reads:
         self.by_source = {}
 
 
-def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, threads=None, chunk_bytes=None) -> dict:
+def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, threads=None, chunk_bytes=None,
+            fresh: bool = True) -> dict:
     """Carry out ``pieces``: ``name -> result`` in the order of ``pieces``.
 
     ``alloc(piece) -> (result, out)`` makes a fresh result for ``piece`` and the numpy array ``out`` over
@@ -209,7 +210,8 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
     not be more than the machine's memory (:mod:`mcf._core.memory`): the piece that would pass it is an
     :class:`mcf.AllocationError`, before any byte is read.  ``view(piece) -> result | None``,
     when given (``copy=False``), may return a zero-copy result for a piece with a ``view`` range; None
-    reads it like the others.
+    reads it like the others.  ``fresh=False``: ``alloc`` hands out memory that exists already (the
+    caller's own tensors, :mod:`mcf.loaders.into`), which is not counted against the machine's memory.
     """
     if threads is not None:
         integer(threads, "threads", minimum=1)
@@ -225,9 +227,12 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
             if r is not None:
                 results[p.name] = r
                 continue
-        nbytes = -(-math.prod(p.shape) * p.element.bits // 8)
-        total += nbytes
-        with allocating(nbytes, p.source.name, p.name, total=total):   # refused before any of it is read
+        if fresh:
+            nbytes = -(-math.prod(p.shape) * p.element.bits // 8)
+            total += nbytes
+            with allocating(nbytes, p.source.name, p.name, total=total):   # refused before any of it is read
+                result, out = alloc(p)
+        else:
             result, out = alloc(p)
         results[p.name] = result
         if p.stages is None:
