@@ -42,8 +42,8 @@ from mcf.errors import FormatError, InvalidArgumentError
 from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
 
-__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "execute", "aligned_bytes", "source_options", "STAGING_BYTES",
-           "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
+__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "execute", "decode_stages", "aligned_bytes", "source_options",
+           "STAGING_BYTES", "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
 
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
 STAGING_BYTES = 64 << 20
@@ -256,9 +256,18 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
 
 
 def _decode_batch(batch, threads, chunk_bytes) -> None:
+    decode_stages([(src, st, out.reshape(-1)[st.span[0]:st.span[0] + st.span[1]]) for src, st, out in batch],
+                  threads=threads, chunk_bytes=chunk_bytes)
+
+
+def decode_stages(items: list, *, threads=None, chunk_bytes=None) -> None:
+    """Carry out ``items``, ``(source, stage, dest)`` each: every stage's stored bytes read into a staging
+    buffer of its own (one ``read_into`` per source for all of them), then each decoded into ``dest``, the
+    flat array of ``stage.span[1]`` elements it fills (see :class:`Stage`).  The staging buffers, about
+    the stages' ``nbytes`` together, are freed on return: a caller bounds them by what it passes."""
     reads = _Reads()
     stagings = []
-    for src, st, _ in batch:
+    for src, st, _ in items:
         staging = aligned_empty(st.nbytes, 64)
         if st.dst is None:   # equal ranges, one after the other
             bufs = _split(staging[:st.nbytes], st.sizes.shape[0], int(st.sizes[0]) if st.sizes.shape[0] else 0)
@@ -271,9 +280,8 @@ def _decode_batch(batch, threads, chunk_bytes) -> None:
                 reads.add(source, (off,), [buf])
         stagings.append(staging)
     reads.run(threads, chunk_bytes)
-    for (_, st, out), staging in zip(batch, stagings):
-        first, count = st.span
-        st.decode(staging, out.reshape(-1)[first:first + count])
+    for (_, st, dest), staging in zip(items, stagings):
+        st.decode(staging, dest)
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:
