@@ -91,7 +91,14 @@ def stream_to_device(pieces: list, destinations=None, *, device, ring_buffers=No
     cap = max(1, min(cap, need))
     check_fits(n_buffers * cap, pieces[0].source.name if pieces else "mcf", None,
                what=f"a ring of {n_buffers} host buffers of {cap} bytes")
-    _Stream(dev, n_buffers, cap, threads, chunk_bytes).run(_fills(pieces, flats, cap))
+    try:
+        _Stream(dev, n_buffers, cap, threads, chunk_bytes).run(_fills(pieces, cap), flats)
+    except BaseException:
+        # the plan refers to the destinations by index only, so that the error's traceback keeps none of
+        # the tensors allocated here alive
+        results.clear()
+        flats.clear()
+        raise
     return results
 
 
@@ -172,8 +179,8 @@ def _flat_bytes(t, dev, nbytes: int, what: str):
 class _Fill:
     """What one buffer receives: ``reads`` (source, file offsets, buffer offsets, lengths), ``decodes``
     (source, stage, buffer offset, numpy dtype), a ``spill`` part ((spill, its offset, length), copied to
-    the buffer's start) and the ``copies`` to the device (flat destination, its offset, buffer offset,
-    length)."""
+    the buffer's start) and the ``copies`` to the device (the piece's index, offset in its destination,
+    buffer offset, length)."""
 
     __slots__ = ("reads", "decodes", "spill", "copies", "used")
 
@@ -201,11 +208,11 @@ def _ranges(offsets: np.ndarray, size: int, pos: int, take: int, at: int) -> tup
     return offsets[k] + (starts - k * size), at + (starts - pos), ends - starts
 
 
-def _fills(pieces, flats, cap: int):
+def _fills(pieces, cap: int):
     """The buffers' contents, in plan order: each piece's result bytes follow one another through the
     buffers (a decoded stage whole in one buffer, on an aligned offset, unless it is larger than a buffer)."""
     fill = _Fill()
-    for p, flat in zip(pieces, flats):
+    for index, p in enumerate(pieces):
         if p.stages is None:
             total = _piece_bytes(p)
             offsets = np.asarray(p.offsets, np.int64)
@@ -216,7 +223,7 @@ def _fills(pieces, flats, cap: int):
                     fill = _Fill()
                 take = min(cap - fill.used, total - pos)
                 fill.reads.append((p.source,) + _ranges(offsets, p.size, pos, take, fill.used))
-                fill.copies.append((flat, pos, fill.used, take))
+                fill.copies.append((index, pos, fill.used, take))
                 fill.used += take
                 pos += take
             continue
@@ -233,7 +240,7 @@ def _fills(pieces, flats, cap: int):
                     yield fill
                     fill, at = _Fill(), 0
                 fill.decodes.append((p.source, st, at, dtype))
-                fill.copies.append((flat, first * itemsize, at, n))
+                fill.copies.append((index, first * itemsize, at, n))
                 fill.used = at + n
                 continue
             if fill.used:
@@ -243,7 +250,7 @@ def _fills(pieces, flats, cap: int):
             for pos in range(0, n, cap):
                 take = min(cap, n - pos)
                 fill.spill = (spill, pos, take)
-                fill.copies.append((flat, first * itemsize + pos, 0, take))
+                fill.copies.append((index, first * itemsize + pos, 0, take))
                 fill.used = take
                 yield fill
                 fill = _Fill()
@@ -417,7 +424,9 @@ class _Stream:
                 self.buffers[slot] = (_torch.from_numpy(a), a)
         return self.buffers[slot]
 
-    def run(self, fills) -> None:
+    def run(self, fills, flats: list) -> None:
+        """Fill the buffers with ``fills`` (:func:`_fills`) and copy them into ``flats``, the destinations'
+        bytes."""
         copies = (_StreamCopies(self.dev) if self.dev.type == "cuda" else
                   _ThreadCopies() if self.dev.type == "cpu" else _BlockingCopies())
         pending = deque()
@@ -427,7 +436,7 @@ class _Stream:
                 slot = i % len(self.buffers)
                 alone = fill.spill is not None   # a spilled stage's memory is held by one fill at a time
                 while pending and (alone or len(pending) >= self.depth):
-                    self._issue(pending.popleft(), copies)
+                    self._issue(pending.popleft(), copies, flats)
                 if self.events[slot] is not None:
                     copies.wait(self.events[slot])
                     self.events[slot] = None
@@ -435,12 +444,13 @@ class _Stream:
                 future = pool.submit(_run_fill, fill, buf, self.budget, self.threads, self.chunk_bytes)
                 pending.append((fill, slot, future))
                 if alone:
-                    self._issue(pending.popleft(), copies)
+                    self._issue(pending.popleft(), copies, flats)
             while pending:
-                self._issue(pending.popleft(), copies)
+                self._issue(pending.popleft(), copies, flats)
         except BaseException:
             for _, _, future in pending:   # let the fills under way end before their buffers go
                 future.exception()
+            pending.clear()
             try:
                 copies.close()
             except BaseException:   # the error being raised says what went wrong first
@@ -450,8 +460,8 @@ class _Stream:
             pool.shutdown(wait=True)
         copies.close()
 
-    def _issue(self, entry, copies) -> None:
+    def _issue(self, entry, copies, flats: list) -> None:
         fill, slot, future = entry
         future.result()
         t, _ = self.buffers[slot]
-        self.events[slot] = copies.issue([(flat[d:d + n], t[b:b + n]) for flat, d, b, n in fill.copies])
+        self.events[slot] = copies.issue([(flats[i][d:d + n], t[b:b + n]) for i, d, b, n in fill.copies])
