@@ -219,7 +219,7 @@ def test_ring_buffers_are_reused_and_each_read_fits_one_buffer(every_dtype, devi
         pieces, sources = _through(_pieces(w), _Counting)
         ref = mtorch.load_file(every_dtype)
         total = sum(t.numel() * t.element_size() for t in ref.values())
-        got = ring.stream_to_device(pieces, device=device, ring_buffers=3, ring_bytes=1024)
+        got = ring.stream_to_device(pieces, None, device=device, ring_buffers=3, ring_bytes=1024)
     calls = sources[0].calls
     assert total > 8 * 3 * 1024 and len(calls) >= total // 1024 and max(calls) <= 1024
     assert sum(calls) == total
@@ -283,7 +283,7 @@ def test_wrong_destinations_are_refused_before_anything_is_read(mcf_files, devic
             "contiguous": ({**fine, "emb": torch.empty(48, 64, device=device).t()}, "'emb': .*not contiguous"),
             "device": ({**fine, "emb": fine["emb"].to("meta")}, "'emb': the destination is on meta"),
         }
-        for case, (dest, pattern) in bad.items():
+        for dest, pattern in bad.values():
             with pytest.raises(mcf.InvalidArgumentError, match=pattern):
                 ring.stream_to_device(pieces, dest, device=device)
         with pytest.raises(mcf.ArgumentTypeError, match="'emb': the destination must be a torch.Tensor"):
@@ -295,7 +295,8 @@ def test_wrong_destinations_are_refused_before_anything_is_read(mcf_files, devic
 
 def test_ring_arguments_are_checked(mcf_files):
     p, _ = mcf_files
-    for kw, pattern in (({"ring_buffers": 0}, "ring_buffers must be >= 1"), ({"ring_bytes": 0}, "ring_bytes must be >= 1"),
+    for kw, pattern in (({"ring_buffers": 0}, "ring_buffers must be >= 1"),
+                        ({"ring_bytes": 0}, "ring_bytes must be >= 1"),
                         ({"ring_bytes": 1.5}, "ring_bytes must be an integer"),
                         ({"ring_buffers": True}, "ring_buffers must be an integer")):
         with pytest.raises(mcf.InvalidArgumentError, match=pattern):

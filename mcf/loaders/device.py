@@ -68,7 +68,7 @@ def ring_settings(ring_buffers, ring_bytes) -> tuple:
     return n, b
 
 
-def stream_to_device(pieces: list, destinations=None, *, device, ring_buffers=None, ring_bytes=None, threads=None,
+def stream_to_device(pieces: list, destinations, *, device, ring_buffers=None, ring_bytes=None, threads=None,
                      chunk_bytes=None) -> dict:
     """Carry out ``pieces`` onto ``device`` through the ring: ``name -> tensor`` in the order of ``pieces``.
 
