@@ -312,6 +312,7 @@ def _check_loading(out):
     lines = out.splitlines()
     assert lines[0] == "21 torch.bfloat16" and lines[1] == "True"
     assert lines[2] in ("local", "network", "fuse", "unknown") and lines[3] == "True 8" and lines[4] == "(64, 32) True"
+    assert lines[5] == "True"   # a load through the device ring, to the CPU, is the plain load
 
 
 CHECKS = {
