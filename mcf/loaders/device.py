@@ -117,6 +117,12 @@ def torch_device(device):
         if dev.index is None or dev.index >= count:
             raise InvalidArgumentError(f"device={device!r}: torch {_torch.__version__} sees {count} CUDA "
                                        f"device{'' if count == 1 else 's'}")
+    elif dev.type != "cpu":
+        try:   # any other backend says here whether it has this device
+            _torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as exc:
+            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise InvalidArgumentError(f"device={device!r} cannot be used: {why}") from None
     return dev
 
 
