@@ -17,7 +17,11 @@ Where the bytes go, and why:
 - Quantized tensors and float casts are decoded by the compiled kernels straight into the storage of the
   ``torch.Tensor`` that is returned (bfloat16 included: its storage is written as bf16 bits); a
   tensor-parallel rank reads and decodes only its own share.
-- ``device`` other than ``"cpu"`` moves each tensor after it is loaded on the CPU.
+- ``device`` other than ``"cpu"`` (``"cuda"``, ``"cuda:1"``...) streams the tensors onto the device through a
+  bounded ring of pinned host buffers (:mod:`mcf.loaders.device`): the next buffer is read (or decoded
+  into) while the last one is copied to the device, and the host holds the ring plus 64 MiB whatever the
+  model's size.  ``ring_buffers``/``ring_bytes`` size the ring (4 x 64 MiB); given with
+  ``device="cpu"``, they send a CPU load through the same ring.
 
 :func:`load_into` and :func:`load_model` (the drop-in for ``safetensors.torch.load_model``) fill tensors
 and a module's parameters that the caller holds, in place, from the same read plans
@@ -32,9 +36,10 @@ from typing import Callable
 import numpy as np
 
 from mcf.loaders import weights as _weights
+from mcf.loaders.device import stream_to_device, torch_device
 from mcf._core.memory import refused
 from mcf._core.optional import require
-from mcf.errors import DTypeError
+from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import ALIGN_FROM, execute, mmap_of_backend
 from mcf.loading.select import selection
@@ -72,15 +77,28 @@ def _torch_shape(el, shape: tuple, what: str) -> tuple:
     return tuple(shape[:-1]) + (shape[-1] // 2,)
 
 
-def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> dict:
+def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes, ring_buffers=None,
+                  ring_bytes=None) -> dict:
     """``name -> torch.Tensor`` for ``pieces``: fresh tensors (page-aligned from ALIGN_FROM bytes), or with
     ``copy=False`` views of the private copy-on-write mapping where a piece is one unchanged stored range
-    of a mapped file."""
-    dev = _torch.device(device)
+    of a mapped file.  On a device (or with a ring's settings): fresh tensors there, streamed through the
+    ring (:func:`mcf.loaders.device.stream_to_device`)."""
+    dev = torch_device(device)
     kinds = {}
     for p in pieces:   # every dtype and shape checked before anything is allocated or read
         what = f"{p.source.name}: tensor {p.name!r}"
         kinds[p.name] = (_torch_dtype(p.element, what), _torch_shape(p.element, p.shape, what))
+    if dev.type != "cpu" or ring_buffers is not None or ring_bytes is not None:
+        if not copy and dev.type == "cpu":
+            raise InvalidArgumentError("copy=False returns views of the file, and ring_buffers/ring_bytes stream "
+                                       "copies through a ring: pass one or the other")
+
+        def fresh(p):
+            tdt, tshape = kinds[p.name]
+            return _torch.empty(tshape, dtype=tdt, device=dev)
+
+        return stream_to_device(pieces, fresh, device=dev, ring_buffers=ring_buffers, ring_bytes=ring_bytes,
+                                threads=threads, chunk_bytes=chunk_bytes)
 
     def alloc(p):
         tdt, tshape = kinds[p.name]
@@ -111,14 +129,12 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> 
             raise AssertionError("mcf.torch: a read-only buffer reached a tensor")
         return _torch.frombuffer(cow, dtype=_torch.uint8).view(tdt).view(tshape)
 
-    out = execute(pieces, alloc, view=None if copy else view, threads=threads, chunk_bytes=chunk_bytes)
-    if dev.type != "cpu":
-        out = {k: v.to(dev) for k, v in out.items()}
-    return out
+    return execute(pieces, alloc, view=None if copy else view, threads=threads, chunk_bytes=chunk_bytes)
 
 
 def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, copy: bool = True, mmap=None,
-              threads=None, chunk_bytes=None, backend=None, dequantize=False) -> dict:
+              threads=None, chunk_bytes=None, backend=None, dequantize=False, ring_buffers=None,
+              ring_bytes=None) -> dict:
     """The tensors of a safetensors checkpoint or an MCF file as torch tensors (name -> tensor), as
     ``safetensors.torch.load_file(filename, device)`` returns them: same order, dtypes (bfloat16, float8
     e4m3/e5m2, bool, every integer), shapes and bytes, each tensor the caller's own memory.
@@ -132,8 +148,11 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     only the bytes of each piece are read (rules: :func:`mcf.safetensors.load_file`).  ``dtype``: a float
     dtype (``torch.bfloat16``, ``"float16"``...) every F16/BF16/F32/F64 and quantized tensor is cast to.
     ``copy=False``: unchanged tensors that are one contiguous range of a mapped file are zero-copy views
-    of a private copy-on-write mapping (see the module docstring).  ``device``: where the tensors go,
-    after loading on the CPU.  ``mmap``, ``threads``, ``chunk_bytes``, ``backend``: as
+    of a private copy-on-write mapping (see the module docstring).  ``device``: where the tensors go (a
+    torch device: ``"cuda"``, ``"cuda:1"``...), streamed there through a ring of ``ring_buffers`` pinned host
+    buffers of ``ring_bytes`` each (None: 4 x 64 MiB), so that host memory stays at the ring plus 64 MiB
+    (:mod:`mcf.loaders.device`); ring settings with ``device="cpu"`` send a CPU load through the same ring
+    (``copy=True`` only).  ``mmap``, ``threads``, ``chunk_bytes``, ``backend``: as
     :func:`mcf.safetensors.load_file`.  ``dequantize`` (True for float32, or a float dtype such as
     ``torch.bfloat16``): a safetensors checkpoint's block-scaled weights (gpt-oss MXFP4, DeepSeek FP8, ModelOpt
     NVFP4) come back decoded under their weights' names, in place of their parts (rules:
@@ -143,12 +162,14 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     with _weights.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
         chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
         pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_weights.decode_threads(threads), dequantize=kind)
-        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
+        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
+                             ring_buffers=ring_buffers, ring_bytes=ring_bytes)
 
 
 def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, slices=None,
                     tp_rank: int | None = None, tp_size: int | None = None, tp_dim: int | Callable = 0,
-                    copy: bool = True, mmap=None, threads=None, chunk_bytes=None) -> dict:
+                    copy: bool = True, mmap=None, threads=None, chunk_bytes=None, ring_buffers=None,
+                    ring_bytes=None) -> dict:
     """Tensors of an MCF file (or a safetensors checkpoint: any input :func:`load_file` takes) as torch
     tensors.
 
@@ -159,11 +180,13 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
     ``copy=False`` makes unchanged plain tensors zero-copy views of a private copy-on-write mapping of the
     file (see the module docstring): in-place operations stay safe and private.  Unsigned 16/32/64-bit
     tensors use torch's uint16/32/64 where it has them (torch >= 2.3), else the signed type of the same
-    size holding the same bits.
+    size holding the same bits.  ``device``, ``ring_buffers``, ``ring_bytes``: as :func:`load_file` (a
+    device load streams through the ring; quantized tensors are decoded into its buffers).
     """
     with _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
         pieces = _weights.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
-        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
+        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
+                             ring_buffers=ring_buffers, ring_bytes=ring_bytes)
 
 
 def load_into(tensors, filename, *, names=None, slices=None, mapping=None, strict: bool = True, dequantize=False,

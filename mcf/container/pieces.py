@@ -66,13 +66,12 @@ def tensor_piece(c: Container, name: str, spec, dtype, *, threads: int = 1) -> P
     rec = c.quant_record(name)
     domain = rec.domain if rec else 0
     aligned = quant_slice(lay, 0, 0, c0, c1, domain=domain) is not None
-    # rows per stage: their stored bytes, and the full-width float32 rows of a cropped or float64 decode,
-    # each within the staging budget
-    row_bytes = max(1, -(-lay.nbytes // max(1, rows)))
-    budget = load_plan.STAGING_BYTES
-    per = max(1, budget // row_bytes)
+    # rows per stage: their stored bytes, the rows they decode to and the full-width float32 rows of a
+    # cropped or float64 decode, together within the staging budget
+    row_bytes = max(1, -(-lay.nbytes // max(1, rows))) + out.itemsize * (c1 - c0)
     if not aligned or out.name == "F64":
-        per = max(1, min(per, budget // max(1, 4 * cols)))
+        row_bytes += 4 * cols
+    per = max(1, load_plan.STAGING_BYTES // row_bytes)
     stages = []
     for a in range(r0, r1, per):
         b = min(r1, a + per)
@@ -80,22 +79,22 @@ def tensor_piece(c: Container, name: str, spec, dtype, *, threads: int = 1) -> P
             quant_slice(lay, a, b, 0, cols, domain=domain)
         stages.append(Stage(t.offset + np.asarray(src, np.int64), np.asarray(sizes, np.int64),
                             np.asarray(dst, np.int64), mini.nbytes,
-                            _decoder(t.dtype.code, mini.rows, mini.cols, domain, a - r0, c0, c1, aligned, threads)))
+                            _decoder(t.dtype.code, mini.rows, mini.cols, domain, c0, c1, aligned, threads),
+                            ((a - r0) * (c1 - c0), (b - a) * (c1 - c0))))
     out_shape = (r1 - r0, c1 - c0)
     return Piece(name, c.source, out_shape, out, stages=stages)
 
 
-def _decoder(code, rows, cols, domain, first, c0, c1, aligned, threads):
-    """decode(staging, out): the mini payload's ``rows`` into rows ``first:first+rows`` of ``out``
+def _decoder(code, rows, cols, domain, c0, c1, aligned, threads):
+    """decode(staging, dest): the mini payload's ``rows`` into ``dest``, those rows of the result flat
     (columns ``c0:c1`` of full-width rows when the payload was not cut at them)."""
 
-    def decode(staging, out):
-        dest = out[first:first + rows]
+    def decode(staging, dest):
         if aligned and dest.dtype != np.float64:
-            _kernels.dequantize(staging, code, rows, cols, domain=domain, out=dest.reshape(-1), threads=threads)
+            _kernels.dequantize(staging, code, rows, cols, domain=domain, out=dest, threads=threads)
             return
         tmp = _kernels.dequantize(staging, code, rows, cols, domain=domain,
                                   dtype=np.float32 if dest.dtype == np.float64 else dest.dtype, threads=threads)
-        dest[...] = tmp if aligned else tmp[:, c0:c1]
+        dest.reshape(rows, c1 - c0)[...] = tmp if aligned else tmp[:, c0:c1]
 
     return decode

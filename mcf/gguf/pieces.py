@@ -69,8 +69,8 @@ def tensor_piece(g: GGUFFile, name: str, spec, out: str | None, *, rows: np.ndar
         offsets = t.offset + order.astype(np.int64) * row
         to = ELEMENTS[out] if out is not None and t.type.kind == "float" else el
         if to.name != el.name:
-            return Piece(name, g.source, out_shape, to, stages=cast_stages(offsets, row, el.itemsize, el.name)
-                         if offsets.shape[0] and row else [])
+            stages = cast_stages(offsets, row, el.itemsize, el.name, to.itemsize) if offsets.shape[0] and row else []
+            return Piece(name, g.source, out_shape, to, stages=stages)
         return Piece(name, g.source, out_shape, el, offsets=offsets if row else (), size=row)
     return _quant_piece(g, name, t, order, out_shape, ELEMENTS[out or "F32"], threads)
 
@@ -87,7 +87,9 @@ def _quant_piece(g, name, t, order, out_shape, out, threads) -> Piece:
         unit_vals, count = t.row_elements, order.shape[0]
     unit_bytes = unit_vals // typ.block * typ.size
     wide = out.name == "F64"   # decoded to float32 first
-    per = max(1, load_plan.STAGING_BYTES // max(1, unit_bytes, unit_vals * 4 if wide else 0))
+    # stored bytes and the values they decode to (plus float32 scratch for float64) within the staging budget
+    unit_cost = unit_bytes + unit_vals * out.itemsize + (unit_vals * 4 if wide else 0)
+    per = max(1, load_plan.STAGING_BYTES // max(1, unit_cost))
     stages = []
     for a in range(0, count, per):
         n = min(per, count - a)
@@ -101,15 +103,15 @@ def _quant_piece(g, name, t, order, out_shape, out, threads) -> Piece:
             else:
                 offs, sizes = t.offset + src * unit_bytes, np.full(n, unit_bytes, np.int64)
         stages.append(Stage(offs, sizes, None, n * unit_bytes,
-                            _decoder(typ.code, a * unit_vals, n * unit_vals, typ.block, wide, threads)))
+                            _decoder(typ.code, n * unit_vals, typ.block, wide, threads),
+                            (a * unit_vals, n * unit_vals)))
     return Piece(name, g.source, tuple(out_shape), out, stages=stages)
 
 
-def _decoder(code, first, nvals, block, wide, threads):
-    """decode(staging, out): ``nvals`` values of the staged blocks into the flat result from value ``first``."""
+def _decoder(code, nvals, block, wide, threads):
+    """decode(staging, dest): ``nvals`` values of the staged blocks into ``dest``, their span of the flat result."""
 
-    def decode(staging, out):
-        dest = out.reshape(-1)[first:first + nvals]
+    def decode(staging, dest):
         if wide:
             tmp = np.empty(nvals, np.float32)
             _gguf.dequantize_blocks(staging, code, nvals // block, tmp, threads=threads)

@@ -15,7 +15,11 @@ Why it looks this way:
 - **Decoding goes through staging, in bounded batches.**  A cast (``dtype=``) or a quantized MCF
   tensor reads its stored bytes into a staging buffer, then decodes into the result.  Staged pieces
   are read in batches of at most :data:`STAGING_BYTES` stored bytes (one ``read_into`` per source
-  each), so staging memory stays bounded however large the checkpoint.
+  each), so staging memory stays bounded however large the checkpoint.  Each stage writes one
+  contiguous span of the flat result (:attr:`Stage.span`), and its stored bytes plus the bytes it
+  writes stay within :data:`STAGING_BYTES`: a front end that streams results through a bounded ring
+  of host buffers onto a device (:mod:`mcf.loaders.device`) decodes a stage into a ring buffer
+  rather than into the result, with no more host memory than the ring and one staging budget.
 - **Zero-copy is an opt-in.**  With ``copy=False`` a piece that is one contiguous stored range of a
   mapped source is returned as a view (the front end decides which: numpy's read-only view of the
   shared mapping, or torch's view of the private copy-on-write mapping).
@@ -38,7 +42,8 @@ from mcf.errors import FormatError, InvalidArgumentError
 from mcf.loading.casts import cast_into
 from mcf.loading.dtypes import FLOAT_ELEMENTS, Element
 
-__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "cast_stages", "execute", "aligned_bytes", "source_options",
+__all__ = ["Piece", "Stage", "plain_piece", "cut_ranges", "cast_stages", "execute", "decode_stages", "aligned_bytes",
+           "source_options",
            "STAGING_BYTES", "mmap_of_backend", "ALIGN_FROM", "MAX_ARRAY_BYTES", "MAX_DIMS"]
 
 #: Stored bytes of decoded pieces (casts, quantized tensors) read per batch.
@@ -51,15 +56,19 @@ ALIGN_FROM = 64 << 10
 @dataclass(eq=False)
 class Stage:
     """Part of a decoded piece: the ranges ``offsets``/``sizes`` of the source fill a staging buffer of
-    ``nbytes`` (at offsets ``dst``; None: one after the other), then ``decode(staging, out)`` writes its
-    part of the result ``out``.  ``sources``, when given, names the source of each range (a weight whose
-    scales and blocks are separate tensors, possibly in different shards); else they are the piece's."""
+    ``nbytes`` (at offsets ``dst``; None: one after the other), then ``decode(staging, dest)`` writes its
+    part of the result: ``span = (first, count)`` elements of the flat result, ``dest`` being a flat
+    C-contiguous array of ``count`` elements of the result's numpy dtype (bfloat16 as its uint16 bits) that
+    it fills whole (the result's ``out.reshape(-1)[first:first + count]``, or a buffer the bytes travel
+    on in).  ``sources``, when given, names the source of each range (a weight whose scales and blocks
+    are separate tensors, possibly in different shards); else they are the piece's."""
 
     offsets: np.ndarray
     sizes: np.ndarray
     dst: np.ndarray | None
     nbytes: int
     decode: Callable
+    span: tuple
     sources: list | None = None
 
 
@@ -108,20 +117,20 @@ def cut_ranges(offset: int, shape: tuple, itemsize: int, cut):
 _STORED = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
 
 
-def cast_stages(offsets: np.ndarray, size: int, itemsize: int, src_name: str) -> list:
-    """Stages of at most :data:`STAGING_BYTES` (whole values) over equal ranges of ``size`` bytes, in
-    result order, each cast into its span of the flat result."""
-    cap = max(itemsize, STAGING_BYTES // itemsize * itemsize)
+def cast_stages(offsets: np.ndarray, size: int, itemsize: int, src_name: str, out_itemsize: int) -> list:
+    """Stages over equal ranges of ``size`` bytes, in result order, each cast into its span of the flat
+    result: whole values, at most :data:`STAGING_BYTES` of stored and cast bytes together."""
+    cap = max(itemsize, STAGING_BYTES // (itemsize + out_itemsize) * itemsize)
     stored = _STORED[src_name]
 
-    def stage(offs, sz, first):   # first: the byte of the result stream this stage starts at
+    def stage(offs, sz, first):   # first: the byte of the stored stream this stage starts at
         n = offs.shape[0]
         nbytes = n * sz
 
-        def decode(staging, out, _e0=first // itemsize, _n=nbytes // itemsize):
-            cast_into(staging.view(stored), src_name, out.reshape(-1)[_e0:_e0 + _n])
+        def decode(staging, dest):
+            cast_into(staging.view(stored), src_name, dest)
 
-        return Stage(offs, np.full(n, sz, np.int64), None, nbytes, decode)
+        return Stage(offs, np.full(n, sz, np.int64), None, nbytes, decode, (first // itemsize, nbytes // itemsize))
 
     out = []
     if size <= cap:
@@ -170,7 +179,7 @@ def plain_piece(name: str, source: Source, offset: int, shape: tuple, element: E
                      view=view)
     if element.name not in FLOAT_ELEMENTS or out.name not in FLOAT_ELEMENTS:
         raise AssertionError(f"plain_piece: no cast from {element.name} to {out.name}")
-    stages = cast_stages(offsets, size, itemsize, element.name) if n else []
+    stages = cast_stages(offsets, size, itemsize, element.name, out.itemsize) if n else []
     return Piece(name, source, out_shape, out, stages=stages)
 
 
@@ -253,9 +262,18 @@ def execute(pieces: list, alloc: Callable, *, view: Callable | None = None, thre
 
 
 def _decode_batch(batch, threads, chunk_bytes) -> None:
+    decode_stages([(src, st, out.reshape(-1)[st.span[0]:st.span[0] + st.span[1]]) for src, st, out in batch],
+                  threads=threads, chunk_bytes=chunk_bytes)
+
+
+def decode_stages(items: list, *, threads=None, chunk_bytes=None) -> None:
+    """Carry out ``items``, ``(source, stage, dest)`` each: every stage's stored bytes read into a staging
+    buffer of its own (one ``read_into`` per source for all of them), then each decoded into ``dest``, the
+    flat array of ``stage.span[1]`` elements it fills (see :class:`Stage`).  The staging buffers, about
+    the stages' ``nbytes`` together, are freed on return: a caller bounds them by what it passes."""
     reads = _Reads()
     stagings = []
-    for src, st, _ in batch:
+    for src, st, _ in items:
         staging = aligned_empty(st.nbytes, 64)
         if st.dst is None:   # equal ranges, one after the other
             bufs = _split(staging[:st.nbytes], st.sizes.shape[0], int(st.sizes[0]) if st.sizes.shape[0] else 0)
@@ -268,8 +286,8 @@ def _decode_batch(batch, threads, chunk_bytes) -> None:
                 reads.add(source, (off,), [buf])
         stagings.append(staging)
     reads.run(threads, chunk_bytes)
-    for (_, st, out), staging in zip(batch, stagings):
-        st.decode(staging, out)
+    for (_, st, dest), staging in zip(items, stagings):
+        st.decode(staging, dest)
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:

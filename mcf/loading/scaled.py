@@ -51,12 +51,12 @@ def scaled_piece(name: str, info: DTypeInfo, shape: tuple, cut, out: Element, lo
     cu, unit = col_unit(info), row_unit(info)
     aligned = c0 % cu == 0 and (c1 % cu == 0 or c1 == cols)
     lay = scaled_layout(info, shape)
-    # payload rows per stage: their stored bytes, and the full-width float32 rows of a cropped or float64
-    # decode, within the staging budget; a whole number of row units
-    budget = load_plan.STAGING_BYTES
-    per = max(1, budget // max(1, -(-lay.nbytes // max(1, lay.rows))))
+    # payload rows per stage: their stored bytes, the rows they decode to and the full-width float32 rows of
+    # a cropped or float64 decode, together within the staging budget; a whole number of row units
+    row_bytes = max(1, -(-lay.nbytes // max(1, lay.rows))) + out.itemsize * (c1 - c0)
     if not aligned or out.name == "F64" or unit > 1:
-        per = max(1, min(per, budget // max(1, 4 * cols)))
+        row_bytes += 4 * cols
+    per = max(1, load_plan.STAGING_BYTES // row_bytes)
     per = max(unit, per // unit * unit)
     stages = []
     source = None
@@ -68,25 +68,24 @@ def scaled_piece(name: str, info: DTypeInfo, shape: tuple, cut, out: Element, lo
         source = where[0][0]
         stages.append(Stage(np.array([o for _, o in where], np.int64), np.array([n for _, _, n, _ in ranges], np.int64),
                             np.array([d for _, _, _, d in ranges], np.int64), mini.nbytes,
-                            _decoder(info, (mini.rows, mini.cols), a - r0 * inner, a - start, c0, c1, aligned,
-                                     threads, on_error),
-                            sources=[s for s, _ in where]))
+                            _decoder(info, (mini.rows, mini.cols), a - start, c0, c1, aligned, threads, on_error),
+                            ((a - r0 * inner) * (c1 - c0), (b - a) * (c1 - c0)), sources=[s for s, _ in where]))
     if source is None:
         source = locate("data", 0)[0]
     return Piece(name, source, (r1 - r0,) + tuple(shape[1:-1]) + (c1 - c0,), out, stages=stages)
 
 
-def _decoder(info, shape, first, skip, c0, c1, aligned, threads, on_error):
-    """decode(staging, out): the mini payload of ``shape`` (its first ``skip`` rows decoded only to start on a
-    row of scales) into payload rows ``first ..`` of ``out`` (columns ``c0:c1`` of full-width rows when the
-    payload was not cut at them)."""
+def _decoder(info, shape, skip, c0, c1, aligned, threads, on_error):
+    """decode(staging, dest): the mini payload of ``shape`` (its first ``skip`` rows decoded only to start on a
+    row of scales) into ``dest``, its payload rows of the result flat (columns ``c0:c1`` of full-width rows
+    when the payload was not cut at them)."""
     rows = shape[0]
 
-    def decode(staging, out):
-        dest = out.reshape(-1, c1 - c0)[first:first + rows - skip]
+    def decode(staging, flat):
+        dest = flat.reshape(rows - skip, c1 - c0)
         try:
             if aligned and not skip and dest.dtype != np.float64:
-                _mx.dequantize(staging, info.code, shape, out=dest.reshape(-1), threads=threads)
+                _mx.dequantize(staging, info.code, shape, out=flat, threads=threads)
                 return
             tmp = _mx.dequantize(staging, info.code, shape, threads=threads,
                                  dtype=np.float32 if dest.dtype == np.float64 else dest.dtype)[skip:]
