@@ -27,10 +27,11 @@ from typing import Callable
 
 import numpy as np
 
+from mcf.loaders import distributed as _distributed
 from mcf.loaders import weights as _weights
 from mcf._core.memory import refused
 from mcf._core.optional import require
-from mcf.errors import DTypeError
+from mcf.errors import DTypeError, InvalidArgumentError
 from mcf.loading.casts import load_dtype
 from mcf.loading.plan import ALIGN_FROM, execute, mmap_of_backend
 from mcf.loading.select import selection
@@ -68,10 +69,14 @@ def _torch_shape(el, shape: tuple, what: str) -> tuple:
     return tuple(shape[:-1]) + (shape[-1] // 2,)
 
 
-def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> dict:
+def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes, group=None, weights=None) -> dict:
     """``name -> torch.Tensor`` for ``pieces``: fresh tensors (page-aligned from ALIGN_FROM bytes), or with
     ``copy=False`` views of the private copy-on-write mapping where a piece is one unchanged stored range
-    of a mapped file."""
+    of a mapped file.  ``group``: the :class:`mcf.loaders.distributed.GroupLoad` that shares the reads with
+    the other ranks (``weights``: what the pieces come from)."""
+    if group is not None and not copy:
+        raise InvalidArgumentError("group= loads fresh tensors, read once and broadcast: it cannot return "
+                                   "zero-copy views (copy=False) of each rank's own mapping")
     dev = _torch.device(device)
     kinds = {}
     for p in pieces:   # every dtype and shape checked before anything is allocated or read
@@ -107,14 +112,17 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes) -> 
             raise AssertionError("mcf.torch: a read-only buffer reached a tensor")
         return _torch.frombuffer(cow, dtype=_torch.uint8).view(tdt).view(tshape)
 
-    out = execute(pieces, alloc, view=None if copy else view, threads=threads, chunk_bytes=chunk_bytes)
+    if group is not None:
+        out = group.load(pieces, alloc, weights=weights, threads=threads, chunk_bytes=chunk_bytes)
+    else:
+        out = execute(pieces, alloc, view=None if copy else view, threads=threads, chunk_bytes=chunk_bytes)
     if dev.type != "cpu":
         out = {k: v.to(dev) for k, v in out.items()}
     return out
 
 
 def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, copy: bool = True, mmap=None,
-              threads=None, chunk_bytes=None, backend=None, dequantize=False) -> dict:
+              threads=None, chunk_bytes=None, backend=None, dequantize=False, group=None) -> dict:
     """The tensors of a safetensors checkpoint or an MCF file as torch tensors (name -> tensor), as
     ``safetensors.torch.load_file(filename, device)`` returns them: same order, dtypes (bfloat16, float8
     e4m3/e5m2, bool, every integer), shapes and bytes, each tensor the caller's own memory.
@@ -134,17 +142,24 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     ``torch.bfloat16``): a safetensors checkpoint's block-scaled weights (gpt-oss MXFP4, DeepSeek FP8, ModelOpt
     NVFP4) come back decoded under their weights' names, in place of their parts (rules:
     :func:`mcf.safetensors.load_file`).
+    ``group`` (a ``torch.distributed`` process group: gloo, or NCCL with each rank's CUDA device set): every
+    rank of the group calls this with the same checkpoint and each reads about 1/N of its bytes, which the
+    ranks then broadcast to each other; a tensor the ranks' plans (``slices``) load differently is read by
+    its rank alone.  A failure on any rank raises on every rank (rules: :mod:`mcf.loaders.distributed`).
     """
-    kind = dequantize_kind(dequantize)
-    with _weights.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
-        chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
-        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_weights.decode_threads(threads), dequantize=kind)
-        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
+    with _distributed.group_load(group) as gl:
+        kind = dequantize_kind(dequantize)
+        with _weights.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
+            chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
+            pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_weights.decode_threads(threads),
+                              dequantize=kind)
+            return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
+                                 group=gl, weights=w)
 
 
 def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, slices=None,
                     tp_rank: int | None = None, tp_size: int | None = None, tp_dim: int | Callable = 0,
-                    copy: bool = True, mmap=None, threads=None, chunk_bytes=None) -> dict:
+                    copy: bool = True, mmap=None, threads=None, chunk_bytes=None, group=None) -> dict:
     """Tensors of an MCF file (or a safetensors checkpoint: any input :func:`load_file` takes) as torch
     tensors.
 
@@ -156,7 +171,11 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
     file (see the module docstring): in-place operations stay safe and private.  Unsigned 16/32/64-bit
     tensors use torch's uint16/32/64 where it has them (torch >= 2.3), else the signed type of the same
     size holding the same bits.
+    ``group``: a ``torch.distributed`` process group sharing the reads, as in :func:`load_file`; with
+    ``tp_rank``/``tp_size`` (or ``slices``) each rank reads its own shares, and the tensors every rank loads
+    whole (norms, biases) are read once and broadcast.
     """
-    with _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
+    with _distributed.group_load(group) as gl, _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
         pieces = _weights.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
-        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes)
+        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
+                             group=gl, weights=w)

@@ -80,7 +80,8 @@ def tensor_piece(c: Container, name: str, spec, dtype, *, threads: int = 1) -> P
             quant_slice(lay, a, b, 0, cols, domain=domain)
         stages.append(Stage(t.offset + np.asarray(src, np.int64), np.asarray(sizes, np.int64),
                             np.asarray(dst, np.int64), mini.nbytes,
-                            _decoder(t.dtype.code, mini.rows, mini.cols, domain, a - r0, c0, c1, aligned, threads)))
+                            _decoder(t.dtype.code, mini.rows, mini.cols, domain, a - r0, c0, c1, aligned, threads),
+                            out_range=((a - r0) * (c1 - c0), (b - r0) * (c1 - c0))))
     out_shape = (r1 - r0, c1 - c0)
     return Piece(name, c.source, out_shape, out, stages=stages)
 

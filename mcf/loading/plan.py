@@ -53,7 +53,10 @@ class Stage:
     """Part of a decoded piece: the ranges ``offsets``/``sizes`` of the source fill a staging buffer of
     ``nbytes`` (at offsets ``dst``; None: one after the other), then ``decode(staging, out)`` writes its
     part of the result ``out``.  ``sources``, when given, names the source of each range (a weight whose
-    scales and blocks are separate tensors, possibly in different shards); else they are the piece's."""
+    scales and blocks are separate tensors, possibly in different shards); else they are the piece's.
+    ``out_range``: the elements ``(start, stop)`` of the flattened result that ``decode`` writes, and no
+    others (None: not stated), so that the stages of one piece can be read by different processes
+    (:mod:`mcf.loaders.distributed`)."""
 
     offsets: np.ndarray
     sizes: np.ndarray
@@ -61,6 +64,7 @@ class Stage:
     nbytes: int
     decode: Callable
     sources: list | None = None
+    out_range: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -121,7 +125,8 @@ def _cast_stages(offsets: np.ndarray, size: int, itemsize: int, src_name: str) -
         def decode(staging, out, _e0=first // itemsize, _n=nbytes // itemsize):
             cast_into(staging.view(stored), src_name, out.reshape(-1)[_e0:_e0 + _n])
 
-        return Stage(offs, np.full(n, sz, np.int64), None, nbytes, decode)
+        return Stage(offs, np.full(n, sz, np.int64), None, nbytes, decode,
+                     out_range=(first // itemsize, (first + nbytes) // itemsize))
 
     out = []
     if size <= cap:

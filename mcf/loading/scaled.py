@@ -70,7 +70,8 @@ def scaled_piece(name: str, info: DTypeInfo, shape: tuple, cut, out: Element, lo
                             np.array([d for _, _, _, d in ranges], np.int64), mini.nbytes,
                             _decoder(info, (mini.rows, mini.cols), a - r0 * inner, a - start, c0, c1, aligned,
                                      threads, on_error),
-                            sources=[s for s, _ in where]))
+                            sources=[s for s, _ in where],
+                            out_range=((a - r0 * inner) * (c1 - c0), (b - r0 * inner) * (c1 - c0))))
     if source is None:
         source = locate("data", 0)[0]
     return Piece(name, source, (r1 - r0,) + tuple(shape[1:-1]) + (c1 - c0,), out, stages=stages)
