@@ -313,8 +313,9 @@ class RemoteFile(ClosedOnExit):
 
     @property
     def version(self) -> dict:
-        """The version of the object pinned at opening, which every read is held to: ``etag`` and
-        ``modified`` (the Last-Modified date), each None when the server sent none."""
+        """The object's version pinned at opening (``etag``, ``modified``): every read is held to it.
+
+        ``modified`` is the Last-Modified date as a string; each is None when the server sent none."""
         t = self._transport
         modified = getattr(t, "modified", None) or getattr(t, "last_modified", None)
         return {"etag": getattr(t, "etag", None), "modified": None if modified is None else str(modified)}
