@@ -24,9 +24,10 @@ import datetime
 import json
 import os
 import queue
+import shutil
 import signal
-import socket
 import statistics
+import tempfile
 import time
 import zlib
 
@@ -102,14 +103,14 @@ def _io_read_bytes():
         return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
 
 
-def _rank_main(rank, port, tasks, answers):
+def _rank_main(rank, store, tasks, answers):
     import torch.distributed as dist
 
     import mcf.torch as mtorch
     from mcf.safetensors import open_checkpoint
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=N,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=N,
                             timeout=datetime.timedelta(seconds=300))
     while True:
         item = tasks.get()
@@ -139,11 +140,10 @@ def ranks():
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    scratch = tempfile.mkdtemp(prefix="mcf-group-bench-")   # a file store: nothing listens beyond loopback
     tasks, answers = [ctx.Queue() for _ in range(N)], ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, tasks[r], answers), daemon=True) for r in range(N)]
+    procs = [ctx.Process(target=_rank_main, args=(r, os.path.join(scratch, "store"), tasks[r], answers), daemon=True)
+             for r in range(N)]
     for p in procs:
         p.start()
 
@@ -168,6 +168,7 @@ def ranks():
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join(10)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.mark.benchmark(group="group-load")

@@ -6,7 +6,8 @@
 
 A task is a function of this module, ``task(rank, group, **args) -> picklable``; its answer is
 ``("ok", value)`` or ``("error", exception class name, message)``.  Every wait is bounded, and the
-processes are stopped by their PIDs on exit.
+processes are stopped by their PIDs on exit.  Nothing listens beyond loopback: the ranks meet through a
+file store (torch's TCP store would listen on every interface) and gloo's sockets are on ``lo``.
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ import datetime
 import hashlib
 import os
 import queue
+import shutil
 import signal
-import socket
+import tempfile
 
 WAIT = 90.0          # the longest a test waits for a rank's answer (seconds): well past every group timeout
 GROUP_TIMEOUT = 20   # the process groups' timeout (seconds): a dead rank's peers fail within it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Ranks:
@@ -40,9 +36,10 @@ class Ranks:
         self.n = n
         self.answers = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(n)]
-        port = free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, n, port, timeout, self.tasks[r], self.answers), daemon=True)
-                      for r in range(n)]
+        self.scratch = tempfile.mkdtemp(prefix="mcf-group-")
+        store = os.path.join(self.scratch, "store")
+        self.procs = [ctx.Process(target=_serve, args=(r, n, store, timeout, self.tasks[r], self.answers),
+                                  daemon=True) for r in range(n)]
         for p in self.procs:
             p.start()
 
@@ -77,6 +74,7 @@ class Ranks:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(10)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -85,12 +83,12 @@ class Ranks:
         self.close()
 
 
-def _serve(rank, n, port, timeout, tasks, answers):
+def _serve(rank, n, store, timeout, tasks, answers):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
     timeout = datetime.timedelta(seconds=timeout)
     groups = {n: dist.new_group(list(range(n)), timeout=timeout)}

@@ -178,6 +178,8 @@ def _setup_loading(tmp, request):
                                                                 "weight_map": weight_map}))
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                "intermediate_size": 128, "vocab_size": 256}))
+    # "Across your ranks" starts two gloo ranks: their sockets on loopback, whatever the host name resolves to
+    request.getfixturevalue("monkeypatch").setenv("GLOO_SOCKET_IFNAME", "lo")
 
 
 def _needs_minilm(tmp, request):
@@ -312,6 +314,8 @@ def _check_loading(out):
     lines = out.splitlines()
     assert lines[0] == "21 torch.bfloat16" and lines[1] == "True"
     assert lines[2] in ("local", "network", "fuse", "unknown") and lines[3] == "True 8" and lines[4] == "(64, 32) True"
+    # the two ranks of "Across your ranks", in the order they printed
+    assert sorted(lines[5:]) == [f"rank {r}: 21 tensors, read 0.5 of the files" for r in range(2)], lines[5:]
 
 
 CHECKS = {
