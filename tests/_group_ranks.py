@@ -27,8 +27,9 @@ GROUP_TIMEOUT = 20   # the process groups' timeout (seconds): a dead rank's peer
 class Ranks:
     """``n`` ranks in one gloo process group (the world) plus the group of ranks 0 and 1."""
 
-    def __init__(self, n: int, timeout: float = GROUP_TIMEOUT):
-        """``timeout``: the groups' (the processes start under :data:`GROUP_TIMEOUT` whatever it is)."""
+    def __init__(self, n: int, timeout: float = GROUP_TIMEOUT, backend: str = "gloo"):
+        """``timeout``: the groups' (the processes start under :data:`GROUP_TIMEOUT` whatever it is);
+        ``backend="nccl"``: rank ``r`` on CUDA device ``r``."""
         import torch.multiprocessing as mp
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -38,7 +39,7 @@ class Ranks:
         self.tasks = [ctx.Queue() for _ in range(n)]
         self.scratch = tempfile.mkdtemp(prefix="mcf-group-")
         store = os.path.join(self.scratch, "store")
-        self.procs = [ctx.Process(target=_serve, args=(r, n, store, timeout, self.tasks[r], self.answers),
+        self.procs = [ctx.Process(target=_serve, args=(r, n, store, timeout, backend, self.tasks[r], self.answers),
                                   daemon=True) for r in range(n)]
         for p in self.procs:
             p.start()
@@ -83,12 +84,14 @@ class Ranks:
         self.close()
 
 
-def _serve(rank, n, store, timeout, tasks, answers):
+def _serve(rank, n, store, timeout, backend, tasks, answers):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
     timeout = datetime.timedelta(seconds=timeout)
     groups = {n: dist.new_group(list(range(n)), timeout=timeout)}
@@ -118,6 +121,7 @@ def digests(sd: dict) -> dict:
 
     out = {}
     for k, t in sd.items():
+        t = t.cpu()
         raw = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         out[k] = (str(t.dtype), tuple(t.shape), hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest())
     return out

@@ -51,7 +51,7 @@ def _tensors():
     t["table.u8"] = torch.randint(0, 255, (4, 7), dtype=torch.uint8, generator=g)
     t["scalar"] = torch.tensor(1.5)
     t["empty"] = torch.zeros(0, 8)
-    t["lm_head.weight"] = r(512, 512).bfloat16()
+    t["lm_head.weight"] = r(1024, 1024).bfloat16()   # 2 MiB: broadcast from the result itself
     return t
 
 
@@ -285,6 +285,36 @@ def test_stage_out_ranges_tile_the_result(ckpt, quantized, fp8_blocks):
                 for st in p.stages:
                     hits[st.out_range[0]:st.out_range[1]] += 1
                 assert (hits == 1).all(), (path, p.name)
+
+
+def test_transfers_pack_small_regions_and_send_large_ones_in_place():
+    """The broadcasts every rank issues, in the same order: a rank's regions cut to BUCKET_BYTES, those of
+    1 MiB and more sent from the result itself on a CPU group, the rest packed; the ranks take turns."""
+    from types import SimpleNamespace
+
+    a, b, c = (SimpleNamespace(name=n) for n in "abc")
+    cap = distributed.BUCKET_BYTES
+    big = cap + (3 << 20)
+    shares = [[(a, "cut", 0, 100, None), (b, "cut", 0, big, None), (c, "cut", 10, 20, None)],
+              [(c, "cut", 0, 10, None)]]
+    assert distributed._transfers(shares, True) == [
+        (0, [("b", 0, cap)], True), (1, [("c", 0, 10)], False), (0, [("b", cap, big)], True),
+        (0, [("a", 0, 100), ("c", 10, 20)], False)]
+    assert distributed._transfers(shares, False) == [   # NCCL: every region through a bucket
+        (0, [("a", 0, 100)], False), (1, [("c", 0, 10)], False), (0, [("b", 0, cap)], False),
+        (0, [("b", cap, big), ("c", 10, 20)], False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                    or not torch.distributed.is_nccl_available(),
+                    reason="NCCL needs a CUDA device per rank: two GPUs")
+def test_nccl_two_gpus(ckpt, quantized):
+    refs = [digests(mtorch.load_file(str(ckpt))), digests(mtorch.load_file(quantized, dtype=torch.bfloat16))]
+    with Ranks(2, backend="nccl") as r:
+        for path, kwargs, ref in ((str(ckpt), {}, refs[0]), (quantized, {"dtype": torch.bfloat16}, refs[1])):
+            got = _ok(r.run("load", [{"path": path, "device": f"cuda:{k}", **kwargs} for k in range(2)]))
+            for g in got:
+                assert g["tensors"] == ref
 
 
 # -- object storage -----------------------------------------------------------------------------------------

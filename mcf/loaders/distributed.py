@@ -146,6 +146,7 @@ class GroupLoad:
         first = every[0]["keys"]
         shared = [by_key[k] for k in (first[i:i + 16] for i in range(0, len(first), 16)) if k in common]
         shares = assign(shared, self.size)
+        transfers = _transfers(shares, self.device.type == "cpu")
         shared_names = {p.name for p in shared}
         local = [p for p in pieces if p.name not in shared_names]
 
@@ -158,6 +159,7 @@ class GroupLoad:
                 with allocating(nbytes, p.source.name, p.name, total=total):
                     results[p.name], outs[p.name] = alloc(p)
                 flats[p.name] = np.asarray(outs[p.name]).reshape(-1).view(np.uint8)
+            buckets = self._buckets(transfers, where)   # a refused allocation is told to every rank too
             plan, buffers = _share_plan(shares[self.rank], outs, flats)
             for p in local:
                 plan.append(p)
@@ -173,15 +175,24 @@ class GroupLoad:
             r, s = failed[0]
             raise MCFIOError(f"{where}: rank {r} of the group could not read its share ({s})"
                              + (f"; {len(failed) - 1} other rank(s) failed too" if len(failed) > 1 else ""))
-        self._broadcast(shares, flats, where)
+        self._broadcast(transfers, buckets, flats, where)
         return {p.name: results[p.name] for p in pieces}
 
-    def _broadcast(self, shares: list, flats: dict, where: str) -> None:
+    def _buckets(self, transfers: list, where: str) -> list:
+        """The staging buckets of the packed transfers, one per broadcast in flight (on the group's device)."""
+        packed = [sum(hi - lo for _, lo, hi in tr) for _, tr, in_place in transfers if not in_place]
+        if not packed:
+            return []
+        nbytes, count = max(packed), min(WINDOW, len(packed))
+        if self.device.type != "cpu":   # torch's CUDA allocator refuses with its own error, exchanged as any
+            return [self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device) for _ in range(count)]
+        with allocating(nbytes * count, where, None, what="the broadcast buckets"):
+            return [self.torch.empty(nbytes, dtype=self.torch.uint8) for _ in range(count)]
+
+    def _broadcast(self, transfers: list, buckets: list, flats: dict, where: str) -> None:
         torch, dist = self.torch, self.dist
-        in_place_ok = self.device.type == "cpu"
-        transfers = _transfers(shares, in_place_ok)
-        buckets = [None] * WINDOW
         pending = deque()
+        packed = 0
 
         def finish(item):
             work, src, tr, bucket = item
@@ -190,18 +201,16 @@ class GroupLoad:
                 _unpack(tr, bucket, flats)
 
         def run():
-            for k, (src, tr, in_place) in enumerate(transfers):
+            nonlocal packed
+            for src, tr, in_place in transfers:
                 if len(pending) == WINDOW:
                     finish(pending.popleft())
                 if in_place:
                     name, lo, hi = tr[0]
                     tensor, bucket = torch.from_numpy(flats[name][lo:hi]), None
-                else:
-                    n = sum(hi - lo for _, lo, hi in tr)
-                    slot = k % WINDOW
-                    if buckets[slot] is None:
-                        buckets[slot] = torch.empty(BUCKET_BYTES, dtype=torch.uint8, device=self.device)
-                    bucket = buckets[slot][:n]
+                else:   # the bucket of the transfer WINDOW before, which finish() has waited for
+                    bucket = buckets[packed % len(buckets)][:sum(hi - lo for _, lo, hi in tr)]
+                    packed += 1
                     if src == self.rank:
                         _pack(tr, bucket, flats, torch)
                     tensor = bucket
