@@ -25,9 +25,11 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 from safetensors.torch import save_file  # noqa: E402
 
 import mcf  # noqa: E402
+import mcf.io  # noqa: E402
 import mcf.torch as mtorch  # noqa: E402
 from mcf.loaders import distributed  # noqa: E402
 from mcf.loading import plan as load_plan  # noqa: E402
+from mcf.remote import storage_options  # noqa: E402
 
 import _scaled_checkpoints  # noqa: E402
 from _group_ranks import Ranks, digests  # noqa: E402
@@ -226,6 +228,39 @@ def test_a_rank_that_dies_makes_the_others_raise(ckpt):
     assert "process group" in got[0][2]
 
 
+def _fingerprint(host, **version):
+    v = {"size": 10, "mtime_ns": 5, "device": 1, "inode": 2}
+    v.update(version)
+    return {"host": host, "keys": b"", "files": [{"name": "model.safetensors", "size": 10, "header": "h",
+                                                   "version": v}]}
+
+
+@pytest.mark.parametrize("other,refused", [
+    (_fingerprint("a"), False),
+    (_fingerprint("b", mtime_ns=6, inode=3), False),          # another host's copy, copied at another time
+    (_fingerprint("a", mtime_ns=6, inode=3), True),           # another copy on the same host, of another time
+    (_fingerprint("a", mtime_ns=5, inode=3), False),          # a copy that kept its time (cp -p, rsync -a)
+    (_fingerprint("b", etag='"x"'), True),                    # a URL whose object changed between the openings
+])
+def test_which_differences_are_refused(other, refused):
+    every = [_fingerprint("a"), other]
+    if refused:
+        with pytest.raises(mcf.InvalidArgumentError, match="model.safetensors"):
+            distributed._check_agreement(every, "ckpt")
+    else:
+        distributed._check_agreement(every, "ckpt")
+
+
+def test_source_version(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"12345")
+    with mcf.io.open_source(str(p)) as src:
+        v = src.version
+    st = os.stat(p)
+    assert v == {"size": 5, "mtime_ns": st.st_mtime_ns, "device": st.st_dev, "inode": st.st_ino}
+    assert mcf.io.open_source(b"12345").version is None
+
+
 def test_not_a_group():
     with pytest.raises(mcf.ArgumentTypeError, match="process group"):
         mtorch.load_file("whatever.safetensors", group=object())
@@ -332,6 +367,9 @@ def test_over_s3_each_rank_gets_its_share(ranks, ckpt, tmp_path):
         url = s3.url("ckpt/")
         ref = digests(mtorch.load_file(str(ckpt)))
         got = _ok(ranks.run("load", [{"path": url, "env": env}] * 2, group=2))
+        with storage_options(s3.storage_options, prefix=url), \
+                mcf.io.open_source(s3.url("ckpt/model.safetensors.index.json")) as src:
+            assert src.version["etag"]   # what the ranks compared
     total = _size(ckpt)
     for g in got:
         assert g["tensors"] == ref
