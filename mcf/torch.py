@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from mcf.loaders import distributed as _distributed
 from mcf.loaders import weights as _weights
 from mcf.loaders.device import stream_to_device, torch_device
 from mcf._core.memory import refused
@@ -78,11 +79,16 @@ def _torch_shape(el, shape: tuple, what: str) -> tuple:
 
 
 def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes, ring_buffers=None,
-                  ring_bytes=None) -> dict:
+                  ring_bytes=None, group=None, weights=None) -> dict:
     """``name -> torch.Tensor`` for ``pieces``: fresh tensors (page-aligned from ALIGN_FROM bytes), or with
     ``copy=False`` views of the private copy-on-write mapping where a piece is one unchanged stored range
     of a mapped file.  On a device (or with a ring's settings): fresh tensors there, streamed through the
-    ring (:func:`mcf.loaders.device.stream_to_device`)."""
+    ring (:func:`mcf.loaders.device.stream_to_device`).  ``group``: the
+    :class:`mcf.loaders.distributed.GroupLoad` that shares the reads with the other ranks (``weights``: what
+    the pieces come from); its result is moved to a device afterwards."""
+    if group is not None and not copy:
+        raise InvalidArgumentError("group= loads fresh tensors, read once and broadcast: it cannot return "
+                                   "zero-copy views (copy=False) of each rank's own mapping")
     dev = torch_device(device)
     kinds = {}
     for p in pieces:   # every dtype and shape checked before anything is allocated or read
@@ -129,12 +135,15 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes, rin
             raise AssertionError("mcf.torch: a read-only buffer reached a tensor")
         return _torch.frombuffer(cow, dtype=_torch.uint8).view(tdt).view(tshape)
 
+    if group is not None:
+        out = group.load(pieces, alloc, weights=weights, threads=threads, chunk_bytes=chunk_bytes)
+        return out if dev.type == "cpu" else {k: v.to(dev) for k, v in out.items()}
     return execute(pieces, alloc, view=None if copy else view, threads=threads, chunk_bytes=chunk_bytes)
 
 
 def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, copy: bool = True, mmap=None,
               threads=None, chunk_bytes=None, backend=None, dequantize=False, ring_buffers=None,
-              ring_bytes=None) -> dict:
+              ring_bytes=None, group=None) -> dict:
     """The tensors of a safetensors checkpoint or an MCF file as torch tensors (name -> tensor), as
     ``safetensors.torch.load_file(filename, device)`` returns them: same order, dtypes (bfloat16, float8
     e4m3/e5m2, bool, every integer), shapes and bytes, each tensor the caller's own memory.
@@ -157,19 +166,25 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     ``torch.bfloat16``): a safetensors checkpoint's block-scaled weights (gpt-oss MXFP4, DeepSeek FP8, ModelOpt
     NVFP4) come back decoded under their weights' names, in place of their parts (rules:
     :func:`mcf.safetensors.load_file`).
+    ``group`` (a ``torch.distributed`` process group: gloo, or NCCL with each rank's CUDA device set): every
+    rank of the group calls this with the same checkpoint and each reads about 1/N of its bytes, which the
+    ranks then broadcast to each other; a tensor the ranks' plans (``slices``) load differently is read by
+    its rank alone.  A failure on any rank raises on every rank (rules: :mod:`mcf.loaders.distributed`).
     """
-    kind = dequantize_kind(dequantize)
-    with _weights.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
-        chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
-        pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_weights.decode_threads(threads), dequantize=kind)
-        return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
-                             ring_buffers=ring_buffers, ring_bytes=ring_bytes)
+    with _distributed.group_load(group) as gl:
+        kind = dequantize_kind(dequantize)
+        with _weights.open_weights(filename, mmap=mmap_of_backend(backend, mmap), copy=copy) as w:
+            chosen, specs = selection(names, slices, w.use_weights(kind), w.where)
+            pieces = w.pieces(chosen, specs, load_dtype(dtype), threads=_weights.decode_threads(threads),
+                              dequantize=kind)
+            return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
+                                 ring_buffers=ring_buffers, ring_bytes=ring_bytes, group=gl, weights=w)
 
 
 def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, slices=None,
                     tp_rank: int | None = None, tp_size: int | None = None, tp_dim: int | Callable = 0,
                     copy: bool = True, mmap=None, threads=None, chunk_bytes=None, ring_buffers=None,
-                    ring_bytes=None) -> dict:
+                    ring_bytes=None, group=None) -> dict:
     """Tensors of an MCF file (or a safetensors checkpoint: any input :func:`load_file` takes) as torch
     tensors.
 
@@ -182,11 +197,14 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
     tensors use torch's uint16/32/64 where it has them (torch >= 2.3), else the signed type of the same
     size holding the same bits.  ``device``, ``ring_buffers``, ``ring_bytes``: as :func:`load_file` (a
     device load streams through the ring; quantized tensors are decoded into its buffers).
+    ``group``: a ``torch.distributed`` process group sharing the reads, as in :func:`load_file`; with
+    ``tp_rank``/``tp_size`` (or ``slices``) each rank reads its own shares, and the tensors every rank loads
+    whole (norms, biases) are read once and broadcast.
     """
-    with _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
+    with _distributed.group_load(group) as gl, _weights.open_weights(path_or_container, mmap=mmap, copy=copy) as w:
         pieces = _weights.plan_state_dict(w, names, slices, dtype, tp_rank, tp_size, tp_dim, threads)
         return _load_tensors(pieces, copy=copy, device=device, threads=threads, chunk_bytes=chunk_bytes,
-                             ring_buffers=ring_buffers, ring_bytes=ring_bytes)
+                             ring_buffers=ring_buffers, ring_bytes=ring_bytes, group=gl, weights=w)
 
 
 def load_into(tensors, filename, *, names=None, slices=None, mapping=None, strict: bool = True, dequantize=False,

@@ -396,6 +396,25 @@ cdef class Source:
         return self._read_stats
 
     @property
+    def version(self):
+        """What tells this file from another of the same name and size, for a check that several processes
+        (the ranks of a distributed load) read the same bytes: for a file, ``fstat``'s answer now as a dict
+        (``size``, ``mtime_ns``, ``device``, ``inode``); for a file-like object, its own ``version`` (a URL's
+        ``etag`` and ``modified``, pinned at opening: :attr:`mcf.remote.RemoteFile.version`) or None; None
+        for memory."""
+        if self._closed:
+            raise ClosedError(f"{self.name}: source is closed")
+        if self.mode == "memory":
+            return None
+        if self.mode == "fileobj":
+            return getattr(self._fileobj, "version", None)
+        try:
+            st = os.fstat(self._fd)
+        except OSError as exc:
+            raise os_error(exc, self.name) from None
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "device": st.st_dev, "inode": st.st_ino}
+
+    @property
     def size(self):
         """Size of the file in bytes (as of opening or the last :meth:`refresh`)."""
         return self._size

@@ -312,6 +312,15 @@ class RemoteFile(ClosedOnExit):
         return self._closed
 
     @property
+    def version(self) -> dict:
+        """The object's version pinned at opening (``etag``, ``modified``): every read is held to it.
+
+        ``modified`` is the Last-Modified date as a string; each is None when the server sent none."""
+        t = self._transport
+        modified = getattr(t, "modified", None) or getattr(t, "last_modified", None)
+        return {"etag": getattr(t, "etag", None), "modified": None if modified is None else str(modified)}
+
+    @property
     def bytes_fetched(self) -> int:
         """Bytes that arrived from the server so far (a coalesced gap's, a refused answer's and a retried
         attempt's included): what :attr:`mcf.io.Source.bytes_read` reports for a URL."""
