@@ -93,8 +93,8 @@ if [ -z "$BUILD" ]; then
     trap 'rm -rf "$BUILD"' EXIT
 fi
 mkdir -p "$BUILD/src" "$BUILD/sysconfig"
-# the tracked files (as committed or edited in the checkout); --force below: setup.py's depends do not list
-# every header (the *_neon.h files among them), so a kept $MCF_ARM64_BUILD must not trust modification times
+# the tracked files (as committed or edited in the checkout); --force below: a kept $MCF_ARM64_BUILD may hold
+# objects built from another checkout, whose modification times say nothing about this one
 git ls-files -z | (cd "$ROOT" && xargs -0 cp -p --parents -t "$BUILD/src")
 cp "$SYSROOT/usr/lib/python3.11/_sysconfigdata__aarch64-linux-gnu.py" "$BUILD/sysconfig/"
 say "cross-compiling in $BUILD/src"
