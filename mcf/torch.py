@@ -25,7 +25,8 @@ Where the bytes go, and why:
 
 :func:`load_into` and :func:`load_model` (the drop-in for ``safetensors.torch.load_model``) fill tensors
 and a module's parameters that the caller holds, in place, from the same read plans
-(:mod:`mcf.loaders.into`, :mod:`mcf.loaders.torch_into`).
+(:mod:`mcf.loaders.into`, :mod:`mcf.loaders.torch_into`): GPU tensors through the same ring, and with
+``group=`` each rank reading its share, as the loaders above.
 """
 
 from __future__ import annotations
@@ -89,12 +90,15 @@ def _load_tensors(pieces: list, *, copy: bool, device, threads, chunk_bytes, rin
     if group is not None and not copy:
         raise InvalidArgumentError("group= loads fresh tensors, read once and broadcast: it cannot return "
                                    "zero-copy views (copy=False) of each rank's own mapping")
+    if group is not None and (ring_buffers is not None or ring_bytes is not None):
+        raise InvalidArgumentError("group= broadcasts the ranks' reads through host memory, with no ring: "
+                                   "ring_buffers/ring_bytes size the ring of a load without a group")
     dev = torch_device(device)
     kinds = {}
     for p in pieces:   # every dtype and shape checked before anything is allocated or read
         what = f"{p.source.name}: tensor {p.name!r}"
         kinds[p.name] = (_torch_dtype(p.element, what), _torch_shape(p.element, p.shape, what))
-    if dev.type != "cpu" or ring_buffers is not None or ring_bytes is not None:
+    if group is None and (dev.type != "cpu" or ring_buffers is not None or ring_bytes is not None):
         if not copy and dev.type == "cpu":
             raise InvalidArgumentError("copy=False returns views of the file, and ring_buffers/ring_bytes stream "
                                        "copies through a ring: pass one or the other")
@@ -169,7 +173,9 @@ def load_file(filename, device="cpu", *, names=None, slices=None, dtype=None, co
     ``group`` (a ``torch.distributed`` process group: gloo, or NCCL with each rank's CUDA device set): every
     rank of the group calls this with the same checkpoint and each reads about 1/N of its bytes, which the
     ranks then broadcast to each other; a tensor the ranks' plans (``slices``) load differently is read by
-    its rank alone.  A failure on any rank raises on every rank (rules: :mod:`mcf.loaders.distributed`).
+    its rank alone.  A failure on any rank raises on every rank (rules: :mod:`mcf.loaders.distributed`).  The
+    ranks broadcast through host memory: with ``device`` the whole result is moved there afterwards, and
+    ``ring_buffers``/``ring_bytes`` are refused.
     """
     with _distributed.group_load(group) as gl:
         kind = dequantize_kind(dequantize)
@@ -208,25 +214,35 @@ def load_state_dict(path_or_container, *, device="cpu", dtype=None, names=None, 
 
 
 def load_into(tensors, filename, *, names=None, slices=None, mapping=None, strict: bool = True, dequantize=False,
-              mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
+              mmap=None, backend=None, threads=None, chunk_bytes=None, ring_buffers=None, ring_bytes=None,
+              group=None) -> tuple:
     """Fill the torch tensors ``tensors`` (a mapping destination name -> tensor) in place from a checkpoint;
     returns ``(missing, unexpected)`` as :func:`load_model` does.
 
     Every tensor keeps its memory (``data_ptr``): one that is C-contiguous on the CPU is filled by the read
     engine straight from storage (cast or decoded into it when the checkpoint holds another float type or a
-    quantized tensor); a strided view or a GPU tensor through bounded CPU staging and ``copy_``.  ``filename``:
-    what :func:`load_file` reads, or a GGUF file.  ``names``, ``slices``, ``mapping``, ``strict``,
-    ``dequantize`` and the rest: as :func:`mcf.load_into` (the numpy flavour), whose rules apply unchanged.  A
-    tensor on the meta device is refused (it has no memory): :func:`load_model` gives a module's meta tensors
-    memory.
+    quantized tensor); a contiguous tensor on a GPU (any device but the CPU) through the ring of pinned host
+    buffers, as :func:`load_file` streams onto a device (``ring_buffers``/``ring_bytes`` size it; given, they
+    send contiguous CPU tensors through the same ring); a strided view through bounded CPU staging and
+    ``copy_``.  ``filename``: what :func:`load_file` reads, or a GGUF file.  ``names``, ``slices``,
+    ``mapping``, ``strict``, ``dequantize`` and the rest: as :func:`mcf.load_into` (the numpy flavour), whose
+    rules apply unchanged.  A tensor on the meta device is refused (it has no memory): :func:`load_model`
+    gives a module's meta tensors memory.
+    ``group`` (a ``torch.distributed`` process group): every rank calls this with the same checkpoint and
+    fills its tensors with all of it, each rank reading about 1/N of the bytes, as :func:`load_file`; the
+    broadcasts land in the C-contiguous CPU tensors themselves, and any other tensor (a GPU one, a strided
+    view) is staged whole in host memory and copied in (no ring: ``ring_buffers``/``ring_bytes`` are
+    refused with a group).
     """
     return _torch_into().load_into(tensors, filename, names=names, slices=slices, mapping=mapping, strict=strict,
                                    dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
-                                   chunk_bytes=chunk_bytes)
+                                   chunk_bytes=chunk_bytes, ring_buffers=ring_buffers, ring_bytes=ring_bytes,
+                                   group=group)
 
 
 def load_model(model, filename, strict: bool = True, device=None, *, names=None, slices=None, mapping=None,
-               dequantize=False, mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
+               dequantize=False, mmap=None, backend=None, threads=None, chunk_bytes=None, ring_buffers=None,
+               ring_bytes=None, group=None) -> tuple:
     """Load a checkpoint into ``model``'s parameters and buffers, in place: the drop-in for
     ``safetensors.torch.load_model(model, filename, strict, device)``, with its return value ``(missing,
     unexpected)``: the model's names nothing filled, the checkpoint's names the model did not take.
@@ -251,10 +267,17 @@ def load_model(model, filename, strict: bool = True, device=None, *, names=None,
       tensor out) and ``dequantize`` (decode block-scaled FP8/MXFP4/NVFP4 safetensors weights into the
       parameter's dtype): as :func:`mcf.load_into`.  ``backend``/``mmap``, ``threads``, ``chunk_bytes``: as
       :func:`load_file`.
+    - A model on a GPU (or meta tensors given memory there, ``device="cuda"``) is filled through the ring of
+      pinned host buffers, as :func:`load_file` streams onto a device; ``ring_buffers``/``ring_bytes``: as
+      :func:`load_into`.
+    - ``group`` (a ``torch.distributed`` process group): every rank fills its model with the whole checkpoint
+      while reading about 1/N of its bytes, as :func:`load_into` with a group (a refit keeps every
+      ``data_ptr``).
     """
     return _torch_into().load_model(model, filename, strict=strict, device=device, names=names, slices=slices,
                                     mapping=mapping, dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
-                                    chunk_bytes=chunk_bytes)
+                                    chunk_bytes=chunk_bytes, ring_buffers=ring_buffers, ring_bytes=ring_bytes,
+                                    group=group)
 
 
 def _torch_into():

@@ -12,6 +12,7 @@ file store (torch's TCP store would listen on every interface) and gloo's socket
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -135,6 +136,11 @@ def _opened(path):
     if str(path).endswith(".mcf"):
         c = mcf.open(path)
         return c, [c.source]
+    if str(path).endswith(".gguf"):
+        from mcf.gguf import open as open_gguf
+
+        g = open_gguf(path)
+        return g, [g.source]
     ck = open_checkpoint(path)
     return ck, [f.source for f in ck.files]
 
@@ -203,10 +209,76 @@ def bad_arguments(rank, group, *, path):
     import mcf.torch as mtorch
 
     out = []
-    for kwargs in ({"copy": False}, {"names": ["no.such.tensor"]}):
+    for kwargs in ({"copy": False}, {"names": ["no.such.tensor"]}, {"ring_bytes": 4096}):
         try:
             mtorch.load_file(path, group=group, **kwargs)
             out.append(None)
         except Exception as exc:  # noqa: BLE001 - the answer
             out.append((type(exc).__name__, str(exc)))
     return out
+
+
+def destinations(specs: dict, strided=()) -> dict:
+    """``name -> tensor`` of zeros for ``specs`` (name -> (shape, dtype)); the names in ``strided`` are
+    transposed views of a holder (not contiguous)."""
+    import torch
+
+    out = {}
+    for n, (shape, dtype) in specs.items():
+        if n in strided:
+            out[n] = torch.zeros(tuple(reversed(shape)), dtype=dtype).T
+        else:
+            out[n] = torch.zeros(shape, dtype=dtype)
+    return out
+
+
+def module(specs: dict, *, meta: bool = False):
+    """A module whose state dict holds ``specs`` (name -> (shape, dtype)): float tensors as parameters,
+    the others as buffers; on the meta device with ``meta``."""
+    import torch
+
+    root = torch.nn.Module()
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        for n, (shape, dtype) in specs.items():
+            *path, leaf = n.split(".")
+            mod = root
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            t = torch.zeros(shape, dtype=dtype)
+            if t.is_floating_point():
+                mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+            else:
+                mod.register_buffer(leaf, t)
+    return root
+
+
+def fill_in_place(rank, group, *, path, specs, strided=(), fn="load_into", meta=False, staging=None, **kwargs):
+    """``mcf.torch.load_into`` (or ``load_model`` into :func:`module`) of ``path`` with ``group=``: the digests
+    of the filled tensors, the bytes this rank's sources read, and whether every tensor that had memory kept
+    it (its ``data_ptr``)."""
+    import mcf.torch as mtorch
+    from mcf.loading import plan
+
+    if staging is not None:
+        plan.STAGING_BYTES = staging
+    obj, sources = _opened(path)
+    if fn == "load_into":
+        held = destinations(specs, strided)
+        target = held
+    else:
+        target = module(specs, meta=meta)
+        held = target.state_dict()
+    before = {k: t.data_ptr() for k, t in held.items() if not t.is_meta}
+    zeros = digests({k: t for k, t in held.items() if not t.is_meta})
+    try:
+        with obj:
+            result = getattr(mtorch, fn)(target, obj, group=group, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the answer, with whether anything was written
+        untouched = digests({k: t for k, t in held.items() if not t.is_meta}) == zeros
+        return {"error": (type(exc).__name__, str(exc)), "untouched": untouched}
+    if fn == "load_model":
+        held = target.state_dict()
+    return {"result": result, "tensors": digests(held), "bytes_read": sum(s.bytes_read for s in sources),
+            "kept": all(held[k].data_ptr() == v for k, v in before.items())}

@@ -320,7 +320,8 @@ def _check_loading(out):
                          "missing (1, in the destinations, not in the checkpoint): 'model.extra'",
                          "shape mismatch for 'model.norm.weight': the checkpoint's 'model.norm.weight' is (64,), "
                          "the destination is (63,)", "False",
-                         "True"] + lines[-2:], lines[5:]   # "True": a load through the device ring to the CPU
+                         "True",   # a load through the device ring to the CPU
+                         "([], [])", "True"] + lines[-2:], lines[5:]   # load_into through the same ring
     # the two ranks of "Across your ranks", in the order they printed
     assert sorted(lines[-2:]) == [f"rank {r}: 21 tensors, read 0.5 of the files" for r in range(2)], lines[-2:]
 

@@ -165,6 +165,95 @@ def test_slices_differing_between_ranks(ranks, ckpt):
     assert sum(g["bytes_read"] for g in got) <= 1.02 * _size(ckpt)
 
 
+# -- loads into the tensors and modules the ranks hold --------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    gguf = pytest.importorskip("gguf", reason="gguf-py writes the test file (in the test extra)")
+    rng = np.random.default_rng(5)
+    p = str(tmp_path_factory.mktemp("groupgguf") / "m.gguf")
+    w = gguf.GGUFWriter(p, "llama")
+    for i in range(3):
+        q = rng.standard_normal((64, 256)).astype(np.float32)
+        w.add_tensor(f"blk.{i}.q", gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(f"blk.{i}.h", rng.standard_normal((128, 64)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return p
+
+
+def _specs(path, cast=None) -> dict:
+    """name -> (shape, dtype) of what ``path`` holds, float16/bfloat16 ones as ``cast`` where given."""
+    from mcf.gguf import open as open_gguf
+
+    if str(path).endswith(".gguf"):
+        with open_gguf(path) as g:
+            return {n: (tuple(g.info(n).shape), cast or torch.float32) for n in g.tensors}
+    out = {}
+    for k, v in mtorch.load_file(path).items():
+        dt = cast if cast is not None and v.dtype in (torch.float16, torch.bfloat16, torch.float32) else v.dtype
+        out[k] = (tuple(v.shape), dt)
+    return out
+
+
+def _one_process(path, specs, strided=(), fn="load_into", meta=False, **kwargs) -> dict:
+    import _group_ranks
+
+    if fn == "load_into":
+        held = _group_ranks.destinations(specs, strided)
+        assert mtorch.load_into(held, path, **kwargs) == ([], [])
+        return digests(held)
+    m = _group_ranks.module(specs, meta=meta)
+    assert mtorch.load_model(m, path, **kwargs) == ([], [])
+    return digests(m.state_dict())
+
+
+@pytest.mark.parametrize("case", ["as-stored", "cast", "quantized", "gguf", "model-refit", "model-meta"])
+def test_loads_into_held_tensors_read_once(ranks, ckpt, quantized, gguf_file, case):
+    """load_into / load_model with group=: every rank's tensors hold what one process loads alone (casts,
+    quantized MCF and GGUF tensors decoded into them, strided views staged), each rank read about 1/N of
+    the checkpoint, and every tensor that had memory kept it."""
+    path, cast, extra = {"as-stored": (str(ckpt), None, {"strided": ["lm_head.weight", "pos.ids"]}),
+                         "cast": (str(ckpt), torch.float32, {"strided": ["model.layers.0.self_attn.q_proj.weight"]}),
+                         "quantized": (quantized, torch.bfloat16, {}),
+                         "gguf": (gguf_file, torch.bfloat16, {}),
+                         "model-refit": (str(ckpt), None, {"fn": "load_model"}),
+                         "model-meta": (str(ckpt), None, {"fn": "load_model", "meta": True})}[case]
+    specs = _specs(path, cast)
+    ref = _one_process(path, specs, **extra)
+    got = _ok(ranks.run("fill_in_place", [{"path": path, "specs": specs, "staging": 16 << 10, **extra}] * 2,
+                        group=2))
+    total = _size(path)
+    for g in got:
+        assert "error" not in g, g
+        assert g["result"] == ([], []) and g["kept"]
+        assert g["tensors"] == ref
+    read = [g["bytes_read"] for g in got]
+    assert sum(read) <= 1.02 * total, (read, total)
+    assert max(read) <= total / 2 + distributed.CUT_ALIGN + (64 << 10), read
+    assert min(read) > 0, read
+
+
+def test_loads_into_held_tensors_refuse_before_writing_on_every_rank(ranks, ckpt):
+    """A refusal on one rank (a shape), or on all (a ring with a group), raises on every rank before a byte
+    is written: the refusing rank its own error, the other an MCFIOError naming it."""
+    specs = _specs(str(ckpt))
+    wrong = dict(specs, **{"model.norm.weight": ((511,), torch.bfloat16)})
+    got = _ok(ranks.run("fill_in_place", [{"path": str(ckpt), "specs": specs}, {"path": str(ckpt), "specs": wrong}],
+                        group=2))
+    assert got[1]["error"][0] == "LoadMismatchError" and "model.norm.weight" in got[1]["error"][1], got[1]
+    assert got[0]["error"][0] == "MCFIOError" and "rank 1" in got[0]["error"][1], got[0]
+    assert got[0]["untouched"] and got[1]["untouched"]
+    for fn in ("load_into", "load_model"):
+        got = _ok(ranks.run("fill_in_place", [{"path": str(ckpt), "specs": specs, "fn": fn, "ring_bytes": 4096}] * 2,
+                            group=2))
+        for g in got:
+            assert g["error"][0] == "InvalidArgumentError" and "ring_bytes" in g["error"][1], g
+            assert g["untouched"]
+
+
 # -- failures: every rank raises ---------------------------------------------------------------------------
 def test_a_rank_that_cannot_open_fails_every_rank(ranks, ckpt, tmp_path):
     got = ranks.run("load_path", [{"path": str(ckpt)}, {"path": str(tmp_path / "gone")}], group=2)
@@ -217,6 +306,7 @@ def test_arguments_refused_on_every_rank(ranks, ckpt):
     for g in got:
         assert g[0][0] == "InvalidArgumentError" and "copy=False" in g[0][1]
         assert g[1][0] == "TensorNotFoundError" and "no.such.tensor" in g[1][1]
+        assert g[2][0] == "InvalidArgumentError" and "ring_bytes" in g[2][1]   # no ring: never a silent own read
 
 
 def test_a_rank_that_dies_makes_the_others_raise(ckpt):

@@ -339,16 +339,98 @@ def test_torch_cuda_meta_module_on_device(tied_file):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_torch_cuda_destination_through_staging(files):
+def test_torch_cuda_destination_through_the_ring(files, monkeypatch):
+    streamed = _count_streams(monkeypatch)
     path = str(files / "bf16.safetensors")
     ref = mcf.torch.load_file(path)
     dest = {k: torch.zeros(v.shape, dtype=torch.float32 if v.is_floating_point() else v.dtype, device="cuda")
-            for k, v in ref.items()}
+            for k, v in ref.items() if k != "emb"}
+    dest["strided"] = torch.zeros(32, 64, device="cuda").T   # staged on the CPU and copied in
     ptrs = {k: v.data_ptr() for k, v in dest.items()}
-    mcf.torch.load_into(dest, path)
+    assert mcf.torch.load_into(dest, path, mapping={"emb": "strided"}) == ([], [])
+    assert [d for d, _ in streamed] == ["cuda"] and sorted(streamed[0][1]) == ["norm", "proj", "steps"]
     for k, v in dest.items():
         assert v.data_ptr() == ptrs[k]
-        assert torch.equal(v.cpu(), ref[k].to(v.dtype)), k
+        assert torch.equal(v.cpu(), ref["emb" if k == "strided" else k].to(v.dtype)), k
+
+
+# -- through the ring of host buffers (a GPU's path, run on the CPU with a ring's settings) ---------------------
+def _count_streams(monkeypatch) -> list:
+    """Record each stream through the ring: (device type, the pieces' names)."""
+    import mcf.loaders.torch_into as torch_into
+
+    calls, real = [], torch_into.stream_to_device
+
+    def spy(pieces, destinations, **kw):
+        calls.append((torch.device(kw["device"]).type, [p.name for p in pieces]))
+        return real(pieces, destinations, **kw)
+
+    monkeypatch.setattr(torch_into, "stream_to_device", spy)
+    return calls
+
+
+@pytest.mark.parametrize("src,dtype", [("f32.safetensors", None), ("bf16.safetensors", torch.float32),
+                                       ("f32.safetensors", torch.bfloat16), ("ckpt", torch.float16),
+                                       ("q8.mcf", torch.float32), ("q8.mcf", torch.bfloat16)])
+@pytest.mark.parametrize("ring", [(1, 61), (3, 1000)])
+def test_torch_ring_fills_what_the_plain_path_fills(files, monkeypatch, src, dtype, ring):
+    """load_into with a ring's settings streams every contiguous tensor through the ring (casts and quantized
+    MCF tensors decoded into its buffers): the same bytes as the plain fill, in the same memory."""
+    path = str(files / src)
+    sd = mcf.torch.load_file(path)
+    shapes = {k: (v.shape, dtype if dtype is not None and v.is_floating_point() else v.dtype) for k, v in sd.items()}
+    plain = {k: torch.zeros(s, dtype=d) for k, (s, d) in shapes.items()}
+    mcf.torch.load_into(plain, path)
+    streamed = _count_streams(monkeypatch)
+    dest = {k: torch.zeros(s, dtype=d) for k, (s, d) in shapes.items()}
+    ptrs = {k: v.data_ptr() for k, v in dest.items()}
+    assert mcf.torch.load_into(dest, path, ring_buffers=ring[0], ring_bytes=ring[1]) == ([], [])
+    assert [d for d, _ in streamed] == ["cpu"] and sorted(streamed[0][1]) == sorted(sd)
+    for k in sd:
+        assert dest[k].data_ptr() == ptrs[k]
+        assert torch.equal(dest[k], plain[k]), k
+
+
+def test_torch_ring_load_model_refit_meta_and_strided(tied_file, files, monkeypatch):
+    """load_model through the ring: a refit keeps every data_ptr, a meta model gets its memory and then the
+    ring fills it, both equal to the plain load; a strided view still goes through staging."""
+    original, path = tied_file
+    streamed = _count_streams(monkeypatch)
+    refit = _Tied()
+    ptrs = {k: v.data_ptr() for k, v in refit.state_dict().items()}
+    assert mcf.torch.load_model(refit, path, ring_buffers=2, ring_bytes=500) == ([], [])
+    with torch.device("meta"):
+        meta = _Tied()
+    meta.register_buffer("cache", torch.zeros(4), persistent=False)
+    assert mcf.torch.load_model(meta, path, device="cpu", ring_bytes=4096) == ([], [])
+    assert len(streamed) == 2
+    assert refit.head.weight is refit.emb.weight and meta.head.weight is meta.emb.weight
+    for k, v in original.state_dict().items():
+        assert refit.state_dict()[k].data_ptr() == ptrs[k]
+        assert torch.equal(refit.state_dict()[k], v) and torch.equal(meta.state_dict()[k], v), k
+    holder = torch.full((32, 64), -1.0)
+    view = holder.T
+    norm = torch.zeros(48)
+    assert mcf.torch.load_into({"emb": view, "norm": norm}, str(files / "f32.safetensors"), names=["emb", "norm"],
+                               ring_buffers=1, ring_bytes=64) == ([], [])
+    assert streamed[-1] == ("cpu", ["norm"])
+    assert torch.equal(holder, torch.from_numpy(_tensors()["emb"]).T)
+    assert torch.equal(norm, torch.from_numpy(_tensors()["norm"]))
+
+
+def test_torch_ring_refusals_come_before_anything_is_written(files, tied_file):
+    path = str(files / "f32.safetensors")
+    dest = {k: torch.zeros(v.shape, dtype=torch.float32 if v.dtype == np.float32 else torch.int64)
+            for k, v in _tensors().items()}
+    for bad, err in (({"ring_bytes": 0}, mcf.InvalidArgumentError), ({"ring_buffers": "4"}, mcf.InvalidArgumentError)):
+        with pytest.raises(err, match="ring_"):
+            mcf.torch.load_into(dest, path, **bad)
+    dest["extra"] = torch.zeros(3)
+    with pytest.raises(mcf.LoadMismatchError, match="'extra'"):
+        mcf.torch.load_into(dest, path, ring_bytes=100)
+    with pytest.raises(mcf.InvalidArgumentError, match="torch"):
+        mcf.torch.load_model(_Tied(), tied_file[1], ring_bytes=100, device="nope")
+    assert not any(t.any() for t in dest.values())
 
 
 # -- torch modules --------------------------------------------------------------------------------------------------

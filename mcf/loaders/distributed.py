@@ -48,6 +48,7 @@ from mcf._core.optional import require
 from mcf.container.layout import SectionType
 from mcf.container.reader import Container
 from mcf.errors import ArgumentTypeError, InvalidArgumentError, MCFIOError
+from mcf.gguf.reader import GGUFFile
 from mcf.loading.dtypes import ELEMENTS
 from mcf.loading.plan import Piece, execute
 
@@ -125,11 +126,14 @@ class GroupLoad:
             self._gather({"error": _describe(exc)}, "group=")
 
     # -- the load ------------------------------------------------------------------------------------
-    def load(self, pieces: list, alloc: Callable, *, weights, threads=None, chunk_bytes=None) -> dict:
-        """``name -> result`` for ``pieces``, as :func:`mcf.loading.plan.execute` returns it (``alloc`` as
-        there), every shared piece read by one rank of the group and broadcast to the others.
-        ``weights``: the open :class:`mcf.loaders.weights.Weights` the pieces come from (its files are
-        compared between ranks)."""
+    def load(self, pieces: list, alloc: Callable, *, weights, threads=None, chunk_bytes=None,
+             fresh: bool = True) -> dict:
+        """``name -> result`` for ``pieces``, as :func:`mcf.loading.plan.execute` returns it (``alloc`` and
+        ``fresh`` as there: ``fresh=False`` when ``alloc`` hands out memory that exists already, the
+        caller's own tensors of :mod:`mcf.loaders.into`), every shared piece read by one rank of the group
+        and broadcast to the others.  ``weights``: the open :class:`mcf.loaders.weights.Weights` (or
+        :class:`mcf.loaders.gguf_weights.GGUFWeights`) the pieces come from (its files are compared between
+        ranks)."""
         where = weights.where
         keys = [piece_key(p) for p in pieces]
         mine = {"host": socket.gethostname(), "files": file_fingerprints(weights), "keys": b"".join(keys)}
@@ -137,7 +141,7 @@ class GroupLoad:
         every = self._gather(mine, where)
         _check_agreement(every, where)
         if self.size == 1:
-            return execute(pieces, alloc, threads=threads, chunk_bytes=chunk_bytes)
+            return execute(pieces, alloc, threads=threads, chunk_bytes=chunk_bytes, fresh=fresh)
         by_key = dict(zip(keys, pieces))
         common = set(keys)
         for m in every:
@@ -156,7 +160,7 @@ class GroupLoad:
             for p in pieces:   # the whole result on every rank, each piece allocated as the caller does it
                 nbytes = _nbytes(p)
                 total += nbytes
-                with allocating(nbytes, p.source.name, p.name, total=total):
+                with allocating(nbytes, p.source.name, p.name, total=total) if fresh else contextlib.nullcontext():
                     results[p.name], outs[p.name] = alloc(p)
                 flats[p.name] = np.asarray(outs[p.name]).reshape(-1).view(np.uint8)
             buckets = self._buckets(transfers, where)   # a refused allocation is told to every rank too
@@ -164,7 +168,8 @@ class GroupLoad:
             for p in local:
                 plan.append(p)
                 buffers[p.name] = (results[p.name], outs[p.name])
-            execute(plan, lambda sp: buffers[sp.name], threads=threads, chunk_bytes=chunk_bytes)
+            # every result exists by now: the share's pieces are read into it
+            execute(plan, lambda sp: buffers[sp.name], threads=threads, chunk_bytes=chunk_bytes, fresh=False)
         except Exception as exc:   # told to every rank before anything is broadcast
             error = exc
         status = self._gather(None if error is None else _describe(error), where)
@@ -240,11 +245,14 @@ def file_fingerprints(weights) -> list:
     """``[{name, size, version, header}]`` for each file of an open :class:`mcf.loaders.weights.Weights`:
     its base name (ranks may hold copies in different directories), size, :attr:`mcf.io.Source.version` and
     a digest of what says where its tensors are (a safetensors file's header; an MCF file's section
-    directory, tensor index and quantization records), re-read from the file (a URL's from its block
-    cache)."""
+    directory, tensor index and quantization records; a GGUF file's header, metadata and tensor infos),
+    re-read from the file (a URL's from its block cache)."""
     out = []
     obj = weights.obj
-    if isinstance(obj, Container):
+    if isinstance(obj, GGUFFile):
+        src = obj.source
+        files = [(src, hashlib.blake2b(src.read(0, min(obj.data_offset, src.size)), digest_size=16).hexdigest())]
+    elif isinstance(obj, Container):
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((obj.header, obj.sections)).encode())
         for t in (SectionType.TENSOR_INDEX, SectionType.QUANT_INFO):

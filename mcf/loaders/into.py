@@ -22,12 +22,14 @@ first two have passed for every tensor:
    that memory; casts and quantized tensors decode through the executor's bounded staging into it.  A
    destination that is not C-contiguous CPU memory (a strided view, a GPU tensor) is filled through
    staging buffers of at most :data:`mcf.loading.plan.STAGING_BYTES` (or one tensor, if larger) that its
-   ``store`` copies in.
+   ``store`` copies in.  With a group (:mod:`mcf.loaders.distributed`) the ranks share the reads and
+   broadcast into the same memory; a destination without memory is then staged whole.
 
 A destination is a :class:`Target`: the numpy face builds them here (:func:`numpy_target`), the torch
 face in :mod:`mcf.loaders.torch_into`.  :func:`fill` takes the pieces and a ``name -> Target`` mapping and
-nothing else, so a pinned ring to a GPU or a read-once-and-scatter between ranks can replace how a
-target is reached without touching how it is planned.
+nothing else, so how a target is reached can change without touching how it is planned: the torch face
+sends tensors on a GPU through the pinned ring of :mod:`mcf.loaders.device` rather than through
+:func:`fill`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from mcf._core.args import byte_order_problem
+from mcf._core.memory import allocating
 from mcf.errors import ArgumentTypeError, DTypeError, InvalidArgumentError, LoadMismatchError, TensorNotFoundError
 from mcf.loaders.weights import decode_threads, open_weights
 from mcf.loading.dtypes import ELEMENTS, FLOAT_ELEMENTS, Element, numpy_dtype
@@ -251,14 +254,22 @@ def _out(memory: np.ndarray, p) -> np.ndarray:
     return memory.view(kernel).reshape(p.shape) if kernel is not None else memory
 
 
-def fill(pieces: list, targets: dict, *, threads=None, chunk_bytes=None) -> None:
+def fill(pieces: list, targets: dict, *, threads=None, chunk_bytes=None, group=None, weights=None) -> None:
     """Carry out ``pieces`` into ``targets`` (piece name -> :class:`Target`, none pending): the ones with
     ``memory`` in one read plan straight into it, the others through staging batches of at most
-    :data:`STAGING_BYTES` (a larger tensor alone) that their ``store`` copies into them."""
+    :data:`STAGING_BYTES` (a larger tensor alone) that their ``store`` copies into them.
+
+    ``group``: the :class:`mcf.loaders.distributed.GroupLoad` whose ranks share the reads (``weights``: the
+    open checkpoint the pieces come from).  The ranks' broadcasts land in each target's memory; a target
+    without memory is staged whole (the broadcasts of every tensor are in flight together) and stored once
+    the load is done."""
     direct = [p for p in pieces if targets[p.name].memory is not None]
     staged = [p for p in pieces if targets[p.name].memory is None]
     if any(targets[p.name].pending or targets[p.name].store is None for p in staged):
         raise AssertionError("fill: a destination has neither memory nor a store")
+    if group is not None:
+        _group_fill(pieces, targets, group, weights, threads, chunk_bytes)
+        return
     if direct:
         execute(direct, lambda p: (None, _out(targets[p.name].memory, p)), threads=threads, chunk_bytes=chunk_bytes,
                 fresh=False)
@@ -282,6 +293,24 @@ def _staged(batch: list, targets: dict, threads, chunk_bytes) -> None:
     bufs = execute(batch, alloc, threads=threads, chunk_bytes=chunk_bytes)
     for p in batch:
         targets[p.name].store(bufs[p.name])
+
+
+def _group_fill(pieces: list, targets: dict, group, weights, threads, chunk_bytes) -> None:
+    staging, total = {}, 0
+
+    def alloc(p):
+        nonlocal total
+        t = targets[p.name]
+        if t.memory is not None:
+            return None, _out(t.memory, p)
+        total += t.nbytes
+        with allocating(t.nbytes, p.source.name, p.name, total=total):
+            buf = staging[p.name] = aligned_bytes(t.nbytes)
+        return None, _out(buf, p)
+
+    group.load(pieces, alloc, weights=weights, threads=threads, chunk_bytes=chunk_bytes, fresh=False)
+    for name in list(staging):   # each staging buffer released once stored
+        targets[name].store(staging.pop(name))
 
 
 # -- the numpy face --------------------------------------------------------------------------------------

@@ -3,8 +3,13 @@ mapping of tensors, :func:`load_model` for a module's parameters and buffers, th
 :func:`mcf.torch.load_into` and :func:`mcf.torch.load_model`.
 
 - A tensor that is C-contiguous on the CPU is filled in place by the read engine: ``data_ptr`` unchanged,
-  nothing allocated for it.  A strided view or a tensor on another device (a GPU) is filled through bounded
-  CPU staging and ``copy_`` (the pinned, overlapped path to a GPU belongs here later).
+  nothing allocated for it.  A contiguous tensor on another device (a GPU) is filled through the ring of
+  pinned host buffers (:func:`mcf.loaders.device.stream_to_device`, one stream per device), as is a
+  contiguous CPU tensor when ``ring_buffers``/``ring_bytes`` are given.  A strided view is filled through
+  bounded CPU staging and ``copy_``.
+- With ``group=`` (:mod:`mcf.loaders.distributed`) the ranks share the reads: the broadcasts land in each
+  C-contiguous CPU tensor's memory; any other tensor is staged whole in host memory and copied in once the
+  ranks are done (no ring: a group's load is broadcast through host memory).
 - A module's parameters and buffers on the meta device (a model built under ``torch.device("meta")`` or
   accelerate's ``init_empty_weights()``) get memory once, on ``device``, after every check has passed:
   ``module._parameters[name]`` becomes a new ``Parameter`` (same ``requires_grad``), a buffer a new tensor
@@ -24,6 +29,8 @@ from collections.abc import Mapping
 from mcf._core.optional import require
 from mcf.errors import ArgumentTypeError, DTypeError, InvalidArgumentError
 from mcf.loaders import hf
+from mcf.loaders.device import ring_settings, stream_to_device, torch_device
+from mcf.loaders.distributed import group_load
 from mcf.loaders.gguf_weights import GGUFWeights
 from mcf.loaders.into import Target, fill, open_for_into, plan_into
 from mcf.loading.dtypes import ELEMENTS
@@ -80,23 +87,60 @@ def torch_target(name: str, t) -> Target:
     return Target(name, el, shape, store=store, span=span, layout=layout)
 
 
+def _check_ring(ring_buffers, ring_bytes, group) -> bool:
+    """Whether a ring's settings were given (checked); refused with a group, whose load has no ring."""
+    ringed = ring_buffers is not None or ring_bytes is not None
+    if ringed:
+        ring_settings(ring_buffers, ring_bytes)
+        if group is not None:
+            raise InvalidArgumentError("group= broadcasts the ranks' reads through host memory, with no ring: "
+                                       "ring_buffers/ring_bytes size the ring of a load without a group")
+    return ringed
+
+
+def _fill(w, plan, held: dict, *, group, ringed: bool, ring_buffers, ring_bytes, threads, chunk_bytes) -> None:
+    """Carry out ``plan`` into its targets, ``held`` being their tensors (destination name -> tensor): shared
+    with ``group``'s ranks, or each contiguous tensor off the CPU (and on it when ``ringed``) through the ring
+    of its device, the others by :func:`mcf.loaders.into.fill`."""
+    if group is not None:
+        fill(plan.pieces, plan.targets, threads=threads, chunk_bytes=chunk_bytes, group=group, weights=w)
+        return
+    rings, rest = {}, []
+    for p in plan.pieces:
+        t = held[plan.targets[p.name].name]
+        if t.is_contiguous() and (ringed or t.device.type != "cpu"):
+            rings.setdefault(t.device, []).append(p)
+        else:
+            rest.append(p)
+    for dev, pieces in rings.items():
+        stream_to_device(pieces, {p.name: held[plan.targets[p.name].name] for p in pieces}, device=dev,
+                         ring_buffers=ring_buffers, ring_bytes=ring_bytes, threads=threads, chunk_bytes=chunk_bytes)
+    if rest:
+        fill(rest, plan.targets, threads=threads, chunk_bytes=chunk_bytes)
+
+
 def load_into(tensors, filename, *, names=None, slices=None, mapping=None, strict: bool = True, dequantize=False,
-              mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
+              mmap=None, backend=None, threads=None, chunk_bytes=None, ring_buffers=None, ring_bytes=None,
+              group=None) -> tuple:
     """:func:`mcf.torch.load_into`: ``tensors`` (name -> torch.Tensor) filled in place."""
-    if not isinstance(tensors, Mapping):
-        raise ArgumentTypeError(f"tensors must be a mapping of name -> torch.Tensor, got {type(tensors).__name__}")
-    targets = {}
-    for n, t in tensors.items():
-        if not isinstance(n, str):
-            raise ArgumentTypeError(f"destination names must be str, got {n!r}")
-        targets[n] = torch_target(n, t)
-        if targets[n].pending:
-            raise InvalidArgumentError(f"destination {n!r} is on the meta device and has no memory to fill: "
-                                       "mcf.torch.load_model(module, ...) gives a module's meta tensors memory")
-    with open_for_into(filename, mmap=mmap_of_backend(backend, mmap)) as w:
-        plan = plan_into(w, targets, names=names, slices=slices, mapping=mapping, strict=strict,
-                         dequantize=dequantize, threads=threads, into="the tensors")
-        fill(plan.pieces, plan.targets, threads=threads, chunk_bytes=chunk_bytes)
+    with group_load(group) as gl:   # an error on one rank before the ranks compare plans is told to all
+        ringed = _check_ring(ring_buffers, ring_bytes, gl)
+        if not isinstance(tensors, Mapping):
+            raise ArgumentTypeError(f"tensors must be a mapping of name -> torch.Tensor, got "
+                                    f"{type(tensors).__name__}")
+        targets = {}
+        for n, t in tensors.items():
+            if not isinstance(n, str):
+                raise ArgumentTypeError(f"destination names must be str, got {n!r}")
+            targets[n] = torch_target(n, t)
+            if targets[n].pending:
+                raise InvalidArgumentError(f"destination {n!r} is on the meta device and has no memory to fill: "
+                                           "mcf.torch.load_model(module, ...) gives a module's meta tensors memory")
+        with open_for_into(filename, mmap=mmap_of_backend(backend, mmap)) as w:
+            plan = plan_into(w, targets, names=names, slices=slices, mapping=mapping, strict=strict,
+                             dequantize=dequantize, threads=threads, into="the tensors")
+            _fill(w, plan, tensors, group=gl, ringed=ringed, ring_buffers=ring_buffers, ring_bytes=ring_bytes,
+                  threads=threads, chunk_bytes=chunk_bytes)
     _written(plan, tensors)
     return plan.missing, plan.unexpected
 
@@ -138,11 +182,25 @@ def _materialize(old, slots: list, device):
 
 
 def load_model(model, filename, *, strict: bool = True, device=None, names=None, slices=None, mapping=None,
-               dequantize=False, mmap=None, backend=None, threads=None, chunk_bytes=None) -> tuple:
+               dequantize=False, mmap=None, backend=None, threads=None, chunk_bytes=None, ring_buffers=None,
+               ring_bytes=None, group=None) -> tuple:
     """:func:`mcf.torch.load_model`."""
+    with group_load(group) as gl:   # an error on one rank before the ranks compare plans is told to all
+        ringed = _check_ring(ring_buffers, ring_bytes, gl)
+        return _load_model(model, filename, strict=strict, device=device, names=names, slices=slices,
+                           mapping=mapping, dequantize=dequantize, mmap=mmap, backend=backend, threads=threads,
+                           chunk_bytes=chunk_bytes, ring_buffers=ring_buffers, ring_bytes=ring_bytes, gl=gl,
+                           ringed=ringed)
+
+
+def _load_model(model, filename, *, strict, device, names, slices, mapping, dequantize, mmap, backend, threads,
+                chunk_bytes, ring_buffers, ring_bytes, gl, ringed) -> tuple:
     if not isinstance(model, torch.nn.Module):
         raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    dev = torch.device("cpu" if device is None else device)
+    dev = torch_device("cpu" if device is None else device)   # a device torch does not have: refused here
+    if dev.type == "meta":
+        raise InvalidArgumentError("device='meta' has no memory to load into: pass the device the model's meta "
+                                   "tensors are to live on (the CPU by default)")
     state = model.state_dict(keep_vars=True)
     targets = {n: torch_target(n, t) for n, t in state.items()}
     pending_buffers = hf.meta_buffers(model)   # non-persistent, on the meta device
@@ -166,6 +224,7 @@ def load_model(model, filename, *, strict: bool = True, device=None, names=None,
                 new = _materialize(state[t.name], slots[id(state[t.name])], dev)
                 plan.targets[name] = torch_target(t.name, new)
                 state[t.name] = new
-        fill(plan.pieces, plan.targets, threads=threads, chunk_bytes=chunk_bytes)
+        _fill(w, plan, state, group=gl, ringed=ringed, ring_buffers=ring_buffers, ring_bytes=ring_bytes,
+              threads=threads, chunk_bytes=chunk_bytes)
     _written(plan, state)
     return plan.missing + [n for n in unbuilt if n not in plan.missing], plan.unexpected
