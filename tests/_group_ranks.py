@@ -1,7 +1,7 @@
 """Ranks of a gloo process group on loopback for tests/test_load_group.py: processes started once by
 ``torch.multiprocessing`` (spawn), each running the tasks it is sent and answering with what its rank saw.
 
-    with Ranks(4) as ranks:                       # four processes: the world, and a group of ranks 0 and 1
+    with Ranks(4, tmp_path) as ranks:                    # four processes: the world, and a group of ranks 0 and 1
         answers = ranks.run("load", [args_of_rank_0, args_of_rank_1, ...], group=2)
 
 A task is a function of this module, ``task(rank, group, **args) -> picklable``; its answer is
@@ -17,9 +17,7 @@ import datetime
 import hashlib
 import os
 import queue
-import shutil
 import signal
-import tempfile
 
 WAIT = 90.0          # the longest a test waits for a rank's answer (seconds): well past every group timeout
 GROUP_TIMEOUT = 20   # the process groups' timeout (seconds): a dead rank's peers fail within it
@@ -28,9 +26,10 @@ GROUP_TIMEOUT = 20   # the process groups' timeout (seconds): a dead rank's peer
 class Ranks:
     """``n`` ranks in one gloo process group (the world) plus the group of ranks 0 and 1."""
 
-    def __init__(self, n: int, timeout: float = GROUP_TIMEOUT, backend: str = "gloo"):
-        """``timeout``: the groups' (the processes start under :data:`GROUP_TIMEOUT` whatever it is);
-        ``backend="nccl"``: rank ``r`` on CUDA device ``r``."""
+    def __init__(self, n: int, scratch, timeout: float = GROUP_TIMEOUT, backend: str = "gloo"):
+        """``scratch``: a directory of the test's (tmp_path) for the ranks' rendezvous file; ``timeout``: the
+        groups' (the processes start under :data:`GROUP_TIMEOUT` whatever it is); ``backend="nccl"``: rank
+        ``r`` on CUDA device ``r``."""
         import torch.multiprocessing as mp
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -38,8 +37,7 @@ class Ranks:
         self.n = n
         self.answers = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(n)]
-        self.scratch = tempfile.mkdtemp(prefix="mcf-group-")
-        store = os.path.join(self.scratch, "store")
+        store = os.path.join(os.fspath(scratch), "store")
         self.procs = [ctx.Process(target=_serve, args=(r, n, store, timeout, backend, self.tasks[r], self.answers),
                                   daemon=True) for r in range(n)]
         for p in self.procs:
@@ -76,7 +74,6 @@ class Ranks:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join(10)
-        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self):
         return self

@@ -92,8 +92,8 @@ def fp8_blocks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    with Ranks(4) as r:
+def ranks(tmp_path_factory):
+    with Ranks(4, tmp_path_factory.mktemp("ranks")) as r:
         yield r
 
 
@@ -309,10 +309,10 @@ def test_arguments_refused_on_every_rank(ranks, ckpt):
         assert g[2][0] == "InvalidArgumentError" and "ring_bytes" in g[2][1]   # no ring: never a silent own read
 
 
-def test_a_rank_that_dies_makes_the_others_raise(ckpt):
+def test_a_rank_that_dies_makes_the_others_raise(ckpt, tmp_path):
     """Rank 1 is killed after the plans were exchanged: rank 0 raises MCFIOError within the group's
     timeout (its answer is waited for with a bound), never hangs."""
-    with Ranks(2, timeout=3) as r:
+    with Ranks(2, tmp_path, timeout=3) as r:
         got = r.run("die_reading", [{"path": str(ckpt), "die": k == 1} for k in range(2)], answering=[0])
     assert got[0][:2] == ("error", "MCFIOError"), got[0]
     assert "process group" in got[0][2]
@@ -433,9 +433,9 @@ def test_transfers_pack_small_regions_and_send_large_ones_in_place():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
                     or not torch.distributed.is_nccl_available(),
                     reason="NCCL needs a CUDA device per rank: two GPUs")
-def test_nccl_two_gpus(ckpt, quantized):
+def test_nccl_two_gpus(ckpt, quantized, tmp_path):
     refs = [digests(mtorch.load_file(str(ckpt))), digests(mtorch.load_file(quantized, dtype=torch.bfloat16))]
-    with Ranks(2, backend="nccl") as r:
+    with Ranks(2, tmp_path, backend="nccl") as r:
         for path, kwargs, ref in ((str(ckpt), {}, refs[0]), (quantized, {"dtype": torch.bfloat16}, refs[1])):
             got = _ok(r.run("load", [{"path": path, "device": f"cuda:{k}", **kwargs} for k in range(2)]))
             for g in got:
