@@ -36,6 +36,14 @@ def is_transformers_model(model) -> bool:
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
+def tie_weights(model) -> None:
+    """Tie a transformers model's weights its config says are tied, as ``from_pretrained`` does before it
+    loads (transformers < 5 leaves a model built under accelerate's ``init_empty_weights()`` untied until
+    then), so that a tied pair is one destination, filled once."""
+    if is_transformers_model(model) and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
 def gguf_names(model, w) -> tuple:
     """``(mapping, row_orders)`` for the GGUF file ``w`` (:class:`mcf.loaders.gguf_weights.GGUFWeights`) and
     the transformers ``model``: GGUF name -> the model's name (None: left out), and GGUF name -> the stored
@@ -49,8 +57,13 @@ def gguf_names(model, w) -> tuple:
     arch = w.obj.metadata.get("general.architecture")
     cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     processor = cls(config=model.config.to_dict())
-    try:
-        table = get_gguf_hf_weights_map(model, processor)
+    import inspect
+
+    try:   # transformers < 5 takes no processor (and names the model's type itself)
+        if "processor" in inspect.signature(get_gguf_hf_weights_map).parameters:
+            table = get_gguf_hf_weights_map(model, processor)
+        else:
+            table = get_gguf_hf_weights_map(model)
     except NotImplementedError as exc:
         raise InvalidArgumentError(f"{w.where}: transformers has no GGUF name table for this model ({exc})") from None
     mapping, orders = {}, {}
@@ -144,6 +157,15 @@ def init_buffers(model, pending: list, device) -> None:
                                else torch.empty(old[a].shape, dtype=dt, device=device))
         with torch.no_grad():
             _owner(model, mod)._init_weights(mod)
+            if "inv_freq" in attrs and bool(mod._buffers["inv_freq"].isnan().any()) and hasattr(mod, "rope_init_fn"):
+                # transformers < 5: _init_weights leaves rotary buffers alone; the module's __init__ computes
+                # them with its rope_init_fn, which is what from_pretrained's construction ran
+                inv_freq, _ = mod.rope_init_fn(mod.config, device)
+                mod._buffers["inv_freq"] = inv_freq.to(device=device, dtype=mod._buffers["inv_freq"].dtype)
+                if "original_inv_freq" in attrs:
+                    mod._buffers["original_inv_freq"] = mod._buffers["inv_freq"].clone()
+                elif hasattr(mod, "original_inv_freq"):
+                    mod.original_inv_freq = mod._buffers["inv_freq"]
         unset = [a for a in attrs if mod._buffers[a].is_floating_point() and bool(mod._buffers[a].isnan().any())]
         if unset:
             mod._buffers.update(old)

@@ -201,6 +201,7 @@ def _load_model(model, filename, *, strict, device, names, slices, mapping, dequ
     if dev.type == "meta":
         raise InvalidArgumentError("device='meta' has no memory to load into: pass the device the model's meta "
                                    "tensors are to live on (the CPU by default)")
+    hf.tie_weights(model)
     state = model.state_dict(keep_vars=True)
     targets = {n: torch_target(n, t) for n, t in state.items()}
     pending_buffers = hf.meta_buffers(model)   # non-persistent, on the meta device
