@@ -148,11 +148,12 @@ class ReadDefaults:
     threads: int
     chunk_bytes: int
     direct: bool
+    streams: bool = False
 
 
 MiB = 1 << 20
 _NETWORK = ReadDefaults(mmap=False, threads=16, chunk_bytes=2 * MiB, direct=False)
-_LOCAL = ReadDefaults(mmap=True, threads=16, chunk_bytes=8 * MiB, direct=False)
+_LOCAL = ReadDefaults(mmap=True, threads=16, chunk_bytes=8 * MiB, direct=False, streams=True)
 DEFAULTS: dict[str, ReadDefaults] = {
     "local": _LOCAL,
     "network": _NETWORK,
@@ -175,6 +176,7 @@ class ReadStats:
     ranges: int
     requests: int
     bytes_read: int
+    streams: int = 0
 
 
 @lru_cache(maxsize=64)   # one per filesystem seen: opening a file stays one statfs and one lookup
