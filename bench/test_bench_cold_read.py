@@ -191,6 +191,27 @@ def _engine_case(path, threads, layout, mem, verify):
     return out
 
 
+def _arena_case(path, threads, layout, mem, verify):
+    import numpy as np
+
+    from mcf.io import aligned_empty, open_source
+    size = os.path.getsize(path)
+    src = open_source(path, mmap=False)
+    if mem == "touched":
+        buf = aligned_empty(size)
+        buf.fill(1)
+    t0 = time.perf_counter()
+    if mem == "fresh":
+        buf = aligned_empty(size)
+    src.read_ranges([0], [size], buf, [0], threads=threads, streams=layout == "streams")
+    dt = time.perf_counter() - t0
+    out = {"seconds": dt, "nbytes": size, "read_stats": str(src.read_stats)}
+    if verify:
+        out["crc"] = {"whole": zlib.crc32(np.asarray(buf))}
+    src.close()
+    return out
+
+
 def _tensors_crc(sd, ranges) -> int:
     import numpy as np
     c = 0
@@ -249,9 +270,19 @@ def child(spec: dict) -> dict:
     case, verify = spec["case"], spec["verify"]
     m = loading_model()
     parts = case.split(":")
+    c0 = os.times()
+    out = _child_case(parts, m, verify)
+    c1 = os.times()
+    out["user_s"], out["sys_s"] = c1.user - c0.user, c1.system - c0.system
+    return out
+
+
+def _child_case(parts, m, verify):
     if parts[0] == "pread":
         return _pread_case(m.single, int(parts[1]), parts[2], verify)
     if parts[0] == "engine":
+        if parts[4:] == ["arena"]:
+            return _arena_case(m.single, int(parts[1]), parts[2], parts[3], verify)
         return _engine_case(m.single, int(parts[1]), parts[2], parts[3], verify)
     if parts[0] == "load":
         return _load_case(parts[1], m, verify)
@@ -334,8 +365,10 @@ def summarize(runs: dict) -> tuple:
     for c in sorted(gbps, key=lambda c: (c.split(":")[0], -gbps[c])):
         rs = runs[c]
         each = ", ".join(f"{r['nbytes'] / r['seconds'] / 1e9:.2f}" for r in rs)
+        cpu = [r["sys_s"] for r in rs if "sys_s" in r]
         lines.append(f"  {c:32s} {gbps[c]:6.2f}   ({each})"
-                     f"  resident<= {max(r['resident_before'] for r in rs) * 100:.1f}%"
+                     + (f"  sys {statistics.median(cpu):.2f} s" if cpu else "")
+                     + f"  resident<= {max(r['resident_before'] for r in rs) * 100:.1f}%"
                      f"  load {min(r['load'] for r in rs):.1f}-{max(r['load'] for r in rs):.1f}")
     verdicts = []
     fio = {c: v for c, v in gbps.items() if c.startswith("fio:")}

@@ -280,14 +280,14 @@ static int take(part_state *p, uint64_t *k) {
  * worker never started) as its own part; 0 when there is nothing to take. */
 static int steal(plan_state *st, worker_ctx *w) {
     for (;;) {
-        if (atomic_load_explicit(&st->fail_at, memory_order_relaxed) != NO_FAILURE)
-            return 0;               /* after a failure each part is finished by its owner, up to it */
+        /* after a failure each part is finished by its owner, up to it; a part without one still is */
+        int failed = atomic_load_explicit(&st->fail_at, memory_order_relaxed) != NO_FAILURE;
         unsigned best = st->nparts;
         uint64_t most = 0;
         for (unsigned i = 0; i < st->nparts; i++) {
             part_state *p = &st->parts[i];
             uint64_t left = atomic_load_explicit(&p->left, memory_order_relaxed);
-            uint64_t worth = atomic_load_explicit(&p->owned, memory_order_relaxed) ? left / 2 : left;
+            uint64_t worth = !atomic_load_explicit(&p->owned, memory_order_relaxed) ? left : failed ? 0 : left / 2;
             if (i != w->index && worth > most) {
                 most = worth;
                 best = i;
@@ -299,7 +299,7 @@ static int steal(plan_state *st, worker_ctx *w) {
         uint64_t lo = 0, hi = 0;
         pthread_mutex_lock(&v->lock);
         uint64_t n = v->end - v->next;
-        uint64_t take_n = atomic_load_explicit(&v->owned, memory_order_relaxed) ? n / 2 : n;
+        uint64_t take_n = !atomic_load_explicit(&v->owned, memory_order_relaxed) ? n : failed ? 0 : n / 2;
         if (take_n) {
             hi = v->end;
             lo = hi - take_n;
