@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
