@@ -1,12 +1,14 @@
 """The read engine (csrc/readengine.c through Source.read_into / read_ranges): byte-for-byte agreement with
-a plain os.pread per range over random plans, refusals before any byte moves, exact bytes_read, a file
-that shrinks, and a source closed while the engine runs."""
+a plain os.pread per range over random plans, in both layouts (per-worker streams and one shared stream),
+refusals before any byte moves, exact bytes_read, a file that shrinks, and a source closed while the
+engine runs."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from mcf._core import storage
 from mcf.io import aligned_empty, open_source
 
 FILE_SIZE = 3 * (1 << 20) + 12345
+# per-worker streams reopen the file through /proc/self/fd: a descriptor of their own on Linux only
+REOPENS = sys.platform.startswith("linux")
 
 
 class DataFile(tuple):
@@ -74,8 +78,8 @@ CHUNKS = st.sampled_from([4096, 4096 * 3, 65536 + 512, 1 << 20, 2 << 20, 64 << 2
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans(), threads=st.integers(1, 16), chunk=CHUNKS, direct=st.booleans(), mmap=st.booleans(),
-       one_arena=st.booleans())
-def test_engine_agrees_with_pread_per_range(data_file, plan, threads, chunk, direct, mmap, one_arena):
+       one_arena=st.booleans(), streams=st.booleans())
+def test_engine_agrees_with_pread_per_range(data_file, plan, threads, chunk, direct, mmap, one_arena, streams):
     path, data = data_file
     offs, sizes, gaps = plan
     want = reference(path, offs, sizes)
@@ -87,7 +91,7 @@ def test_engine_agrees_with_pread_per_range(data_file, plan, threads, chunk, dir
                 dsts.append(pos)
                 pos += n
             out = np.full(pos + 7, 0xA5, np.uint8)
-            src.read_ranges(offs, sizes, out, dsts, threads=threads, chunk_bytes=chunk, direct=direct)
+            src.read_ranges(offs, sizes, out, dsts, threads=threads, chunk_bytes=chunk, direct=direct, streams=streams)
             got = [out[d:d + n].tobytes() for d, n in zip(dsts, sizes)]
             covered = np.zeros(out.size, bool)
             for d, n in zip(dsts, sizes):
@@ -95,7 +99,8 @@ def test_engine_agrees_with_pread_per_range(data_file, plan, threads, chunk, dir
             assert (out[~covered] == 0xA5).all()      # nothing written outside the destinations
         else:
             bufs = [np.full(n, 0xA5, np.uint8) for n in sizes]
-            assert src.read_into(offs, bufs, threads=threads, chunk_bytes=chunk, direct=direct) == sum(sizes)
+            assert src.read_into(offs, bufs, threads=threads, chunk_bytes=chunk, direct=direct,
+                                 streams=streams) == sum(sizes)
             got = [b.tobytes() for b in bufs]
         for k, (g, w) in enumerate(zip(got, want)):
             assert g == w, f"range {k}: {len(g)} bytes at offset {offs[k]} differ from os.pread's"
@@ -109,6 +114,8 @@ def test_engine_agrees_with_pread_per_range(data_file, plan, threads, chunk, dir
         if any(sizes):
             assert stats.bytes_read == src.bytes_read and 1 <= stats.threads <= threads
             assert stats.chunk_bytes >= chunk and stats.storage == src.storage
+            # every worker of a per-worker-streams read has a descriptor of its own; one worker reads alone
+            assert stats.streams == (stats.threads if streams and stats.threads > 1 and REOPENS else 0)
 
 
 def test_many_tiny_ranges_in_random_order(data_file):
@@ -150,10 +157,14 @@ def test_requests_follow_chunk_boundaries_in_the_file(data_file):
         assert src.read_stats.requests == 4 and out.tobytes() == data[100:100 + out.size]
 
 
+@pytest.mark.parametrize("streams", [False, True])
 @pytest.mark.parametrize("direct,misaligned", [(False, False), (True, False), (True, True)])
-def test_file_that_shrank_gives_truncated_error_naming_the_offset(tmp_path, direct, misaligned):
+def test_file_that_shrank_gives_truncated_error_naming_the_offset(tmp_path, direct, misaligned, streams):
     """misaligned: a destination off the O_DIRECT alignment, so every request goes through the worker's
-    staging buffer, including the one that meets the end of the file (whose bytes used to stay there)."""
+    staging buffer, including the one that meets the end of the file (whose bytes used to stay there).
+    streams: 4 workers each own a MiB of the plan; the file now ends in the second, and the third and fourth
+    fail at once (at their first byte): the error must still name where the file ended, and every byte
+    before it must arrive."""
     data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
     p = tmp_path / "shrinks.bin"
     p.write_bytes(data)
@@ -162,11 +173,13 @@ def test_file_that_shrank_gives_truncated_error_naming_the_offset(tmp_path, dire
         os.truncate(p, new_size)                 # after open: the source still believes 4 MiB
         out = aligned_empty(len(data) + 1)[1:] if misaligned else aligned_empty(len(data))
         with pytest.raises(mcf.TruncatedError) as exc:
-            src.read_ranges([0], [len(data)], out, [0], threads=4, chunk_bytes=65536, direct=direct)
+            src.read_ranges([0], [len(data)], out, [0], threads=4, chunk_bytes=65536, direct=direct,
+                            streams=streams)
         assert exc.value.offset == new_size and str(p) in str(exc.value)
         assert isinstance(exc.value, ValueError)
         # what arrived is counted, nothing more: every request before the end completed (requests are
-        # handed out in file order), the ones past it returned nothing
+        # handed out in file order, or each part read front to back by its worker), the ones past it
+        # returned nothing
         assert src.bytes_read == new_size
         assert out[:new_size].tobytes() == data[:new_size]
 
@@ -195,7 +208,8 @@ def test_destinations_checked_before_any_byte_moves(data_file):
                         [{"threads": mcf.io.MAX_THREADS + 1}, mcf.InvalidArgumentError],
                         [{"chunk_bytes": 4095}, mcf.InvalidArgumentError],
                         [{"chunk_bytes": mcf.io.MAX_CHUNK_BYTES + 1}, mcf.InvalidArgumentError],
-                        [{"direct": 1}, mcf.ArgumentTypeError], [{"direct": "yes"}, mcf.ArgumentTypeError]):
+                        [{"direct": 1}, mcf.ArgumentTypeError], [{"direct": "yes"}, mcf.ArgumentTypeError],
+                        [{"streams": 1}, mcf.ArgumentTypeError], [{"streams": "yes"}, mcf.ArgumentTypeError]):
             with pytest.raises(err):
                 src.read_into([0], [good], **kw)
             with pytest.raises(err):
@@ -230,8 +244,119 @@ def test_defaults_follow_the_storage(data_file):
         src.read_ranges([0], [FILE_SIZE], out, [0])
         d = storage.defaults_for(kind)
         assert src.read_stats.chunk_bytes == d.chunk_bytes and src.read_stats.direct is False
-        assert src.read_stats.threads == min(d.threads, -(-FILE_SIZE // d.chunk_bytes))
+        threads = min(d.threads, -(-FILE_SIZE // d.chunk_bytes))
+        assert src.read_stats.threads == threads
+        assert src.read_stats.streams == (threads if d.streams and threads > 1 and REOPENS else 0)
         assert out.tobytes() == data
+
+
+def test_streams_many_small_ranges(data_file):
+    """20,000 ranges of 0..16 bytes in random order, 16 per-worker streams over 4 KiB requests: each part
+    is thousands of tiny requests, and a part boundary falls between (or inside) any of them."""
+    path, data = data_file
+    rng = np.random.default_rng(5)
+    n = 20_000
+    sizes = rng.integers(0, 17, n)
+    offs = rng.integers(0, FILE_SIZE - 16, n)
+    dsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    out = np.zeros(int(sizes.sum()), np.uint8)
+    with open_source(path, mmap=False) as src:
+        src.read_ranges(offs, sizes, out, dsts, threads=16, chunk_bytes=4096, streams=True)
+        assert src.bytes_read == int(sizes.sum()) and src.read_stats.threads == 16
+        assert src.read_stats.streams == (16 if REOPENS else 0)
+    assert out.tobytes() == b"".join(data[o:o + s] for o, s in zip(offs.tolist(), sizes.tolist()))
+
+
+@pytest.mark.parametrize("threads", [2, 7, 16])
+def test_streams_one_huge_range(data_file, threads):
+    """The whole file as one range: the parts are cut inside it (at chunk boundaries of the file), each
+    read through its own descriptor, into one destination that starts off a page."""
+    path, data = data_file
+    out = aligned_empty(FILE_SIZE + 1)[1:]
+    with open_source(path, mmap=False) as src:
+        assert src.read_into([0], [out], threads=threads, chunk_bytes=4096, streams=True) == FILE_SIZE
+        st_ = src.read_stats
+        assert st_.threads == threads and st_.ranges == 1 and st_.bytes_read == FILE_SIZE
+        assert st_.requests >= -(-FILE_SIZE // 4096)
+        assert st_.streams == (threads if REOPENS else 0)
+    assert out.tobytes() == data
+
+
+def test_streams_ranges_across_part_boundaries(data_file):
+    """Ranges of very different sizes, so that the parts (equal bytes each) begin and end inside ranges,
+    inside a chunk's worth of a range and on range edges; neighbours in the file but not in memory stay
+    two ranges, and the bytes between ranges are never written."""
+    path, data = data_file
+    sizes = [1, 4095, 4097, 700_001, 3, 65_536, 1_000_000, 17, 300_000, 12_345]
+    offs, pos = [], 5
+    for k, n in enumerate(sizes):
+        offs.append(pos)
+        pos += n + (0 if k % 3 else 777)            # some neighbours in the file, some gaps
+    assert pos < FILE_SIZE
+    for threads in (3, 4, 5, 10, 16):
+        for chunk in (4096, 65536 + 512, 1 << 20):
+            dsts, d = [], 0
+            for n in sizes:
+                d += 63
+                dsts.append(d)
+                d += n
+            out = np.full(d + 1, 0xA5, np.uint8)
+            with open_source(path, mmap=False) as src:
+                src.read_ranges(offs, sizes, out, dsts, threads=threads, chunk_bytes=chunk, streams=True)
+                assert src.bytes_read == sum(sizes)
+            covered = np.zeros(out.size, bool)
+            for o, n, d0 in zip(offs, sizes, dsts):
+                assert out[d0:d0 + n].tobytes() == data[o:o + n], (threads, chunk, o, n)
+                covered[d0:d0 + n] = True
+            assert (out[~covered] == 0xA5).all()
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_streams_with_o_direct_alignment_fallbacks(data_file, mmap):
+    """O_DIRECT in per-worker streams: aligned requests straight into aligned memory; a range or a
+    destination off the 4 KiB alignment through the worker's staging buffer; the file's unaligned end.  (A
+    filesystem that refuses O_DIRECT is read buffered, through each worker's own descriptor.)"""
+    path, data = data_file
+    cases = [(0, FILE_SIZE, 0), (4096, 1 << 20, 1), (1, FILE_SIZE - 1, 0), (12_345, 2_000_000, 4095),
+             (FILE_SIZE - 70_000, 70_000, 7)]
+    for off, n, skew in cases:
+        out = aligned_empty(n + skew)[skew:]
+        with open_source(path, mmap=mmap) as src:
+            src.read_into([off], [out], threads=6, chunk_bytes=65536, direct=True, streams=True)
+            assert out.tobytes() == data[off:off + n], (off, n, skew)
+            # padding to whole blocks counts when O_DIRECT was used, nothing else does
+            assert n <= src.bytes_read <= n + 2 * mcf.io.DIRECT_ALIGN * src.read_stats.requests
+
+
+STREAMS_WITHOUT_DESCRIPTORS = textwrap.dedent(r"""
+    import os, resource, sys
+    import numpy as np
+    from mcf.io import open_source
+    path = sys.argv[1]
+    want = np.fromfile(path, np.uint8)
+    src = open_source(path, mmap=False)
+    lowest = os.open(os.devnull, os.O_RDONLY)      # the lowest free descriptor number
+    os.close(lowest)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))   # no open() succeeds from here on
+    try:
+        out = np.zeros(want.size, np.uint8)
+        src.read_ranges([0], [want.size], out, [0], threads=8, chunk_bytes=4096, streams=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert np.array_equal(out, want), "wrong bytes"
+    print(src.read_stats.threads, src.read_stats.streams)
+""")
+
+
+def test_streams_without_a_descriptor_left_read_through_the_shared_one(data_file):
+    """Per-worker streams where the file cannot be reopened (here: no descriptor left, EMFILE): the workers
+    read their parts through the source's own descriptor, with the same bytes.  In a child process: the
+    descriptor limit is the process's."""
+    r = subprocess.run([sys.executable, "-c", STREAMS_WITHOUT_DESCRIPTORS, str(data_file[0])], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["8", "0"]
 
 
 def test_storage_table():
@@ -252,6 +377,9 @@ def test_storage_table():
     # the kinds that must not be mapped, and the ones that are
     assert {k for k in storage.KINDS if not storage.defaults_for(k).mmap} == {"network", "fuse", "object"}
     assert {kind for _, kind in storage.FILESYSTEMS.values()} <= set(storage.KINDS)
+    # per-worker streams (a readahead window each) on local disks; network filesystems and object stores
+    # keep every worker on the next request of one stream
+    assert {k for k in storage.KINDS if storage.defaults_for(k).streams} == {"local", "unknown"}
 
 
 def test_mmap_argument_is_checked(data_file):
@@ -324,8 +452,7 @@ def test_engine_under_sanitizers(tmp_path, data_file, sanitizer):
     csrc = os.path.join(here, "..", "csrc")
     exe = tmp_path / "stress"
     build = subprocess.run([cc, "-std=c11", "-O1", "-g", f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all",
-                            "-I", csrc, os.path.join(here, "readengine_stress.c"),
-                            os.path.join(csrc, "readengine.c"), "-o", str(exe), "-lpthread"],
+                            "-I", csrc, os.path.join(here, "readengine_stress.c"), "-o", str(exe), "-lpthread"],
                            capture_output=True, text=True, timeout=300)
     missing = ("cannot find -l", "unrecognized", "unsupported option")   # no runtime library, or no such flag
     if build.returncode != 0 and any(m in build.stderr for m in missing):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,11 @@ def test_default_reads_with_the_engine_and_mmap_true_still_maps(fuse):
         assert bufs[2].tobytes() == data[-1000:].tobytes()
         st = src.read_stats
         assert st.storage.kind == "fuse" and st.threads > 1 and st.bytes_read == 1 + (4 << 20) + 1000
+        assert st.streams == 0          # one stream: every worker takes the next request, as before
+        big = np.empty(4 << 20, np.uint8)   # per-worker streams when asked: a descriptor each, same bytes
+        src.read_into([5], [big], threads=4, chunk_bytes=1 << 20, streams=True)
+        assert big.tobytes() == data[5:5 + (4 << 20)].tobytes()
+        assert src.read_stats.streams == (4 if sys.platform.startswith("linux") else 0)
         assert src.view(0, data.size).tobytes() == data.tobytes()   # a large view: the engine too
         assert src.read_stats.bytes_read == data.size
     with open_source(p, mmap=True) as src:

@@ -62,6 +62,7 @@ cdef extern from "readengine.h" nogil:
         unsigned threads
         uint64_t chunk
         uint64_t align
+        int streams
     ctypedef struct mcf_read_result:
         int error
         int truncated
@@ -72,6 +73,8 @@ cdef extern from "readengine.h" nogil:
         unsigned threads
         int direct
         int direct_refused
+        unsigned streams
+        unsigned steals
     int mcf_read_plan(mcf_read_range* ranges, size_t n, const mcf_read_config* cfg, mcf_read_result* res)
     int mcf_plan_overlap(const mcf_read_range* ranges, size_t n, size_t* first, size_t* second)
 
@@ -477,7 +480,7 @@ cdef class Source:
         if self.mode == "pread":
             # the size test comes first: per-item copies (Megatron, MegaContext) are far below any chunk
             if n >= _ENGINE_MIN_COPY:
-                settings = self._settings(None, None, None)
+                settings = self._settings(None, None, None, None)
                 if n >= 2 * <size_t>settings[1]:
                     one.offset = offset
                     one.size = n
@@ -547,21 +550,23 @@ cdef class Source:
             self.copy_to(offset, size, &mv[0])
         return bytes(out)
 
-    def read_into(self, offsets, buffers, threads=None, chunk_bytes=None, *, direct=None):
+    def read_into(self, offsets, buffers, threads=None, chunk_bytes=None, *, direct=None, streams=None):
         """Fill every buffer of ``buffers`` (writable, contiguous: numpy arrays, memoryviews, the numpy
         view of a torch tensor) with the bytes at the matching entry of ``offsets``; returns the bytes
         the buffers hold.  Every range, every buffer and every argument is checked before any byte
         moves; buffers that overlap one another are refused (their bytes would depend on timing).
 
         The loaders' one entry into storage: a plan of byte ranges read by the engine straight into its
-        destinations.  ``threads``, ``chunk_bytes`` and ``direct`` (O_DIRECT) default to the settings of
-        the storage's kind (:mod:`mcf._core.storage`); :attr:`read_stats` tells what was used."""
+        destinations.  ``threads``, ``chunk_bytes``, ``direct`` (O_DIRECT) and ``streams`` (each worker
+        reads one contiguous part through a descriptor of its own, instead of all workers taking the next
+        request through one) default to the settings of the storage's kind (:mod:`mcf._core.storage`);
+        :attr:`read_stats` tells what was used."""
         bufs = list(buffers)
         offs = integers(offsets, "offsets")
         cdef Py_ssize_t n = len(bufs), k, held = 0
         if offs.shape[0] != n:
             raise InvalidArgumentError(f"{offs.shape[0]} offsets for {n} buffers")
-        settings = self._settings(threads, chunk_bytes, direct)
+        settings = self._settings(threads, chunk_bytes, direct, streams)
         cdef const int64_t[::1] o = offs
         cdef Py_buffer* views = <Py_buffer*>calloc(n if n else 1, sizeof(Py_buffer))
         cdef mcf_read_range* rr = <mcf_read_range*>malloc((n if n else 1) * sizeof(mcf_read_range))
@@ -703,15 +708,16 @@ cdef class Source:
         cnp.PyArray_UpdateFlags(<cnp.ndarray>arr, cnp.NPY_ARRAY_ALIGNED)
         return arr
 
-    def read_ranges(self, offsets, sizes, out, out_offsets, threads=None, chunk_bytes=None, *, direct=None):
+    def read_ranges(self, offsets, sizes, out, out_offsets, threads=None, chunk_bytes=None, *, direct=None,
+                    streams=None):
         """Copy many ranges of the file into one writable buffer, with the GIL released.
 
         ``offsets``/``sizes``/``out_offsets`` are equal-length integer sequences; every source range and
         every destination range is checked before any byte moves, and destination ranges that overlap
         are refused.  Files opened from a path are read by the read engine with ``pread`` (also in mmap
         mode: the kernel copies from the page cache without faulting the mapping in, and a cold file is
-        read with many requests in flight); ``threads``, ``chunk_bytes`` and ``direct`` default to the
-        storage's settings (:mod:`mcf._core.storage`).
+        read with many requests in flight); ``threads``, ``chunk_bytes``, ``direct`` and ``streams`` default
+        to the storage's settings (:mod:`mcf._core.storage`; see :meth:`read_into`).
         """
         cdef Py_buffer view
         cdef Py_ssize_t k, n
@@ -721,7 +727,7 @@ cdef class Source:
         n = offs.shape[0]
         if szs.shape[0] != n or dsts.shape[0] != n:
             raise InvalidArgumentError("offsets, sizes and out_offsets must have the same length")
-        settings = self._settings(threads, chunk_bytes, direct)
+        settings = self._settings(threads, chunk_bytes, direct, streams)
         if self._closed:
             raise ClosedError(f"{self.name}: source is closed")
         cdef const int64_t[::1] o = offs
@@ -746,9 +752,9 @@ cdef class Source:
         finally:
             free(rr)
 
-    cdef object _settings(self, object threads, object chunk_bytes, object direct):
-        """``(threads, chunk_bytes, direct)`` of a plan read: the caller's values once checked, else the
-        defaults of the storage's kind."""
+    cdef object _settings(self, object threads, object chunk_bytes, object direct, object streams):
+        """``(threads, chunk_bytes, direct, streams)`` of a plan read: the caller's values once checked,
+        else the defaults of the storage's kind."""
         d = defaults_for(self._storage.kind if self._storage is not None else "unknown")
         if threads is None:
             t = d.threads
@@ -768,7 +774,14 @@ cdef class Source:
             dr = bool(direct)
         else:
             raise ArgumentTypeError(f"direct must be True, False or None, got {direct!r} ({type(direct).__name__})")
-        return (t, c, dr)
+        if streams is None:
+            sm = d.streams
+        elif isinstance(streams, (bool, np.bool_)):
+            sm = bool(streams)
+        else:
+            raise ArgumentTypeError(f"streams must be True, False or None, got {streams!r} "
+                                    f"({type(streams).__name__})")
+        return (t, c, dr, sm)
 
     cdef int _direct_fd(self) except -2:
         """The file again with O_DIRECT (opened once, through /proc/self/fd: no path to race with), or -1
@@ -1019,7 +1032,7 @@ cdef object _engine(Source s, mcf_read_range* rr, Py_ssize_t n, object settings)
     cdef mcf_read_config cfg
     cdef mcf_read_result res
     cdef int rc
-    threads, chunk, direct = settings
+    threads, chunk, direct, streams = settings
     s.pin()
     try:
         cfg.fd = s._fd
@@ -1029,12 +1042,14 @@ cdef object _engine(Source s, mcf_read_range* rr, Py_ssize_t n, object settings)
         cfg.threads = <unsigned>threads
         cfg.chunk = <uint64_t>chunk
         cfg.align = DIRECT_ALIGN
+        cfg.streams = 1 if streams else 0
         with nogil:
             rc = mcf_read_plan(rr, <size_t>n, &cfg, &res)
     finally:
         s.unpin()
     s._bytes_read += res.bytes
-    s._read_stats = ReadStats(s._storage, res.threads, chunk, res.direct != 0, res.ranges, res.requests, res.bytes)
+    s._read_stats = ReadStats(s._storage, res.threads, chunk, res.direct != 0, res.ranges, res.requests, res.bytes,
+                              res.streams)
     if rc:
         if res.truncated:
             raise TruncatedError("file shrank while reading", path=s.name, offset=res.fail_offset,

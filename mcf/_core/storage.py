@@ -6,13 +6,13 @@ turns a memory access into SIGBUS (Qwen3-32B took 4 min 18 s with mmap against 3
 mount, sglang#7469; TRT-LLM#17368 is the SIGBUS on Lustre).  So the kind of filesystem decides the
 default: ``statfs`` gives its magic number, :data:`FILESYSTEMS` turns that into a name and a kind (on
 macOS, statfs gives the type's name, and :data:`FILESYSTEM_NAMES` the kind), and :data:`DEFAULTS` gives
-each kind its settings.  ``mmap=``, ``threads=``, ``chunk_bytes=`` and ``direct=``
-override them per call.
+each kind its settings.  ``mmap=``, ``threads=``, ``chunk_bytes=``, ``direct=`` and (on
+:meth:`mcf.io.Source.read_into` / ``read_ranges``) ``streams=`` override them per call.
 
 The kinds:
 
 - ``local``: a block-device filesystem (ext4, xfs, btrfs, zfs, f2fs...), or memory (tmpfs, ramfs,
-  overlay): mapped; the engine's requests see the kernel's readahead.
+  overlay): mapped; the engine's workers read in per-worker streams, each with its own readahead window.
 - ``network``: NFS, CIFS/SMB, Lustre, GPFS, CephFS, BeeGFS, 9p, AFS, OCFS2, GFS2...: never mapped; many
   requests in flight, since each one waits for a server.
 - ``fuse``: every FUSE filesystem (s3fs, gcsfuse, sshfs, GlusterFS's client, virtiofs...; statfs cannot
@@ -24,17 +24,32 @@ The kinds:
 
 The settings (O_DIRECT is off for every kind):
 
-=========  ======  =======  =======  ===========================================================
-kind       mmap    threads  chunk    why
-=========  ======  =======  =======  ===========================================================
-local      yes     16       8 MiB    the best cold median in every measurement here (below)
-network    no      16       2 MiB    Run:ai Model Streamer's filesystem defaults: latency-bound
-fuse       no      16       2 MiB    as network
-unknown    yes     16       8 MiB    as local
-object     no      16       8 MiB    requests in flight x ranged GET size (:mod:`mcf.remote`), below
-=========  ======  =======  =======  ===========================================================
+=========  ======  =======  =======  =======  ===========================================================
+kind       mmap    threads  chunk    streams  why
+=========  ======  =======  =======  =======  ===========================================================
+local      yes     16       8 MiB    yes      the best cold median in every measurement here (below)
+network    no      16       2 MiB    no       Run:ai Model Streamer's filesystem defaults: latency-bound
+fuse       no      16       2 MiB    no       as network
+unknown    yes     16       8 MiB    yes      as local
+object     no      16       8 MiB    no       requests in flight x ranged GET size (:mod:`mcf.remote`), below
+=========  ======  =======  =======  =======  ===========================================================
 
-How ``local`` was chosen (``bench/read_engine_settings.py``, figures in docs/io.md): a 1.5 GB file of
+``streams``: how the engine's workers share a plan (csrc/readengine.c).  Yes: the plan is cut into one
+contiguous part per worker, and each worker reads its part front to back through a descriptor of its own
+(the file reopened: the kernel keeps readahead state per open file description), advised
+``POSIX_FADV_SEQUENTIAL``, as ``fio --numjobs=N --offset_increment`` reads a file.  No: every worker takes
+the next request in file order through the source's one descriptor, which keeps ``threads`` requests in
+flight on a server, where readahead matters less than round trips (and reopening a file costs one).
+
+Per-worker streams, cold, on this machine's disk (``bench/test_bench_cold_read.py``: a 1.67 GB checkpoint
+read into touched memory, page cache evicted with ``posix_fadvise``, medians of 5-6 interleaved rounds at load
+averages of 2.5-6): 16 workers 2.9 GB/s in streams against 2.1-2.6 sharing one stream; 4 workers in streams
+2.2-3.0, the same parts through the one shared descriptor 2.4 (less steady), and without the sequential advice
+1.5-1.8 (its doubled readahead window is what 4 streams need; 16 do without it); fio's sequential read of
+the file 1.6-2.4 (4 jobs x 8 MiB).  Prefetching the next request (``POSIX_FADV_WILLNEED``) gained nothing.
+
+How ``local``'s workers x chunk were chosen (``bench/read_engine_settings.py``, in the one-stream layout,
+before per-worker streams; figures in docs/io.md): a 1.5 GB file of
 random bytes on this machine's virtio disk (ext4, 8 MiB readahead, 2 cores shared with other work),
 read as 258 tensors of 1 KiB..64 MiB into one fresh arena, page cache dropped before every cold run,
 settings interleaved over 3, 7 and 9 rounds at load averages of 4 to 18.  Single runs varied 3x with the
@@ -143,16 +158,20 @@ class Storage:
 
 @dataclass(frozen=True)
 class ReadDefaults:
-    """What the engine does on one kind of storage unless told otherwise."""
+    """What the engine does on one kind of storage unless told otherwise: ``mmap=None`` maps or not,
+    ``threads`` workers read requests of at most ``chunk_bytes``, with O_DIRECT when ``direct``, in
+    per-worker streams (one contiguous part and one descriptor each) when ``streams``, else all from one
+    stream."""
     mmap: bool
     threads: int
     chunk_bytes: int
     direct: bool
+    streams: bool = False
 
 
 MiB = 1 << 20
 _NETWORK = ReadDefaults(mmap=False, threads=16, chunk_bytes=2 * MiB, direct=False)
-_LOCAL = ReadDefaults(mmap=True, threads=16, chunk_bytes=8 * MiB, direct=False)
+_LOCAL = ReadDefaults(mmap=True, threads=16, chunk_bytes=8 * MiB, direct=False, streams=True)
 DEFAULTS: dict[str, ReadDefaults] = {
     "local": _LOCAL,
     "network": _NETWORK,
@@ -166,8 +185,10 @@ DEFAULTS: dict[str, ReadDefaults] = {
 class ReadStats:
     """What one call of the read engine did (:attr:`mcf.io.Source.read_stats`): the ``storage`` it read
     from, the ``threads`` that ran, the ``chunk_bytes`` requested, whether ``direct`` (O_DIRECT) reads
-    were made, the ``ranges`` left after coalescing, the read ``requests`` issued, and the
-    ``bytes_read`` from storage (O_DIRECT alignment padding included)."""
+    were made, the ``ranges`` left after coalescing, the read ``requests`` issued, the ``bytes_read``
+    from storage (O_DIRECT alignment padding included), and the ``streams``: workers that read their own
+    contiguous part through a descriptor of their own (0 when the workers shared one stream, or the file
+    could not be reopened)."""
     storage: Storage
     threads: int
     chunk_bytes: int
@@ -175,6 +196,7 @@ class ReadStats:
     ranges: int
     requests: int
     bytes_read: int
+    streams: int = 0
 
 
 @lru_cache(maxsize=64)   # one per filesystem seen: opening a file stays one statfs and one lookup
