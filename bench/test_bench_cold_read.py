@@ -24,7 +24,8 @@ The cases:
   array per tensor (page-aligned, as the loaders allocate them), with T workers, through per-worker
   streams (the local default) or one shared stream (every worker taking the next request through one
   descriptor: the layout before, and still the network filesystems').
-- ``engine:T:LAYOUT:MEM:arena`` (not in the default list): the whole file as one range into one buffer.
+- not in the default list: ``engine:T:LAYOUT:MEM:arena``, the whole file as one range into one buffer;
+  ``load:WHICH:T``, a loader with ``threads=T``.
 - the loaders, with their defaults: ``mcf.safetensors.load_file`` (numpy), ``mcf.torch.load_file``,
   ``mcf.load_file`` of the .mcf (fresh memory: the result is new), and ``mcf.torch.load_into`` into
   tensors allocated and touched before the timed region.
@@ -225,17 +226,17 @@ def _tensors_crc(sd, ranges) -> int:
     return c
 
 
-def _load_case(which, m, verify):
+def _load_case(which, m, verify, threads=None):
     ranges = safetensors_ranges(m.single)
     if which == "safetensors":
         import mcf.safetensors
-        fn = lambda: mcf.safetensors.load_file(m.single)  # noqa: E731
+        fn = lambda: mcf.safetensors.load_file(m.single, threads=threads)  # noqa: E731
     elif which == "torch":
         import mcf.torch
-        fn = lambda: mcf.torch.load_file(m.single)  # noqa: E731
+        fn = lambda: mcf.torch.load_file(m.single, threads=threads)  # noqa: E731
     else:
         import mcf
-        fn = lambda: mcf.load_file(m.mcf)  # noqa: E731
+        fn = lambda: mcf.load_file(m.mcf, threads=threads)  # noqa: E731
     t0 = time.perf_counter()
     sd = fn()
     dt = time.perf_counter() - t0
@@ -286,10 +287,10 @@ def _child_case(parts, m, verify):
             return _arena_case(m.single, int(parts[1]), parts[2], parts[3], verify)
         return _engine_case(m.single, int(parts[1]), parts[2], parts[3], verify)
     if parts[0] == "load":
-        return _load_case(parts[1], m, verify)
+        return _load_case(parts[1], m, verify, int(parts[2]) if len(parts) > 2 else None)
     if parts[0] == "load_into":
         return _load_into_case(m, verify)
-    raise SystemExit(f"unknown case {case}")
+    raise SystemExit(f"unknown case {':'.join(parts)}")
 
 
 # -- fio --------------------------------------------------------------------------------------------------
@@ -386,7 +387,8 @@ def summarize(runs: dict) -> tuple:
         same = f"pread:{defaults_threads()}:fresh"
         for c in sorted(gbps):
             if c.startswith("load:") or (c.startswith("engine:") and ":streams:fresh" in c):
-                what = f"{gbps[c] / fresh[best]:.2f}x the best plain pread into fresh memory ({best}, {fresh[best]:.2f})"
+                what = (f"{gbps[c] / fresh[best]:.2f}x the best plain pread into fresh memory "
+                        f"({best}, {fresh[best]:.2f})")
                 if same in fresh and same != best:
                     what += f"; {gbps[c] / fresh[same]:.2f}x {same}"
                 verdicts.append((c, what, ">= 0.95x", gbps[c] >= 0.95 * fresh[best]))
