@@ -1,7 +1,7 @@
 """A checkpoint read from a cold page cache, against the storage's limit measured in the same run: fio's best
 sequential read of the file, and a plain striped ``pread`` by N threads.
 
-    python -m pytest bench/test_bench_cold_read.py --benchmark-only -s      # 3 rounds, ~5 min
+    python -m pytest bench/test_bench_cold_read.py --benchmark-only -s      # 3 rounds, ~20 min
     python bench/test_bench_cold_read.py --rounds 3 --json out.json          # the same as a script
     python bench/test_bench_cold_read.py --rounds 1 --cases fio:buffered:4:8M engine:16:streams:touched
 
@@ -10,7 +10,8 @@ same weights as ``model.mcf``).  Every measurement runs in a fresh process (``--
 after its imports; the parent evicts the files from the page cache first with
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` (no root needed; ``drop_caches`` is not writable everywhere) and
 records how much of them stayed resident (``mincore``; it should be 0%).  Rounds are interleaved (every case
-once per round, in a shuffled order) after ``--settle`` idle seconds each; figures are medians.
+once per round, in a shuffled order) after ``--settle`` idle seconds each; figures are medians, with the
+child's system CPU time ("sys": the kernel's read path and page faults).
 
 The cases:
 
@@ -24,8 +25,9 @@ The cases:
   array per tensor (page-aligned, as the loaders allocate them), with T workers, through per-worker
   streams (the local default) or one shared stream (every worker taking the next request through one
   descriptor: the layout before, and still the network filesystems').
-- not in the default list: ``engine:T:LAYOUT:MEM:arena``, the whole file as one range into one buffer;
-  ``load:WHICH:T``, a loader with ``threads=T``.
+- not in the default list: ``engine:T:direct:MEM`` (per-worker streams with O_DIRECT);
+  ``engine:T:LAYOUT:MEM:arena``, the whole file as one range into one buffer; ``load:WHICH:T``, a loader
+  with ``threads=T``.
 - the loaders, with their defaults: ``mcf.safetensors.load_file`` (numpy), ``mcf.torch.load_file``,
   ``mcf.load_file`` of the .mcf (fresh memory: the result is new), and ``mcf.torch.load_into`` into
   tensors allocated and touched before the timed region.
@@ -181,7 +183,8 @@ def _engine_case(path, threads, layout, mem, verify):
     t0 = time.perf_counter()
     if mem == "fresh":
         bufs = [aligned_empty(n) for _, _, n in ranges]
-    got = src.read_into([o for _, o, _ in ranges], bufs, threads=threads, streams=layout == "streams")
+    got = src.read_into([o for _, o, _ in ranges], bufs, threads=threads, streams=layout != "shared",
+                        direct=layout == "direct")
     dt = time.perf_counter() - t0
     out = {"seconds": dt, "nbytes": got, "read_stats": str(src.read_stats)}
     if verify:
@@ -387,8 +390,8 @@ def summarize(runs: dict) -> tuple:
         same = f"pread:{defaults_threads()}:fresh"
         for c in sorted(gbps):
             if c.startswith("load:") or (c.startswith("engine:") and ":streams:fresh" in c):
-                what = (f"{gbps[c] / fresh[best]:.2f}x the best plain pread into fresh memory "
-                        f"({best}, {fresh[best]:.2f})")
+                what = (f"{gbps[c] / fresh[best]:.2f}x the best plain pread into fresh memory ({best}, "
+                        f"{fresh[best]:.2f})")
                 if same in fresh and same != best:
                     what += f"; {gbps[c] / fresh[same]:.2f}x {same}"
                 verdicts.append((c, what, ">= 0.95x", gbps[c] >= 0.95 * fresh[best]))

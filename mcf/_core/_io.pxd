@@ -43,6 +43,6 @@ cdef class Source:
     cdef _release(self)
     cdef _set_mapping(self, _Mapping m)
     cdef _fileobj_read(self, uint64_t offset, mv)
-    # (threads, chunk_bytes, direct) of a plan read: the caller's, checked, or the storage's defaults
+    # (threads, chunk_bytes, direct, streams) of a plan read: the caller's, checked, or the storage's defaults
     cdef object _settings(self, object threads, object chunk_bytes, object direct, object streams)
     cdef int _direct_fd(self) except -2

@@ -27,7 +27,7 @@ The settings (O_DIRECT is off for every kind):
 =========  ======  =======  =======  =======  ===========================================================
 kind       mmap    threads  chunk    streams  why
 =========  ======  =======  =======  =======  ===========================================================
-local      yes     16       8 MiB    yes      the best cold median in every measurement here (below)
+local      yes     16       8 MiB    yes      the best cold median of every sweep here; streams: fio's way (below)
 network    no      16       2 MiB    no       Run:ai Model Streamer's filesystem defaults: latency-bound
 fuse       no      16       2 MiB    no       as network
 unknown    yes     16       8 MiB    yes      as local
@@ -41,12 +41,13 @@ contiguous part per worker, and each worker reads its part front to back through
 the next request in file order through the source's one descriptor, which keeps ``threads`` requests in
 flight on a server, where readahead matters less than round trips (and reopening a file costs one).
 
-Per-worker streams, cold, on this machine's disk (``bench/test_bench_cold_read.py``: a 1.67 GB checkpoint
-read into touched memory, page cache evicted with ``posix_fadvise``, medians of 5-6 interleaved rounds at load
-averages of 2.5-6): 16 workers 2.9 GB/s in streams against 2.1-2.6 sharing one stream; 4 workers in streams
-2.2-3.0, the same parts through the one shared descriptor 2.4 (less steady), and without the sequential advice
-1.5-1.8 (its doubled readahead window is what 4 streams need; 16 do without it); fio's sequential read of
-the file 1.6-2.4 (4 jobs x 8 MiB).  Prefetching the next request (``POSIX_FADV_WILLNEED``) gained nothing.
+Per-worker streams, cold, on this machine's disk (``bench/test_bench_cold_read.py``, figures in docs/io.md,
+"Per-worker streams": a 1.67 GB checkpoint, page cache evicted with ``posix_fadvise``, three runs of 3-5
+interleaved rounds at load averages up to 6): 16 workers read into touched memory at 2.60-2.76 GB/s in
+streams against 1.67-2.56 sharing one stream, 0.86x fio's best sequential read in each run (a 6-round
+sweep: 0.95-1.09x); with 4 workers the sequential advice (its doubled readahead window) and the descriptor
+of their own each mattered (2.2-3.0 GB/s with both, 1.5-1.8 without the advice, 2.4 through the shared
+descriptor); prefetching with ``POSIX_FADV_WILLNEED`` and O_DIRECT gained nothing.
 
 How ``local``'s workers x chunk were chosen (``bench/read_engine_settings.py``, in the one-stream layout,
 before per-worker streams; figures in docs/io.md): a 1.5 GB file of
