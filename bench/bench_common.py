@@ -192,3 +192,15 @@ def print_summary(lines: list, runs, json_path=None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"summary": lines, "runs": runs}, f, indent=1)
+
+
+def evict_page_cache(*paths) -> None:
+    """Drop the page cache of ``paths`` (written back first), so the next read comes from the disk:
+    ``posix_fadvise(DONTNEED)``, which needs no root (``drop_caches`` is not writable everywhere)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

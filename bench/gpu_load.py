@@ -174,12 +174,9 @@ def ensure_checkpoint(root: str, size: int) -> dict:
 
 # -- the page cache ---------------------------------------------------------------------------------------------
 def evict(files) -> None:
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from bench_common import evict_page_cache
+
+    evict_page_cache(*files)
 
 
 def warm(files) -> None:

@@ -75,12 +75,9 @@ def all_cases(fio_bs=FIO_BS, workers=(4, 8, 16)) -> list:
 
 # -- the page cache ------------------------------------------------------------------------------------
 def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    from bench_common import evict_page_cache
+
+    evict_page_cache(path)
 
 
 def resident(path: str) -> float:

@@ -89,13 +89,9 @@ def _shards(d):
 
 
 def _evict(files):
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from bench_common import evict_page_cache
+
+    evict_page_cache(*files)
 
 
 def _io_read_bytes():

@@ -18,8 +18,8 @@ import zlib
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+torch = pytest.importorskip("torch", reason="torch is in the test extra (the test-core legs run without it)")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is in the test extra")
 
 import _scaled_checkpoints as S  # noqa: E402
 import mcf  # noqa: E402

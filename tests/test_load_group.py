@@ -17,8 +17,8 @@ import shutil
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("safetensors")
+torch = pytest.importorskip("torch", reason="torch is in the test extra (the test-core legs run without it)")
+pytest.importorskip("safetensors", reason="safetensors is in the test extra")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("this torch has no gloo backend", allow_module_level=True)
 
