@@ -144,19 +144,19 @@ class MegatronOracle:
         return self.helpers.build_sample_idx_int64(sizes, doc_idx, seq, epochs, tpe, drop_last, extra)
 
 
-def load_megatron_oracle(scratch) -> MegatronOracle:
-    """Download the megatron-core wheel for this interpreter once (``pip download --no-deps``, into the
-    directory ``scratch``: the caller's pytest temporary directory) into the mcf cache and load its helpers.
-    Raises RuntimeError when the wheel cannot be had, OracleLoadError (also a RuntimeError) when its compiled
-    helper does not load here.
+def megatron_wheel_dir(scratch) -> str:
+    """The directory holding the files mcf's tests take from the megatron-core wheel (``helpers_cpp*.so``,
+    ``gpt_dataset.py``, ``indexed_dataset.py``...), downloaded once (``pip download --no-deps``, into the
+    directory ``scratch``: the caller's pytest temporary directory) into the mcf cache.  Raises RuntimeError
+    when the wheel cannot be had.
 
     The cache is per interpreter (``megatron-core-0.16.1-cp312``): helpers_cpp is compiled for one
     CPython version, and a copy cached by another interpreter would not import."""
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     dest = os.path.join(cache_dir(), MEGATRON_CORE.replace("==", "-") + f"-{tag}")
     sos = glob.glob(os.path.join(dest, "helpers_cpp*.so"))
-    gpt = os.path.join(dest, "gpt_dataset.py")
-    if not sos or not os.path.exists(gpt):
+    wanted = [os.path.join(dest, n) for n in ("gpt_dataset.py", "indexed_dataset.py")]
+    if not sos or not all(os.path.exists(p) for p in wanted):
         tmp = os.fspath(scratch)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, MEGATRON_CORE]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -182,6 +182,17 @@ def load_megatron_oracle(scratch) -> MegatronOracle:
         sos = glob.glob(os.path.join(dest, "helpers_cpp*.so"))
     if not sos:
         raise RuntimeError(f"{MEGATRON_CORE} has no compiled helpers_cpp for this platform")
+    return dest
+
+
+def load_megatron_oracle(scratch) -> MegatronOracle:
+    """Download the megatron-core wheel for this interpreter once (:func:`megatron_wheel_dir`) and load its
+    helpers.  Raises RuntimeError when the wheel cannot be had, OracleLoadError (also a RuntimeError) when its
+    compiled helper does not load here."""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    dest = megatron_wheel_dir(scratch)
+    sos = glob.glob(os.path.join(dest, "helpers_cpp*.so"))
+    gpt = os.path.join(dest, "gpt_dataset.py")
     with open(gpt, encoding="utf-8") as f:
         src = f.read()
     try:
@@ -189,3 +200,37 @@ def load_megatron_oracle(scratch) -> MegatronOracle:
     except ImportError as exc:
         raise OracleLoadError(f"{os.path.basename(sos[0])} (from {MEGATRON_CORE}) does not load on "
                               f"Python {tag}: {exc}") from None
+
+
+def load_megatron_builder(scratch):
+    """Megatron-LM's own ``IndexedDatasetBuilder`` (with its ``_IndexReader``, ``_IndexWriter`` and ``DType``),
+    lifted with ``ast`` out of the wheel's ``indexed_dataset.py`` so that neither torch nor the rest of
+    megatron.core is imported: ``add_index`` and ``finalize`` (what ``tools/merge_datasets.py`` calls) run as
+    written there.  Its logging is a no-op, and so is its ``gc.collect()`` after each ``add_index`` (it only
+    frees memory, and a thousand full collections would take the test's seconds).  Raises RuntimeError when
+    the wheel cannot be had."""
+    import enum
+    import shutil
+    import types
+    import typing
+    from collections.abc import Iterable
+    from itertools import accumulate
+
+    path = os.path.join(megatron_wheel_dir(scratch), "indexed_dataset.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = {"DType", "_IndexWriter", "_IndexReader", "IndexedDatasetBuilder", "get_idx_path", "get_bin_path"}
+    keep = []
+    for n in tree.body:
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names:
+            keep.append(n)
+        elif isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "_INDEX_HEADER" for t in n.targets):
+            keep.append(n)
+    ns = {"numpy": np, "struct": struct, "shutil": shutil, "os": os, "time": __import__("time"), "Enum": enum.Enum,
+          "Iterable": Iterable, "accumulate": accumulate, "TracebackType": types.TracebackType,
+          "gc": types.SimpleNamespace(collect=lambda: 0), "logging": __import__("logging"), "logger": None,
+          "log_single_rank": lambda *a, **k: None, "lru_cache": __import__("functools").lru_cache, "torch": types.SimpleNamespace(Tensor=object),
+          "MultiStorageClientFeature": types.SimpleNamespace(is_enabled=lambda: False),
+          **{k: getattr(typing, k) for k in ("List", "Optional", "Tuple", "Type", "Union")}}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "megatron/core/datasets/indexed_dataset.py", "exec"), ns)
+    return types.SimpleNamespace(**{k: ns[k] for k in names})

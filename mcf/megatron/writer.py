@@ -456,45 +456,10 @@ class Writer(PublishedOnExit):
     close = finalize
 
     def _publish(self) -> None:
-        """Rename both files into place.  The old files are held open meanwhile: replacing the last
-        link of a file frees its blocks inside rename(2) (4 ms for a 600 KB .bin on ext4 here), which
-        would keep the prefix in its mixed state (new .bin, old .idx) that long; with the old inodes
-        still referenced each step takes microseconds and the blocks are freed after both renames."""
-        held = []
-        for p in (self.bin_path, self.idx_path):
-            try:
-                # O_NONBLOCK: only held, never read; a FIFO planted there must not block the publish
-                held.append(os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)))
-            except OSError:
-                pass
-        from mcf.megatron._publish import Intent
+        """Rename both files into place (see :func:`mcf.megatron._publish.publish_pair`)."""
+        from mcf.megatron._publish import publish_pair
 
-        try:
-            # a crash between the two renames is finished by the next reader or writer (see _publish.py)
-            with Intent(self.prefix, [(self._bin_tmp, self.bin_path), (self._idx_tmp, self.idx_path)],
-                        self._durable) as intent:
-                self._unlink_index_if_same_size()
-                os.replace(self._bin_tmp, self.bin_path)
-                os.replace(self._idx_tmp, self.idx_path)
-                intent.done()
-        finally:
-            for fd in held:
-                os.close(fd)
-
-    def _unlink_index_if_same_size(self) -> None:
-        """Between the two renames the prefix holds the new .bin beside the old .idx.  The reader refuses
-        such a pair by the .bin size the .idx implies, unless the two datasets happen to have the same
-        .bin size: then the old .idx is removed first, so that moment (or a crash in it) shows a missing
-        .idx instead of a plausible mixed dataset."""
-        try:
-            same = os.stat(self.bin_path).st_size == self._bin.nbytes
-        except FileNotFoundError:
-            return
-        if same:
-            try:
-                os.unlink(self.idx_path)
-            except FileNotFoundError:
-                pass
+        publish_pair(self.prefix, self._bin_tmp, self._idx_tmp, self._bin.nbytes, self._durable)
 
     def _write_index(self) -> None:
         if self._atomic:
@@ -546,22 +511,12 @@ class Writer(PublishedOnExit):
     _publish_on_exit = finalize  # a with block that ends normally publishes; one left by an exception aborts
 
 
-def merge(output_prefix, inputs, *, mmap: bool | None = None, progress=None) -> Writer:
-    """Concatenate the datasets ``inputs`` (prefixes) into ``output_prefix``, streaming: memory stays
-    bounded however many shards and sequences.  All inputs must share one dtype; the output is
-    multimodal when the first input is.  ``progress(done, total, name)`` is called after each shard."""
-    from mcf.megatron.reader import open as open_dataset
+def merge(output_prefix, inputs, *, mmap: bool | None = None, durable: bool = True, progress=None,
+          overwrite: bool = False, storage_options: dict | None = None):
+    """Concatenate the datasets ``inputs`` (prefixes) into ``output_prefix`` in one pass, byte-identical to
+    Megatron-LM's merge: see :func:`mcf.megatron._merge.merge`, which this is.  Returns a
+    :class:`~mcf.megatron._merge.MergeResult` (the prefix, the paths, the dtype and the counts)."""
+    from mcf.megatron._merge import merge as merge_one_pass
 
-    inputs = list(inputs)
-    if not inputs:
-        raise InvalidArgumentError("merge needs at least one input dataset")
-    with open_dataset(inputs[0], mmap=mmap) as first:
-        dtype, multimodal = first.dtype, first.multimodal
-    make_parent_dir(output_prefix, what="writing a dataset")
-    w = Writer(output_prefix, dtype=dtype, multimodal=multimodal)
-    with w:
-        for k, p in enumerate(inputs):
-            w.add_index(p, mmap=mmap)
-            if progress is not None:
-                progress(k + 1, len(inputs), os.fspath(p))
-    return w
+    return merge_one_pass(output_prefix, inputs, mmap=mmap, durable=durable, progress=progress,
+                          overwrite=overwrite, storage_options=storage_options)
