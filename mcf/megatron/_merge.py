@@ -75,6 +75,7 @@ class _Input:
     documents: int          # documents, not len(document_indices)
     multimodal: bool
     dtype: np.dtype
+    bin_bytes: int | None   # the .bin's size on a local disk (for sizing an upload's parts), else None
 
 
 def _prefixes(inputs) -> list:
@@ -92,6 +93,7 @@ def _prefixes(inputs) -> list:
 def _scan(prefixes) -> list:
     """Each input's counts from its ``.idx`` header (one small read each, one input open at a time)."""
     from mcf.megatron.reader import parse_header
+    from mcf.remote import is_url
 
     out = []
     for p in prefixes:
@@ -101,7 +103,13 @@ def _scan(prefixes) -> list:
         finally:
             src.close()
         docs = h.document_count - 1 if h.variant == "megatron" else h.sequence_count
-        out.append(_Input(p, h.variant, h.sequence_count, docs, h.multimodal, h.dtype))
+        size = None
+        if not is_url(p):
+            try:
+                size = os.stat(p + ".bin").st_size
+            except OSError:
+                pass    # opening the input says what is wrong with it
+        out.append(_Input(p, h.variant, h.sequence_count, docs, h.multimodal, h.dtype, size))
     return out
 
 
@@ -285,7 +293,8 @@ def merge(output_prefix, inputs, *, mmap: bool | None = None, durable: bool = Tr
     d_all = 1 + sum(i.documents for i in infos)
     lay = layout_for("megatron", n_all, d_all, multimodal)
     if remote:
-        out = ObjectOutput(out_prefix, check, idx_size=lay.size)
+        sizes = [i.bin_bytes for i in infos]
+        out = ObjectOutput(out_prefix, check, idx_size=lay.size, bin_size=None if None in sizes else sum(sizes))
     else:
         out = LocalOutput(out_prefix, durable=durable)
     try:

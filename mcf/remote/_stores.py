@@ -204,17 +204,20 @@ def _seconds(t: float) -> str:
     return f"{max(0.001, float(t)):.3f}s"
 
 
-def object_store(kind: str, root: str, opts: dict, *, timeout: float | None, deadline: float | None = None):
+def object_store(kind: str, root: str, opts: dict, *, timeout: float | None, deadline: float | None = None,
+                 retries: int = 0):
     """The obstore store for ``root`` (``s3://bucket``, ``https://host``...) with ``opts``: made once per
     bucket/host, options and relevant environment, then reused.  ``timeout`` bounds a silence, ``deadline``
-    a whole request (default an hour).  Raises InvalidArgumentError for options the store refuses."""
+    a whole request (default an hour).  ``retries`` are obstore's own (0 for reads: mcf retries every part
+    itself; the writers of :mod:`mcf.remote._upload` let obstore retry a part's request).  Raises
+    InvalidArgumentError for options the store refuses."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith(_ENV_PREFIXES)))
-    key = (kind, root, _frozen(opts), timeout, deadline, env)
+    key = (kind, root, _frozen(opts), timeout, deadline, retries, env)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             try:
-                store = _make_store(kind, root, dict(opts), timeout, deadline)
+                store = _make_store(kind, root, dict(opts), timeout, deadline, retries)
             except BaseException as exc:  # noqa: BLE001 - obstore panics (BaseException) on some bad settings
                 if isinstance(exc, (KeyboardInterrupt, SystemExit, InvalidArgumentError, ArgumentTypeError)):
                     raise
@@ -225,7 +228,7 @@ def object_store(kind: str, root: str, opts: dict, *, timeout: float | None, dea
         return store
 
 
-def _make_store(kind, root, opts, timeout, deadline):
+def _make_store(kind, root, opts, timeout, deadline, retries=0):
     obstore_store = require("obstore.store", feature=f"reading {root.split(':', 1)[0]}:// URLs", extra="remote",
                             package="obstore")
     from obstore.exceptions import BaseError, UnknownConfigurationKeyError
@@ -245,7 +248,8 @@ def _make_store(kind, root, opts, timeout, deadline):
         client.setdefault("connect_timeout", _seconds(timeout))
         client.setdefault("read_timeout", _seconds(timeout))
     client.setdefault("timeout", _seconds(deadline) if deadline is not None else "3600s")
-    retry = {"max_retries": 0}   # mcf retries every part itself (mcf.remote._fetch): one count, one backoff
+    # reads: mcf retries every part itself (mcf.remote._fetch): one count, one backoff
+    retry = {"max_retries": int(retries)}
     try:
         if kind == "s3":
             return _s3_store(obstore_store, root, opts, client, retry)
