@@ -229,7 +229,8 @@ def load_megatron_builder(scratch):
     ns = {"numpy": np, "struct": struct, "shutil": shutil, "os": os, "time": __import__("time"), "Enum": enum.Enum,
           "Iterable": Iterable, "accumulate": accumulate, "TracebackType": types.TracebackType,
           "gc": types.SimpleNamespace(collect=lambda: 0), "logging": __import__("logging"), "logger": None,
-          "log_single_rank": lambda *a, **k: None, "lru_cache": __import__("functools").lru_cache, "torch": types.SimpleNamespace(Tensor=object),
+          "log_single_rank": lambda *a, **k: None, "lru_cache": __import__("functools").lru_cache,
+          "torch": types.SimpleNamespace(Tensor=object),
           "MultiStorageClientFeature": types.SimpleNamespace(is_enabled=lambda: False),
           **{k: getattr(typing, k) for k in ("List", "Optional", "Tuple", "Type", "Union")}}
     exec(compile(ast.Module(body=keep, type_ignores=[]), "megatron/core/datasets/indexed_dataset.py", "exec"), ns)

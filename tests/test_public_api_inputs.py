@@ -734,7 +734,8 @@ def test_big_endian_is_named_not_called_a_wrong_dtype(ctx):
 
 def test_every_writer_refuses_a_url(ctx, tmp_path, monkeypatch):
     """Remote files are read-only: every writer given a URL raises InvalidArgumentError before it
-    creates anything (mcf.export used to create a local directory named "https:")."""
+    creates anything (mcf.export used to create a local directory named "https:").  The Megatron writer
+    (and merge, tokenize) write to object stores (tests/test_megatron_remote.py) and refuse the other URLs."""
     monkeypatch.chdir(tmp_path)
     src = str(ctx["dir"] / "m.mcf")
     from _vectors import MANTLE_MODEL
@@ -748,6 +749,8 @@ def test_every_writer_refuses_a_url(ctx, tmp_path, monkeypatch):
              lambda u: write_kv(u + "/kv.mcb", [(np.zeros((1, 2, 4), np.float16),) * 2])]
     for url in ("https://example.invalid/m", "s3://bucket/m", "memory://m"):
         for call in calls:
+            if url.startswith("s3:") and call is calls[1]:
+                continue
             with pytest.raises(mcf.InvalidArgumentError, match="remote"):
                 call(url)
     assert os.listdir(tmp_path) == []

@@ -93,16 +93,14 @@ def cmd_verify(args) -> int:
 
 def cmd_merge(args) -> int:
     from mcf._core.console import Progress
-    from mcf.megatron import open as open_dataset
     from mcf.megatron.writer import merge
 
     t0 = time.perf_counter()
-    merge(args.output_prefix, args.inputs, mmap=False if args.no_mmap else None,
-          progress=Progress("merge", enabled=None if not args.quiet else False))
+    res = merge(args.output_prefix, args.inputs, mmap=False if args.no_mmap else None, overwrite=args.overwrite,
+                progress=Progress("merge", enabled=None if not args.quiet else False))
     dt = time.perf_counter() - t0
-    with open_dataset(args.output_prefix) as ds:
-        print(f"wrote {ds.path_prefix}: {len(args.inputs)} datasets, {len(ds):,} sequences, "
-              f"{ds.num_documents:,} documents, {ds.num_tokens:,} tokens in {dt:.2f}s")
+    print(f"wrote {printable(redact(res.prefix))}: {res.inputs} datasets, {res.sequence_count:,} sequences, "
+          f"{res.document_count:,} documents, {res.token_count:,} tokens in {dt:.2f}s")
     return 0
 
 
@@ -129,11 +127,12 @@ def cmd_tokenize(args) -> int:
                      append_eod=args.append_eod, eod_token=args.eod_token, workers=args.workers,
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
                      add_special_tokens=args.add_special_tokens, empty_text=args.empty_text,
-                     max_line_bytes=_max_line_bytes(args),
+                     max_line_bytes=_max_line_bytes(args), overwrite=args.overwrite,
                      progress=Progress("tokenize", enabled=None if not args.quiet else False))
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
-    print(f"wrote {args.output_prefix}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} "
-          f"sequences, {stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
+    out = printable(redact(args.output_prefix))
+    print(f"wrote {out}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} sequences, "
+          f"{stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
     return 0
 
 
@@ -172,16 +171,23 @@ def add_megatron_parser(sub) -> None:
     s.add_argument("--show", type=int, default=0, metavar="N", help="print the first N sequences")
     add_command(msub, "verify", cmd_verify, "check a dataset completely; report every problem, exit 1 if any", prefix,
                 no_mmap=True)
-    add_command(msub, "merge", cmd_merge, "concatenate datasets into one (streaming, bounded memory)",
-                ("output_prefix", "the dataset to write (OUTPUT_PREFIX.idx + .bin)"),
-                ("inputs", "+", "input dataset prefixes, in order"), no_mmap=True, quiet=True)
+    s = add_command(msub, "merge", cmd_merge, "concatenate datasets into one (one pass, bounded memory)",
+                    ("output_prefix", "the dataset to write (OUTPUT_PREFIX.idx + .bin; s3://BUCKET/PREFIX, gs://, "
+                     "az:// upload it)"),
+                    ("inputs", "+", "input dataset prefixes (local or URLs), in order"), no_mmap=True, quiet=True)
+    s.add_argument("--overwrite", action="store_true", help="replace a dataset that exists at an object-store "
+                   "output prefix (a local one is always replaced atomically)")
 
     s = add_command(msub, "tokenize", cmd_tokenize, "tokenize jsonl / text (gzip, zstd) into a dataset",
-                    ("inputs", "+", "input files (.jsonl[.gz|.zst] or plain text, one document a line)"))
+                    ("inputs", "+", "input files (.jsonl[.gz|.zst] or plain text, one document a line; s3://, gs://, "
+                     "az://, http(s):// URLs too)"))
     s.add_argument("--tokenizer", required=True, help="a tokenizer.json, a checkpoint directory holding one, or an "
                    "MCF file packed with its resources (it carries the tokenizer.json)")
     s.add_argument("--output-prefix", required=True,
-                   help="the dataset to write: OUTPUT_PREFIX.idx + .bin (missing directories are created)")
+                   help="the dataset to write: OUTPUT_PREFIX.idx + .bin (missing directories are created; "
+                        "s3://BUCKET/PREFIX, gs://, az:// upload it)")
+    s.add_argument("--overwrite", action="store_true", help="replace a dataset that exists at an object-store "
+                   "output prefix (a local one is always replaced atomically)")
     s.add_argument("--json-key", default="text", help="the field of each jsonl line that holds the text")
     s.add_argument("--append-eod", action="store_true", help="end every non-empty document with the EOD token")
     s.add_argument("--eod-token", help="the EOD token (default: the first of "

@@ -34,7 +34,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import stat
 import time
 import zlib
 from collections import deque
@@ -43,12 +42,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mcf._core.args import integer
-from mcf._core.fs import make_parent_dir, not_regular, open_regular
+from mcf._core.fs import make_parent_dir, open_regular
 from mcf._core.optional import require
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
 from mcf.conversion.tokenizer import load_tokenizer  # the tokenizer argument: any source mcf.conversion.tokenizer takes
+from mcf.conversion._inputs import input_size, open_input
+from mcf.remote import is_url
+from mcf.remote._urls import url_name
 
 try:  # faster JSON when available
     import orjson as _orjson
@@ -103,7 +105,7 @@ def _zstd_errors() -> tuple:
 
 
 def _is_json(path: str) -> bool:
-    base = path
+    base = url_name(path)   # a URL's name without its query (https://host/a.jsonl?download=true)
     ext = os.path.splitext(base)[1].lower()
     if ext in _COMPRESSED:
         base = base[: -len(ext)]
@@ -277,8 +279,15 @@ def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtyp
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
              dtype_rule: str = "megatron", add_special_tokens: bool = False, empty_text: str = "megatron",
-             max_line_bytes: int = MAX_LINE_BYTES, progress=None) -> TokenizeStats:
+             max_line_bytes: int = MAX_LINE_BYTES, overwrite: bool = False, storage_options: dict | None = None,
+             progress=None) -> TokenizeStats:
     """Tokenize ``inputs`` (one path or several, concatenated in order) into ``output_prefix``.
+
+    Inputs may be URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``...: read through :mod:`mcf.remote`),
+    and ``output_prefix`` an object-store URL (``s3://bucket/corpus``: the ``.bin`` is uploaded as it is
+    written and the ``.idx`` last; an existing dataset there is refused unless ``overwrite``; see
+    :class:`mcf.megatron.Writer`).  ``storage_options`` configure every URL's store
+    (:func:`mcf.remote.storage_options` otherwise).
 
     ``empty_text`` says what a text without tokens becomes: ``"megatron"`` (``preprocess_data.py``) a
     document with no sequence, and no EOD; ``"datatrove"`` (its reader + ``MegatronDocumentTokenizer``)
@@ -303,19 +312,14 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     tok = load_tokenizer(tokenizer)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    total_bytes = 0
-    for p in inputs:
-        try:
-            st = os.stat(p)
-        except OSError as exc:
-            raise os_error(exc, p) from None
-        if not stat.S_ISREG(st.st_mode):  # refused before the output is created (a FIFO would block)
-            raise not_regular(p, st.st_mode)
-        total_bytes += st.st_size
+    sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
+    total_bytes = sum(sizes)
     t0 = time.perf_counter()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
-    make_parent_dir(output_prefix, what="writing a dataset")
-    w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule)
+    if not is_url(output_prefix):
+        make_parent_dir(output_prefix, what="writing a dataset")
+    w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule, overwrite=overwrite,
+               storage_options=storage_options)
     run = batch_encoder(tok, add_special_tokens, eod, w.dtype, empty_text=empty_text)
     done_before = 0
 
@@ -347,10 +351,11 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
             pool = ThreadPoolExecutor(workers) if workers > 1 else None
             try:
                 pending: deque = deque()
-                for path in inputs:
+                for path, size in zip(inputs, sizes):
                     pos = [0]
                     batch: list = []
-                    for doc in iter_documents(path, json_key=json_key, position=pos, max_line_bytes=max_line_bytes):
+                    for doc in iter_documents(path, json_key=json_key, position=pos, max_line_bytes=max_line_bytes,
+                                              stream=open_input(path, storage_options)):
                         batch.append(doc)
                         if len(batch) >= batch_size:
                             if pool is None:
@@ -368,7 +373,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                             pending.append(pool.submit(run, batch))
                     while pending:
                         write(pending.popleft().result())
-                    done_before += os.path.getsize(path)
+                    done_before += size
                     report(done_before)
             finally:
                 if pool is not None:

@@ -40,8 +40,9 @@ def check_output(prefix: str, *, overwrite: bool, storage_options: dict | None) 
 
     found = [ext for ext in (".idx", ".bin") if object_exists(prefix + ext, storage_options=storage_options)]
     if found and not overwrite:
-        raise MCFIOError(errno.EEXIST, f"a dataset exists there already ({' and '.join(prefix.rsplit('/', 1)[-1] + e for e in found)}): "
-                         "pass overwrite=True (--overwrite on the command line) to replace it", redact(prefix))
+        names = " and ".join(prefix.rsplit("/", 1)[-1] + e for e in found)
+        raise MCFIOError(errno.EEXIST, f"a dataset exists there already ({names}): pass overwrite=True (--overwrite "
+                         "on the command line) to replace it", redact(prefix))
     return {"storage_options": storage_options, "old_idx": ".idx" in found}
 
 

@@ -27,8 +27,8 @@ import numpy as np
 
 from mcf._core.args import integer, integers
 from mcf._core.lifetime import PublishedOnExit
-from mcf._core.fs import create_temp, fsync_dir, fsync_file, make_parent_dir
-from mcf.errors import InvalidArgumentError, MCFIOError, os_error
+from mcf._core.fs import create_temp, fsync_dir, fsync_file
+from mcf.errors import InvalidArgumentError, MCFError, MCFIOError, os_error
 from mcf.megatron import _megatron
 from mcf.megatron._layout import (DOC_DTYPE, HEADER, LENGTH_DTYPE, MAGIC, MODE_DTYPE, VERSION,
                                   dtype_code, writer_dtype)
@@ -216,6 +216,30 @@ class _BinOut:
         self.nbytes += nbytes
 
 
+class _BinUpload:
+    """The .bin of a Writer whose prefix is an object-store URL: streamed into its upload
+    (:class:`mcf.megatron._object_out.ObjectOutput`), with :class:`_BinOut`'s interface."""
+
+    fd = -1
+
+    def __init__(self, out):
+        self.out = out
+        self.name = out.bin_path
+        self.nbytes = 0
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.out.write_bin(mv)
+        self.nbytes += len(mv)
+
+    def flush(self) -> None:
+        pass
+
+    def copy_from(self, src, nbytes: int) -> None:
+        self.out.copy_bin(src, nbytes, self.nbytes)
+        self.nbytes += nbytes
+
+
 class Writer(PublishedOnExit):
     """Write ``PREFIX.bin`` + ``PREFIX.idx``.
 
@@ -227,18 +251,28 @@ class Writer(PublishedOnExit):
     ``durable=True`` fsyncs both files (and the directory) before and after publishing them, so a
     finalized dataset survives a power loss; ``durable=False`` keeps the atomic renames but leaves
     write-back to the kernel, as Megatron and datatrove do.
+
+    ``prefix`` may be an object-store URL (``s3://bucket/corpus``, ``gs://``, ``az://``): the ``.bin`` then
+    streams into a multipart upload as it is written, the ``.idx`` is built in ``staging_dir`` (the system's
+    temporary directory by default) with the per-sequence arrays, and ``finalize`` completes the ``.bin``
+    and uploads the ``.idx`` last, so a reader that finds the ``.idx`` finds the whole dataset; an aborted
+    writer leaves nothing.  A dataset that exists there already is refused unless ``overwrite`` (a local
+    one is replaced atomically); ``storage_options`` configure the store
+    (:func:`mcf.remote.storage_options` otherwise).  See :mod:`mcf.megatron._object_out`.
     """
 
     def __init__(self, prefix, *, dtype=None, vocab_size: int | None = None, dtype_rule: str = "megatron",
-                 multimodal: bool = False, atomic: bool = True, durable: bool = True):
+                 multimodal: bool = False, atomic: bool = True, durable: bool = True, overwrite: bool = False,
+                 storage_options: dict | None = None, staging_dir=None):
         from mcf.megatron.reader import split_prefix
-        from mcf.remote import refuse_url
+        from mcf.remote import is_url
 
-        refuse_url(prefix, what="writing a dataset")
         self.dtype = writer_dtype(dtype, vocab_size, dtype_rule)
         self.dtype_code = dtype_code(self.dtype)
         self.prefix = split_prefix(prefix)
-        if atomic:
+        self._remote = None
+        remote = is_url(self.prefix)
+        if atomic and not remote:
             from mcf.megatron._publish import finish_interrupted
 
             finish_interrupted(self.prefix)  # a predecessor killed between its renames: complete it first
@@ -252,13 +286,26 @@ class Writer(PublishedOnExit):
         if self._int:
             info = np.iinfo(self.dtype)
             self._lo, self._hi = int(info.min), int(info.max)
-        directory = os.path.dirname(os.path.abspath(self.prefix))
+        checked = None
+        if remote:
+            from mcf.megatron._object_out import check_output
+
+            checked = check_output(self.prefix, overwrite=overwrite, storage_options=storage_options)
+            directory = os.fspath(staging_dir) if staging_dir is not None else tempfile.gettempdir()
+        else:
+            directory = os.path.dirname(os.path.abspath(self.prefix))
         self._dir = directory
         self._lengths = _Column(LENGTH_DTYPE, directory)
         self._docs = _Column(DOC_DTYPE, directory)
         self._docs.append(0)
         self._modes = _Column(MODE_DTYPE, directory) if self.multimodal else None
-        self._idx_tmp = None
+        self._idx_tmp = self._bin_tmp = None
+        if remote:
+            from mcf.megatron._object_out import ObjectOutput
+
+            self._remote = ObjectOutput(self.prefix, checked, staging_dir=directory)
+            self._bin = _BinUpload(self._remote)
+            return
         try:
             if self._atomic:
                 fd, self._bin_tmp = create_temp(directory, os.path.basename(self.bin_path))
@@ -435,6 +482,12 @@ class Writer(PublishedOnExit):
             if self._docs.last() != self._lengths.count:
                 self._docs.append(self._lengths.count)
             self._bin.flush()
+            if self._remote is not None:
+                self._index_into(self._remote.idx_file)
+                self._remote.publish(self._bin.nbytes)
+                self._closed = True
+                self._release()
+                return
             if self._durable:
                 fsync_file(self._bin.fd)
             os.close(self._bin.fd)
@@ -448,6 +501,8 @@ class Writer(PublishedOnExit):
             self._release()
         except OSError as exc:
             self.abort()
+            if isinstance(exc, MCFError):
+                raise
             raise os_error(exc, self.prefix) from None
         except BaseException:
             self.abort()
@@ -468,26 +523,30 @@ class Writer(PublishedOnExit):
             self._idx_tmp = self.idx_path
             fd = os.open(self.idx_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            f.write(HEADER.pack(MAGIC, VERSION, self.dtype_code, self._lengths.count, self._docs.count))
-            for a in self._lengths.chunks():
-                f.write(memoryview(a).cast("B"))
-            cur = 0
-            isz = self.dtype.itemsize
-            buf = np.empty(_CHUNK, np.int64)
-            for a in self._lengths.chunks():
-                out = buf[:len(a)]
-                cur = _megatron.prefix_pointers(a, isz, cur, out)
-                f.write(memoryview(out).cast("B"))
-            if cur != self._bin.nbytes:  # pragma: no cover - an internal invariant
-                raise AssertionError(f"pointers end at {cur}, .bin holds {self._bin.nbytes} bytes")
-            for a in self._docs.chunks():
-                f.write(memoryview(a).cast("B"))
-            if self.multimodal:
-                for a in self._modes.chunks():
-                    f.write(memoryview(a).cast("B"))
-            f.flush()
+            self._index_into(f)
             if self._durable:
                 fsync_file(f.fileno())
+
+    def _index_into(self, f) -> None:
+        """Write the whole .idx to the binary file ``f`` (pointers computed from the lengths), flushed."""
+        f.write(HEADER.pack(MAGIC, VERSION, self.dtype_code, self._lengths.count, self._docs.count))
+        for a in self._lengths.chunks():
+            f.write(memoryview(a).cast("B"))
+        cur = 0
+        isz = self.dtype.itemsize
+        buf = np.empty(_CHUNK, np.int64)
+        for a in self._lengths.chunks():
+            out = buf[:len(a)]
+            cur = _megatron.prefix_pointers(a, isz, cur, out)
+            f.write(memoryview(out).cast("B"))
+        if cur != self._bin.nbytes:  # pragma: no cover - an internal invariant
+            raise AssertionError(f"pointers end at {cur}, .bin holds {self._bin.nbytes} bytes")
+        for a in self._docs.chunks():
+            f.write(memoryview(a).cast("B"))
+        if self.multimodal:
+            for a in self._modes.chunks():
+                f.write(memoryview(a).cast("B"))
+        f.flush()
 
     def _release(self) -> None:
         for c in (self._lengths, self._docs, self._modes):
@@ -498,6 +557,11 @@ class Writer(PublishedOnExit):
         """Discard everything written; existing files at the prefix are left as they were."""
         was = self._closed
         self._closed = True
+        if self._remote is not None:
+            self._release()
+            if not was:
+                self._remote.abort()
+            return
         if self._bin.fd >= 0:
             os.close(self._bin.fd)
             self._bin.fd = -1

@@ -63,8 +63,8 @@ def part_size_for(total: int | None) -> int:
 def _store(url: str, storage_options):
     tgt = target(url)
     if tgt.kind not in ("s3", "gcs", "azure"):
-        raise InvalidArgumentError(f"{redact(url)}: mcf writes to object stores (s3://, gs://, az://), not to "
-                                   f"{url.split('://', 1)[0]}:// URLs")
+        raise InvalidArgumentError(f"{redact(url)}: writing is not supported on {url.split('://', 1)[0]}:// remote "
+                                   "URLs (they are read-only); mcf writes to object stores: s3://, gs://, az://")
     require("obstore", feature=f"writing {url.split('://', 1)[0]}:// URLs", extra="remote")
     opts = default_options(url) if storage_options is None else dict(storage_options)
     return object_store(tgt.kind, tgt.root, opts, timeout=_WRITE_TIMEOUT, retries=WRITE_RETRIES), tgt.key
@@ -96,7 +96,7 @@ def write_error(exc: BaseException, url: str, what: str) -> BaseException:
         return AccessError(errno.EACCES, f"access denied while {what} (check the credentials, and that they may "
                            f"read and write there): {_line(exc)}", shown)
     if re.search(r"latest/api/token|credential", text, re.IGNORECASE):
-        return AccessError(errno.EACCES, f"no credentials for {what} (none in storage_options, in "
+        return AccessError(errno.EACCES, f"no credentials were found while {what} (none in storage_options, in "
                            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile, and no role the client could "
                            f"reach): {_line(exc)}", shown)
     if isinstance(exc, AlreadyExistsError):
