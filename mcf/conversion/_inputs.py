@@ -48,9 +48,38 @@ def input_size(path: str, storage_options=None) -> int:
     return st.st_size
 
 
+class _Raw(io.RawIOBase):
+    """A :class:`mcf.remote.RemoteFile` as the raw stream under an ``io.BufferedReader``."""
+
+    def __init__(self, f):
+        super().__init__()
+        self._f = f
+        self.name = f.name      # redacted
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        return self._f.readinto(b)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
 def open_input(path: str, storage_options=None):
     """A buffered binary stream over the URL ``path`` (with ``peek``, ``tell`` and ``close``); None for a local
     path, which the reader opens itself."""
     if not is_url(path):
         return None
-    return io.BufferedReader(_remote(path, storage_options), buffer_size=REMOTE_BUFFER_BYTES)
+    return io.BufferedReader(_Raw(_remote(path, storage_options)), buffer_size=REMOTE_BUFFER_BYTES)

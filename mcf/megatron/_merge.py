@@ -265,11 +265,21 @@ def merge(output_prefix, inputs, *, mmap: bool | None = None, durable: bool = Tr
     Megatron).  ``mmap`` is how the inputs are read (:func:`mcf.megatron.open`).  ``durable`` fsyncs the
     output before and after publishing it.  ``progress(done, total, name)`` is called after each input.
 
-    ``output_prefix`` may be an object-store URL (``s3://bucket/corpus``, ``gs://``, ``az://``): the
-    ``.bin`` is uploaded first and the ``.idx`` last, so a reader that finds the ``.idx`` finds the whole
-    dataset; an output that exists already is refused unless ``overwrite`` (a local output is replaced
-    atomically, as the :class:`~mcf.megatron.Writer` replaces it).  ``storage_options`` configure the
-    store (:func:`mcf.remote.storage_options` otherwise)."""
+    Inputs may be URLs (read through :mod:`mcf.remote`), and ``output_prefix`` an object-store URL
+    (``s3://bucket/corpus``, ``gs://``, ``az://``): the ``.bin`` is uploaded first and the ``.idx`` last, so
+    a reader that finds the ``.idx`` finds the whole dataset; an output that exists already is refused
+    unless ``overwrite`` (a local output is replaced atomically, as the :class:`~mcf.megatron.Writer`
+    replaces it).  ``storage_options`` configure every URL's store, the inputs' and the output's
+    (:func:`mcf.remote.storage_options` otherwise)."""
+    if storage_options is not None:
+        from mcf.remote import storage_options as options_for_urls
+
+        with options_for_urls(storage_options):
+            return _merge(output_prefix, inputs, mmap, durable, progress, overwrite, storage_options)
+    return _merge(output_prefix, inputs, mmap, durable, progress, overwrite, None)
+
+
+def _merge(output_prefix, inputs, mmap, durable, progress, overwrite, storage_options) -> MergeResult:
     from mcf.megatron.reader import open as open_dataset
     from mcf.remote import is_url, redact
 
