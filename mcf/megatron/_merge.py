@@ -15,9 +15,11 @@ How, and why so:
 2. **One input at a time.**  Each input is then opened (and validated, as :func:`mcf.megatron.open`
    validates), its arrays are written at their offsets in the output ``.idx`` (the lengths and the modes
    as they are, the pointers and the document boundaries shifted by numpy in chunks of 1M items), its
-   ``.bin`` is appended with ``copy_file_range`` (the kernel copies, nothing passes through Python;
-   8 MiB reads where the file system cannot), and it is closed.  Two descriptors of the inputs are open
-   at any moment, however many there are: a thousand shards need no raised descriptor limit.  Memory
+   ``.bin`` is copied to its offset with ``copy_file_range`` (the kernel copies, nothing passes through
+   Python; 8 MiB reads where the file system cannot) by one of two copier threads, on a duplicate of its
+   descriptor, while the next input is opened and validated; then it is closed.  At most two descriptors
+   of the input being opened and ``COPIES_IN_FLIGHT`` (8) of the inputs being copied are open at any
+   moment, however many inputs there are: a thousand shards need no raised descriptor limit.  Memory
    stays at a few chunks whatever the counts.
 3. **Atomic publish.**  Both files are written under temporary names beside the output and renamed into
    place at the end, the ``.bin`` first (:func:`mcf.megatron._publish.publish_pair`, with the intent
@@ -35,12 +37,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from mcf._core.fs import create_temp, fsync_dir, fsync_file, make_parent_dir
-from mcf.errors import FormatError, InvalidArgumentError, os_error
+from mcf.errors import FormatError, InvalidArgumentError, TruncatedError, os_error
 from mcf.io import open_source
 from mcf.megatron._layout import HEADER, MAGIC, VERSION, dtype_code, layout_for
 
@@ -48,6 +51,8 @@ __all__ = ["merge", "MergeResult"]
 
 CHUNK = 1 << 20             # items per chunk of the shifted arrays
 COPY_BYTES = 8 << 20        # bytes per read where copy_file_range cannot copy
+COPY_THREADS = 2            # copier threads: the kernel copies one input while the next one is opened
+COPIES_IN_FLIGHT = 8        # inputs queued or being copied (each holds one duplicated descriptor)
 _INT64_MAX = 2**63 - 1
 _MAX_WRITE = 1 << 30        # bytes per pwrite(2) (Linux writes at most 2 GiB - 4 KiB at once)
 
@@ -156,6 +161,8 @@ class LocalOutput:
         self._dir = os.path.dirname(os.path.abspath(prefix))
         self.bin_fd = self.idx_fd = -1
         self.bin_tmp = self.idx_tmp = None
+        self._copies: deque = deque()
+        self._executor = None
         try:
             self.bin_fd, self.bin_tmp = create_temp(self._dir, os.path.basename(self.bin_path))
             self.idx_fd, self.idx_tmp = create_temp(self._dir, os.path.basename(self.idx_path))
@@ -170,27 +177,81 @@ class LocalOutput:
         _pwrite_all(self.idx_fd, data, offset, self.idx_tmp)
 
     def copy_bin(self, src, nbytes: int, offset: int) -> None:
-        """Append ``nbytes`` from the start of the Source ``src`` at ``offset`` of the ``.bin``."""
-        done = 0
+        """Put ``nbytes`` from the start of the Source ``src`` at ``offset`` of the ``.bin``.  A local file is
+        copied by the kernel in a copier thread, on a duplicate of its descriptor (the caller may close the
+        source at once), while the caller goes on with the next input; other sources are copied here."""
         if src.mode in ("mmap", "pread") and hasattr(os, "copy_file_range"):
+            self._wait(COPIES_IN_FLIGHT - 1)
+            fd = os.dup(src.fileno())
+            try:
+                self._copies.append(self._pool().submit(self._copy_fd, fd, src.name, nbytes, offset))
+            except BaseException:
+                os.close(fd)
+                raise
+            return
+        done = 0
+        while done < nbytes:
+            k = min(COPY_BYTES, nbytes - done)
+            _pwrite_all(self.bin_fd, src.view(done, k), offset + done, self.bin_tmp)
+            done += k
+
+    def _pool(self):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="mcf-merge-copy")
+        return self._executor
+
+    def _copy_fd(self, fd: int, name: str, nbytes: int, offset: int) -> None:
+        """Copy ``nbytes`` from the start of ``fd`` (closed at the end) to ``offset`` of the ``.bin``."""
+        done = 0
+        try:
             try:
                 while done < nbytes:
-                    k = os.copy_file_range(src.fileno(), self.bin_fd, nbytes - done, done, offset + done)
+                    k = os.copy_file_range(fd, self.bin_fd, nbytes - done, done, offset + done)
                     if k == 0:
                         break
                     done += k
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ETXTBSY):
                     raise os_error(exc, self.bin_path if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-                                   else src.name) from None
-        while done < nbytes:
-            k = min(COPY_BYTES, nbytes - done)
-            _pwrite_all(self.bin_fd, src.view(done, k), offset + done, self.bin_tmp)
-            done += k
+                                   else name) from None
+            while done < nbytes:   # a file system that cannot copy in the kernel; or a file cut short
+                try:
+                    data = os.pread(fd, min(COPY_BYTES, nbytes - done), done)
+                except OSError as exc:
+                    raise os_error(exc, name) from None
+                if not data:
+                    raise TruncatedError(f"the .bin became shorter while it was merged: {done} of {nbytes} bytes",
+                                         path=name, field="size", expected=f"{nbytes} bytes", got=f"{done} bytes")
+                _pwrite_all(self.bin_fd, data, offset + done, self.bin_tmp)
+                done += len(data)
+        finally:
+            os.close(fd)
+
+    def _wait(self, keep: int) -> None:
+        """Wait until at most ``keep`` copies are in flight; raise the first copy's error."""
+        while len(self._copies) > keep:
+            self._copies.popleft().result()
+
+    def _stop_copies(self) -> None:
+        for f in self._copies:
+            f.cancel()
+        for f in self._copies:
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - the output is being discarded; the first error is raised already
+                pass
+        self._copies.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def publish(self, bin_size: int) -> None:
         from mcf.megatron._publish import publish_pair
 
+        self._wait(0)
+        self._stop_copies()
         try:
             if self.durable:
                 fsync_file(self.bin_fd)
@@ -206,6 +267,7 @@ class LocalOutput:
             raise os_error(exc, self.prefix) from None
 
     def abort(self) -> None:
+        self._stop_copies()
         for name in ("bin_fd", "idx_fd"):
             fd = getattr(self, name)
             if fd >= 0:
