@@ -51,6 +51,7 @@ __all__ = ["merge", "MergeResult"]
 
 CHUNK = 1 << 20             # items per chunk of the shifted arrays
 COPY_BYTES = 8 << 20        # bytes per read where copy_file_range cannot copy
+REMOTE_COPY_BYTES = 64 << 20  # bytes per read of an input at a URL (eight 8 MiB requests in flight)
 COPY_THREADS = 2            # copier threads: the kernel copies one input while the next one is opened
 COPIES_IN_FLIGHT = 8        # inputs queued or being copied (each holds one duplicated descriptor)
 _INT64_MAX = 2**63 - 1
@@ -191,7 +192,7 @@ class LocalOutput:
             return
         done = 0
         while done < nbytes:
-            k = min(COPY_BYTES, nbytes - done)
+            k = min(REMOTE_COPY_BYTES, nbytes - done)
             _pwrite_all(self.bin_fd, src.view(done, k), offset + done, self.bin_tmp)
             done += k
 

@@ -25,10 +25,12 @@ import tempfile
 from mcf.errors import MCFIOError, os_error
 from mcf.remote import redact
 
-__all__ = ["ObjectOutput", "check_output", "COPY_BYTES"]
+__all__ = ["ObjectOutput", "check_output", "COPY_BYTES", "REMOTE_COPY_BYTES"]
 
-#: bytes read from an input ``.bin`` per piece handed to the upload
+#: bytes read from a local input ``.bin`` per piece handed to the upload
 COPY_BYTES = 8 << 20
+#: bytes read from an input ``.bin`` at a URL per piece (eight 8 MiB requests in flight)
+REMOTE_COPY_BYTES = 64 << 20
 
 
 def check_output(prefix: str, *, overwrite: bool, storage_options: dict | None) -> dict:
@@ -92,8 +94,9 @@ class ObjectOutput:
         if offset != self.bin_nbytes:  # pragma: no cover - the merge appends in order
             raise AssertionError(f"out-of-order .bin write at {offset}, {self.bin_nbytes} written")
         done = 0
+        step = COPY_BYTES if src.mode in ("mmap", "pread") else REMOTE_COPY_BYTES
         while done < nbytes:
-            k = min(COPY_BYTES, nbytes - done)
+            k = min(step, nbytes - done)
             self.write_bin(src.view(done, k))
             done += k
 

@@ -577,9 +577,25 @@ class Writer(PublishedOnExit):
 
 def merge(output_prefix, inputs, *, mmap: bool | None = None, durable: bool = True, progress=None,
           overwrite: bool = False, storage_options: dict | None = None):
-    """Concatenate the datasets ``inputs`` (prefixes) into ``output_prefix`` in one pass, byte-identical to
-    Megatron-LM's merge: see :func:`mcf.megatron._merge.merge`, which this is.  Returns a
-    :class:`~mcf.megatron._merge.MergeResult` (the prefix, the paths, the dtype and the counts)."""
+    """Concatenate the datasets ``inputs`` (prefixes) into ``output_prefix`` in one pass: the output's layout
+    from the inputs' headers, then each input opened once (validated), its arrays written at their final
+    offsets and its ``.bin`` copied by the kernel (``copy_file_range``); a few inputs open at a time, memory
+    bounded whatever the counts (:mod:`mcf.megatron._merge`).  The bytes are Megatron-LM's merge's
+    (``IndexedDatasetBuilder.add_index`` per input, then ``finalize``).
+
+    All inputs must share one dtype; the output is multimodal when the first input holding sequences is
+    (the others must then be too; a multimodal input merged into a plain output loses its modes, as in
+    Megatron).  ``mmap`` is how the inputs are read (:func:`mcf.megatron.open`); ``durable`` fsyncs the
+    output before and after publishing it; ``progress(done, total, name)`` is called after each input.
+
+    Inputs may be URLs, and ``output_prefix`` an object-store URL (``s3://bucket/corpus``, ``gs://``,
+    ``az://``): the ``.bin`` is uploaded first and the ``.idx`` last, so a reader that finds the ``.idx``
+    finds the whole dataset; an output that exists there is refused unless ``overwrite`` (a local output is
+    replaced atomically).  ``storage_options`` configure every URL's store, the inputs' and the output's
+    (:func:`mcf.remote.storage_options` otherwise).
+
+    Returns a :class:`~mcf.megatron._merge.MergeResult`: ``prefix``, ``idx_path``, ``bin_path``, ``dtype``,
+    ``multimodal``, ``inputs``, ``sequence_count``, ``document_count``, ``token_count``."""
     from mcf.megatron._merge import merge as merge_one_pass
 
     return merge_one_pass(output_prefix, inputs, mmap=mmap, durable=durable, progress=progress,

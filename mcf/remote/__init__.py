@@ -31,7 +31,9 @@ The source's ``read_ranges``/``read_into`` hand a whole load plan to :meth:`Remo
 Small reads (a header, an index, a short sequence) go through an LRU cache of aligned blocks
 (``block_size``, 1 MiB; ``cache_size``, 64 MiB), so parsing a file costs a request or two, not one per
 field.  The file size must be known up front (``HEAD``/``Content-Length``): every bounds check of the
-readers depends on it.  Remote files are read-only: every writer refuses a URL (:func:`refuse_url`).
+readers depends on it.  Remote files are read-only: every writer refuses a URL (:func:`refuse_url`), except
+the Megatron writers, which write datasets to object stores through :mod:`mcf.remote._upload` (a multipart
+upload that appears whole on completion, or not at all).
 """
 
 from __future__ import annotations
