@@ -185,6 +185,22 @@ def test_obstore_for_object_stores(monkeypatch):
     check(ei, "obstore", "remote")
 
 
+def test_obstore_to_write_datasets_to_object_stores(monkeypatch, tmp_path):
+    """Writing to an object store has no fallback: the Megatron writer, merge and tokenize name the extra
+    before anything is written (a raw ModuleNotFoundError escaped the lookup of an existing output)."""
+    import mcf.megatron as mm
+
+    block(monkeypatch, "obstore")
+    with pytest.raises(mcf.MissingDependencyError) as ei:
+        mm.Writer("s3://bucket/corpus", dtype=np.uint16)
+    check(ei, "obstore", "remote")
+    with mm.Writer(str(tmp_path / "a"), dtype=np.uint16) as w:
+        w.add_item([1, 2])
+    with pytest.raises(mcf.MissingDependencyError) as ei:
+        mm.merge("gs://bucket/corpus", [str(tmp_path / "a")])
+    check(ei, "obstore", "remote")
+
+
 def test_a_url_scheme_whose_fsspec_backend_is_missing(monkeypatch):
     pytest.importorskip("fsspec", reason="the scheme is resolved by fsspec")
     block(monkeypatch, "s3fs", "obstore")   # without obstore, s3:// goes to fsspec, which needs s3fs

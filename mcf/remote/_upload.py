@@ -106,9 +106,9 @@ def write_error(exc: BaseException, url: str, what: str) -> BaseException:
 
 def object_exists(url: str, *, storage_options: dict | None = None) -> bool:
     """True when the object ``url`` exists (a HEAD request)."""
+    store, key = _store(url, storage_options)   # first: a missing obstore is a MissingDependencyError
     import obstore
 
-    store, key = _store(url, storage_options)
     try:
         obstore.head(store, key)
     except FileNotFoundError:
@@ -123,9 +123,9 @@ def object_exists(url: str, *, storage_options: dict | None = None) -> bool:
 
 def delete_object(url: str, *, storage_options: dict | None = None) -> None:
     """Remove the object ``url`` (nothing happens when there is none)."""
+    store, key = _store(url, storage_options)
     import obstore
 
-    store, key = _store(url, storage_options)
     try:
         obstore.delete(store, key)
     except FileNotFoundError:
@@ -136,9 +136,9 @@ def delete_object(url: str, *, storage_options: dict | None = None) -> None:
 
 def put_file(url: str, fileobj, *, storage_options: dict | None = None, size: int | None = None) -> None:
     """Upload the binary file ``fileobj`` from its start as the object ``url`` (whole, atomically)."""
+    store, key = _store(url, storage_options)
     import obstore
 
-    store, key = _store(url, storage_options)
     fileobj.seek(0)
     try:
         obstore.put(store, key, fileobj, chunk_size=part_size_for(size), max_concurrency=DEFAULT_UPLOAD_CONCURRENCY)
@@ -152,13 +152,13 @@ class ObjectUpload:
 
     def __init__(self, url: str, *, storage_options: dict | None = None, part_size: int = DEFAULT_PART_SIZE,
                  concurrency: int = DEFAULT_UPLOAD_CONCURRENCY):
-        import obstore
-
         self.url = url
         self.name = redact(url)
         self.part_size = integer(part_size, "part_size", minimum=5 << 20)
         self.concurrency = integer(concurrency, "concurrency", minimum=1)
         store, key = _store(url, storage_options)
+        import obstore
+
         self.nbytes = 0
         self._buf = bytearray()
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUED)
