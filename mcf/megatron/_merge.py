@@ -89,8 +89,8 @@ def _prefixes(inputs) -> list:
 
     out = []
     for obj in inputs:
-        if not isinstance(obj, (str, os.PathLike)):
-            raise InvalidArgumentError(f"merge takes dataset prefixes (str or os.PathLike), not "
+        if not isinstance(obj, (str, bytes, os.PathLike)):
+            raise InvalidArgumentError(f"merge takes dataset prefixes (str, bytes or os.PathLike), not "
                                        f"{type(obj).__name__}")
         out.append(split_prefix(obj))
     return out
