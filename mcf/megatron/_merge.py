@@ -185,6 +185,13 @@ class LocalOutput:
             self._wait(COPIES_IN_FLIGHT - 1)
             fd = os.dup(src.fileno())
             try:
+                if nbytes and hasattr(os, "posix_fadvise"):
+                    # start reading this input now, while earlier copies run: the kernel's readahead of
+                    # one small file at a time stays short of the disk's speed (a hint; errors ignored)
+                    try:
+                        os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED)
+                    except OSError:
+                        pass
                 self._copies.append(self._pool().submit(self._copy_fd, fd, src.name, nbytes, offset))
             except BaseException:
                 os.close(fd)
