@@ -158,7 +158,7 @@ class TiktokenVocab:
     """A tiktoken-format vocabulary: ``ranks`` (token bytes to id), the split ``pattern`` and the
     ``special_tokens`` (text to id)."""
 
-    def __init__(self, name: str, ranks: dict, pattern: str, special_tokens: dict | None = None):
+    def __init__(self, name: str, ranks: dict, pattern: str, *, special_tokens: dict | None = None):
         self.name = str(name)
         self.ranks = dict(ranks)
         self.pattern = str(pattern)
@@ -171,7 +171,7 @@ class TiktokenVocab:
     @classmethod
     def from_encoding(cls, enc) -> "TiktokenVocab":
         """From a ``tiktoken.Encoding`` (its ranks, pattern and special tokens)."""
-        return cls(enc.name, enc._mergeable_ranks, enc._pat_str, enc._special_tokens)
+        return cls(enc.name, enc._mergeable_ranks, enc._pat_str, special_tokens=enc._special_tokens)
 
     def encoding(self):
         """A ``tiktoken.Encoding`` of this vocabulary."""
@@ -219,7 +219,11 @@ class TiktokenVocab:
         return tok
 
     def __reduce__(self):
-        return (TiktokenVocab, (self.name, self.ranks, self.pattern, self.special_tokens))
+        return (_tiktoken_vocab, (self.name, self.ranks, self.pattern, self.special_tokens))
+
+
+def _tiktoken_vocab(name, ranks, pattern, special_tokens):
+    return TiktokenVocab(name, ranks, pattern, special_tokens=special_tokens)
 
 
 def _named_encoding(name: str):
@@ -290,7 +294,7 @@ def load_source(source, *, tiktoken_pattern: str | None = None) -> TokenizerSour
         if re.fullmatch(r"[A-Za-z0-9_]+", name):
             enc = _named_encoding(name)
             pattern, special = enc._pat_str, enc._special_tokens
-        vocab = TiktokenVocab(os.path.basename(path), ranks, pattern, special)
+        vocab = TiktokenVocab(os.path.basename(path), ranks, pattern, special_tokens=special)
     elif tiktoken_pattern is not None:
         raise InvalidArgumentError("tiktoken_pattern (--tiktoken-pattern) applies to a .tiktoken ranks file")
     if vocab is not None:
@@ -312,7 +316,7 @@ class Backend:
 
     name = "?"
 
-    def encode(self, texts: list, add_special_tokens: bool = False):
+    def encode(self, texts: list, add_special_tokens: bool):
         """``(ids, offsets)``: the ids of all ``texts`` as one flat uint32 array; text k's are
         ``ids[offsets[k]:offsets[k+1]]`` (``offsets``: int64, ``len(texts) + 1``)."""
         raise NotImplementedError
@@ -336,7 +340,7 @@ class HFBackend(Backend):
         self.tok = tok
         self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
-    def encode(self, texts, add_special_tokens=False):
+    def encode(self, texts, add_special_tokens: bool):
         if not texts:
             return np.empty(0, np.uint32), np.zeros(1, np.int64)
         return _lists_to_flat([e.ids for e in self._encode(texts, add_special_tokens=add_special_tokens)])
@@ -356,7 +360,7 @@ class FastokensBackend(Backend):
                 from None
         self._flat = getattr(self.tok, "encode_batch_flat", None)
 
-    def encode(self, texts, add_special_tokens=False):
+    def encode(self, texts, add_special_tokens: bool):
         if not texts:
             return np.empty(0, np.uint32), np.zeros(1, np.int64)
         if self._flat is None:  # releases before encode_batch_flat
@@ -384,7 +388,7 @@ class TiktokenBackend(Backend):
         self._special = self.enc.special_tokens_set
         self._numpy = hasattr(self.enc, "encode_to_numpy")
 
-    def encode(self, texts, add_special_tokens=False):
+    def encode(self, texts, add_special_tokens: bool):
         if self._numpy:
             parts = [self.enc.encode_to_numpy(t, allowed_special=self._special, disallowed_special=()) for t in texts]
             offsets = np.zeros(len(parts) + 1, np.int64)
@@ -437,7 +441,8 @@ def _outcome(backend: Backend, texts: list, add_special_tokens: bool):
         return out
 
 
-def probe_mismatch(backend: Backend, reference: Backend, source: TokenizerSource, add_special_tokens: bool = False):
+def probe_mismatch(backend: Backend, reference: Backend, source: TokenizerSource, *,
+                   add_special_tokens: bool = False):
     """None when ``backend`` gives ``reference``'s ids on every probe text (and refuses the same ones),
     else a short description of the first difference."""
     texts = probe_texts(source)
@@ -466,10 +471,19 @@ def _say_once(key, message: str) -> None:
     LOG.warning("%s", message)
 
 
-_CHOSEN: dict = {}   # (tokenizer digest, backend asked, add_special_tokens) -> (name, note): the probe runs once
+_CHOSEN: dict = {}   # (tokenizer digest, backend asked, add_special_tokens) -> (Backend, note): probed once
+_CHOSEN_KEPT = 4     # tokenizers whose backend a process keeps
 
 
-def choose_backend(source: TokenizerSource, backend: str = "auto", *, add_special_tokens: bool = False):
+def _remember(key, backend: Backend, note):
+    with _SAID_LOCK:
+        while len(_CHOSEN) >= _CHOSEN_KEPT:
+            _CHOSEN.pop(next(iter(_CHOSEN)))
+        _CHOSEN[key] = (backend, note)
+    return backend, note
+
+
+def choose_backend(source: TokenizerSource, backend: str, *, add_special_tokens: bool = False):
     """``(Backend, note)``: the backend ``backend`` names, checked on the probe (InvalidArgumentError when
     it fails it or does not load the tokenizer), or for ``auto`` the first of :data:`AUTO_ORDER` that
     loads the tokenizer and passes the probe, else HF tokenizers with ``note`` saying why (logged once
@@ -482,16 +496,14 @@ def choose_backend(source: TokenizerSource, backend: str = "auto", *, add_specia
     key = (source.digest, backend, bool(add_special_tokens))
     known = _CHOSEN.get(key)
     if known is not None:
-        name, note = known
-        return (reference if name == "hf" else make_backend(name, source)), note
+        return known
     if backend != "auto":
         b = make_backend(backend, source)
-        why = probe_mismatch(b, reference, source, add_special_tokens)
+        why = probe_mismatch(b, reference, source, add_special_tokens=add_special_tokens)
         if why is not None:
             raise InvalidArgumentError(f"the {backend} backend does not tokenize {source.label} as HF tokenizers does: "
                                        f"{why}; use --tokenizer-backend hf or auto")
-        _CHOSEN[key] = (backend, None)
-        return b, None
+        return _remember(key, b, None)
     reasons = []
     for name in AUTO_ORDER:
         if name == "tiktoken" and source.tiktoken is None:
@@ -504,12 +516,10 @@ def choose_backend(source: TokenizerSource, backend: str = "auto", *, add_specia
         except MCFError as exc:
             reasons.append(str(exc))
             continue
-        why = probe_mismatch(b, reference, source, add_special_tokens)
+        why = probe_mismatch(b, reference, source, add_special_tokens=add_special_tokens)
         if why is None:
-            _CHOSEN[key] = (name, None)
-            return b, None
+            return _remember(key, b, None)
         reasons.append(f"{name}: {why}")
     note = f"tokenizing with HF tokenizers: {'; '.join(reasons)}"
     _say_once((source.digest, note), note)
-    _CHOSEN[key] = ("hf", note)
-    return reference, note
+    return _remember(key, reference, note)
