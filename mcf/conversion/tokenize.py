@@ -294,7 +294,7 @@ def _parse_block(block: bytes, first: int, path: str, as_json: bool, json_key: s
             try:
                 out.extend([d.value for d in decoder.decode_lines(block)])
                 return out
-            except (ValueError, RecursionError):  # msgspec.DecodeError and UnicodeDecodeError are ValueErrors
+            except (_msgspec.DecodeError, ValueError, RecursionError):  # (DecodeError is a ValueError since 0.19)
                 pass
         return _parse_lines(block, first, path, True, json_key, out)
     try:
