@@ -1,4 +1,4 @@
-"""Tokenize text into a Megatron indexed dataset with the Hugging Face ``tokenizers`` library.
+"""Tokenize text into a Megatron indexed dataset with the Hugging Face ``tokenizers`` library's ids.
 
 Inputs: JSON lines (``*.jsonl``/``*.json``, one document per line, the text under ``json_key``) or
 plain text (any other name: one document per non-empty line), each optionally gzip- or
@@ -23,10 +23,17 @@ device is refused naming it): its size is the progress total, and a Ray run seek
 The tokenizer is anything :func:`mcf.conversion.tokenizer.load_tokenizer` takes: a ``tokenizers.Tokenizer``, a
 ``tokenizer.json``, a checkpoint directory, or an MCF file packed with its resources.
 
-``workers`` threads tokenize batches in parallel (``tokenizers`` releases the GIL while encoding);
-the main thread reads, parses and writes in input order, so the output does not depend on
-``workers``.  The library's own thread pool is turned off (``TOKENIZERS_PARALLELISM=false``) unless
-the caller set that variable, so that ``workers`` is the parallelism.
+The ids are HF tokenizers'; the backend that computes them (HF tokenizers, fastokens, tiktoken) is chosen
+by :func:`mcf.conversion.tok_backends.choose_backend` (``tokenizer_backend=``, ``auto`` by default: the
+fastest that gives HF tokenizers' ids on a probe corpus).
+
+A thread of its own reads and decompresses each input; the main thread cuts it into blocks of whole
+lines, parses a block of JSON lines in one msgspec call (a block it refuses is parsed line by line with
+orjson or ``json``, which names the line), and writes in input order; ``workers`` threads encode batches
+in parallel (every backend releases the GIL), so the output does not depend on ``workers``.  The ids
+stay in numpy arrays from the backend to the writer.  The ``tokenizers`` library's own thread pool is
+turned off (``TOKENIZERS_PARALLELISM=false``) unless the caller set that variable, so that ``workers``
+is the parallelism.
 """
 
 from __future__ import annotations
