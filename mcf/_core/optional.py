@@ -30,7 +30,8 @@ _BUCKET = (("lz4", "lz4"), ("zstandard", "zstandard"), ("zlib_ng", "zlib-ng"), (
 EXTRAS = {
     "demo": (("tokenizers", "tokenizers"), ("lz4", "lz4"), ("safetensors", "safetensors")),
     "bf16": (("ml_dtypes", "ml_dtypes"),),
-    "tokenize": (("tokenizers", "tokenizers"), ("zstandard", "zstandard")),
+    "tokenize": (("tokenizers", "tokenizers"), ("zstandard", "zstandard"), ("fastokens", "fastokens"),
+                 ("tiktoken", "tiktoken"), ("msgspec", "msgspec")),
     "bucket": _BUCKET,
     "server": _BUCKET + (("starlette", "starlette"), ("uvicorn", "uvicorn")),
     "remote": (("obstore", "obstore"), ("fsspec", "fsspec"), ("aiohttp", "aiohttp")),

@@ -128,12 +128,21 @@ def cmd_tokenize(args) -> int:
                      batch_size=args.batch_size, dtype_rule=args.dtype_rule,
                      add_special_tokens=args.add_special_tokens, empty_text=args.empty_text,
                      max_line_bytes=_max_line_bytes(args), overwrite=args.overwrite,
+                     tokenizer_backend=args.tokenizer_backend, tiktoken_pattern=args.tiktoken_pattern,
                      progress=Progress("tokenize", enabled=None if not args.quiet else False))
+    _say_backend_note(stats)
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     out = printable(redact(args.output_prefix))
     print(f"wrote {out}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} sequences, "
-          f"{stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s)")
+          f"{stats['tokens']:,} tokens in {stats['seconds']:.2f}s ({rate:.2f}M tokens/s, {stats['backend']})")
     return 0
+
+
+def _say_backend_note(stats) -> None:
+    """Why ``--tokenizer-backend auto`` fell back to HF tokenizers, on stderr (once: the library logs it
+    to the ``mcf.tokenize`` logger, which the command line does not configure)."""
+    if stats.get("backend_note"):
+        print(f"note: {stats['backend_note']}", file=sys.stderr)
 
 
 def _tokenize_on_ray(args) -> int:
@@ -151,7 +160,9 @@ def _tokenize_on_ray(args) -> int:
                              empty_text=args.empty_text, max_line_bytes=_max_line_bytes(args), address=args.ray,
                              chunk_size=None if args.chunk_size is None else parse_size(args.chunk_size),
                              shard_dir=args.shard_dir, merge=not args.no_merge, resume=not args.no_resume,
+                             tokenizer_backend=args.tokenizer_backend, tiktoken_pattern=args.tiktoken_pattern,
                              progress=not args.quiet)
+    _say_backend_note(stats)
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     reused = f", {stats['chunks_reused']} reused from an earlier run" if stats["chunks_reused"] else ""
     print(f"wrote {stats['output']}: {stats['documents']:,} documents, {stats['sequences']:,} sequences, "
@@ -181,8 +192,16 @@ def add_megatron_parser(sub) -> None:
     s = add_command(msub, "tokenize", cmd_tokenize, "tokenize jsonl / text (gzip, zstd) into a dataset",
                     ("inputs", "+", "input files (.jsonl[.gz|.zst] or plain text, one document a line; s3://, gs://, "
                      "az://, http(s):// URLs too)"))
-    s.add_argument("--tokenizer", required=True, help="a tokenizer.json, a checkpoint directory holding one, or an "
-                   "MCF file packed with its resources (it carries the tokenizer.json)")
+    s.add_argument("--tokenizer", required=True, help="a tokenizer.json, a checkpoint directory holding one, an "
+                   "MCF file packed with its resources (it carries the tokenizer.json), tiktoken:NAME (a tiktoken "
+                   "encoding tiktoken can load), or a .tiktoken ranks file (with --tiktoken-pattern)")
+    s.add_argument("--tokenizer-backend", choices=("auto", "hf", "fastokens", "tiktoken"), default="auto",
+                   help="what encodes: auto (default) takes the fastest of fastokens and tiktoken that gives HF "
+                        "tokenizers' ids on a built-in probe, else HF tokenizers (saying why); a named backend must "
+                        "pass the probe too")
+    s.add_argument("--tiktoken-pattern", metavar="REGEX|NAME", help="the split pattern of a .tiktoken ranks file: a "
+                   "regex, or the name of a tiktoken encoding (cl100k_base...) whose pattern and special tokens it "
+                   "takes")
     s.add_argument("--output-prefix", required=True,
                    help="the dataset to write: OUTPUT_PREFIX.idx + .bin (missing directories are created; "
                         "s3://BUCKET/PREFIX, gs://, az:// upload it)")

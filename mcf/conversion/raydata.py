@@ -19,7 +19,6 @@ Ray is an optional dependency, the ``ray`` extra: ``pip install '.[ray]'`` in a 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -132,21 +131,26 @@ class TextDatasource(Datasource):
 
 
 # -- tokenizing ---------------------------------------------------------------------------------------
-_TOKENIZERS: dict = {}
-_TOKENIZERS_LOCK = threading.Lock()
+_BACKENDS: dict = {}
+_BACKENDS_LOCK = threading.Lock()
 
 
-def _cached_tokenizer(tokenizer_json: str, digest: str):
-    with _TOKENIZERS_LOCK:
-        tok = _TOKENIZERS.get(digest)
-        if tok is None:
+def _cached_backend(source_spec, digest: str, backend: str):
+    """The worker process's backend for the tokenizer (built once per process and tokenizer)."""
+    from mcf.conversion.tok_backends import TokenizerSource, make_backend
+
+    with _BACKENDS_LOCK:
+        b = _BACKENDS.get((digest, backend))
+        if b is None:
             from tokenizers import Tokenizer
 
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # one task, one core
-            tok = Tokenizer.from_str(tokenizer_json)
-            _TOKENIZERS.clear()
-            _TOKENIZERS[digest] = tok
-        return tok
+            tokenizer_json, vocab = source_spec
+            source = TokenizerSource(Tokenizer.from_str(tokenizer_json), vocab, "the tokenizer")
+            b = make_backend(backend, source)
+            _BACKENDS.clear()
+            _BACKENDS[(digest, backend)] = b
+        return b
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray, null=None) -> pa.Array:
@@ -161,19 +165,27 @@ class TokenizeStep:
     sequences' lengths).  ``empty_text`` is the single-process option of that name: ``"megatron"``, a
     document without tokens has no sequence; ``"datatrove"``, a plain text is always one sequence (read
     its documents with ``TextDatasource(drop_empty=True)``: datatrove drops empty texts before
-    tokenizing).  The tokenizer travels as its JSON and is built once per worker process."""
+    tokenizing).  The tokenizer travels as its JSON (and its tiktoken vocabulary, if it is one) and
+    its backend is built once per worker process: ``tokenizer_backend`` is chosen here, on the driver,
+    as the single-process run chooses it (:func:`mcf.conversion.tok_backends.choose_backend`: ``auto``
+    probes once), and every worker uses that one."""
 
     def __init__(self, tokenizer, *, add_special_tokens: bool = False, eod: int | None = None, dtype=np.int32,
-                 batch_size: int = 1000, empty_text: str = "megatron"):
+                 batch_size: int = 1000, empty_text: str = "megatron", tokenizer_backend: str = "auto",
+                 tiktoken_pattern: str | None = None):
+        from mcf.conversion.tok_backends import choose_backend, load_source
         from mcf.conversion.tokenize import EMPTY_TEXT_RULES
-        from mcf.conversion.tokenizer import load_tokenizer
 
         if empty_text not in EMPTY_TEXT_RULES:
             raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
         self.empty_text = empty_text
 
-        self.tokenizer_json = load_tokenizer(tokenizer).to_str()
-        self.digest = hashlib.sha256(self.tokenizer_json.encode()).hexdigest()
+        source = load_source(tokenizer, tiktoken_pattern=tiktoken_pattern)
+        chosen, self.backend_note = choose_backend(source, tokenizer_backend, add_special_tokens=add_special_tokens)
+        self.backend = chosen.name
+        self.tokenizer_json = source.json
+        self.tiktoken = source.tiktoken
+        self.digest = source.digest
         self.add_special_tokens = bool(add_special_tokens)
         self.eod = None if eod is None else int(eod)
         self.dtype = np.dtype(dtype)
@@ -198,7 +210,7 @@ class TokenizeStep:
     def __call__(self, table: pa.Table) -> pa.Table:
         from mcf.conversion.tokenize import batch_encoder
 
-        tok = _cached_tokenizer(self.tokenizer_json, self.digest)
+        tok = _cached_backend((self.tokenizer_json, self.tiktoken), self.digest, self.backend)
         run = batch_encoder(tok, self.add_special_tokens, self.eod, self.dtype, empty_text=self.empty_text)
         n = table.num_rows
         is_end = table.column("end").to_numpy(zero_copy_only=False).astype(bool, copy=False)
@@ -618,7 +630,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
              add_special_tokens: bool = False, empty_text: str = "megatron", max_line_bytes: int | None = None,
              address: str | None = None, chunk_size: int | None = None,
              shard_dir=None, merge: bool = True, resume: bool = True, ray_remote_args: dict | None = None,
-             progress: bool = True):
+             tokenizer_backend: str = "auto", tiktoken_pattern: str | None = None, progress: bool = True):
     """:func:`mcf.conversion.tokenize.tokenize` on a Ray cluster, with byte-identical output.
 
     Inputs (local paths every node can read, or fsspec URLs) are cut into chunks of ``chunk_size``
@@ -627,7 +639,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     filesystem every node writes to).  ``merge=True`` merges them into ``output_prefix`` and removes
     them; ``merge=False`` keeps them and writes ``output_prefix + ".shards.json"``.
     ``max_line_bytes`` is the longest input line accepted (None:
-    :data:`mcf.conversion.tokenize.MAX_LINE_BYTES`), as in the single-process run.
+    :data:`mcf.conversion.tokenize.MAX_LINE_BYTES`), as in the single-process run, and so are
+    ``tokenizer_backend`` (chosen once, here) and ``tiktoken_pattern``.
 
     A job that fails leaves no ``output_prefix.bin``/``.idx`` and keeps its finished shards with its
     plan: the same command run again (``resume=True``) reads only the chunks that are not finished.
@@ -638,8 +651,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     finished), ``tokenize`` (the Ray Data job: starting the workers, reading, tokenizing, writing the
     shards) and ``commit`` (checking and merging the shards)."""
     from mcf.megatron._layout import dtype_for_vocab
+    from mcf.conversion.tok_backends import load_source
     from mcf.conversion.tokenize import MAX_LINE_BYTES, TokenizeStats, check_max_line_bytes, eod_token_id
-    from mcf.conversion.tokenizer import load_tokenizer
     from mcf.remote import refuse_url
 
     t0 = time.perf_counter()
@@ -655,11 +668,12 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"chunk_size must be >= 1 byte, got {chunk_size}")
     max_line_bytes = check_max_line_bytes(MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes)
     output_prefix = os.fspath(output_prefix)
-    tok = load_tokenizer(tokenizer)
+    source = load_source(tokenizer, tiktoken_pattern=tiktoken_pattern)
+    tok = source.hf
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True), dtype_rule)
-    step = TokenizeStep(tok, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size,
-                        empty_text=empty_text)
+    step = TokenizeStep(source, add_special_tokens=add_special_tokens, eod=eod, dtype=dtype, batch_size=batch_size,
+                        empty_text=empty_text, tokenizer_backend=tokenizer_backend)
     files = describe_inputs(inputs)
     total_bytes = sum(f.size for f in files)
     make_parent_dir(output_prefix, what="writing a dataset")  # and of the default shard directory beside it
@@ -703,4 +717,4 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     return TokenizeStats(documents=result["documents"], sequences=result["sequences"], tokens=result["tokens"],
                          bytes_in=total_bytes, seconds=t_end - t0, chunks=len(chunks),
                          chunks_reused=len(chunks) - len(todo), shards=result["shards"], output=result["output"],
-                         phases=phases)
+                         phases=phases, backend=step.backend, backend_note=step.backend_note)

@@ -1,4 +1,4 @@
-"""Tokenize text into a Megatron indexed dataset with the Hugging Face ``tokenizers`` library.
+"""Tokenize text into a Megatron indexed dataset with the Hugging Face ``tokenizers`` library's ids.
 
 Inputs: JSON lines (``*.jsonl``/``*.json``, one document per line, the text under ``json_key``) or
 plain text (any other name: one document per non-empty line), each optionally gzip- or
@@ -23,10 +23,17 @@ device is refused naming it): its size is the progress total, and a Ray run seek
 The tokenizer is anything :func:`mcf.conversion.tokenizer.load_tokenizer` takes: a ``tokenizers.Tokenizer``, a
 ``tokenizer.json``, a checkpoint directory, or an MCF file packed with its resources.
 
-``workers`` threads tokenize batches in parallel (``tokenizers`` releases the GIL while encoding);
-the main thread reads, parses and writes in input order, so the output does not depend on
-``workers``.  The library's own thread pool is turned off (``TOKENIZERS_PARALLELISM=false``) unless
-the caller set that variable, so that ``workers`` is the parallelism.
+The ids are HF tokenizers'; the backend that computes them (HF tokenizers, fastokens, tiktoken) is chosen
+by :func:`mcf.conversion.tok_backends.choose_backend` (``tokenizer_backend=``, ``auto`` by default: the
+fastest that gives HF tokenizers' ids on a probe corpus).
+
+A thread of its own reads and decompresses each input; the main thread cuts it into blocks of whole
+lines, parses a block of JSON lines in one msgspec call (a block it refuses is parsed line by line with
+orjson or ``json``, which names the line), and writes in input order; ``workers`` threads encode batches
+in parallel (every backend releases the GIL), so the output does not depend on ``workers``.  The ids
+stay in numpy arrays from the backend to the writer.  The ``tokenizers`` library's own thread pool is
+turned off (``TOKENIZERS_PARALLELISM=false``) unless the caller set that variable, so that ``workers``
+is the parallelism.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import threading
 import time
 import zlib
 from collections import deque
@@ -45,17 +53,21 @@ from mcf._core.args import integer
 from mcf._core.fs import make_parent_dir, open_regular
 from mcf._core.optional import require
 from mcf.errors import FormatError, InvalidArgumentError, MCFError, os_error
-from mcf.megatron import _megatron
 from mcf.megatron.writer import Writer
-from mcf.conversion.tokenizer import load_tokenizer  # the tokenizer argument: any source mcf.conversion.tokenizer takes
+from mcf.conversion.tokenizer import load_tokenizer  # noqa: F401 - re-exported: the tokenizer argument takes its sources
 from mcf.conversion._inputs import input_size, open_input
 from mcf.remote import is_url
 from mcf.remote._urls import url_name
+from mcf.conversion.tok_backends import choose_backend, load_source
 
 try:  # faster JSON when available
     import orjson as _orjson
 except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None
+try:  # JSON lines a block at a time (the tokenize extra)
+    import msgspec as _msgspec
+except ImportError:  # pragma: no cover - depends on the environment
+    _msgspec = None
 
 __all__ = ["tokenize", "iter_documents", "eod_token_id", "TokenizeStats", "EMPTY_TEXT_RULES", "MAX_LINE_BYTES",
            "READ_BYTES"]
@@ -120,43 +132,221 @@ def check_max_line_bytes(max_line_bytes) -> int:
     return n
 
 
-def _lines(stream, path: str, max_line_bytes: int):
-    """``(number, bytes)`` of each line of ``stream`` (without its newline; a last line without one
-    too), read in pieces of READ_BYTES: a line longer than ``max_line_bytes`` is a FormatError as soon
-    as more than that of it has arrived, so no more than ``max_line_bytes + READ_BYTES`` bytes of a line are
-    ever read, and only lines within the cap are joined into one object."""
-    pending: list = []      # the pieces of a line that continues past the last piece read
-    held = 0                # their total length
-    lineno = 0
+def _too_long(path: str, max_line_bytes: int, n: int) -> FormatError:
+    return FormatError(f"line longer than the {max_line_bytes} bytes allowed (max_line_bytes; "
+                       "--max-line-bytes on the command line)", path=path, field=f"line {n}",
+                       expected=f"at most {max_line_bytes} bytes")
 
-    def too_long(n):
-        return FormatError(f"line longer than the {max_line_bytes} bytes allowed (max_line_bytes; "
-                           "--max-line-bytes on the command line)", path=path, field=f"line {n}",
-                           expected=f"at most {max_line_bytes} bytes")
 
+def _pieces(stream):
+    """The pieces of :data:`READ_BYTES` (read at each call, so tests can change it) of ``stream``."""
     while True:
         piece = stream.read(READ_BYTES)
         if not piece:
-            break
-        parts = piece.split(b"\n")
-        last = parts.pop()
-        for k, line in enumerate(parts):
-            lineno += 1
-            if k == 0 and pending:
-                pending.append(line)
-                line = b"".join(pending)
-                pending.clear()
-                held = 0
-            if len(line) > max_line_bytes:
-                raise too_long(lineno)
-            yield lineno, line
-        if last:
-            held += len(last)
+            return
+        yield piece
+
+
+class _ReadAhead:
+    """The pieces of a stream, read (and decompressed: zlib and zstandard release the GIL) by a thread
+    of their own, at most ``depth`` pieces ahead of the consumer.  An exception in the thread is raised
+    in the consumer, at the point of the stream where it happened; :meth:`close` stops the thread."""
+
+    _END = object()
+
+    def __init__(self, stream, depth: int = 4):
+        import queue
+
+        self._q = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(stream,), name="mcf-tokenize-read", daemon=True)
+        self._t.start()
+
+    def _run(self, stream):
+        try:
+            for piece in _pieces(stream):
+                if not self._put(piece):
+                    return
+            self._put(self._END)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(exc)
+
+    def _put(self, item) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        while True:
+            item = self._q.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def _line_blocks(pieces, path: str, max_line_bytes: int):
+    """``(number of the first line, bytes)`` of blocks of whole lines (joined by ``\n``, without the last
+    newline; the last line of the input too, without one), one block per piece read.  A line longer than
+    ``max_line_bytes`` is a FormatError as soon as more than that of it has arrived, so no more than
+    ``max_line_bytes + READ_BYTES`` bytes of a line are ever read, and only lines within the cap are
+    joined into one object."""
+    pending: list = []      # the pieces of a line that continues past the last piece read
+    held = 0                # their total length
+    lineno = 0              # lines before the next block
+    for piece in _pieces(pieces) if hasattr(pieces, "read") else pieces:
+        last_nl = piece.rfind(b"\n")
+        if last_nl < 0:
+            held += len(piece)
             if held > max_line_bytes:
-                raise too_long(lineno + 1)
-            pending.append(last)
+                raise _too_long(path, max_line_bytes, lineno + 1)
+            pending.append(piece)
+            continue
+        if pending:
+            first_nl = piece.find(b"\n")
+            if held + first_nl > max_line_bytes:
+                raise _too_long(path, max_line_bytes, lineno + 1)
+            pending.append(piece[:last_nl])
+            block = b"".join(pending)
+            pending.clear()
+        else:
+            block = piece[:last_nl]
+        if len(block) > max_line_bytes:  # some line of the block may be too long: find the first
+            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+            starts = np.concatenate(([0], ends + 1))
+            ends = np.concatenate((ends, [len(block)]))
+            over = np.flatnonzero(ends - starts > max_line_bytes)
+            if over.size:
+                raise _too_long(path, max_line_bytes, lineno + 1 + int(over[0]))
+        yield lineno + 1, block
+        lineno += block.count(b"\n") + 1
+        held = len(piece) - last_nl - 1
+        if held:
+            if held > max_line_bytes:
+                raise _too_long(path, max_line_bytes, lineno + 1)
+            pending.append(piece[last_nl + 1:])
     if pending:
         yield lineno + 1, b"".join(pending)
+
+
+def _json_block_decoder(json_key: str):
+    """A msgspec decoder of a block of JSON lines into objects holding ``json_key`` (a str or a list of
+    str), or None without msgspec.  It only speeds up what :func:`_parse_lines` does: a block it
+    refuses is parsed again line by line, which names the line and decides."""
+    if _msgspec is None:
+        return None
+    from typing import List, Union
+
+    doc = _msgspec.defstruct("Document", [("value", Union[str, List[str]])], rename={"value": json_key})
+    return _msgspec.json.Decoder(doc)
+
+
+def _parse_lines(block: bytes, first: int, path: str, as_json: bool, json_key: str, out: list) -> list:
+    """The documents of ``block`` (lines numbered from ``first``), one line at a time; ``out`` receives
+    them as they are parsed (those before a line that is refused)."""
+    loads = _orjson.loads if _orjson is not None else json.loads
+    for lineno, data in enumerate(block.split(b"\n"), first):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"not UTF-8 text: {exc.reason} at byte {exc.start} of the line",
+                              path=path, field=f"line {lineno}") from None
+        if as_json:
+            if not line.strip():
+                continue
+            try:
+                obj = loads(line)
+            except (ValueError, RecursionError) as exc:  # json (no orjson): deep nesting recurses
+                raise FormatError(f"invalid JSON: {exc}", path=path, field=f"line {lineno}") from None
+            if not isinstance(obj, dict) or json_key not in obj:
+                raise FormatError(f"no key {json_key!r}", path=path, field=f"line {lineno}")
+            v = obj[json_key]
+            if isinstance(v, str):
+                pass
+            elif isinstance(v, list) and all(isinstance(x, str) for x in v):
+                pass
+            else:
+                raise FormatError(f"{json_key!r} is not a string or a list of strings", path=path,
+                                  field=f"line {lineno}", got=type(v).__name__)
+            if loads is json.loads:  # json accepts "\ud800" escapes (orjson and msgspec refuse them)
+                for x in ([v] if type(v) is str else v):
+                    try:
+                        x.encode("utf-8")
+                    except UnicodeEncodeError as exc:
+                        raise FormatError(f"invalid JSON: a lone surrogate {x[exc.start]!r} in a string (not "
+                                          "Unicode text)", path=path, field=f"line {lineno}") from None
+            out.append(v)
+        else:
+            s = line.rstrip("\r")
+            if s.strip():
+                out.append(s)
+    return out
+
+
+def _parse_block(block: bytes, first: int, path: str, as_json: bool, json_key: str, decoder, out: list) -> list:
+    """The documents of a block of lines, into ``out``: JSON lines decoded by msgspec in one call when it
+    can, text decoded at once; what the fast way refuses goes line by line (the error names the line,
+    and ``out`` holds the documents before it)."""
+    if as_json:
+        if decoder is not None:
+            try:
+                out.extend([d.value for d in decoder.decode_lines(block)])
+                return out
+            except (_msgspec.DecodeError, ValueError, RecursionError):  # (DecodeError is a ValueError since 0.19)
+                pass
+        return _parse_lines(block, first, path, True, json_key, out)
+    try:
+        text = block.decode("utf-8")
+    except UnicodeDecodeError:
+        return _parse_lines(block, first, path, False, json_key, out)
+    out.extend([s for s in (x.rstrip("\r") for x in text.split("\n")) if s.strip()])
+    return out
+
+
+def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line_bytes: int = MAX_LINE_BYTES,
+                     read_ahead: bool = False, positions: bool = True):
+    """``(documents, compressed bytes consumed)`` of each block of lines of ``path`` (see
+    :func:`iter_documents`; the bytes are None without ``positions``); ``read_ahead`` reads and
+    decompresses in a thread of its own."""
+    max_line_bytes = check_max_line_bytes(max_line_bytes)
+    stream, raw = _open_text(path, stream)
+    as_json = _is_json(path)
+    decoder = _json_block_decoder(json_key) if as_json else None
+    ahead = _ReadAhead(stream) if read_ahead else None
+    try:
+        try:
+            for first, block in _line_blocks(ahead if ahead is not None else stream, path, max_line_bytes):
+                docs: list = []
+                try:
+                    _parse_block(block, first, path, as_json, json_key, decoder, docs)
+                except FormatError:
+                    if docs:  # the documents before the refused line, then the error
+                        yield docs, (raw.tell() if positions else None)
+                    raise
+                yield docs, (raw.tell() if positions else None)
+        except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
+            raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
+        except OSError as exc:
+            if isinstance(exc, MCFError):
+                raise
+            if exc.errno is None:  # zlib/zstd errors carry no errno
+                raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
+            raise os_error(exc, path) from None
+    finally:
+        if ahead is not None:
+            ahead.close()
+        raw.close()
 
 
 def iter_documents(path: str, *, json_key: str = "text", position=None, stream=None,
@@ -168,54 +358,11 @@ def iter_documents(path: str, *, json_key: str = "text", position=None, stream=N
     input in messages and tells JSON from text); it is closed at the end.  A line longer than
     ``max_line_bytes`` (:data:`MAX_LINE_BYTES` by default) is a :class:`mcf.FormatError` naming the
     input and the line; no more than ``max_line_bytes + READ_BYTES`` bytes of it are ever read."""
-    max_line_bytes = check_max_line_bytes(max_line_bytes)
-    stream, raw = _open_text(path, stream)
-    as_json = _is_json(path)
-    loads = _orjson.loads if _orjson is not None else json.loads
-    try:
-        lineno = 0
-        try:
-            for lineno, data in _lines(stream, path, max_line_bytes):
-                if position is not None and lineno % 1024 == 0:
-                    position[0] = raw.tell()
-                try:
-                    line = data.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise FormatError(f"not UTF-8 text: {exc.reason} at byte {exc.start} of the line",
-                                      path=path, field=f"line {lineno}") from None
-                if as_json:
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = loads(line)
-                    except (ValueError, RecursionError) as exc:  # json (no orjson): deep nesting recurses
-                        raise FormatError(f"invalid JSON: {exc}", path=path, field=f"line {lineno}") from None
-                    if not isinstance(obj, dict) or json_key not in obj:
-                        raise FormatError(f"no key {json_key!r}", path=path, field=f"line {lineno}")
-                    v = obj[json_key]
-                    if isinstance(v, str):
-                        yield v
-                    elif isinstance(v, list) and all(isinstance(x, str) for x in v):
-                        yield v
-                    else:
-                        raise FormatError(f"{json_key!r} is not a string or a list of strings", path=path,
-                                          field=f"line {lineno}", got=type(v).__name__)
-                else:
-                    s = line.rstrip("\r")
-                    if s.strip():
-                        yield s
-        except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
-            raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
-        except OSError as exc:
-            if isinstance(exc, MCFError):
-                raise
-            if exc.errno is None:  # zlib/zstd errors carry no errno
-                raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
-            raise os_error(exc, path) from None
+    for docs, pos in _document_blocks(path, json_key=json_key, stream=stream, max_line_bytes=max_line_bytes,
+                                      positions=position is not None):
         if position is not None:
-            position[0] = raw.tell()
-    finally:
-        raw.close()
+            position[0] = pos
+        yield from docs
 
 
 def eod_token_id(tok, *, token: str | None = None) -> int:
@@ -236,42 +383,64 @@ class TokenizeStats(dict):
 EMPTY_TEXT_RULES = ("megatron", "datatrove")
 
 
+def _as_dtype(ids: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """uint32 ids as ``dtype``, refusing an id that does not fit (the writer's rule, checked here in
+    the worker that encoded them)."""
+    dtype = np.dtype(dtype)
+    if ids.size and dtype.kind in "iu" and not np.can_cast(ids.dtype, dtype, "safe"):
+        hi = np.iinfo(dtype).max
+        top = int(ids.max())
+        if top > hi:
+            at = int(np.argmax(ids > hi))
+            raise InvalidArgumentError(f"token id {top} does not fit {dtype} [0, {hi}] (first at position {at} of the "
+                                       "batch): the vocabulary is larger than --dtype-rule allows")
+    return ids.astype(dtype, copy=False)
+
+
 def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtype, *, empty_text: str = "megatron"):
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    """``run(batch)`` -> ``(flat tokens, sequence lengths, sequences per document or None)`` for a batch
+    of documents (str, or lists of str sentences), with ``tok`` a
+    :class:`mcf.conversion.tok_backends.Backend` (or a ``tokenizers.Tokenizer``: its HF backend).  The
+    ids stay in numpy arrays from the backend to the writer: no per-token Python."""
+    from mcf.conversion.tok_backends import Backend, HFBackend
+
+    backend = tok if isinstance(tok, Backend) else HFBackend(tok)
     datatrove = empty_text == "datatrove"
+    dtype = np.dtype(dtype)
 
     def run(batch):
-        """(flat tokens, per-document sequence lengths or None, document count) for one batch."""
+        """(flat tokens, per-sequence lengths, per-document sequence counts or None) for one batch."""
         if datatrove:  # datatrove's readers drop a document whose text is empty before tokenizing
             batch = [d for d in batch if d]
-        simple = all(type(d) is str for d in batch)
-        if simple:
-            ids = [e.ids for e in encode(batch, add_special_tokens=add_special_tokens)] if batch else []
+        if all(type(d) is str for d in batch):
+            ids, offs = backend.encode(batch, add_special_tokens)
+            lens = np.diff(offs)
             if eod is not None:
-                for x in ids:
-                    if x or datatrove:  # datatrove: even a text without tokens gets its EOS
-                        x.append(eod)
-            flat, lens = _megatron.flat_tokens(ids, dtype)
-            return flat, lens, None
+                add = np.ones(len(lens), bool) if datatrove else lens > 0   # datatrove: even a text without tokens
+                ids = np.insert(ids, offs[1:][add], np.uint32(eod))
+                lens = lens + add
+            return _as_dtype(ids, dtype), lens.astype(np.int32), None
         # documents of several sentences: one sequence per non-empty sentence (datatrove: a plain text
         # is one sequence even when it has no tokens)
         sents, owner = [], []
         for k, d in enumerate(batch):
-            for s in ([d] if type(d) is str else d):
-                sents.append(s)
+            for x in ([d] if type(d) is str else d):
+                sents.append(x)
                 owner.append(k)
-        ids = [e.ids for e in encode(sents, add_special_tokens=add_special_tokens)] if sents else []
-        per_doc: list = [[] for _ in batch]
-        for k, x in zip(owner, ids):
-            if x or (datatrove and type(batch[k]) is str):
-                per_doc[k].append(x)
-        if eod is not None:
-            for seqs in per_doc:
-                if seqs:
-                    seqs[-1].append(eod)
-        flat_lists = [x for seqs in per_doc for x in seqs]
-        flat, lens = _megatron.flat_tokens(flat_lists, dtype)
-        return flat, lens, [len(seqs) for seqs in per_doc]
+        ids, offs = backend.encode(sents, add_special_tokens)
+        slens = np.diff(offs)
+        keep = slens > 0
+        if datatrove:
+            keep |= np.array([type(batch[k]) is str for k in owner], bool)
+        owner_a = np.asarray(owner, np.int64)
+        nseq = np.bincount(owner_a[keep], minlength=len(batch)) if len(owner_a) else np.zeros(len(batch), np.int64)
+        if eod is not None and keep.any():  # the EOD closes each document's last kept sentence
+            kept = np.flatnonzero(keep)
+            last = kept[np.r_[owner_a[kept][1:] != owner_a[kept][:-1], True]]
+            ids = np.insert(ids, offs[last + 1], np.uint32(eod))
+            slens = slens.copy()
+            slens[last] += 1
+        return _as_dtype(ids, dtype), slens[keep].astype(np.int32), nseq
 
     return run
 
@@ -279,8 +448,8 @@ def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtyp
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
              dtype_rule: str = "megatron", add_special_tokens: bool = False, empty_text: str = "megatron",
-             max_line_bytes: int = MAX_LINE_BYTES, overwrite: bool = False, storage_options: dict | None = None,
-             progress=None) -> TokenizeStats:
+             max_line_bytes: int = MAX_LINE_BYTES, tokenizer_backend: str = "auto", tiktoken_pattern: str | None = None,
+             overwrite: bool = False, storage_options: dict | None = None, progress=None) -> TokenizeStats:
     """Tokenize ``inputs`` (one path or several, concatenated in order) into ``output_prefix``.
 
     Inputs may be URLs (``s3://``, ``gs://``, ``az://``, ``http(s)://``...: read through :mod:`mcf.remote`),
@@ -288,6 +457,11 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     written and the ``.idx`` last; an existing dataset there is refused unless ``overwrite``; see
     :class:`mcf.megatron.Writer`).  ``storage_options`` configure every URL's store
     (:func:`mcf.remote.storage_options` otherwise).
+
+    ``tokenizer_backend`` is ``"auto"``, ``"hf"``, ``"fastokens"`` or ``"tiktoken"``
+    (:mod:`mcf.conversion.tok_backends`); the stats say which ran (``backend``) and, when ``auto`` fell back
+    to HF tokenizers, why (``backend_note``).  ``tiktoken_pattern`` is the split pattern of a ``.tiktoken``
+    ranks file given as ``tokenizer``.
 
     ``empty_text`` says what a text without tokens becomes: ``"megatron"`` (``preprocess_data.py``) a
     document with no sequence, and no EOD; ``"datatrove"`` (its reader + ``MegatronDocumentTokenizer``)
@@ -309,18 +483,21 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
     max_line_bytes = check_max_line_bytes(max_line_bytes)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tok = load_tokenizer(tokenizer)
+    source = load_source(tokenizer, tiktoken_pattern=tiktoken_pattern)
+    tok = source.hf
+    backend, note = choose_backend(source, tokenizer_backend, add_special_tokens=add_special_tokens)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
     total_bytes = sum(sizes)
     t0 = time.perf_counter()
-    stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0)
+    stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0, backend=backend.name,
+                          backend_note=note)
     if not is_url(output_prefix):
         make_parent_dir(output_prefix, what="writing a dataset")
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule, overwrite=overwrite,
                storage_options=storage_options)
-    run = batch_encoder(tok, add_special_tokens, eod, w.dtype, empty_text=empty_text)
+    run = batch_encoder(backend, add_special_tokens, eod, w.dtype, empty_text=empty_text)
     done_before = 0
 
     def write(result):
@@ -352,20 +529,19 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
             try:
                 pending: deque = deque()
                 for path, size in zip(inputs, sizes):
-                    pos = [0]
                     batch: list = []
-                    for doc in iter_documents(path, json_key=json_key, position=pos, max_line_bytes=max_line_bytes,
-                                              stream=open_input(path, storage_options)):
-                        batch.append(doc)
-                        if len(batch) >= batch_size:
+                    for docs, pos in _document_blocks(path, json_key=json_key, max_line_bytes=max_line_bytes,
+                                                      stream=open_input(path, storage_options), read_ahead=True):
+                        batch.extend(docs)
+                        while len(batch) >= batch_size:
+                            part, batch = batch[:batch_size], batch[batch_size:]
                             if pool is None:
-                                write(run(batch))
+                                write(run(part))
                             else:
-                                pending.append(pool.submit(run, batch))
+                                pending.append(pool.submit(run, part))
                                 while len(pending) > 2 * workers:
                                     write(pending.popleft().result())
-                            batch = []
-                            report(done_before + pos[0])
+                            report(done_before + pos)
                     if batch:
                         if pool is None:
                             write(run(batch))
