@@ -4,6 +4,7 @@ vLLM can be imported, with vLLM's own msgspec event classes; the replay socket; 
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -160,7 +161,7 @@ def test_expiry_removes_blocks_when_the_ttl_passes(pub):
     for _ in range(400):
         if p.last_seq > first:
             break
-        p.flush(0.05)
+        p.flush(timeout=0.05)
     (_, r), = events(replay(p.replay_endpoint, first + 1))
     assert r["type"] == "BlockRemoved"
     assert r["block_hashes"] == [vllm_event_hash(d) for d in vllm_block_hashes(toks, block_size=BS)][::-1]
@@ -280,3 +281,52 @@ def test_encoding_is_vllms_bytes():
     got = encode_batch([block_stored([1], None, [1], 16), block_removed([1]), all_blocks_cleared()], ts=1.5)
     assert got == b"\x93\xcb\x3f\xf8" + b"\0" * 6 + b"\x93" + vllm_stored + vllm_removed + vllm_cleared + b"\x00"
     assert encode_batch([], ts=1.5) == bytes.fromhex("93cb3ff80000000000009000")
+
+
+def test_mcf_bucket_serve_kv_events(tmp_path):
+    """``mcf bucket serve --kv-events``: the contexts stored before it started, then one uploaded through
+    the REST API and one deleted through it, as KV events under the server's address."""
+    import io
+    import json
+    import urllib.request
+
+    from _bucket_server import serve
+
+    with Bucket(tmp_path / "b") as b:
+        old = b.ingest("m", layers(20), token_ids=np.arange(20))["context_id"]
+    ep, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    with serve(tmp_path / "b", None, "--kv-events", ep, "--kv-events-replay", rep,
+               "--kv-events-block-size", "4") as (base, _):
+        bio = io.BytesIO()
+        np.savez(bio, k=np.ones((1, 2, 9, 4), np.float32), v=np.ones((1, 2, 9, 4), np.float32))
+        req = urllib.request.Request(base + "/mcrp/v1/contexts?model_id=m&token_ids=0,1,2,3,7,7,7,7,7", method="POST",
+                                     data=bio.getvalue(), headers={"Content-Type": "application/octet-stream"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["status"] == "success"
+        req = urllib.request.Request(f"{base}/mcrp/v1/contexts/{old}", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).close()
+        for _ in range(200):  # the events follow the answers (bounded wait)
+            got = events(replay(rep))
+            if len(got) == 4:
+                break
+            time.sleep(0.05)
+        port = base.rsplit(":", 1)[1]
+        assert {t.decode() for t, _, _ in replay(rep)} == {f"kv@127.0.0.1:{port}@m"}
+    h20 = [vllm_event_hash(d) for d in vllm_block_hashes(np.arange(20), block_size=4)]
+    h9 = [vllm_event_hash(d) for d in vllm_block_hashes([0, 1, 2, 3, 7, 7, 7, 7, 7], block_size=4)]
+    assert [e for _, e in got] == [
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": h20, "parent_block_hash": None, "token_ids": list(range(20)),
+         "block_size": 4, "lora_id": None, "medium": "STORAGE", "lora_name": None},
+        {"type": "BlockStored", "block_hashes": h9[1:], "parent_block_hash": h20[0], "token_ids": [7] * 4,
+         "block_size": 4, "lora_id": None, "medium": "STORAGE", "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": h20[1:][::-1], "medium": "STORAGE"}]
+
+
+def test_serve_refuses_an_exposed_events_address(tmp_path):
+    from mcf.apps.bucket_server import serve
+
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        serve(tmp_path / "b", kv_events="tcp://0.0.0.0:5557")
+    with pytest.raises(InvalidArgumentError, match="replay socket needs"):
+        serve(tmp_path / "b", kv_events_replay=f"tcp://127.0.0.1:{free_port()}")

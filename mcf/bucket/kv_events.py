@@ -220,11 +220,11 @@ class KVEventPublisher:
         """The sequence number of the last batch sent (-1 before the first)."""
         return self._seq - 1
 
-    def wait_ready(self, timeout: float = 30.0) -> bool:
+    def wait_ready(self, *, timeout: float = 30.0) -> bool:
         """True once the start-up announcement (AllBlocksCleared and the bucket's blocks) is sent."""
         return self._ready.wait(timeout)
 
-    def flush(self, timeout: float = 30.0) -> bool:
+    def flush(self, *, timeout: float = 30.0) -> bool:
         """True once every bucket operation queued so far is published (the queue is empty and handled)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
