@@ -330,3 +330,30 @@ def test_serve_refuses_an_exposed_events_address(tmp_path):
         serve(tmp_path / "b", kv_events="tcp://0.0.0.0:5557")
     with pytest.raises(InvalidArgumentError, match="replay socket needs"):
         serve(tmp_path / "b", kv_events_replay=f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_a_full_queue_makes_it_announce_everything_again(pub):
+    """More operations waiting than max_queue: the bucket is not blocked; the publisher clears and announces
+    the whole bucket again, so a subscriber ends with the right blocks."""
+    b, _, make = pub
+    real = b.token_ids
+
+    def slow(cid, **kw):  # the publisher falls behind
+        time.sleep(0.05)
+        return real(cid, **kw)
+
+    b.token_ids = slow
+    p = make(max_queue=2)
+    want = set()
+    for k in range(8):
+        toks = np.arange(16) + 100 * k
+        b.ingest("m", layers(16), token_ids=toks)
+        want |= {vllm_event_hash(d) for d in vllm_block_hashes(toks, block_size=BS)}
+    assert p.flush()
+    evs = [e for _, e in events(replay(p.replay_endpoint))]
+    clears = [i for i, e in enumerate(evs) if e["type"] == "AllBlocksCleared"]
+    assert clears  # the bucket was empty at start-up: these come from falling behind
+    last_clear = clears[-1]
+    after = evs[last_clear + 1:]
+    assert {e["type"] for e in after} == {"BlockStored"}
+    assert {h for e in after for h in e["block_hashes"]} == want

@@ -201,7 +201,7 @@ class KVEventPublisher:
             raise InvalidArgumentError(f"cannot open the KV events socket {endpoint!r}"
                                        f"{'' if replay_endpoint is None else f' / {replay_endpoint!r}'}: {exc}") \
                 from None
-        self._running = True
+        self._running, self._resyncing = True, False
         self._ready = threading.Event()
         self._unsubscribe = bucket.subscribe(self._on_event)
         self._thread = threading.Thread(target=self._run, name="mcf-kv-events", daemon=True)
@@ -228,7 +228,8 @@ class KVEventPublisher:
         """True once every bucket operation queued so far is published (the queue is empty and handled)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._ready.is_set() and self._queue.unfinished_tasks == 0:
+            if (self._ready.is_set() and self._queue.unfinished_tasks == 0 and not self._overflow.is_set()
+                    and not self._resyncing):
                 return True
             time.sleep(0.005)
         return False
@@ -267,9 +268,11 @@ class KVEventPublisher:
             if self._replay is not None and dict(poller.poll(0)):
                 self._serve_replay()
             if self._overflow.is_set():
+                self._resyncing = True  # before the flag is cleared: flush() waits for the announcement
                 self._overflow.clear()
                 self._drain()
                 self._announce_all()
+                self._resyncing = False
             handled = False
             try:
                 kind, cid = self._queue.get(timeout=_POLL_MS / 1000)
