@@ -335,20 +335,23 @@ def test_serve_refuses_an_exposed_events_address(tmp_path):
 def test_a_full_queue_makes_it_announce_everything_again(pub):
     """More operations waiting than max_queue: the bucket is not blocked; the publisher clears and announces
     the whole bucket again, so a subscriber ends with the right blocks."""
-    b, _, make = pub
-    real = b.token_ids
+    import threading
 
-    def slow(cid, **kw):  # the publisher falls behind
-        time.sleep(0.05)
+    b, _, make = pub
+    real, gate = b.token_ids, threading.Event()
+
+    def held(cid, **kw):  # the publisher is stuck until the test lets it go
+        assert gate.wait(30)
         return real(cid, **kw)
 
-    b.token_ids = slow
+    b.token_ids = held
     p = make(max_queue=2)
     want = set()
     for k in range(8):
         toks = np.arange(16) + 100 * k
         b.ingest("m", layers(16), token_ids=toks)
         want |= {vllm_event_hash(d) for d in vllm_block_hashes(toks, block_size=BS)}
+    gate.set()
     assert p.flush()
     evs = [e for _, e in events(replay(p.replay_endpoint))]
     clears = [i for i, e in enumerate(evs) if e["type"] == "AllBlocksCleared"]
