@@ -258,7 +258,8 @@ def test_vllm_decodes_every_batch(pub):
     stored = evs[2]
     assert isinstance(stored, kv.BlockStored) and stored.medium == kv.MEDIUM_STORAGE
     assert stored.block_hashes == [vllm_event_hash(d) for d in vllm_block_hashes(a, block_size=BS)]
-    assert evs[3].parent_block_hash == stored.block_hashes[2] and evs[3].token_ids == [1, 2, 3, 4, 5, 6] * 2 + [1, 2, 3, 4]
+    assert evs[3].parent_block_hash == stored.block_hashes[2]
+    assert evs[3].token_ids == [1, 2, 3, 4, 5, 6] * 2 + [1, 2, 3, 4]
     assert evs[4].block_hashes == [stored.block_hashes[3]]
     # and the encoding is vLLM's own, byte for byte
     enc = msgspec.msgpack.Encoder()

@@ -210,7 +210,8 @@ def _vllm_seed(seed: str | None) -> str:
         env = os.environ.get("PYTHONHASHSEED")
         return VLLM_DEFAULT_SEED if env is None else env
     if not isinstance(seed, str):
-        raise ArgumentTypeError(f"seed must be a string (vLLM hashes PYTHONHASHSEED as text), got {type(seed).__name__}")
+        raise ArgumentTypeError(f"seed must be a string (vLLM hashes PYTHONHASHSEED as text), got "
+                                f"{type(seed).__name__}")
     return seed
 
 
