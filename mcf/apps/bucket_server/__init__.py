@@ -173,8 +173,8 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     topics ``kv@<host>:<port>@<model>`` name this server's address, blocks of ``kv_events_block_size``
     tokens; a non-loopback events address needs ``kv_events_expose``).  Once listening, ``on_listening``
     (default: the log) is told where and how (``listening on http://127.0.0.1:8765 (token: required)``);
-    each request is logged in one line on standard error unless ``access_log`` is False.  Token warnings (:func:`check_token`) go to
-    ``on_warning`` (default: :func:`warnings.warn`)."""
+    each request is logged in one line on standard error unless ``access_log`` is False.  Token warnings
+    (:func:`check_token`) go to ``on_warning`` (default: :func:`warnings.warn`)."""
     from mcf.apps.bucket_server import _http_limits as limits_mod
 
     uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
