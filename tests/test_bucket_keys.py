@@ -174,3 +174,32 @@ def test_refusals():
         keys.vllm_block_hashes([1] * 32, extra_keys=[None])
     with pytest.raises(ArgumentTypeError, match="seed"):
         keys.vllm_none_hash(seed=42)
+
+
+def test_lmcache_builtin_under_the_engines_pythonhashseed(golden):
+    """LMCache's default "builtin" algorithm starts from hash(seed), a string hash: a process started with
+    the engine's PYTHONHASHSEED (0 for the golden vectors) reproduces it without none_hash=."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import json, sys
+        sys.path.insert(0, "tests")
+        from _kv_cases import N_CASES, case
+        from mcf.bucket import keys
+        out = {}
+        for i in range(N_CASES):
+            c = case(i)
+            if c["lmcache_algorithm"] == "builtin":
+                out[i] = keys.lmcache_chunk_hashes(c["tokens"], chunk_size=c["block_size"], hash_algorithm="builtin",
+                                                   seed=c["seed"] or keys.VLLM_DEFAULT_SEED,
+                                                   save_unfull_chunk=c["lmcache_unfull"])[-1:]
+        print(json.dumps(out))
+    """
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout)
+    assert len(got) > 300
+    for i, last in got.items():
+        n, want, _, _ = golden["lmcache"][int(i)]
+        assert last == ([want] if n else []), i

@@ -49,8 +49,9 @@ def outer(args) -> int:
     pip = [py, "-m", "pip", "install", "-q"]
     subprocess.run(pip + ["--no-deps"] + [f"{k}=={v}" for k, v in ENGINES.items()], check=True)
     subprocess.run(pip + DEPS, check=True)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("PYTHONHASHSEED", None)
+    # string hashing fixed, so LMCache's "builtin" NONE_HASH (a string's hash()) and the file come out the same
+    # every time; the inner run removes the variable from its environment before vLLM reads it
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONHASHSEED="0")
     rc = subprocess.run([py, os.path.abspath(__file__), "--inner"], env=env).returncode
     if not args.keep and not args.venv:
         import shutil
@@ -91,6 +92,7 @@ def inner() -> int:
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
 
+    os.environ.pop("PYTHONHASHSEED", None)  # the interpreter already took it for its string hashes
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import _kv_cases
 
