@@ -361,3 +361,21 @@ def test_a_full_queue_makes_it_announce_everything_again(pub):
     after = evs[last_clear + 1:]
     assert {e["type"] for e in after} == {"BlockStored"}
     assert {h for e in after for h in e["block_hashes"]} == want
+
+
+def test_a_rebuild_clears_and_announces_what_is_on_disk(pub):
+    """A context removed by hand leaves the bucket at the next rebuild: its blocks are no longer announced."""
+    import shutil
+
+    b, _, make = pub
+    p = make()
+    gone = b.ingest("m", layers(16), token_ids=np.arange(16))["context_id"]
+    b.ingest("m", layers(16), token_ids=np.arange(16) + 50)
+    assert p.flush()
+    first = p.last_seq
+    shutil.rmtree(b.root / "contexts" / gone)
+    b.rebuild()
+    assert p.flush()
+    evs = [e for _, e in events(replay(p.replay_endpoint, first + 1))]
+    assert [e["type"] for e in evs] == ["AllBlocksCleared", "BlockStored"]
+    assert evs[1]["token_ids"] == list(range(50, 66))

@@ -30,8 +30,10 @@ What is announced, and why so:
   it.  The blocks are listed deepest first.  The bucket never evicts for space (the warm and hot tiers
   only drop copies of what stays on disk), so there is no other removal.
 * **AllBlocksCleared, then the whole bucket, when the publisher starts**, per model: a subscriber drops
-  what an earlier run announced and learns what is stored now.  The same happens if more than
-  ``max_queue`` bucket operations wait for the publisher (it re-announces rather than block the bucket).
+  what an earlier run announced and learns what is stored now.  The same happens after
+  :meth:`Bucket.rebuild` (which re-reads the bucket from disk: contexts removed or restored by hand) and
+  if more than ``max_queue`` bucket operations wait for the publisher (it re-announces rather than block
+  the bucket).
 * The medium is ``"STORAGE"``; ``lora_id``/``lora_name`` are None (a context has no adapter).
 
 Threads: the bucket's callbacks (any thread) only queue the context id; one thread reads the token ids
@@ -209,7 +211,9 @@ class KVEventPublisher:
 
     # -- any thread --------------------------------------------------------------------------------
     def _on_event(self, event: dict) -> None:
-        if event.get("event") in ("context.ingested", "context.deleted", "context.expired"):
+        if event.get("event") == "registry.rebuilt":  # the bucket re-read from disk: announce what is there now
+            self._overflow.set()
+        elif event.get("event") in ("context.ingested", "context.deleted", "context.expired"):
             try:
                 self._queue.put_nowait((event["event"], event.get("context_id")))
             except queue.Full:
