@@ -227,6 +227,9 @@ def cmd_serve(args) -> int:
         if args.max_event_streams < 1:
             raise InvalidArgumentError(f"--max-event-streams must be at least 1, got {args.max_event_streams}")
         kw["max_event_streams"] = args.max_event_streams
+    if args.kv_events is not None or args.kv_events_replay is not None:
+        kw.update(kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+                  kv_events_block_size=args.kv_events_block_size, kv_events_expose=args.kv_events_expose)
     if args.default_ttl is not None:
         from mcf.bucket.store import check_ttl
 
@@ -360,6 +363,16 @@ def add_bucket_parser(sub) -> None:
     s.add_argument("--warm-budget-bytes", type=int, help="RAM for contexts promoted to the warm tier (default 1 GiB)")
     s.add_argument("--max-event-streams", type=int, metavar="N",
                    help="open /mcrp/v1/events streams allowed at once (default 32; 503 past it)")
+    s.add_argument("--kv-events", metavar="tcp://HOST:PORT",
+                   help="publish the bucket's stored blocks as vLLM's KV events on this ZMQ PUB address (loopback "
+                        "unless --kv-events-expose; needs the 'server' extra's pyzmq and msgpack)")
+    s.add_argument("--kv-events-replay", metavar="tcp://HOST:PORT",
+                   help="the KV events' replay socket (ROUTER): a subscriber asks for the batches it missed")
+    s.add_argument("--kv-events-block-size", type=int, default=16, metavar="N",
+                   help="tokens per announced block: the engine's --block-size (default 16, vLLM's)")
+    s.add_argument("--kv-events-expose", action="store_true",
+                   help="allow a non-loopback KV events address (the events carry prompts' token ids, and ZMQ "
+                        "has no authentication: put it behind a network policy)")
     s.add_argument("--default-ttl", type=float, metavar="SECONDS",
                    help="expiry of contexts ingested without a ttl (default: never; seed 003 suggests 604800, 7 days)")
     s.add_argument("--backend", choices=("transformers",),

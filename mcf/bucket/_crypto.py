@@ -107,3 +107,23 @@ class ChunkCipher:
         except InvalidTag:
             raise ChecksumError("encrypted chunk failed authentication (wrong key, or the chunk or header was "
                                 "changed)", path=path, field=f"chunk[{index}]", offset=offset) from None
+
+
+def seal(key: bytes, plain: bytes, aad: bytes) -> bytes:
+    """``nonce | ciphertext | tag`` of a small side file (a context's token ids), bound to ``aad``."""
+    nonce = os.urandom(NONCE_SIZE)
+    return nonce + _aesgcm()(parse_key(key)).encrypt(nonce, bytes(plain), aad)
+
+
+def unseal(key: bytes, stored: bytes, aad: bytes, *, path=None) -> bytes:
+    """What :func:`seal` sealed; ChecksumError when it fails authentication (another key, or changed)."""
+    from cryptography.exceptions import InvalidTag
+
+    if len(stored) < OVERHEAD:
+        raise ChecksumError("encrypted file shorter than its nonce and tag", path=path,
+                            expected=f">= {OVERHEAD} bytes", got=len(stored))
+    try:
+        return _aesgcm()(parse_key(key)).decrypt(stored[:NONCE_SIZE], stored[NONCE_SIZE:], aad)
+    except InvalidTag:
+        raise ChecksumError("encrypted file failed authentication (wrong key, or the file was changed)",
+                            path=path) from None

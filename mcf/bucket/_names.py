@@ -16,8 +16,8 @@ from typing import Any
 
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["CTX_RE", "JOURNAL_NAME", "KV_NAME", "LOCK_NAME", "META_NAME", "MODEL_RE", "REGISTRY_NAME", "VERIFIED_NAME",
-           "check_context_id", "check_model_id", "ctx_rel", "model_rel", "root_scrubber"]
+__all__ = ["CTX_RE", "JOURNAL_NAME", "KV_NAME", "LOCK_NAME", "META_NAME", "MODEL_RE", "REGISTRY_NAME", "TOKENS_NAME",
+           "VERIFIED_NAME", "check_context_id", "check_model_id", "ctx_rel", "model_rel", "root_scrubber"]
 
 KV_NAME = "kv_data.mcb"
 META_NAME = "metadata.json"
@@ -26,6 +26,9 @@ JOURNAL_NAME = "registry.journal"
 LOCK_NAME = ".lock"
 #: written next to kv_data.mcb after a complete successful CRC check (see Bucket.load's verify="once")
 VERIFIED_NAME = ".verified.json"
+#: the token ids of a context ingested with them (int64 LE; AES-256-GCM in an encrypted bucket): what KV events
+#: announce (mcf.bucket.kv_events)
+TOKENS_NAME = "token_ids.bin"
 CTX_RE = re.compile(r"^ctx_[0-9a-f]{32}$")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

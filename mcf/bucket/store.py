@@ -71,7 +71,7 @@ import numpy as np
 from mcf._core.fs import fsync_file
 from mcf._core.lifetime import ClosedOnExit
 from mcf.bucket import _layout as L
-from mcf.bucket._crypto import key_id
+from mcf.bucket._crypto import key_id, seal, unseal
 from mcf.bucket._fs import BucketFS
 from mcf.bucket._json import dumps, iso
 from mcf.bucket._metadata import (
@@ -102,6 +102,7 @@ from mcf.bucket._names import (
     LOCK_NAME,
     META_NAME,
     REGISTRY_NAME,  # noqa: F401  (importable from here, as before the split)
+    TOKENS_NAME,
     check_context_id,
     check_model_id,
     ctx_rel,
@@ -115,7 +116,7 @@ from mcf.bucket.ids import (  # importable from here, as before the split
     content_hash,
     context_id_for,
     prefix_hashes,
-    token_array,  # noqa: F401
+    token_array,
 )
 from mcf.bucket.kvfile import KVFile, open_kv, write_kv
 from mcf.bucket.tiers import TIERS, check_device, expired, preference, preference_steps
@@ -173,6 +174,11 @@ def check_ttl(ttl: Any, name: str) -> float | None:
                             or not 0 < ttl < 100 * 365 * 86400):
         raise InvalidArgumentError(f"{name} must be a positive number of seconds below 100 years, got {ttl!r}")
     return ttl
+
+
+def _tokens_aad(context_id: str) -> bytes:
+    """What an encrypted token_ids.bin is bound to: it cannot be moved to another context."""
+    return b"mcf-token-ids\0" + context_id.encode()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,6 +499,16 @@ class Bucket(ClosedOnExit):
                                       scratch=self.scratch_file)  # conversions in a file, not in RAM
                     f.flush()
                     fsync_file(f.fileno())
+                if token_ids is not None:  # what KV events announce (mcf.bucket.kv_events), sealed like the KV data
+                    data = token_array(token_ids).tobytes()
+                    if self._key is not None:
+                        data = seal(self._key, data, _tokens_aad(cid))
+                    fd = self._fs.open_file_at(td, TOKENS_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                               rel=f"{tmp_rel}/{TOKENS_NAME}")
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        fsync_file(f.fileno())
                 meta = new_metadata(cid, model_id, name=name, source=source, chash=chash, shape=shape, dtype=kd,
                                     compression=comp, header=header,
                                     key_id=key_id(self._key) if header.encrypted else None, now=self.clock(),
@@ -705,6 +721,32 @@ class Bucket(ClosedOnExit):
                     continue
                 return {"context_id": cid, "tokens": ntok, "metadata": meta}
         return None
+
+    def token_ids(self, context_id: str, *, include_expired: bool = False) -> np.ndarray | None:
+        """The token ids a context was ingested with (int64), or None for a context ingested from text (or by
+        an mcf that did not keep them).  They are checked against the context's content hash before they
+        are returned (FormatError when they differ); in an encrypted bucket they are sealed with the key like
+        the KV data (EncryptionKeyError without it)."""
+        meta = self.lookup(context_id, include_expired=include_expired)
+        rel = f"{ctx_rel(context_id)}/{TOKENS_NAME}"
+        n = meta["content"]["token_count"]
+        try:
+            raw = self._fs.read(rel, limit=8 * n + 64)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if isinstance(exc, MCFError):
+                raise
+            raise os_error(exc, self._fs.where(rel)) from exc
+        if meta["kv_cache"].get("encrypted") is True:  # sealed with the key its KV data is encrypted with
+            refusal = self._key_refusal(meta)
+            if refusal is not None:
+                raise refusal
+            raw = unseal(self._key, raw, _tokens_aad(context_id), path=self._fs.where(rel))
+        if len(raw) != 8 * n or content_hash(token_ids=np.frombuffer(raw, "<i8")) != meta["content"]["hash"]:
+            raise FormatError("token ids disagree with the context's content hash", path=self._fs.where(rel),
+                              field="content.hash", expected=meta["content"]["hash"])
+        return np.frombuffer(raw, "<i8").copy()
 
     def lookup(self, context_id: str, *, include_expired: bool = False) -> dict:
         """The metadata of one context (ContextNotFoundError when absent or expired)."""

@@ -157,7 +157,9 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
           send_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
           access_log: bool = True, on_listening: Callable[[str], None] | None = None,
           on_warning: Callable[[str], None] | None = None, backend: QueryBackend | None = None,
-          default_ttl: float | None = None, max_event_streams: int = DEFAULT_MAX_STREAMS) -> None:
+          default_ttl: float | None = None, max_event_streams: int = DEFAULT_MAX_STREAMS,
+          kv_events: str | None = None, kv_events_replay: str | None = None, kv_events_block_size: int = 16,
+          kv_events_expose: bool = False) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
     address); ``max_body_bytes``, ``max_ingest_bytes`` and ``max_concurrent_ingests`` are
@@ -166,10 +168,13 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     default); ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers queries (and, with an
     ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds until a context
     ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open ``/events``
-    streams allowed.  Once listening, ``on_listening`` (default: the log) is told where and how
-    (``listening on http://127.0.0.1:8765 (token: required)``); each request is logged in one line on
-    standard error unless ``access_log`` is False.  Token warnings (:func:`check_token`) go to
-    ``on_warning`` (default: :func:`warnings.warn`)."""
+    streams allowed.  ``kv_events`` (``tcp://HOST:PORT``) publishes the bucket's stored blocks as vLLM's KV
+    events, with a replay socket at ``kv_events_replay`` (:class:`mcf.bucket.kv_events.KVEventPublisher`:
+    topics ``kv@<host>:<port>@<model>`` name this server's address, blocks of ``kv_events_block_size``
+    tokens; a non-loopback events address needs ``kv_events_expose``).  Once listening, ``on_listening``
+    (default: the log) is told where and how (``listening on http://127.0.0.1:8765 (token: required)``);
+    each request is logged in one line on standard error unless ``access_log`` is False.  Token warnings
+    (:func:`check_token`) go to ``on_warning`` (default: :func:`warnings.warn`)."""
     from mcf.apps.bucket_server import _http_limits as limits_mod
 
     uvicorn = require("uvicorn", feature="mcf bucket serve", extra="server")
@@ -189,10 +194,26 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     if warm_budget_bytes is not None:
         bkw["warm_budget_bytes"] = warm_budget_bytes
     bucket = Bucket(root, **bkw)
-    app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
-                     max_event_streams=max_event_streams, max_ingest_bytes=max_ingest_bytes,
-                     max_concurrent_ingests=max_concurrent_ingests,
-                     allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
+    publisher = None
+    if kv_events is not None:
+        from mcf.bucket.kv_events import KVEventPublisher
+
+        int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in ("0", "")
+        where = f"[{host}]" if ":" in host else host
+        publisher = KVEventPublisher(bucket, kv_events, replay_endpoint=kv_events_replay, address=f"{where}:{port}",
+                                     block_size=kv_events_block_size, int_hashes=int_hashes,
+                                     expose=kv_events_expose)
+    elif kv_events_replay is not None:
+        raise InvalidArgumentError("a KV events replay socket needs KV events (kv_events=, --kv-events)")
+    try:
+        app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
+                         max_event_streams=max_event_streams, max_ingest_bytes=max_ingest_bytes,
+                         max_concurrent_ingests=max_concurrent_ingests,
+                         allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
 
     def authorised(headers) -> bool:
         return token is None or any(k == b"authorization" and bearer_ok(v, token) for k, v in headers)
@@ -216,7 +237,11 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
             app.app.state.events.close()
             super().handle_exit(sig, frame)
 
-    _Server(config).run()
+    try:
+        _Server(config).run()
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 def _log_config(access_log: bool) -> dict:
