@@ -208,7 +208,8 @@ def main(argv=None):
         t["hf1"].append(timed(lambda: ours(paths, tok, os.path.join(work, "hf1"), 1, "hf")))
         t["hfN"].append(timed(lambda: ours(paths, tok, os.path.join(work, "hfN"), n, "hf")))
     med = {k: statistics.median(v) for k, v in t.items() if v}
-    identical = all(same_bytes(os.path.join(work, "meg"), os.path.join(work, k)) for k in ("auto1", "autoN", "hf1", "hfN"))
+    identical = all(same_bytes(os.path.join(work, "meg"), os.path.join(work, k))
+                    for k in ("auto1", "autoN", "hf1", "hfN"))
     if have_datatrove:   # datatrove's dataset of each part against ours of that part, with its rules
         for k, p in enumerate(paths):
             ours([p], tok, os.path.join(work, f"dtrule{k}"), n, "auto", dtype_rule="datatrove", empty_text="datatrove")
@@ -223,7 +224,8 @@ def main(argv=None):
     for key, label in (("hf1", "mcf, hf backend, 1 worker"), ("hfN", f"mcf, hf backend, {n} workers"),
                        ("auto1", f"mcf, auto ({backend}), 1 worker"), ("autoN", f"mcf, auto ({backend}), {n} workers")):
         lines.append(f"  {label:<39} {mb / med[key]:7.1f} MB/s")
-    lines.append(f"  mcf auto {n} workers / preprocess_data.py way: {med['megatron'] / med['autoN']:.1f}x (target >= 10x)")
+    ratio = med['megatron'] / med['autoN']
+    lines.append(f"  mcf auto {n} workers / preprocess_data.py way: {ratio:.1f}x (target >= 10x)")
     if "datatrove" in med:
         lines.append(f"  mcf auto {n} workers / datatrove: {med['datatrove'] / med['autoN']:.1f}x (target >= 10x)")
     lines.append(f"  mcf auto {n} workers / 1 worker: {med['auto1'] / med['autoN']:.2f}x (target >= {0.8 * n:.1f}x); "

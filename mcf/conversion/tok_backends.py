@@ -116,7 +116,8 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ [0-9]+\r?$")
 # ``X{n,m}+`` is possessive in tiktoken's regex engine (fancy-regex) and in PCRE2, but in Oniguruma (HF
 # tokenizers' engine, Ruby syntax) it means ``(X{n,m})+``: cl100k_base's ``\p{N}{1,3}+`` would take every
 # digit at once.  The atomic group ``(?>X{n,m})`` means the same in all three.
-_POSSESSIVE_INTERVAL = re.compile(r"(\\p\{\w+\}|\\P\{\w+\}|\[(?:\\.|[^\]\\])*\]|\\.|[^\\()\[\]{}|])(\{\d+(?:,\d*)?\})\+")
+_POSSESSIVE_INTERVAL = re.compile(
+    r"(\\p\{\w+\}|\\P\{\w+\}|\[(?:\\.|[^\]\\])*\]|\\.|[^\\()\[\]{}|])(\{\d+(?:,\d*)?\})\+")
 
 
 def onig_pattern(pattern: str) -> str:
@@ -207,8 +208,8 @@ class TiktokenVocab:
             model.ignore_merges = True
         tok = tokenizers.Tokenizer(model)
         pre = tokenizers.pre_tokenizers
-        tok.pre_tokenizer = pre.Sequence([pre.Split(tokenizers.Regex(onig_pattern(self.pattern)), behavior="isolated", invert=False),
-                                          pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+        split = pre.Split(tokenizers.Regex(onig_pattern(self.pattern)), behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre.Sequence([split, pre.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = tokenizers.decoders.ByteLevel()
         if self.special_tokens:  # at their own ids: through the JSON, which carries ids
             spec = json.loads(tok.to_str())
