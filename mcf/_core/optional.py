@@ -33,7 +33,7 @@ EXTRAS = {
     "tokenize": (("tokenizers", "tokenizers"), ("zstandard", "zstandard"), ("fastokens", "fastokens"),
                  ("tiktoken", "tiktoken"), ("msgspec", "msgspec")),
     "bucket": _BUCKET,
-    "server": _BUCKET + (("starlette", "starlette"), ("uvicorn", "uvicorn")),
+    "server": _BUCKET + (("starlette", "starlette"), ("uvicorn", "uvicorn"), ("zmq", "pyzmq"), ("msgpack", "msgpack")),
     "remote": (("obstore", "obstore"), ("fsspec", "fsspec"), ("aiohttp", "aiohttp")),
     "torch": (("torch", "torch"),),
     "transformers": (("transformers", "transformers"), ("torch", "torch")),
