@@ -3,6 +3,7 @@ slicing, the S3 settings' order of precedence, what a URL is sent to, and what a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,8 @@ def test_plan_fills_every_buffer_exactly(ranges, part_size, coalesce):
     with its bytes, whatever the overlaps, adjacency, sizes, order; no part exceeds part_size; parts
     are disjoint and in file order; a run is cut into parts of equal size give or take a byte."""
     coalesce = min(coalesce, part_size)
+    if part_size < 100:   # a part per byte or seven: short ranges keep the example fast, the cases the same
+        ranges = [(off, n % 300) for off, n in ranges]
     bufs = [(off, memoryview(bytearray(min(n, len(_BLOB) - off)))) for off, n in ranges]
     parts = plan(bufs, part_size=part_size, coalesce=coalesce)
     for p in parts:
@@ -39,7 +42,10 @@ def test_plan_fills_every_buffer_exactly(ranges, part_size, coalesce):
     for off, mv in bufs:
         assert bytes(mv) == _BLOB[off:off + len(mv)]
     fetched = sum(p.size for p in parts)
-    wanted = len(set().union(*[range(off, off + len(mv)) for off, mv in bufs])) if bufs else 0
+    covered = np.zeros(len(_BLOB), bool)
+    for off, mv in bufs:
+        covered[off:off + len(mv)] = True
+    wanted = int(covered.sum())
     gaps = max(0, len(parts) - 1) * coalesce + (len(bufs)) * coalesce
     assert wanted <= fetched <= wanted + gaps     # only gaps of at most `coalesce` bytes are fetched extra
 
