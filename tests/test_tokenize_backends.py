@@ -12,8 +12,6 @@ import json
 import logging
 import os
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -110,30 +108,6 @@ def test_backends_pass_the_probe(bpe_path, tiktoken_vocab, kind, name):
     b = tb.make_backend(name, source)
     assert tb.probe_mismatch(b, tb.HFBackend(source.hf), source) is None
     assert tb.probe_mismatch(b, tb.HFBackend(source.hf), source, add_special_tokens=True) is None
-
-
-@pytest.mark.parametrize("name", ["hf", "fastokens"])
-def test_each_worker_thread_encodes_with_its_own_tokenizer(bpe_path, name):
-    """Worker threads sharing one Rust tokenizer object serialize on it (its caches): each thread gets its own
-    copy, which gives the same ids as the original."""
-    if name != "hf":
-        _need(name)
-    source = tb.load_source(bpe_path)
-    b = tb.make_backend(name, source)
-    texts = ["def f(x):\n    return x + 1  # añadir", "  spaces\tand\ttabs 12345 ", "naïve café ☕"]
-    want_ids, want_offs = b.encode(texts, False)
-    with ThreadPoolExecutor(2) as ex:
-        got = list(ex.map(lambda _: (b._thread_tok(), b.encode(texts, False)), range(2)))
-        barrier = threading.Barrier(2)
-
-        def own(_):
-            barrier.wait()   # both threads alive at once: two distinct threads, each with its copy
-            return b._thread_tok()
-
-        toks = list(ex.map(own, range(2)))
-    assert toks[0] is not toks[1] and b.tok not in toks
-    for _, (ids, offs) in got:
-        assert np.array_equal(ids, want_ids) and np.array_equal(offs, want_offs)
 
 
 _TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=300)

@@ -317,20 +317,6 @@ class Backend:
 
     name = "?"
 
-    def _thread_tok(self):
-        """This thread's own copy of the tokenizer (the constructing thread's is ``self.tok``).  A Rust
-        tokenizer object shared by the worker threads serializes them on its internal caches: fastokens with
-        2 workers ran at 0.97x one worker sharing one object, 1.53x with one object per thread (2 cores)."""
-        local = self.__dict__.setdefault("_local", threading.local())
-        tok = getattr(local, "tok", None)
-        if tok is None:
-            owner = self.__dict__.setdefault("_owner", threading.get_ident())
-            tok = local.tok = self.tok if owner == threading.get_ident() else self._copy()
-        return tok
-
-    def _copy(self):
-        return self.tok
-
     def encode(self, texts: list, add_special_tokens: bool):
         """``(ids, offsets)``: the ids of all ``texts`` as one flat uint32 array; text k's are
         ``ids[offsets[k]:offsets[k+1]]`` (``offsets``: int64, ``len(texts) + 1``)."""
@@ -353,16 +339,12 @@ class HFBackend(Backend):
 
     def __init__(self, tok):
         self.tok = tok
+        self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     def encode(self, texts, add_special_tokens: bool):
         if not texts:
             return np.empty(0, np.uint32), np.zeros(1, np.int64)
-        tok = self._thread_tok()
-        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        return _lists_to_flat([e.ids for e in encode(texts, add_special_tokens=add_special_tokens)])
-
-    def _copy(self):
-        return type(self.tok).from_str(self.tok.to_str())
+        return _lists_to_flat([e.ids for e in self._encode(texts, add_special_tokens=add_special_tokens)])
 
 
 class FastokensBackend(Backend):
@@ -377,19 +359,14 @@ class FastokensBackend(Backend):
         except Exception as exc:  # fastokens raises its own exceptions for what it does not implement
             raise InvalidArgumentError(f"fastokens does not load {source.label}: {type(exc).__name__}: {exc}") \
                 from None
-        self._json = source.json
-
-    def _copy(self):
-        return type(self.tok).from_json_str(self._json)
+        self._flat = getattr(self.tok, "encode_batch_flat", None)
 
     def encode(self, texts, add_special_tokens: bool):
         if not texts:
             return np.empty(0, np.uint32), np.zeros(1, np.int64)
-        tok = self._thread_tok()
-        flat = getattr(tok, "encode_batch_flat", None)
-        if flat is None:  # releases before encode_batch_flat
-            return _lists_to_flat([e.ids for e in tok.encode_batch(texts, add_special_tokens=add_special_tokens)])
-        ids, offs = flat(texts, add_special_tokens=add_special_tokens)
+        if self._flat is None:  # releases before encode_batch_flat
+            return _lists_to_flat([e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)])
+        ids, offs = self._flat(texts, add_special_tokens=add_special_tokens)
         return np.frombuffer(ids, np.uint32), np.frombuffer(offs, np.uint64).astype(np.int64)
 
 
