@@ -382,7 +382,8 @@ class PageStore:
             return False
         with contextlib.suppress(OSError):
             if self.ttl is not None:  # only an expiring page needs its time moved
-                os.utime(name, dir_fd=self.dir_fd, follow_symlinks=False)
+                t = int(self.clock() * 1e9)
+                os.utime(name, ns=(t, t), dir_fd=self.dir_fd, follow_symlinks=False)
         return True
 
     def _write(self, name: str, key: str, views: list[memoryview], meta: bytes) -> None:
@@ -401,6 +402,9 @@ class PageStore:
         try:
             try:
                 _pwritev_full(fd, [memoryview(head)] + views)
+                if self.ttl is not None:  # a page's time is the store's clock (the TTL's reference)
+                    t = int(self.clock() * 1e9)
+                    os.utime(fd, ns=(t, t))
                 if self.durable:
                     fsync_file(fd)
             finally:
