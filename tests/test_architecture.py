@@ -83,6 +83,22 @@ POSITIONAL_OK = {
     ("mcf.remote.file", "RemoteFile.read", "size"): "the io.RawIOBase protocol",
     ("mcf.remote.file", "RemoteFile.seek", "whence"): "the io.RawIOBase protocol",
     ("mcf.cli", "main", "argv"): "console-script convention: main(argv=None)",
+    # engine plugins: the engines call these methods positionally, with the signatures of their base classes
+    ("mcf.bucket.engines.lmcache", "BucketConnector.batched_async_contains", "pin"): "LMCache's RemoteConnector",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.__init__", "kwargs"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.get", "target_location"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.get", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_get", "target_locations"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_get", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.set", "value"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.set", "target_location"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.set", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set", "values"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set", "target_locations"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_exists", "extra_info"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_get_v1", "extra_info"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set_v1", "extra_info"): "SGLang's HiCacheStorage",
 }
 
 _BUILTIN_EXC = {n for n in dir(builtins)

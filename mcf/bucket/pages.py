@@ -81,7 +81,7 @@ from typing import Any
 from mcf._core.fs import fsync_file
 from mcf.bucket._fs import BucketFS
 from mcf.bucket.kvfile import crc32
-from mcf.errors import (ArgumentTypeError, ChecksumError, FormatError, InvalidArgumentError, TruncatedError,
+from mcf.errors import (ArgumentTypeError, ChecksumError, FormatError, InvalidArgumentError, MCFError, TruncatedError,
                         UnsupportedVersionError)
 
 __all__ = ["HEADER", "MAX_META_BYTES", "PAGES_DIR", "PageStore", "check_namespace", "page_name", "key_of_name",
@@ -231,7 +231,7 @@ def _pwritev_full(fd: int, views: list[memoryview]) -> None:
             pending[0] = pending[0][n:]
 
 
-class _WrongSize(Exception):
+class _WrongSize(MCFError):
     """A page that is there but not of the size the caller reads: a miss, not damage."""
 
 
@@ -319,7 +319,7 @@ class PageStore:
             raise ClosedError(f"{self._fs.where(self.rel)}: the page store is closed")
         return self._dir
 
-    def where(self, key: str | None = None) -> str:
+    def where(self, *, key: str | None = None) -> str:
         """The page's path, for messages (the namespace's directory without a key)."""
         return str(self._fs.where(self.rel if key is None else f"{self.rel}/{page_name(key)}"))
 
@@ -435,7 +435,7 @@ class PageStore:
                 self._write(names[i], keys[i], _byte_views(datas[i]), metas[i])
                 return True
             except (OSError, FormatError) as exc:
-                _log.warning("%s: page not written: %s", self.where(keys[i]), exc)
+                _log.warning("%s: page not written: %s", self.where(key=keys[i]), exc)
                 return False
 
         out = self._map(one, len(keys))

@@ -65,7 +65,7 @@ class BucketTier(SecondaryTierManager):
 
     medium = getattr(Medium, "STORAGE", None)  # hits are reported as from disk
 
-    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, root: str,
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, *, root: str,
                  namespace: str | None = None, ttl: float | None = None, durable: bool = False,
                  verify: bool = True, warm_budget_bytes: int = 0, threads: int = 4,
                  backpressure_detector: Any = None, **_vllm: Any) -> None:
