@@ -18,7 +18,7 @@ from typing import Any
 
 from mcf._core.optional import require
 
-__all__ = ["engine_class"]
+__all__ = ["engine_class", "require_engine"]
 
 
 def engine_class(module: str, name: str, *, feature: str, package: str) -> type:
@@ -36,4 +36,14 @@ def engine_class(module: str, name: str, *, feature: str, package: str) -> type:
             raise AssertionError(f"{module} imported on a second try")  # pragma: no cover
 
     Missing.__name__ = Missing.__qualname__ = f"Missing{name}"
+    Missing.engine_missing = True
     return Missing
+
+
+def require_engine(plugin: object) -> None:
+    """Raise :class:`mcf.MissingDependencyError` when ``plugin``'s engine base class is a stand-in (the
+    engine is not installed): the first line of each plugin's constructor, before it reads any of the
+    engine's objects."""
+    for base in type(plugin).__mro__:
+        if base.__dict__.get("engine_missing"):
+            base.__init__(plugin)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mcf.bucket.engines import engine_class
+from mcf.bucket.engines import engine_class, require_engine
 from mcf.bucket.pages import PageStore
 from mcf.errors import InvalidArgumentError
 
@@ -88,6 +88,7 @@ class BucketConnector(RemoteConnector):
 
     def __init__(self, loop: Any, local_cpu_backend: Any, config: Any, *, metadata: Any = None,
                  plugin_name: str | None = None) -> None:
+        require_engine(self)
         super().__init__(config, metadata if metadata is not None else local_cpu_backend.metadata)
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend

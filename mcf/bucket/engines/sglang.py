@@ -29,7 +29,7 @@ import hashlib
 import re
 from typing import Any
 
-from mcf.bucket.engines import engine_class
+from mcf.bucket.engines import engine_class, require_engine
 from mcf.bucket.pages import PageStore
 from mcf.errors import InvalidArgumentError
 
@@ -89,6 +89,7 @@ class BucketHiCacheStorage(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` over a bucket's pages (see the module docstring)."""
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        require_engine(self)
         extra = dict(storage_config.extra_config or {})
         unknown = sorted(set(extra) - set(_OPTIONS) - set(_SGLANG_KEYS))
         if unknown:

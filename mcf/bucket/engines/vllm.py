@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mcf.bucket.engines import engine_class
+from mcf.bucket.engines import engine_class, require_engine
 from mcf.bucket.pages import PageStore
 
 __all__ = ["BucketTier", "default_namespace", "key_name"]
@@ -69,6 +69,7 @@ class BucketTier(SecondaryTierManager):
                  namespace: str | None = None, ttl: float | None = None, durable: bool = False,
                  verify: bool = True, warm_budget_bytes: int = 0, threads: int = 4,
                  backpressure_detector: Any = None, **_vllm: Any) -> None:
+        require_engine(self)
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         self._chunk = primary_kv_view.strides[0]
