@@ -9,7 +9,7 @@ A page is a Llama-8B-shaped KV page: 64 tokens x 32 layers x 8 KV heads x 128 di
   ``prefix_hits`` against HiCacheFile's ``batch_exists`` and LMCache's fs layout (``os.path.exists`` per
   key, as its connector does);
 * ``batch_set`` of 128 new pages and ``batch_get`` of them, warm (in the page cache) and cold (after
-  bench_common.evict_page_cache), into preallocated pages; the bucket checks every CRC-32;
+  bench_common.evict_page_cache), into preallocated pages; the bucket checks every CRC-32C;
 * fio's sequential read of the same bytes (one file of 128 pages), cold.
 
 Ratios are taken in the same run (figures on this shared machine drift by +-25%).  HiCacheFile comes

@@ -47,6 +47,7 @@ POSITIONAL_OK = {
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
+    ("mcf.bucket.pages", "crc32c", "value"): "crc32c(data, value), as zlib.crc32(data, value) continues a CRC",
     ("mcf.bucket.ids", "content_hash", "content"): "content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.__init__", "tokenizer"): "Hugging Face's own (model, tokenizer) pair",
     ("mcf.bucket.hf", "TransformersBackend.ingest", "content"):

@@ -15,6 +15,17 @@ from mcf.bucket.pages import HEADER, PageStore, key_of_name, page_name, payload_
 from mcf.errors import ArgumentTypeError, InvalidArgumentError
 
 
+def crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """CRC-32C from its definition (reflected polynomial 0x82F63B78, initial value and final xor
+    0xFFFFFFFF), a bit at a time: the model every compiled variant is compared with."""
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
 def _page(seed: int, n: int = 3 * 4096 + 100) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, n, dtype=np.uint8)
 
@@ -40,10 +51,13 @@ def test_layout_of_a_page(tmp_path):
     with PageStore(tmp_path, "ns") as s:
         s.put("k", _page(1, 8192))
     raw = (tmp_path / "pages" / "ns" / "k").read_bytes()
-    magic, version, flags, key_len, _r, meta_len, offset, size, _t, _pc, _hc = HEADER.unpack_from(raw)
-    assert (magic, version, flags, key_len, meta_len) == (b"MCBP", 1, 0, 1, 0)
+    magic, version, flags, key_len, kind, meta_len, offset, size, _t, pcrc, hcrc = HEADER.unpack_from(raw)
+    assert (magic, version, flags, key_len, kind, meta_len) == (b"MCBP", 2, 0, 1, 1, 0)   # kind 1: CRC-32C
     assert offset == payload_offset(1, 0, 8192) == 4096 and size == 8192 and len(raw) == offset + size
     assert raw[offset:] == _page(1, 8192).tobytes()
+    # both checksums are CRC-32C, checked against the plain-Python reference
+    assert pcrc == crc32c_reference(raw[offset:])
+    assert hcrc == crc32c_reference(raw[:44] + b"\0\0\0\0" + raw[48:HEADER.size + 1])
 
 
 @pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "zeros", "other_key"])
@@ -182,3 +196,67 @@ def test_bad_arguments(tmp_path):
         with pytest.raises(InvalidArgumentError):
             s.put("k", b"x", meta=b"m" * (64 * 1024 + 1))
     assert key_of_name(".abc.tmp") is None and key_of_name("%zz") is None
+
+
+# -- the checksum: every variant this CPU runs, bit for bit against the reference ----------------------------
+IMPLS = __import__("mcf").kernel_info()["supported"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_crc32c_variants_match_the_reference(impl):
+    from mcf.bucket import _pageio
+    assert _pageio.crc32c(b"123456789", impl=impl) == 0xE3069283 == crc32c_reference(b"123456789")  # the check value
+    data = _page(7, 3 * 4096 * 2 + 1234).tobytes()   # two rounds of the three-stream loop, then the tail
+    for lo, hi in [(0, 0), (0, 1), (3, 11), (1, 4096 * 3 + 9), (0, len(data)), (5, len(data) - 3)]:
+        part = data[lo:hi]
+        assert _pageio.crc32c(part, impl=impl) == crc32c_reference(part), (impl, lo, hi)
+        # continuing from a value is the CRC of the concatenation
+        mid = (hi - lo) // 3
+        assert _pageio.crc32c(part[mid:], _pageio.crc32c(part[:mid], impl=impl), impl=impl) == crc32c_reference(part)
+    hw = {"avx2", "avx512", "neon"}
+    assert _pageio.crc32c_variant(impl) in ({"scalar"} | (hw if impl != "scalar" else set()))
+
+
+def test_crc32c_forced_by_the_environment(tmp_path):
+    """MCF_FORCE_IMPL=scalar makes the pages (written and read) use the scalar table code: same bytes."""
+    code = ("import sys; from mcf.bucket import _pageio; from mcf.bucket.pages import PageStore\n"
+            "s = PageStore(sys.argv[1], 'ns'); s.put('k', bytes(range(256)) * 100)\n"
+            "print(_pageio.crc32c_variant(), open(sys.argv[1] + '/pages/ns/k', 'rb').read()[40:48].hex())\n")
+    runs = []
+    for force in ("scalar", ""):
+        env = dict(os.environ, MCF_FORCE_IMPL=force)
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / (force or "best"))], env=env, check=True,
+                             capture_output=True, text=True).stdout.split()
+        runs.append(out)
+    assert runs[0][0] == "scalar"
+    assert runs[0][1][:8] == runs[1][1][:8]        # the payload's CRC does not depend on the variant
+
+
+def test_a_page_of_version_1_is_refused_as_a_miss(tmp_path):
+    """Pages of the first layout (zlib's CRC-32, no checksum kind) are an unsupported version: a miss."""
+    import struct
+    with PageStore(tmp_path, "ns") as s:
+        s.put("k", _page(4, 8192))
+    p = tmp_path / "pages" / "ns" / "k"
+    raw = bytearray(p.read_bytes())
+    struct.pack_into("<HHHH", raw, 4, 1, 0, 1, 0)   # version 1, checksum kind 0
+    p.write_bytes(raw)
+    with PageStore(tmp_path, "ns") as s:
+        assert s.get_into("k", np.zeros(8192, np.uint8)) is False and s.stats["damaged"] == 1
+
+
+def test_batches_on_threads_and_pages_with_metadata(tmp_path):
+    """A batch larger than the threads, destinations of several buffers, pages with metadata read through
+    the batch (another size: a miss), and a warm tier all agree with single reads."""
+    pages = [_page(20 + i, 4096 * (i % 3 + 1) + i) for i in range(13)]
+    keys = [f"p{i}" for i in range(13)]
+    with PageStore(tmp_path, "ns", threads=3, warm_budget_bytes=1 << 16) as s:
+        assert s.put_many(keys, pages) == [True] * 13
+        assert s.put("meta", b"xyz", meta=b"m") is True
+        outs = [[np.zeros(len(p) // 2, np.uint8), np.zeros(len(p) - len(p) // 2, np.uint8)] for p in pages]
+        assert s.get_many_into(keys, outs) == [True] * 13
+        assert all((np.concatenate(o) == p).all() for o, p in zip(outs, pages))
+        assert s.get_many_into(keys[:2] + ["meta", "nope"], [np.zeros(len(p), np.uint8) for p in pages[:2]]
+                               + [np.zeros(3, np.uint8), np.zeros(3, np.uint8)]) == [True, True, True, False]
+        assert s.stats["damaged"] == 0 and s.warm_used_bytes > 0
+        assert s.put_many(keys[:2], pages[:2]) == [True, True] and s.stats["writes"] == 14   # kept, not rewritten
