@@ -193,13 +193,37 @@ def _lmcache():
 def test_lmcache_round_trips_kv_2ltd_chunks_through_its_serde(tmp_path, dtype):
     """LMCache's own RemoteBackend, made from the documented YAML, stores and reads KV_2LTD chunks
     byte-exact through the plugin; exists, batched contains and list answer from the bucket."""
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text(_with_root(_doc_file("lmcache.yaml"), tmp_path / "mcb").replace("chunk_size: 256",
+                                                                                   "chunk_size: 16"))
+    _lmcache_round_trip(cfg, dtype)
+
+
+def test_lmcache_round_trips_through_the_server(tmp_path, monkeypatch):
+    """The same through `mcf bucket serve`: the documented server YAML (its url), the token from
+    MCF_BUCKET_TOKEN; the chunks land in the served bucket's pages area."""
+    _lmcache()
+    from _bucket_server import serve
+
+    from mcf.bucket.pages import PageStore
+
+    token = "lmcache-test-token-0123456789abcdef"
+    PageStore(tmp_path / "mcb", "warmup").close()
+    with serve(tmp_path / "mcb", token, "--no-access-log") as (base, _proc):
+        cfg = tmp_path / "lmcache.yaml"
+        cfg.write_text(_doc_file("lmcache-server.yaml").replace("http://127.0.0.1:8765", base)
+                       .replace("chunk_size: 256", "chunk_size: 16"))
+        monkeypatch.setenv("MCF_BUCKET_TOKEN", token)
+        _lmcache_round_trip(cfg, "bfloat16")
+    with PageStore(tmp_path / "mcb", "lmcache", create=False) as local:
+        assert len(local.keys()) == 2
+
+
+def _lmcache_round_trip(cfg, dtype):
     import torch
 
     CacheEngineKey, LMCacheEngineConfig, LMCacheMetadata, LocalCPUBackend, RemoteBackend = _lmcache()
     tdtype = getattr(torch, dtype)
-    cfg = tmp_path / "lmcache.yaml"
-    cfg.write_text(_with_root(_doc_file("lmcache.yaml"), tmp_path / "mcb").replace("chunk_size: 256",
-                                                                                   "chunk_size: 16"))
     config = LMCacheEngineConfig.from_file(str(cfg))
     meta = LMCacheMetadata(model_name="meta-llama/Llama-3.1-8B", world_size=1, local_world_size=1, worker_id=0,
                            local_worker_id=0, kv_dtype=tdtype, kv_shape=(2, 2, 16, 2, 8), chunk_size=16)

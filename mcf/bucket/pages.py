@@ -97,8 +97,8 @@ from mcf.bucket._fs import BucketFS
 from mcf.errors import (ArgumentTypeError, ChecksumError, FormatError, InvalidArgumentError, MCFError, TruncatedError,
                         UnsupportedVersionError)
 
-__all__ = ["CHECKSUM_CRC32C", "HEADER", "MAX_META_BYTES", "PAGES_DIR", "PageStore", "check_namespace", "crc32c",
-           "key_of_name", "page_name", "payload_offset"]
+__all__ = ["CHECKSUM_CRC32C", "HEADER", "MAX_META_BYTES", "PAGES_DIR", "PageStore", "byte_views", "check_namespace",
+           "crc32c", "key_of_name", "page_name", "payload_offset", "writable_views"]
 
 #: the pages area inside a bucket's root
 PAGES_DIR = "pages"
@@ -186,7 +186,7 @@ def payload_offset(key_len: int, meta_len: int, payload_size: int) -> int:
     return -(-base // align) * align
 
 
-def _byte_views(data: Any) -> list[memoryview]:
+def byte_views(data: Any) -> list[memoryview]:
     """One or several buffers (bytes, numpy arrays, memoryviews, torch CPU tensors' numpy views) as flat
     byte views; each must be C-contiguous."""
     parts = data if isinstance(data, (list, tuple)) else [data]
@@ -203,8 +203,8 @@ def _byte_views(data: Any) -> list[memoryview]:
     return views
 
 
-def _writable_views(out: Any) -> list[memoryview]:
-    views = _byte_views(out)
+def writable_views(out: Any) -> list[memoryview]:
+    views = byte_views(out)
     for v in views:
         if v.readonly:
             raise InvalidArgumentError("a page is read into writable memory; this buffer is read-only")
@@ -393,7 +393,7 @@ class PageStore:
         unexpired is kept and its time refreshed (the same key holds the same tokens' KV), unless
         ``replace``; True when this call wrote the page."""
         name = page_name(key)
-        views = _byte_views(data)
+        views = byte_views(data)
         meta = _check_meta(meta)
         if not replace and self._refresh(name):
             return False
@@ -459,7 +459,7 @@ class PageStore:
                                        + ("" if metas is None else f" and {len(metas)} metadata"))
         names = [page_name(k) for k in keys]
         metas = [b""] * len(keys) if metas is None else [_check_meta(m) for m in metas]
-        views = [_byte_views(d) for d in datas]
+        views = [byte_views(d) for d in datas]
         out = [False] * len(keys)
         todo = list(range(len(keys)))
         if not replace:
@@ -562,7 +562,7 @@ class PageStore:
         """Read the page of ``key`` into ``out`` (a writable buffer or a list of them whose sizes add up
         to the payload's): True for a hit, checked; False for a miss (absent, expired, damaged, or a
         page of another size)."""
-        return self._read_batch([page_name(key)], [key], [_writable_views(out)])[0]
+        return self._read_batch([page_name(key)], [key], [writable_views(out)])[0]
 
     def get(self, key: str) -> tuple[bytes, bytearray] | None:
         """``(meta, payload)`` of ``key`` in new memory, or None for a miss."""
@@ -604,7 +604,7 @@ class PageStore:
                 result = alloc(meta, hdr.payload_size)
                 if result is None:
                     raise _WrongSize
-                dest = _writable_views(result)
+                dest = writable_views(result)
                 if sum(len(v) for v in dest) != hdr.payload_size:
                     raise InvalidArgumentError(f"alloc gave {sum(len(v) for v in dest)} bytes for a payload "
                                                f"of {hdr.payload_size}")
@@ -695,7 +695,7 @@ class PageStore:
         """:meth:`get_into` for each key, in one call on ``threads`` threads; per key, hit or miss."""
         if len(outs) != len(keys):
             raise InvalidArgumentError(f"{len(keys)} keys and {len(outs)} destinations")
-        return self._read_batch([page_name(k) for k in keys], keys, [_writable_views(o) for o in outs])
+        return self._read_batch([page_name(k) for k in keys], keys, [writable_views(o) for o in outs])
 
     # -- the warm tier -------------------------------------------------------------------------------
     @staticmethod
@@ -735,7 +735,7 @@ class PageStore:
         if result is None:
             return None
         pos = 0
-        for v in _writable_views(result):
+        for v in writable_views(result):
             v[:] = data[pos:pos + len(v)]
             pos += len(v)
         with self._warm_lock:

@@ -16,15 +16,20 @@ LMCache's plugin loader (``lmcache/v1/storage_backend/connector/__init__.py``) i
 wraps :class:`BucketConnector` (a ``RemoteConnector``) in its ``DynamicConnectorAdapter``, which makes it
 with ``(loop=, local_cpu_backend=, config=)`` for the URL ``plugin://mcf``.  That call does not say which
 plugin entry it is for, so the connector finds its entry as the one whose ``module_path`` is this module:
-one mcf entry per LMCache configuration (the name, ``mcf`` here, is free).  The connector stores each chunk under LMCache's key string
-(``model@world@worker@hash@dtype``, ``CacheEngineKey.to_string()``) as one page: LMCache's chunk header
-(``RemoteMetadata``: length, format, dtype and shape per group) is the page's metadata and the chunk's
-bytes its payload, so a page is exactly what LMCache's ``fs://`` connector writes, with the bucket's
-header and checksums around it.
+one mcf entry per LMCache configuration (the name, ``mcf`` here, is free).  The connector stores each
+chunk under LMCache's key string (``model@world@worker@hash@dtype``, ``CacheEngineKey.to_string()``) as
+one page: LMCache's chunk header (``RemoteMetadata``: length, format, dtype and shape per group) is the
+page's metadata and the chunk's bytes its payload, so a page is exactly what LMCache's ``fs://``
+connector writes, with the bucket's header and checksums around it.
 
 Other keys under ``remote_storage_plugin.<name>.``: ``namespace`` (default ``lmcache``; keys already
 name model, world size and worker), ``ttl``, ``durable``, ``verify``, ``warm_budget_bytes``,
 ``threads``.
+
+Through ``mcf bucket serve``: ``remote_storage_plugin.<name>.url: http://host:8765`` instead of ``root``
+(:class:`mcf.bucket.remote_pages.RemotePageStore`); the token is ``remote_storage_plugin.<name>.token``
+or, better, the ``MCF_BUCKET_TOKEN`` environment variable; ``timeout`` (seconds, default 60).  The
+server's own settings (TTL, durability, its limits) apply there.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 from mcf.bucket.engines import engine_class, require_engine
 from mcf.bucket.pages import PageStore
+from mcf.bucket.remote_pages import RemotePageStore
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["BucketConnector", "plugin_name_of", "plugin_options"]
@@ -43,7 +49,8 @@ RemoteConnector = engine_class("lmcache.v1.storage_backend.connector.base_connec
                                feature=_FEATURE, package="lmcache")
 
 _LOCAL = ("ttl", "durable", "verify", "warm_budget_bytes", "threads")
-_KNOWN = ("module_path", "class_name", "root", "namespace") + _LOCAL
+_REMOTE = ("url", "token", "timeout")
+_KNOWN = ("module_path", "class_name", "root", "namespace") + _LOCAL + _REMOTE
 
 
 def plugin_options(extra_config: dict | None, plugin_name: str) -> dict[str, Any]:
@@ -55,8 +62,13 @@ def plugin_options(extra_config: dict | None, plugin_name: str) -> dict[str, Any
     if unknown:
         raise InvalidArgumentError(f"unknown options of the mcf LMCache plugin {plugin_name!r}: "
                                    f"{[prefix + k for k in unknown]}; known: {list(_KNOWN)}")
-    if not isinstance(opts.get("root"), str) or not opts["root"]:
-        raise InvalidArgumentError(f"the mcf LMCache plugin {plugin_name!r} needs {prefix}root: the bucket's directory")
+    where = [k for k in ("root", "url") if isinstance(opts.get(k), str) and opts[k]]
+    if len(where) != 1 or len([k for k in ("root", "url") if k in opts]) != 1:
+        raise InvalidArgumentError(f"the mcf LMCache plugin {plugin_name!r} needs one of {prefix}root (the bucket's "
+                                   f"directory) or {prefix}url (a server of it, mcf bucket serve)")
+    if "url" in opts and any(k in opts for k in _LOCAL):
+        raise InvalidArgumentError(f"{[prefix + k for k in _LOCAL if k in opts]} are the server's own settings: "
+                                   f"they do not apply with {prefix}url")
     return opts
 
 
@@ -70,7 +82,10 @@ def plugin_name_of(extra_config: dict | None) -> str:
     return names[0]
 
 
-def _open_store(opts: dict[str, Any]) -> PageStore:
+def _open_store(opts: dict[str, Any]) -> PageStore | RemotePageStore:
+    if "url" in opts:  # the token: the option, else $MCF_BUCKET_TOKEN; never in a message
+        timeout = float(opts.get("timeout", 60.0))
+        return RemotePageStore(opts["url"], opts.get("namespace", "lmcache"), token=opts.get("token"), timeout=timeout)
     local = {k: opts[k] for k in _LOCAL if k in opts}
     for k in ("durable", "verify"):  # LMCACHE_EXTRA_CONFIG and YAML may give strings
         if isinstance(local.get(k), str):
