@@ -1,6 +1,6 @@
 """The engine plugins (mcf.bucket.engines) driven by the engines' own classes, imported from their wheels,
 on the CPU; the configuration blocks of docs/bucket.md §12 are the ones tested.  An engine that does not
-import here is skipped with the reason (they are installed with ``pip install --no-deps``: see §12)."""
+import here is skipped with the reason (they are installed with ``pip install --no-deps``: tools/kv_engines.txt)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _sglang():
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorage, HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     except ImportError as exc:
-        pytest.skip(f"SGLang does not import here ({exc}): pip install --no-deps sglang (docs/bucket.md §12)")
+        pytest.skip(f"SGLang does not import here ({exc}): the pinned engines: tools/kv_engines.txt")
     return HiCacheFile, HiCacheStorage, HiCacheStorageConfig, StorageBackendFactory
 
 
@@ -185,7 +185,7 @@ def _lmcache():
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
     except ImportError as exc:
-        pytest.skip(f"LMCache does not import here ({exc}): pip install --no-deps lmcache (docs/bucket.md §12)")
+        pytest.skip(f"LMCache does not import here ({exc}): the pinned engines: tools/kv_engines.txt")
     return CacheEngineKey, LMCacheEngineConfig, LMCacheMetadata, LocalCPUBackend, RemoteBackend
 
 
@@ -281,8 +281,8 @@ def _vllm():
         from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     except ImportError as exc:
-        pytest.skip(f"vLLM's offloading tiers do not import here ({exc}): pip install --no-deps vllm "
-                    "(docs/bucket.md §12)")
+        pytest.skip(f"vLLM's offloading tiers do not import here ({exc}): the pinned engines: "
+                    "tools/kv_engines.txt")
     return LookupResult, ReqContext, make_offload_key, SecondaryTierManager, TransferJob, SecondaryTierFactory
 
 
