@@ -150,7 +150,8 @@ def main() -> None:
     print(f"{a.pages} pages of {a.page_mib} MiB ({gb:.2f} GB), {a.rounds} rounds, medians")
     for name, vals in sorted(exists.items()):
         q = statistics.quantiles(vals, n=100)
-        print(f"batch_exists({a.pages}) {name:12s} p50 {statistics.median(vals) * 1e6:8.0f} us  p99 {q[98] * 1e6:8.0f} us")
+        print(f"batch_exists({a.pages}) {name:12s} p50 {statistics.median(vals) * 1e6:8.0f} us  "
+              f"p99 {q[98] * 1e6:8.0f} us")
     for name, vals in sorted(res.items()):
         print(f"{name:24s} {statistics.median(vals) * 1e3:8.1f} ms  {gb / statistics.median(vals):6.2f} GB/s")
     for op in ("set", "get warm", "get cold"):

@@ -49,7 +49,8 @@ class _HostPool:
     def __init__(self, layout, *, pages=8, page_size=4, layers=3, heads=2, dim=8):
         import torch
 
-        self.layout, self.page_size, self.layer_num, self.head_num, self.head_dim = layout, page_size, layers, heads, dim
+        self.layout, self.page_size = layout, page_size
+        self.layer_num, self.head_num, self.head_dim = layers, heads, dim
         self.size = pages * page_size
         shape = (2, layers, self.size, heads, dim) if layout == "layer_first" else (2, self.size, layers, heads, dim)
         self.kv_buffer = torch.randn(shape).to(torch.bfloat16)
@@ -321,12 +322,14 @@ def test_plugins_import_without_their_engines():
     import subprocess
     import sys
 
-    code = ("import sys\nsys.path[:] = [p for p in sys.path if 'kvengines' not in p]\nfor m in ('sglang', 'lmcache', 'vllm'): sys.modules[m] = None\n"
+    code = ("import sys\nsys.path[:] = [p for p in sys.path if 'kvengines' not in p]\n"
+            "for m in ('sglang', 'lmcache', 'vllm'): sys.modules[m] = None\n"
             "import mcf.bucket.engines.sglang as s, mcf.bucket.engines.lmcache as l, mcf.bucket.engines.vllm as v\n"
             "from mcf import MissingDependencyError\n"
             "for cls, pkg in ((s.BucketHiCacheStorage, 'sglang'), (l.BucketConnector, 'lmcache'), "
             "(v.BucketTier, 'vllm')):\n"
-            "    try:\n        cls(None, None, None, root='x') if pkg == 'vllm' else cls(None, None, None) if pkg == 'lmcache' else cls(None)\n    except MissingDependencyError as e:\n"
+            "    try:\n        cls(None, None, None, root='x') if pkg == 'vllm' else cls(None, None, None) "
+            "if pkg == 'lmcache' else cls(None)\n    except MissingDependencyError as e:\n"
             "        assert e.package == pkg, e\n    else:\n        raise SystemExit(cls)\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
