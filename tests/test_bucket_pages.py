@@ -14,6 +14,8 @@ import pytest
 from mcf.bucket.pages import HEADER, PageStore, key_of_name, page_name, payload_offset
 from mcf.errors import ArgumentTypeError, InvalidArgumentError
 
+pytestmark = pytest.mark.forced_variants  # .ci/run runs this file once per forced kernel variant (the CRC-32C)
+
 
 def crc32c_reference(data: bytes, crc: int = 0) -> int:
     """CRC-32C from its definition (reflected polynomial 0x82F63B78, initial value and final xor
