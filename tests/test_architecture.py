@@ -47,6 +47,7 @@ POSITIONAL_OK = {
     ("mcf.gguf.reader", "GGUFFile.dequantize", "dtype"): "the same signature as Container.dequantize",
     ("mcf.bucket.kvfile", "KVFile.load", "layers"): "kv.load([0, 1])",
     ("mcf.bucket.kvfile", "KVFile.load_copy", "layers"): "kv.load_copy([0, 1])",
+    ("mcf.bucket.pages", "crc32c", "value"): "crc32c(data, value), as zlib.crc32(data, value) continues a CRC",
     ("mcf.bucket.ids", "content_hash", "content"): "content_hash('text')",
     ("mcf.bucket.hf", "TransformersBackend.__init__", "tokenizer"): "Hugging Face's own (model, tokenizer) pair",
     ("mcf.bucket.hf", "TransformersBackend.ingest", "content"):
@@ -83,6 +84,22 @@ POSITIONAL_OK = {
     ("mcf.remote.file", "RemoteFile.read", "size"): "the io.RawIOBase protocol",
     ("mcf.remote.file", "RemoteFile.seek", "whence"): "the io.RawIOBase protocol",
     ("mcf.cli", "main", "argv"): "console-script convention: main(argv=None)",
+    # engine plugins: the engines call these methods positionally, with the signatures of their base classes
+    ("mcf.bucket.engines.lmcache", "BucketConnector.batched_async_contains", "pin"): "LMCache's RemoteConnector",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.__init__", "kwargs"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.get", "target_location"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.get", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_get", "target_locations"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_get", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.set", "value"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.set", "target_location"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.set", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set", "values"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set", "target_locations"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set", "target_sizes"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_exists", "extra_info"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_get_v1", "extra_info"): "SGLang's HiCacheStorage",
+    ("mcf.bucket.engines.sglang", "BucketHiCacheStorage.batch_set_v1", "extra_info"): "SGLang's HiCacheStorage",
 }
 
 _BUILTIN_EXC = {n for n in dir(builtins)

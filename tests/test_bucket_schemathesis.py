@@ -135,6 +135,11 @@ def _check_case(case, live_server, http_session):
         # the ingest body is an .npz archive, which a JSON schema cannot describe: bytes generated as
         # "valid" are not a valid archive and are rightly refused with 422
         excluded.append(positive_data_acceptance)
+    if "/page/{key}" in case.operation.path:
+        # a page's name is a key as page_name writes it: its pattern cannot say that the %XX escapes must
+        # decode to UTF-8 that page_name escapes the same way, so a name the pattern admits may still be
+        # no key's name, rightly refused with 400
+        excluded.append(positive_data_acceptance)
     if case.operation.path.endswith("/query") or ingest:
         # 501 is the documented answer without a model backend (the engine contains no language model):
         # to a query, and to an ingest of the content as JSON; any other 5xx is still a failure

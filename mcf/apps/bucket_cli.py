@@ -219,7 +219,8 @@ def cmd_serve(args) -> int:
 
     from mcf.apps.bucket_server import check_bind, serve
 
-    kw = {k: getattr(args, k) for k in ("max_body_bytes", "max_ingest_bytes", "max_concurrent_ingests")
+    kw = {k: getattr(args, k) for k in ("max_body_bytes", "max_ingest_bytes", "max_concurrent_ingests",
+                                        "max_page_bytes", "max_concurrent_pages")
           if getattr(args, k) is not None}
     if args.warm_budget_bytes is not None:
         kw["warm_budget_bytes"] = args.warm_budget_bytes
@@ -349,6 +350,10 @@ def add_bucket_parser(sub) -> None:
                    help="the most an upload's arrays may hold once decoded, checked before any is (default 1 GiB)")
     s.add_argument("--max-concurrent-ingests", type=int, metavar="N",
                    help="ingests running at once; more are refused with 503 and Retry-After (default 4)")
+    s.add_argument("--max-page-bytes", type=int, metavar="N",
+                   help="largest page payload on the pages routes (default 64 MiB)")
+    s.add_argument("--max-concurrent-pages", type=int, metavar="N",
+                   help="page reads and writes in flight; more are refused with 503 and Retry-After (default 32)")
     s.add_argument("--max-connections", type=int, help="open connections at most; at the cap a new one replaces "
                                                        "the oldest without the token, else gets 503 (default 256)")
     s.add_argument("--header-timeout", type=float, help="seconds a client has to send a request's headers (default 10)")

@@ -74,6 +74,9 @@ except ImportError:  # the 'bucket' extra installs it; zlib is the always-presen
     _crc32 = zlib.crc32
     CRC_BACKEND = "zlib"
 
+#: the CRC-32 of every checksum in a bucket (zlib's value; zlib-ng's faster code when installed)
+crc32 = _crc32
+
 try:  # BF16 comes back as ml_dtypes.bfloat16 when installed, else as the raw uint16 bits
     import ml_dtypes as _ml_dtypes
 

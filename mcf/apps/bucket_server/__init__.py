@@ -48,7 +48,8 @@ from mcf.bucket.store import Bucket
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_ALLOWED_HOSTS", "DEFAULT_MAX_BODY", "DEFAULT_MAX_CONCURRENT_INGESTS", "DEFAULT_MAX_INGEST_BYTES",
-           "DEFAULT_MAX_JSON_BODY", "DEFAULT_MAX_TEXT_BODY", "OPENAPI", "IngestBackend", "QueryBackend", "check_bind",
+           "DEFAULT_MAX_CONCURRENT_PAGES", "DEFAULT_MAX_PAGE_BYTES", "DEFAULT_MAX_JSON_BODY", "DEFAULT_MAX_TEXT_BODY",
+           "OPENAPI", "IngestBackend", "QueryBackend", "check_bind",
            "check_token", "create_app", "serve"]
 
 #: the ingest upload (an .npz) as sent
@@ -59,6 +60,11 @@ DEFAULT_MAX_INGEST_BYTES = 1 << 30
 #: ingests (uploads or texts for a model backend) running at once; each holds about one array of the
 #: context, converted and compressed, while it writes (docs/bucket.md, "Limits and their defaults")
 DEFAULT_MAX_CONCURRENT_INGESTS = 4
+#: a page of the pages area (its payload; its metadata may add up to 64 KiB): a serving engine's page or
+#: chunk, 4 MiB for SGLang's 64 tokens of Llama-8B, 32 MiB for LMCache's 256
+DEFAULT_MAX_PAGE_BYTES = 64 << 20
+#: page reads and writes in flight at once (each holds its page in memory); more are 503 with Retry-After
+DEFAULT_MAX_CONCURRENT_PAGES = 32
 #: every other body (promote, demote, query, rebuild) is a small JSON object
 DEFAULT_MAX_JSON_BODY = 1 << 20
 #: a content sent as text to a model backend (JSON): 16 MiB is millions of tokens, beyond any model's window
@@ -85,12 +91,15 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
                allowed_hosts: Any = DEFAULT_ALLOWED_HOSTS, bucket: Bucket | None = None,
                max_event_streams: int = DEFAULT_MAX_STREAMS, events_keepalive: float = DEFAULT_KEEPALIVE,
                max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES,
-               max_concurrent_ingests: int = DEFAULT_MAX_CONCURRENT_INGESTS):
+               max_concurrent_ingests: int = DEFAULT_MAX_CONCURRENT_INGESTS,
+               max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES, max_concurrent_pages: int = DEFAULT_MAX_CONCURRENT_PAGES):
     """The Starlette application.  ``allowed_hosts``: the Host names answered (``"*"``: any, for a
     server behind a proxy that checks them); ``max_body_bytes`` bounds the ingest upload as sent,
     ``max_ingest_bytes`` the bytes its arrays declare (checked before any is decoded), ``max_json_bytes``
     every other body (a text ingest's: :data:`DEFAULT_MAX_TEXT_BODY`, or ``max_body_bytes`` when
     smaller); past ``max_concurrent_ingests`` ingests at once, one more is 503 with ``Retry-After``.
+    ``max_page_bytes`` bounds a page's payload on the pages routes, ``max_concurrent_pages`` the page
+    reads and writes in flight (503 with ``Retry-After`` past it).
     ``backend`` answers the query route (:class:`QueryBackend`) and, when it has ``ingest``
     (:class:`IngestBackend`), takes text ingests; without one both answer 501.
     ``max_event_streams`` open ``/events`` streams at most (503 past it), each sent a keep-alive comment
@@ -103,7 +112,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
 
     check_token(token)
     for name, v in (("max_body_bytes", max_body_bytes), ("max_json_bytes", max_json_bytes),
-                    ("max_ingest_bytes", max_ingest_bytes), ("max_concurrent_ingests", max_concurrent_ingests)):
+                    ("max_ingest_bytes", max_ingest_bytes), ("max_concurrent_ingests", max_concurrent_ingests),
+                    ("max_page_bytes", max_page_bytes), ("max_concurrent_pages", max_concurrent_pages)):
         integer(v, name, minimum=1)
     hosts, any_host = parse_allowed_hosts(allowed_hosts)
     b = bucket if bucket is not None else Bucket(root)
@@ -113,7 +123,8 @@ def create_app(root: str | os.PathLike, *, token: str | None = None, backend: Qu
         b.model_loaded(backend.model_id)  # in the history: a stream opened with last_event_id=0 replays it
     handlers = Handlers(b, token=token, backend=backend, scrub=scrub, hub=hub, max_body_bytes=max_body_bytes,
                         max_json_bytes=max_json_bytes, max_text_bytes=min(max_body_bytes, DEFAULT_MAX_TEXT_BODY),
-                        max_ingest_bytes=max_ingest_bytes, max_concurrent_ingests=max_concurrent_ingests)
+                        max_ingest_bytes=max_ingest_bytes, max_concurrent_ingests=max_concurrent_ingests,
+                        max_page_bytes=max_page_bytes, max_concurrent_pages=max_concurrent_pages)
     app = handlers.application()
     app.state.events = hub
     return Exposure(app, hosts, any_host, handlers.err)
@@ -152,6 +163,7 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
           allowed_hosts: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY,
           max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES,
           max_concurrent_ingests: int = DEFAULT_MAX_CONCURRENT_INGESTS,
+          max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES, max_concurrent_pages: int = DEFAULT_MAX_CONCURRENT_PAGES,
           max_connections: int | None = None, header_timeout: float | None = None,
           body_timeout: float | None = None, body_min_rate: float | None = None, body_deadline: float | None = None,
           send_timeout: float | None = None, warm_budget_bytes: int | None = None, log_level: str = "warning",
@@ -162,9 +174,10 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
           kv_events_expose: bool = False) -> None:
     """Run the server until interrupted: loopback by default, and only loopback without a token
     (:func:`check_bind`).  ``allowed_hosts`` adds Host names to the loopback ones (and the listening
-    address); ``max_body_bytes``, ``max_ingest_bytes`` and ``max_concurrent_ingests`` are
-    :func:`create_app`'s; ``max_connections``, ``header_timeout``, ``body_timeout``, ``body_min_rate``,
-    ``body_deadline`` and ``send_timeout`` are the limits of :mod:`mcf.apps.bucket_server._http_limits` (None: its
+    address); ``max_body_bytes``, ``max_ingest_bytes``, ``max_concurrent_ingests``, ``max_page_bytes`` and
+    ``max_concurrent_pages`` are :func:`create_app`'s; ``max_connections``, ``header_timeout``,
+    ``body_timeout``, ``body_min_rate``, ``body_deadline`` and ``send_timeout`` are the limits of
+    :mod:`mcf.apps.bucket_server._http_limits` (None: its
     default); ``warm_budget_bytes`` the warm tier's budget; ``backend`` answers queries (and, with an
     ``ingest`` method, computes KV caches from text); ``default_ttl`` the seconds until a context
     ingested without ``ttl`` expires (default: never); ``max_event_streams`` the open ``/events``
@@ -208,7 +221,8 @@ def serve(root: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8765,
     try:
         app = create_app(root, token=token, max_body_bytes=max_body_bytes, bucket=bucket, backend=backend,
                          max_event_streams=max_event_streams, max_ingest_bytes=max_ingest_bytes,
-                         max_concurrent_ingests=max_concurrent_ingests,
+                         max_concurrent_ingests=max_concurrent_ingests, max_page_bytes=max_page_bytes,
+                         max_concurrent_pages=max_concurrent_pages,
                          allowed_hosts="*" if "*" in extra else (*DEFAULT_ALLOWED_HOSTS, *extra))
     except BaseException:
         if publisher is not None:

@@ -11,7 +11,8 @@ reference, the error answers a route may give), so each fact is written once; th
 
 from __future__ import annotations
 
-__all__ = ["DEVICE_PATTERN", "OPENAPI", "PREFIX", "SCHEMAS", "TOKEN_IDS_PATTERN", "query_parameters"]
+__all__ = ["DEVICE_PATTERN", "MAX_EXISTS_KEYS", "OPENAPI", "PAGE_NAME_PATTERN", "PREFIX", "SCHEMAS",
+           "TOKEN_IDS_PATTERN", "query_parameters"]
 
 #: every route of the API is under this path
 PREFIX = "/mcrp/v1"
@@ -19,6 +20,12 @@ PREFIX = "/mcrp/v1"
 DEVICE_PATTERN = "^(cpu|cuda|mps)(:[0-9]{1,3})?$"
 #: an ingest's ``token_ids`` query parameter: comma-separated decimal integers of 1-18 digits
 TOKEN_IDS_PATTERN = "^[0-9]{1,18}(,[0-9]{1,18})*$"
+#: a page's key in a path: its file name in the pages area (mcf.bucket.pages.page_name: the key, with
+#: every byte outside [A-Za-z0-9_@=+,.-] and a leading '.' written %XX, that '%' itself sent as %25)
+PAGE_NAME_PATTERN = "^([A-Za-z0-9_@=+,-]|%[0-9A-F]{2})([A-Za-z0-9_@=+,.-]|%[0-9A-F]{2}){0,254}$"
+_NAMESPACE = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", "example": "lmcache"}
+#: keys in one existence check
+MAX_EXISTS_KEYS = 4096
 _CTX_ID = {"type": "string", "pattern": "^ctx_[0-9a-f]{32}$", "example": "ctx_" + "0" * 32}
 _MODEL_ID = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", "example": "llama-3-8b"}
 
@@ -52,7 +59,8 @@ def _errors(*codes: int) -> dict:
                 "application/octet-stream)",
            422: "malformed upload or corrupt stored data", 500: "I/O failure on the server",
            501: "no model backend configured (query, or an ingest of text)",
-           503: "too many event streams open, or too many ingests running (retry after the Retry-After seconds)",
+           503: "too many event streams open, or too many ingests or page transfers running (retry after the "
+                "Retry-After seconds)",
            507: "no space left on the server's disk"}
     return {str(c): _json("Error", why[c]) for c in sorted({400, 401, 422, 500, *codes})}
 
@@ -123,11 +131,31 @@ SCHEMAS = {
                  "properties": {"status": {"type": "string", "enum": ["success"]}, "mcrp_version": {"type": "string"},
                                 "statistics": _ref("Statistics"), "last_updated": {"type": "string"}}},
     "RebuildRequest": {"type": "object", "additionalProperties": False},
+    "PagesExist": {"type": "object", "required": ["keys"], "additionalProperties": False,
+                   "properties": {"keys": {"type": "array", "maxItems": MAX_EXISTS_KEYS,
+                                           "items": {"type": "string", "minLength": 1, "maxLength": 512}},
+                                  "prefix": {"type": "boolean", "default": True,
+                                             "description": "count the keys there from the first, up to the "
+                                                            "first gap (else one answer per key)"}}},
+    "PagesFound": {"type": "object", "required": ["status"],
+                   "properties": {"status": {"type": "string", "enum": ["success"]},
+                                  "hits": {"type": "integer", "minimum": 0},
+                                  "exists": {"type": "array", "items": {"type": "boolean"}}}},
+    "PageKeys": {"type": "object", "required": ["status", "keys"],
+                 "properties": {"status": {"type": "string", "enum": ["success"]},
+                                "keys": {"type": "array", "items": {"type": "string"}}}},
+    "PageWritten": {"type": "object", "required": ["status", "written"],
+                    "properties": {"status": {"type": "string", "enum": ["success"]},
+                                   "written": {"type": "boolean", "description": "false: a page was there and "
+                                                                                 "was kept (without replace)"}}},
     "Rebuilt": {"type": "object", "required": ["status", "statistics", "skipped"],
                 "properties": {"status": {"type": "string", "enum": ["success"]}, "statistics": _ref("Statistics"),
                                "skipped": {"type": "array", "items": {"type": "object"}}}},
 }
 _ID = _p("id", schema=_CTX_ID)
+_NS = _p("namespace", schema=_NAMESPACE)
+_KEY = _p("key", schema={"type": "string", "pattern": PAGE_NAME_PATTERN},
+          description="the page's key as its file name (mcf.bucket.pages.page_name), percent-encoded")
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
@@ -210,6 +238,38 @@ OPENAPI: dict = {
                                                          "per event, until the client leaves or the server stops",
                                           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
                                   **_errors(503)}},
+        },
+        f"{PREFIX}/pages/{{namespace}}": {
+            "get": {"summary": "The keys of a namespace's (unexpired) pages", "parameters": [_NS],
+                    "responses": {"200": _json("PageKeys", "keys"), **_errors(400)}},
+        },
+        f"{PREFIX}/pages/{{namespace}}/exists": {
+            "post": {"summary": "Which of these pages are there (a stat each): from the first up to the first gap, "
+                                "or one answer per key",
+                     "parameters": [_NS], "requestBody": _body("PagesExist", True),
+                     "responses": {"200": _json("PagesFound", "hits"), **_errors(*_WRITE)}},
+        },
+        f"{PREFIX}/pages/{{namespace}}/page/{{key}}": {
+            "get": {"summary": "A page, checked (header, key, CRC-32C): its metadata then its payload",
+                    "parameters": [_NS, _KEY],
+                    "responses": {"200": {"description": "the page's metadata (X-Page-Meta-Length bytes) followed by "
+                                                         "its payload",
+                                          "headers": {"X-Page-Meta-Length": {"schema": {"type": "integer"}}},
+                                          "content": {"application/octet-stream": _BINARY}},
+                                  **_errors(404, 503)}},
+            "head": {"summary": "Whether the page is there (a stat; its data is checked on GET)",
+                     "parameters": [_NS, _KEY],
+                     "responses": {"200": {"description": "there"}, **_errors(404)}},
+            "put": {"summary": "Store a page: the body is its metadata (meta_len bytes) followed by its payload",
+                    "parameters": [_NS, _KEY,
+                                   _p("meta_len", "query", False, {"type": "integer", "minimum": 0,
+                                                                   "maximum": 65536, "default": 0}),
+                                   _p("replace", "query", False, {"type": "boolean"},
+                                      "rewrite a page that is there (default: keep it)")],
+                    "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY}},
+                    "responses": {"201": _json("PageWritten", "stored"), **_errors(*_WRITE, 503, 507)}},
+            "delete": {"summary": "Remove a page", "parameters": [_NS, _KEY],
+                       "responses": {"204": {"description": "removed"}, **_errors(*_WRITE, 404)}},
         },
         f"{PREFIX}/registry/rebuild": {"post": {"summary": "Rebuild the registry from disk",
                                                 "requestBody": _body("RebuildRequest"),

@@ -31,8 +31,9 @@ from starlette.routing import Route
 from mcf.bucket._events import EventHub, TooManyStreamsError, parse_last_id
 from mcf.apps.bucket_server._exposure import bearer_ok
 from mcf.bucket._npz import UploadTooLargeError, read_kv_npz
-from mcf.apps.bucket_server._openapi import (DEVICE_PATTERN, OPENAPI, PREFIX, SCHEMAS, TOKEN_IDS_PATTERN,
-                                             query_parameters)
+from mcf.apps.bucket_server._openapi import (DEVICE_PATTERN, MAX_EXISTS_KEYS, OPENAPI, PAGE_NAME_PATTERN, PREFIX,
+                                             SCHEMAS, TOKEN_IDS_PATTERN, query_parameters)
+from mcf.bucket.pages import MAX_KEY_CHARS, MAX_META_BYTES, PageStore, check_namespace, key_of_name
 from mcf.bucket.store import Bucket, check_context_id, check_model_id
 from mcf.bucket.tiers import HotTierFullError, WarmBudgetError, check_device
 from mcf.errors import (ContextNotFoundError, EncryptionKeyError, FormatError, InvalidArgumentError, MCFError,
@@ -44,7 +45,13 @@ _STREAM_PIECE = 1 << 20
 _JSON_TYPES = ("application/json",)
 _UPLOAD_TYPES = ("application/octet-stream", "application/zip")
 _TOKEN_IDS = re.compile(TOKEN_IDS_PATTERN)
+_PAGE_NAME = re.compile(PAGE_NAME_PATTERN)
+_OPEN_NAMESPACES = 256
 _log = logging.getLogger("mcf.apps.bucket_server")
+
+
+class _Busy(MCFError):
+    """503 with Retry-After: too many page transfers in flight."""
 
 
 class _UnsupportedMedia(InvalidArgumentError):
@@ -150,7 +157,7 @@ def _by_method(handlers: dict) -> tuple:
     """One route per path, so a wrong method gets 405 with the full Allow header."""
     async def dispatch(request: Request):
         m = request.method.lower()
-        return await handlers["get" if m == "head" else m](request)
+        return await handlers[m if m in handlers or m != "head" else "get"](request)
     return dispatch, [m.upper() for m in handlers]
 
 
@@ -179,11 +186,14 @@ class Handlers:
 
     def __init__(self, bucket: Bucket, *, token: str | None, backend: Any, scrub, hub: EventHub,
                  max_body_bytes: int, max_json_bytes: int, max_text_bytes: int, max_ingest_bytes: int,
-                 max_concurrent_ingests: int) -> None:
+                 max_concurrent_ingests: int, max_page_bytes: int, max_concurrent_pages: int) -> None:
         self.bucket, self.token, self.backend, self.scrub, self.hub = bucket, token, backend, scrub, hub
         self.max_body_bytes, self.max_json_bytes, self.max_text_bytes = max_body_bytes, max_json_bytes, max_text_bytes
         self.max_ingest_bytes, self.max_concurrent_ingests = max_ingest_bytes, max_concurrent_ingests
         self.running = 0  # ingests admitted and not finished (the event loop is the only writer)
+        self.max_page_bytes, self.max_concurrent_pages = max_page_bytes, max_concurrent_pages
+        self.pages_running = 0  # page reads and writes in flight (the event loop is the only writer)
+        self.page_stores: dict[str, PageStore] = {}  # open namespaces, the oldest dropped past _OPEN_NAMESPACES
         self.openapi_body = JSONResponse(OPENAPI).body  # rendered once: anyone may ask for it, without the token
 
     def application(self) -> Starlette:
@@ -200,6 +210,10 @@ class Handlers:
             "/models/{id}/contexts": {"get": self.discover},
             "/registry": {"get": self.registry},
             "/registry/rebuild": {"post": self.rebuild},
+            "/pages/{namespace}": {"get": self.page_keys},
+            "/pages/{namespace}/exists": {"post": self.pages_exist},
+            "/pages/{namespace}/page/{key}": {"get": self.get_page, "head": self.head_page, "put": self.put_page,
+                                              "delete": self.delete_page},
         }
         routes = []
         for path, handlers in table.items():
@@ -228,6 +242,8 @@ class Handlers:
                 return self.err(413, str(exc), close=True)  # the rest of the body is not read: end the connection
             except _UnsupportedMedia as exc:
                 return self.err(415, str(exc), close=True)
+            except _Busy as exc:  # a body it sent is not read: end the connection
+                return self.err(503, str(exc), close=True, headers={"retry-after": "1"})
             except (WarmBudgetError, HotTierFullError, StaleContextError, EncryptionKeyError) as exc:
                 return self.err(409, str(exc))
             except InvalidArgumentError as exc:
@@ -474,3 +490,106 @@ class Handlers:
         reg = await run_in_threadpool(self.bucket.rebuild)
         skipped = [dict(x, reason=self.scrub(str(x.get("reason", "")))) for x in reg["skipped"]]
         return JSONResponse({"status": "success", "statistics": reg["statistics"], "skipped": skipped})
+
+    # -- the pages area (mcf.bucket.pages over HTTP: docs/bucket.md §12) ----------------------------
+    def _page_store(self, namespace: str, create: bool) -> PageStore | None:
+        """The namespace's store (opened once, kept among the last ``_OPEN_NAMESPACES``); None when it
+        does not exist and ``create`` is false (a read of a namespace nobody wrote: a miss)."""
+        check_namespace(namespace)
+        store = self.page_stores.get(namespace)
+        if store is None:
+            try:
+                store = PageStore(self.bucket.root, namespace, create=create)
+            except FileNotFoundError:
+                if create:
+                    raise
+                return None
+            if len(self.page_stores) >= _OPEN_NAMESPACES:  # dropped, not closed: a request may still use it
+                self.page_stores.pop(next(iter(self.page_stores)))
+            self.page_stores[namespace] = store
+        return store
+
+    @staticmethod
+    def _page_key(request: Request) -> str:
+        name = request.path_params["key"]
+        key = key_of_name(name) if _PAGE_NAME.fullmatch(name) else None
+        if key is None:
+            raise InvalidArgumentError(f"{name[:80]!r} is not a page name (a key as mcf.bucket.pages.page_name "
+                                       "writes it)")
+        return key
+
+    @contextlib.contextmanager
+    def _page_slot(self):
+        """One of ``max_concurrent_pages`` page transfers (each holds a page in memory)."""
+        if self.pages_running >= self.max_concurrent_pages:
+            raise _Busy(f"{self.pages_running} page transfers are running, the most this server takes at once "
+                        "(max_concurrent_pages, --max-concurrent-pages); retry later")
+        self.pages_running += 1
+        try:
+            yield
+        finally:
+            self.pages_running -= 1
+
+    async def page_keys(self, request: Request):
+        store = self._page_store(request.path_params["namespace"], create=False)
+        keys = [] if store is None else await run_in_threadpool(store.keys)
+        return JSONResponse({"status": "success", "keys": keys})
+
+    async def pages_exist(self, request: Request):
+        body = await self.body_json(request, "PagesExist")
+        keys, prefix = body.get("keys"), body.get("prefix", True)
+        if not isinstance(keys, list) or len(keys) > MAX_EXISTS_KEYS or not all(
+                isinstance(k, str) and 1 <= len(k) <= MAX_KEY_CHARS for k in keys):
+            raise InvalidArgumentError(f"keys must be a list of at most {MAX_EXISTS_KEYS} strings of 1 to "
+                                       f"{MAX_KEY_CHARS} characters")
+        if not isinstance(prefix, bool):
+            raise InvalidArgumentError("prefix must be true or false")
+        store = self._page_store(request.path_params["namespace"], create=False)
+        if prefix:
+            hits = 0 if store is None else await run_in_threadpool(store.prefix_hits, keys)
+            return JSONResponse({"status": "success", "hits": hits})
+        found = [False] * len(keys) if store is None else await run_in_threadpool(store.exists_many, keys)
+        return JSONResponse({"status": "success", "exists": found})
+
+    async def head_page(self, request: Request):
+        key = self._page_key(request)
+        store = self._page_store(request.path_params["namespace"], create=False)
+        there = store is not None and await run_in_threadpool(store.exists, key)
+        return Response(status_code=200) if there else self.err(404, "no such page")
+
+    async def get_page(self, request: Request):
+        key = self._page_key(request)
+        store = self._page_store(request.path_params["namespace"], create=False)
+        with self._page_slot():
+            got = None if store is None else await run_in_threadpool(store.get, key)
+        if got is None:
+            return self.err(404, "no such page (absent, expired or damaged)")
+        meta, payload = got
+        return Response(meta + payload, media_type="application/octet-stream",
+                        headers={"x-page-meta-length": str(len(meta))})
+
+    async def put_page(self, request: Request):
+        key = self._page_key(request)
+        q = request.query_params
+        raw_len = q.get("meta_len", "0")
+        if not raw_len.isdigit() or int(raw_len) > MAX_META_BYTES:
+            raise InvalidArgumentError(f"meta_len must be an integer from 0 to {MAX_META_BYTES}")
+        meta_len = int(raw_len)
+        replace = _flag(request, "replace")
+        _check_type(request, _UPLOAD_TYPES[:1], body_required=True)
+        store = self._page_store(request.path_params["namespace"], create=True)
+        with self._page_slot():
+            body = await _read_body(request, self.max_page_bytes + meta_len)
+            if len(body) < meta_len:
+                raise InvalidArgumentError(f"a body of {len(body)} bytes cannot hold meta_len={meta_len} bytes")
+            view = memoryview(body)
+            written = await run_in_threadpool(lambda: store.put(key, view[meta_len:], meta=view[:meta_len],
+                                                                replace=replace))
+        return JSONResponse({"status": "success", "written": written}, status_code=201)
+
+    async def delete_page(self, request: Request):
+        key = self._page_key(request)
+        store = self._page_store(request.path_params["namespace"], create=False)
+        if store is None or not await run_in_threadpool(store.delete, key):
+            return self.err(404, "no such page")
+        return Response(status_code=204)
