@@ -54,6 +54,7 @@ COPY_BYTES = 8 << 20        # bytes per read where copy_file_range cannot copy
 REMOTE_COPY_BYTES = 64 << 20  # bytes per read of an input at a URL (eight 8 MiB requests in flight)
 COPY_THREADS = 2            # copier threads: the kernel copies one input while the next one is opened
 COPIES_IN_FLIGHT = 8        # inputs queued or being copied (each holds one duplicated descriptor)
+SCAN_THREADS = 8            # inputs whose header is read at once (each holds one descriptor meanwhile)
 _INT64_MAX = 2**63 - 1
 _MAX_WRITE = 1 << 30        # bytes per pwrite(2) (Linux writes at most 2 GiB - 4 KiB at once)
 
@@ -96,27 +97,44 @@ def _prefixes(inputs) -> list:
     return out
 
 
-def _scan(prefixes) -> list:
-    """Each input's counts from its ``.idx`` header (one small read each, one input open at a time)."""
+def _scan_one(p: str) -> _Input:
     from mcf.megatron.reader import parse_header
     from mcf.remote import is_url
 
-    out = []
-    for p in prefixes:
-        src = open_source(p + ".idx", mmap=False)
-        try:
-            h = parse_header(src)
-        finally:
-            src.close()
-        docs = h.document_count - 1 if h.variant == "megatron" else h.sequence_count
-        size = None
-        if not is_url(p):
+    src = open_source(p + ".idx", mmap=False)
+    try:
+        h = parse_header(src)
+        if src.mode == "pread" and hasattr(os, "posix_fadvise"):
+            # the whole index is read again when the input is merged: have the kernel fetch it now, in the
+            # background, instead of one small synchronous read per input later (a hint; errors ignored)
             try:
-                size = os.stat(p + ".bin").st_size
+                os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
             except OSError:
-                pass    # opening the input says what is wrong with it
-        out.append(_Input(p, h.variant, h.sequence_count, docs, h.multimodal, h.dtype, size))
-    return out
+                pass
+    finally:
+        src.close()
+    docs = h.document_count - 1 if h.variant == "megatron" else h.sequence_count
+    size = None
+    if not is_url(p):
+        try:
+            size = os.stat(p + ".bin").st_size
+        except OSError:
+            pass    # opening the input says what is wrong with it
+    return _Input(p, h.variant, h.sequence_count, docs, h.multimodal, h.dtype, size)
+
+
+def _scan(prefixes) -> list:
+    """Each input's counts from its ``.idx`` header (one small read each), read by :data:`SCAN_THREADS`
+    threads: a thousand cold inputs cost a thousand disk (or network) round trips, which overlap there."""
+    if len(prefixes) < 2:
+        return [_scan_one(p) for p in prefixes]
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    # each read in a copy of the caller's context: mcf.remote.storage_options(...) set around the call holds
+    with ThreadPoolExecutor(min(SCAN_THREADS, len(prefixes)), thread_name_prefix="mcf-merge-scan") as ex:
+        return list(ex.map(lambda p, ctx: ctx.run(_scan_one, p), prefixes,
+                           [contextvars.copy_context() for _ in prefixes]))
 
 
 def _plan(infos) -> tuple:
