@@ -106,7 +106,7 @@ def test_sglang_factory_makes_the_backend_from_the_documented_config(tmp_path):
 
 def test_sglang_answers_as_hicachefile(tmp_path):
     """The same operations on SGLang's HiCacheFile and on the bucket give the same answers and bytes."""
-    import torch
+    torch = pytest.importorskip("torch", reason="the engines' classes need torch")
 
     HiCacheFile, _, HiCacheStorageConfig, StorageBackendFactory = _sglang()
     from mcf.bucket.engines.sglang import BucketHiCacheStorage
@@ -150,7 +150,7 @@ def test_sglang_answers_as_hicachefile(tmp_path):
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_sglang_interface_v1_in_place(tmp_path, layout):
-    import torch
+    torch = pytest.importorskip("torch", reason="the engines' classes need torch")
 
     HiCacheFile, _, HiCacheStorageConfig, _ = _sglang()
     from mcf.bucket.engines.sglang import BucketHiCacheStorage
@@ -221,7 +221,7 @@ def test_lmcache_round_trips_through_the_server(tmp_path, monkeypatch):
 
 
 def _lmcache_round_trip(cfg, dtype):
-    import torch
+    torch = pytest.importorskip("torch", reason="the engines' classes need torch")
 
     CacheEngineKey, LMCacheEngineConfig, LMCacheMetadata, LocalCPUBackend, RemoteBackend = _lmcache()
     tdtype = getattr(torch, dtype)
