@@ -44,8 +44,7 @@ import os
 import threading
 import time
 import zlib
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -59,6 +58,7 @@ from mcf.conversion._inputs import input_size, open_input
 from mcf.remote import is_url
 from mcf.remote._urls import url_name
 from mcf.conversion.tok_backends import choose_backend, load_source
+from mcf.conversion import _tokpool
 
 try:  # faster JSON when available
     import orjson as _orjson
@@ -314,27 +314,19 @@ def _parse_block(block: bytes, first: int, path: str, as_json: bool, json_key: s
     return out
 
 
-def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line_bytes: int = MAX_LINE_BYTES,
-                     read_ahead: bool = False, positions: bool = True):
-    """``(documents, compressed bytes consumed)`` of each block of lines of ``path`` (see
-    :func:`iter_documents`; the bytes are None without ``positions``); ``read_ahead`` reads and
+def _raw_blocks(path: str, *, stream=None, max_line_bytes: int = MAX_LINE_BYTES, read_ahead: bool = False,
+                positions: bool = True):
+    """``(number of the first line, bytes of whole lines, compressed bytes consumed)`` of each block of
+    lines of ``path`` (see :func:`_line_blocks`; the position is None without ``positions``), the
+    input's read and decompression errors as mcf errors naming it; ``read_ahead`` reads and
     decompresses in a thread of its own."""
     max_line_bytes = check_max_line_bytes(max_line_bytes)
     stream, raw = _open_text(path, stream)
-    as_json = _is_json(path)
-    decoder = _json_block_decoder(json_key) if as_json else None
     ahead = _ReadAhead(stream) if read_ahead else None
     try:
         try:
             for first, block in _line_blocks(ahead if ahead is not None else stream, path, max_line_bytes):
-                docs: list = []
-                try:
-                    _parse_block(block, first, path, as_json, json_key, decoder, docs)
-                except FormatError:
-                    if docs:  # the documents before the refused line, then the error
-                        yield docs, (raw.tell() if positions else None)
-                    raise
-                yield docs, (raw.tell() if positions else None)
+                yield first, block, (raw.tell() if positions else None)
         except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
             raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
         except OSError as exc:
@@ -347,6 +339,29 @@ def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line
         if ahead is not None:
             ahead.close()
         raw.close()
+
+
+def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line_bytes: int = MAX_LINE_BYTES,
+                     read_ahead: bool = False, positions: bool = True):
+    """``(documents, compressed bytes consumed)`` of each block of lines of ``path`` (see
+    :func:`iter_documents`; the bytes are None without ``positions``); ``read_ahead`` reads and
+    decompresses in a thread of its own."""
+    as_json = _is_json(path)
+    decoder = _json_block_decoder(json_key) if as_json else None
+    blocks = _raw_blocks(path, stream=stream, max_line_bytes=max_line_bytes, read_ahead=read_ahead,
+                         positions=positions)
+    try:
+        for first, block, pos in blocks:
+            docs: list = []
+            try:
+                _parse_block(block, first, path, as_json, json_key, decoder, docs)
+            except FormatError:
+                if docs:  # the documents before the refused line, then the error
+                    yield docs, pos
+                raise
+            yield docs, pos
+    finally:
+        blocks.close()   # the reading thread and the file, now
 
 
 def iter_documents(path: str, *, json_key: str = "text", position=None, stream=None,
@@ -491,8 +506,9 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
     total_bytes = sum(sizes)
     t0 = time.perf_counter()
+    used, workers_note = _tokpool.workers_for(workers, total_bytes)
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0, backend=backend.name,
-                          backend_note=note)
+                          backend_note=note, workers=used, workers_note=workers_note)
     if not is_url(output_prefix):
         make_parent_dir(output_prefix, what="writing a dataset")
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule, overwrite=overwrite,
@@ -525,9 +541,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
 
     try:
         with w:
-            pool = ThreadPoolExecutor(workers) if workers > 1 else None
-            try:
-                pending: deque = deque()
+            if used == 1:
                 for path, size in zip(inputs, sizes):
                     batch: list = []
                     for docs, pos in _document_blocks(path, json_key=json_key, max_line_bytes=max_line_bytes,
@@ -535,27 +549,42 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                         batch.extend(docs)
                         while len(batch) >= batch_size:
                             part, batch = batch[:batch_size], batch[batch_size:]
-                            if pool is None:
-                                write(run(part))
-                            else:
-                                pending.append(pool.submit(run, part))
-                                while len(pending) > 2 * workers:
-                                    write(pending.popleft().result())
+                            write(run(part))
                             report(done_before + pos)
                     if batch:
-                        if pool is None:
-                            write(run(batch))
-                        else:
-                            pending.append(pool.submit(run, batch))
-                    while pending:
-                        write(pending.popleft().result())
+                        write(run(batch))
                     done_before += size
                     report(done_before)
-            finally:
-                if pool is not None:
-                    for f in pending:
-                        f.cancel()
-                    pool.shutdown(wait=True)
+            else:
+                # the worker processes build the backend chosen here, by its name: no probe in them
+                spec = dict(tokenizer_json=source.json, tiktoken=source.tiktoken, label=source.label,
+                            backend=backend.name, add_special_tokens=add_special_tokens, eod=eod, dtype=w.dtype,
+                            empty_text=empty_text, json_key=json_key, batch_size=batch_size)
+                decoder = _json_block_decoder(json_key)
+                with _tokpool.BlockPool(used, spec) as pool:
+                    def written(done):
+                        for results, at in done:
+                            for r in results:
+                                write(r)
+                            report(at)
+
+                    for path, size in zip(inputs, sizes):
+                        as_json = _is_json(path)
+                        blocks = _raw_blocks(path, stream=open_input(path, storage_options),
+                                             max_line_bytes=max_line_bytes, read_ahead=True)
+                        try:
+                            for first, block, pos in _tokpool.grouped(blocks, _tokpool.BLOCK_BYTES):
+                                if pool.ready():
+                                    written(pool.submit(block, first, path, as_json, done_before + pos))
+                                else:   # the workers are starting: this process encodes meanwhile
+                                    written(pool.add_local(
+                                        partial(_tokpool.encode_block, block, first, path, as_json, json_key,
+                                                decoder, run, batch_size), path, first, done_before + pos))
+                        finally:
+                            blocks.close()
+                        done_before += size
+                    written(pool.drain())
+                report(done_before)
             stats["sequences"] = w.sequence_count
     finally:
         stats["seconds"] = time.perf_counter() - t0

@@ -1,0 +1,242 @@
+"""Worker processes for :func:`mcf.conversion.tokenize.tokenize` with ``workers > 1``.
+
+Threads cannot scale this work: fastokens' ``encode_batch_flat`` holds the GIL (two threads encoded no
+faster than one), and parsing JSON is Python work too.  So ``workers=N`` runs N processes, each with
+its own interpreter and tokenizer:
+
+- the parent chooses the backend once (:func:`mcf.conversion.tok_backends.choose_backend`: the probe
+  runs in the parent only) and hands each worker, at its start (the pool's initializer), the tokenizer
+  as its JSON (and its tiktoken vocabulary, if it is one) with the backend's *name*: the worker builds
+  that backend with :func:`~mcf.conversion.tok_backends.make_backend`, without probing again;
+- the parent's read-ahead thread reads and decompresses; the parent cuts blocks of whole lines of about
+  :data:`BLOCK_BYTES` (the numbers of their first line with them, for error messages) and sends them to
+  the workers, which parse them (:func:`~mcf.conversion.tokenize._parse_block`) and encode them
+  (:func:`~mcf.conversion.tokenize.batch_encoder`) and send back numpy arrays (ids in the output
+  dtype, sequence lengths, sequences per document);
+- the parent writes the results strictly in input order, with at most ``2 N`` blocks in flight, so the
+  output is byte-identical for every N and memory stays bounded.
+
+The processes start with ``forkserver`` (``spawn`` where it is missing): never a plain ``fork`` of a
+parent that runs threads (the read-ahead thread, the tokenizer libraries' own).  A worker ignores
+SIGINT: Ctrl-C reaches the parent, which stops the pool.  A worker's error (a malformed line: the same
+:class:`mcf.FormatError`, naming the file and line, as in one process) is raised in the parent when it
+reaches that block; a worker that dies is a :class:`mcf.WorkerError`; the pool is shut down whatever
+happens, and the caller's Writer then publishes nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from mcf.errors import WorkerError
+
+#: the size of a block of lines sent to a worker (whole lines: a block is longer when a line is)
+BLOCK_BYTES = 4 << 20
+
+#: inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling process
+#: whatever ``workers`` says: starting N processes costs more than they would gain (see :func:`workers_for`)
+MIN_BYTES = 16 << 20
+
+_STATE: dict = {}   # in a worker: what _init built
+
+
+def start_method() -> str:
+    """``forkserver`` where the platform has it, else ``spawn``."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def workers_for(workers: int, total_bytes: int):
+    """``(processes to use, note or None)`` for ``workers`` asked and ``total_bytes`` of input: 1 (the
+    calling process, no pool) for ``workers=1`` and for inputs below :data:`MIN_BYTES`, with a note
+    saying why."""
+    if workers <= 1 or total_bytes >= MIN_BYTES:
+        return workers, None
+    return 1, (f"tokenizing in one process, not {workers}: the input ({total_bytes:,} bytes) is smaller than "
+               f"{MIN_BYTES >> 20} MiB, where starting worker processes costs more time than they save")
+
+
+#: what the fork server imports once, so that a worker forked from it starts without importing them
+PRELOAD = ("mcf.conversion.tokenize", "tokenizers", "fastokens", "msgspec")
+
+
+def _preload(ctx) -> None:
+    """Add :data:`PRELOAD` to the fork server's preloaded modules (it imports them when it starts, if
+    it has not started yet; a module that is not installed is skipped), keeping those already set."""
+    from multiprocessing import forkserver
+
+    current = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or ["__main__"])
+    if not set(PRELOAD) <= set(current):
+        ctx.set_forkserver_preload(current + [m for m in PRELOAD if m not in current])
+
+
+def _init(spec: dict) -> None:
+    """A worker's initializer: the backend named by the parent (no probe), its batch encoder and the
+    JSON block decoder."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C and stops the pool
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # one worker, one core
+    from mcf.conversion.tok_backends import TokenizerSource, make_backend
+    from mcf.conversion.tokenize import _json_block_decoder, batch_encoder
+
+    hf = None
+    if spec["backend"] == "hf":   # the others build from the JSON (or the tiktoken vocabulary) alone
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_str(spec["tokenizer_json"])
+    source = TokenizerSource(hf, spec["tiktoken"], spec["label"])
+    source._json = spec["tokenizer_json"]
+    backend = make_backend(spec["backend"], source)
+    _STATE.update(run=batch_encoder(backend, spec["add_special_tokens"], spec["eod"], spec["dtype"],
+                                    empty_text=spec["empty_text"]),
+                  decoder=_json_block_decoder(spec["json_key"]), json_key=spec["json_key"],
+                  batch_size=spec["batch_size"])
+
+
+def _ready() -> int:
+    """A worker's answer to the parent's first call: it has started (its initializer ran)."""
+    return os.getpid()
+
+
+def encode_block(block: bytes, first: int, path: str, as_json: bool, json_key: str, decoder, run,
+                 batch_size: int) -> list:
+    """The encoded batches ``[(flat ids, sequence lengths, sequences per document or None), ...]`` of a
+    block of lines (numbered from ``first``): parsed with ``decoder`` (see
+    :func:`mcf.conversion.tokenize._parse_block`), encoded by ``run``
+    (:func:`mcf.conversion.tokenize.batch_encoder`) ``batch_size`` documents at a time."""
+    from mcf.conversion.tokenize import _parse_block
+
+    docs: list = []
+    _parse_block(block, first, path, as_json, json_key, decoder if as_json else None, docs)
+    return [run(docs[a:a + batch_size]) for a in range(0, len(docs), batch_size)]
+
+
+def _work(block: bytes, first: int, path: str, as_json: bool) -> list:
+    """:func:`encode_block` in a worker, with what its initializer built."""
+    s = _STATE
+    return encode_block(block, first, path, as_json, s["json_key"], s["decoder"], s["run"], s["batch_size"])
+
+
+def grouped(blocks, target: int):
+    """``(first line, bytes, position)`` blocks joined into blocks of at least ``target`` bytes (the last
+    may be shorter); ``blocks`` yields ``(first line, bytes, position)`` of consecutive lines."""
+    parts: list = []
+    size = 0
+    first = pos = None
+    for f, block, p in blocks:
+        if not parts:
+            first = f
+        parts.append(block)
+        size += len(block) + 1
+        pos = p
+        if size >= target:
+            yield first, b"\n".join(parts), pos
+            parts, size = [], 0
+    if parts:
+        yield first, b"\n".join(parts), pos
+
+
+class BlockPool:
+    """N worker processes encoding blocks of lines.  :meth:`submit` returns the results of the blocks
+    that are done, in input order, holding at most ``2 N`` blocks in flight; :meth:`drain` the rest.
+    While the workers start (a second or so: an interpreter, the imports, the tokenizer), the caller
+    encodes blocks itself (:meth:`ready` says when to stop; :meth:`add_local` queues what it made), so
+    that starting the pool costs little wall time.  A context manager: leaving it shuts the pool down
+    (waiting for the blocks being encoded, dropping those not started)."""
+
+    def __init__(self, workers: int, spec: dict):
+        self.workers = int(workers)
+        method = start_method()
+        ctx = multiprocessing.get_context(method)
+        if method == "forkserver":
+            _preload(ctx)
+        self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(spec,))
+        self._pending: deque = deque()
+        self._warming: list = []
+        # one call per worker starts one process (the pool starts them as calls come), from a thread:
+        # starting one waits for the server to fork it, and the caller has blocks to encode meanwhile
+        self._starter = threading.Thread(target=self._start, name="mcf-tokenize-pool-start", daemon=True)
+        self._starter.start()
+
+    def _start(self) -> None:
+        try:
+            for _ in range(self.workers):
+                self._warming.append(self._ex.submit(_ready))
+        except BaseException as exc:   # the pool is broken or shut down: ready() says so
+            fut: Future = Future()
+            fut.set_exception(BrokenProcessPool(str(exc)))
+            self._warming.append(fut)
+
+    def ready(self) -> bool:
+        """Whether every worker has started (WorkerError when one could not)."""
+        if self._warming is None:
+            return True
+        if self._starter.is_alive() or not all(f.done() for f in self._warming):
+            return False
+        try:
+            for f in self._warming:
+                f.result()
+        except BrokenProcessPool:
+            raise WorkerError(f"a tokenizing worker process could not start (workers={self.workers})") from None
+        self._warming = None
+        return True
+
+    def add_local(self, fn, path: str, first: int, tag):
+        """Queue the result of ``fn()``, computed here, as the next block's (an exception it raises is
+        raised at that block's turn); yield as :meth:`submit` does."""
+        fut: Future = Future()
+        try:
+            fut.set_result(fn())
+        except Exception as exc:   # raised in input order, by _next
+            fut.set_exception(exc)
+        self._pending.append((fut, path, first, tag))
+        return self._flush()
+
+    def submit(self, block: bytes, first: int, path: str, as_json: bool, tag):
+        """Send a block; yield ``(results, tag)`` of the oldest blocks while more than ``2 N`` are in flight."""
+        try:
+            fut = self._ex.submit(_work, block, first, path, as_json)
+        except BrokenProcessPool:
+            raise self._died(path, first) from None
+        self._pending.append((fut, path, first, tag))
+        return self._flush()
+
+    def _flush(self):
+        while len(self._pending) > 2 * self.workers or (self._pending and self._pending[0][0].done()):
+            yield self._next()
+
+    def drain(self):
+        """``(results, tag)`` of every block still in flight, in input order."""
+        while self._pending:
+            yield self._next()
+
+    def _next(self):
+        fut, path, first, tag = self._pending.popleft()
+        try:
+            return fut.result(), tag
+        except BrokenProcessPool:
+            raise self._died(path, first) from None
+
+    def _died(self, path: str, first: int) -> WorkerError:
+        return WorkerError(f"{path}: a tokenizing worker process died (killed, or out of memory?) while the lines "
+                           f"from line {first} on were being tokenized (workers={self.workers})")
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the pool: cancel the blocks not started; with ``wait``, wait for the workers to end
+        (else they end by themselves once they have read the pool's stop)."""
+        for fut, *_ in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        self._starter.join()
+        self._ex.shutdown(wait=wait, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        # after a clean run the workers only have to exit (0.1-0.3 s of interpreter teardown): not waited for
+        self.close(wait=exc_type is not None)
