@@ -75,26 +75,11 @@ def _preload(ctx) -> None:
         ctx.set_forkserver_preload(current + [m for m in PRELOAD if m not in current])
 
 
-def _init(spec: dict) -> None:
-    """A worker's initializer: the backend named by the parent (no probe), its batch encoder and the
-    JSON block decoder."""
+def _init(setup, args: tuple) -> None:
+    """A worker's initializer: ``setup(*args)`` builds the worker's block encoder once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C and stops the pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # one worker, one core
-    from mcf.conversion.tok_backends import TokenizerSource, make_backend
-    from mcf.conversion.tokenize import _json_block_decoder, batch_encoder
-
-    hf = None
-    if spec["backend"] == "hf":   # the others build from the JSON (or the tiktoken vocabulary) alone
-        from tokenizers import Tokenizer
-
-        hf = Tokenizer.from_str(spec["tokenizer_json"])
-    source = TokenizerSource(hf, spec["tiktoken"], spec["label"])
-    source._json = spec["tokenizer_json"]
-    backend = make_backend(spec["backend"], source)
-    _STATE.update(run=batch_encoder(backend, spec["add_special_tokens"], spec["eod"], spec["dtype"],
-                                    empty_text=spec["empty_text"]),
-                  decoder=_json_block_decoder(spec["json_key"]), json_key=spec["json_key"],
-                  batch_size=spec["batch_size"])
+    _STATE["encode"] = setup(*args)
 
 
 def _ready() -> int:
@@ -102,23 +87,9 @@ def _ready() -> int:
     return os.getpid()
 
 
-def encode_block(block: bytes, first: int, path: str, as_json: bool, json_key: str, decoder, run,
-                 batch_size: int) -> list:
-    """The encoded batches ``[(flat ids, sequence lengths, sequences per document or None), ...]`` of a
-    block of lines (numbered from ``first``): parsed with ``decoder`` (see
-    :func:`mcf.conversion.tokenize._parse_block`), encoded by ``run``
-    (:func:`mcf.conversion.tokenize.batch_encoder`) ``batch_size`` documents at a time."""
-    from mcf.conversion.tokenize import _parse_block
-
-    docs: list = []
-    _parse_block(block, first, path, as_json, json_key, decoder if as_json else None, docs)
-    return [run(docs[a:a + batch_size]) for a in range(0, len(docs), batch_size)]
-
-
-def _work(block: bytes, first: int, path: str, as_json: bool) -> list:
-    """:func:`encode_block` in a worker, with what its initializer built."""
-    s = _STATE
-    return encode_block(block, first, path, as_json, s["json_key"], s["decoder"], s["run"], s["batch_size"])
+def _work(block: bytes, first: int, path: str, as_json: bool):
+    """The worker's block encoder on one block."""
+    return _STATE["encode"](block, first, path, as_json)
 
 
 def grouped(blocks, target: int):
@@ -141,20 +112,21 @@ def grouped(blocks, target: int):
 
 
 class BlockPool:
-    """N worker processes encoding blocks of lines.  :meth:`submit` returns the results of the blocks
+    """N worker processes encoding blocks of lines, each with the encoder ``setup(*args)`` builds in it
+    (``setup`` is pickled by name: a module-level function).  :meth:`submit` returns the results of the blocks
     that are done, in input order, holding at most ``2 N`` blocks in flight; :meth:`drain` the rest.
     While the workers start (a second or so: an interpreter, the imports, the tokenizer), the caller
     encodes blocks itself (:meth:`ready` says when to stop; :meth:`add_local` queues what it made), so
     that starting the pool costs little wall time.  A context manager: leaving it shuts the pool down
     (waiting for the blocks being encoded, dropping those not started)."""
 
-    def __init__(self, workers: int, spec: dict):
+    def __init__(self, workers: int, setup, args: tuple):
         self.workers = int(workers)
         method = start_method()
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
             _preload(ctx)
-        self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(spec,))
+        self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(setup, args))
         self._pending: deque = deque()
         self._warming: list = []
         # one call per worker starts one process (the pool starts them as calls come), from a thread:

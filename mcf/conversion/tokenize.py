@@ -460,6 +460,36 @@ def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtyp
     return run
 
 
+def _block_encoder(backend, *, json_key: str, add_special_tokens: bool, eod: int | None, dtype,
+                   empty_text: str, batch_size: int):
+    """``encode(block, first line, path, as_json)`` -> ``[(flat ids, sequence lengths, sequences per
+    document or None), ...]``: a block of lines parsed (:func:`_parse_block`) and encoded by
+    :func:`batch_encoder`, ``batch_size`` documents at a time."""
+    run = batch_encoder(backend, add_special_tokens, eod, dtype, empty_text=empty_text)
+    decoder = _json_block_decoder(json_key)
+
+    def encode(block: bytes, first: int, path: str, as_json: bool) -> list:
+        docs: list = []
+        _parse_block(block, first, path, as_json, json_key, decoder if as_json else None, docs)
+        return [run(docs[a:a + batch_size]) for a in range(0, len(docs), batch_size)]
+
+    return encode
+
+
+def _pool_encoder(tokenizer_json: str, tiktoken, label: str, backend_name: str, options: dict):
+    """A worker process's :func:`_block_encoder`: the backend the parent chose, built by its name (no
+    probe: :func:`choose_backend` ran once, in the parent)."""
+    from mcf.conversion.tok_backends import TokenizerSource, make_backend
+
+    hf = None
+    if backend_name == "hf":   # the other backends build from the JSON (or the tiktoken vocabulary) alone
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_str(tokenizer_json)
+    source = TokenizerSource(hf, tiktoken, label, json=tokenizer_json)
+    return _block_encoder(make_backend(backend_name, source), **options)
+
+
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
              dtype_rule: str = "megatron", add_special_tokens: bool = False, empty_text: str = "megatron",
@@ -556,12 +586,11 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                     done_before += size
                     report(done_before)
             else:
-                # the worker processes build the backend chosen here, by its name: no probe in them
-                spec = dict(tokenizer_json=source.json, tiktoken=source.tiktoken, label=source.label,
-                            backend=backend.name, add_special_tokens=add_special_tokens, eod=eod, dtype=w.dtype,
-                            empty_text=empty_text, json_key=json_key, batch_size=batch_size)
-                decoder = _json_block_decoder(json_key)
-                with _tokpool.BlockPool(used, spec) as pool:
+                options = dict(json_key=json_key, add_special_tokens=add_special_tokens, eod=eod, dtype=w.dtype,
+                               empty_text=empty_text, batch_size=batch_size)
+                encode = _block_encoder(backend, **options)   # this process's, while the workers start
+                with _tokpool.BlockPool(used, _pool_encoder,
+                                        (source.json, source.tiktoken, source.label, backend.name, options)) as pool:
                     def written(done):
                         for results, at in done:
                             for r in results:
@@ -577,9 +606,8 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                                 if pool.ready():
                                     written(pool.submit(block, first, path, as_json, done_before + pos))
                                 else:   # the workers are starting: this process encodes meanwhile
-                                    written(pool.add_local(
-                                        partial(_tokpool.encode_block, block, first, path, as_json, json_key,
-                                                decoder, run, batch_size), path, first, done_before + pos))
+                                    written(pool.add_local(partial(encode, block, first, path, as_json), path,
+                                                           first, done_before + pos))
                         finally:
                             blocks.close()
                         done_before += size
