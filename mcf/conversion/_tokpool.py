@@ -75,6 +75,16 @@ def _preload(ctx) -> None:
         ctx.set_forkserver_preload(current + [m for m in PRELOAD if m not in current])
 
 
+def warm_up() -> None:
+    """Start the fork server now (it imports :data:`PRELOAD` in a process of its own), so that it is ready
+    when the pool starts its workers: the caller loads the tokenizer meanwhile."""
+    if start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        _preload(multiprocessing.get_context("forkserver"))
+        forkserver.ensure_running()
+
+
 def _init(setup, args: tuple) -> None:
     """A worker's initializer: ``setup(*args)`` builds the worker's block encoder once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C and stops the pool

@@ -528,15 +528,17 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
     max_line_bytes = check_max_line_bytes(max_line_bytes)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
+    total_bytes = sum(sizes)
+    used, workers_note = _tokpool.workers_for(workers, total_bytes)
+    if used > 1:
+        _tokpool.warm_up()   # the worker processes' server imports what they need while the tokenizer loads
     source = load_source(tokenizer, tiktoken_pattern=tiktoken_pattern)
     tok = source.hf
     backend, note = choose_backend(source, tokenizer_backend, add_special_tokens=add_special_tokens)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
-    total_bytes = sum(sizes)
     t0 = time.perf_counter()
-    used, workers_note = _tokpool.workers_for(workers, total_bytes)
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0, backend=backend.name,
                           backend_note=note, workers=used, workers_note=workers_note)
     if not is_url(output_prefix):
