@@ -210,6 +210,7 @@ def scaling(root: str, args) -> None:
     n = args.workers
     inner: dict = {1: [], n: []}
     outer: dict = {1: [], n: []}
+    cpu: dict = {1: [], n: []}
     loads = [os.getloadavg()[0]]
     backend = None
     for _ in range(args.rounds):
@@ -218,6 +219,7 @@ def scaling(root: str, args) -> None:
             stats = ours([path], tok, os.path.join(work, f"w{w}"), w, "auto")
             outer[w].append(time.perf_counter() - t0)
             inner[w].append(stats["seconds"])
+            cpu[w].append(stats["cpu_seconds"])
             backend = stats["backend"]
             assert stats["workers"] == w, stats
             loads.append(os.getloadavg()[0])
@@ -233,8 +235,12 @@ def scaling(root: str, args) -> None:
                      f"whole process {mb / med_out[w]:7.1f} MB/s ({med_out[w]:.2f} s)")
     lines.append(f"  {n} workers / 1 worker: {med_in[1] / med_in[n]:.2f}x in tokenize, {med_out[1] / med_out[n]:.2f}x "
                  f"whole process (target >= {0.8 * n:.1f}x)")
-    print_summary(lines, {"seconds_inner": inner, "seconds_process": outer, "bytes": nbytes, "backend": backend,
-                          "load": loads}, args.json)
+    med_cpu = {w: statistics.median(v) for w, v in cpu.items()}
+    lines.append(f"  CPU seconds (tokenize's stats: this process and its workers): 1 worker {med_cpu[1]:.2f}, {n} workers "
+                 f"{med_cpu[n]:.2f}; on {n} idle cores {n} workers could run at most {n * med_cpu[1] / med_cpu[n]:.2f}x "
+                 "one worker")
+    print_summary(lines, {"seconds_inner": inner, "seconds_process": outer, "cpu_seconds": cpu, "bytes": nbytes,
+                          "backend": backend, "load": loads}, args.json)
 
 
 def main(argv=None):

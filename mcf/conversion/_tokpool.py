@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -41,7 +42,7 @@ BLOCK_BYTES = 4 << 20
 
 #: inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling process
 #: whatever ``workers`` says: starting N processes costs more than they would gain (see :func:`workers_for`)
-MIN_BYTES = 16 << 20
+MIN_BYTES = 64 << 20
 
 _STATE: dict = {}   # in a worker: what _init built
 
@@ -98,8 +99,9 @@ def _ready() -> int:
 
 
 def _work(block: bytes, first: int, path: str, as_json: bool):
-    """The worker's block encoder on one block."""
-    return _STATE["encode"](block, first, path, as_json)
+    """The worker's block encoder on one block: ``(results, worker's pid, CPU seconds it used so far)``."""
+    results = _STATE["encode"](block, first, path, as_json)
+    return results, os.getpid(), time.process_time()
 
 
 def grouped(blocks, target: int):
@@ -138,6 +140,7 @@ class BlockPool:
             _preload(ctx)
         self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(setup, args))
         self._pending: deque = deque()
+        self._cpu: dict = {}   # worker pid -> CPU seconds it reported last
         self._warming: list = []
         # one call per worker starts one process (the pool starts them as calls come), from a thread:
         # starting one waits for the server to fork it, and the caller has blocks to encode meanwhile
@@ -175,7 +178,7 @@ class BlockPool:
             fut.set_result(fn())
         except Exception as exc:   # raised in input order, by _next
             fut.set_exception(exc)
-        self._pending.append((fut, path, first, tag))
+        self._pending.append((fut, path, first, tag, False))
         return self._flush()
 
     def submit(self, block: bytes, first: int, path: str, as_json: bool, tag):
@@ -184,7 +187,7 @@ class BlockPool:
             fut = self._ex.submit(_work, block, first, path, as_json)
         except BrokenProcessPool:
             raise self._died(path, first) from None
-        self._pending.append((fut, path, first, tag))
+        self._pending.append((fut, path, first, tag, True))
         return self._flush()
 
     def _flush(self):
@@ -197,11 +200,20 @@ class BlockPool:
             yield self._next()
 
     def _next(self):
-        fut, path, first, tag = self._pending.popleft()
+        fut, path, first, tag, remote = self._pending.popleft()
         try:
-            return fut.result(), tag
+            results = fut.result()
         except BrokenProcessPool:
             raise self._died(path, first) from None
+        if remote:
+            results, pid, cpu = results
+            self._cpu[pid] = cpu
+        return results, tag
+
+    @property
+    def worker_cpu_seconds(self) -> float:
+        """The CPU seconds the workers used (their start included) up to the last block they returned."""
+        return sum(self._cpu.values())
 
     def _died(self, path: str, first: int) -> WorkerError:
         return WorkerError(f"{path}: a tokenizing worker process died (killed, or out of memory?) while the lines "

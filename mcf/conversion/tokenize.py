@@ -392,7 +392,10 @@ def eod_token_id(tok, *, token: str | None = None) -> int:
 
 
 class TokenizeStats(dict):
-    """``documents``, ``sequences``, ``tokens``, ``bytes_in``, ``seconds`` of a run."""
+    """``documents``, ``sequences``, ``tokens``, ``bytes_in``, ``seconds`` of a run; ``cpu_seconds``
+    (this process's CPU time during the run, and its worker processes' from their start to their last
+    block), ``workers`` (the processes that tokenized: 1 is this one) and ``workers_note`` (why fewer
+    than asked, or None); ``backend`` and ``backend_note`` (see :func:`tokenize`)."""
 
 
 EMPTY_TEXT_RULES = ("megatron", "datatrove")
@@ -539,6 +542,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0, backend=backend.name,
                           backend_note=note, workers=used, workers_note=workers_note)
     if not is_url(output_prefix):
@@ -614,10 +618,12 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                             blocks.close()
                         done_before += size
                     written(pool.drain())
+                    stats["cpu_seconds"] = pool.worker_cpu_seconds   # the parent's is added below
                 report(done_before)
             stats["sequences"] = w.sequence_count
     finally:
         stats["seconds"] = time.perf_counter() - t0
+        stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu0
     if progress is not None and total_bytes == 0:
         progress(0, 0, "0 tokens")
     return stats
