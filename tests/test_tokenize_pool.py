@@ -45,6 +45,30 @@ def bpe_path(tmp_path_factory):
     return str(p)
 
 
+def test_tiktoken_workers_write_the_same_bytes(tmp_path, bpe_path, small_blocks):
+    """A tiktoken vocabulary travels to the workers as itself (its ranks), and its backend runs there."""
+    pytest.importorskip("tiktoken", reason="tiktoken is in the tokenize extra")
+    from mcf.conversion import tok_backends as tb
+
+    spec = json.loads(Path(bpe_path).read_text(encoding="utf-8"))
+    u2b = {c: b for b, c in tb._bytes_to_unicode().items()}
+    entries = sorted((i, t) for t, i in spec["model"]["vocab"].items() if not t.startswith("<|"))
+    ranks = {bytes(u2b[c] for c in t): k for k, (_, t) in enumerate(entries)}
+    vocab = tb.TiktokenVocab("test_bpe", ranks, r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
+                             r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+                             special_tokens={"<|endoftext|>": len(ranks)})
+    src = tmp_path / "in.jsonl"
+    _write(src, _documents())
+    outs = []
+    for workers in (1, 3):
+        out = str(tmp_path / f"o{workers}")
+        stats = tokenize(str(src), out, vocab, append_eod=True, workers=workers, batch_size=7,
+                         tokenizer_backend="tiktoken")
+        assert stats["backend"] == "tiktoken" and stats["workers"] == workers
+        outs.append(_outputs(out))
+    assert outs[0] == outs[1] and len(small_blocks) >= 3
+
+
 def _documents(n: int = 300) -> list:
     """Texts, sentence lists (with an empty sentence), an empty string, whitespace only, an empty list."""
     extra = ["", "   ", ["first sentence.", "", "second one"], [], "\u200b"]
