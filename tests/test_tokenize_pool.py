@@ -83,7 +83,7 @@ def small_blocks(monkeypatch):
     """Many small blocks (1 KiB blocks of 256-byte reads), the pool used whatever the input's size, the
     first block encoded by this process (as while the workers start) and the others by the workers;
     returns the list of the blocks the workers were sent."""
-    monkeypatch.setattr(_tokpool, "MIN_BYTES", 0)
+    monkeypatch.setattr(_tokpool, "MIN_BYTES", dict.fromkeys(_tokpool.MIN_BYTES, 0))
     monkeypatch.setattr(_tokpool, "BLOCK_BYTES", 1024)
     monkeypatch.setattr(tokenize_module, "READ_BYTES", 256)
     ready = _tokpool.BlockPool.ready

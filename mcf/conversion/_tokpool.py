@@ -40,9 +40,12 @@ from mcf.errors import WorkerError
 #: the size of a block of lines sent to a worker (whole lines: a block is longer when a line is)
 BLOCK_BYTES = 4 << 20
 
-#: inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling process
-#: whatever ``workers`` says: starting N processes costs more than they would gain (see :func:`workers_for`)
-MIN_BYTES = 64 << 20
+#: per backend, inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling
+#: process whatever ``workers`` says: starting the workers (about 0.5 s in a fresh process, 0.2 s of CPU
+#: each for fastokens to build a 32k BPE) and their cold caches (fastokens keeps the words it met: each
+#: worker meets them again, about 30% more CPU per byte at 160 MB of Python source) cost more than they
+#: save.  HF tokenizers encodes about 3 MB/s, fastokens and tiktoken about 150 MB/s in one process.
+MIN_BYTES = {"hf": 8 << 20, "fastokens": 128 << 20, "tiktoken": 128 << 20}
 
 _STATE: dict = {}   # in a worker: what _init built
 
@@ -52,14 +55,17 @@ def start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def workers_for(workers: int, total_bytes: int):
-    """``(processes to use, note or None)`` for ``workers`` asked and ``total_bytes`` of input: 1 (the
-    calling process, no pool) for ``workers=1`` and for inputs below :data:`MIN_BYTES`, with a note
-    saying why."""
-    if workers <= 1 or total_bytes >= MIN_BYTES:
+def workers_for(workers: int, total_bytes: int, backend: str | None = None):
+    """``(processes to use, note or None)`` for ``workers`` asked, ``total_bytes`` of input and the
+    ``backend``'s name (None: before it is chosen, the smallest threshold): 1 (the calling process, no
+    pool) for ``workers=1`` and for inputs below the backend's :data:`MIN_BYTES`, with a note saying why."""
+    least = min(MIN_BYTES.values(), default=0)
+    floor = least if backend is None else MIN_BYTES.get(backend, max(MIN_BYTES.values(), default=0))
+    if workers <= 1 or total_bytes >= floor:
         return workers, None
     return 1, (f"tokenizing in one process, not {workers}: the input ({total_bytes:,} bytes) is smaller than "
-               f"{MIN_BYTES >> 20} MiB, where starting worker processes costs more time than they save")
+               f"{floor / (1 << 20):g} MiB, where starting worker processes for the {backend} backend costs more "
+               "time than they save")
 
 
 #: what the fork server imports once, so that a worker forked from it starts without importing them

@@ -29,11 +29,13 @@ fastest that gives HF tokenizers' ids on a probe corpus).
 
 A thread of its own reads and decompresses each input; the main thread cuts it into blocks of whole
 lines, parses a block of JSON lines in one msgspec call (a block it refuses is parsed line by line with
-orjson or ``json``, which names the line), and writes in input order; ``workers`` threads encode batches
-in parallel (every backend releases the GIL), so the output does not depend on ``workers``.  The ids
-stay in numpy arrays from the backend to the writer.  The ``tokenizers`` library's own thread pool is
-turned off (``TOKENIZERS_PARALLELISM=false``) unless the caller set that variable, so that ``workers``
-is the parallelism.
+orjson or ``json``, which names the line), encodes it in batches and writes in input order.  With
+``workers=N > 1`` (and at least the backend's :data:`mcf.conversion._tokpool.MIN_BYTES` of input), N
+worker processes parse and encode blocks of about 4 MiB instead, and the main thread writes their
+results in input order (:mod:`mcf.conversion._tokpool`: threads cannot scale this, fastokens holds the
+GIL), so the output does not depend on ``workers``.  The ids stay in numpy arrays from the backend to
+the writer.  The ``tokenizers`` library's own thread pool is turned off (``TOKENIZERS_PARALLELISM=false``)
+unless the caller set that variable, so that ``workers`` is the parallelism.
 """
 
 from __future__ import annotations
@@ -517,7 +519,15 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     string (``""``, or ``[]``) is dropped, as datatrove's readers drop it.
     ``max_line_bytes`` is the longest line an input may have (:data:`MAX_LINE_BYTES` by default): a longer
     one stops the run with a :class:`mcf.FormatError` naming the input and the line.
-    ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes)."""
+    ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes).
+
+    ``workers=N`` above 1 tokenizes in N worker processes (started with ``forkserver``, or ``spawn``
+    where there is none: a script calling this needs the ``if __name__ == "__main__":`` guard), whose
+    results are written in input order: the output is byte-identical for every N.  Input smaller than
+    the backend's :data:`mcf.conversion._tokpool.MIN_BYTES` (on disk, all inputs together: 8 MiB for
+    ``hf``, 128 MiB for fastokens and tiktoken) is tokenized in this process whatever N, the stats'
+    ``workers`` and ``workers_note`` saying so: starting the processes costs more than they save there.  A worker that dies is a :class:`mcf.WorkerError`; nothing is
+    published on any error, Ctrl-C included."""
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
     inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
@@ -533,14 +543,14 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
     total_bytes = sum(sizes)
-    used, workers_note = _tokpool.workers_for(workers, total_bytes)
-    if used > 1:
+    if _tokpool.workers_for(workers, total_bytes)[0] > 1:   # workers may be used (the backend decides)
         _tokpool.warm_up()   # the worker processes' server imports what they need while the tokenizer loads
     source = load_source(tokenizer, tiktoken_pattern=tiktoken_pattern)
     tok = source.hf
     backend, note = choose_backend(source, tokenizer_backend, add_special_tokens=add_special_tokens)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
+    used, workers_note = _tokpool.workers_for(workers, total_bytes, backend.name)
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0, backend=backend.name,
