@@ -215,3 +215,15 @@ def test_a_small_input_stays_in_one_process_and_says_why(tmp_path, bpe_path, cap
                  "--workers", "2", "--tokenizer-backend", "hf", "-q"]) == 0
     assert "note: tokenizing in one process, not 2" in capsys.readouterr().err
     assert _outputs(str(tmp_path / "a")) == _outputs(str(tmp_path / "b"))
+
+
+def test_a_block_read_by_a_worker_from_a_changed_file_is_a_format_error(tmp_path):
+    """A worker reads a local file's block itself (offset, length): a file cut short since is refused."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"text": "a"}\n{"text": "b"}\n')
+    block = _tokpool.FileRange(14, [b'{"text": "b"}'])
+    assert block.read(str(src)) == b'{"text": "b"}'
+    src.write_bytes(b'{"text": "a"}\n{"te')
+    with pytest.raises(mcf.FormatError, match="changed while it was tokenized") as e:
+        block.read(str(src))
+    assert e.value.path == str(src) and e.value.offset == 14

@@ -35,7 +35,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from mcf.errors import WorkerError
+from mcf.errors import FormatError, WorkerError, os_error
 
 #: the size of a block of lines sent to a worker (whole lines: a block is longer when a line is)
 BLOCK_BYTES = 4 << 20
@@ -104,29 +104,62 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _work(block: bytes, first: int, path: str, as_json: bool):
-    """The worker's block encoder on one block: ``(results, worker's pid, CPU seconds it used so far)``."""
+def _work(block, first: int, path: str, as_json: bool):
+    """The worker's block encoder on one block (bytes, or a :class:`FileRange` of ``path``):
+    ``(results, worker's pid, CPU seconds it used so far)``."""
+    if isinstance(block, FileRange):
+        try:
+            block = block.read(path)
+        except OSError as exc:
+            raise os_error(exc, path) from None
     results = _STATE["encode"](block, first, path, as_json)
     return results, os.getpid(), time.process_time()
 
 
 def grouped(blocks, target: int):
-    """``(first line, bytes, position)`` blocks joined into blocks of at least ``target`` bytes (the last
-    may be shorter); ``blocks`` yields ``(first line, bytes, position)`` of consecutive lines."""
+    """``(first line, [bytes, ...], position, offset)``: consecutive blocks of lines ``(first line, bytes,
+    position, offset)`` gathered until they hold ``target`` bytes (the last group may hold fewer); the
+    group's lines are its blocks joined by newlines."""
     parts: list = []
     size = 0
-    first = pos = None
-    for f, block, p in blocks:
+    first = pos = at = None
+    for f, block, p, o in blocks:
         if not parts:
-            first = f
+            first, at = f, o
         parts.append(block)
         size += len(block) + 1
         pos = p
         if size >= target:
-            yield first, b"\n".join(parts), pos
+            yield first, parts, pos, at
             parts, size = [], 0
     if parts:
-        yield first, b"\n".join(parts), pos
+        yield first, parts, pos, at
+
+
+class FileRange:
+    """A block of lines a worker reads from the input file itself (a local file that is not compressed):
+    ``offset`` and ``length`` in the file, instead of the bytes through a pipe."""
+
+    __slots__ = ("offset", "length")
+
+    def __init__(self, offset: int, parts: list):
+        self.offset = int(offset)
+        self.length = sum(len(p) for p in parts) + len(parts) - 1
+
+    def read(self, path: str) -> bytes:
+        """The block's bytes, read from ``path``; the file changed since the parent read it: FormatError."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, self.length, self.offset)
+            while len(data) < self.length:
+                more = os.pread(fd, self.length - len(data), self.offset + len(data))
+                if not more:
+                    raise FormatError(f"the input changed while it was tokenized: {self.length} bytes expected at "
+                                      f"offset {self.offset}, {len(data)} read", path=path, offset=self.offset)
+                data += more
+            return data
+        finally:
+            os.close(fd)
 
 
 class BlockPool:
@@ -187,7 +220,7 @@ class BlockPool:
         self._pending.append((fut, path, first, tag, False))
         return self._flush()
 
-    def submit(self, block: bytes, first: int, path: str, as_json: bool, tag):
+    def submit(self, block, first: int, path: str, as_json: bool, tag):
         """Send a block; yield ``(results, tag)`` of the oldest blocks while more than ``2 N`` are in flight."""
         try:
             fut = self._ex.submit(_work, block, first, path, as_json)

@@ -317,18 +317,27 @@ def _parse_block(block: bytes, first: int, path: str, as_json: bool, json_key: s
 
 
 def _raw_blocks(path: str, *, stream=None, max_line_bytes: int = MAX_LINE_BYTES, read_ahead: bool = False,
-                positions: bool = True):
+                positions: bool = True, offsets: bool = False):
     """``(number of the first line, bytes of whole lines, compressed bytes consumed)`` of each block of
     lines of ``path`` (see :func:`_line_blocks`; the position is None without ``positions``), the
     input's read and decompression errors as mcf errors naming it; ``read_ahead`` reads and
-    decompresses in a thread of its own."""
+    decompresses in a thread of its own.  With ``offsets``, a fourth item: where the block starts in
+    the file when ``path`` is a local file that is not compressed (its bytes are the file's), else None."""
     max_line_bytes = check_max_line_bytes(max_line_bytes)
+    local = stream is None
     stream, raw = _open_text(path, stream)
+    at = 0 if (offsets and local and stream is raw) else None
     ahead = _ReadAhead(stream) if read_ahead else None
     try:
         try:
             for first, block in _line_blocks(ahead if ahead is not None else stream, path, max_line_bytes):
-                yield first, block, (raw.tell() if positions else None)
+                pos = raw.tell() if positions else None
+                if not offsets:
+                    yield first, block, pos
+                    continue
+                yield first, block, pos, at
+                if at is not None:
+                    at += len(block) + 1
         except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
             raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
         except OSError as exc:
@@ -616,14 +625,15 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                     for path, size in zip(inputs, sizes):
                         as_json = _is_json(path)
                         blocks = _raw_blocks(path, stream=open_input(path, storage_options),
-                                             max_line_bytes=max_line_bytes, read_ahead=True)
+                                             max_line_bytes=max_line_bytes, read_ahead=True, offsets=True)
                         try:
-                            for first, block, pos in _tokpool.grouped(blocks, _tokpool.BLOCK_BYTES):
-                                if pool.ready():
+                            for first, parts, pos, at in _tokpool.grouped(blocks, _tokpool.BLOCK_BYTES):
+                                if pool.ready():   # a local file's block is read by the worker: no pipe
+                                    block = _tokpool.FileRange(at, parts) if at is not None else b"\n".join(parts)
                                     written(pool.submit(block, first, path, as_json, done_before + pos))
                                 else:   # the workers are starting: this process encodes meanwhile
-                                    written(pool.add_local(partial(encode, block, first, path, as_json), path,
-                                                           first, done_before + pos))
+                                    written(pool.add_local(partial(encode, b"\n".join(parts), first, path, as_json),
+                                                           path, first, done_before + pos))
                         finally:
                             blocks.close()
                         done_before += size
