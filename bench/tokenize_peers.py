@@ -236,9 +236,9 @@ def scaling(root: str, args) -> None:
     lines.append(f"  {n} workers / 1 worker: {med_in[1] / med_in[n]:.2f}x in tokenize, {med_out[1] / med_out[n]:.2f}x "
                  f"whole process (target >= {0.8 * n:.1f}x)")
     med_cpu = {w: statistics.median(v) for w, v in cpu.items()}
-    lines.append(f"  CPU seconds (tokenize's stats: this process and its workers): 1 worker {med_cpu[1]:.2f}, {n} workers "
-                 f"{med_cpu[n]:.2f}; on {n} idle cores {n} workers could run at most {n * med_cpu[1] / med_cpu[n]:.2f}x "
-                 "one worker")
+    lines.append(f"  CPU seconds (tokenize's stats: this process and its workers): 1 worker {med_cpu[1]:.2f}, "
+                 f"{n} workers {med_cpu[n]:.2f}; on {n} idle cores {n} workers could run at most "
+                 f"{n * med_cpu[1] / med_cpu[n]:.2f}x one worker")
     print_summary(lines, {"seconds_inner": inner, "seconds_process": outer, "cpu_seconds": cpu, "bytes": nbytes,
                           "backend": backend, "load": loads}, args.json)
 

@@ -535,8 +535,9 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     results are written in input order: the output is byte-identical for every N.  Input smaller than
     the backend's :data:`mcf.conversion._tokpool.MIN_BYTES` (on disk, all inputs together: 8 MiB for
     ``hf``, 128 MiB for fastokens and tiktoken) is tokenized in this process whatever N, the stats'
-    ``workers`` and ``workers_note`` saying so: starting the processes costs more than they save there.  A worker that dies is a :class:`mcf.WorkerError`; nothing is
-    published on any error, Ctrl-C included."""
+    ``workers`` and ``workers_note`` saying so: starting the processes costs more than they save there.
+    A worker that dies is a :class:`mcf.WorkerError`; nothing is published on any error, Ctrl-C
+    included."""
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
     inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
