@@ -94,7 +94,7 @@ def small_blocks(monkeypatch):
         if len(calls) == 1:
             return False
         self._starter.join()
-        for f in self._warming or ():
+        for f in self._warming:
             f.exception()   # waits until that worker has started (or failed to)
         return ready(self)
 

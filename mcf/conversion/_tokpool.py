@@ -180,7 +180,8 @@ class BlockPool:
         self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(setup, args))
         self._pending: deque = deque()
         self._cpu: dict = {}   # worker pid -> CPU seconds it reported last
-        self._warming: list = []
+        self._warming: list = []   # the first call of each worker (appended by the starting thread)
+        self._up = False
         # one call per worker starts one process (the pool starts them as calls come), from a thread:
         # starting one waits for the server to fork it, and the caller has blocks to encode meanwhile
         self._starter = threading.Thread(target=self._start, name="mcf-tokenize-pool-start", daemon=True)
@@ -196,17 +197,19 @@ class BlockPool:
             self._warming.append(fut)
 
     def ready(self) -> bool:
-        """Whether every worker has started (WorkerError when one could not)."""
-        if self._warming is None:
+        """Whether a worker has started (WorkerError when one could not): from then on the blocks go to
+        the pool, and the other workers take their share as they start."""
+        if self._up:
             return True
-        if self._starter.is_alive() or not all(f.done() for f in self._warming):
+        done = [f for f in list(self._warming) if f.done()]
+        if not done:
             return False
         try:
-            for f in self._warming:
+            for f in done:
                 f.result()
         except BrokenProcessPool:
             raise WorkerError(f"a tokenizing worker process could not start (workers={self.workers})") from None
-        self._warming = None
+        self._up = True
         return True
 
     def add_local(self, fn, path: str, first: int, tag):
