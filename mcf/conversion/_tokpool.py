@@ -42,9 +42,10 @@ BLOCK_BYTES = 4 << 20
 
 #: per backend, inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling
 #: process whatever ``workers`` says: starting the workers (about 0.5 s in a fresh process, 0.2 s of CPU
-#: each for fastokens to build a 32k BPE) and their cold caches (fastokens keeps the words it met: each
-#: worker meets them again, about 30% more CPU per byte at 160 MB of Python source) cost more than they
-#: save.  HF tokenizers encodes about 3 MB/s, fastokens and tiktoken about 150 MB/s in one process.
+#: each for fastokens to build a 32k BPE) and sending the ids back through pipes cost more than they save.
+#: (Not the workers' separate word caches: two fastokens tokenizers encoding a half each of 160 MB of Python
+#: source used no more CPU than one encoding all of it.)  HF tokenizers encodes about 3 MB/s a process,
+#: fastokens and tiktoken about 150 MB/s.
 MIN_BYTES = {"hf": 8 << 20, "fastokens": 128 << 20, "tiktoken": 128 << 20}
 
 _STATE: dict = {}   # in a worker: what _init built
