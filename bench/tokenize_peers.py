@@ -17,6 +17,9 @@ tokenizer step.
 Every output is checked byte for byte against mcf's (datatrove's with its dtype rule, EOS and empty-text
 rule). Each timing is the median of ``--rounds`` runs, the peers interleaved with ours. Run from the
 repository root: ``python bench/tokenize_peers.py [--mb 40] [--workers 2] [--rounds 2] [--json out.json]``.
+
+``--scaling`` times mcf alone, 1 worker against ``--workers``, on one file of ``--scaling-mb`` MB (160 by
+default: the same sources, cached), each run a fresh process, and prints the ratio and the load average.
 """
 
 from __future__ import annotations
@@ -40,23 +43,30 @@ from bench_common import bench_dir, print_summary  # noqa: E402
 EOS = "<|endoftext|>"
 
 
-def build_corpus(root: str, mb: int) -> list:
-    paths = [os.path.join(root, f"part{k}.jsonl") for k in (0, 1)]
-    stamp = os.path.join(root, f"corpus-{mb}.done")
-    if os.path.exists(stamp):
-        return paths
+def _source_lines():
+    """JSON lines of Python source files: the standard library's, then site-packages'."""
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
     files += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "**", "*.py"), recursive=True))
-    texts, total = [], 0
     for p in files:
         try:
             with open(p, encoding="utf-8") as f:
                 t = f.read()
         except (UnicodeDecodeError, OSError):
             continue
-        if not t.strip():
-            continue
-        line = json.dumps({"text": t}) + "\n"
+        if t.strip():
+            yield json.dumps({"text": t}) + "\n"
+
+
+def build_corpus(root: str, mb: int) -> list:
+    """Two files of about ``mb`` MB together, in a folder of that size (cached)."""
+    where = os.path.join(root, f"corpus-{mb}")
+    paths = [os.path.join(where, f"part{k}.jsonl") for k in (0, 1)]
+    stamp = os.path.join(where, "done")
+    if os.path.exists(stamp):
+        return paths
+    os.makedirs(where, exist_ok=True)
+    texts, total = [], 0
+    for line in _source_lines():
         texts.append(line)
         total += len(line)
         if total >= mb * 1e6:
@@ -67,6 +77,23 @@ def build_corpus(root: str, mb: int) -> list:
             f.writelines(part)
     open(stamp, "w").close()
     return paths
+
+
+def build_big_corpus(root: str, mb: int) -> str:
+    """One file of at least ``mb`` MB (the sources again from the start if they are fewer; cached)."""
+    path = os.path.join(root, f"scaling-{mb}.jsonl")
+    if os.path.exists(path + ".done"):
+        return path
+    total = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while total < mb * 1e6:
+            for line in _source_lines():
+                f.write(line)
+                total += len(line)
+                if total >= mb * 1e6:
+                    break
+    open(path + ".done", "w").close()
+    return path
 
 
 def build_tokenizer(root: str, paths: list) -> str:
@@ -170,16 +197,66 @@ def same_bytes(a: str, b: str) -> bool:
     return True
 
 
+def scaling(root: str, args) -> None:
+    """``--scaling``: mcf alone, 1 worker against ``--workers`` on one file of ``--scaling-mb`` MB, each
+    run a fresh process, interleaved; tokenize's own seconds (after the tokenizer is loaded, the pool's
+    start included) and the whole process's."""
+    path = build_big_corpus(root, args.scaling_mb)
+    tok = build_tokenizer(root, build_corpus(root, args.mb))
+    nbytes = os.path.getsize(path)
+    work = os.path.join(root, "out-scaling")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    n = args.workers
+    inner: dict = {1: [], n: []}
+    outer: dict = {1: [], n: []}
+    cpu: dict = {1: [], n: []}
+    loads = [os.getloadavg()[0]]
+    backend = None
+    for _ in range(args.rounds):
+        for w in (1, n):
+            t0 = time.perf_counter()
+            stats = ours([path], tok, os.path.join(work, f"w{w}"), w, "auto")
+            outer[w].append(time.perf_counter() - t0)
+            inner[w].append(stats["seconds"])
+            cpu[w].append(stats["cpu_seconds"])
+            backend = stats["backend"]
+            assert stats["workers"] == w, stats
+            loads.append(os.getloadavg()[0])
+    identical = same_bytes(os.path.join(work, "w1"), os.path.join(work, f"w{n}"))
+    mb = nbytes / 1e6
+    med_in = {w: statistics.median(v) for w, v in inner.items()}
+    med_out = {w: statistics.median(v) for w, v in outer.items()}
+    lines = [f"tokenize scaling: {mb:.1f} MB of JSON lines (Python source), 32k byte-level BPE, backend {backend}, "
+             f"{os.cpu_count()} cores, load average {min(loads):.1f}-{max(loads):.1f} during the runs, median of "
+             f"{args.rounds}; outputs byte-identical: {identical}"]
+    for w in (1, n):
+        lines.append(f"  {w} worker{'s' if w > 1 else ' '}: tokenize {mb / med_in[w]:7.1f} MB/s ({med_in[w]:.2f} s), "
+                     f"whole process {mb / med_out[w]:7.1f} MB/s ({med_out[w]:.2f} s)")
+    lines.append(f"  {n} workers / 1 worker: {med_in[1] / med_in[n]:.2f}x in tokenize, {med_out[1] / med_out[n]:.2f}x "
+                 f"whole process (target >= {0.8 * n:.1f}x)")
+    med_cpu = {w: statistics.median(v) for w, v in cpu.items()}
+    lines.append(f"  CPU seconds (tokenize's stats: this process and its workers): 1 worker {med_cpu[1]:.2f}, "
+                 f"{n} workers {med_cpu[n]:.2f}; on {n} idle cores {n} workers could run at most "
+                 f"{n * med_cpu[1] / med_cpu[n]:.2f}x one worker")
+    print_summary(lines, {"seconds_inner": inner, "seconds_process": outer, "cpu_seconds": cpu, "bytes": nbytes,
+                          "backend": backend, "load": loads}, args.json)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=40)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--scaling", action="store_true", help="mcf alone: 1 worker against --workers")
+    ap.add_argument("--scaling-mb", type=int, default=160, help="the --scaling corpus, MB")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # every tool gets --workers cores, no hidden threads
     root = os.path.join(bench_dir(), "tokenize")
     os.makedirs(root, exist_ok=True)
+    if args.scaling:
+        return scaling(root, args)
     paths = build_corpus(root, args.mb)
     tok = build_tokenizer(root, paths)
     nbytes = sum(os.path.getsize(p) for p in paths)

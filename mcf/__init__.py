@@ -18,7 +18,7 @@ from mcf.errors import (AccessError, AllocationError, ArgumentTypeError, Checksu
                         ContextNotFoundError, DTypeError, EncryptionKeyError, FormatError, InvalidArgumentError,
                         LoadMismatchError, MCFError, MCFIOError,
                         MissingDependencyError, MissingFileError, OutOfBoundsError, StaleContextError,
-                        TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError)
+                        TensorNotFoundError, TruncatedError, UnknownNameError, UnsupportedVersionError, WorkerError)
 from mcf.container.layout import SectionType, quant_layout
 from mcf.container.modelinfo import Arch, ModelInfo, RopeType
 from mcf.container.quantinfo import QuantRecord
@@ -89,6 +89,7 @@ __all__ = [
     "OutOfBoundsError", "TensorNotFoundError", "LoadMismatchError", "DTypeError", "ClosedError", "MCFIOError",
     "MissingFileError", "AccessError", "AllocationError", "InvalidArgumentError", "MissingDependencyError",
     "ContextNotFoundError", "ArgumentTypeError", "UnknownNameError", "StaleContextError", "EncryptionKeyError",
+    "WorkerError",
     "load_state_dict", "load_into",
     "Rows", "Shard",
     "get_include",

@@ -41,6 +41,7 @@ __all__ = [
     "ContextNotFoundError",
     "MissingDependencyError",
     "ArgumentTypeError",
+    "WorkerError",
     "UnknownNameError",
 ]
 
@@ -167,6 +168,11 @@ class InvalidArgumentError(MCFError, ValueError):
 class ArgumentTypeError(MCFError, TypeError):
     """A caller passed an argument of a type the function cannot take (a float as a dataset index, an
     object JSON cannot encode)."""
+
+
+class WorkerError(MCFError, RuntimeError):
+    """A worker process of a parallel run died (killed, out of memory) or could not start; the message
+    names the input and where in it the run stopped."""
 
 
 class UnknownNameError(MCFError, KeyError):

@@ -131,6 +131,8 @@ def cmd_tokenize(args) -> int:
                      tokenizer_backend=args.tokenizer_backend, tiktoken_pattern=args.tiktoken_pattern,
                      progress=Progress("tokenize", enabled=None if not args.quiet else False))
     _say_backend_note(stats)
+    if stats.get("workers_note"):   # --workers N not followed: why
+        print(f"note: {stats['workers_note']}", file=sys.stderr)
     rate = stats["tokens"] / stats["seconds"] / 1e6 if stats["seconds"] > 0 else 0.0
     out = printable(redact(args.output_prefix))
     print(f"wrote {out}.idx/.bin: {stats['documents']:,} documents, {stats['sequences']:,} sequences, "
@@ -149,8 +151,8 @@ def _tokenize_on_ray(args) -> int:
     from mcf.errors import InvalidArgumentError
 
     if args.workers != 1:
-        raise InvalidArgumentError("--workers sets threads of a single-process run; with --ray every CPU of the "
-                                   "cluster tokenizes (one task per CPU)")
+        raise InvalidArgumentError("--workers sets the worker processes of a run on this machine; with --ray every "
+                                   "CPU of the cluster tokenizes (one task per CPU)")
     from mcf.conversion import raydata  # a MissingDependencyError names the extra when Ray is not installed
     from mcf.conversion.export import parse_size
 
@@ -211,7 +213,7 @@ def add_megatron_parser(sub) -> None:
     s.add_argument("--append-eod", action="store_true", help="end every non-empty document with the EOD token")
     s.add_argument("--eod-token", help="the EOD token (default: the first of "
                    "<|endoftext|>, </s>, <eos>, <|end_of_text|>, [SEP], <|im_end|> in the vocabulary)")
-    s.add_argument("--workers", type=int, default=1, help="tokenizing threads")
+    s.add_argument("--workers", type=int, default=1, help="tokenizing worker processes (1: in this process)")
     s.add_argument("--batch-size", type=int, default=1000, help="documents per batch")
     s.add_argument("--dtype-rule", choices=("megatron", "datatrove"), default="megatron",
                    help="uint16 below 65500 (megatron) or up to 65536 (datatrove) vocabulary entries")

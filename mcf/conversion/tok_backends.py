@@ -244,13 +244,15 @@ def _named_encoding(name: str):
 
 class TokenizerSource:
     """A loaded tokenizer: ``hf`` (the reference ``tokenizers.Tokenizer``), ``tiktoken`` (a
-    :class:`TiktokenVocab` when the tokenizer is one, else None) and ``label`` (for messages)."""
+    :class:`TiktokenVocab` when the tokenizer is one, else None) and ``label`` (for messages).
+    ``json``, if given, is :attr:`json` (then ``hf`` may be None: a backend other than ``hf`` is built
+    from the JSON alone, as a worker process builds the backend its parent chose)."""
 
-    def __init__(self, hf, tiktoken: TiktokenVocab | None, label: str):
+    def __init__(self, hf, tiktoken: TiktokenVocab | None, label: str, *, json: str | None = None):
         self.hf = hf
         self.tiktoken = tiktoken
         self.label = label
-        self._json: str | None = None
+        self._json: str | None = json
 
     @property
     def json(self) -> str:

@@ -29,11 +29,13 @@ fastest that gives HF tokenizers' ids on a probe corpus).
 
 A thread of its own reads and decompresses each input; the main thread cuts it into blocks of whole
 lines, parses a block of JSON lines in one msgspec call (a block it refuses is parsed line by line with
-orjson or ``json``, which names the line), and writes in input order; ``workers`` threads encode batches
-in parallel (every backend releases the GIL), so the output does not depend on ``workers``.  The ids
-stay in numpy arrays from the backend to the writer.  The ``tokenizers`` library's own thread pool is
-turned off (``TOKENIZERS_PARALLELISM=false``) unless the caller set that variable, so that ``workers``
-is the parallelism.
+orjson or ``json``, which names the line), encodes it in batches and writes in input order.  With
+``workers=N > 1`` (and at least the backend's :data:`mcf.conversion._tokpool.MIN_BYTES` of input), N
+worker processes parse and encode blocks of about 4 MiB instead, and the main thread writes their
+results in input order (:mod:`mcf.conversion._tokpool`: threads cannot scale this, fastokens holds the
+GIL), so the output does not depend on ``workers``.  The ids stay in numpy arrays from the backend to
+the writer.  The ``tokenizers`` library's own thread pool is turned off (``TOKENIZERS_PARALLELISM=false``)
+unless the caller set that variable, so that ``workers`` is the parallelism.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ import os
 import threading
 import time
 import zlib
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -59,6 +60,7 @@ from mcf.conversion._inputs import input_size, open_input
 from mcf.remote import is_url
 from mcf.remote._urls import url_name
 from mcf.conversion.tok_backends import choose_backend, load_source
+from mcf.conversion import _tokpool
 
 try:  # faster JSON when available
     import orjson as _orjson
@@ -314,27 +316,28 @@ def _parse_block(block: bytes, first: int, path: str, as_json: bool, json_key: s
     return out
 
 
-def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line_bytes: int = MAX_LINE_BYTES,
-                     read_ahead: bool = False, positions: bool = True):
-    """``(documents, compressed bytes consumed)`` of each block of lines of ``path`` (see
-    :func:`iter_documents`; the bytes are None without ``positions``); ``read_ahead`` reads and
-    decompresses in a thread of its own."""
+def _raw_blocks(path: str, *, stream=None, max_line_bytes: int = MAX_LINE_BYTES, read_ahead: bool = False,
+                positions: bool = True, offsets: bool = False):
+    """``(number of the first line, bytes of whole lines, compressed bytes consumed)`` of each block of
+    lines of ``path`` (see :func:`_line_blocks`; the position is None without ``positions``), the
+    input's read and decompression errors as mcf errors naming it; ``read_ahead`` reads and
+    decompresses in a thread of its own.  With ``offsets``, a fourth item: where the block starts in
+    the file when ``path`` is a local file that is not compressed (its bytes are the file's), else None."""
     max_line_bytes = check_max_line_bytes(max_line_bytes)
+    local = stream is None
     stream, raw = _open_text(path, stream)
-    as_json = _is_json(path)
-    decoder = _json_block_decoder(json_key) if as_json else None
+    at = 0 if (offsets and local and stream is raw) else None
     ahead = _ReadAhead(stream) if read_ahead else None
     try:
         try:
             for first, block in _line_blocks(ahead if ahead is not None else stream, path, max_line_bytes):
-                docs: list = []
-                try:
-                    _parse_block(block, first, path, as_json, json_key, decoder, docs)
-                except FormatError:
-                    if docs:  # the documents before the refused line, then the error
-                        yield docs, (raw.tell() if positions else None)
-                    raise
-                yield docs, (raw.tell() if positions else None)
+                pos = raw.tell() if positions else None
+                if not offsets:
+                    yield first, block, pos
+                    continue
+                yield first, block, pos, at
+                if at is not None:
+                    at += len(block) + 1
         except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
             raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
         except OSError as exc:
@@ -347,6 +350,29 @@ def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line
         if ahead is not None:
             ahead.close()
         raw.close()
+
+
+def _document_blocks(path: str, *, json_key: str = "text", stream=None, max_line_bytes: int = MAX_LINE_BYTES,
+                     read_ahead: bool = False, positions: bool = True):
+    """``(documents, compressed bytes consumed)`` of each block of lines of ``path`` (see
+    :func:`iter_documents`; the bytes are None without ``positions``); ``read_ahead`` reads and
+    decompresses in a thread of its own."""
+    as_json = _is_json(path)
+    decoder = _json_block_decoder(json_key) if as_json else None
+    blocks = _raw_blocks(path, stream=stream, max_line_bytes=max_line_bytes, read_ahead=read_ahead,
+                         positions=positions)
+    try:
+        for first, block, pos in blocks:
+            docs: list = []
+            try:
+                _parse_block(block, first, path, as_json, json_key, decoder, docs)
+            except FormatError:
+                if docs:  # the documents before the refused line, then the error
+                    yield docs, pos
+                raise
+            yield docs, pos
+    finally:
+        blocks.close()   # the reading thread and the file, now
 
 
 def iter_documents(path: str, *, json_key: str = "text", position=None, stream=None,
@@ -377,7 +403,10 @@ def eod_token_id(tok, *, token: str | None = None) -> int:
 
 
 class TokenizeStats(dict):
-    """``documents``, ``sequences``, ``tokens``, ``bytes_in``, ``seconds`` of a run."""
+    """``documents``, ``sequences``, ``tokens``, ``bytes_in``, ``seconds`` of a run; ``cpu_seconds``
+    (this process's CPU time during the run, and its worker processes' from their start to their last
+    block), ``workers`` (the processes that tokenized: 1 is this one) and ``workers_note`` (why fewer
+    than asked, or None); ``backend`` and ``backend_note`` (see :func:`tokenize`)."""
 
 
 EMPTY_TEXT_RULES = ("megatron", "datatrove")
@@ -445,6 +474,36 @@ def batch_encoder(tok, add_special_tokens: bool, eod: int | None, dtype: np.dtyp
     return run
 
 
+def _block_encoder(backend, *, json_key: str, add_special_tokens: bool, eod: int | None, dtype,
+                   empty_text: str, batch_size: int):
+    """``encode(block, first line, path, as_json)`` -> ``[(flat ids, sequence lengths, sequences per
+    document or None), ...]``: a block of lines parsed (:func:`_parse_block`) and encoded by
+    :func:`batch_encoder`, ``batch_size`` documents at a time."""
+    run = batch_encoder(backend, add_special_tokens, eod, dtype, empty_text=empty_text)
+    decoder = _json_block_decoder(json_key)
+
+    def encode(block: bytes, first: int, path: str, as_json: bool) -> list:
+        docs: list = []
+        _parse_block(block, first, path, as_json, json_key, decoder if as_json else None, docs)
+        return [run(docs[a:a + batch_size]) for a in range(0, len(docs), batch_size)]
+
+    return encode
+
+
+def _pool_encoder(tokenizer_json: str, tiktoken, label: str, backend_name: str, options: dict):
+    """A worker process's :func:`_block_encoder`: the backend the parent chose, built by its name (no
+    probe: :func:`choose_backend` ran once, in the parent)."""
+    from mcf.conversion.tok_backends import TokenizerSource, make_backend
+
+    hf = None
+    if backend_name == "hf":   # the other backends build from the JSON (or the tiktoken vocabulary) alone
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_str(tokenizer_json)
+    source = TokenizerSource(hf, tiktoken, label, json=tokenizer_json)
+    return _block_encoder(make_backend(backend_name, source), **options)
+
+
 def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = False,
              eod_token: str | None = None, workers: int = 1, batch_size: int = 1000,
              dtype_rule: str = "megatron", add_special_tokens: bool = False, empty_text: str = "megatron",
@@ -469,7 +528,16 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
     string (``""``, or ``[]``) is dropped, as datatrove's readers drop it.
     ``max_line_bytes`` is the longest line an input may have (:data:`MAX_LINE_BYTES` by default): a longer
     one stops the run with a :class:`mcf.FormatError` naming the input and the line.
-    ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes)."""
+    ``progress(done_bytes, total_bytes, text)`` is called as input is consumed (compressed bytes).
+
+    ``workers=N`` above 1 tokenizes in N worker processes (started with ``forkserver``, or ``spawn``
+    where there is none: a script calling this needs the ``if __name__ == "__main__":`` guard), whose
+    results are written in input order: the output is byte-identical for every N.  Input smaller than
+    the backend's :data:`mcf.conversion._tokpool.MIN_BYTES` (on disk, all inputs together: 8 MiB for
+    ``hf``, 128 MiB for fastokens and tiktoken) is tokenized in this process whatever N, the stats'
+    ``workers`` and ``workers_note`` saying so: starting the processes costs more than they save there.
+    A worker that dies is a :class:`mcf.WorkerError`; nothing is published on any error, Ctrl-C
+    included."""
     if isinstance(inputs, (str, bytes, os.PathLike)):
         inputs = [inputs]
     inputs = [os.fsdecode(os.fspath(p)) for p in inputs]
@@ -483,16 +551,20 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
         raise InvalidArgumentError(f"empty_text must be one of {EMPTY_TEXT_RULES}, got {empty_text!r}")
     max_line_bytes = check_max_line_bytes(max_line_bytes)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
+    total_bytes = sum(sizes)
+    if _tokpool.workers_for(workers, total_bytes)[0] > 1:   # workers may be used (the backend decides)
+        _tokpool.warm_up()   # the worker processes' server imports what they need while the tokenizer loads
     source = load_source(tokenizer, tiktoken_pattern=tiktoken_pattern)
     tok = source.hf
     backend, note = choose_backend(source, tokenizer_backend, add_special_tokens=add_special_tokens)
     eod = eod_token_id(tok, token=eod_token) if append_eod else None
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    sizes = [input_size(p, storage_options) for p in inputs]  # a missing input stops the run before the output
-    total_bytes = sum(sizes)
+    used, workers_note = _tokpool.workers_for(workers, total_bytes, backend.name)
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     stats = TokenizeStats(documents=0, sequences=0, tokens=0, bytes_in=total_bytes, seconds=0.0, backend=backend.name,
-                          backend_note=note)
+                          backend_note=note, workers=used, workers_note=workers_note)
     if not is_url(output_prefix):
         make_parent_dir(output_prefix, what="writing a dataset")
     w = Writer(output_prefix, vocab_size=vocab, dtype_rule=dtype_rule, overwrite=overwrite,
@@ -525,9 +597,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
 
     try:
         with w:
-            pool = ThreadPoolExecutor(workers) if workers > 1 else None
-            try:
-                pending: deque = deque()
+            if used == 1:
                 for path, size in zip(inputs, sizes):
                     batch: list = []
                     for docs, pos in _document_blocks(path, json_key=json_key, max_line_bytes=max_line_bytes,
@@ -535,30 +605,46 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                         batch.extend(docs)
                         while len(batch) >= batch_size:
                             part, batch = batch[:batch_size], batch[batch_size:]
-                            if pool is None:
-                                write(run(part))
-                            else:
-                                pending.append(pool.submit(run, part))
-                                while len(pending) > 2 * workers:
-                                    write(pending.popleft().result())
+                            write(run(part))
                             report(done_before + pos)
                     if batch:
-                        if pool is None:
-                            write(run(batch))
-                        else:
-                            pending.append(pool.submit(run, batch))
-                    while pending:
-                        write(pending.popleft().result())
+                        write(run(batch))
                     done_before += size
                     report(done_before)
-            finally:
-                if pool is not None:
-                    for f in pending:
-                        f.cancel()
-                    pool.shutdown(wait=True)
+            else:
+                options = dict(json_key=json_key, add_special_tokens=add_special_tokens, eod=eod, dtype=w.dtype,
+                               empty_text=empty_text, batch_size=batch_size)
+                encode = _block_encoder(backend, **options)   # this process's, while the workers start
+                with _tokpool.BlockPool(used, _pool_encoder,
+                                        (source.json, source.tiktoken, source.label, backend.name, options)) as pool:
+                    def written(done):
+                        for results, at in done:
+                            for r in results:
+                                write(r)
+                            report(at)
+
+                    for path, size in zip(inputs, sizes):
+                        as_json = _is_json(path)
+                        blocks = _raw_blocks(path, stream=open_input(path, storage_options),
+                                             max_line_bytes=max_line_bytes, read_ahead=True, offsets=True)
+                        try:
+                            for first, parts, pos, at in _tokpool.grouped(blocks, _tokpool.BLOCK_BYTES):
+                                if pool.ready():   # a local file's block is read by the worker: no pipe
+                                    block = _tokpool.FileRange(at, parts) if at is not None else b"\n".join(parts)
+                                    written(pool.submit(block, first, path, as_json, done_before + pos))
+                                else:   # the workers are starting: this process encodes meanwhile
+                                    written(pool.add_local(partial(encode, b"\n".join(parts), first, path, as_json),
+                                                           path, first, done_before + pos))
+                        finally:
+                            blocks.close()
+                        done_before += size
+                    written(pool.drain())
+                    stats["cpu_seconds"] = pool.worker_cpu_seconds   # the parent's is added below
+                report(done_before)
             stats["sequences"] = w.sequence_count
     finally:
         stats["seconds"] = time.perf_counter() - t0
+        stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu0
     if progress is not None and total_bytes == 0:
         progress(0, 0, "0 tokens")
     return stats

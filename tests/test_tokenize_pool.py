@@ -1,0 +1,229 @@
+"""``tokenize(workers=N)`` with worker processes (mcf.conversion._tokpool): the .bin/.idx are
+byte-identical for N = 1, 2, 3 on JSON lines, plain text, gzip and zstd inputs, documents of several
+sentences and empty texts under both ``empty_text`` rules, with the hf and fastokens backends; a malformed
+line is the same FormatError as in one process; a worker killed mid-run is a WorkerError; the pool is
+shut down and nothing is published on failure (Ctrl-C included); small inputs stay in one process and
+say so."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+import _tokpool_hooks
+import mcf
+from mcf.cli import main
+from mcf.conversion import _tokpool
+from mcf.conversion import tokenize as tokenize_module
+from mcf.conversion.tokenize import tokenize
+
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is in the test extra")
+
+TEXTS = ["Hello, world! What?! ... -- (a) [b] {c}", "def f(x):\n    return {'a': [1, 2, 3]}\n",
+         "English, Français, Grüße; Русский текст; 中文文本，日本語のテキスト", "emoji 😀 👍🏽 👨‍👩‍👧‍👦",
+         "I'm you're he's can't won't", "0 1 12 123 1234 12345 3.14159 -2.5e-10", "tabs\tand\t\tmore",
+         "<|endoftext|> inside and after <|endoftext|>"]
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+    """A small byte-level BPE trained here (500 entries)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 20, trainer)
+    p = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(p))
+    return str(p)
+
+
+def test_tiktoken_workers_write_the_same_bytes(tmp_path, bpe_path, small_blocks):
+    """A tiktoken vocabulary travels to the workers as itself (its ranks), and its backend runs there."""
+    pytest.importorskip("tiktoken", reason="tiktoken is in the tokenize extra")
+    from mcf.conversion import tok_backends as tb
+
+    spec = json.loads(Path(bpe_path).read_text(encoding="utf-8"))
+    u2b = {c: b for b, c in tb._bytes_to_unicode().items()}
+    entries = sorted((i, t) for t, i in spec["model"]["vocab"].items() if not t.startswith("<|"))
+    ranks = {bytes(u2b[c] for c in t): k for k, (_, t) in enumerate(entries)}
+    vocab = tb.TiktokenVocab("test_bpe", ranks, r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
+                             r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+                             special_tokens={"<|endoftext|>": len(ranks)})
+    src = tmp_path / "in.jsonl"
+    _write(src, _documents())
+    outs = []
+    for workers in (1, 3):
+        out = str(tmp_path / f"o{workers}")
+        stats = tokenize(str(src), out, vocab, append_eod=True, workers=workers, batch_size=7,
+                         tokenizer_backend="tiktoken")
+        assert stats["backend"] == "tiktoken" and stats["workers"] == workers
+        outs.append(_outputs(out))
+    assert outs[0] == outs[1] and len(small_blocks) >= 3
+
+
+def _documents(n: int = 300) -> list:
+    """Texts, sentence lists (with an empty sentence), an empty string, whitespace only, an empty list."""
+    extra = ["", "   ", ["first sentence.", "", "second one"], [], "\u200b"]
+    docs = [TEXTS[k % len(TEXTS)] + f" {k}" for k in range(n)]
+    for k, d in enumerate(extra):
+        docs.insert(7 + 41 * k, d)
+    return docs
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Many small blocks (1 KiB blocks of 256-byte reads), the pool used whatever the input's size, the
+    first block encoded by this process (as while the workers start) and the others by the workers;
+    returns the list of the blocks the workers were sent."""
+    monkeypatch.setattr(_tokpool, "MIN_BYTES", dict.fromkeys(_tokpool.MIN_BYTES, 0))
+    monkeypatch.setattr(_tokpool, "BLOCK_BYTES", 1024)
+    monkeypatch.setattr(tokenize_module, "READ_BYTES", 256)
+    ready = _tokpool.BlockPool.ready
+    calls = []
+
+    def first_local_then_wait(self):
+        calls.append(1)
+        if len(calls) == 1:
+            return False
+        self._starter.join()
+        for f in self._warming:
+            f.exception()   # waits until that worker has started (or failed to)
+        return ready(self)
+
+    monkeypatch.setattr(_tokpool.BlockPool, "ready", first_local_then_wait)
+    sent = []
+    submit = _tokpool.BlockPool.submit
+
+    def counted(self, block, first, *args):
+        sent.append(first)
+        return submit(self, block, first, *args)
+
+    monkeypatch.setattr(_tokpool.BlockPool, "submit", counted)
+    return sent
+
+
+def _write(path: Path, docs: list) -> None:
+    if path.suffix in (".gz", ".zst"):
+        raw = path.with_suffix("")
+        _write(raw, docs)
+        data = raw.read_bytes()
+        if path.suffix == ".gz":
+            path.write_bytes(gzip.compress(data))
+        else:
+            zstandard = pytest.importorskip("zstandard", reason="zstandard is in the tokenize extra")
+            path.write_bytes(zstandard.ZstdCompressor().compress(data))
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write((json.dumps({"text": d}) if ".jsonl" in path.name else str(d).replace("\n", " ")) + "\n")
+
+
+def _outputs(prefix: str) -> tuple:
+    return Path(prefix + ".bin").read_bytes(), Path(prefix + ".idx").read_bytes()
+
+
+@pytest.mark.parametrize("backend", ["hf", "fastokens"])
+@pytest.mark.parametrize("name", ["in.jsonl", "in.txt", "in.jsonl.gz", "in.jsonl.zst"])
+def test_workers_write_the_same_bytes(tmp_path, bpe_path, small_blocks, backend, name):
+    if backend != "hf":
+        pytest.importorskip(backend, reason=f"{backend} is in the tokenize extra")
+    docs = _documents() if ".jsonl" in name else [d for d in _documents() if isinstance(d, str)]
+    src = tmp_path / name
+    _write(src, docs)
+    for empty_text in ("megatron", "datatrove"):
+        want = None
+        for workers in (1, 2, 3):
+            out = str(tmp_path / f"{empty_text}{workers}")
+            del small_blocks[:]
+            stats = tokenize(str(src), out, bpe_path, append_eod=True, workers=workers, batch_size=7,
+                             tokenizer_backend=backend, empty_text=empty_text)
+            assert stats["backend"] == backend and stats["workers"] == workers and stats["workers_note"] is None
+            if workers > 1:
+                assert len(small_blocks) >= 3, "the workers tokenized some blocks"
+            if want is None:
+                want = _outputs(out)
+            assert _outputs(out) == want, (empty_text, workers)
+
+
+def test_a_malformed_line_in_a_worker_names_the_line(tmp_path, bpe_path, small_blocks):
+    docs = _documents()
+    src = tmp_path / "in.jsonl"
+    _write(src, docs)
+    lines = src.read_bytes().split(b"\n")
+    lines[250] = b'{"text": "unterminated}'
+    src.write_bytes(b"\n".join(lines))
+    errors = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        with pytest.raises(mcf.FormatError) as e:
+            tokenize(str(src), str(out), bpe_path, workers=workers, tokenizer_backend="hf")
+        assert not Path(str(out) + ".bin").exists() and not Path(str(out) + ".idx").exists()
+        errors.append(str(e.value))
+    assert "line 251" in errors[0] and errors[1] == errors[0]
+    assert small_blocks and small_blocks[0] < 251, "the bad line reached a worker"
+
+
+def _pool_processes() -> list:
+    return multiprocessing.active_children()   # the fork server is not one of them: it is not a Process
+
+
+def test_a_killed_worker_is_an_error_and_publishes_nothing(tmp_path, bpe_path, small_blocks, monkeypatch):
+    monkeypatch.setattr(_tokpool, "_work", _tokpool_hooks.die_on_its_block)
+    src = tmp_path / "in.jsonl"
+    _write(src, _documents())
+    out = tmp_path / "out"
+    before = set(_pool_processes())
+    with pytest.raises(mcf.WorkerError, match="worker process died") as e:
+        tokenize(str(src), str(out), bpe_path, workers=2, tokenizer_backend="hf")
+    assert isinstance(e.value, mcf.MCFError) and "in.jsonl" in str(e.value)
+    assert not Path(str(out) + ".bin").exists() and not Path(str(out) + ".idx").exists()
+    assert set(_pool_processes()) <= before, "the pool's processes ended"
+
+
+def test_ctrl_c_stops_the_pool_and_publishes_nothing(tmp_path, bpe_path, small_blocks):
+    src = tmp_path / "in.jsonl"
+    _write(src, _documents())
+    out = tmp_path / "out"
+    before = set(_pool_processes())
+    calls = []
+
+    def progress(done, total, text):
+        calls.append(done)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tokenize(str(src), str(out), bpe_path, workers=2, tokenizer_backend="hf", progress=progress)
+    assert not Path(str(out) + ".bin").exists() and not Path(str(out) + ".idx").exists()
+    assert set(_pool_processes()) <= before, "the pool's processes ended"
+
+
+def test_a_small_input_stays_in_one_process_and_says_why(tmp_path, bpe_path, capsys):
+    src = tmp_path / "in.jsonl"
+    _write(src, _documents(20))
+    stats = tokenize(str(src), str(tmp_path / "a"), bpe_path, workers=3, tokenizer_backend="hf")
+    assert stats["workers"] == 1 and "not 3" in stats["workers_note"]
+    assert main(["megatron", "tokenize", str(src), "--tokenizer", bpe_path, "--output-prefix", str(tmp_path / "b"),
+                 "--workers", "2", "--tokenizer-backend", "hf", "-q"]) == 0
+    assert "note: tokenizing in one process, not 2" in capsys.readouterr().err
+    assert _outputs(str(tmp_path / "a")) == _outputs(str(tmp_path / "b"))
+
+
+def test_a_block_read_by_a_worker_from_a_changed_file_is_a_format_error(tmp_path):
+    """A worker reads a local file's block itself (offset, length): a file cut short since is refused."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"text": "a"}\n{"text": "b"}\n')
+    block = _tokpool.FileRange(14, [b'{"text": "b"}'])
+    assert block.read(str(src)) == b'{"text": "b"}'
+    src.write_bytes(b'{"text": "a"}\n{"te')
+    with pytest.raises(mcf.FormatError, match="changed while it was tokenized") as e:
+        block.read(str(src))
+    assert e.value.path == str(src) and e.value.offset == 14
