@@ -379,3 +379,33 @@ def test_a_rebuild_clears_and_announces_what_is_on_disk(pub):
     evs = [e for _, e in events(replay(p.replay_endpoint, first + 1))]
     assert [e["type"] for e in evs] == ["AllBlocksCleared", "BlockStored"]
     assert evs[1]["token_ids"] == list(range(50, 66))
+
+
+def test_hostile_replay_clients_do_not_stop_the_publisher(pub):
+    """Malformed replay requests (wrong frame counts, an oversized sequence number) are ignored, and a peer
+    sending a large message is disconnected by ZMQ before it is buffered (MAXMSGSIZE on both sockets); a
+    well-formed replay still answers, and publishing goes on."""
+    from mcf.bucket.kv_events import MAX_INBOUND_BYTES
+
+    b, _, make = pub
+    p = make()
+    assert p._replay.getsockopt(zmq.MAXMSGSIZE) == MAX_INBOUND_BYTES == p._pub.getsockopt(zmq.MAXMSGSIZE)
+    b.ingest("m", layers(32), token_ids=np.arange(32))
+    assert p.flush()
+    ctx = zmq.Context()
+    bad = ctx.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    try:
+        bad.connect(p.replay_endpoint)
+        bad.send_multipart((b"",))                                   # too few frames
+        bad.send_multipart((b"", b"\x00" * 100, b"extra"))           # too many
+        bad.send_multipart((b"", b"\xff" * 100))                     # a sequence number past any kept
+        bad.send_multipart((b"", b"x" * (4 * MAX_INBOUND_BYTES)))    # larger than any request: disconnected
+        got = replay(p.replay_endpoint)
+    finally:
+        bad.close()
+        ctx.term()
+    assert [e["type"] for _, e in events(got)] == ["BlockStored"]        # an empty bucket at start: no clear
+    b.ingest("m", layers(48), token_ids=np.arange(48))
+    assert p.flush()
+    assert [e["type"] for _, e in events(replay(p.replay_endpoint))][-1] == "BlockStored"

@@ -62,6 +62,8 @@ __all__ = ["KVEventPublisher", "MEDIUM_STORAGE", "END_SEQ", "block_stored", "blo
            "encode_batch"]
 
 MEDIUM_STORAGE = "STORAGE"
+#: the largest inbound message part a peer may send (subscriptions, replay requests: 8-byte sequence numbers)
+MAX_INBOUND_BYTES = 4096
 #: the replay socket's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
@@ -192,11 +194,15 @@ class KVEventPublisher:
             self._pub = self._ctx.socket(self._zmq.PUB)
             self._pub.setsockopt(self._zmq.SNDHWM, hwm)
             self._pub.setsockopt(self._zmq.LINGER, 0)
+            # inbound messages are subscriptions and replay requests, a few bytes each: a peer sending more is
+            # disconnected by ZMQ before it is buffered (a 1 GB "request" would otherwise be held whole)
+            self._pub.setsockopt(self._zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
             (self._pub.connect if connect else self._pub.bind)(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(self._zmq.ROUTER)
                 self._replay.setsockopt(self._zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay.setsockopt(self._zmq.LINGER, 0)
+                self._replay.setsockopt(self._zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
                 self._replay.bind(replay_endpoint)
         except self._zmq.ZMQError as exc:
             self._close_sockets()
