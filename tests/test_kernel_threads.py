@@ -64,8 +64,32 @@ def _megacontext_assemble(ctx, threads):
     return b"".join(a.tobytes() for a in res if a is not None)
 
 
+_PAGE_KEYS = [f"k{i}" for i in range(5)]
+
+
+def _pages(ctx, threads, write: bool) -> bytes:
+    """A batch of the pages area with ``threads`` handed to the compiled call as given (the store's own
+    argument check bypassed): the bytes read back, and each page's answer."""
+    store = ctx["pages"]
+    store.threads = threads
+    try:
+        if write:
+            datas = [bytes([i]) * (1000 + 4096 * i) for i in range(len(_PAGE_KEYS))]
+            ok = store.put_many(_PAGE_KEYS, datas, replace=True)
+        else:
+            ok = []
+        outs = [bytearray(1000 + 4096 * i) for i in range(len(_PAGE_KEYS))]
+        store.threads = 1 if write else threads
+        ok += store.get_many_into(_PAGE_KEYS, outs)
+    finally:
+        store.threads = 1
+    return bytes(ok) + b"".join(outs)
+
+
 # (compiled module, function) -> a call with the given threads= returning the bytes it produced
 CALLS = {
+    ("mcf.bucket._pageio", "read_pages"): lambda ctx, threads: _pages(ctx, threads, False),
+    ("mcf.bucket._pageio", "write_pages"): lambda ctx, threads: _pages(ctx, threads, True),
     ("mcf._core._kernels", "dequantize"): _kernels_dequantize,
     ("mcf._core._mx", "dequantize"): _mx_dequantize,
     ("mcf.gguf._gguf", "dequantize_blocks"): _gguf_dequantize_blocks,
@@ -84,7 +108,12 @@ def ctx(tmp_path_factory):
     t = mc.create(path, embedding_dim=8, block_size=4, gist_dtype="fp32", vocab_size=50)
     t.append_tokens(rng.integers(0, 50, 4 * 12, dtype=np.uint32))
     t.append_gists(1, rng.standard_normal((12, 8)).astype(np.float32))
-    yield {"tree": t, "table": rng.standard_normal((50, 8)).astype(np.float32)}
+    from mcf.bucket.pages import PageStore
+
+    pages = PageStore(tmp_path_factory.mktemp("pages"), "ns", threads=1)
+    pages.put_many(_PAGE_KEYS, [bytes([i]) * (1000 + 4096 * i) for i in range(len(_PAGE_KEYS))])
+    yield {"tree": t, "table": rng.standard_normal((50, 8)).astype(np.float32), "pages": pages}
+    pages.close()
     t.close()
 
 

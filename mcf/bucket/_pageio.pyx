@@ -12,6 +12,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 from mcf._core._fpconv cimport resolve_impl
+from mcf._core._kernel_args cimport thread_count
 
 from mcf.errors import ArgumentTypeError, InvalidArgumentError
 
@@ -157,7 +158,14 @@ cdef _Held _gather(list names, list finals, list heads, list payloads, bint writ
     return h
 
 
-def read_pages(int dir_fd, list names, list heads, list payloads, *, unsigned threads=1, impl=None,
+cdef unsigned _threads(object threads) except 0:
+    """``threads=`` by the kernels' one rule (mcf._core._kernel_args: an integer, below 1 one), at most 64
+    (the C side starts no more)."""
+    cdef Py_ssize_t t = thread_count(threads)
+    return <unsigned>(t if t < 64 else 64)
+
+
+def read_pages(int dir_fd, list names, list heads, list payloads, *, threads=1, impl=None,
                bint checksum=True, bint advise=True, int64_t expire_ns=NEVER):
     """Read page ``names[i]`` (relative to ``dir_fd``) into ``heads[i]`` (a bytearray of the bytes before
     the payload) and the writable buffers ``payloads[i]``: per page ``(status, errno, crc32c, (dev, ino,
@@ -166,7 +174,7 @@ def read_pages(int dir_fd, list names, list heads, list payloads, *, unsigned th
     cdef _Held h = _gather(names, None, heads, payloads, True)
     cdef Py_ssize_t n = len(names), i
     memset(&cfg, 0, sizeof(cfg))
-    cfg.dir_fd, cfg.threads, cfg.impl = dir_fd, max(threads, 1), resolve_impl(impl)
+    cfg.dir_fd, cfg.threads, cfg.impl = dir_fd, _threads(threads), resolve_impl(impl)
     cfg.checksum, cfg.advise, cfg.expire_ns = checksum, advise, expire_ns
     with nogil:
         mcf_pages_read(h.pages, <size_t>n, &cfg)
@@ -178,7 +186,7 @@ def read_pages(int dir_fd, list names, list heads, list payloads, *, unsigned th
 
 
 def write_pages(int dir_fd, list tmp_names, list names, list heads, list head_sum_lens, list payloads, *,
-                uint64_t payload_crc_at, uint64_t head_crc_at, unsigned threads=1, impl=None,
+                uint64_t payload_crc_at, uint64_t head_crc_at, threads=1, impl=None,
                 int64_t set_mtime_ns=-1, bint durable=False):
     """Write each page: ``payloads[i]`` after ``heads[i]`` (whose two CRC-32C fields, at ``payload_crc_at``
     and ``head_crc_at``, are filled in; the head's covers its first ``head_sum_lens[i]`` bytes) to the temp
@@ -194,7 +202,7 @@ def write_pages(int dir_fd, list tmp_names, list names, list heads, list head_su
             raise InvalidArgumentError(f"page {i}: checksum fields outside its head of {h.pages[i].head_len} bytes")
         h.pages[i].head_sum_len = head_sum_lens[i]
     memset(&cfg, 0, sizeof(cfg))
-    cfg.dir_fd, cfg.threads, cfg.impl = dir_fd, max(threads, 1), resolve_impl(impl)
+    cfg.dir_fd, cfg.threads, cfg.impl = dir_fd, _threads(threads), resolve_impl(impl)
     cfg.set_mtime_ns, cfg.durable = set_mtime_ns, durable
     cfg.payload_crc_at, cfg.head_crc_at = payload_crc_at, head_crc_at
     with nogil:
