@@ -173,6 +173,21 @@ def test_auto_falls_back_for_a_bert_tokenizer_and_says_why_once(minilm_dir, fres
         tb.choose_backend(source, "fastokens")
 
 
+def test_the_command_line_says_why_auto_fell_back_once(minilm_dir, tmp_path):
+    """In a process of its own (no logging configured, as a user runs it): the reason is one note on stderr,
+    not also a line from Python's last-resort log handler."""
+    _need("fastokens")
+    import subprocess
+
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, ["one document", "and another"])
+    r = subprocess.run([sys.executable, "-m", "mcf", "megatron", "tokenize", str(src), "--tokenizer",
+                        os.path.join(minilm_dir, "tokenizer.json"), "--output-prefix", str(tmp_path / "out"), "-q"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("fastokens does not load") == 1 and "note: " in r.stderr, r.stderr
+
+
 def test_auto_falls_back_when_ids_differ_and_a_named_backend_is_refused(bpe_path, fresh_choice, monkeypatch):
     _need("fastokens")
     real = tb.FastokensBackend.encode

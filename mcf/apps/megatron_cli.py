@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -112,6 +113,9 @@ def _max_line_bytes(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
+    # the command prints why auto fell back (a note on stderr, below); the library also logs it to the
+    # mcf.tokenize logger, which Python's last-resort handler would print a second time
+    logging.getLogger("mcf.tokenize").addHandler(logging.NullHandler())
     from mcf._core.console import Progress
     from mcf.conversion.tokenize import tokenize
 
@@ -141,8 +145,8 @@ def cmd_tokenize(args) -> int:
 
 
 def _say_backend_note(stats) -> None:
-    """Why ``--tokenizer-backend auto`` fell back to HF tokenizers, on stderr (once: the library logs it
-    to the ``mcf.tokenize`` logger, which the command line does not configure)."""
+    """Why ``--tokenizer-backend auto`` fell back to HF tokenizers, on stderr (once: the library also logs it
+    to the ``mcf.tokenize`` logger, which :func:`cmd_tokenize` gives a null handler)."""
     if stats.get("backend_note"):
         print(f"note: {stats['backend_note']}", file=sys.stderr)
 
