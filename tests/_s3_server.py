@@ -32,6 +32,19 @@ REGION = "us-east-1"
 BUCKET = "models"
 
 
+def isolate_aws_env(monkeypatch, tmp_path) -> None:
+    """None of the developer's AWS setup, and never the instance metadata service (a real network
+    address the client tries when it finds no credentials): a closed loopback port instead.  For an
+    autouse fixture of each module that talks to the S3 server."""
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
 def weed_binary() -> str | None:
     """The ``weed`` executable: on PATH, or in this interpreter's scripts directory (a venv whose bin/
     is not on PATH)."""

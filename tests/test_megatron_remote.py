@@ -34,15 +34,7 @@ needs_weed = pytest.mark.skipif(WEED is None, reason="no `weed` binary (SeaweedF
 
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch, tmp_path):
-    """None of the developer's AWS setup, and never the instance metadata service (a real network
-    address the client tries when it finds no credentials): a closed loopback port instead."""
-    for k in list(os.environ):
-        if k.startswith("AWS_"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
-    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    _s3_server.isolate_aws_env(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,12 @@ face, above both the local core and :mod:`mcf.remote`), so the core never import
 
 from __future__ import annotations
 
+import ipaddress
+
 from mcf._core.redaction import URL_SCHEME, redact
 from mcf.errors import InvalidArgumentError
 
-__all__ = ["is_url", "refuse_url"]
+__all__ = ["is_url", "refuse_url", "is_loopback_host"]
 
 
 def is_url(obj) -> bool:
@@ -28,3 +30,15 @@ def refuse_url(path, *, what: str = "writing") -> None:
     if is_url(path):
         raise InvalidArgumentError(f"{redact(path)}: {what} is not supported on remote URLs (remote files are "
                                    "read-only)")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a host name or address a listener on it serves only this machine: ``localhost``, an IPv4
+    127/8 or the IPv6 ``::1`` address (bracketed or not).  What the servers and publishers that refuse to be
+    exposed without saying so (``mcf bucket serve``, its KV events) take as loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import ipaddress
 import queue
 import threading
 import time
@@ -56,6 +55,7 @@ from mcf._core.args import integer
 from mcf._core.optional import require
 from mcf.bucket._json import parse_iso
 from mcf.bucket.keys import vllm_block_hashes, vllm_event_hash
+from mcf._core.urls import is_loopback_host
 from mcf.errors import ContextNotFoundError, InvalidArgumentError, MCFError
 
 __all__ = ["KVEventPublisher", "MEDIUM_STORAGE", "END_SEQ", "block_stored", "block_removed", "all_blocks_cleared",
@@ -130,14 +130,6 @@ def _host_port(endpoint: str) -> tuple[str, str]:
     return host, port
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
 
 class KVEventPublisher:
     """Publishes a :class:`~mcf.bucket.Bucket`'s stored blocks as vLLM's KV events (see the module's docstring).
@@ -172,7 +164,7 @@ class KVEventPublisher:
             if ep is None:
                 continue
             h, _ = _host_port(ep)
-            if binds and not expose and not _loopback(h):
+            if binds and not expose and not is_loopback_host(h):
                 raise InvalidArgumentError(
                     f"refusing to publish KV events on {ep!r}: they carry the token ids of every prompt stored, "
                     "and a ZMQ socket asks nobody for a token.  Bind a loopback address (tcp://127.0.0.1:PORT), "

@@ -20,6 +20,7 @@ import ipaddress
 import re
 from typing import Any
 
+from mcf._core.urls import is_loopback_host
 from mcf.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_ALLOWED_HOSTS", "MIN_TOKEN_BYTES", "Exposure", "bearer_ok", "check_bind", "check_token",
@@ -50,19 +51,11 @@ def check_token(token: Any) -> list[str]:
     return []
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
 
 def check_bind(host: str, token: str | None) -> None:
     """Protected mode (Redis'): without a token the server answers on loopback only, so refuse to
     listen anywhere else (``0.0.0.0``, ``::``, a LAN address, a host name)."""
-    if token is None and not _is_loopback(host):
+    if token is None and not is_loopback_host(host):
         raise InvalidArgumentError(
             f"refusing to listen on {host!r} without a token: anyone who can reach that address could read and "
             "change the bucket.  Listen on 127.0.0.1 (the default), or set a token (MCF_BUCKET_TOKEN or "
