@@ -96,8 +96,8 @@ def _backends_of(source):
     return out
 
 
-def _need(name):
-    pytest.importorskip(name, reason=f"{name} is in the tokenize extra (pip install -e '.[tokenize]')")
+def _need(name, extra="tokenize"):
+    pytest.importorskip(name, reason=f"{name} is in the {extra} extra (pip install -e '.[{extra}]')")
 
 
 # -- ids -------------------------------------------------------------------------------------------------
@@ -372,7 +372,7 @@ def test_block_reader_parsers_agree_and_name_the_line(tmp_path, monkeypatch, par
     else:
         monkeypatch.setattr(tokenize_module, "_msgspec", None)
     if parser == "orjson":
-        _need("orjson")
+        _need("orjson", "test")   # an optional speed-up of the line-by-line parser; datatrove needs it
     if parser == "json":
         monkeypatch.setattr(tokenize_module, "_orjson", None)
     lines = [json.dumps({"text": d, "id": k, "meta": {"x": [1, 2]}}) for k, d in enumerate(_documents())]
@@ -400,7 +400,7 @@ def test_a_lone_surrogate_in_json_is_a_format_error(tmp_path, monkeypatch, bpe_p
     else:
         monkeypatch.setattr(tokenize_module, "_msgspec", None)
     if parser == "orjson":
-        _need("orjson")
+        _need("orjson", "test")   # an optional speed-up of the line-by-line parser; datatrove needs it
     if parser == "json":
         monkeypatch.setattr(tokenize_module, "_orjson", None)
     p = tmp_path / "in.jsonl"
