@@ -240,7 +240,8 @@ def test_vllm_decodes_every_batch(pub):
     tools/kv_golden.py's environment has it)."""
     kv = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM is not installed (optional: "
                              "python tools/kv_golden.py --venv DIR --keep makes an environment with it)")
-    msgspec = pytest.importorskip("msgspec")
+    msgspec = pytest.importorskip("msgspec", reason="vLLM's event classes are msgspec structs (in the tokenize "
+                                  "extra)")
     b, _, make = pub
     b.ingest("m", layers(20), token_ids=np.arange(20))
     p = make()

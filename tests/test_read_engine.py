@@ -118,14 +118,20 @@ def test_engine_agrees_with_pread_per_range(data_file, plan, threads, chunk, dir
             assert stats.streams == (stats.threads if streams and stats.threads > 1 and REOPENS else 0)
 
 
-def test_many_tiny_ranges_in_random_order(data_file):
-    path, data = data_file
-    rng = np.random.default_rng(3)
+def _tiny_ranges(seed: int):
+    """20,000 ranges of 0..16 bytes at random offsets, packed one after another into a zeroed output:
+    ``(offsets, sizes, out, destinations)``."""
+    rng = np.random.default_rng(seed)
     n = 20_000
     sizes = rng.integers(0, 17, n)
     offs = rng.integers(0, FILE_SIZE - 16, n)
     dsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    out = np.zeros(int(sizes.sum()), np.uint8)
+    return offs, sizes, np.zeros(int(sizes.sum()), np.uint8), dsts
+
+
+def test_many_tiny_ranges_in_random_order(data_file):
+    path, data = data_file
+    offs, sizes, out, dsts = _tiny_ranges(3)
     with open_source(path, mmap=False) as src:
         src.read_ranges(offs, sizes, out, dsts, threads=8, chunk_bytes=4096)
         assert src.bytes_read == int(sizes.sum())
@@ -254,12 +260,7 @@ def test_streams_many_small_ranges(data_file):
     """20,000 ranges of 0..16 bytes in random order, 16 per-worker streams over 4 KiB requests: each part
     is thousands of tiny requests, and a part boundary falls between (or inside) any of them."""
     path, data = data_file
-    rng = np.random.default_rng(5)
-    n = 20_000
-    sizes = rng.integers(0, 17, n)
-    offs = rng.integers(0, FILE_SIZE - 16, n)
-    dsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    out = np.zeros(int(sizes.sum()), np.uint8)
+    offs, sizes, out, dsts = _tiny_ranges(5)
     with open_source(path, mmap=False) as src:
         src.read_ranges(offs, sizes, out, dsts, threads=16, chunk_bytes=4096, streams=True)
         assert src.bytes_read == int(sizes.sum()) and src.read_stats.threads == 16

@@ -365,8 +365,8 @@ def _installed(name):
 
 
 # -- the reader ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("parser", ["msgspec", "orjson", "json"])
-def test_block_reader_parsers_agree_and_name_the_line(tmp_path, monkeypatch, parser):
+def _use_parser(parser: str, monkeypatch) -> None:
+    """Make ``parser`` the JSON lines parser: msgspec (blocks), else orjson or json (line by line)."""
     if parser == "msgspec":
         _need("msgspec")
     else:
@@ -375,6 +375,11 @@ def test_block_reader_parsers_agree_and_name_the_line(tmp_path, monkeypatch, par
         _need("orjson", "test")   # an optional speed-up of the line-by-line parser; datatrove needs it
     if parser == "json":
         monkeypatch.setattr(tokenize_module, "_orjson", None)
+
+
+@pytest.mark.parametrize("parser", ["msgspec", "orjson", "json"])
+def test_block_reader_parsers_agree_and_name_the_line(tmp_path, monkeypatch, parser):
+    _use_parser(parser, monkeypatch)
     lines = [json.dumps({"text": d, "id": k, "meta": {"x": [1, 2]}}) for k, d in enumerate(_documents())]
     lines[3:3] = ["", "   ", "\t"]
     p = tmp_path / "in.jsonl"
@@ -395,14 +400,7 @@ def test_block_reader_parsers_agree_and_name_the_line(tmp_path, monkeypatch, par
 def test_a_lone_surrogate_in_json_is_a_format_error(tmp_path, monkeypatch, bpe_path, parser):
     """json.loads turns ``"\\ud800"`` into a str that is not Unicode text; without orjson and msgspec it
     reached the tokenizer, whose TypeError escaped ``tokenize``."""
-    if parser == "msgspec":
-        _need("msgspec")
-    else:
-        monkeypatch.setattr(tokenize_module, "_msgspec", None)
-    if parser == "orjson":
-        _need("orjson", "test")   # an optional speed-up of the line-by-line parser; datatrove needs it
-    if parser == "json":
-        monkeypatch.setattr(tokenize_module, "_orjson", None)
+    _use_parser(parser, monkeypatch)
     p = tmp_path / "in.jsonl"
     p.write_bytes(b'{"text": "fine"}\n{"text": "a \\ud800 b"}\n')
     with pytest.raises(mcf.FormatError) as ei:

@@ -31,6 +31,7 @@ same probe and refuses a backend that fails it.
 
 from __future__ import annotations
 
+import abc
 import base64
 import binascii
 import hashlib
@@ -314,15 +315,15 @@ def load_source(source, *, tiktoken_pattern: str | None = None) -> TokenizerSour
 
 
 # -- backends -------------------------------------------------------------------------------------------
-class Backend:
+class Backend(abc.ABC):
     """Encodes batches of texts with one tokenizer: ``name`` and :meth:`encode`."""
 
     name = "?"
 
+    @abc.abstractmethod
     def encode(self, texts: list, add_special_tokens: bool):
         """``(ids, offsets)``: the ids of all ``texts`` as one flat uint32 array; text k's are
         ``ids[offsets[k]:offsets[k+1]]`` (``offsets``: int64, ``len(texts) + 1``)."""
-        raise NotImplementedError
 
 
 def _lists_to_flat(lists: list):
