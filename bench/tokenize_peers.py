@@ -18,8 +18,9 @@ Every output is checked byte for byte against mcf's (datatrove's with its dtype 
 rule). Each timing is the median of ``--rounds`` runs, the peers interleaved with ours. Run from the
 repository root: ``python bench/tokenize_peers.py [--mb 40] [--workers 2] [--rounds 2] [--json out.json]``.
 
-``--scaling`` times mcf alone, 1 worker against ``--workers``, on one file of ``--scaling-mb`` MB (160 by
-default: the same sources, cached), each run a fresh process, and prints the ratio and the load average.
+``--scaling`` times mcf alone, 1 worker (as it runs by default, and on one thread) against ``--workers``, on
+one file of ``--scaling-mb`` MB (160 by default: the same sources, cached), each run a fresh process, and
+prints the ratios and the load average.
 """
 
 from __future__ import annotations
@@ -169,9 +170,10 @@ def datatrove_way(paths, tok_path, out, workers, logs):
                           tasks=workers, workers=workers, logging_dir=logs).run()
 
 
-def ours(paths, tok_path, out, workers, backend, **kw):
+def ours(paths, tok_path, out, workers, backend, env=None, **kw):
     """``tokenize`` in a fresh process, as the peers run (fastokens and HF tokenizers keep caches of the words
-    they met: a second run in one process would find them warm).  Returns its stats."""
+    they met: a second run in one process would find them warm), with ``env`` added to its environment.
+    Returns its stats."""
     import subprocess
 
     code = ("import json, sys; from mcf.conversion.tokenize import tokenize; a = json.loads(sys.argv[1]); "
@@ -179,7 +181,8 @@ def ours(paths, tok_path, out, workers, backend, **kw):
             "tokenizer_backend=a['backend'], **a['kw']); print(json.dumps(s))")
     arg = json.dumps({"paths": paths, "out": out, "tok": tok_path, "eos": EOS, "workers": workers, "backend": backend,
                       "kw": kw})
-    done = subprocess.run([sys.executable, "-c", code, arg], check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, arg], check=True, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -197,10 +200,16 @@ def same_bytes(a: str, b: str) -> bool:
     return True
 
 
+#: one worker on one thread: fastokens otherwise encodes a batch on every core (FASTOKENS_BPE_THREADS), so
+#: "one worker" in one process already uses more than one core; each --workers process uses one
+ONE_THREAD = {"FASTOKENS_BPE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+
+
 def scaling(root: str, args) -> None:
-    """``--scaling``: mcf alone, 1 worker against ``--workers`` on one file of ``--scaling-mb`` MB, each
-    run a fresh process, interleaved; tokenize's own seconds (after the tokenizer is loaded, the pool's
-    start included) and the whole process's."""
+    """``--scaling``: mcf alone on one file of ``--scaling-mb`` MB: 1 worker as it runs by default (the
+    backend's own threads on), 1 worker on one thread, and ``--workers``; each run a fresh process,
+    interleaved; tokenize's own seconds (after the tokenizer is loaded, the pool's start included) and
+    the whole process's."""
     path = build_big_corpus(root, args.scaling_mb)
     tok = build_tokenizer(root, build_corpus(root, args.mb))
     nbytes = os.path.getsize(path)
@@ -208,37 +217,38 @@ def scaling(root: str, args) -> None:
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     n = args.workers
-    inner: dict = {1: [], n: []}
-    outer: dict = {1: [], n: []}
-    cpu: dict = {1: [], n: []}
+    runs = {"1": (1, None), "1t": (1, ONE_THREAD), str(n): (n, None)}
+    inner: dict = {k: [] for k in runs}
+    outer: dict = {k: [] for k in runs}
+    cpu: dict = {k: [] for k in runs}
     loads = [os.getloadavg()[0]]
     backend = None
     for _ in range(args.rounds):
-        for w in (1, n):
+        for key, (w, env) in runs.items():
             t0 = time.perf_counter()
-            stats = ours([path], tok, os.path.join(work, f"w{w}"), w, "auto")
-            outer[w].append(time.perf_counter() - t0)
-            inner[w].append(stats["seconds"])
-            cpu[w].append(stats["cpu_seconds"])
+            stats = ours([path], tok, os.path.join(work, f"w{key}"), w, "auto", env=env)
+            outer[key].append(time.perf_counter() - t0)
+            inner[key].append(stats["seconds"])
+            cpu[key].append(stats["cpu_seconds"])
             backend = stats["backend"]
             assert stats["workers"] == w, stats
             loads.append(os.getloadavg()[0])
-    identical = same_bytes(os.path.join(work, "w1"), os.path.join(work, f"w{n}"))
+    identical = all(same_bytes(os.path.join(work, "w1"), os.path.join(work, f"w{k}")) for k in runs)
     mb = nbytes / 1e6
-    med_in = {w: statistics.median(v) for w, v in inner.items()}
-    med_out = {w: statistics.median(v) for w, v in outer.items()}
+    med_in = {k: statistics.median(v) for k, v in inner.items()}
+    med_out = {k: statistics.median(v) for k, v in outer.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     lines = [f"tokenize scaling: {mb:.1f} MB of JSON lines (Python source), 32k byte-level BPE, backend {backend}, "
              f"{os.cpu_count()} cores, load average {min(loads):.1f}-{max(loads):.1f} during the runs, median of "
              f"{args.rounds}; outputs byte-identical: {identical}"]
-    for w in (1, n):
-        lines.append(f"  {w} worker{'s' if w > 1 else ' '}: tokenize {mb / med_in[w]:7.1f} MB/s ({med_in[w]:.2f} s), "
-                     f"whole process {mb / med_out[w]:7.1f} MB/s ({med_out[w]:.2f} s)")
-    lines.append(f"  {n} workers / 1 worker: {med_in[1] / med_in[n]:.2f}x in tokenize, {med_out[1] / med_out[n]:.2f}x "
-                 f"whole process (target >= {0.8 * n:.1f}x)")
-    med_cpu = {w: statistics.median(v) for w, v in cpu.items()}
-    lines.append(f"  CPU seconds (tokenize's stats: this process and its workers): 1 worker {med_cpu[1]:.2f}, "
-                 f"{n} workers {med_cpu[n]:.2f}; on {n} idle cores {n} workers could run at most "
-                 f"{n * med_cpu[1] / med_cpu[n]:.2f}x one worker")
+    names = {"1": "1 worker (default threads)", "1t": "1 worker on one thread", str(n): f"{n} workers"}
+    for key in runs:
+        lines.append(f"  {names[key]:27s}: tokenize {mb / med_in[key]:7.1f} MB/s ({med_in[key]:.2f} s), whole process "
+                     f"{mb / med_out[key]:7.1f} MB/s ({med_out[key]:.2f} s), {med_cpu[key]:.2f} CPU s")
+    for base in ("1t", "1"):
+        lines.append(f"  {n} workers / {names[base]}: {med_in[base] / med_in[str(n)]:.2f}x in tokenize, "
+                     f"{med_out[base] / med_out[str(n)]:.2f}x whole process"
+                     + (f" (target >= {0.8 * n:.1f}x)" if base == "1t" else ""))
     print_summary(lines, {"seconds_inner": inner, "seconds_process": outer, "cpu_seconds": cpu, "bytes": nbytes,
                           "backend": backend, "load": loads}, args.json)
 

@@ -10,7 +10,7 @@ import signal
 from mcf.conversion import _tokpool
 
 
-def die_on_its_block(block: bytes, first: int, path: str, as_json: bool):
+def die_on_its_block(block, first, path: str, as_json: bool, spill=None):
     """A worker killed (SIGKILL: no exception, no cleanup) while it tokenizes a block."""
     os.kill(os.getpid(), signal.SIGKILL)
-    return _tokpool._work(block, first, path, as_json)   # not reached
+    return _tokpool._work(block, first, path, as_json, spill)   # not reached

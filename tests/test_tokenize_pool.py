@@ -10,9 +10,14 @@ from __future__ import annotations
 import gzip
 import json
 import multiprocessing
+import os
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import _tokpool_hooks
 import mcf
@@ -79,10 +84,11 @@ def _documents(n: int = 300) -> list:
 
 
 @pytest.fixture
-def small_blocks(monkeypatch):
+def small_blocks(monkeypatch, tmp_path_factory):
     """Many small blocks (1 KiB blocks of 256-byte reads), the pool used whatever the input's size, the
     first block encoded by this process (as while the workers start) and the others by the workers;
-    returns the list of the blocks the workers were sent."""
+    returns the list of the blocks the workers were sent (a FileRange, or the first line's number of a
+    block of bytes)."""
     monkeypatch.setattr(_tokpool, "MIN_BYTES", dict.fromkeys(_tokpool.MIN_BYTES, 0))
     monkeypatch.setattr(_tokpool, "BLOCK_BYTES", 1024)
     monkeypatch.setattr(tokenize_module, "READ_BYTES", 256)
@@ -103,11 +109,14 @@ def small_blocks(monkeypatch):
     submit = _tokpool.BlockPool.submit
 
     def counted(self, block, first, *args):
-        sent.append(first)
+        sent.append(block if isinstance(block, _tokpool.FileRange) else first)
         return submit(self, block, first, *args)
 
     monkeypatch.setattr(_tokpool.BlockPool, "submit", counted)
-    return sent
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("spill")))   # the workers' spill files
+    yield sent
+    left = [n for n in os.listdir(tempfile.tempdir) if n.startswith("mcf-tokenize-")]
+    assert not left, "the pool removed its spill directory"
 
 
 def _write(path: Path, docs: list) -> None:
@@ -168,7 +177,8 @@ def test_a_malformed_line_in_a_worker_names_the_line(tmp_path, bpe_path, small_b
         assert not Path(str(out) + ".bin").exists() and not Path(str(out) + ".idx").exists()
         errors.append(str(e.value))
     assert "line 251" in errors[0] and errors[1] == errors[0]
-    assert small_blocks and small_blocks[0] < 251, "the bad line reached a worker"
+    at = len(b"\n".join(lines[:250])) + 1   # where the bad line starts
+    assert any(b.offset <= at <= b.offset + b.length for b in small_blocks), "the bad line reached a worker"
 
 
 def _pool_processes() -> list:
@@ -221,9 +231,74 @@ def test_a_block_read_by_a_worker_from_a_changed_file_is_a_format_error(tmp_path
     """A worker reads a local file's block itself (offset, length): a file cut short since is refused."""
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'{"text": "a"}\n{"text": "b"}\n')
-    block = _tokpool.FileRange(14, [b'{"text": "b"}'])
+    block = _tokpool.FileRange(14, 13, 1 << 20)
     assert block.read(str(src)) == b'{"text": "b"}'
     src.write_bytes(b'{"text": "a"}\n{"te')
     with pytest.raises(mcf.FormatError, match="changed while it was tokenized") as e:
         block.read(str(src))
     assert e.value.path == str(src) and e.value.offset == 14
+
+
+def _ranges(data: bytes, target: int, max_line_bytes: int, tmp_path) -> list:
+    p = tmp_path / "ranges.txt"
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        return list(_tokpool.file_ranges(fd, len(data), target, max_line_bytes, str(p)))
+    finally:
+        os.close(fd)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"x")), max_size=40),
+       final_newline=st.booleans(), target=st.integers(1, 120))
+def test_file_ranges_are_the_lines_of_the_file(tmp_path_factory, lines, final_newline, target):
+    """The blocks a worker reads by offset hold exactly the file's lines, as the one-process reader cuts
+    them (a final newline ends the last line, it does not start an empty one), each block but the last
+    ending at the first newline ``target`` bytes or more after its start."""
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    got = _ranges(data, target, 1 << 20, tmp_path_factory.mktemp("r"))
+    assert all(isinstance(b, _tokpool.FileRange) for b in got)
+    blocks = [data[b.offset:b.offset + b.length] for b in got]
+    want = list(tokenize_module._line_blocks(iter([data]) if data else iter([]), "x", 1 << 20))
+    assert b"\n".join(blocks).split(b"\n") == b"\n".join(b for _, b in want).split(b"\n") or not data
+    for b, nxt in zip(got, got[1:]):
+        assert b.length + 1 >= target and data[b.offset + b.length:b.offset + b.length + 1] == b"\n"
+        assert nxt.offset == b.offset + b.length + 1
+        assert b"\n" not in data[b.offset + target - 1:b.offset + b.length]
+
+
+def test_file_ranges_stop_at_a_line_too_long(tmp_path):
+    data = b"a\nbb\n" + b"c" * 100 + b"\nd\n"
+    got = _ranges(data, 6, 20, tmp_path)
+    assert [type(b).__name__ for b in got] == ["FileRange", "LongLine"]
+    assert data[got[0].offset:got[0].length] == b"a\nbb" and got[1].offset == 5
+
+
+@pytest.mark.parametrize("name", ["in.jsonl", "in.txt"])
+@pytest.mark.parametrize("case", ["across a block's end", "inside a block"])
+def test_a_line_too_long_for_the_workers_is_the_one_process_error(tmp_path, bpe_path, small_blocks, monkeypatch,
+                                                                   name, case):
+    """A line over ``max_line_bytes``, across a block's end (found while looking for that end) or inside
+    a block a worker reads (found by the worker), is the FormatError one process raises: the same line."""
+    docs = [d for d in _documents(600) if isinstance(d, str)]
+    src = tmp_path / name
+    _write(src, docs)
+    if case == "inside a block":   # the second block (a worker's) holds the whole long line
+        monkeypatch.setattr(_tokpool, "BLOCK_BYTES", 8192)
+        starts = np.cumsum([0] + [len(x) + 1 for x in src.read_bytes().split(b"\n")])
+        where, length = int(np.searchsorted(starts, 9000)), 2600
+    else:
+        where, length = 40, 6000
+    docs[where] = "y" * length
+    _write(src, docs)
+    kinds = [type(b).__name__ for b in _ranges(src.read_bytes(), _tokpool.BLOCK_BYTES, 2500, tmp_path)]
+    assert ("LongLine" in kinds) == (case == "across a block's end")
+    errors = []
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        with pytest.raises(mcf.FormatError, match="longer than") as e:
+            tokenize(str(src), str(out), bpe_path, workers=workers, tokenizer_backend="hf", max_line_bytes=2500)
+        assert not Path(str(out) + ".bin").exists()
+        errors.append(str(e.value))
+    assert f"line {where + 1}" in errors[0] and errors[1] == errors[0]

@@ -8,13 +8,22 @@ its own interpreter and tokenizer:
   runs in the parent only) and hands each worker, at its start (the pool's initializer), the tokenizer
   as its JSON (and its tiktoken vocabulary, if it is one) with the backend's *name*: the worker builds
   that backend with :func:`~mcf.conversion.tok_backends.make_backend`, without probing again;
-- the parent's read-ahead thread reads and decompresses; the parent cuts blocks of whole lines of about
-  :data:`BLOCK_BYTES` (the numbers of their first line with them, for error messages) and sends them to
-  the workers, which parse them (:func:`~mcf.conversion.tokenize._parse_block`) and encode them
-  (:func:`~mcf.conversion.tokenize.batch_encoder`) and send back numpy arrays (ids in the output
-  dtype, sequence lengths, sequences per document);
-- the parent writes the results strictly in input order, with at most ``2 N`` blocks in flight, so the
-  output is byte-identical for every N and memory stays bounded.
+- a local file that is not compressed never passes through the parent: the parent finds where blocks
+  of whole lines of about :data:`BLOCK_BYTES` end by reading a little around each end
+  (:func:`file_ranges`) and sends ``(offset, length)``; the worker reads the block, parses it
+  (:func:`~mcf.conversion.tokenize._parse_block`) and encodes it
+  (:func:`~mcf.conversion.tokenize.batch_encoder`), and returns its number of lines (so the parent
+  learns the line numbers, for error messages, as it writes).  A compressed or remote input is read and
+  decompressed by the parent's read-ahead thread, which sends the blocks' bytes with their first line's
+  number;
+- a worker writes a block's ids to a file of its own in a temporary directory (:func:`_spill`) and
+  returns the small arrays (sequence lengths, sequences per document) through the pipe: reading the ids
+  back costs the parent a third of unpickling them, and the parent's CPU is what the workers lack on a
+  machine with as many cores as workers;
+- the parent writes the results strictly in input order, with at most :data:`IN_FLIGHT` ``N`` blocks in
+  flight, so the output is byte-identical for every N and memory (and the spill directory) stays bounded;
+- each worker runs its tokenizer on one thread (``TOKENIZERS_PARALLELISM=false``,
+  ``FASTOKENS_BPE_THREADS=1`` unless set): the workers are the parallelism.
 
 The processes start with ``forkserver`` (``spawn`` where it is missing): never a plain ``fork`` of a
 parent that runs threads (the read-ahead thread, the tokenizer libraries' own).  A worker ignores
@@ -28,17 +37,24 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from mcf.errors import FormatError, WorkerError, os_error
+import numpy as np
+
+from mcf.errors import FormatError, MCFError, WorkerError, os_error
 
 #: the size of a block of lines sent to a worker (whole lines: a block is longer when a line is)
 BLOCK_BYTES = 4 << 20
+#: blocks in flight per worker: enough that a worker never waits for the parent to hand it the next
+#: (2 per worker left the workers idle 5-10% of the time on 2 cores, 4 did not)
+IN_FLIGHT = 4
 
 #: per backend, inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling
 #: process whatever ``workers`` says: starting the workers (about 0.5 s in a fresh process, 0.2 s of CPU
@@ -97,6 +113,7 @@ def _init(setup, args: tuple) -> None:
     """A worker's initializer: ``setup(*args)`` builds the worker's block encoder once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent handles Ctrl-C and stops the pool
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # one worker, one core
+    os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
     _STATE["encode"] = setup(*args)
 
 
@@ -105,68 +122,194 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _work(block, first: int, path: str, as_json: bool):
-    """The worker's block encoder on one block (bytes, or a :class:`FileRange` of ``path``):
-    ``(results, worker's pid, CPU seconds it used so far)``."""
+def _work(block, first, path: str, as_json: bool, spill: str | None = None):
+    """The worker's block encoder on one block: ``(results, lines, worker's pid, CPU seconds it used so
+    far)``.  ``block`` is bytes (``first``: the number of its first line; ``lines`` None) or a
+    :class:`FileRange`, read here, whose first line's number the parent does not know yet (``first``
+    None: numbered from 1; the parent runs a block that fails again with the right numbers).  With
+    ``spill`` (a path), the ids go to that file, not through the pipe (:func:`_spill`)."""
     if isinstance(block, FileRange):
         try:
-            block = block.read(path)
+            results, lines = block.encode(_STATE["encode"], first or 1, path, as_json)
         except OSError as exc:
+            if isinstance(exc, MCFError):
+                raise
             raise os_error(exc, path) from None
-    results = _STATE["encode"](block, first, path, as_json)
-    return results, os.getpid(), time.process_time()
+    else:
+        results, lines = _STATE["encode"](block, first, path, as_json), None
+    if spill is not None:
+        results = _spill(results, spill)
+    return results, lines, os.getpid(), time.process_time()
+
+
+class Spilled:
+    """Where a result's ids are: ``count`` ids of ``dtype`` in the block's spill file, after the ids of
+    the block's results before it."""
+
+    __slots__ = ("dtype", "count")
+
+    def __init__(self, dtype: str, count: int):
+        self.dtype = dtype
+        self.count = count
+
+
+def _spill(results: list, name: str) -> list:
+    """Write the ids of a block's results to a new file ``name`` and return the results with a
+    :class:`Spilled` in their place: the parent reads them back with one ``read`` each, which costs
+    it a third of what unpickling them from the pipe does (the worker saves the pickling)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        out = []
+        for flat, *rest in results:
+            view = memoryview(np.ascontiguousarray(flat)).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+            out.append((Spilled(flat.dtype.str, len(flat)), *rest))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _unspill(results: list, name: str, path: str) -> list:
+    """The results a worker spilled to ``name`` (:func:`_spill`), their ids read back; the file removed."""
+    try:
+        with open(name, "rb") as f:
+            out = []
+            for spilled, *rest in results:
+                want = spilled.count * np.dtype(spilled.dtype).itemsize
+                data = f.read(want)
+                if len(data) != want:
+                    raise WorkerError(f"{path}: a tokenizing worker's spill file {name} holds {len(data)} bytes "
+                                      f"where {want} were expected")
+                out.append((np.frombuffer(data, spilled.dtype), *rest))
+            return out
+    finally:
+        os.unlink(name)
 
 
 def grouped(blocks, target: int):
-    """``(first line, [bytes, ...], position, offset)``: consecutive blocks of lines ``(first line, bytes,
-    position, offset)`` gathered until they hold ``target`` bytes (the last group may hold fewer); the
-    group's lines are its blocks joined by newlines."""
+    """``(first line, [bytes, ...], position)``: consecutive blocks of lines ``(first line, bytes,
+    position)`` gathered until they hold ``target`` bytes (the last group may hold fewer); the group's
+    lines are its blocks joined by newlines."""
     parts: list = []
     size = 0
-    first = pos = at = None
-    for f, block, p, o in blocks:
+    first = pos = None
+    for f, block, p in blocks:
         if not parts:
-            first, at = f, o
+            first = f
         parts.append(block)
         size += len(block) + 1
         pos = p
         if size >= target:
-            yield first, parts, pos, at
+            yield first, parts, pos
             parts, size = [], 0
     if parts:
-        yield first, parts, pos, at
+        yield first, parts, pos
 
 
 class FileRange:
-    """A block of lines a worker reads from the input file itself (a local file that is not compressed):
-    ``offset`` and ``length`` in the file, instead of the bytes through a pipe."""
+    """A block of whole lines of a local file that is not compressed, given by ``offset`` and ``length``
+    (the last line's newline left out): the worker reads it from the file itself, so its bytes never
+    pass through the parent, which found the block's end without reading the rest (:func:`file_ranges`).
+    ``max_line_bytes`` is the longest line the block may hold (the caller's limit)."""
 
-    __slots__ = ("offset", "length")
+    __slots__ = ("offset", "length", "max_line_bytes")
 
-    def __init__(self, offset: int, parts: list):
+    def __init__(self, offset: int, length: int, max_line_bytes: int):
         self.offset = int(offset)
-        self.length = sum(len(p) for p in parts) + len(parts) - 1
+        self.length = int(length)
+        self.max_line_bytes = int(max_line_bytes)
 
     def read(self, path: str) -> bytes:
         """The block's bytes, read from ``path``; the file changed since the parent read it: FormatError."""
         fd = os.open(path, os.O_RDONLY)
         try:
-            data = os.pread(fd, self.length, self.offset)
-            while len(data) < self.length:
-                more = os.pread(fd, self.length - len(data), self.offset + len(data))
-                if not more:
-                    raise FormatError(f"the input changed while it was tokenized: {self.length} bytes expected at "
-                                      f"offset {self.offset}, {len(data)} read", path=path, offset=self.offset)
-                data += more
-            return data
+            return _pread_exactly(fd, self.length, self.offset, path)
         finally:
             os.close(fd)
+
+    def encode(self, encode, first: int, path: str, as_json: bool):
+        """``(results of encode(block, first, path, as_json), number of lines)``; a line longer than
+        ``max_line_bytes`` is the FormatError the one-process reader raises for it."""
+        data = self.read(path)
+        nl = np.frombuffer(data, np.uint8) == 10
+        if len(data) > self.max_line_bytes:   # only then can a line be too long
+            ends = np.concatenate((np.flatnonzero(nl), [len(data)]))
+            over = np.flatnonzero(np.diff(ends, prepend=-1) - 1 > self.max_line_bytes)
+            if over.size:
+                from mcf.conversion.tokenize import _too_long
+
+                raise _too_long(path, self.max_line_bytes, first + int(over[0]))
+        return encode(data, first, path, as_json), int(np.count_nonzero(nl)) + 1
+
+
+class LongLine:
+    """Where :func:`file_ranges` found a line longer than ``max_line_bytes``: the line that starts at
+    ``offset`` (its number is known only once the blocks before it are counted)."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self, offset: int):
+        self.offset = int(offset)
+
+
+#: how much :func:`file_ranges` reads at a time looking for the end of a block's last line
+SCAN_BYTES = 64 << 10
+
+
+def _pread_exactly(fd: int, n: int, offset: int, path: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    while len(data) < n:
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            raise FormatError(f"the input changed while it was tokenized: {n} bytes expected at "
+                              f"offset {offset}, {len(data)} read", path=path, offset=offset)
+        data += more
+    return data
+
+
+def file_ranges(fd: int, size: int, target: int, max_line_bytes: int, path: str):
+    """The :class:`FileRange` blocks of whole lines, of about ``target`` bytes each, of the first ``size``
+    bytes of the file open as ``fd``, found by reading only around each block's end: a block ends at the
+    first newline ``target`` bytes or more after its start.  Where no newline comes within
+    ``max_line_bytes`` of that point, a block of the lines before it, then a :class:`LongLine`, and no
+    more: the caller raises the error once the blocks before it are done (an earlier bad line is
+    reported first, as in one process)."""
+    pos = 0
+    while pos < size:
+        end = pos + target
+        if end >= size:
+            last = size - 1 if _pread_exactly(fd, 1, size - 1, path) == b"\n" else size
+            yield FileRange(pos, last - pos, max_line_bytes)
+            return
+        at = end - 1
+        nl = -1
+        while at < size and at - (end - 1) <= max_line_bytes:
+            window = _pread_exactly(fd, min(SCAN_BYTES, size - at), at, path)
+            k = window.find(b"\n")
+            if k >= 0:
+                nl = at + k
+                break
+            at += len(window)
+        if nl < 0 and at >= size:   # no newline to the end: the last line ends the file
+            yield FileRange(pos, size - pos, max_line_bytes)
+            return
+        if nl < 0 or nl - (end - 1) > max_line_bytes:   # the line over the block's end is too long
+            head = _pread_exactly(fd, end - pos, pos, path)
+            cut = head.rfind(b"\n")
+            if cut >= 0:
+                yield FileRange(pos, cut, max_line_bytes)
+            yield LongLine(pos + cut + 1)
+            return
+        yield FileRange(pos, nl - pos, max_line_bytes)
+        pos = nl + 1
 
 
 class BlockPool:
     """N worker processes encoding blocks of lines, each with the encoder ``setup(*args)`` builds in it
     (``setup`` is pickled by name: a module-level function).  :meth:`submit` returns the results of the blocks
-    that are done, in input order, holding at most ``2 N`` blocks in flight; :meth:`drain` the rest.
+    that are done, in input order, holding at most :data:`IN_FLIGHT` ``N`` blocks in flight; :meth:`drain` the
+    rest.
     While the workers start (a second or so: an interpreter, the imports, the tokenizer), the caller
     encodes blocks itself (:meth:`ready` says when to stop; :meth:`add_local` queues what it made), so
     that starting the pool costs little wall time.  A context manager: leaving it shuts the pool down
@@ -178,7 +321,14 @@ class BlockPool:
         ctx = multiprocessing.get_context(method)
         if method == "forkserver":
             _preload(ctx)
-        self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(setup, args))
+        # the workers' ids come back through files here (see _spill), at most the blocks in flight at once
+        self._spill_dir = tempfile.mkdtemp(prefix="mcf-tokenize-")
+        try:
+            self._ex = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init, initargs=(setup, args))
+        except BaseException:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+            raise
+        self._spilled = 0
         self._pending: deque = deque()
         self._cpu: dict = {}   # worker pid -> CPU seconds it reported last
         self._warming: list = []   # the first call of each worker (appended by the starting thread)
@@ -213,44 +363,64 @@ class BlockPool:
         self._up = True
         return True
 
-    def add_local(self, fn, path: str, first: int, tag):
+    def add_local(self, fn, path: str, tag, redo=None):
         """Queue the result of ``fn()``, computed here, as the next block's (an exception it raises is
-        raised at that block's turn); yield as :meth:`submit` does."""
+        raised at that block's turn, through ``redo`` as :meth:`submit` says); yield as :meth:`submit` does."""
         fut: Future = Future()
         try:
             fut.set_result(fn())
         except Exception as exc:   # raised in input order, by _next
             fut.set_exception(exc)
-        self._pending.append((fut, path, first, tag, False))
+        self._pending.append((fut, path, None, tag, False, redo))
         return self._flush()
 
-    def submit(self, block, first: int, path: str, as_json: bool, tag):
-        """Send a block; yield ``(results, tag)`` of the oldest blocks while more than ``2 N`` are in flight."""
+    def add_error(self, raise_it, path: str, tag):
+        """Queue ``raise_it()`` as the next block: called at that block's turn (after the blocks before it
+        are written), it raises the error it names (an error whose line number is known only then)."""
+        fut: Future = Future()
+        fut.set_exception(FormatError("an error to be named at its turn", path=path))
+        self._pending.append((fut, path, None, tag, False, raise_it))
+        return self._flush()
+
+    def submit(self, block, first, path: str, as_json: bool, tag, redo=None):
+        """Send a block; yield ``((results, lines), tag)`` of the oldest blocks while more than ``IN_FLIGHT N`` are in
+        flight (``lines``: the block's number of lines for a :class:`FileRange`, else None).  A block that
+        fails with an mcf error calls ``redo()`` at its turn, if given: it encodes the block again here, its
+        lines numbered from the right one, and raises that error (the worker's, if it returns)."""
+        where = f"the lines from line {first} on" if first is not None else f"the lines from byte {block.offset} on"
+        self._spilled += 1
+        spill = os.path.join(self._spill_dir, f"{self._spilled}.ids")
         try:
-            fut = self._ex.submit(_work, block, first, path, as_json)
+            fut = self._ex.submit(_work, block, first, path, as_json, spill)
         except BrokenProcessPool:
-            raise self._died(path, first) from None
-        self._pending.append((fut, path, first, tag, True))
+            raise self._died(path, where) from None
+        self._pending.append((fut, path, where, tag, spill, redo))
         return self._flush()
 
     def _flush(self):
-        while len(self._pending) > 2 * self.workers or (self._pending and self._pending[0][0].done()):
+        while len(self._pending) > IN_FLIGHT * self.workers or (self._pending and self._pending[0][0].done()):
             yield self._next()
 
     def drain(self):
-        """``(results, tag)`` of every block still in flight, in input order."""
+        """``((results, lines), tag)`` of every block still in flight, in input order."""
         while self._pending:
             yield self._next()
 
     def _next(self):
-        fut, path, first, tag, remote = self._pending.popleft()
+        fut, path, where, tag, spill, redo = self._pending.popleft()
         try:
             results = fut.result()
         except BrokenProcessPool:
-            raise self._died(path, first) from None
-        if remote:
-            results, pid, cpu = results
+            raise self._died(path, where) from None
+        except MCFError:
+            if redo is None:
+                raise
+            redo()
+            raise
+        if spill:   # a worker's block (a local one's entry holds False)
+            results, lines, pid, cpu = results
             self._cpu[pid] = cpu
+            results = (_unspill(results, spill, path), lines)
         return results, tag
 
     @property
@@ -258,9 +428,9 @@ class BlockPool:
         """The CPU seconds the workers used (their start included) up to the last block they returned."""
         return sum(self._cpu.values())
 
-    def _died(self, path: str, first: int) -> WorkerError:
-        return WorkerError(f"{path}: a tokenizing worker process died (killed, or out of memory?) while the lines "
-                           f"from line {first} on were being tokenized (workers={self.workers})")
+    def _died(self, path: str, where: str) -> WorkerError:
+        return WorkerError(f"{path}: a tokenizing worker process died (killed, or out of memory?) while {where} "
+                           f"were being tokenized (workers={self.workers})")
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the pool: cancel the blocks not started; with ``wait``, wait for the workers to end
@@ -269,7 +439,10 @@ class BlockPool:
             fut.cancel()
         self._pending.clear()
         self._starter.join()
-        self._ex.shutdown(wait=wait, cancel_futures=True)
+        try:
+            self._ex.shutdown(wait=wait, cancel_futures=True)
+        finally:   # a worker still running writes its file into no directory: it fails, unread
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
 
     def __enter__(self):
         return self

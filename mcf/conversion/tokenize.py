@@ -152,22 +152,25 @@ def _pieces(stream):
 class _ReadAhead:
     """The pieces of a stream, read (and decompressed: zlib and zstandard release the GIL) by a thread
     of their own, at most ``depth`` pieces ahead of the consumer.  An exception in the thread is raised
-    in the consumer, at the point of the stream where it happened; :meth:`close` stops the thread."""
+    in the consumer, at the point of the stream where it happened; :meth:`close` stops the thread.
+    With ``raw`` (the file under a decompressing ``stream``), :attr:`position` is where ``raw`` was
+    when the last piece the consumer took had been read."""
 
     _END = object()
 
-    def __init__(self, stream, depth: int = 4):
+    def __init__(self, stream, raw=None, depth: int = 4):
         import queue
 
         self._q = queue.Queue(depth)
         self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, args=(stream,), name="mcf-tokenize-read", daemon=True)
+        self.position = 0
+        self._t = threading.Thread(target=self._run, args=(stream, raw), name="mcf-tokenize-read", daemon=True)
         self._t.start()
 
-    def _run(self, stream):
+    def _run(self, stream, raw):
         try:
             for piece in _pieces(stream):
-                if not self._put(piece):
+                if not self._put((piece, raw.tell() if raw is not None else None)):
                     return
             self._put(self._END)
         except BaseException as exc:  # handed to the consumer, raised there
@@ -191,11 +194,17 @@ class _ReadAhead:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            piece, self.position = item
+            yield piece
 
     def close(self) -> None:
         self._stop.set()
         self._t.join()
+
+
+def _newlines(data: bytes) -> int:
+    """How many ``\n`` ``data`` holds (numpy counts a few times faster than ``bytes.count``)."""
+    return int(np.count_nonzero(np.frombuffer(data, np.uint8) == 10))
 
 
 def _line_blocks(pieces, path: str, max_line_bytes: int):
@@ -232,7 +241,7 @@ def _line_blocks(pieces, path: str, max_line_bytes: int):
             if over.size:
                 raise _too_long(path, max_line_bytes, lineno + 1 + int(over[0]))
         yield lineno + 1, block
-        lineno += block.count(b"\n") + 1
+        lineno += _newlines(block) + 1
         held = len(piece) - last_nl - 1
         if held:
             if held > max_line_bytes:
@@ -317,27 +326,22 @@ def _parse_block(block: bytes, first: int, path: str, as_json: bool, json_key: s
 
 
 def _raw_blocks(path: str, *, stream=None, max_line_bytes: int = MAX_LINE_BYTES, read_ahead: bool = False,
-                positions: bool = True, offsets: bool = False):
+                positions: bool = True):
     """``(number of the first line, bytes of whole lines, compressed bytes consumed)`` of each block of
     lines of ``path`` (see :func:`_line_blocks`; the position is None without ``positions``), the
     input's read and decompression errors as mcf errors naming it; ``read_ahead`` reads and
-    decompresses in a thread of its own.  With ``offsets``, a fourth item: where the block starts in
-    the file when ``path`` is a local file that is not compressed (its bytes are the file's), else None."""
+    decompresses in a thread of its own (which also notes the position, so that asking for it never
+    waits for a read in progress)."""
     max_line_bytes = check_max_line_bytes(max_line_bytes)
-    local = stream is None
     stream, raw = _open_text(path, stream)
-    at = 0 if (offsets and local and stream is raw) else None
-    ahead = _ReadAhead(stream) if read_ahead else None
+    ahead = _ReadAhead(stream, raw if positions else None) if read_ahead else None
     try:
         try:
             for first, block in _line_blocks(ahead if ahead is not None else stream, path, max_line_bytes):
-                pos = raw.tell() if positions else None
-                if not offsets:
-                    yield first, block, pos
-                    continue
-                yield first, block, pos, at
-                if at is not None:
-                    at += len(block) + 1
+                if not positions:
+                    yield first, block, None
+                else:
+                    yield first, block, ahead.position if ahead is not None else raw.tell()
         except (EOFError, gzip.BadGzipFile, zlib.error, *_zstd_errors()) as exc:
             raise FormatError(f"corrupt compressed input: {exc}", path=path) from None
         except OSError as exc:
@@ -490,6 +494,26 @@ def _block_encoder(backend, *, json_key: str, add_special_tokens: bool, eod: int
     return encode
 
 
+def _no_lines(encode, block: bytes, first: int, path: str, as_json: bool):
+    """``(encode(block, ...), None)``: a block of bytes, whose first line's number is known."""
+    return encode(block, first, path, as_json), None
+
+
+def _plain_file(path: str):
+    """A descriptor of ``path`` if it is a local regular file that is not compressed (its blocks can be
+    read by offset), else None; a missing or irregular file: the mcf error naming it."""
+    fd = open_regular(path)
+    try:
+        head = os.pread(fd, 4, 0)
+    except OSError as exc:
+        os.close(fd)
+        raise os_error(exc, path) from None
+    if head[:2] == b"\x1f\x8b" or head == b"\x28\xb5\x2f\xfd":
+        os.close(fd)
+        return None
+    return fd
+
+
 def _pool_encoder(tokenizer_json: str, tiktoken, label: str, backend_name: str, options: dict):
     """A worker process's :func:`_block_encoder`: the backend the parent chose, built by its name (no
     probe: :func:`choose_backend` ran once, in the parent)."""
@@ -617,24 +641,53 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                 encode = _block_encoder(backend, **options)   # this process's, while the workers start
                 with _tokpool.BlockPool(used, _pool_encoder,
                                         (source.json, source.tiktoken, source.label, backend.name, options)) as pool:
+                    lines = [0] * len(inputs)   # per input, its lines written so far: numbers its FileRange blocks
+
                     def written(done):
-                        for results, at in done:
+                        for (results, nlines), (k, at) in done:
                             for r in results:
                                 write(r)
+                            if nlines is not None:
+                                lines[k] += nlines
                             report(at)
 
-                    for path, size in zip(inputs, sizes):
+                    def again(block, k, path, as_json):   # a FileRange block that failed, numbered right
+                        block.encode(encode, lines[k] + 1, path, as_json)
+
+                    def long_line(k, path):
+                        raise _too_long(path, max_line_bytes, lines[k] + 1)
+
+                    for k, (path, size) in enumerate(zip(inputs, sizes)):
                         as_json = _is_json(path)
+                        fd = None if is_url(path) else _plain_file(path)
+                        if fd is not None:   # the workers read the blocks: this process only finds their ends
+                            try:
+                                for block in _tokpool.file_ranges(fd, size, _tokpool.BLOCK_BYTES, max_line_bytes,
+                                                                  path):
+                                    if isinstance(block, _tokpool.LongLine):
+                                        written(pool.add_error(partial(long_line, k, path), path, (k, done_before)))
+                                        break
+                                    tag = (k, done_before + min(block.offset + block.length + 1, size))
+                                    redo = partial(again, block, k, path, as_json)
+                                    if pool.ready():
+                                        written(pool.submit(block, None, path, as_json, tag, redo))
+                                    else:   # the workers are starting: this process encodes meanwhile
+                                        written(pool.add_local(partial(block.encode, encode, 1, path, as_json),
+                                                               path, tag, redo))
+                            finally:
+                                os.close(fd)
+                            done_before += size
+                            continue
                         blocks = _raw_blocks(path, stream=open_input(path, storage_options),
-                                             max_line_bytes=max_line_bytes, read_ahead=True, offsets=True)
+                                             max_line_bytes=max_line_bytes, read_ahead=True)
                         try:
-                            for first, parts, pos, at in _tokpool.grouped(blocks, _tokpool.BLOCK_BYTES):
-                                if pool.ready():   # a local file's block is read by the worker: no pipe
-                                    block = _tokpool.FileRange(at, parts) if at is not None else b"\n".join(parts)
-                                    written(pool.submit(block, first, path, as_json, done_before + pos))
-                                else:   # the workers are starting: this process encodes meanwhile
-                                    written(pool.add_local(partial(encode, b"\n".join(parts), first, path, as_json),
-                                                           path, first, done_before + pos))
+                            for first, parts, pos in _tokpool.grouped(blocks, _tokpool.BLOCK_BYTES):
+                                block = b"\n".join(parts)
+                                if pool.ready():
+                                    written(pool.submit(block, first, path, as_json, (k, done_before + pos)))
+                                else:
+                                    written(pool.add_local(partial(_no_lines, encode, block, first, path, as_json),
+                                                           path, (k, done_before + pos)))
                         finally:
                             blocks.close()
                         done_before += size
