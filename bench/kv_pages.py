@@ -8,8 +8,10 @@ A page is a Llama-8B-shaped KV page: 64 tokens x 32 layers x 8 KV heads x 128 di
 * ``batch_exists`` of 128 keys (all present), p50 and p99 over the rounds' calls: the bucket's
   ``prefix_hits`` against HiCacheFile's ``batch_exists`` and LMCache's fs layout (``os.path.exists`` per
   key, as its connector does);
-* ``batch_set`` of 128 new pages and ``batch_get`` of them, warm (in the page cache) and cold (after
-  bench_common.evict_page_cache), into preallocated pages; the bucket checks every CRC-32C;
+* ``batch_set`` of 128 new pages (after ``sync``, so that no writeback of another's pages runs under it;
+  each contender first in turn) and ``batch_get`` of them, warm (in the page cache, after ``sync``; each
+  contender first in turn) and cold (after bench_common.evict_page_cache), into preallocated pages; the
+  bucket checks every CRC-32C and reads on its default 4 threads;
 * fio's sequential read of the same bytes (one file of 128 pages), cold.
 
 Ratios are taken in the same run (figures on this shared machine drift by +-25%).  HiCacheFile comes
@@ -99,7 +101,7 @@ def main() -> None:
     for o in outs:
         o.fill(1)   # fault the destinations in once: engines read into kept host pools
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        store = PageStore(os.path.join(tmp, "mcb"), "bench", threads=2)
+        store = PageStore(os.path.join(tmp, "mcb"), "bench")   # its default threads (4)
         hf = _hicache(os.path.join(tmp, "hf"))
         lm = LMCacheFs(os.path.join(tmp, "lm"))
         import torch
@@ -115,20 +117,27 @@ def main() -> None:
         for r in range(a.rounds):
             keys = [f"{r:08x}{i:056x}" for i in range(a.pages)]
             lkeys = [f"llama@1@0@{r:x}{i:x}@bfloat16" for i in range(a.pages)]
-            add("set mcf", _t(lambda: store.put_many(keys, pages)))
-            if hf:
-                add("set HiCacheFile", _t(lambda: hf.batch_set(keys, tpages)))
-            add("set LMCache fs", _t(lambda: lm.set(lkeys, pages)))
+            sets = [("mcf", lambda: store.put_many(keys, pages)),
+                    ("HiCacheFile", (lambda: hf.batch_set(keys, tpages)) if hf else None),
+                    ("LMCache fs", lambda: lm.set(lkeys, pages))]
+            for name, fn in sets[r % 3:] + sets[:r % 3]:   # each first in turn, none under another's writeback
+                if fn is not None:
+                    os.sync()
+                    add(f"set {name}", _t(fn))
             for _ in range(20):
                 add("mcf", _t(lambda: store.prefix_hits(keys)), exists)
                 if hf:
                     add("HiCacheFile", _t(lambda: hf.batch_exists(keys)), exists)
                 add("LMCache fs", _t(lambda: lm.exists(lkeys)), exists)
-            add("get warm mcf", _t(lambda: store.get_many_into(keys, outs)))
+            os.sync()   # the sets' writeback done: it would slow whichever warm read came first
+            warm = [("mcf", lambda: store.get_many_into(keys, outs)),
+                    ("HiCacheFile", (lambda: hf.batch_get(keys, touts)) if hf else None),
+                    ("LMCache fs", lambda: lm.get(lkeys, outs))]
+            for name, fn in warm[r % 3:] + warm[:r % 3]:   # each first in turn
+                if fn is not None:
+                    add(f"get warm {name}", _t(fn))
+            store.get_many_into(keys, outs)
             assert all((o == p).all() for o, p in zip(outs[:2], pages[:2]))
-            if hf:
-                add("get warm HiCacheFile", _t(lambda: hf.batch_get(keys, touts)))
-            add("get warm LMCache fs", _t(lambda: lm.get(lkeys, outs)))
             for name, fn in (("mcf", lambda: store.get_many_into(keys, outs)),
                              ("HiCacheFile", (lambda: hf.batch_get(keys, touts)) if hf else None),
                              ("LMCache fs", lambda: lm.get(lkeys, outs))):

@@ -49,8 +49,7 @@ typedef struct {
     uint32_t crc;           /* the payload's CRC-32C */
     uint64_t st_dev, st_ino, st_size;
     int64_t mtime_ns, ctime_ns;
-    int fd;                 /* internal: the page's descriptor between the two passes of a read */
-    int have_head;          /* internal: the head was read in the first pass */
+    int fd;                 /* internal: the page's descriptor while it is read or written */
 } mcf_page_io;
 
 typedef struct {
@@ -58,7 +57,6 @@ typedef struct {
     unsigned threads;       /* workers, the calling thread included (>= 1) */
     int impl;               /* the CRC variant */
     int checksum;           /* read: compute the payload's CRC (write always does) */
-    int advise;             /* read: POSIX_FADV_WILLNEED on every page of the batch before reading any */
     int64_t expire_ns;      /* read: a file whose mtime_ns <= this is expired (INT64_MIN: never) */
     int64_t set_mtime_ns;   /* write: give each page this time (-1: leave the file system's) */
     int durable;            /* write: fsync each page before its rename */

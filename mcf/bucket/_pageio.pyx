@@ -43,13 +43,11 @@ cdef extern from "pageio.h" nogil:
         uint64_t st_dev, st_ino, st_size
         int64_t mtime_ns, ctime_ns
         int fd
-        int have_head
     ctypedef struct mcf_page_batch:
         int dir_fd
         unsigned threads
         int impl
         int checksum
-        int advise
         int64_t expire_ns
         int64_t set_mtime_ns
         int durable
@@ -166,7 +164,7 @@ cdef unsigned _threads(object threads) except 0:
 
 
 def read_pages(int dir_fd, list names, list heads, list payloads, *, threads=1, impl=None,
-               bint checksum=True, bint advise=True, int64_t expire_ns=NEVER):
+               bint checksum=True, int64_t expire_ns=NEVER):
     """Read page ``names[i]`` (relative to ``dir_fd``) into ``heads[i]`` (a bytearray of the bytes before
     the payload) and the writable buffers ``payloads[i]``: per page ``(status, errno, crc32c, (dev, ino,
     size, mtime_ns, ctime_ns))``; status is one of OK, ABSENT, EXPIRED, OTHER_SIZE, SHORT, ERROR."""
@@ -175,7 +173,7 @@ def read_pages(int dir_fd, list names, list heads, list payloads, *, threads=1, 
     cdef Py_ssize_t n = len(names), i
     memset(&cfg, 0, sizeof(cfg))
     cfg.dir_fd, cfg.threads, cfg.impl = dir_fd, _threads(threads), resolve_impl(impl)
-    cfg.checksum, cfg.advise, cfg.expire_ns = checksum, advise, expire_ns
+    cfg.checksum, cfg.expire_ns = checksum, expire_ns
     with nogil:
         mcf_pages_read(h.pages, <size_t>n, &cfg)
     out = []
