@@ -67,11 +67,11 @@ What each guarantee of the bucket becomes here:
   :class:`mcf.bucket._fs.BucketFS`; every page is opened relative to it with ``O_NOFOLLOW |
   O_NONBLOCK`` and checked with ``fstat`` (a link, FIFO or device under a page's name is a miss).
 
-**Batches** are one call into ``mcf.bucket._pageio`` (C, without the GIL, on ``threads`` threads): a read
-opens every page of the batch, asks the kernel to read ahead those whose head is not in the page cache
-(so a cold batch has all its reads in flight at once), then reads each payload in 256 KiB pieces
-straight into the caller's memory, checksumming each piece as it arrives; a write checksums each piece
-as it writes it.  Python then checks each header (a few microseconds a page).  Nothing is allocated per
+**Batches** are one call into ``mcf.bucket._pageio`` (C, without the GIL, on ``threads`` threads, each
+taking the next page): a read opens a page and reads its payload in 256 KiB pieces straight into the
+caller's memory, checksumming each piece as it arrives; a write checksums each piece as it writes it.
+(No read-ahead advice: ``POSIX_FADV_WILLNEED`` on a cold batch's pages made its reads, and the later
+warm reads of those pages, slower; see docs/bucket.md.)  Python then checks each header (a few microseconds a page).  Nothing is allocated per
 page but its header, so a batch holds no more memory than its destinations.
 """
 
@@ -636,7 +636,7 @@ class PageStore:
 
     def _read_batch(self, names: list[str], keys: Sequence[str], views: list[list[memoryview]]) -> list[bool]:
         """Pages without metadata into known destinations: the warm tier first, the rest in one call into
-        C (open, read ahead, read, checksum, on ``threads`` threads), then each header checked here.  A
+        C (open, read, checksum, on ``threads`` threads), then each header checked here.  A
         file of another size than the destination's page goes through :meth:`_read_general`."""
         out = [False] * len(names)
         todo = []
