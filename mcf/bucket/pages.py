@@ -71,8 +71,9 @@ What each guarantee of the bucket becomes here:
 taking the next page): a read opens a page and reads its payload in 256 KiB pieces straight into the
 caller's memory, checksumming each piece as it arrives; a write checksums each piece as it writes it.
 (No read-ahead advice: ``POSIX_FADV_WILLNEED`` on a cold batch's pages made its reads, and the later
-warm reads of those pages, slower; see docs/bucket.md.)  Python then checks each header (a few microseconds a page).  Nothing is allocated per
-page but its header, so a batch holds no more memory than its destinations.
+warm reads of those pages, slower; see docs/bucket.md.)  Python then checks each header (a few
+microseconds a page).  Nothing is allocated per page but its header, so a batch holds no more memory
+than its destinations.
 """
 
 from __future__ import annotations
