@@ -48,6 +48,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from mcf.conversion._lines import newline_mask, too_long
 from mcf.errors import FormatError, MCFError, WorkerError, os_error
 
 #: the size of a block of lines sent to a worker (whole lines: a block is longer when a line is)
@@ -232,14 +233,12 @@ class FileRange:
         """``(results of encode(block, first, path, as_json), number of lines)``; a line longer than
         ``max_line_bytes`` is the FormatError the one-process reader raises for it."""
         data = self.read(path)
-        nl = np.frombuffer(data, np.uint8) == 10
+        nl = newline_mask(data)
         if len(data) > self.max_line_bytes:   # only then can a line be too long
             ends = np.concatenate((np.flatnonzero(nl), [len(data)]))
             over = np.flatnonzero(np.diff(ends, prepend=-1) - 1 > self.max_line_bytes)
             if over.size:
-                from mcf.conversion.tokenize import _too_long
-
-                raise _too_long(path, self.max_line_bytes, first + int(over[0]))
+                raise too_long(path, self.max_line_bytes, first + int(over[0]))
         return encode(data, first, path, as_json), int(np.count_nonzero(nl)) + 1
 
 

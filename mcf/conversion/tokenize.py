@@ -61,6 +61,7 @@ from mcf.remote import is_url
 from mcf.remote._urls import url_name
 from mcf.conversion.tok_backends import choose_backend, load_source
 from mcf.conversion import _tokpool
+from mcf.conversion._lines import newlines, too_long
 
 try:  # faster JSON when available
     import orjson as _orjson
@@ -134,12 +135,6 @@ def check_max_line_bytes(max_line_bytes) -> int:
     return n
 
 
-def _too_long(path: str, max_line_bytes: int, n: int) -> FormatError:
-    return FormatError(f"line longer than the {max_line_bytes} bytes allowed (max_line_bytes; "
-                       "--max-line-bytes on the command line)", path=path, field=f"line {n}",
-                       expected=f"at most {max_line_bytes} bytes")
-
-
 def _pieces(stream):
     """The pieces of :data:`READ_BYTES` (read at each call, so tests can change it) of ``stream``."""
     while True:
@@ -202,11 +197,6 @@ class _ReadAhead:
         self._t.join()
 
 
-def _newlines(data: bytes) -> int:
-    """How many ``\n`` ``data`` holds (numpy counts a few times faster than ``bytes.count``)."""
-    return int(np.count_nonzero(np.frombuffer(data, np.uint8) == 10))
-
-
 def _line_blocks(pieces, path: str, max_line_bytes: int):
     """``(number of the first line, bytes)`` of blocks of whole lines (joined by ``\n``, without the last
     newline; the last line of the input too, without one), one block per piece read.  A line longer than
@@ -221,13 +211,13 @@ def _line_blocks(pieces, path: str, max_line_bytes: int):
         if last_nl < 0:
             held += len(piece)
             if held > max_line_bytes:
-                raise _too_long(path, max_line_bytes, lineno + 1)
+                raise too_long(path, max_line_bytes, lineno + 1)
             pending.append(piece)
             continue
         if pending:
             first_nl = piece.find(b"\n")
             if held + first_nl > max_line_bytes:
-                raise _too_long(path, max_line_bytes, lineno + 1)
+                raise too_long(path, max_line_bytes, lineno + 1)
             pending.append(piece[:last_nl])
             block = b"".join(pending)
             pending.clear()
@@ -239,13 +229,13 @@ def _line_blocks(pieces, path: str, max_line_bytes: int):
             ends = np.concatenate((ends, [len(block)]))
             over = np.flatnonzero(ends - starts > max_line_bytes)
             if over.size:
-                raise _too_long(path, max_line_bytes, lineno + 1 + int(over[0]))
+                raise too_long(path, max_line_bytes, lineno + 1 + int(over[0]))
         yield lineno + 1, block
-        lineno += _newlines(block) + 1
+        lineno += newlines(block) + 1
         held = len(piece) - last_nl - 1
         if held:
             if held > max_line_bytes:
-                raise _too_long(path, max_line_bytes, lineno + 1)
+                raise too_long(path, max_line_bytes, lineno + 1)
             pending.append(piece[last_nl + 1:])
     if pending:
         yield lineno + 1, b"".join(pending)
@@ -655,7 +645,7 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                         block.encode(encode, lines[k] + 1, path, as_json)
 
                     def long_line(k, path):
-                        raise _too_long(path, max_line_bytes, lines[k] + 1)
+                        raise too_long(path, max_line_bytes, lines[k] + 1)
 
                     for k, (path, size) in enumerate(zip(inputs, sizes)):
                         as_json = _is_json(path)
