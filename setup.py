@@ -261,9 +261,31 @@ class build_ext(_build_ext):
             self.compiler.compile = compile_all
 
 
+# Cython's output (mcf/**/*.c) is shared by every build in this tree, but it is written for one numpy's
+# declarations (numpy/__init__.pxd) and one Cython: a file generated under numpy 1.x does not compile against
+# numpy 2.x's headers, and cythonize, which compares timestamps, keeps it.  The stamp names what generated
+# the files; a build under anything else generates them again.
+GENERATED_STAMP = os.path.join("mcf", ".cython-generated")
+GENERATED_BY = f"Cython {__import__('Cython').__version__}, numpy {np.__version__}\n"
+
+
+def generated_by_another() -> bool:
+    try:
+        with open(GENERATED_STAMP, encoding="utf-8") as f:
+            return f.read() != GENERATED_BY
+    except FileNotFoundError:
+        return True
+
+
+_regenerate = generated_by_another()
+ext_modules = cythonize(extensions, compiler_directives=directives, annotate=False, nthreads=build_jobs(),
+                        shared_utility_qualified_name=SHARED_UTILITY, force=_regenerate)
+if _regenerate:
+    with open(GENERATED_STAMP, "w", encoding="utf-8") as f:
+        f.write(GENERATED_BY)
+
 setup(
-    ext_modules=cythonize(extensions, compiler_directives=directives, annotate=False, nthreads=build_jobs(),
-                          shared_utility_qualified_name=SHARED_UTILITY),
+    ext_modules=ext_modules,
     libraries=[c_library],
     cmdclass={"build_clib": build_clib, "build_ext": build_ext},
 )
