@@ -302,3 +302,22 @@ def test_a_line_too_long_for_the_workers_is_the_one_process_error(tmp_path, bpe_
         assert not Path(str(out) + ".bin").exists()
         errors.append(str(e.value))
     assert f"line {where + 1}" in errors[0] and errors[1] == errors[0]
+
+
+def test_a_spill_file_that_cannot_be_written_or_read_is_an_mcf_error(tmp_path):
+    """A worker's ids go through a file in TMPDIR: a full or vanished TMPDIR is an mcf error naming it."""
+    import numpy as np
+
+    results = [(np.arange(5, dtype=np.uint16), np.array([5], np.int32), None)]
+    with pytest.raises(mcf.MCFError) as e:
+        _tokpool._spill(results, str(tmp_path / "gone" / "1.ids"))
+    assert isinstance(e.value, OSError) and "1.ids" in str(e.value)
+    name = str(tmp_path / "2.ids")
+    spilled = _tokpool._spill(results, name)
+    back = _tokpool._unspill(spilled, name, "in.jsonl")
+    assert back[0][0].tolist() == [0, 1, 2, 3, 4] and not os.path.exists(name)
+    with pytest.raises(mcf.MCFError, match="2.ids"):
+        _tokpool._unspill(spilled, name, "in.jsonl")
+    Path(name).write_bytes(b"\0" * 4)   # fewer bytes than the worker said it wrote
+    with pytest.raises(mcf.WorkerError, match="holds 4 bytes where 10"):
+        _tokpool._unspill(spilled, name, "in.jsonl")

@@ -158,17 +158,20 @@ def _spill(results: list, name: str) -> list:
     """Write the ids of a block's results to a new file ``name`` and return the results with a
     :class:`Spilled` in their place: the parent reads them back with one ``read`` each, which costs
     it a third of what unpickling them from the pipe does (the worker saves the pickling)."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        out = []
-        for flat, *rest in results:
-            view = memoryview(np.ascontiguousarray(flat)).cast("B")
-            while view:
-                view = view[os.write(fd, view):]
-            out.append((Spilled(flat.dtype.str, len(flat)), *rest))
-        return out
-    finally:
-        os.close(fd)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            out = []
+            for flat, *rest in results:
+                view = memoryview(np.ascontiguousarray(flat)).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+                out.append((Spilled(flat.dtype.str, len(flat)), *rest))
+            return out
+        finally:
+            os.close(fd)
+    except OSError as exc:   # TMPDIR full, or gone: the mcf error naming the file
+        raise os_error(exc, name) from None
 
 
 def _unspill(results: list, name: str, path: str) -> list:
@@ -183,9 +186,12 @@ def _unspill(results: list, name: str, path: str) -> list:
                     raise WorkerError(f"{path}: a tokenizing worker's spill file {name} holds {len(data)} bytes "
                                       f"where {want} were expected")
                 out.append((np.frombuffer(data, spilled.dtype), *rest))
-            return out
-    finally:
         os.unlink(name)
+        return out
+    except OSError as exc:
+        if isinstance(exc, MCFError):
+            raise
+        raise os_error(exc, name) from None
 
 
 def grouped(blocks, target: int):
