@@ -53,13 +53,14 @@ from mcf.errors import FormatError, MCFError, WorkerError, os_error
 
 #: the size of a block of lines sent to a worker (whole lines: a block is longer when a line is)
 BLOCK_BYTES = 4 << 20
-#: blocks in flight per worker: enough that a worker never waits for the parent to hand it the next
-#: (2 per worker left the workers idle 5-10% of the time on 2 cores, 4 did not)
+#: blocks in flight per worker, so that a worker finds its next block waiting (on 2 cores, 943 MB: 2.47-2.50 s
+#: with 4 a worker, 2.62-2.73 s with 2)
 IN_FLIGHT = 4
 
 #: per backend, inputs smaller than this (bytes on disk, all inputs together) are tokenized in the calling
-#: process whatever ``workers`` says: starting the workers (about 0.5 s in a fresh process, 0.2 s of CPU
-#: each for fastokens to build a 32k BPE) and sending the ids back through pipes cost more than they save.
+#: process whatever ``workers`` says: starting the workers (about 0.3 s of wall time: the processes, then
+#: 0.15-0.3 s of CPU each for fastokens to build a 32k BPE) costs more than they save (on 160 MB, 2 fastokens
+#: workers ran 0.99x one process on 2 cores; on 960 MB, 1.48x).
 #: (Not the workers' separate word caches: two fastokens tokenizers encoding a half each of 160 MB of Python
 #: source used no more CPU than one encoding all of it.)  HF tokenizers encodes about 3 MB/s a process,
 #: fastokens and tiktoken about 150 MB/s.
