@@ -654,9 +654,9 @@ def tokenize(inputs, output_prefix, tokenizer, *, json_key: str = "text", append
                             try:
                                 for block in _tokpool.file_ranges(fd, size, _tokpool.BLOCK_BYTES, max_line_bytes,
                                                                   path):
-                                    if isinstance(block, _tokpool.LongLine):
+                                    if isinstance(block, _tokpool.LongLine):   # raised once the blocks before it
                                         written(pool.add_error(partial(long_line, k, path), path, (k, done_before)))
-                                        break
+                                        written(pool.drain())   # are written (an error in one of them first)
                                     tag = (k, done_before + min(block.offset + block.length + 1, size))
                                     redo = partial(again, block, k, path, as_json)
                                     if pool.ready():
