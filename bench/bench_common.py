@@ -163,18 +163,20 @@ def build_once(root: str, want: dict, cached, build):
 
 
 # -- corpus text ---------------------------------------------------------------------------------------
-def text_paragraphs(paths, min_chars: int) -> list:
-    """The blank-line separated paragraphs, stripped, longer than ``min_chars``, of every file that reads
-    as UTF-8 (the others are skipped)."""
-    out = []
+def utf8_texts(paths):
+    """The text of each file of ``paths`` that reads as UTF-8 (the others are skipped)."""
     for path in paths:
         try:
             with open(path, encoding="utf-8") as f:
-                text = f.read()
+                yield f.read()
         except (UnicodeDecodeError, OSError):
             continue
-        out += [p.strip() for p in text.split("\n\n") if len(p.strip()) > min_chars]
-    return out
+
+
+def text_paragraphs(paths, min_chars: int) -> list:
+    """The blank-line separated paragraphs, stripped, longer than ``min_chars``, of every file that reads
+    as UTF-8 (the others are skipped)."""
+    return [p.strip() for text in utf8_texts(paths) for p in text.split("\n\n") if len(p.strip()) > min_chars]
 
 
 def write_untruncated_tokenizer(src: str, dst: str) -> None:

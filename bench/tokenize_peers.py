@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import bench_dir, print_summary  # noqa: E402
+from bench_common import bench_dir, print_summary, utf8_texts  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -48,12 +48,7 @@ def _source_lines():
     """JSON lines of Python source files: the standard library's, then site-packages'."""
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
     files += sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "**", "*.py"), recursive=True))
-    for p in files:
-        try:
-            with open(p, encoding="utf-8") as f:
-                t = f.read()
-        except (UnicodeDecodeError, OSError):
-            continue
+    for t in utf8_texts(files):
         if t.strip():
             yield json.dumps({"text": t}) + "\n"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import glob
 import importlib.util
+import json
 import os
 import struct
 import subprocess
@@ -235,3 +236,23 @@ def load_megatron_builder(scratch):
           **{k: getattr(typing, k) for k in ("List", "Optional", "Tuple", "Type", "Union")}}
     exec(compile(ast.Module(body=keep, type_ignores=[]), "megatron/core/datasets/indexed_dataset.py", "exec"), ns)
     return types.SimpleNamespace(**{k: ns[k] for k in names})
+
+
+def run_datatrove(tmp_path, name: str, texts, tokenizer_file: str, eos) -> tuple:
+    """datatrove's own tokenizer step (``JsonlReader`` + ``MegatronDocumentTokenizer``, one task) on
+    ``texts`` written as JSON lines under ``tmp_path``: ``(the JSON lines' path, the output's prefix)``."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
+
+    inp = tmp_path / f"{name}-in"
+    inp.mkdir()
+    with open(inp / "docs.jsonl", "w", encoding="utf-8") as f:
+        for d in texts:
+            f.write(json.dumps({"text": d}) + "\n")
+    LocalPipelineExecutor(
+        pipeline=[JsonlReader(str(inp)),
+                  MegatronDocumentTokenizer(output_folder=str(tmp_path / name), tokenizer_name_or_path=tokenizer_file,
+                                            eos_token=eos)],
+        tasks=1, workers=1, logging_dir=str(tmp_path / f"{name}-logs")).run()
+    return str(inp / "docs.jsonl"), str(tmp_path / name / "00000_tokens")

@@ -15,7 +15,7 @@ import pytest
 
 import mcf
 import mcf.megatron as mm
-from _megatron_ref import load_megatron_oracle, ref_read
+from _megatron_ref import load_megatron_oracle, ref_read, run_datatrove
 from mcf.megatron import sample_index as si
 from mcf.conversion.tokenize import tokenize
 
@@ -269,27 +269,13 @@ def _readme_docs(tokenizer_path):
 
 
 def test_tokenize_equals_datatrove_megatron_step(datatrove, tmp_path, minilm_tokenizer):
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
-
     docs = _readme_docs(minilm_tokenizer) * 3
-    inp = tmp_path / "in"
-    inp.mkdir()
-    with open(inp / "docs.jsonl", "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
     tok = str(tmp_path / "tokenizer.json")
     _strip_inference_settings(minilm_tokenizer, tok)
-    LocalPipelineExecutor(
-        pipeline=[JsonlReader(str(inp)),
-                  MegatronDocumentTokenizer(output_folder=str(tmp_path / "dt"), tokenizer_name_or_path=tok,
-                                            eos_token="[SEP]")],
-        tasks=1, workers=1, logging_dir=str(tmp_path / "logs")).run()
-    dt_prefix = str(tmp_path / "dt" / "00000_tokens")
+    src, dt_prefix = run_datatrove(tmp_path, "dt", docs, tok, "[SEP]")
     for workers in (1, 2):
         ours = str(tmp_path / f"ours{workers}")
-        stats = tokenize(str(inp / "docs.jsonl"), ours, minilm_tokenizer, append_eod=True,
+        stats = tokenize(src, ours, minilm_tokenizer, append_eod=True,
                                      eod_token="[SEP]", dtype_rule="datatrove", workers=workers, batch_size=7)
         assert stats["documents"] == len(docs)
         for ext in (".idx", ".bin"):
@@ -301,24 +287,6 @@ def test_tokenize_equals_datatrove_megatron_step(datatrove, tmp_path, minilm_tok
 # Texts with nothing to tokenize, next to ordinary ones: an empty string (datatrove's reader drops it
 # with a warning), whitespace only and a zero-width space (no token with this vocabulary).
 EMPTY_TEXTS = ["Hello world.", "", "   ", "\u200b", "Second one.", "", "last"]
-
-
-def _run_datatrove(tmp_path, name, texts, tok, eos):
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
-
-    inp = tmp_path / f"{name}-in"
-    inp.mkdir()
-    with open(inp / "docs.jsonl", "w", encoding="utf-8") as f:
-        for d in texts:
-            f.write(json.dumps({"text": d}) + "\n")
-    LocalPipelineExecutor(
-        pipeline=[JsonlReader(str(inp)),
-                  MegatronDocumentTokenizer(output_folder=str(tmp_path / name), tokenizer_name_or_path=tok,
-                                            eos_token=eos)],
-        tasks=1, workers=1, logging_dir=str(tmp_path / f"{name}-logs")).run()
-    return str(inp / "docs.jsonl"), str(tmp_path / name / "00000_tokens")
 
 
 @pytest.mark.parametrize("eos", ["[SEP]", None])
@@ -333,7 +301,7 @@ def test_empty_texts_datatrove_rule_equals_datatrove(datatrove, tmp_path, minilm
         cfg["post_processor"] = None
         with open(tok, "w", encoding="utf-8") as f:
             json.dump(cfg, f)
-    src, dt_prefix = _run_datatrove(tmp_path, "dt", EMPTY_TEXTS, tok, eos)
+    src, dt_prefix = run_datatrove(tmp_path, "dt", EMPTY_TEXTS, tok, eos)
     for workers, batch in ((1, 1000), (2, 2)):
         ours = str(tmp_path / f"ours{workers}")
         stats = tokenize(src, ours, tok, append_eod=eos is not None, eod_token=eos, dtype_rule="datatrove",

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import mcf
 import mcf.megatron as mm
-from _megatron_ref import ref_write
+from _megatron_ref import ref_write, run_datatrove
 from mcf.cli import main
 from mcf.conversion import tok_backends as tb
 from mcf.conversion import tokenize as tokenize_module
@@ -301,26 +301,14 @@ def test_tokenize_equals_datatrove_step_under_each_backend(tmp_path, bpe_path, t
     pytest.importorskip("datatrove", reason="datatrove is in the test extra (pip install -e '.[test]')")
     if backend != "hf":
         _need(backend)
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.readers import JsonlReader
-    from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
-
     tokenizer = bpe_path if kind == "json" else tiktoken_vocab
     tok_file = str(tmp_path / "tokenizer.json")   # datatrove reads a tokenizer.json: the reference's
     Path(tok_file).write_text(tb.load_source(tokenizer).json, encoding="utf-8")
     docs = [d for d in _documents() if isinstance(d, str)]
-    inp = tmp_path / "in"
-    inp.mkdir()
-    _write_jsonl(inp / "docs.jsonl", docs)
-    LocalPipelineExecutor(
-        pipeline=[JsonlReader(str(inp)),
-                  MegatronDocumentTokenizer(output_folder=str(tmp_path / "dt"), tokenizer_name_or_path=tok_file,
-                                            eos_token="<|endoftext|>")],
-        tasks=1, workers=1, logging_dir=str(tmp_path / "logs")).run()
-    dt_prefix = str(tmp_path / "dt" / "00000_tokens")
+    src, dt_prefix = run_datatrove(tmp_path, "dt", docs, tok_file, "<|endoftext|>")
     for workers in (1, 2):
         ours = str(tmp_path / f"ours{workers}")
-        tokenize(str(inp / "docs.jsonl"), ours, tokenizer, append_eod=True, eod_token="<|endoftext|>",
+        tokenize(src, ours, tokenizer, append_eod=True, eod_token="<|endoftext|>",
                  dtype_rule="datatrove", empty_text="datatrove", workers=workers, batch_size=5,
                  tokenizer_backend=backend)
         for ext in (".idx", ".bin"):

@@ -630,9 +630,7 @@ class PageStore:
             _log.warning("%s: page not read: %s", where, exc)
             self.stats["misses"] += 1
             return None
-        self.stats["hits"] += 1
-        if self.warm_budget_bytes and hdr.payload_size <= self.warm_budget_bytes:
-            self._keep_warm(name, ident, meta, dest)
+        self._hit(name, ident, meta, hdr, dest)
         return result
 
     def _read_batch(self, names: list[str], keys: Sequence[str], views: list[list[memoryview]]) -> list[bool]:
@@ -687,9 +685,7 @@ class PageStore:
             self._damaged(name, ident, exc)
             self.stats["misses"] += 1
             return False
-        self.stats["hits"] += 1
-        if self.warm_budget_bytes and hdr.payload_size <= self.warm_budget_bytes:
-            self._keep_warm(name, ident, meta, views)
+        self._hit(name, ident, meta, hdr, views)
         return True
 
     def get_many_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[bool]:
@@ -702,6 +698,12 @@ class PageStore:
     @staticmethod
     def _ident(st: os.stat_result) -> tuple:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _hit(self, name: str, ident: tuple, meta: bytes, hdr, views: list[memoryview]) -> None:
+        """Count a hit, and keep the page in the warm tier when it fits its budget."""
+        self.stats["hits"] += 1
+        if self.warm_budget_bytes and hdr.payload_size <= self.warm_budget_bytes:
+            self._keep_warm(name, ident, meta, views)
 
     def _keep_warm(self, name: str, ident: tuple, meta: bytes, views: list[memoryview]) -> None:
         data = b"".join(views)

@@ -48,6 +48,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from mcf._core.fs import write_all
 from mcf.conversion._lines import newline_mask, too_long
 from mcf.errors import FormatError, MCFError, WorkerError, os_error
 
@@ -164,9 +165,7 @@ def _spill(results: list, name: str) -> list:
         try:
             out = []
             for flat, *rest in results:
-                view = memoryview(np.ascontiguousarray(flat)).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, np.ascontiguousarray(flat))
                 out.append((Spilled(flat.dtype.str, len(flat)), *rest))
             return out
         finally:

@@ -88,17 +88,21 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", 
 _COMPRESSED = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 
 
+def _compression(head: bytes) -> str | None:
+    """``"gzip"``, ``"zstd"`` or None, from the first 4 bytes of an input (its magic, not its name)."""
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if head == b"\x28\xb5\x2f\xfd":
+        return "zstd"
+    return None
+
+
 def _open_text(path: str, raw=None):
     """A binary stream of the decompressed bytes and the raw file (for progress by compressed bytes).
     ``raw``, if given, is read instead of opening ``path`` (a byte range of it, or a remote file)."""
     if raw is None:  # a regular file: a FIFO or a device is refused, never opened for a blocking read
         raw = os.fdopen(open_regular(path), "rb")
-    head = raw.peek(4)[:4] if hasattr(raw, "peek") else b""
-    kind = None
-    if head[:2] == b"\x1f\x8b":
-        kind = "gzip"
-    elif head == b"\x28\xb5\x2f\xfd":
-        kind = "zstd"
+    kind = _compression(raw.peek(4)[:4] if hasattr(raw, "peek") else b"")
     if kind == "gzip":
         return gzip.GzipFile(fileobj=raw), raw
     if kind == "zstd":
@@ -498,7 +502,7 @@ def _plain_file(path: str):
     except OSError as exc:
         os.close(fd)
         raise os_error(exc, path) from None
-    if head[:2] == b"\x1f\x8b" or head == b"\x28\xb5\x2f\xfd":
+    if _compression(head) is not None:
         os.close(fd)
         return None
     return fd
